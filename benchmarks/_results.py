@@ -1,0 +1,102 @@
+"""Shared helpers for benchmark scripts: machine description and RESULTS.md sections.
+
+Each benchmark owns one section of benchmarks/RESULTS.md, delimited by HTML comments, so
+benchmarks can be rerun independently without clobbering each other's figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, core count, memory, and library versions of the machine running a benchmark."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        mem_gib = round(pages / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": mem_gib,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        import onnxruntime
+
+        info["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def machine_line() -> str:
+    m = machine()
+    gpu = f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
+    return (
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB{gpu}; "
+        f"Python {m['python']}, torch {m['torch']}" + (f", onnxruntime {m['onnxruntime']}" if "onnxruntime" in m else "")
+    )
+
+
+def median_time_ms(fn: Callable[[], Any], *, warmup: int = 5, runs: int = 20) -> float:
+    """Median wall time of ``fn`` in milliseconds after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def write_section(name: str, markdown: str, data: Any = None) -> None:
+    """Replace (or append) the section ``name`` of RESULTS.md; also write results/NAME.json."""
+    header = "# Benchmark results\n\nEach section is written by the script named in it; figures are measured, never edited by hand.\n"
+    text = RESULTS.read_text() if RESULTS.exists() else header
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    body = f"<!-- begin:{name} -->\n{markdown.rstrip()}\n\n_Machine: {machine_line()}. Run {stamp}._\n<!-- end:{name} -->"
+    pattern = re.compile(rf"<!-- begin:{re.escape(name)} -->.*?<!-- end:{re.escape(name)} -->", re.S)
+    text = pattern.sub(lambda _: body, text) if pattern.search(text) else text.rstrip() + "\n\n" + body + "\n"
+    RESULTS.write_text(text)
+    if data is not None:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        (RESULTS_DIR / f"{name}.json").write_text(json.dumps({"machine": machine(), **data}, indent=2, default=str))
+
+
+def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    """A markdown table of ``rows``."""
+    if not rows:
+        return "_no rows_\n"
+    cols = columns or list(rows[0])
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

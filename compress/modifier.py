@@ -1,0 +1,293 @@
+"""Modifier specs, the modifier registry, lifecycle guards and the recipe's order rules.
+
+A modifier spec (pydantic, ``extra="forbid"``) says *what* to do; a Modifier subclass is its one
+handler and says *how*. Specs are discriminated by their ``type`` literal. Packages register their
+modifiers with :func:`register_modifier`; the recipe loader imports the built-in modifier modules
+lazily, so this module never imports quantization/, pruning/ or distillation/ at import time.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from compress.errors import CompressError, RecipeError
+from compress.registry import Registry
+
+log = logging.getLogger(__name__)
+
+# Modules whose import registers the built-in modifiers. Imported on first registry lookup.
+BUILTIN_MODIFIER_MODULES: tuple[str, ...] = (
+    "quantization.modifiers",
+    "pruning.modifiers",
+    "distillation.modifiers",
+)
+
+
+class ModifierSpec(BaseModel):
+    """Fields every modifier has: its ``type`` and its schedule inside the stage.
+
+    Epochs and steps count from the start of the stage the modifier belongs to; ``end_*`` is
+    exclusive and None means "until the stage ends". ``update_every`` spaces step updates.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    start_epoch: float = Field(0.0, ge=0)
+    end_epoch: float | None = Field(None, ge=0)
+    start_step: int | None = Field(None, ge=0)
+    end_step: int | None = Field(None, ge=0)
+    update_every: int = Field(1, ge=1)
+
+    #: what the modifier does, for the order rules: "quantize", "prune", "distill" or "other"
+    kind: ClassVar[str] = "other"
+    #: what the stage must provide: "calibration" (calibration batches) and/or "training" (epochs)
+    needs: ClassVar[frozenset[str]] = frozenset()
+    #: whether the session must snapshot the uncompressed model before anything touches it
+    wants_snapshot: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _schedule_order(self) -> ModifierSpec:
+        if self.end_epoch is not None and self.end_epoch <= self.start_epoch:
+            raise ValueError(f"end_epoch ({self.end_epoch}) must be greater than start_epoch ({self.start_epoch})")
+        if self.end_step is not None and self.end_step <= (self.start_step or 0):
+            raise ValueError(f"end_step ({self.end_step}) must be greater than start_step ({self.start_step or 0})")
+        return self
+
+
+@dataclass
+class State:
+    """What modifiers see of the run: the model, the optimizer, progress and data.
+
+    ``epoch`` and ``step`` are global; ``stage_epoch`` and ``stage_step`` count from the start of
+    the current stage (what modifier schedules use). ``forward_loop(model)`` runs the model over
+    the calibration batches; ``evaluate(model)`` returns the task metric on eval data (used by
+    accuracy-aware quantization and sensitivity); either may be None when not provided.
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    epoch: float = 0.0
+    step: int = 0
+    stage_index: int = 0
+    stage_name: str = ""
+    stage_start_epoch: float = 0.0
+    stage_start_step: int = 0
+    steps_per_epoch: int | None = None
+    calibration_data: Iterable[Any] | None = None
+    train_data: Iterable[Any] | None = None
+    example_inputs: Any = None
+    original_model: nn.Module | None = None
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    evaluate: Callable[[nn.Module], float] | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stage_epoch(self) -> float:
+        return self.epoch - self.stage_start_epoch
+
+    @property
+    def stage_step(self) -> int:
+        return self.step - self.stage_start_step
+
+    def forward_loop(self, model: nn.Module, *, max_batches: int | None = None) -> int:
+        """Run ``model`` over the calibration batches without grad; returns the sample count."""
+        from compress.batching import batch_size_of, call_model, split_batch, to_device
+
+        if self.calibration_data is None:
+            from compress.errors import CalibrationError
+
+            raise CalibrationError("no calibration data: set data.calibration_samples in the recipe")
+        seen = 0
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            for i, batch in enumerate(self.calibration_data):
+                if max_batches is not None and i >= max_batches:
+                    break
+                inputs, _ = split_batch(batch)
+                inputs = to_device(inputs, self.device)
+                call_model(model, inputs)
+                seen += batch_size_of(inputs)
+        model.train(was_training)
+        return seen
+
+
+class Phase(enum.Enum):
+    NEW = "new"
+    INITIALIZED = "initialized"
+    FINALIZED = "finalized"
+
+
+S = TypeVar("S", bound=ModifierSpec)
+
+
+class Modifier(Generic[S]):
+    """Base handler. Subclasses set ``spec_cls`` and override the ``on_*`` hooks they need.
+
+    The public methods (initialize, step, epoch_end, loss, finalize) guard the lifecycle: events
+    before initialize or after finalize are errors, not silent no-ops.
+    """
+
+    spec_cls: ClassVar[type[ModifierSpec]]
+
+    def __init__(self, spec: S, *, where: str = "") -> None:
+        self.spec = spec
+        self.where = where or f"modifier '{spec.type}'"
+        self.phase = Phase.NEW
+
+    # ---- hooks for subclasses -------------------------------------------------------------
+    def on_initialize(self, state: State) -> None:
+        """Called once at stage start, before any data flows (after the model is on its device)."""
+
+    def on_calibrate(self, state: State) -> None:
+        """Called after initialize when the spec needs calibration data."""
+
+    def on_step(self, state: State) -> None:
+        """Called after each optimizer step while the schedule is active."""
+
+    def on_epoch_end(self, state: State) -> None:
+        """Called at the end of every epoch of the stage."""
+
+    def on_loss(self, state: State, loss: torch.Tensor, inputs: Any, outputs: Any) -> torch.Tensor:
+        """Return the loss to backpropagate (e.g. with distillation terms added)."""
+        return loss
+
+    def on_finalize(self, state: State) -> None:
+        """Called once at stage end; must leave the model runnable without this modifier."""
+
+    def plan(self, model: nn.Module) -> list[str]:
+        """Names of the modules this modifier would touch (for ``--dry-run``)."""
+        return []
+
+    # ---- schedule ----------------------------------------------------------------------------
+    def active(self, state: State) -> bool:
+        """Whether the schedule covers the current stage epoch/step."""
+        s = self.spec
+        e = state.stage_epoch
+        if e < s.start_epoch or (s.end_epoch is not None and e >= s.end_epoch):
+            return False
+        st = state.stage_step
+        if s.start_step is not None and st < s.start_step:
+            return False
+        return not (s.end_step is not None and st >= s.end_step)
+
+    # ---- guarded lifecycle ----------------------------------------------------------------
+    def _require(self, phase: Phase, event: str) -> None:
+        if self.phase is not phase:
+            raise CompressError(f"{self.where}: '{event}' called while the modifier is {self.phase.value}")
+
+    def initialize(self, state: State) -> None:
+        self._require(Phase.NEW, "initialize")
+        self.on_initialize(state)
+        self.phase = Phase.INITIALIZED
+        if "calibration" in self.spec.needs:
+            self.on_calibrate(state)
+
+    def step(self, state: State) -> None:
+        self._require(Phase.INITIALIZED, "step")
+        if self.active(state) and state.stage_step % self.spec.update_every == 0:
+            self.on_step(state)
+
+    def epoch_end(self, state: State) -> None:
+        self._require(Phase.INITIALIZED, "epoch_end")
+        self.on_epoch_end(state)
+
+    def loss(self, state: State, loss: torch.Tensor, inputs: Any, outputs: Any) -> torch.Tensor:
+        self._require(Phase.INITIALIZED, "loss")
+        if not self.active(state):
+            return loss
+        return self.on_loss(state, loss, inputs, outputs)
+
+    def finalize(self, state: State) -> None:
+        self._require(Phase.INITIALIZED, "finalize")
+        self.on_finalize(state)
+        self.phase = Phase.FINALIZED
+
+
+MODIFIERS: Registry[type[Modifier[Any]]] = Registry("modifier type")
+_builtins_loaded = False
+
+
+def register_modifier(cls: type[Modifier[Any]]) -> type[Modifier[Any]]:
+    """Class decorator: registers a Modifier under its spec's ``type`` literal."""
+    default = cls.spec_cls.model_fields["type"].default
+    if not isinstance(default, str):
+        raise TypeError(f"{cls.spec_cls.__name__}.type needs a string default (its Literal)")
+    MODIFIERS.add(default, cls)
+    return cls
+
+
+def load_builtin_modifiers() -> None:
+    """Import the packages that register built-in modifiers (idempotent)."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True
+    for mod in BUILTIN_MODIFIER_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            # a package still under construction must not break the others
+            if exc.name is not None and mod.startswith(exc.name):
+                log.debug("modifier module %s not available: %s", mod, exc)
+                continue
+            raise
+
+
+def modifier_types() -> list[str]:
+    load_builtin_modifiers()
+    return MODIFIERS.names()
+
+
+def modifier_class(type_name: str) -> type[Modifier[Any]]:
+    load_builtin_modifiers()
+    return MODIFIERS.get(type_name)
+
+
+# ---- order rules: data, checked before the model is touched ---------------------------------
+
+
+@dataclass(frozen=True)
+class OrderRule:
+    """``then`` may not come in a later stage than ``first``; ``why`` is the message."""
+
+    first: str
+    then: str
+    why: str
+
+
+ORDER_RULES: tuple[OrderRule, ...] = (
+    OrderRule(
+        "quantize",
+        "prune",
+        "pruning after quantization would slice calibrated quantizers; put the prune stage first",
+    ),
+)
+
+
+def check_order(kinds_per_stage: Sequence[Sequence[tuple[str, str]]]) -> None:
+    """Raise RecipeError for a modifier that breaks an order rule.
+
+    ``kinds_per_stage[i]`` lists ``(kind, where)`` of stage i's modifiers; ``where`` names the
+    modifier (field path and line) in the message.
+    """
+    seen: dict[str, str] = {}
+    for stage in kinds_per_stage:
+        for kind, where in stage:
+            for rule in ORDER_RULES:
+                if kind == rule.then and rule.first in seen:
+                    raise RecipeError(f"{where}: '{kind}' after '{rule.first}' ({seen[rule.first]}): {rule.why}")
+        for kind, where in stage:
+            seen.setdefault(kind, where)

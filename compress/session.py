@@ -1,0 +1,254 @@
+"""Session: drives a recipe's modifiers through the lifecycle from any training loop.
+
+    with compress.Session(recipe, model, optimizer=opt, steps_per_epoch=len(loader)) as s:
+        for epoch in range(s.total_epochs):
+            for x, y in loader:
+                out = s.model(x)
+                loss = s.loss(F.cross_entropy(out, y), inputs=x, outputs=out)
+                loss.backward(); opt.step(); opt.zero_grad(); s.step()
+            s.epoch_end()
+    compressed = s.model
+
+Stages run in order. A stage without epochs or steps (a one-shot stage: PTQ, one-shot pruning) is
+initialized and finalized as soon as it is reached; a training stage ends after its epochs
+(``epoch_end``) or steps (``step``), and the next one starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.errors import CompressError
+from compress.modifier import Modifier, State, modifier_class
+from compress.recipe import Recipe, Stage, load_recipe
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StageResult:
+    """What a finished stage reported: its modifiers' metrics and tables."""
+
+    name: str
+    metrics: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, Any] = field(default_factory=dict)
+
+
+class Session:
+    """Applies a recipe's stages to ``model`` as the caller's loop reports progress.
+
+    ``calibration_data`` (an iterable of batches) feeds calibration modifiers; ``train_data``,
+    ``loss_fn`` and ``evaluate`` are optional extras some modifiers use (Taylor importance,
+    accuracy-aware PTQ). The model is changed in place; ``s.model`` is the same object.
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe | str | Path | Mapping[str, Any],
+        model: nn.Module,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        steps_per_epoch: int | None = None,
+        calibration_data: Iterable[Any] | None = None,
+        train_data: Iterable[Any] | None = None,
+        example_inputs: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        evaluate: Callable[[nn.Module], float] | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+        if device is None:
+            p = next(model.parameters(), None)
+            device = p.device if p is not None else torch.device("cpu")
+        self.state = State(
+            model=model,
+            optimizer=optimizer,
+            device=torch.device(device),
+            steps_per_epoch=steps_per_epoch,
+            calibration_data=calibration_data,
+            train_data=train_data,
+            example_inputs=example_inputs,
+            loss_fn=loss_fn,
+            evaluate=evaluate,
+        )
+        self.modifiers: list[list[Modifier[Any]]] = [
+            [
+                modifier_class(spec.type)(spec, where=self.recipe.where(f"stages.{i}.modifiers.{j}"))
+                for j, spec in enumerate(stage.modifiers)
+            ]
+            for i, stage in enumerate(self.recipe.stages)
+        ]
+        self.results: list[StageResult] = []
+        self._index = -1
+        self._initialized = False
+        self._closed = False
+        self._stage_callbacks: list[Callable[[Session], None]] = []
+        self._epochs_done = 0
+        self._epoch_steps = 0
+
+    # ---- properties ------------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        return self.state.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.state.optimizer
+
+    @optimizer.setter
+    def optimizer(self, opt: torch.optim.Optimizer | None) -> None:
+        self.state.optimizer = opt
+
+    @property
+    def finished(self) -> bool:
+        """True once every stage has run."""
+        return self._index >= len(self.recipe.stages)
+
+    @property
+    def stage(self) -> Stage | None:
+        """The stage in progress (None before initialize and after the last stage)."""
+        return self.recipe.stages[self._index] if 0 <= self._index < len(self.recipe.stages) else None
+
+    @property
+    def total_epochs(self) -> int:
+        """Epochs the caller's loop should run to pass through every training stage."""
+        return sum(math.ceil(s.epochs) for s in self.recipe.stages if s.steps is None)
+
+    def on_stage_start(self, fn: Callable[[Session], None]) -> None:
+        """Call ``fn(session)`` whenever a training stage starts (the runner rebuilds its optimizer)."""
+        self._stage_callbacks.append(fn)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def initialize(self) -> Session:
+        """Check every modifier's targets against the model, then enter the first stage."""
+        if self._initialized:
+            raise CompressError("Session.initialize called twice")
+        self._initialized = True
+        # targets are checked for all stages before anything touches the model
+        for mods in self.modifiers:
+            for m in mods:
+                m.plan(self.state.model)
+        if any(spec.wants_snapshot for st in self.recipe.stages for spec in st.modifiers):
+            self.state.original_model = copy.deepcopy(self.state.model).eval()
+            for p in self.state.original_model.parameters():
+                p.requires_grad_(False)
+        self._advance()
+        return self
+
+    def plan(self) -> list[dict[str, Any]]:
+        """The resolved plan: per stage, each modifier and the modules it matches (no changes made)."""
+        out = []
+        for stage, mods in zip(self.recipe.stages, self.modifiers):
+            out.append(
+                {
+                    "stage": stage.name,
+                    "epochs": stage.epochs,
+                    "steps": stage.steps,
+                    "modifiers": [{"type": m.spec.type, "modules": m.plan(self.state.model)} for m in mods],
+                }
+            )
+        return out
+
+    def _require_live(self, event: str) -> None:
+        if not self._initialized:
+            raise CompressError(f"Session.{event} called before initialize (use 'with Session(...)')")
+        if self._closed:
+            raise CompressError(f"Session.{event} called after finalize")
+
+    def _advance(self) -> None:
+        """Leave the current stage (if any) and enter the next; one-shot stages run straight through."""
+        while True:
+            if 0 <= self._index < len(self.recipe.stages):
+                self._finish_stage()
+            self._index += 1
+            stage = self.stage
+            if stage is None:
+                return
+            st = self.state
+            st.stage_index, st.stage_name = self._index, stage.name
+            st.stage_start_epoch, st.stage_start_step = st.epoch, st.step
+            st.metrics, st.tables = {}, {}
+            self._epochs_done, self._epoch_steps = 0, 0
+            log.info("stage '%s' starts", stage.name)
+            for m in self.modifiers[self._index]:
+                m.initialize(st)
+            if stage.trains:
+                for fn in self._stage_callbacks:
+                    fn(self)
+                return
+
+    def _finish_stage(self) -> None:
+        stage = self.recipe.stages[self._index]
+        for m in self.modifiers[self._index]:
+            m.finalize(self.state)
+        self.results.append(StageResult(stage.name, dict(self.state.metrics), dict(self.state.tables)))
+        log.info("stage '%s' done", stage.name)
+
+    def step(self) -> None:
+        """Report one optimizer step."""
+        self._require_live("step")
+        st = self.state
+        st.step += 1
+        self._epoch_steps += 1
+        if st.steps_per_epoch:
+            frac = min(self._epoch_steps / st.steps_per_epoch, 1.0 - 1e-9)
+            st.epoch = st.stage_start_epoch + self._epochs_done + frac
+        for m in self._current():
+            m.step(st)
+        stage = self.stage
+        if stage is not None and stage.steps is not None and st.stage_step >= stage.steps:
+            self._advance()
+
+    def epoch_end(self) -> None:
+        """Report the end of an epoch; ends the stage when its epochs are done."""
+        self._require_live("epoch_end")
+        st = self.state
+        self._epochs_done += 1
+        self._epoch_steps = 0
+        st.epoch = st.stage_start_epoch + self._epochs_done
+        for m in self._current():
+            m.epoch_end(st)
+        stage = self.stage
+        if stage is not None and stage.steps is None and self._epochs_done >= stage.epochs - 1e-9:
+            self._advance()
+
+    def loss(self, loss: torch.Tensor, *, inputs: Any = None, outputs: Any = None) -> torch.Tensor:
+        """The loss to backpropagate: ``loss`` plus any terms the active modifiers add."""
+        self._require_live("loss")
+        for m in self._current():
+            loss = m.loss(self.state, loss, inputs, outputs)
+        return loss
+
+    def finalize(self) -> nn.Module:
+        """Finish the current stage and any one-shot stages left; returns the compressed model."""
+        self._require_live("finalize")
+        while not self.finished:
+            stage = self.stage
+            if stage is not None and stage.trains and self.state.stage_epoch <= 0 and self.state.stage_step == 0:
+                log.warning("stage '%s' ended before any training", stage.name)
+            self._advance()
+        self._closed = True
+        return self.state.model
+
+    def _current(self) -> list[Modifier[Any]]:
+        return self.modifiers[self._index] if 0 <= self._index < len(self.modifiers) else []
+
+    def __enter__(self) -> Session:
+        return self.initialize()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None and not self._closed:
+            self.finalize()
+        self._closed = True
