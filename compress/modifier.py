@@ -13,6 +13,7 @@ import importlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
@@ -72,6 +73,9 @@ class State:
     the current stage (what modifier schedules use). ``forward_loop(model)`` runs the model over
     the calibration batches; ``evaluate(model)`` returns the task metric on eval data (used by
     accuracy-aware quantization and sensitivity); either may be None when not provided.
+    Modifiers report into ``metrics`` (scalars, per stage), ``tables`` (name -> rows, rendered in
+    report.md) and may write files (plots) under ``out_dir`` (None outside a run folder), listing
+    their paths in ``artifacts``.
     """
 
     model: nn.Module
@@ -91,7 +95,9 @@ class State:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     evaluate: Callable[[nn.Module], float] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
-    tables: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    out_dir: Path | None = None
+    artifacts: list[str] = field(default_factory=list)
 
     @property
     def stage_epoch(self) -> float:

@@ -41,7 +41,8 @@ class StageResult:
 
     name: str
     metrics: dict[str, Any] = field(default_factory=dict)
-    tables: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    artifacts: list[str] = field(default_factory=list)
 
 
 class Session:
@@ -65,6 +66,7 @@ class Session:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         evaluate: Callable[[nn.Module], float] | None = None,
         device: torch.device | str | None = None,
+        out_dir: str | Path | None = None,
     ) -> None:
         self.recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
         if device is None:
@@ -80,6 +82,7 @@ class Session:
             example_inputs=example_inputs,
             loss_fn=loss_fn,
             evaluate=evaluate,
+            out_dir=Path(out_dir) if out_dir is not None else None,
         )
         self.modifiers: list[list[Modifier[Any]]] = [
             [
@@ -177,7 +180,7 @@ class Session:
             st = self.state
             st.stage_index, st.stage_name = self._index, stage.name
             st.stage_start_epoch, st.stage_start_step = st.epoch, st.step
-            st.metrics, st.tables = {}, {}
+            st.metrics, st.tables, st.artifacts = {}, {}, []
             self._epochs_done, self._epoch_steps = 0, 0
             log.info("stage '%s' starts", stage.name)
             for m in self.modifiers[self._index]:
@@ -191,7 +194,9 @@ class Session:
         stage = self.recipe.stages[self._index]
         for m in self.modifiers[self._index]:
             m.finalize(self.state)
-        self.results.append(StageResult(stage.name, dict(self.state.metrics), dict(self.state.tables)))
+        self.results.append(
+            StageResult(stage.name, dict(self.state.metrics), dict(self.state.tables), list(self.state.artifacts))
+        )
         log.info("stage '%s' done", stage.name)
 
     def step(self) -> None:
