@@ -7,8 +7,6 @@ benchmarks can be rerun independently without clobbering each other's figures.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import re
 import statistics
 import time
@@ -21,38 +19,12 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict[str, Any]:
-    """CPU model, core count, memory, and library versions of the machine running a benchmark."""
-    import torch
+    """CPU model, cores, memory, GPU and library versions of the machine running a benchmark."""
+    from compress.report import machine as run_machine
+    from compress.report import versions
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem_gib = None
-    try:
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        mem_gib = round(pages / 2**30, 1)
-    except (ValueError, OSError):
-        pass
-    info: dict[str, Any] = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": mem_gib,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-    try:
-        import onnxruntime
-
-        info["onnxruntime"] = onnxruntime.__version__
-    except ImportError:
-        pass
-    return info
+    v = versions()
+    return {**run_machine(), "python": v["python"], "torch": v.get("torch"), "onnxruntime": v.get("onnxruntime")}
 
 
 def machine_line() -> str:

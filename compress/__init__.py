@@ -7,7 +7,7 @@ another (quantization/, pruning/, ... import compress's core modules, never this
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -60,16 +60,3 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
-
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from compress.errors import (
-        CalibrationError,
-        CompressError,
-        ExportError,
-        RecipeError,
-        TargetMatchError,
-        UnsupportedModelError,
-        ValidationFailed,
-    )
-    from compress.recipe import Recipe, load_recipe
-    from compress.session import Session

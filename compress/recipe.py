@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from compress.errors import RecipeError, closest, did_you_mean
 from compress.modifier import ModifierSpec, check_order, modifier_class, modifier_types
@@ -233,7 +241,7 @@ class RecipeSource:
         dotted = ".".join(str(p) for p in parts)
         for ov in self.overrides:
             key = ov.split("=", 1)[0]
-            if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted + ".") and dotted:
+            if dotted == key or dotted.startswith(key + ".") or (bool(dotted) and key.startswith(dotted + ".")):
                 return f"{self.name}: --set {ov}: {dotted}"
         line = self.line(parts)
         loc = f"{self.name}:{line}" if line is not None else self.name

@@ -96,6 +96,7 @@ class Session:
         self._initialized = False
         self._closed = False
         self._stage_callbacks: list[Callable[[Session], None]] = []
+        self._stage_end_callbacks: list[Callable[[Session, StageResult], None]] = []
         self._epochs_done = 0
         self._epoch_steps = 0
 
@@ -130,6 +131,10 @@ class Session:
     def on_stage_start(self, fn: Callable[[Session], None]) -> None:
         """Call ``fn(session)`` whenever a training stage starts (the runner rebuilds its optimizer)."""
         self._stage_callbacks.append(fn)
+
+    def on_stage_end(self, fn: Callable[[Session, StageResult], None]) -> None:
+        """Call ``fn(session, result)`` after each stage's modifiers finalize (the runner measures there)."""
+        self._stage_end_callbacks.append(fn)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def initialize(self) -> Session:
@@ -194,9 +199,10 @@ class Session:
         stage = self.recipe.stages[self._index]
         for m in self.modifiers[self._index]:
             m.finalize(self.state)
-        self.results.append(
-            StageResult(stage.name, dict(self.state.metrics), dict(self.state.tables), list(self.state.artifacts))
-        )
+        result = StageResult(stage.name, dict(self.state.metrics), dict(self.state.tables), list(self.state.artifacts))
+        self.results.append(result)
+        for fn in self._stage_end_callbacks:
+            fn(self, result)
         log.info("stage '%s' done", stage.name)
 
     def step(self) -> None:

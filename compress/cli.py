@@ -1,0 +1,227 @@
+"""The ``compress`` command line: apply, validate, inspect, recipes.
+
+Exit codes: 0 ok; 2 bad input (one line naming what and where); 3 a validation threshold missed;
+1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from compress.errors import CompressError, ValidationFailed
+
+log = logging.getLogger("compress")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # one line, exit 2, like every other bad input
+        self.exit(2, f"compress: error: {message} (see '{self.prog} --help')\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="compress", description="Recipe-driven model compression for PyTorch.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for unexpected errors")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    a = sub.add_parser("apply", help="run a recipe end to end and write a run folder")
+    a.add_argument("recipe", help="recipe YAML file (or the name of a shipped recipe, see 'compress recipes')")
+    a.add_argument("--out", help="run folder (default: runs/<recipe name>)")
+    a.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field, e.g. --set train.epochs=3 (repeatable)")
+    a.add_argument("--device", choices=["cpu", "cuda"], help="device (default: the recipe's train.device)")
+    a.add_argument("--dry-run", action="store_true", help="print the resolved plan and exit")
+    a.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
+    a.add_argument("--resume", action="store_true", help="continue a run folder from its checkpoints")
+    a.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    v = sub.add_parser("validate", help="validate an exported ONNX model in a runtime")
+    v.add_argument("model", help="ONNX model file")
+    v.add_argument("--reference", help="reference model: an fp32 ONNX file (parity and speedup are measured against it)")
+    v.add_argument("--data", default="digits", help="eval data source (digits | synthetic | text | pkg.module:factory)")
+    v.add_argument("--data-kwargs", default="{}", help="JSON kwargs for the data source")
+    v.add_argument("--runtime", action="append", choices=["onnxruntime", "openvino"], help="runtime (repeatable)")
+    v.add_argument("--backend", choices=["cpu", "cuda"], default="cpu", help="cpu (ONNX runtimes) or cuda (Triton int8)")
+    v.add_argument("--batch-sizes", default="1,32", help="comma-separated batch sizes for latency")
+    v.add_argument("--runs", type=int, default=20, help="timed runs per batch size (median reported)")
+    v.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+    v.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    i = sub.add_parser("inspect", help="describe a recipe, an ONNX model or a checkpoint")
+    i.add_argument("path", help="recipe .yaml, model .onnx, or checkpoint .pt")
+    i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    sub.add_parser("recipes", help="list the shipped recipes")
+    return p
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """Name -> path of the recipes shipped with the package."""
+    import recipes
+
+    folder = Path(recipes.__file__).parent
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def _resolve_recipe(arg: str) -> str:
+    if Path(arg).exists() or arg.endswith((".yaml", ".yml")):
+        return arg
+    return str(shipped_recipes().get(arg, arg))
+
+
+def _cmd_apply(args: argparse.Namespace) -> int:
+    from compress.recipe import load_recipe
+    from compress.runner import apply, plan
+
+    recipe = load_recipe(_resolve_recipe(args.recipe), overrides=args.overrides)
+    if args.dry_run:
+        print(_render_plan(plan(recipe)))
+        return 0
+    out = args.out or f"runs/{recipe.name}"
+    report = apply(recipe, out_dir=out, device=args.device, overwrite=args.overwrite, resume=args.resume,
+                   quiet=args.quiet)
+    b, f = report.baseline, report.final
+    print(f"{recipe.name}: baseline {report.metric} {_f(b.accuracy)} -> final {_f(f.accuracy)}; "
+          f"params {b.params} -> {f.params}; {report.seconds or 0:.1f} s; report: {Path(out) / 'report.md'}")
+    for v in report.validation:
+        print(f"  {v.runtime} {v.precision}: {report.metric} {_f(v.accuracy)}, latency_ms {v.latency_ms}, "
+              f"speedup {v.speedup}")
+    missed = [t for t in report.thresholds if not t.passed]
+    for t in report.thresholds:
+        print(f"  threshold {t.name}: {_f(t.value)} (limit {t.limit}) {'ok' if t.passed else 'MISSED'}")
+    if missed:
+        raise ValidationFailed(", ".join(f"{t.name} {_f(t.value)} vs limit {t.limit}" for t in missed))
+    return 0
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def _render_plan(p: dict[str, Any]) -> str:
+    lines = [f"recipe {p['recipe']}: model {p['model']} ({p['params']:,} params)"]
+    for s in p["stages"]:
+        length = f"{s['steps']} steps" if s["steps"] else (f"{s['epochs']} epochs" if s["epochs"] else "one-shot")
+        lines.append(f"  stage {s['stage']} ({length})")
+        for m in s["modifiers"]:
+            mods = m["modules"]
+            shown = ", ".join(mods[:8]) + (f", ... ({len(mods)} in all)" if len(mods) > 8 else "")
+            lines.append(f"    {m['type']}: {shown or '(whole model)'}")
+    return "\n".join(lines)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from export.cli_validate import run_validate
+
+    sizes = _int_list(args.batch_sizes, "--batch-sizes")
+    try:
+        kwargs = json.loads(args.data_kwargs)
+    except json.JSONDecodeError as exc:
+        raise CompressError(f"--data-kwargs: not valid JSON ({exc.msg})") from None
+    records = run_validate(
+        Path(args.model), reference=Path(args.reference) if args.reference else None, data=args.data,
+        data_kwargs=kwargs, runtimes=args.runtime or ["onnxruntime"], backend=args.backend, batch_sizes=sizes,
+        runs=args.runs, threads=args.threads,
+    )
+    if args.json:
+        print(json.dumps(records, indent=2, default=str))
+    else:
+        from compress.report import md_table
+
+        print(md_table(records))
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    from compress.errors import RecipeError
+
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise RecipeError(f"{flag}: '{text}' is not a comma-separated list of integers") from None
+    if not vals or any(v < 1 for v in vals):
+        raise RecipeError(f"{flag}: '{text}' needs positive integers")
+    return vals
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from compress.errors import RecipeError
+
+    path = Path(_resolve_recipe(args.path))
+    if not path.exists():
+        raise RecipeError(f"{args.path}: file not found")
+    if path.suffix in (".yaml", ".yml"):
+        from compress.recipe import load_recipe
+        from compress.runner import plan
+
+        recipe = load_recipe(path, overrides=args.overrides)
+        print(recipe.to_yaml())
+        print(_render_plan(plan(recipe)))
+    elif path.suffix == ".onnx":
+        from export.inspect import describe_onnx
+
+        print(describe_onnx(path))
+    elif path.suffix in (".pt", ".pth"):
+        import torch
+
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a corrupt or foreign file is the user's input
+            raise RecipeError(f"{path}: not a loadable checkpoint ({type(exc).__name__}: {exc})") from None
+        sd = state.get("model", state) if isinstance(state, dict) else {}
+        total = sum(t.numel() for t in sd.values() if hasattr(t, "numel"))
+        print(f"{path}: {len(sd)} tensors, {total:,} values" + (f", epoch {state['epoch']}" if "epoch" in state else ""))
+        for k, t in list(sd.items())[:40]:
+            print(f"  {k}: {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
+    else:
+        raise RecipeError(f"{path}: cannot inspect '{path.suffix}' files (recipe .yaml, model .onnx, checkpoint .pt)")
+    return 0
+
+
+def _cmd_recipes(_args: argparse.Namespace) -> int:
+    from compress.recipe import load_recipe
+
+    for name, path in shipped_recipes().items():
+        try:
+            desc = load_recipe(path).description.strip().splitlines()[0]
+        except (CompressError, IndexError):
+            desc = ""
+        print(f"{name:24s} {desc}")
+    return 0
+
+
+COMMANDS = {"apply": _cmd_apply, "validate": _cmd_validate, "inspect": _cmd_inspect, "recipes": _cmd_recipes}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``compress`` console script."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    debug = args.debug or os.environ.get("COMPRESS_DEBUG") == "1"
+    try:
+        return COMMANDS[args.command](args)
+    except CompressError as exc:
+        if debug:
+            raise
+        print(f"compress: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("compress: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"compress: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Task metrics: a registry of accumulators, plus ``pkg.module:fn`` for user metrics.
+
+A metric sees each eval batch's outputs and targets (and, for fidelity metrics, the reference
+model's outputs and the inputs) and returns one float, higher is better.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from compress.batching import batch_size_of, primary_output
+from compress.errors import RecipeError, did_you_mean
+from compress.registry import Registry
+
+
+class Metric:
+    """Accumulates over batches; ``needs_reference`` metrics get the fp32 model's outputs too."""
+
+    needs_reference = False
+    needs_targets = True
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+
+    def update(self, outputs: Any, targets: Any, *, inputs: Any = None, reference: Any = None) -> None:
+        raise NotImplementedError
+
+    def compute(self) -> float:
+        return self.total / max(self.count, 1)
+
+
+METRICS: Registry[type[Metric]] = Registry("metric")
+
+
+@METRICS.register("accuracy")
+class Accuracy(Metric):
+    """Top-1 accuracy of classification logits."""
+
+    k = 1
+
+    def update(self, outputs: Any, targets: Any, *, inputs: Any = None, reference: Any = None) -> None:
+        logits = primary_output(outputs)
+        topk = logits.topk(min(self.k, logits.shape[-1]), dim=-1).indices
+        self.total += float((topk == targets.view(-1, 1)).any(dim=-1).sum())
+        self.count += int(targets.shape[0])
+
+
+@METRICS.register("top5")
+class Top5(Accuracy):
+    """Top-5 accuracy."""
+
+    k = 5
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Sentence embeddings: hidden states averaged over the unmasked tokens."""
+    if attention_mask is None:
+        return hidden.mean(dim=1)
+    m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
+
+
+@METRICS.register("embedding_cosine")
+class EmbeddingCosine(Metric):
+    """Mean cosine similarity of mean-pooled sentence embeddings to the reference model's."""
+
+    needs_reference = True
+    needs_targets = False
+
+    def update(self, outputs: Any, targets: Any, *, inputs: Any = None, reference: Any = None) -> None:
+        mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+        a = mean_pool(primary_output(outputs).float(), mask)
+        b = mean_pool(primary_output(reference).float(), mask)
+        cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+        self.total += float(cos.sum())
+        self.count += int(cos.shape[0])
+
+
+class _FunctionMetric(Metric):
+    """A user function ``fn(outputs, targets) -> float`` averaged over samples."""
+
+    def __init__(self, fn: Callable[[Any, Any], float]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def update(self, outputs: Any, targets: Any, *, inputs: Any = None, reference: Any = None) -> None:
+        n = batch_size_of(inputs) if inputs is not None else 1
+        self.total += float(self.fn(outputs, targets)) * n
+        self.count += n
+
+
+def import_object(path: str, *, where: str) -> Any:
+    """Import ``pkg.module:name``; RecipeError naming ``where`` on failure."""
+    if ":" not in path:
+        raise RecipeError(f"{where}: '{path}' is not of the form pkg.module:name")
+    mod_name, attr = path.split(":", 1)
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as exc:  # any import-time failure is the user's module, reported in one line
+        raise RecipeError(f"{where}: cannot import '{mod_name}': {type(exc).__name__}: {exc}") from None
+    try:
+        return getattr(mod, attr)
+    except AttributeError:
+        raise RecipeError(f"{where}: module '{mod_name}' has no attribute '{attr}'") from None
+
+
+def make_metric(name: str, *, where: str = "train.metric") -> Metric:
+    """A fresh metric accumulator from a registered name or ``pkg.module:fn``."""
+    if ":" in name:
+        fn = import_object(name, where=where)
+        if not callable(fn):
+            raise RecipeError(f"{where}: '{name}' is not callable")
+        return _FunctionMetric(fn)
+    if name not in METRICS:
+        raise RecipeError(f"{where}: unknown metric '{name}'; {did_you_mean(name, METRICS.names())} or pkg.module:fn")
+    return METRICS.get(name)()

@@ -1,0 +1,221 @@
+"""The run report: typed, written as report.json and rendered as report.md with a PNG plot."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import platform
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from compress.io import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ModelFigures(_Model):
+    """Accuracy and size of the model at one point of the pipeline."""
+
+    accuracy: float | None = None
+    params: int | None = None
+    macs: int | None = None
+    size_bytes: int | None = None
+
+
+class StageReport(_Model):
+    """One stage: its name, its modifiers' metrics, the model's figures after it, its tables."""
+
+    name: str
+    metrics: dict[str, Any] = Field(default_factory=dict)
+    model: ModelFigures = Field(default_factory=ModelFigures)
+    tables: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
+    artifacts: list[str] = Field(default_factory=list)
+    seconds: float | None = None
+
+
+class ExportReport(_Model):
+    path: str
+    format: str
+    size_bytes: int
+
+
+class ValidationReport(_Model):
+    runtime: str
+    precision: str
+    accuracy: float | None = None
+    parity: dict[str, Any] = Field(default_factory=dict)
+    latency_ms: dict[str, float] = Field(default_factory=dict)
+    speedup: dict[str, float | None] = Field(default_factory=dict)
+
+
+class ThresholdReport(_Model):
+    name: str
+    limit: float
+    value: float | None
+    passed: bool
+
+
+class Report(_Model):
+    """Everything a run measured. ``report.json`` is this model dumped as JSON."""
+
+    recipe: dict[str, Any]
+    versions: dict[str, str] = Field(default_factory=dict)
+    machine: dict[str, Any] = Field(default_factory=dict)
+    metric: str = "accuracy"
+    baseline: ModelFigures = Field(default_factory=ModelFigures)
+    stages: list[StageReport] = Field(default_factory=list)
+    final: ModelFigures = Field(default_factory=ModelFigures)
+    exports: list[ExportReport] = Field(default_factory=list)
+    validation: list[ValidationReport] = Field(default_factory=list)
+    thresholds: list[ThresholdReport] = Field(default_factory=list)
+    seconds: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        """True when every threshold held."""
+        return all(t.passed for t in self.thresholds)
+
+    def write(self, out_dir: Path) -> None:
+        """Write report.json, report.md and the accuracy-vs-size plot into ``out_dir``."""
+        atomic_write_text(out_dir / "report.json", json.dumps(self.model_dump(mode="json"), indent=2) + "\n")
+        plot = _plot(self, out_dir / "accuracy_vs_size.png")
+        atomic_write_text(out_dir / "report.md", render_markdown(self, plot_name=plot.name if plot else None))
+
+
+def versions() -> dict[str, str]:
+    """Versions of the libraries that decide results."""
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for dist in ("compress", "torch", "onnx", "onnxruntime", "onnxscript", "transformers", "openvino", "triton"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """CPU, cores, memory and GPU of this machine."""
+    import os
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+    with contextlib.suppress(ValueError, OSError):
+        info["memory_gib"] = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
+    info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return info
+
+
+# ---- rendering ------------------------------------------------------------------------------
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, int) and abs(v) >= 10000:
+        return f"{v:,}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items())
+    return str(v)
+
+
+def md_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    """A markdown table (columns default to the union of the rows' keys, in order)."""
+    if not rows:
+        return ""
+    cols = columns or list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)).replace("|", "/") for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(report: Report, *, plot_name: str | None = None) -> str:
+    """report.md: the same content as report.json, as tables."""
+    r = report
+    name = r.recipe.get("name", "recipe")
+    out = [f"# compress run: {name}\n"]
+    if r.recipe.get("description"):
+        out.append(f"{r.recipe['description']}\n")
+    verdict = "all thresholds passed" if r.passed else "THRESHOLDS MISSED"
+    out.append(f"Metric: `{r.metric}`. {len(r.thresholds)} threshold(s): {verdict}."
+               + (f" Run time {r.seconds:.1f} s." if r.seconds else "") + "\n")
+    out.append("## Model\n")
+    rows = [{"model": "baseline", **r.baseline.model_dump()}]
+    rows += [{"model": f"after {s.name}", **s.model.model_dump()} for s in r.stages]
+    rows.append({"model": "final", **r.final.model_dump()})
+    out.append(md_table(rows, ["model", "accuracy", "params", "macs", "size_bytes"]))
+    if plot_name:
+        out.append(f"\n![accuracy vs size]({plot_name})\n")
+    for s in r.stages:
+        out.append(f"\n## Stage `{s.name}`\n")
+        if s.metrics:
+            out.append(md_table([{"metric": k, "value": v} for k, v in s.metrics.items()]))
+        for tname, trows in s.tables.items():
+            out.append(f"\n**{tname}**\n\n" + md_table(trows))
+        for a in s.artifacts:
+            out.append(f"\n![{Path(a).stem}]({a})\n")
+    if r.exports:
+        out.append("\n## Exports\n")
+        out.append(md_table([e.model_dump() for e in r.exports]))
+    if r.validation:
+        out.append("\n## Validation\n")
+        out.append(md_table([v.model_dump() for v in r.validation],
+                            ["runtime", "precision", "accuracy", "parity", "latency_ms", "speedup"]))
+    if r.thresholds:
+        out.append("\n## Thresholds\n")
+        out.append(md_table([t.model_dump() for t in r.thresholds]))
+    out.append("\n## Environment\n")
+    out.append(md_table([{"what": k, "value": v} for k, v in {**r.versions, **r.machine}.items()]))
+    return "\n".join(out)
+
+
+def _plot(report: Report, path: Path) -> Path | None:
+    points = [("baseline", report.baseline)] + [(s.name, s.model) for s in report.stages]
+    pts = [(n, f.size_bytes, f.accuracy) for n, f in points if f.size_bytes and f.accuracy is not None]
+    if len(pts) < 1:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plotting is a nicety; the tables carry the numbers
+        log.warning("matplotlib missing: report.md has no plot")
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    xs = [p[1] / 1024 for p in pts]
+    ys = [p[2] for p in pts]
+    ax.plot(xs, ys, "-o")
+    for (n, _, _), x, y in zip(pts, xs, ys):
+        ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("model size (KiB, in-memory tensors)")
+    ax.set_ylabel(report.metric)
+    ax.set_title(f"{report.recipe.get('name', 'run')}: {report.metric} vs size across stages")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)
+    return path

@@ -1,0 +1,347 @@
+"""``compress.apply``: the whole pipeline a recipe describes, writing a run folder.
+
+build model and data -> train or load the baseline -> stages (via a Session fed by the Trainer)
+-> export -> validate -> thresholds -> report. Bad input is found before the run folder is touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+from compress.errors import RecipeError
+from compress.io import atomic_write_text
+from compress.profile import count_macs, count_params, state_size_bytes
+from compress.recipe import Recipe, load_recipe
+from compress.report import (
+    ExportReport,
+    ModelFigures,
+    Report,
+    StageReport,
+    ThresholdReport,
+    ValidationReport,
+    machine,
+    versions,
+)
+from compress.session import Session, StageResult
+from compress.training import (
+    Dist,
+    Trainer,
+    evaluate,
+    init_distributed,
+    resolve_device,
+    save_checkpoint,
+    seed_everything,
+)
+
+log = logging.getLogger(__name__)
+LOGGERS = ("compress", "quantization", "pruning", "distillation", "export")
+
+
+class _Run:
+    """The objects one run shares between its steps."""
+
+    def __init__(self, recipe: Recipe, *, device: str | None, quiet: bool) -> None:
+        from compress.data import build_data
+        from compress.models import load_model
+
+        self.recipe = recipe
+        self.quiet = quiet
+        self.device = resolve_device(device or recipe.train.device)
+        self.dist: Dist = init_distributed(self.device)
+        seed_everything(recipe.train.seed)
+        self.data = build_data(
+            recipe.data, batch_size=recipe.train.batch_size, seed=recipe.data.seed,
+            rank=self.dist.rank, world_size=self.dist.world_size,
+        )
+        seed_everything(recipe.train.seed)
+        self.model: nn.Module = load_model(recipe.model, where=recipe.where("model"))
+        self.metric = recipe.train.metric
+        from compress.metrics import make_metric
+
+        make_metric(self.metric, where=recipe.where("train.metric"))  # unknown metric: fail before any work
+        self.reference: nn.Module | None = None
+
+    @property
+    def train_loader(self) -> DataLoader[Any]:
+        """The train split, sharded by rank; the same sampler order for one process or many."""
+        base = self.data.train
+        if base is None:
+            raise RecipeError(f"{self.recipe.where('data.source')}: the data source has no train split")
+        per_rank = max(self.recipe.train.batch_size // self.dist.world_size, 1)
+        sampler = DistributedSampler(
+            base.dataset, num_replicas=self.dist.world_size, rank=self.dist.rank, shuffle=True,
+            seed=self.recipe.train.seed,
+        )
+        return DataLoader(base.dataset, batch_size=per_rank, sampler=sampler, num_workers=self.recipe.data.num_workers,
+                          collate_fn=base.collate_fn)
+
+    def evaluate(self, model: nn.Module) -> float | None:
+        if self.data.eval is None:
+            return None
+        ref = self.reference if self.reference is not None else model
+        return evaluate(model, self.data.eval, metric=self.metric, reference=ref, device=self.device,
+                        progress=not self.quiet)
+
+    def figures(self, model: nn.Module, *, accuracy: float | None) -> ModelFigures:
+        macs = None
+        try:
+            macs = count_macs(model, _to(self.data.example_inputs, self.device))
+        except Exception as exc:  # MACs are informative; a model the counter can't run still reports the rest
+            log.warning("could not count MACs: %s", exc)
+        return ModelFigures(accuracy=accuracy, params=count_params(model), macs=macs, size_bytes=state_size_bytes(model))
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    from compress.batching import to_device
+
+    return to_device(x, device)
+
+
+@contextmanager
+def _log_to(path: Path | None, quiet: bool) -> Iterator[None]:
+    handlers: list[logging.Handler] = []
+    if path is not None:
+        fh = logging.FileHandler(path, encoding="utf-8")
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handlers.append(fh)
+    loggers = [logging.getLogger(n) for n in LOGGERS]
+    old = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.INFO)
+        for h in handlers:
+            lg.addHandler(h)
+    try:
+        yield
+    finally:
+        for lg, lvl in zip(loggers, old):
+            lg.setLevel(lvl)
+            for h in handlers:
+                lg.removeHandler(h)
+        for h in handlers:
+            h.close()
+
+
+def _prepare_out_dir(out_dir: Path, *, overwrite: bool, resume: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RecipeError(f"--out {out_dir}: exists and is not a folder")
+    if out_dir.exists() and any(out_dir.iterdir()) and not (overwrite or resume):
+        raise RecipeError(f"--out {out_dir}: run folder exists and is not empty; pass --overwrite or --resume")
+
+
+def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The resolved plan of a recipe without running it: stages and the modules each modifier matches."""
+    r = recipe if isinstance(recipe, Recipe) and not overrides else load_recipe(recipe, overrides=overrides or [])
+    from compress.models import load_model
+
+    model = load_model(r.model, where=r.where("model"))
+    session = Session(r, model)
+    return {"recipe": r.name, "model": type(model).__name__, "params": count_params(model), "stages": session.plan()}
+
+
+def apply(
+    recipe: Recipe | str | Path,
+    *,
+    out_dir: str | Path,
+    overrides: list[str] | None = None,
+    device: str | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+    quiet: bool = False,
+) -> Report:
+    """Run a recipe end to end and write the run folder; returns the Report.
+
+    The folder gets the resolved ``recipe.yaml``, ``report.json``, ``report.md`` (+ plot),
+    ``checkpoints/`` and ``run.log``. A missed threshold is reported in ``report.thresholds``
+    (the CLI exits 3); it does not raise here.
+    """
+    t0 = time.perf_counter()
+    r = recipe if isinstance(recipe, Recipe) and not overrides else load_recipe(recipe, overrides=overrides or [])
+    out = Path(out_dir)
+    _prepare_out_dir(out, overwrite=overwrite, resume=resume)
+    run = _Run(r, device=device, quiet=quiet)  # bad model/data input raises here, before the folder is touched
+    main = run.dist.is_main
+    if main:
+        if overwrite and out.exists() and not resume:
+            shutil.rmtree(out)
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "recipe.yaml", r.to_yaml())
+    with _log_to(out / "run.log" if main else None, quiet):
+        report = _run(run, out, resume=resume)
+    report.seconds = time.perf_counter() - t0
+    if main:
+        report.write(out)
+    return report
+
+
+def _run(run: _Run, out: Path, *, resume: bool) -> Report:
+    r = run.recipe
+    main = run.dist.is_main
+    ckpt_dir = out / "checkpoints"
+    model = run.model.to(run.device)
+    trainer = Trainer(r.train, device=run.device, distributed=run.dist, progress=not run.quiet)
+
+    # ---- baseline ----
+    baseline_ckpt = ckpt_dir / "baseline.pt"
+    if resume and baseline_ckpt.exists():
+        model.load_state_dict(torch.load(baseline_ckpt, map_location=run.device, weights_only=True)["model"])
+        log.info("resumed: baseline loaded from %s", baseline_ckpt)
+    elif r.train.epochs > 0:
+        last = ckpt_dir / "baseline_last.pt"
+        start, opt = 0, None
+        if resume and last.exists():
+            state = torch.load(last, map_location=run.device, weights_only=True)
+            model.load_state_dict(state["model"])
+            from compress.training import build_optimizer
+
+            opt = build_optimizer(model, r.train)
+            if state.get("optimizer"):
+                opt.load_state_dict(state["optimizer"])
+            start = int(state["epoch"])
+            log.info("resumed baseline training at epoch %d", start)
+        trainer.checkpoint = lambda m, o, e: save_checkpoint(last, m, o, e)
+        res = trainer.fit(model, run.train_loader, epochs=r.train.epochs, optimizer=opt, start_epoch=start,
+                          desc="baseline")
+        trainer.checkpoint = None
+        log.info("baseline trained: %d epochs, final loss %s, %.1f s", res.epochs, res.final_loss, res.seconds)
+        if main:
+            save_checkpoint(baseline_ckpt, model, None, int(r.train.epochs))
+    run.reference = copy.deepcopy(model).eval()
+    for p in run.reference.parameters():
+        p.requires_grad_(False)
+    report = Report(recipe=r.to_dict(), versions=versions(), machine=machine(), metric=run.metric)
+    report.baseline = run.figures(model, accuracy=run.evaluate(model))
+    log.info("baseline %s: %s", run.metric, report.baseline.accuracy)
+
+    # ---- stages ----
+    calib = run.data.calibration
+    calibration = (
+        tqdm(calib, desc="calibrate", disable=run.quiet or not main, leave=False) if calib is not None else None
+    )
+    session = Session(
+        r, model, calibration_data=calibration, train_data=run.train_loader,
+        example_inputs=_to(run.data.example_inputs, run.device), evaluate=run.evaluate, device=run.device,
+        out_dir=out / "artifacts" if main else None,
+    )
+    stage_t = [time.perf_counter()]
+
+    def on_end(s: Session, res: StageResult) -> None:
+        acc = run.evaluate(s.model)
+        report.stages.append(StageReport(
+            name=res.name, metrics=res.metrics, tables=res.tables,
+            artifacts=[str(Path(a).relative_to(out)) if Path(a).is_relative_to(out) else a for a in res.artifacts],
+            model=run.figures(s.model, accuracy=acc), seconds=time.perf_counter() - stage_t[0],
+        ))
+        log.info("stage '%s': %s %s", res.name, run.metric, acc)
+        stage_t[0] = time.perf_counter()
+
+    session.on_stage_end(on_end)
+    with session:
+        while not session.finished:
+            stage = session.stage
+            assert stage is not None  # not finished implies a current stage
+            trainer.fit(model, run.train_loader, epochs=stage.epochs, steps=stage.steps, lr=stage.lr,
+                        session=session, desc=stage.name)
+    final_acc = report.stages[-1].model.accuracy if report.stages else report.baseline.accuracy
+    report.final = run.figures(model, accuracy=final_acc)
+    if main:
+        save_checkpoint(ckpt_dir / "final.pt", model, None, 0)
+
+    # ---- export and validation ----
+    if main and r.export.enabled and run.data.example_inputs is not None:
+        _export_and_validate(run, model, out, report)
+    report.thresholds = check_thresholds(r, report)
+    return report
+
+
+def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report) -> None:
+    try:
+        from export.pipeline import export_model
+        from export.validate import validate_exports
+    except ImportError as exc:
+        log.warning("export is not available in this install (%s): skipped", exc)
+        return
+    r = run.recipe
+    model = model.to("cpu").eval()
+    reference = run.reference.to("cpu") if run.reference is not None else None
+    import hashlib
+
+    meta = {"recipe": r.name, "recipe_sha256": hashlib.sha256(r.to_yaml().encode()).hexdigest()[:16]}
+    records = export_model(model, _to(run.data.example_inputs, torch.device("cpu")), r.export, out / "export",
+                           name=r.name, baseline=reference, metadata=meta)
+    for rec in records:
+        p = Path(rec.path)
+        report.exports.append(ExportReport(
+            path=str(p.relative_to(out)) if p.is_relative_to(out) else str(p), format=rec.format,
+            size_bytes=rec.size_bytes, **{k: v for k, v in _as_dict(rec).items()
+                                          if k not in ("path", "format", "size_bytes")},
+        ))
+    if not r.validate_.enabled or run.data.eval is None:
+        return
+    from compress.metrics import make_metric
+
+    needs_ref = make_metric(run.metric).needs_reference
+    vals = validate_exports(records, r.validate_, eval_loader=run.data.eval, reference=model,
+                            task="embedding" if needs_ref else "classification")
+    for v in vals:
+        d = _as_dict(v)
+        report.validation.append(ValidationReport(**{
+            **d,
+            "latency_ms": {str(k): x for k, x in (d.get("latency_ms") or {}).items()},
+            "speedup": {str(k): x for k, x in (d.get("speedup") or {}).items()},
+        }))
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    if hasattr(obj, "model_dump"):
+        return dict(obj.model_dump(mode="json"))
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return dict(vars(obj))
+
+
+def check_thresholds(recipe: Recipe, report: Report) -> list[ThresholdReport]:
+    """Compare the recipe's validate.thresholds with what the run measured."""
+    th = recipe.validate_.thresholds
+    out: list[ThresholdReport] = []
+    finals = [v for v in report.validation if v.model_extra and v.model_extra.get("role") == "final"]
+    first = finals[0] if finals else None
+    if th.max_accuracy_drop is not None:
+        # the deployed form decides: the runtime's accuracy when validated, else PyTorch's
+        final_acc = first.accuracy if first is not None and first.accuracy is not None else report.final.accuracy
+        base = report.baseline.accuracy
+        drop = None if final_acc is None or base is None else base - final_acc
+        out.append(ThresholdReport(name="max_accuracy_drop", limit=th.max_accuracy_drop, value=drop,
+                                   passed=drop is not None and drop <= th.max_accuracy_drop + 1e-12))
+    if th.min_speedup is not None:
+        sp = [x for x in (first.speedup.values() if first else []) if x is not None]
+        best = max(sp) if sp else None
+        out.append(ThresholdReport(name="min_speedup", limit=th.min_speedup, value=best,
+                                   passed=best is not None and best >= th.min_speedup))
+    if th.min_top1_agreement is not None:
+        val = first.parity.get("top1_agreement") if first else None
+        out.append(ThresholdReport(name="min_top1_agreement", limit=th.min_top1_agreement, value=val,
+                                   passed=val is not None and val >= th.min_top1_agreement))
+    if th.min_cosine is not None:
+        val = first.parity.get("cosine") if first else None
+        out.append(ThresholdReport(name="min_cosine", limit=th.min_cosine, value=val,
+                                   passed=val is not None and val >= th.min_cosine))
+    if th.max_size_ratio is not None:
+        sizes = {(e.model_extra or {}).get("role"): e.size_bytes for e in report.exports}
+        ratio = sizes["final"] / sizes["baseline"] if sizes.get("final") and sizes.get("baseline") else None
+        out.append(ThresholdReport(name="max_size_ratio", limit=th.max_size_ratio, value=ratio,
+                                   passed=ratio is not None and ratio <= th.max_size_ratio))
+    return out

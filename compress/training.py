@@ -1,0 +1,341 @@
+"""The built-in trainer and evaluator.
+
+The trainer feeds a Session (when given one) the events of an ordinary loop: ``loss`` per batch,
+``step`` per optimizer step, ``epoch_end`` per epoch. It runs the same under torchrun
+(DistributedDataParallel; gloo on CPU, nccl on CUDA), with rank 0 alone writing files.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Sized
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from compress.batching import call_model, primary_output, split_batch, to_device
+from compress.errors import CompressError
+from compress.metrics import make_metric
+from compress.recipe import TrainSpec
+
+if TYPE_CHECKING:
+    from compress.session import Session
+
+log = logging.getLogger(__name__)
+
+
+# ---- distributed ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dist:
+    """This process's place in a (possibly single-process) run."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: torch.device) -> Dist:
+    """Join the process group torchrun describes in the environment (no-op when not under torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(local)
+    return Dist(rank, world, local)
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; ``cuda`` without CUDA is an error."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CompressError("train.device is 'cuda' but no CUDA device is available")
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# ---- optimizer and schedule -------------------------------------------------------------------
+
+
+def build_optimizer(model: nn.Module, spec: TrainSpec, *, lr: float | None = None) -> torch.optim.Optimizer:
+    """SGD (momentum, nesterov) or AdamW over the trainable parameters; no weight decay on norms/biases."""
+    lr = lr if lr is not None else spec.lr
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim <= 1 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=spec.momentum, nesterov=spec.momentum > 0)
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+def build_schedule(
+    optimizer: torch.optim.Optimizer, spec: TrainSpec, *, total_steps: int, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Per-step LR multiplier: linear warm-up, then cosine, step or constant."""
+    warm = int(spec.warmup_epochs * steps_per_epoch)
+
+    def factor(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if spec.schedule == "cosine":
+            t = (step - warm) / max(total_steps - warm, 1)
+            return 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+        if spec.schedule == "step":
+            return float(spec.gamma ** ((step // max(steps_per_epoch, 1)) // spec.step_size))
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---- training ----------------------------------------------------------------------------------
+
+
+@dataclass
+class FitResult:
+    """What one call of :meth:`Trainer.fit` did."""
+
+    epochs: int = 0
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+
+def task_loss(outputs: Any, targets: Any, *, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Cross-entropy for labelled batches; zero (no signal) for unlabelled ones."""
+    logits = primary_output(outputs)
+    if targets is None:
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits, targets, label_smoothing=label_smoothing)
+
+
+class Trainer:
+    """Trains a model by a TrainSpec, optionally driving a Session's lifecycle events."""
+
+    def __init__(
+        self,
+        spec: TrainSpec,
+        *,
+        device: torch.device | None = None,
+        distributed: Dist | None = None,
+        progress: bool = True,
+        checkpoint: Callable[[nn.Module, torch.optim.Optimizer, int], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.device = device or resolve_device(spec.device)
+        self.dist = distributed or Dist()
+        self.progress = progress and self.dist.is_main
+        self.checkpoint = checkpoint
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if not self.dist.enabled:
+            return model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+    def fit(
+        self,
+        model: nn.Module,
+        loader: Iterable[Any],
+        *,
+        epochs: float,
+        steps: int | None = None,
+        lr: float | None = None,
+        session: Session | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        start_epoch: int = 0,
+        desc: str = "train",
+    ) -> FitResult:
+        """Train for ``epochs`` (or ``steps``); with a session, until its current stage ends."""
+        model.to(self.device)
+        n_batches = len(loader) if isinstance(loader, Sized) else None
+        if steps is None and n_batches is None:
+            raise CompressError("fit needs a sized loader or a step count")
+        n_epochs = math.ceil(epochs) if steps is None else math.ceil(steps / max(n_batches or steps, 1))
+        total = steps if steps is not None else n_epochs * (n_batches or 0)
+        opt = optimizer or build_optimizer(model, self.spec, lr=lr)
+        if session is not None:
+            session.optimizer = opt
+            if session.state.steps_per_epoch is None:
+                session.state.steps_per_epoch = n_batches
+        sched = build_schedule(opt, self.spec, total_steps=total, steps_per_epoch=n_batches or total)
+        for _ in range(start_epoch * (n_batches or 0)):
+            sched.step()
+        use_amp = self.spec.amp and self.device.type == "cuda"
+        scaler = torch.amp.GradScaler("cuda") if use_amp else None
+        stage_index = session.state.stage_index if session is not None else None
+        result = FitResult()
+        t0 = time.perf_counter()
+        wrapped, wrapped_params = self._wrap(model), _param_ids(model)
+        for epoch in range(start_epoch, n_epochs):
+            if _param_ids(model) != wrapped_params:  # a modifier reshaped the model: DDP must re-register
+                wrapped, wrapped_params = self._wrap(model), _param_ids(model)
+            sampler = getattr(loader, "sampler", None)
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(epoch)
+            wrapped.train()
+            bar = tqdm(loader, desc=f"{desc} {epoch + 1}/{n_epochs}", disable=not self.progress, leave=False)
+            running, seen = 0.0, 0
+            for batch in bar:
+                inputs, targets = split_batch(to_device(batch, self.device))
+                with torch.autocast("cuda", dtype=torch.float16) if use_amp else nullcontext():
+                    outputs = call_model(wrapped, inputs)
+                    loss = task_loss(outputs, targets, label_smoothing=self.spec.label_smoothing)
+                    if session is not None:
+                        loss = session.loss(loss, inputs=inputs, outputs=outputs)
+                if not loss.requires_grad:
+                    raise CompressError(
+                        f"{desc}: the loss has no gradient (unlabelled data and no distillation term to train on)"
+                    )
+                opt.zero_grad(set_to_none=True)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.unscale_(opt)
+                else:
+                    loss.backward()
+                if self.spec.grad_clip is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), self.spec.grad_clip)
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                sched.step()
+                result.steps += 1
+                running += float(loss.detach())
+                seen += 1
+                bar.set_postfix(loss=f"{running / seen:.4f}")
+                if session is not None:
+                    session.step()
+                    if session.state.stage_index != stage_index or session.finished:
+                        break
+                if steps is not None and result.steps >= steps:
+                    break
+            result.epochs += 1
+            result.losses.append(running / max(seen, 1))
+            log.info("%s epoch %d/%d loss %.4f", desc, epoch + 1, n_epochs, result.losses[-1])
+            if self.checkpoint is not None and self.dist.is_main:
+                self.checkpoint(model, opt, epoch + 1)
+            if session is not None:
+                if session.state.stage_index != stage_index or session.finished:
+                    break
+                session.epoch_end()
+                if session.state.stage_index != stage_index or session.finished:
+                    break
+            elif steps is not None and result.steps >= steps:
+                break
+        result.seconds = time.perf_counter() - t0
+        return result
+
+
+def _param_ids(model: nn.Module) -> tuple[int, ...]:
+    return tuple(id(p) for p in model.parameters())
+
+
+# ---- evaluation --------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    loader: Iterable[Any],
+    *,
+    metric: str = "accuracy",
+    reference: nn.Module | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+    max_batches: int | None = None,
+) -> float:
+    """The task metric of ``model`` on ``loader`` (higher is better).
+
+    Fidelity metrics such as ``embedding_cosine`` compare against ``reference`` (the fp32 model).
+    """
+    m = make_metric(metric)
+    if m.needs_reference and reference is None:
+        raise CompressError(f"metric '{metric}' needs a reference model")
+    dev = torch.device(device) if device is not None else _device_of(model)
+    was = model.training
+    model.eval()
+    if reference is not None:
+        reference.eval()
+    for i, batch in enumerate(tqdm(loader, desc="eval", disable=not progress, leave=False)):
+        if max_batches is not None and i >= max_batches:
+            break
+        inputs, targets = split_batch(to_device(batch, dev))
+        if m.needs_targets and targets is None:
+            raise CompressError(f"metric '{metric}' needs labelled data; use a fidelity metric such as embedding_cosine")
+        out = call_model(model, inputs)
+        ref = call_model(reference, inputs) if m.needs_reference and reference is not None else None
+        m.update(out, targets, inputs=inputs, reference=ref)
+    model.train(was)
+    return m.compute()
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def fit(
+    model: nn.Module,
+    loader: Iterable[Any],
+    *,
+    epochs: float,
+    spec: TrainSpec | None = None,
+    lr: float | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> FitResult:
+    """Train ``model`` with a TrainSpec's optimizer and schedule (default spec when None)."""
+    spec = spec or TrainSpec()
+    dev = torch.device(device) if device is not None else resolve_device(spec.device)
+    return Trainer(spec, device=dev, progress=progress).fit(model, loader, epochs=epochs, lr=lr)
+
+
+def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, epoch: int) -> None:
+    """Atomically write model and optimizer state with the epoch they reached."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer else None, "epoch": epoch}, tmp
+    )
+    os.replace(tmp, path)
