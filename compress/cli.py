@@ -204,6 +204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``compress`` console script."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # the run's loggers speak at INFO into run.log; the console shows INFO unless --quiet
+    quiet = bool(getattr(args, "quiet", False))
+    for h in logging.getLogger().handlers:
+        h.setLevel(logging.WARNING if quiet else logging.INFO)
     debug = args.debug or os.environ.get("COMPRESS_DEBUG") == "1"
     try:
         return COMMANDS[args.command](args)
