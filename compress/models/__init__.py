@@ -1,0 +1,26 @@
+"""Models: the zoo (resnet, mobilenetv2, vit, mlp), graph-visible ops and ``load_model``."""
+
+from __future__ import annotations
+
+from compress.models.hf import MINILM, load_hf_model, load_tokenizer, minilm_dir, resolve_hf_path
+from compress.models.loading import apply_pruning_plan, check_state_dict, load_checkpoint, load_model
+from compress.models.ops import Add, Concat, MatMul
+from compress.models.zoo import ZOO, build_zoo_model, zoo_kwargs
+
+__all__ = [
+    "MINILM",
+    "ZOO",
+    "Add",
+    "Concat",
+    "MatMul",
+    "apply_pruning_plan",
+    "build_zoo_model",
+    "check_state_dict",
+    "load_checkpoint",
+    "load_hf_model",
+    "load_model",
+    "load_tokenizer",
+    "minilm_dir",
+    "resolve_hf_path",
+    "zoo_kwargs",
+]
