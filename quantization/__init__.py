@@ -1,0 +1,53 @@
+"""Quantization: specs, observers, fake-quant modules, preparation, PTQ/QAT modifiers, SmoothQuant,
+sensitivity, and conversion to real int8 modules (``convert``, in quantization/convert.py).
+
+Names are re-exported lazily so that importing this package stays cheap and acyclic.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "QuantSpec": "quantization.spec",
+    "QuantScheme": "quantization.spec",
+    "PRESETS": "quantization.spec",
+    "resolve_scheme": "quantization.spec",
+    "FakeQuantizer": "quantization.fake_quant",
+    "QuantLinear": "quantization.modules",
+    "QuantConv1d": "quantization.modules",
+    "QuantConv2d": "quantization.modules",
+    "QuantAdd": "quantization.modules",
+    "QuantConcat": "quantization.modules",
+    "QuantMatMul": "quantization.modules",
+    "OBSERVERS": "quantization.observers",
+    "Observer": "quantization.observers",
+    "prepare": "quantization.prepare",
+    "strip": "quantization.prepare",
+    "quantizers": "quantization.prepare",
+    "quant_modules": "quantization.prepare",
+    "set_quantizers": "quantization.prepare",
+    "calibrate": "quantization.calibrate",
+    "quantize": "quantization.api",
+    "QuantizeParams": "quantization.api",
+    "smooth_quant": "quantization.smoothquant",
+    "bias_correction": "quantization.bias_correction",
+    "layer_sensitivity": "quantization.sensitivity",
+    "convert": "quantization.convert",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'quantization' has no attribute '{name}'")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

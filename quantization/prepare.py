@@ -1,0 +1,202 @@
+"""Model preparation: swap float layers for quantized ones, fold BatchNorm, and undo it all (strip).
+
+Module swap is the one mechanism (``model.set_submodule``); the quantized modules share the float
+Parameters, so preparing copies no weights and ``strip`` gives back float modules with the same
+state_dict keys (BatchNorm folded into the conv, SmoothQuant factors folded into the weight).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, cast
+
+import torch
+from torch import nn
+
+from compress.errors import CompressError
+from compress.models.ops import Add, Concat, MatMul
+from compress.targets import select_modules
+from quantization.bn import find_conv_bn_pairs, fold_bn_into_conv
+from quantization.fake_quant import FakeQuantizer
+from quantization.modules import QUANT_LAYERS, QUANT_OPS, QUANT_TYPES, QuantConv1d, QuantConv2d
+from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
+
+log = logging.getLogger(__name__)
+
+FirstLast = Literal["quantize", "float", "w8"]
+BnMode = Literal["fold", "qat", "keep"]
+
+# 8-bit per-channel weights for first/last layers kept at higher precision under 4-bit schemes
+_W8 = QuantSpec(granularity="channel", axis=0)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside a DistributedDataParallel / DataParallel wrapper (else ``model``)."""
+    inner = getattr(model, "module", None)
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) and isinstance(inner, nn.Module):
+        return inner
+    return model
+
+
+def plan_targets(
+    model: nn.Module,
+    scheme: QuantScheme,
+    *,
+    targets: Sequence[str] = ("*",),
+    ignore: Sequence[str] = (),
+    first_last: FirstLast = "quantize",
+    quantize_ops: bool = True,
+    where: str = "quantize",
+) -> dict[str, QuantSpec | None]:
+    """Modules to quantize, mapped to their weight spec (None for tensor ops); nothing is changed.
+
+    Only exact Linear/Conv1d/Conv2d types are swapped: subclasses (e.g. MultiheadAttention's
+    out_proj, read functionally by its parent) keep their own forward and are left alone.
+    """
+    model = unwrap(model)
+    ops = quantize_ops and scheme.inputs is not None and not scheme.inputs.dynamic
+    types: tuple[type[nn.Module], ...] = (*QUANT_LAYERS, *((Add, Concat, MatMul) if ops else ()))
+    selected = select_modules(model, list(targets), ignore=list(ignore), types=types, where=f"{where}: targets")
+    layers = [n for n, m in selected.items() if type(m) in QUANT_LAYERS]
+    out: dict[str, QuantSpec | None] = {}
+    for n, m in selected.items():
+        if type(m) in QUANT_LAYERS:
+            out[n] = scheme.weights
+        elif type(m) in QUANT_OPS:
+            out[n] = None
+        else:
+            log.debug("%s: %s is a subclass of a supported layer; left in float", n, type(m).__name__)
+    if layers and first_last != "quantize":
+        for n in {layers[0], layers[-1]}:
+            if first_last == "float":
+                del out[n]
+            elif scheme.weights is not None:
+                out[n] = _W8
+    return out
+
+
+def prepare(
+    model: nn.Module,
+    scheme: QuantScheme | str,
+    *,
+    targets: Sequence[str] = ("*",),
+    ignore: Sequence[str] = (),
+    first_last: FirstLast = "quantize",
+    bn: BnMode = "fold",
+    quantize_ops: bool = True,
+    where: str = "quantize",
+) -> dict[str, nn.Module]:
+    """Swap the targeted layers of ``model`` (in place) for quantized ones; returns them by name.
+
+    ``bn``: "fold" merges each BatchNorm into the conv before it (PTQ), "qat" hands it to the
+    QuantConv, which trains with folded weights and exact BN statistics, "keep" leaves it alone.
+    ``first_last``: "float" keeps the first and last layer unquantized, "w8" gives them 8-bit
+    per-channel weights (useful under 4-bit schemes). Weight quantizers are calibrated here;
+    activation quantizers need :func:`quantization.calibrate.calibrate`.
+    """
+    scheme = resolve_scheme(scheme)
+    model = unwrap(model)
+    if any(isinstance(m, QUANT_TYPES) for m in model.modules()):
+        raise CompressError(f"{where}: the model is already quantized; strip() it first")
+    plan = plan_targets(
+        model, scheme, targets=targets, ignore=ignore, first_last=first_last, quantize_ops=quantize_ops, where=where
+    )
+    pairs = find_conv_bn_pairs(model) if bn != "keep" else {}
+    if bn == "fold":
+        for conv_name, bn_name in pairs.items():
+            if conv_name in plan:
+                fold_bn_into_conv(model.get_submodule(conv_name), model.get_submodule(bn_name))  # type: ignore[arg-type]
+                model.set_submodule(bn_name, nn.Identity())
+    swapped: dict[str, nn.Module] = {}
+    for name, wspec in plan.items():
+        mod = model.get_submodule(name)
+        if type(mod) in QUANT_LAYERS:
+            new = QUANT_LAYERS[type(mod)].from_float(mod, scheme, name=name, weights=wspec)
+        else:
+            new = QUANT_OPS[type(mod)].from_float(mod, scheme, name=name)
+        _to_device_of(new, mod)
+        model.set_submodule(name, new)
+        swapped[name] = new
+    if bn == "qat":
+        for conv_name, bn_name in pairs.items():
+            q = swapped.get(conv_name)
+            if isinstance(q, (QuantConv1d, QuantConv2d)):
+                q.attach_bn(model.get_submodule(bn_name))  # type: ignore[arg-type]
+                model.set_submodule(bn_name, nn.Identity())
+    for mod in swapped.values():
+        calibrate_weight(mod)
+    log.info("%s: prepared %d modules (%s)", where, len(swapped), _summary(swapped))
+    return swapped
+
+
+def calibrate_weight(mod: nn.Module) -> None:
+    """Set a layer's weight quantizer qparams from its current weight (BN-folded under QAT)."""
+    wq = getattr(mod, "weight_quantizer", None)
+    if not isinstance(wq, FakeQuantizer):
+        return
+    with torch.no_grad():
+        w = mod.weight
+        if not isinstance(w, torch.Tensor):
+            return
+        if isinstance(mod, (QuantConv1d, QuantConv2d)) and mod.bn is not None:
+            w = w * mod._bn_factor(mod.bn).reshape([-1] + [1] * (w.dim() - 1))
+        wq.observe(w)
+        wq.compute_qparams()
+
+
+def strip(model: nn.Module) -> nn.Module:
+    """Swap every quantized module back to its float module (in place); returns ``model``.
+
+    BatchNorm held by a QuantConv is folded into it and SmoothQuant factors are folded back into
+    the weight, so the float model computes what the prepared model computes with quantizers off.
+    """
+    root = unwrap(model)
+    for name, mod in list(root.named_modules()):
+        if isinstance(mod, QUANT_TYPES):
+            root.set_submodule(name, cast(Any, mod).to_float())
+    return model
+
+
+def quant_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(name, module)`` of every quantized module."""
+    for name, mod in unwrap(model).named_modules():
+        if isinstance(mod, QUANT_TYPES):
+            yield name, mod
+
+
+def quantizers(model: nn.Module) -> Iterator[tuple[str, FakeQuantizer]]:
+    """``(name, quantizer)`` of every FakeQuantizer."""
+    for name, mod in unwrap(model).named_modules():
+        if isinstance(mod, FakeQuantizer):
+            yield name, mod
+
+
+def set_quantizers(
+    model: nn.Module,
+    *,
+    enabled: bool | None = None,
+    observing: bool | None = None,
+    roles: Sequence[str] = ("weight", "input", "output"),
+) -> None:
+    """Switch quantizers of the given roles on/off and in/out of observing."""
+    for _, q in quantizers(model):
+        if q.role not in roles:
+            continue
+        if enabled is not None:
+            q.enabled = enabled
+        if observing is not None:
+            q.observing = observing and q.observer is not None
+
+
+def _to_device_of(new: nn.Module, old: nn.Module) -> None:
+    p = next(old.parameters(), None)
+    if p is not None:
+        new.to(p.device)
+
+
+def _summary(swapped: dict[str, Any]) -> str:
+    counts: dict[str, int] = {}
+    for m in swapped.values():
+        counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))

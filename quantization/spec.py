@@ -1,0 +1,150 @@
+"""Typed quantization specs: how one tensor is quantized (QuantSpec) and a whole layer (QuantScheme).
+
+Conventions (read by export and the int8 converter, keep stable):
+- ``qmin``/``qmax`` follow from ``dtype`` and ``bits``: int8 is [-2^(b-1), 2^(b-1)-1], uint8 is
+  [0, 2^b-1]; ``narrow_range`` drops the most negative int level (int8 [-127, 127]).
+- Symmetric specs use ``scale = amax / (qmax - zero_point)`` with zero_point 0 (int8) or 2^(b-1)
+  (uint8), so +amax maps exactly to qmax; asymmetric specs map [min, max] (widened to include 0)
+  onto [qmin, qmax] with an integer zero_point.
+- Granularity: ``tensor`` one scale; ``channel`` one scale per index of ``axis`` (0 = output
+  channel of a weight); ``group`` one scale per ``group_size`` consecutive input features of each
+  output channel (weights); ``token`` one scale per row (all dims but the last), computed at run
+  time (``dynamic`` must be set).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from compress.errors import RecipeError, did_you_mean
+
+Granularity = Literal["tensor", "channel", "token", "group"]
+
+
+class QuantSpec(BaseModel):
+    """How one tensor is quantized: bit width, integer type, symmetry, granularity and observer.
+
+    ``observer`` names a registered observer (minmax, ema, percentile, entropy, mse) and
+    ``observer_params`` its typed parameters (validated when the quantizer is built).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bits: Literal[4, 8] = 8
+    symmetric: bool = True
+    dtype: Literal["int8", "uint8"] = "int8"
+    narrow_range: bool = False
+    granularity: Granularity = "tensor"
+    axis: int = 0
+    group_size: int | None = Field(None, ge=2)
+    dynamic: bool = False
+    observer: str = "minmax"
+    observer_params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> QuantSpec:
+        if self.granularity == "group" and self.group_size is None:
+            raise ValueError("granularity 'group' needs group_size")
+        if self.granularity != "group" and self.group_size is not None:
+            raise ValueError(f"group_size is only used with granularity 'group' (got '{self.granularity}')")
+        if self.granularity == "token" and not self.dynamic:
+            raise ValueError("granularity 'token' is computed at run time: set dynamic: true")
+        if self.narrow_range and self.dtype == "uint8":
+            raise ValueError("narrow_range applies to int8 only")
+        return self
+
+    @property
+    def qmin(self) -> int:
+        if self.dtype == "uint8":
+            return 0
+        return -(2 ** (self.bits - 1)) + (1 if self.narrow_range else 0)
+
+    @property
+    def qmax(self) -> int:
+        return 2**self.bits - 1 if self.dtype == "uint8" else 2 ** (self.bits - 1) - 1
+
+    def with_(self, **changes: Any) -> QuantSpec:
+        """A copy with ``changes`` applied and validated."""
+        return QuantSpec.model_validate({**self.model_dump(), **changes})
+
+
+def _w(**kw: Any) -> QuantSpec:
+    return QuantSpec(**{"granularity": "channel", "axis": 0, **kw})
+
+
+# uint8 asymmetric activations: what ORT's u8s8 kernels want on CPUs without VNNI (DESIGN.md).
+_A_STATIC = QuantSpec(dtype="uint8", symmetric=False, granularity="tensor")
+_A_TOKEN = QuantSpec(dtype="int8", symmetric=True, granularity="token", dynamic=True)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "w8a8": {"weights": _w(), "inputs": _A_STATIC},
+    "w8a8_dynamic": {"weights": _w(), "inputs": _A_TOKEN},
+    "w8_weight_only": {"weights": _w(), "inputs": None},
+    "w4_weight_only_g128": {"weights": QuantSpec(bits=4, granularity="group", group_size=128), "inputs": None},
+}
+
+
+class QuantScheme(BaseModel):
+    """What a quantized layer quantizes: its weights, its inputs and (optionally) its outputs.
+
+    ``inputs: None`` is weight-only quantization. ``outputs`` adds output quantizers to Linear and
+    Conv layers; residual adds and attention matmuls always get one from ``outputs`` (or, when
+    unset, from ``inputs``) because integer kernels need the output scale there.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    weights: QuantSpec | None = Field(default_factory=_w)
+    inputs: QuantSpec | None = _A_STATIC
+    outputs: QuantSpec | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> QuantScheme:
+        for name in ("inputs", "outputs"):
+            s: QuantSpec | None = getattr(self, name)
+            if s is None:
+                continue
+            if s.bits != 8:
+                raise ValueError(f"{name}: activations are quantized to 8 bits (4 bits is for weights)")
+            if s.granularity == "group":
+                raise ValueError(f"{name}: granularity 'group' is for weights")
+        if self.outputs is not None and self.outputs.dynamic:
+            raise ValueError("outputs: output quantizers are static (dynamic: false)")
+        if self.weights is not None and (self.weights.dynamic or self.weights.granularity == "token"):
+            raise ValueError("weights: weights are quantized statically (per tensor, channel or group)")
+        if self.weights is None and self.inputs is None:
+            raise ValueError("a scheme quantizes weights, inputs or both")
+        return self
+
+    @classmethod
+    def preset(cls, name: str) -> QuantScheme:
+        """One of the named presets: w8a8, w8a8_dynamic, w8_weight_only, w4_weight_only_g128."""
+        if name not in PRESETS:
+            raise RecipeError(f"unknown quantization scheme '{name}'; {did_you_mean(name, list(PRESETS))}")
+        return cls(**PRESETS[name])
+
+    @property
+    def static_activations(self) -> bool:
+        """Whether calibration data is needed (a static input or output quantizer exists)."""
+        return (self.inputs is not None and not self.inputs.dynamic) or self.outputs is not None
+
+
+def resolve_scheme(scheme: QuantScheme | str | dict[str, Any]) -> QuantScheme:
+    """A QuantScheme from a scheme, a preset name, or a mapping (``preset`` key allowed as a base)."""
+    if isinstance(scheme, QuantScheme):
+        return scheme
+    if isinstance(scheme, str):
+        return QuantScheme.preset(scheme)
+    data = dict(scheme)
+    base = data.pop("preset", None)
+    if base is not None:
+        merged = QuantScheme.preset(str(base)).model_dump()
+        for key, val in data.items():
+            if isinstance(val, dict) and isinstance(merged.get(key), dict):
+                merged[key] = {**merged[key], **val}
+            else:
+                merged[key] = val
+        data = merged
+    return QuantScheme.model_validate(data)
