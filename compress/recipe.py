@@ -183,7 +183,9 @@ class Recipe(_Strict):
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe as plain data (defaults filled in), as written to the run folder."""
-        return self.model_dump(mode="json", by_alias=True)
+        # serialize_as_any: modifiers are ModifierSpec subclasses; without it pydantic dumps only
+        # the base class's fields and drops every modifier's own settings
+        return self.model_dump(mode="json", by_alias=True, serialize_as_any=True)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
