@@ -419,6 +419,7 @@ def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: S
         raise RecipeError(f"{source.where([])}: a recipe is a mapping with keys version, model, data, ...")
     data = apply_overrides(data, overrides, name)
     data = _validate_modifiers(data, source)
+    _check_unique_stage_names(data, source)
     try:
         result = Recipe.model_validate(data)
     except ValidationError as exc:
@@ -454,6 +455,24 @@ def _validate_modifiers(data: dict[str, Any], source: RecipeSource) -> dict[str,
             except ValidationError as exc:
                 _raise_validation(exc, source, data, prefix=path)
     return data
+
+
+def _check_unique_stage_names(data: dict[str, Any], source: RecipeSource) -> None:
+    # Recipe's own validator has no field path or line to give; point at the second name here
+    stages = data.get("stages")
+    if not isinstance(stages, list):
+        return
+    first: dict[str, int] = {}
+    for i, stage in enumerate(stages):
+        name = stage.get("name") if isinstance(stage, dict) else None
+        if not isinstance(name, str):
+            continue
+        if name in first:
+            raise RecipeError(
+                f"{source.where(['stages', i, 'name'])}: stage name {name!r} is used twice"
+                f" (first as stages.{first[name]}.name)"
+            )
+        first[name] = i
 
 
 def _check_needs_and_order(recipe: Recipe, source: RecipeSource) -> None:
