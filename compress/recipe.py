@@ -358,9 +358,12 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str], name: str = 
                     raise RecipeError(f"{name}: --set {ov!r}: '{sub}' is not an index of a list of {len(node)}")
                 node = node[part]
             elif isinstance(node, dict):
-                if part not in node or node[part] is None:
-                    node[part] = {}
-                node = node[part]
+                key = part if part in node else str(part)
+                if key not in node or node[key] is None:
+                    # a missing container is a list when the next part is an index, so that
+                    # stages.0.modifiers.0={...} appends to a stage that has no modifiers yet
+                    node[key] = [] if isinstance(parts[i + 1], int) else {}
+                node = node[key]
             else:
                 raise RecipeError(f"{name}: --set {ov!r}: '{sub}' is not a mapping or list")
         last = parts[-1]
