@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -134,6 +135,8 @@ def _log_to(path: Path | None, quiet: bool) -> Iterator[None]:
 
 
 def _prepare_out_dir(out_dir: Path, *, overwrite: bool, resume: bool) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # under torchrun rank 0 alone owns the folder; the others would see its first files
     if out_dir.exists() and not out_dir.is_dir():
         raise RecipeError(f"--out {out_dir}: exists and is not a folder")
     if out_dir.exists() and any(out_dir.iterdir()) and not (overwrite or resume):
@@ -177,8 +180,12 @@ def apply(
             shutil.rmtree(out)
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "recipe.yaml", r.to_yaml())
-    with _log_to(out / "run.log" if main else None, quiet):
-        report = _run(run, out, resume=resume)
+    try:
+        with _log_to(out / "run.log" if main else None, quiet):
+            report = _run(run, out, resume=resume)
+    finally:
+        if run.dist.enabled and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     report.seconds = time.perf_counter() - t0
     if main:
         report.write(out)
