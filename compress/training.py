@@ -141,10 +141,11 @@ class FitResult:
 
 
 def task_loss(outputs: Any, targets: Any, *, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Cross-entropy for labelled batches; zero (no signal) for unlabelled ones."""
+    """Cross-entropy for labelled batches; a constant zero (no gradient) for unlabelled ones, which
+    only a modifier's loss term (distillation) can turn into a training signal."""
     logits = primary_output(outputs)
     if targets is None:
-        return logits.sum() * 0.0
+        return torch.zeros((), device=logits.device)
     return F.cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
 
