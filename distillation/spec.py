@@ -1,0 +1,131 @@
+"""Typed specs of distillation: loss terms (discriminated by ``type``), their weight schedule, and
+the teacher. Shared by the ``distill`` recipe modifier and :class:`distillation.api.Distiller`."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from compress.recipe import ModelSpec
+
+
+class LossTerm(BaseModel):
+    """Fields every loss term has: an optional ``name`` and a weight with a schedule.
+
+    The weight goes from ``weight`` to ``weight_end`` over the modifier's active window (or the
+    Distiller's ``total_steps``), linearly or along a half cosine; ``constant`` keeps ``weight``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    name: str | None = None
+    weight: float = Field(1.0, ge=0)
+    weight_end: float | None = Field(None, ge=0)
+    weight_schedule: Literal["constant", "linear", "cosine"] = "constant"
+
+    @model_validator(mode="after")
+    def _schedule_has_end(self) -> LossTerm:
+        if self.weight_schedule != "constant" and self.weight_end is None:
+            raise ValueError(f"weight_schedule '{self.weight_schedule}' needs weight_end")
+        if self.weight_schedule == "constant" and self.weight_end is not None:
+            raise ValueError("weight_end needs weight_schedule 'linear' or 'cosine'")
+        return self
+
+    @property
+    def scheduled(self) -> bool:
+        return self.weight_schedule != "constant"
+
+    def weight_at(self, progress: float) -> float:
+        """The weight at ``progress`` in [0, 1] of the schedule."""
+        if self.weight_end is None or self.weight_schedule == "constant":
+            return self.weight
+        p = min(max(progress, 0.0), 1.0)
+        if self.weight_schedule == "cosine":
+            p = 0.5 * (1.0 - math.cos(math.pi * p))
+        return self.weight + (self.weight_end - self.weight) * p
+
+
+class KDLoss(LossTerm):
+    """Logit distillation: ``T^2 * KL(teacher || student)`` at temperature ``temperature``."""
+
+    type: Literal["kd"] = "kd"
+    temperature: float = Field(4.0, gt=0)
+
+
+class SoftTargetLoss(LossTerm):
+    """Cross entropy against the teacher's softened class distribution (scaled by ``T^2``)."""
+
+    type: Literal["soft_ce"] = "soft_ce"
+    temperature: float = Field(1.0, gt=0)
+
+
+class FeatureLoss(LossTerm):
+    """Hint distillation of intermediate features: ``layers`` maps student module names to teacher
+    module names. With ``adapter: auto`` a trained 1x1 conv (conv maps) or Linear (token/vector
+    features) maps the student's width to the teacher's when they differ (after pruning, or a
+    narrower student); ``none`` makes a mismatch an error."""
+
+    type: Literal["feature"] = "feature"
+    layers: dict[str, str] = Field(min_length=1)
+    adapter: Literal["auto", "none"] = "auto"
+    normalize: bool = False
+
+
+class HiddenStateLoss(LossTerm):
+    """Transformer hidden-state distillation (MSE over non-padding tokens). ``layers`` maps student
+    hidden-state indices (0 = embeddings) to teacher indices; None maps the student's layers
+    uniformly onto the teacher's (TinyBERT's mapping). Adapters as for ``feature``."""
+
+    type: Literal["hidden_states"] = "hidden_states"
+    layers: dict[int, int] | None = None
+    adapter: Literal["auto", "none"] = "auto"
+    normalize: bool = False
+
+
+class AttentionLoss(LossTerm):
+    """Transformer attention distillation: KL between teacher and student attention maps (MiniLM).
+    ``layers`` maps student layer indices (0-based) to teacher layers; None maps uniformly.
+    Head counts must match. The models run eager attention while this is active."""
+
+    type: Literal["attention"] = "attention"
+    layers: dict[int, int] | None = None
+
+
+class CosineLoss(LossTerm):
+    """Sentence-embedding distillation: ``1 - cos`` between pooled student and teacher embeddings.
+    ``pooling``: ``mean`` over non-padding tokens, ``cls`` (first token) or ``pooler`` (the model's
+    pooler output); outputs that already are [B, D] embeddings are used as they are."""
+
+    type: Literal["cosine"] = "cosine"
+    pooling: Literal["mean", "cls", "pooler"] = "mean"
+    adapter: Literal["auto", "none"] = "auto"
+
+
+LossSpec = Annotated[
+    KDLoss | SoftTargetLoss | FeatureLoss | HiddenStateLoss | AttentionLoss | CosineLoss,
+    Field(discriminator="type"),
+]
+
+LOSS_TYPES: tuple[str, ...] = ("kd", "soft_ce", "feature", "hidden_states", "attention", "cosine")
+
+TeacherDtype = Literal["float32", "float16", "bfloat16"]
+
+
+class TeacherSpec(ModelSpec):
+    """A teacher loaded like the recipe's model (zoo name, ``pkg.module:factory``, checkpoint or
+    Hugging Face path). A zoo or factory teacher without a checkpoint must set ``train_epochs``:
+    it is then trained on the run's training data first (``train_lr`` overrides the recipe's lr)."""
+
+    train_epochs: float = Field(0, ge=0)
+    train_lr: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _has_weights(self) -> TeacherSpec:
+        if self.name is not None and self.checkpoint is None and self.train_epochs == 0:
+            raise ValueError(
+                f"teacher '{self.name}' has no weights: set teacher.checkpoint, or teacher.train_epochs to train it first"
+            )
+        return self
