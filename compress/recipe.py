@@ -134,11 +134,14 @@ class Thresholds(_Strict):
     max_size_ratio: float | None = Field(None, gt=0)
 
 
+Runtime = Literal["onnxruntime", "openvino", "cuda"]
+
+
 class ValidateSpec(_Strict):
     """Runtimes to validate the exported model on and how to time it."""
 
     enabled: bool = True
-    runtimes: list[Literal["onnxruntime", "openvino", "cuda"]] = Field(default_factory=lambda: ["onnxruntime"])
+    runtimes: list[Runtime] = Field(default_factory=lambda: list[Runtime](["onnxruntime"]))
     batch_sizes: list[int] = Field(default_factory=lambda: [1, 32])
     warmup: int = Field(5, ge=0)
     runs: int = Field(20, ge=1)
@@ -342,8 +345,8 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str], name: str = 
     for ov in overrides:
         if "=" not in ov:
             raise RecipeError(f"{name}: --set {ov!r}: expected key=value, e.g. train.epochs=3")
-        key, raw = ov.split("=", 1)
-        parts = _split_path(key.strip())
+        path, raw = ov.split("=", 1)
+        parts = _split_path(path.strip())
         if not parts:
             raise RecipeError(f"{name}: --set {ov!r}: empty key")
         try:
@@ -358,12 +361,12 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str], name: str = 
                     raise RecipeError(f"{name}: --set {ov!r}: '{sub}' is not an index of a list of {len(node)}")
                 node = node[part]
             elif isinstance(node, dict):
-                key = part if part in node else str(part)
-                if key not in node or node[key] is None:
+                k = part if part in node else str(part)
+                if k not in node or node[k] is None:
                     # a missing container is a list when the next part is an index, so that
                     # stages.0.modifiers.0={...} appends to a stage that has no modifiers yet
-                    node[key] = [] if isinstance(parts[i + 1], int) else {}
-                node = node[key]
+                    node[k] = [] if isinstance(parts[i + 1], int) else {}
+                node = node[k]
             else:
                 raise RecipeError(f"{name}: --set {ov!r}: '{sub}' is not a mapping or list")
         last = parts[-1]

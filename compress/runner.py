@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import shutil
 import time
@@ -81,27 +82,28 @@ class _Run:
         if base is None:
             raise RecipeError(f"{self.recipe.where('data.source')}: the data source has no train split")
         per_rank = max(self.recipe.train.batch_size // self.dist.world_size, 1)
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[Any] = DistributedSampler(
             base.dataset, num_replicas=self.dist.world_size, rank=self.dist.rank, shuffle=True,
             seed=self.recipe.train.seed,
         )
         return DataLoader(base.dataset, batch_size=per_rank, sampler=sampler, num_workers=self.recipe.data.num_workers,
                           collate_fn=base.collate_fn)
 
-    def evaluate(self, model: nn.Module) -> float | None:
+    def evaluate(self, model: nn.Module) -> float:
+        """The task metric on the eval split (NaN when the data has no eval split)."""
         if self.data.eval is None:
-            return None
+            return float("nan")
         ref = self.reference if self.reference is not None else model
         return evaluate(model, self.data.eval, metric=self.metric, reference=ref, device=self.device,
                         progress=not self.quiet)
 
-    def figures(self, model: nn.Module, *, accuracy: float | None) -> ModelFigures:
+    def figures(self, model: nn.Module, *, accuracy: float) -> ModelFigures:
         macs = None
         try:
             macs = count_macs(model, _to(self.data.example_inputs, self.device))
         except Exception as exc:  # MACs are informative; a model the counter can't run still reports the rest
             log.warning("could not count MACs: %s", exc)
-        return ModelFigures(accuracy=accuracy, params=count_params(model), macs=macs, size_bytes=state_size_bytes(model))
+        return ModelFigures(accuracy=None if math.isnan(accuracy) else accuracy, params=count_params(model), macs=macs, size_bytes=state_size_bytes(model))
 
 
 def _to(x: Any, device: torch.device) -> Any:
@@ -260,8 +262,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
             assert stage is not None  # not finished implies a current stage
             trainer.fit(model, run.train_loader, epochs=stage.epochs, steps=stage.steps, lr=stage.lr,
                         session=session, desc=stage.name)
-    final_acc = report.stages[-1].model.accuracy if report.stages else report.baseline.accuracy
-    report.final = run.figures(model, accuracy=final_acc)
+    report.final = run.figures(model, accuracy=run.evaluate(model))
     if main:
         save_checkpoint(ckpt_dir / "final.pt", model, None, 0)
 

@@ -94,7 +94,8 @@ def seed_everything(seed: int) -> None:
 def build_optimizer(model: nn.Module, spec: TrainSpec, *, lr: float | None = None) -> torch.optim.Optimizer:
     """SGD (momentum, nesterov) or AdamW over the trainable parameters; no weight decay on norms/biases."""
     lr = lr if lr is not None else spec.lr
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.ndim <= 1 else decay).append(p)
@@ -210,9 +211,9 @@ class Trainer:
         for epoch in range(start_epoch, n_epochs):
             if _param_ids(model) != wrapped_params:  # a modifier reshaped the model: DDP must re-register
                 wrapped, wrapped_params = self._wrap(model), _param_ids(model)
-            sampler = getattr(loader, "sampler", None)
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)
+            set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(epoch)
             wrapped.train()
             bar = tqdm(loader, desc=f"{desc} {epoch + 1}/{n_epochs}", disable=not self.progress, leave=False)
             running, seen = 0.0, 0
