@@ -30,6 +30,7 @@ _SKIP_DIRS = frozenset(
         "dist-packages",
         "lib2to3",
         "turtledemo",
+        "pydoc_data",
         "__pycache__",
         "ensurepip",
         "config-3",
@@ -58,11 +59,16 @@ def file_sentences(path: Path) -> tuple[str, ...]:
     except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
         return ()
     out: list[str] = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            doc = ast.get_docstring(node)
-            if doc:
-                out += docstring_sentences(doc)
+    # only definitions carry docstrings: descend through bodies, not every expression node
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        doc = ast.get_docstring(node)  # type: ignore[arg-type]
+        if doc:
+            out += docstring_sentences(doc)
+        for child in reversed(getattr(node, "body", [])):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                stack.append(child)
     return tuple(out)
 
 
