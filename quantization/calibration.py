@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from compress.batching import call_model, split_batch, to_device
 from compress.errors import CalibrationError
-from quantization.prepare import quantizers, unwrap
+from quantization.preparation import quantizers, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,23 @@ def as_forward_loop(data: ForwardLoop | Iterable[Any], *, max_batches: int | Non
     return loop
 
 
+@contextmanager
+def float_mode(model: nn.Module) -> Iterator[None]:
+    """Quantizers off (and not observing) inside the block, restored after; the model in eval."""
+    qs = list(quantizers(model))
+    saved = [(q.enabled, q.observing) for _, q in qs]
+    was_training = model.training
+    for _, q in qs:
+        q.enabled = q.observing = False
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        for (_, q), (en, ob) in zip(qs, saved):
+            q.enabled, q.observing = en, ob
+
+
 def calibrate(model: nn.Module, forward_loop: ForwardLoop | Iterable[Any], *, where: str = "calibration") -> None:
     """Observe activations over ``forward_loop`` (float forward, quantizers off), then set qparams.
 
@@ -51,21 +69,12 @@ def calibrate(model: nn.Module, forward_loop: ForwardLoop | Iterable[Any], *, wh
     acts = [(n, q) for n, q in quantizers(root) if q.role != "weight" and q.observer is not None]
     if not acts:
         return
-    saved = {n: (q.enabled, q.observing) for n, q in quantizers(root)}
-    for _, q in quantizers(root):
-        q.enabled = False
-        if q.observer is not None and q.role != "weight":
+    with float_mode(root), torch.no_grad():
+        for _, q in acts:
+            assert q.observer is not None
             q.observer.reset()
             q.observing = True
-    was_training = root.training
-    root.eval()
-    try:
-        with torch.no_grad():
-            loop(model)
-    finally:
-        root.train(was_training)
-        for n, q in quantizers(root):
-            q.enabled, q.observing = saved[n]
+        loop(model)
     if all(q.observer is not None and q.observer.num_updates == 0 for _, q in acts):
         raise CalibrationError(f"{where}: the forward loop fed no data (empty calibration set?)")
     for _, q in acts:

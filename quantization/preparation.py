@@ -93,7 +93,7 @@ def prepare(
     QuantConv, which trains with folded weights and exact BN statistics, "keep" leaves it alone.
     ``first_last``: "float" keeps the first and last layer unquantized, "w8" gives them 8-bit
     per-channel weights (useful under 4-bit schemes). Weight quantizers are calibrated here;
-    activation quantizers need :func:`quantization.calibrate.calibrate`.
+    activation quantizers need :func:`quantization.calibration.calibrate`.
     """
     scheme = resolve_scheme(scheme)
     model = unwrap(model)

@@ -1,0 +1,79 @@
+"""One-shot post-training quantization: ``compress.quantize(model, scheme, forward_loop)``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from compress.errors import CalibrationError
+from quantization.correction import bias_correction
+from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
+from quantization.preparation import BnMode, FirstLast, prepare
+from quantization.smoothquant import smooth_quant
+from quantization.spec import QuantScheme, resolve_scheme
+
+log = logging.getLogger(__name__)
+
+
+class QuantizeParams(BaseModel):
+    """Advanced knobs of :func:`quantize` (and of the ``ptq`` modifier).
+
+    ``first_last``: quantize / keep in ``float`` / give ``w8`` weights to the first and last layer.
+    ``bn``: fold BatchNorm into the preceding conv (``fold``) or leave it (``keep``).
+    ``smoothquant``: SmoothQuant's alpha for Linear layers (None = off).
+    ``bias_correction``: correct the output mean shift caused by weight rounding.
+    ``max_batches``: cap on calibration batches when ``forward_loop`` is an iterable.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    first_last: FirstLast = "quantize"
+    bn: BnMode = "fold"
+    quantize_ops: bool = True
+    smoothquant: float | None = Field(None, ge=0, le=1)
+    bias_correction: bool = False
+    max_batches: int | None = Field(None, ge=1)
+
+
+def quantize(
+    model: nn.Module,
+    scheme: QuantScheme | str = "w8a8",
+    forward_loop: ForwardLoop | Iterable[Any] | None = None,
+    *,
+    targets: Sequence[str] = ("*",),
+    ignore: Sequence[str] = (),
+    params: QuantizeParams | None = None,
+) -> nn.Module:
+    """Prepare ``model`` (in place) with fake-quant modules and calibrate it; returns it.
+
+    ``scheme`` is a QuantScheme or a preset name (w8a8, w8a8_dynamic, w8_weight_only,
+    w4_weight_only_g128). ``forward_loop`` is ``fn(model)`` that runs calibration batches, or an
+    iterable of batches; it may be None only when nothing needs data (weight-only or dynamic
+    activations without SmoothQuant or bias correction). ``quantization.strip`` undoes it.
+    """
+    scheme = resolve_scheme(scheme)
+    p = params or QuantizeParams()
+    needs_data = scheme.static_activations or p.smoothquant is not None or p.bias_correction
+    if forward_loop is None and needs_data:
+        raise CalibrationError("quantize: this scheme and params need calibration data; pass forward_loop")
+    loop = as_forward_loop(forward_loop, max_batches=p.max_batches) if forward_loop is not None else None
+    prepare(
+        model,
+        scheme,
+        targets=targets,
+        ignore=ignore,
+        first_last=p.first_last,
+        bn=p.bn,
+        quantize_ops=p.quantize_ops,
+    )
+    if loop is not None:
+        if p.smoothquant is not None:
+            smooth_quant(model, loop, alpha=p.smoothquant)
+        calibrate(model, loop)
+        if p.bias_correction:
+            bias_correction(model, loop)
+    return model

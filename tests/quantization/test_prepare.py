@@ -1,0 +1,224 @@
+"""Module swap: quantized modules against functional references, strip reversibility, BN folding,
+targets/ignore and first/last policy, calibration errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compress.errors import CalibrationError, CompressError, TargetMatchError, UnsupportedModelError
+from compress.models.ops import Add, Concat, MatMul
+from quantization import (
+    QuantAdd,
+    QuantConcat,
+    QuantConv2d,
+    QuantLinear,
+    QuantMatMul,
+    calibrate,
+    prepare,
+    quantize,
+    quantizers,
+    strip,
+)
+from quantization.primitives import fake_quantize
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.add = Add()
+        self.cat = Concat(dim=1)
+        self.mm = MatMul()
+        self.fc = nn.Linear(16 * 4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = self.add(h, self.conv2(h))
+        h = self.cat(h, h * 0.5)  # [N, 16, 8, 8]
+        h = F.adaptive_avg_pool2d(h, 2).flatten(2)  # [N, 16, 4]
+        h = self.mm(h, h.transpose(1, 2))  # [N, 16, 16]
+        return self.fc(h[:, :, :4].reshape(h.shape[0], -1))
+
+
+def _model() -> Block:
+    torch.manual_seed(0)
+    m = Block()
+    with torch.no_grad():  # non-trivial BN statistics
+        m.bn1.running_mean.uniform_(-0.5, 0.5)
+        m.bn1.running_var.uniform_(0.5, 2.0)
+        m.bn1.weight.uniform_(0.5, 1.5)
+        m.bn1.bias.uniform_(-0.2, 0.2)
+    return m.eval()
+
+
+def _data(n: int = 4, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(8, 3, 8, 8, generator=g) for _ in range(n)]
+
+
+def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.detach(), out.detach()
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean()))
+
+
+def test_quant_linear_matches_functional_reference_bit_exact() -> None:
+    torch.manual_seed(3)
+    lin = nn.Linear(16, 8)
+    q = copy.deepcopy(lin)
+    root = nn.Sequential(q)
+    prepare(root, "w8a8")
+    x = torch.randn(32, 16)
+    calibrate(root, [x])
+    ql = root[0]
+    assert isinstance(ql, QuantLinear)
+    w = lin.weight.detach()
+    ws = w.abs().amax(1) / 127
+    wq = torch.fake_quantize_per_channel_affine(w, ws, torch.zeros(8, dtype=torch.int32), 0, -128, 127)
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    s = (hi - lo) / 255
+    zp = int(min(max(0 - round(lo / s), 0), 255))
+    xq = torch.fake_quantize_per_tensor_affine(x, s, zp, 0, 255)
+    ref = F.linear(xq, wq, lin.bias)
+    torch.testing.assert_close(ql(x), ref, atol=0, rtol=0)
+    assert ql.weight is lin.weight or torch.equal(ql.weight, lin.weight)
+
+
+def test_ops_wrappers_quantize_each_operand_and_output() -> None:
+    m = _model()
+    prepare(m, "w8a8")
+    assert isinstance(m.add, QuantAdd) and isinstance(m.mm, QuantMatMul) and isinstance(m.cat, QuantConcat)
+    calibrate(m, _data())
+    a, b = torch.randn(2, 8, 8, 8), torch.randn(2, 8, 8, 8)
+    qa, qb, qo = m.add.input_quantizers[0], m.add.input_quantizers[1], m.add.output_quantizer
+
+    def fq(q, t):  # noqa: ANN001, ANN202
+        return fake_quantize(t, q.scale, q.zero_point, q.qmin, q.qmax)
+
+    torch.testing.assert_close(m.add(a, b), fq(qo, fq(qa, a) + fq(qb, b)), atol=0, rtol=0)
+    c = m.cat(a, b)
+    q = m.cat.input_quantizer
+    torch.testing.assert_close(c, torch.cat([fq(q, a), fq(q, b)], 1), atol=0, rtol=0)
+
+
+def test_prepare_then_strip_is_reversible() -> None:
+    m = _model()
+    x = torch.randn(4, 3, 8, 8)
+    ref = m(x)
+    keys = set(m.state_dict())
+    q = copy.deepcopy(m)
+    prepare(q, "w8a8", bn="keep")
+    calibrate(q, _data())
+    assert not torch.equal(q(x), ref)
+    strip(q)
+    assert set(q.state_dict()) == keys
+    assert all(torch.equal(a, b) for a, b in zip(q.state_dict().values(), m.state_dict().values()))
+    torch.testing.assert_close(q(x), ref, atol=0, rtol=0)
+    assert not any(isinstance(mod, (QuantLinear, QuantConv2d, QuantAdd)) for mod in q.modules())
+
+
+def test_bn_fold_for_ptq_preserves_float_function() -> None:
+    m = _model()
+    x = torch.randn(4, 3, 8, 8)
+    ref = m(x)
+    q = copy.deepcopy(m)
+    prepare(q, "w8a8", bn="fold")
+    assert isinstance(q.bn1, nn.Identity) and q.conv1.bias is not None
+    for _, fq in quantizers(q):
+        fq.enabled = False
+    torch.testing.assert_close(q(x), ref, atol=1e-5, rtol=1e-5)
+    strip(q)
+    torch.testing.assert_close(q(x), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_qat_bn_conv_trains_stats_then_freezes_and_folds_exactly() -> None:
+    m = _model()
+    q = copy.deepcopy(m)
+    prepare(q, "w8a8", bn="qat")
+    conv = q.conv1
+    assert isinstance(conv, QuantConv2d) and conv.bn is not None and isinstance(q.bn1, nn.Identity)
+    calibrate(q, _data())
+    q.train()
+    before = conv.bn.running_mean.clone()
+    q(torch.randn(8, 3, 8, 8) + 1.0)
+    assert not torch.equal(before, conv.bn.running_mean)  # batch statistics update while training
+    conv.bn_frozen = True
+    frozen = conv.bn.running_mean.clone()
+    q(torch.randn(8, 3, 8, 8))
+    assert torch.equal(frozen, conv.bn.running_mean)
+    q.eval()
+    x = torch.randn(4, 3, 8, 8)
+    y_bn = q(x)
+    conv.fold_bn()
+    # after folding, the weight quantizer sees the same folded weight: same result up to fp rounding
+    torch.testing.assert_close(q(x), y_bn, atol=1e-4, rtol=1e-4)
+
+
+def test_targets_ignore_first_last() -> None:
+    m = _model()
+    prepare(m, "w8a8", targets=["type:Conv2d", "fc"], ignore=["conv2"], quantize_ops=False)
+    assert isinstance(m.conv1, QuantConv2d) and type(m.conv2) is nn.Conv2d and isinstance(m.fc, QuantLinear)
+    assert type(m.add) is Add
+    m = _model()
+    prepare(m, "w8a8", first_last="float")
+    assert type(m.conv1) is nn.Conv2d and type(m.fc) is nn.Linear and isinstance(m.conv2, QuantConv2d)
+    m = _model()
+    prepare(m, "w4_weight_only_g128", first_last="w8")
+    assert m.conv1.weight_quantizer.spec.bits == 8 and m.conv2.weight_quantizer.spec.bits == 4
+    with pytest.raises(TargetMatchError, match="'nope'"):
+        prepare(_model(), "w8a8", targets=["nope"])
+    with pytest.raises(CompressError, match="already quantized"):
+        prepare(m, "w8a8")
+
+
+def test_calibration_errors_are_clear() -> None:
+    m = _model()
+    prepare(m, "w8a8")
+    with pytest.raises(CalibrationError, match="fed no data"):
+        calibrate(m, [])
+    bad = torch.randn(2, 3, 8, 8)
+    bad[0, 0, 0, 0] = float("nan")
+    with pytest.raises(CalibrationError, match="NaN or inf"):
+        calibrate(m, [bad])
+    with pytest.raises(CalibrationError, match="used before calibration"):
+        m(torch.randn(2, 3, 8, 8))
+    with pytest.raises(CalibrationError, match="forward_loop"):
+        quantize(_model(), "w8a8")
+
+
+def test_group_size_must_divide_features() -> None:
+    lin = nn.Sequential(nn.Linear(200, 4))
+    with pytest.raises(UnsupportedModelError, match="not divisible by group_size 128"):
+        prepare(lin, "w4_weight_only_g128")
+    small = nn.Sequential(nn.Linear(64, 4))  # shorter rows: one group per row
+    prepare(small, "w4_weight_only_g128")
+    assert small[0].weight_quantizer.scale.shape == (4, 1)
+
+
+def test_state_dict_round_trip_into_fresh_prepared_model() -> None:
+    m = _model()
+    prepare(m, "w8a8")
+    calibrate(m, _data())
+    x = torch.randn(2, 3, 8, 8)
+    fresh = _model()
+    prepare(fresh, "w8a8")
+    fresh.load_state_dict(m.state_dict())
+    torch.testing.assert_close(fresh(x), m(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "scheme,floor",
+    [("w8a8", 33.0), ("w8a8_dynamic", 33.0), ("w8_weight_only", 44.0), ("w4_weight_only_g128", 16.0)],
+)
+def test_end_to_end_sqnr_floor(scheme: str, floor: float) -> None:
+    m = _model()
+    x = torch.randn(16, 3, 8, 8)
+    ref = m(x)
+    q = quantize(copy.deepcopy(m), scheme, _data())
+    assert _sqnr(ref, q(x)) > floor

@@ -1,0 +1,121 @@
+"""Level (a): primitives bit-exact against torch's fake_quantize_per_*_affine; STE and LSQ grads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantization.primitives import (
+    SCALE_EPS,
+    dequantize,
+    dynamic_qparams,
+    fake_quantize,
+    fake_quantize_spec,
+    qparams_from_range,
+    quantize,
+)
+from quantization.spec import QuantScheme, QuantSpec
+
+
+@pytest.mark.parametrize("qmin,qmax,symmetric", [(-128, 127, True), (0, 255, False), (0, 255, True), (-8, 7, True)])
+def test_per_tensor_bit_exact_vs_torch(qmin: int, qmax: int, symmetric: bool) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 33, generator=g) * 3 + 0.5
+    scale, zp = qparams_from_range(x.min(), x.max(), qmin=qmin, qmax=qmax, symmetric=symmetric)
+    ours = fake_quantize(x, scale, zp, qmin, qmax)
+    ref = torch.fake_quantize_per_tensor_affine(x, float(scale), int(zp), qmin, qmax)
+    torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+    # quantize/dequantize compose to the same values
+    torch.testing.assert_close(dequantize(quantize(x, scale, zp, qmin, qmax), scale, zp), ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_per_channel_bit_exact_vs_torch(axis: int) -> None:
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 24, 3, generator=g) * torch.rand(16, 1, 1, generator=g)
+    spec = QuantSpec(granularity="channel", axis=axis)
+    rows = w.movedim(axis, 0).reshape(w.shape[axis], -1)
+    scale, zp = qparams_from_range(rows.amin(1), rows.amax(1), qmin=-128, qmax=127, symmetric=True)
+    ours = fake_quantize_spec(w, scale, zp, spec)
+    ref = torch.fake_quantize_per_channel_affine(w, scale, zp, axis, -128, 127)
+    torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+
+
+def test_per_group_equals_per_channel_on_regrouped_rows() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(8, 256, generator=g)
+    spec = QuantSpec(bits=4, granularity="group", group_size=64)
+    rows = w.reshape(-1, 64)
+    scale, zp = qparams_from_range(rows.amin(1), rows.amax(1), qmin=-8, qmax=7, symmetric=True)
+    ours = fake_quantize_spec(w, scale.reshape(8, 4), zp.reshape(8, 4), spec)
+    ref = torch.fake_quantize_per_channel_affine(rows, scale, zp, 0, -8, 7).reshape(8, 256)
+    torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+    assert len(torch.unique(ours[0, :64])) <= 16
+
+
+def test_dynamic_per_token_matches_rowwise_reference() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 32, generator=g) * torch.linspace(0.1, 10, 5).reshape(1, 5, 1)
+    spec = QuantSpec(granularity="token", dynamic=True)
+    scale, zp = dynamic_qparams(x, spec)
+    assert scale.shape == (2, 5, 1)
+    ours = fake_quantize_spec(x, scale, zp, spec)
+    rows = x.reshape(-1, 32)
+    amax = rows.abs().amax(1)
+    ref = torch.fake_quantize_per_channel_affine(rows, amax / 127, torch.zeros(10, dtype=torch.int32), 0, -128, 127)
+    torch.testing.assert_close(ours, ref.reshape(x.shape), atol=0, rtol=0)
+
+
+def test_qparams_zero_exact_and_degenerate_ranges() -> None:
+    # zero is representable even when the range excludes it
+    scale, zp = qparams_from_range(torch.tensor(2.0), torch.tensor(5.0), qmin=0, qmax=255, symmetric=False)
+    z = fake_quantize(torch.zeros(3), scale, zp, 0, 255)
+    assert torch.equal(z, torch.zeros(3))
+    # constant zero tensor: finite tiny scale, exact zeros out
+    scale, zp = qparams_from_range(torch.tensor(0.0), torch.tensor(0.0), qmin=-128, qmax=127, symmetric=True)
+    assert float(scale) == pytest.approx(SCALE_EPS) and torch.isfinite(scale)
+    assert torch.equal(fake_quantize(torch.zeros(4), scale, zp, -128, 127), torch.zeros(4))
+    # constant positive tensor: reproduced to within half a step
+    c = torch.full((5,), 3.7)
+    scale, zp = qparams_from_range(c.min(), c.max(), qmin=0, qmax=255, symmetric=False)
+    assert torch.allclose(fake_quantize(c, scale, zp, 0, 255), c, atol=float(scale) / 2)
+
+
+def test_ste_gradient_is_one_inside_zero_outside() -> None:
+    x = torch.tensor([-3.0, -0.5, 0.2, 0.9, 4.0], requires_grad=True)
+    scale, zp = torch.tensor(1.0 / 127), torch.tensor(0, dtype=torch.int32)
+    fake_quantize(x, scale, zp, -128, 127).sum().backward()
+    assert x.grad is not None
+    assert x.grad.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]
+
+
+def test_lsq_scale_gradient_matches_formula() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(100, generator=g)
+    s = torch.tensor(0.01, requires_grad=True)
+    zp = torch.tensor(0, dtype=torch.int32)
+    fake_quantize(x, s, zp, -128, 127).sum().backward()
+    v = x / 0.01
+    # d/ds of s*clamp(round(x/s)) : round(v) - v inside, qmin/qmax outside (LSQ, Esser et al.)
+    inside = (torch.round(x * (1 / torch.tensor(0.01))) >= -128) & (torch.round(x * (1 / torch.tensor(0.01))) <= 127)
+    expected = torch.where(inside, torch.round(v) - v, torch.where(v < 0, torch.tensor(-128.0), torch.tensor(127.0)))
+    assert s.grad is not None
+    assert float(s.grad) == pytest.approx(float(expected.sum()), rel=1e-3, abs=1e-3)
+
+
+def test_presets_validate_and_typos_are_named() -> None:
+    from compress.errors import RecipeError
+
+    assert QuantScheme.preset("w8a8").inputs is not None
+    assert QuantScheme.preset("w8_weight_only").inputs is None
+    w4 = QuantScheme.preset("w4_weight_only_g128").weights
+    assert w4 is not None and (w4.bits, w4.group_size, w4.qmin, w4.qmax) == (4, 128, -8, 7)
+    assert QuantScheme.preset("w8a8_dynamic").static_activations is False
+    with pytest.raises(RecipeError, match="did you mean 'w8a8'"):
+        QuantScheme.preset("w8a9")
+    with pytest.raises(ValueError, match="group_size"):
+        QuantSpec(granularity="group")
+    with pytest.raises(ValueError, match="dynamic"):
+        QuantSpec(granularity="token")
+    with pytest.raises(ValueError, match="8 bits"):
+        QuantScheme(inputs=QuantSpec(bits=4))
