@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from compress.errors import CalibrationError
-from quantization.correction import bias_correction
 from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
+from quantization.correction import bias_correction
 from quantization.preparation import BnMode, FirstLast, prepare
 from quantization.smoothquant import smooth_quant
 from quantization.spec import QuantScheme, resolve_scheme

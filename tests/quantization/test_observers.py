@@ -139,7 +139,7 @@ def test_bad_data_raises_calibration_error() -> None:
 def test_observer_params_are_validated() -> None:
     with pytest.raises(RecipeError, match="percentile"):
         _obs("percentile", percentile=120.0)
-    with pytest.raises(RecipeError, match="unknown observer 'minmx'.*did you mean 'minmax'"):
+    with pytest.raises(RecipeError, match=r"unknown observer 'minmx'.*did you mean 'minmax'"):
         _obs("minmx")
     with pytest.raises(RecipeError, match="granularity 'tensor' only"):
         _obs("entropy", granularity="channel")

@@ -98,7 +98,7 @@ def test_ops_wrappers_quantize_each_operand_and_output() -> None:
     a, b = torch.randn(2, 8, 8, 8), torch.randn(2, 8, 8, 8)
     qa, qb, qo = m.add.input_quantizers[0], m.add.input_quantizers[1], m.add.output_quantizer
 
-    def fq(q, t):  # noqa: ANN001, ANN202
+    def fq(q, t):
         return fake_quantize(t, q.scale, q.zero_point, q.qmin, q.qmax)
 
     torch.testing.assert_close(m.add(a, b), fq(qo, fq(qa, a) + fq(qb, b)), atol=0, rtol=0)
