@@ -24,7 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 from torch import nn
 
 from compress.batching import call_model, primary_output, split_batch, to_device
-from compress.errors import CompressError, RecipeError
+from compress.errors import CompressError, RecipeError, did_you_mean
 from distillation.adapters import AdapterSet
 from distillation.capture import FeatureCapture
 from distillation.losses import (
@@ -52,6 +52,10 @@ from distillation.teacher import Teacher, is_hf
 log = logging.getLogger(__name__)
 
 _LOSSES: TypeAdapter[list[LossSpec]] = TypeAdapter(list[LossSpec])
+_LOSS_CLASSES: dict[str, type[LossTerm]] = {
+    c.model_fields["type"].default: c
+    for c in (KDLoss, SoftTargetLoss, FeatureLoss, HiddenStateLoss, AttentionLoss, CosineLoss)
+}
 
 
 def parse_losses(losses: Sequence[LossTerm | Mapping[str, Any]] | None, *, where: str) -> list[LossTerm]:
@@ -64,9 +68,24 @@ def parse_losses(losses: Sequence[LossTerm | Mapping[str, Any]] | None, *, where
     try:
         return list(_LOSSES.validate_python(items))
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise RecipeError(f"{where}: losses.{loc}: {err['msg']}") from None
+        raise RecipeError(f"{where}: {explain_loss_error(exc.errors()[0], items)}") from None
+
+
+def explain_loss_error(err: Any, items: list[dict[str, Any]]) -> str:
+    """``losses.<i>.<field>: what is wrong; valid: ...`` for a pydantic error in a loss list."""
+    loc = list(err["loc"])
+    cls: type[LossTerm] | None = None
+    if len(loc) >= 2 and isinstance(loc[0], int) and loc[1] in _LOSS_CLASSES:
+        cls = _LOSS_CLASSES[str(loc.pop(1))]  # drop the union's tag from the path
+    path = "losses." + ".".join(str(p) for p in loc)
+    if err["type"] == "union_tag_invalid":
+        got = items[loc[0]].get("type") if isinstance(loc[0], int) else None
+        return f"{path}.type: unknown loss type {got!r}; {did_you_mean(str(got), list(_LOSS_CLASSES))}"
+    if err["type"] == "union_tag_not_found":
+        return f"{path}: a loss term needs a 'type'; valid: {', '.join(_LOSS_CLASSES)}"
+    if err["type"] == "extra_forbidden" and cls is not None:
+        return f"{path}: unknown field '{loc[-1]}'; {did_you_mean(str(loc[-1]), list(cls.model_fields))}"
+    return f"{path}: {str(err['msg']).removeprefix('Value error, ')}"
 
 
 def _names(terms: list[LossTerm]) -> list[str]:

@@ -109,8 +109,6 @@ LossSpec = Annotated[
     Field(discriminator="type"),
 ]
 
-LOSS_TYPES: tuple[str, ...] = ("kd", "soft_ce", "feature", "hidden_states", "attention", "cosine")
-
 TeacherDtype = Literal["float32", "float16", "bfloat16"]
 
 

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from distillation.losses import attention_kl, cosine_loss, divergence, feature_mse, kd_kl, mean_pool, soft_target_ce
+from distillation.losses import (
+    attention_kl,
+    cosine_loss,
+    divergence,
+    feature_mse,
+    kd_kl,
+    mean_pool,
+    soft_target_ce,
+)
 from distillation.spec import FeatureLoss, KDLoss, LossTerm
 
 
