@@ -1,0 +1,65 @@
+"""Every shipped recipe loads, and runs end to end when shrunk to test size."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import compress
+from compress.cli import shipped_recipes
+
+RECIPES = shipped_recipes()
+
+
+def shrink(data: dict[str, Any]) -> dict[str, Any]:
+    """The same pipeline at test size: fewer epochs, steps, samples and timed runs."""
+    d = json.loads(json.dumps(data))
+    train = d.setdefault("train", {})
+    train["epochs"] = min(train.get("epochs", 0), 2)
+    data_spec = d.setdefault("data", {})
+    data_spec["calibration_samples"] = min(data_spec.get("calibration_samples", 256), 64)
+    data_spec["eval_samples"] = min(data_spec.get("eval_samples") or 10**9, 128)
+    if data_spec.get("source") == "text":
+        kw = data_spec.setdefault("kwargs", {})
+        kw["samples"] = min(kw.get("samples", 10**9), 96)
+    for stage in d.get("stages", []):
+        if stage.get("epochs"):
+            stage["epochs"] = min(math.ceil(stage["epochs"]), 2)
+        if stage.get("steps"):
+            stage["steps"] = min(stage["steps"], 4)
+    val = d.setdefault("validate", {})
+    val.update({"runs": 2, "warmup": 1, "batch_sizes": [1, 4]})
+    return d
+
+
+def test_shipped_recipes_exist() -> None:
+    assert "quickstart" in RECIPES
+    assert len(RECIPES) >= 1
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_loads(name: str) -> None:
+    recipe = compress.load_recipe(RECIPES[name])
+    assert recipe.name
+    assert recipe.description.strip(), f"{name}: recipes describe themselves (compress recipes shows it)"
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_runs_small(name: str, tmp_path: Path) -> None:
+    raw = yaml.safe_load(RECIPES[name].read_text())
+    recipe = compress.load_recipe(shrink(raw))
+    report = compress.apply(recipe, out_dir=tmp_path / name, quiet=True)
+    assert (tmp_path / name / "report.json").is_file()
+    assert [s.name for s in report.stages] == [s.name for s in recipe.stages]
+    assert report.baseline.params and report.final.params
+    if recipe.export.enabled:
+        assert report.exports, f"{name}: export enabled but nothing exported"
+        for e in report.exports:
+            assert (tmp_path / name / e.path).is_file()
+    if recipe.export.enabled and recipe.validate_.enabled:
+        assert report.validation, f"{name}: validation enabled but no runtime results"
