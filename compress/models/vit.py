@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from compress.errors import CompressError
 from compress.models.ops import Add, Concat, MatMul
 
 
@@ -133,6 +134,11 @@ class ViT(nn.Module):
                     nn.init.zeros_(m.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[-2:]) != (self.image_size, self.image_size):
+            raise CompressError(
+                f"this ViT was built for {self.image_size}x{self.image_size} inputs, got "
+                f"{x.shape[-2]}x{x.shape[-1]}; build it with image_size={x.shape[-1]}"
+            )
         x = self.patch_embed(x).flatten(2).transpose(1, 2)  # (b, patches, dim)
         x = self.cat(self.cls_token.expand(x.shape[0], -1, -1), x)
         x = self.blocks(self.add_pos(x, self.pos_embed))

@@ -234,3 +234,55 @@ def test_minilm_from_wheel() -> None:
     # real weights: two different sentences give clearly different, finite embeddings
     assert torch.isfinite(hidden).all()
     assert (hidden[0, 0] - hidden[1, 0]).abs().max() > 1e-2
+
+
+def test_vit_wrong_image_size_is_a_clear_error() -> None:
+    from compress.errors import CompressError
+
+    with pytest.raises(CompressError, match=r"built for 8x8 inputs, got 16x16; build it with image_size=16"):
+        build_zoo_model("vit")(torch.randn(1, 1, 16, 16))
+
+
+def test_build_zoo_model_mapping_and_keywords_agree() -> None:
+    torch.manual_seed(0)
+    a = build_zoo_model("mlp", {"hidden": 16}, depth=1)
+    torch.manual_seed(0)
+    b = build_zoo_model("mlp", hidden=16, depth=1)
+    assert [p.shape for p in a.parameters()] == [p.shape for p in b.parameters()]
+    assert len(a.body) == 2  # one Linear-ReLU pair
+
+
+def test_pruning_plan_replayed_before_checkpoint(tmp_path, monkeypatch) -> None:
+    # a stand-in for pruning.plan: the plan narrows fc, so only a plan-then-checkpoint order fits
+    import types
+
+    calls: list[str] = []
+
+    class FakePlan:
+        @classmethod
+        def load(cls, path):
+            calls.append(f"load {path}")
+            return cls()
+
+        def apply(self, model):
+            calls.append("apply")
+            model.fc = nn.Linear(model.fc.in_features, 4)
+
+    fake = types.ModuleType("pruning.plan")
+    fake.PruningPlan = FakePlan  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pruning.plan", fake)
+    pruned = build_zoo_model("resnet", width=8)
+    pruned.fc = nn.Linear(pruned.fc.in_features, 4)
+    torch.save(pruned.state_dict(), tmp_path / "pruned.pt")
+    (tmp_path / "plan.json").write_text("{}")
+    spec = ModelSpec(
+        name="resnet",
+        kwargs={"width": 8},
+        pruning_plan=str(tmp_path / "plan.json"),
+        checkpoint=str(tmp_path / "pruned.pt"),
+    )
+    model = load_model(spec)
+    assert calls == [f"load {tmp_path / 'plan.json'}", "apply"]
+    torch.testing.assert_close(model.fc.weight, pruned.fc.weight, atol=0, rtol=0)
+    with pytest.raises(RecipeError, match=r"pruning plan '.*nope.json' not found"):
+        load_model(ModelSpec(name="resnet", pruning_plan=str(tmp_path / "nope.json")))
