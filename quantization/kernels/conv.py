@@ -24,7 +24,7 @@ import triton.language as tl
 
 from compress.errors import CompressError
 from quantization.kernels import ACTIVATIONS, check_device
-from quantization.kernels.gemm import GemmConfig, _cfg, epilogue, int8_gemm, m_bucket
+from quantization.kernels.gemm import INTERPRET_CONFIG, GemmConfig, _cfg, epilogue, int8_gemm, m_bucket
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "no")
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -202,7 +202,7 @@ def int8_conv2d(
 
         _conv_tuned[grid](*args, **flags)
     else:
-        cf = config or GemmConfig()
+        cf = config or INTERPRET_CONFIG
         _conv_kernel[(triton.cdiv(m, cf.block_m) * triton.cdiv(o, cf.block_n),)](
             *args, **flags, BLOCK_M=cf.block_m, BLOCK_N=cf.block_n, BLOCK_K=cf.block_k, GROUP_M=cf.group_m,
             num_warps=cf.num_warps, num_stages=cf.num_stages,

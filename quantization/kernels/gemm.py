@@ -47,6 +47,10 @@ class GemmConfig:
     num_stages: int = 2
 
 
+# Without autotuning (interpreter): large tiles mean few programs, which is what costs time there.
+INTERPRET_CONFIG = GemmConfig(64, 64, 64)
+
+
 def _cfg(bm: int, bn: int, bk: int, stages: int, warps: int, group: int = 8) -> triton.Config:
     return triton.Config(
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group}, num_stages=stages, num_warps=warps
@@ -258,7 +262,7 @@ def int8_gemm(
 
         _gemm_tuned[grid](*args, **flags)
         return out
-    c = config or GemmConfig()
+    c = config or INTERPRET_CONFIG
     grid_fixed = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
     _gemm_fixed[grid_fixed](
         *args, **flags, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,

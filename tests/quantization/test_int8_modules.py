@@ -1,0 +1,140 @@
+"""Int8Linear / Int8Conv2d: bit-exact integer codes, the epilogue against the same math in torch,
+and parity with the fake-quant layer they replace. CPU runs use the Triton interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if not torch.cuda.is_available():  # before the kernels are first imported (jit decides then)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import compress
+from compress.errors import CompressError, UnsupportedModelError
+from quantization.int8 import Int8Conv2d, Int8Linear
+from quantization.primitives import quantize
+from quantization.spec import QuantScheme, QuantSpec
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs compress[triton]")
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("cpu", id="interpret"),
+        pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+    ]
+)
+def device(request: pytest.FixtureRequest) -> str:
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("CPU runs need TRITON_INTERPRET=1 (CUDA present: the cuda cases run instead)")
+    return str(request.param)
+
+
+def _quantized(layer: nn.Module, scheme: QuantScheme | str, data: list[torch.Tensor]) -> nn.Module:
+    q = compress.quantize(nn.Sequential(layer), scheme, data)
+    return q[0]
+
+
+def _linear(scheme: QuantScheme | str, *, k: int = 70, n: int = 45, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    data = [torch.randn(8, k) * 2 + 0.3 for _ in range(3)]
+    return _quantized(nn.Linear(k, n), scheme, data)
+
+
+def test_linear_static_uint8_matches_integer_reference(device: str) -> None:
+    ql = _linear("w8a8").eval()
+    il = Int8Linear.from_quant(ql).to(device)
+    iq, wq = ql.input_quantizer, ql.weight_quantizer
+    assert iq is not None and wq is not None and iq.spec.dtype == "uint8"
+    x = torch.randn(37, 70) * 2
+    # the reference: codes from the primitives, exact integer GEMM, the kernel's epilogue order
+    xq = quantize(x, iq.scale, iq.zero_point, iq.qmin, iq.qmax).long() - int(iq.zero_point)
+    wcodes = wq.int_repr(ql.weight.detach()).long()
+    assert torch.equal(il.weight_q.cpu().long(), wcodes)
+    acc = (xq @ wcodes.T).float()
+    ref = acc * iq.scale.float() * wq.scale.float()[None, :] + ql.bias.detach()
+    y = il(x.to(device)).cpu()
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(y, ql(x), atol=1e-4, rtol=1e-4)  # parity with fake-quant
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_linear_dynamic_per_token_parity(dtype: torch.dtype, device: str) -> None:
+    ql = _linear("w8a8_dynamic", seed=1).eval()
+    il = Int8Linear.from_quant(ql).to(device)
+    assert il.input_mode == "token"
+    x = torch.randn(3, 11, 70)
+    with torch.no_grad():
+        ref = ql.to(dtype=torch.float32)(x.to(dtype).float())
+    y = il(x.to(dtype).to(device))
+    assert y.dtype == dtype and y.shape == (3, 11, 45)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.cpu().float(), ref, atol=tol, rtol=tol)
+
+
+def test_linear_smoothquant_and_output_quantizer_parity(device: str) -> None:
+    scheme = QuantScheme(
+        weights=QuantSpec(granularity="channel"),
+        inputs=QuantSpec(granularity="tensor"),
+        outputs=QuantSpec(dtype="uint8", symmetric=False),
+    )
+    ql = _linear(scheme, seed=2).eval()
+    assert ql.input_quantizer is not None and ql.output_quantizer is not None
+    g = torch.Generator().manual_seed(0)
+    ql.input_quantizer.pre_quant_scale = torch.rand(70, generator=g) + 0.5
+    il = Int8Linear.from_quant(ql).to(device)
+    x = torch.randn(16, 70)
+    with torch.no_grad():
+        ref = ql(x)
+    y = il(x.to(device)).cpu()
+    # the output quantizer snaps both to its grid: equal codes give equal values
+    step = float(ql.output_quantizer.scale)
+    assert (y - ref).abs().max() <= step * 1.001
+    assert (y == ref).float().mean() > 0.95
+
+
+def test_conv_static_matches_integer_reference_and_fake_quant(device: str) -> None:
+    torch.manual_seed(3)
+    conv = nn.Conv2d(6, 10, 3, stride=2, padding=1)
+    qc = _quantized(conv, "w8a8", [torch.randn(2, 6, 9, 7) for _ in range(3)]).eval()
+    ic = Int8Conv2d.from_quant(qc).to(device)
+    iq, wq = qc.input_quantizer, qc.weight_quantizer
+    assert iq is not None and wq is not None
+    x = torch.randn(2, 6, 9, 7)
+    xq = quantize(x, iq.scale, iq.zero_point, iq.qmin, iq.qmax).double() - int(iq.zero_point)
+    acc = F.conv2d(xq, wq.int_repr(qc.weight.detach()).double(), stride=2, padding=1).float()
+    ref = acc * iq.scale.float() * wq.scale.float()[None, :, None, None] + qc.bias.detach()[None, :, None, None]
+    y = ic(x.to(device)).cpu()
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(y, qc(x), atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_layers_say_why() -> None:
+    with pytest.raises(UnsupportedModelError, match="weight-only"):
+        Int8Linear.from_quant(_linear("w8_weight_only"))
+    with pytest.raises(UnsupportedModelError, match="4-bit"):
+        Int8Linear.from_quant(_linear(QuantScheme(weights=QuantSpec(bits=4, granularity="channel"))))
+    asym_w = QuantScheme(weights=QuantSpec(granularity="channel", symmetric=False))
+    with pytest.raises(UnsupportedModelError, match="asymmetric"):
+        Int8Linear.from_quant(_linear(asym_w))
+    torch.manual_seed(0)
+    dw = _quantized(nn.Conv2d(4, 4, 3, groups=4), "w8a8", [torch.randn(1, 4, 6, 6)])
+    with pytest.raises(UnsupportedModelError, match="groups=4"):
+        Int8Conv2d.from_quant(dw)
+    tok = _quantized(nn.Conv2d(4, 4, 3), "w8a8_dynamic", [torch.randn(1, 4, 6, 6)])
+    with pytest.raises(UnsupportedModelError, match="per-token"):
+        Int8Conv2d.from_quant(tok)
+
+
+def test_bad_input_dtype_raises(device: str) -> None:
+    il = Int8Linear.from_quant(_linear("w8a8")).to(device)
+    with pytest.raises(CompressError, match="float16, bfloat16 or float32"):
+        il(torch.randn(2, 70, dtype=torch.float64, device=device))
