@@ -247,10 +247,10 @@ class RecipeSource:
         for ov in self.overrides:
             key = ov.split("=", 1)[0]
             if dotted == key or dotted.startswith(key + ".") or (bool(dotted) and key.startswith(dotted + ".")):
-                return f"{self.name}: --set {ov}: {dotted}"
+                return f"{self.name}: --set {_printable(ov)}: {_printable(dotted)}"
         line = self.line(parts)
         loc = f"{self.name}:{line}" if line is not None else self.name
-        return f"{loc}: {dotted}" if dotted else loc
+        return f"{loc}: {_printable(dotted)}" if dotted else loc
 
 
 def _split_path(path: str) -> list[str | int]:
@@ -333,7 +333,7 @@ def _explain(err: Mapping[str, Any], data: Any) -> str:
 def _raise_validation(exc: ValidationError, source: RecipeSource, data: Any, prefix: Sequence[str | int] = ()) -> None:
     err = exc.errors()[0]
     loc = [*prefix, *(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))]
-    raise RecipeError(f"{source.where(loc)}: {_explain({**err, 'loc': loc}, data)}") from None
+    raise RecipeError(f"{source.where(loc)}: {_printable(_explain({**err, 'loc': loc}, data))}") from None
 
 
 # ---- overrides ----------------------------------------------------------------------------------
@@ -355,7 +355,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str], name: str = 
             raise RecipeError(f"{name}: --set {ov!r}: value is not valid YAML ({_one_line(exc)})") from None
         node: Any = out
         for i, part in enumerate(parts[:-1]):
-            sub = ".".join(str(p) for p in parts[: i + 1])
+            sub = _printable(".".join(str(p) for p in parts[: i + 1]))
             if isinstance(node, list):
                 if not isinstance(part, int) or part >= len(node):
                     raise RecipeError(f"{name}: --set {ov!r}: '{sub}' is not an index of a list of {len(node)}")
@@ -372,7 +372,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str], name: str = 
         last = parts[-1]
         if isinstance(node, list):
             if not isinstance(last, int) or last > len(node):
-                raise RecipeError(f"{name}: --set {ov!r}: '{last}' is not an index of a list of {len(node)}")
+                raise RecipeError(f"{name}: --set {ov!r}: '{_printable(str(last))}' is not an index of a list of {len(node)}")
             if last == len(node):
                 node.append(value)
             else:
@@ -386,6 +386,12 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str], name: str = 
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped, so that names taken from user input (YAML keys,
+    override strings, paths) cannot break an error message over several lines."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 # ---- the loader ---------------------------------------------------------------------------------
@@ -404,7 +410,7 @@ def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: S
         name, data = "recipe", copy.deepcopy(dict(recipe))
     elif isinstance(recipe, (str, Path)):
         path = Path(recipe)
-        name = str(recipe)
+        name = _printable(str(recipe))
         if not path.is_file():
             raise RecipeError(f"{name}: recipe file not found")
         try:
@@ -488,7 +494,7 @@ def _check_needs_and_order(recipe: Recipe, source: RecipeSource) -> None:
         for j, spec in enumerate(stage.modifiers):
             where = source.where(["stages", i, "modifiers", j])
             if "training" in spec.needs and not stage.trains:
-                raise RecipeError(f"{where}: '{spec.type}' needs training; give stage '{stage.name}' epochs or steps")
+                raise RecipeError(f"{where}: '{spec.type}' needs training; give stage {stage.name!r} epochs or steps")
             if "calibration" in spec.needs and recipe.data.calibration_samples == 0:
                 raise RecipeError(
                     f"{where}: '{spec.type}' needs calibration data but data.calibration_samples is 0"
