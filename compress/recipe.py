@@ -30,7 +30,9 @@ from compress.modifier import ModifierSpec, check_order, modifier_class, modifie
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    # allow_inf_nan=False: no recipe number means anything as inf or nan (epochs: .inf passed ge=0
+    # and then crashed Session.total_epochs with an OverflowError)
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):
@@ -165,7 +167,7 @@ class Recipe(_Strict):
 
     _source: RecipeSource | None = PrivateAttr(default=None)
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=(), allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _unique_stage_names(self) -> Recipe:
