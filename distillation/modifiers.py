@@ -18,7 +18,7 @@ import logging
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_serializer, field_validator, model_validator
 from torch import nn
 
 from compress.modifier import Modifier, ModifierSpec, State, register_modifier
@@ -35,7 +35,7 @@ def _default_losses() -> list[LossSpec]:
 
 
 class DistillSpec(ModifierSpec):
-    """Knowledge distillation from ``teacher`` (``self``: the model before compression).
+    """Knowledge distillation from ``teacher`` (``self``, the default: the model before compression).
 
     ``losses`` are the terms added to the task loss (default: KD at T=4), which ``task_weight``
     scales. ``teacher_dtype`` keeps the teacher in half precision. ``eval_batches`` calibration
@@ -43,7 +43,7 @@ class DistillSpec(ModifierSpec):
     """
 
     type: Literal["distill"] = "distill"
-    teacher: Literal["self"] | TeacherSpec = "self"
+    teacher: TeacherSpec | None = None  # None is "self"; written "self" in recipes
     losses: list[LossSpec] = Field(default_factory=_default_losses, min_length=1)
     task_weight: float = Field(1.0, ge=0)
     teacher_dtype: TeacherDtype = "float32"
@@ -54,6 +54,20 @@ class DistillSpec(ModifierSpec):
     # A ClassVar cannot depend on ``teacher``; the snapshot is one copy of the model, cheap next to
     # training, and "self" is the default teacher.
     wants_snapshot: ClassVar[bool] = True
+
+    @field_validator("teacher", mode="before")
+    @classmethod
+    def _self_teacher(cls, v: Any) -> Any:
+        # "self" and a model spec as one field: a union would report the wrong member's error
+        if isinstance(v, str):
+            if v == "self":
+                return None
+            raise ValueError(f"teacher must be 'self' or a model spec (name or hf_path, checkpoint, ...), not {v!r}")
+        return v
+
+    @field_serializer("teacher")
+    def _write_teacher(self, v: TeacherSpec | None) -> Any:
+        return "self" if v is None else v.model_dump(mode="json")
 
     @model_validator(mode="after")
     def _schedule_window(self) -> DistillSpec:

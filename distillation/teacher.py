@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,11 +93,9 @@ def _dtype_of(model: nn.Module) -> torch.dtype:
     return p.dtype if p is not None else torch.float32
 
 
-def build_teacher(
-    spec: Literal["self"] | TeacherSpec, state: State, *, dtype: TeacherDtype, where: str
-) -> Teacher:
-    """The teacher a ``distill`` modifier names, frozen on ``state.device``."""
-    if spec == "self":
+def build_teacher(spec: TeacherSpec | None, state: State, *, dtype: TeacherDtype, where: str) -> Teacher:
+    """The teacher a ``distill`` modifier names (None: ``self``), frozen on ``state.device``."""
+    if spec is None:
         if state.original_model is None:
             raise CompressError(
                 f"{where}: teacher 'self' needs the session's snapshot of the uncompressed model, and there is none"
