@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -36,7 +37,7 @@ def test_resnet_converts_fuses_relu_and_matches_fake_quant() -> None:
     torch.manual_seed(0)
     fp = resnet(width=8, depth=1, in_channels=3).eval()
     data = [torch.randn(4, 3, 12, 12) for _ in range(4)]
-    q = compress.quantize(fp, "w8a8", data).eval()
+    q = compress.quantize(copy.deepcopy(fp), "w8a8", data).eval()
     c, report = convert_with_report(q)
     convs = [r for r in report if r.quant_type == "QuantConv2d"]
     assert convs and all(r.int8_type == "Int8Conv2d" for r in convs)
