@@ -1,0 +1,288 @@
+"""``compress.prune``: dependency-aware structured pruning that physically shrinks a model."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch import nn
+
+from compress.batching import call_model, primary_output, split_batch, to_device
+from compress.errors import CalibrationError, RecipeError, UnsupportedModelError
+from compress.targets import select_modules
+from pruning.apply import apply_slices, slices_from_keep
+from pruning.counting import count_macs, count_params
+from pruning.graph import DependencyGraph
+from pruning.importance import IMPORTANCE, atom_scores
+from pruning.plan import PruningPlan
+from pruning.select import CostModel, SelectionRules, choose, override_pairs, search_ratio
+from pruning.trace import iter_tensors, trace_graph
+
+log = logging.getLogger(__name__)
+
+
+class PruneOptions(BaseModel):
+    """Advanced knobs of :func:`prune` (and fields of the ``prune`` recipe modifier).
+
+    ``mode``: ``local`` removes the ratio from every coupled group, ``global`` ranks all groups'
+    channels against one threshold. ``max_ratio`` caps what any group may lose. ``targets``
+    restricts pruning to groups whose producing modules match (e.g. only attention heads);
+    ``overrides`` maps module patterns to their own ratio. ``taylor_batches`` is how many batches
+    taylor importance reads.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["local", "global"] = "local"
+    max_ratio: float = Field(0.9, gt=0, lt=1)
+    targets: list[str] = Field(default_factory=lambda: ["*"])
+    overrides: dict[str, float] = Field(default_factory=dict)
+    taylor_batches: int = Field(4, ge=1)
+    seed: int = 0
+
+    @field_validator("overrides")
+    @classmethod
+    def _ratios(cls, v: dict[str, float]) -> dict[str, float]:
+        for k, r in v.items():
+            if not 0 <= r < 1:
+                raise ValueError(f"override ratio for '{k}' must be in [0, 1), got {r}")
+        return v
+
+
+@dataclass
+class PruneResult:
+    """The pruned model (the same object that was passed in), its plan and size before/after."""
+
+    model: nn.Module
+    plan: PruningPlan
+    params_before: int
+    params_after: int
+    macs_before: int
+    macs_after: int
+    groups: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def params_ratio(self) -> float:
+        return self.params_after / max(1, self.params_before)
+
+    @property
+    def macs_ratio(self) -> float:
+        return self.macs_after / max(1, self.macs_before)
+
+    def metrics(self, prefix: str = "") -> dict[str, float]:
+        return {
+            f"{prefix}params_before": self.params_before,
+            f"{prefix}params_after": self.params_after,
+            f"{prefix}macs_before": self.macs_before,
+            f"{prefix}macs_after": self.macs_after,
+            f"{prefix}params_ratio": round(self.params_ratio, 4),
+            f"{prefix}macs_ratio": round(self.macs_ratio, 4),
+        }
+
+
+def check_ratio(ratio: float | None, target: Mapping[str, float] | None, *, where: str = "prune") -> None:
+    """Exactly one of ``ratio`` in [0, 1) or ``target`` ``{params|macs: fraction in (0, 1]}``."""
+    if (ratio is None) == (target is None):
+        raise RecipeError(f"{where}: set exactly one of ratio (fraction of channels to remove) or target ({{macs: 0.5}})")
+    if ratio is not None and not (isinstance(ratio, (int, float)) and 0 <= ratio < 1):
+        raise RecipeError(f"{where}: ratio must be in [0, 1), got {ratio!r}")
+    if target is not None:
+        if len(target) != 1 or next(iter(target)) not in ("params", "macs"):
+            raise RecipeError(f"{where}: target takes one key, params or macs, got {dict(target)!r}")
+        frac = next(iter(target.values()))
+        if not (isinstance(frac, (int, float)) and 0 < frac <= 1):
+            raise RecipeError(f"{where}: target {next(iter(target))} must be a fraction in (0, 1], got {frac!r}")
+
+
+def _modules_of(model: nn.Module, patterns: Sequence[str], where: str) -> set[str]:
+    if not patterns:
+        return set()
+    return set(select_modules(model, list(patterns), where=where))
+
+
+def taylor_grads(
+    model: nn.Module,
+    data: Iterable[Any],
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    batches: int = 4,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Gradients of the loss summed over ``batches`` batches, by parameter name."""
+    params = dict(model.named_parameters())
+    grads = {n: torch.zeros_like(p) for n, p in params.items() if p.requires_grad}
+    was_training = model.training
+    model.eval()
+    seen = 0
+    try:
+        for i, batch in enumerate(data):
+            if i >= batches:
+                break
+            inputs, targets = split_batch(batch)
+            inputs = to_device(inputs, device)
+            with torch.enable_grad():
+                out = call_model(model, inputs)
+                if loss_fn is not None:
+                    loss = loss_fn(out, to_device(targets, device))
+                elif targets is not None:
+                    loss = F.cross_entropy(primary_output(out), to_device(targets, device))
+                else:
+                    raise CalibrationError("taylor importance needs batches with targets, or a loss_fn")
+                g = torch.autograd.grad(loss, [params[n] for n in grads], allow_unused=True)
+            for n, gi in zip(grads, g):
+                if gi is not None:
+                    grads[n] += gi.detach()
+            seen += 1
+    finally:
+        model.train(was_training)
+    if not seen:
+        raise CalibrationError("taylor importance got no batches")
+    return grads
+
+
+class Pruner:
+    """One pruning pass: trace, score, choose, cut, check. Used by :func:`prune` and the modifier."""
+
+    def __init__(
+        self,
+        *,
+        importance: str = "l2",
+        ignore: Sequence[str] = (),
+        round_to: int = 1,
+        options: PruneOptions | None = None,
+        where: str = "prune",
+    ) -> None:
+        IMPORTANCE.get(importance)
+        if not isinstance(round_to, int) or round_to < 1:
+            raise RecipeError(f"{where}: round_to must be an integer >= 1, got {round_to!r}")
+        self.importance = importance
+        self.ignore = list(ignore)
+        self.round_to = round_to
+        self.options = options or PruneOptions()
+        self.where = where
+
+    def trace(self, model: nn.Module, example_inputs: Any) -> DependencyGraph:
+        graph = trace_graph(model, example_inputs)
+        graph.finalize(ignore_modules=_modules_of(model, self.ignore, f"{self.where}: ignore"))
+        return graph
+
+    def rules(self, model: nn.Module) -> SelectionRules:
+        o = self.options
+        eligible = None if o.targets == ["*"] else frozenset(_modules_of(model, o.targets, f"{self.where}: targets"))
+        for pattern in o.overrides:
+            _modules_of(model, [pattern], f"{self.where}: overrides")
+        return SelectionRules(o.mode, o.max_ratio, self.round_to, override_pairs(o.overrides), eligible)
+
+    def select(
+        self,
+        model: nn.Module,
+        graph: DependencyGraph,
+        *,
+        ratio: float | None,
+        target: Mapping[str, float] | None,
+        grads: Mapping[str, torch.Tensor] | None = None,
+    ) -> np.ndarray:
+        scores = atom_scores(graph, model, self.importance, grads=grads, seed=self.options.seed)
+        rules = self.rules(model)
+        if target is not None:
+            metric, frac = next(iter(target.items()))
+            r, keep = search_ratio(graph, scores, rules, CostModel(graph, model), metric=metric, fraction=frac)
+            log.info("%s: target %s=%.3g reached at ratio %.3f", self.where, metric, frac, r)
+            return keep
+        return choose(graph, scores, float(ratio or 0.0), rules)
+
+    def cut(
+        self,
+        model: nn.Module,
+        graph: DependencyGraph,
+        keep: np.ndarray,
+        example_inputs: Any,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> dict[str, list[tuple[int, list[int]]]]:
+        """Apply the cut; restore the model and raise if the result does not run with the same outputs."""
+        slices = slices_from_keep(graph, keep)
+        undo = apply_slices(model, slices, optimizer=optimizer)
+        try:
+            was_training = model.training
+            model.eval()
+            with torch.no_grad():
+                out = call_model(model, example_inputs)
+            model.train(was_training)
+            shapes = [tuple(t.shape) for t in iter_tensors(out)]
+        except Exception as exc:
+            undo.undo()
+            raise UnsupportedModelError(
+                f"{self.where}: the pruned {type(model).__name__} no longer runs ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); a module hard-codes a channel count. Model restored."
+            ) from exc
+        if shapes != graph.output_shapes:
+            undo.undo()
+            raise UnsupportedModelError(
+                f"{self.where}: pruning changed the output shapes {graph.output_shapes} -> {shapes}; model restored"
+            )
+        return slices
+
+
+def prune(
+    model: nn.Module,
+    example_inputs: Any,
+    *,
+    ratio: float | None = None,
+    target: Mapping[str, float] | None = None,
+    importance: str = "l2",
+    ignore: Sequence[str] = (),
+    round_to: int = 1,
+    options: PruneOptions | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    data: Iterable[Any] | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+) -> PruneResult:
+    """Remove ``ratio`` of the channels (or reach ``target``, e.g. ``{"macs": 0.5}`` of the original)
+    from every coupled group of ``model``, in place, and return a :class:`PruneResult`.
+
+    ``example_inputs`` (a tensor, tuple or dict of keyword inputs) is run once to trace the channel
+    dependencies. ``ignore`` lists module patterns whose outputs keep every channel (the model's
+    outputs always do). ``round_to`` keeps channel counts multiples of N. ``optimizer`` state is
+    sliced along with the parameters. ``data``/``loss_fn`` feed ``importance="taylor"``.
+    """
+    check_ratio(ratio, target)
+    pruner = Pruner(importance=importance, ignore=ignore, round_to=round_to, options=options)
+    params_before, macs_before = count_params(model), count_macs(model, example_inputs)
+    graph = pruner.trace(model, example_inputs)
+    grads = None
+    if importance == "taylor":
+        if data is None:
+            raise CalibrationError("prune: importance='taylor' needs data (batches of (inputs, targets))")
+        device = next(model.parameters()).device
+        grads = taylor_grads(model, data, loss_fn=loss_fn, batches=pruner.options.taylor_batches, device=device)
+    keep = pruner.select(model, graph, ratio=ratio, target=target, grads=grads)
+    slices = pruner.cut(model, graph, keep, example_inputs, optimizer=optimizer)
+    plan = PruningPlan()
+    plan.add_step(slices)
+    result = PruneResult(
+        model,
+        plan,
+        params_before,
+        count_params(model),
+        macs_before,
+        count_macs(model, example_inputs),
+        graph.describe(),
+    )
+    plan.summary = result.metrics()
+    log.info(
+        "pruned %s: params %d -> %d, MACs %d -> %d",
+        type(model).__name__,
+        result.params_before,
+        result.params_after,
+        result.macs_before,
+        result.macs_after,
+    )
+    return result
+

@@ -1,0 +1,287 @@
+"""The ``prune`` recipe modifier: one-shot, or iterative over epochs with fine-tuning in between,
+with an optional sparsity-inducing phase (BN L1 or group lasso) before the first cut.
+
+    - type: prune
+      ratio: 0.5            # or target: {macs: 0.5}
+      importance: l2        # l1 | l2 | bn_scale | taylor | random
+      steps: 4              # > 1: iterative; needs a training stage
+      interval_epochs: 1
+      schedule: agp         # cumulative ratio 1 - (1 - k/N)^3 (Zhu & Gupta) or linear
+      sparsity: {kind: bn_l1, weight: 1.0e-4, epochs: 2}
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from torch import nn
+
+from compress.batching import split_batch
+from compress.errors import CalibrationError, CompressError
+from compress.modifier import Modifier, ModifierSpec, State, register_modifier
+from pruning.api import PruneOptions, Pruner, check_ratio, taylor_grads
+from pruning.counting import count_macs, count_params
+from pruning.graph import DependencyGraph
+from pruning.plan import PruningPlan
+from pruning.select import CostModel, eligible_groups, search_ratio
+
+log = logging.getLogger(__name__)
+
+
+class SparsitySpec(BaseModel):
+    """A regularizer added to the loss for ``epochs`` before the first pruning step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["bn_l1", "group_lasso"] = "bn_l1"
+    weight: float = Field(1e-4, gt=0)
+    epochs: float = Field(1.0, gt=0)
+
+
+class PruneSpec(ModifierSpec):
+    """Structured pruning: ``ratio`` of each coupled group's channels, or ``target`` params/MACs."""
+
+    type: Literal["prune"] = "prune"
+    ratio: float | None = None
+    target: dict[str, float] | None = None
+    importance: Literal["l1", "l2", "bn_scale", "taylor", "random"] = "l2"
+    ignore: list[str] = Field(default_factory=list)
+    round_to: int = Field(1, ge=1)
+    mode: Literal["local", "global"] = "local"
+    max_ratio: float = Field(0.9, gt=0, lt=1)
+    targets: list[str] = Field(default_factory=lambda: ["*"])
+    overrides: dict[str, float] = Field(default_factory=dict)
+    taylor_batches: int = Field(4, ge=1)
+    seed: int = 0
+    steps: int = Field(1, ge=1)
+    interval_epochs: float = Field(1.0, gt=0)
+    schedule: Literal["agp", "linear"] = "agp"
+    sparsity: SparsitySpec | None = None
+
+    kind: ClassVar[str] = "prune"
+
+    @property
+    def needs(self) -> frozenset[str]:  # type: ignore[override]  # training only when iterative
+        return frozenset({"training"}) if self.iterative else frozenset()
+
+    @property
+    def iterative(self) -> bool:
+        return self.steps > 1 or self.sparsity is not None or self.start_epoch > 0
+
+    @field_validator("overrides")
+    @classmethod
+    def _override_ratios(cls, v: dict[str, float]) -> dict[str, float]:
+        for k, r in v.items():
+            if not 0 <= r < 1:
+                raise ValueError(f"override ratio for '{k}' must be in [0, 1), got {r}")
+        return v
+
+    @model_validator(mode="after")
+    def _ratio_or_target(self) -> PruneSpec:
+        from compress.errors import RecipeError
+
+        try:
+            check_ratio(self.ratio, self.target, where="prune")
+        except RecipeError as exc:
+            raise ValueError(str(exc).removeprefix("prune: ")) from None
+        return self
+
+    def options(self) -> PruneOptions:
+        return PruneOptions(
+            mode=self.mode,
+            max_ratio=self.max_ratio,
+            targets=self.targets,
+            overrides=self.overrides,
+            taylor_batches=self.taylor_batches,
+            seed=self.seed,
+        )
+
+    def progress(self, k: int) -> float:
+        """Fraction of the final sparsity reached after step ``k`` (1-based) of ``steps``."""
+        t = k / self.steps
+        return 1 - (1 - t) ** 3 if self.schedule == "agp" else t
+
+
+@register_modifier
+class PruneModifier(Modifier[PruneSpec]):
+    """Runs the prune schedule; reports params/MACs before and after into ``state.metrics``."""
+
+    spec_cls = PruneSpec
+
+    def __init__(self, spec: PruneSpec, *, where: str = "") -> None:
+        super().__init__(spec, where=where)
+        self.pruner = Pruner(
+            importance=spec.importance, ignore=spec.ignore, round_to=spec.round_to, options=spec.options(), where=self.where
+        )
+        self.pruning_plan = PruningPlan()
+        self.done = 0
+        self._example: Any = None
+        self._before: tuple[int, int] = (0, 0)
+        self._lasso: list[tuple[str, int, torch.Tensor]] = []
+        self._lasso_atoms: torch.Tensor | None = None
+
+    # ---- schedule -----------------------------------------------------------------------------
+    def _epoch_of(self, k: int) -> float:
+        """Stage epoch at which step ``k`` (0-based) runs."""
+        s = self.spec
+        lead = s.sparsity.epochs if s.sparsity is not None else 0.0
+        return s.start_epoch + lead + k * s.interval_epochs
+
+    def plan(self, model: nn.Module) -> list[str]:
+        self.pruner.rules(model)  # checks targets/overrides patterns before anything runs
+        from pruning.api import _modules_of
+
+        _modules_of(model, self.spec.ignore, f"{self.where}: ignore")
+        return [n for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear, nn.MultiheadAttention))]
+
+    def on_initialize(self, state: State) -> None:
+        self._example = _example_inputs(state, self.where)
+        model = state.model
+        self._before = (count_params(model), count_macs(model, self._example))
+        if self.spec.sparsity is not None and self.spec.sparsity.kind == "group_lasso":
+            self._prepare_lasso(model)
+        self._run_due(state)
+
+    def on_epoch_end(self, state: State) -> None:
+        self._run_due(state)
+
+    def on_loss(self, state: State, loss: torch.Tensor, inputs: Any, outputs: Any) -> torch.Tensor:
+        sp = self.spec.sparsity
+        if sp is None or self.done > 0 or state.stage_epoch >= self._epoch_of(0):
+            return loss
+        return loss + sp.weight * self._penalty(state.model)
+
+    def on_finalize(self, state: State) -> None:
+        if self.done < self.spec.steps:
+            log.warning(
+                "%s: stage ended after %d of %d prune steps; the remaining ones run now, without fine-tuning",
+                self.where, self.done, self.spec.steps,
+            )
+            while self.done < self.spec.steps:
+                self._step(state)
+        after = (count_params(state.model), count_macs(state.model, self._example))
+        state.metrics.update(
+            {
+                "prune_params_before": self._before[0],
+                "prune_params_after": after[0],
+                "prune_macs_before": self._before[1],
+                "prune_macs_after": after[1],
+                "prune_params_ratio": round(after[0] / max(1, self._before[0]), 4),
+                "prune_macs_ratio": round(after[1] / max(1, self._before[1]), 4),
+                "prune_steps": self.done,
+            }
+        )
+        self.pruning_plan.summary = {k: state.metrics[k] for k in state.metrics if k.startswith("prune_")}
+        if state.out_dir is not None:
+            path = self.pruning_plan.save(state.out_dir / f"pruning_plan_{state.stage_name or 'stage'}.json")
+            state.artifacts.append(str(path))
+
+    def _run_due(self, state: State) -> None:
+        while self.done < self.spec.steps and state.stage_epoch >= self._epoch_of(self.done) - 1e-9:
+            self._step(state)
+
+    # ---- one pruning step ----------------------------------------------------------------------
+    def _step(self, state: State) -> None:
+        s = self.spec
+        model = state.model
+        k = self.done + 1
+        graph = self.pruner.trace(model, self._example)
+        grads = None
+        if s.importance == "taylor":
+            data = state.train_data or state.calibration_data
+            if data is None:
+                raise CalibrationError(f"{self.where}: taylor importance needs training or calibration data")
+            grads = taylor_grads(model, data, loss_fn=state.loss_fn, batches=s.taylor_batches, device=state.device)
+        if s.ratio is not None:
+            prev = s.ratio * s.progress(k - 1)
+            cur = s.ratio * s.progress(k)
+            step_ratio = 1 - (1 - cur) / (1 - prev)
+            keep = self.pruner.select(model, graph, ratio=step_ratio, target=None, grads=grads)
+        else:
+            assert s.target is not None
+            metric, frac = next(iter(s.target.items()))
+            goal = 1 - (1 - frac) * s.progress(k)
+            keep = self._target_keep(model, graph, metric, goal, grads)
+        slices = self.pruner.cut(model, graph, keep, self._example, optimizer=state.optimizer)
+        self.pruning_plan.add_step(slices)
+        self.done = k
+        log.info(
+            "%s: step %d/%d at epoch %.2f: params %d, MACs %d",
+            self.where, k, s.steps, state.stage_epoch, count_params(model), count_macs(model, self._example),
+        )
+
+    def _target_keep(
+        self, model: nn.Module, graph: DependencyGraph, metric: str, goal: float, grads: Any
+    ) -> np.ndarray:
+        from pruning.importance import atom_scores
+
+        cost = CostModel(graph, model)
+        full = np.ones(len(graph.atoms), dtype=bool)
+        now = cost.params(full) if metric == "params" else cost.macs(full) / max(1, _batch(self._example))
+        original = self._before[0] if metric == "params" else self._before[1]
+        frac = min(1.0, goal * original / max(1.0, now))
+        scores = atom_scores(graph, model, self.spec.importance, grads=grads, seed=self.spec.seed)
+        _, keep = search_ratio(graph, scores, self.pruner.rules(model), cost, metric=metric, fraction=frac)
+        return keep
+
+    # ---- sparsity ------------------------------------------------------------------------------
+    def _prepare_lasso(self, model: nn.Module) -> None:
+        graph = self.pruner.trace(model, self._example)
+        groups = eligible_groups(graph, self.pruner.rules(model))
+        prunable = np.zeros(len(graph.atoms), dtype=bool)
+        for g in groups:
+            for a in g.atoms:
+                prunable[a] = graph.atoms[a].prunable
+        params = dict(model.named_parameters())
+        for c in graph.coords:
+            p = params.get(c.key)
+            if c.axis is None or p is None or not p.requires_grad:
+                continue
+            self._lasso.append((c.key, c.axis, torch.from_numpy(graph.coord_atoms(c).copy())))
+        self._lasso_atoms = torch.from_numpy(prunable)
+
+    def _penalty(self, model: nn.Module) -> torch.Tensor:
+        sp = self.spec.sparsity
+        assert sp is not None
+        if sp.kind == "bn_l1":
+            terms = [
+                m.weight.abs().sum()
+                for m in model.modules()
+                if isinstance(m, (nn.modules.batchnorm._NormBase, nn.GroupNorm)) and m.weight is not None
+            ]
+            if not terms:
+                raise CompressError(f"{self.where}: sparsity kind bn_l1 needs BatchNorm/GroupNorm layers; the model has none")
+            return torch.stack(terms).sum()
+        assert self._lasso_atoms is not None
+        params = dict(model.named_parameters())
+        sq = torch.zeros(self._lasso_atoms.numel(), device=next(model.parameters()).device)
+        for key, axis, atoms in self._lasso:
+            p = params[key]
+            dims = [d for d in range(p.dim()) if d != axis]
+            per = p.pow(2).sum(dim=dims) if dims else p.pow(2)
+            sq = sq.index_add(0, atoms.to(sq.device), per)
+        mask = self._lasso_atoms.to(sq.device)
+        return torch.sqrt(sq[mask] + 1e-12).sum()
+
+
+def _batch(inputs: Any) -> int:
+    from compress.batching import batch_size_of
+
+    return batch_size_of(inputs)
+
+
+def _example_inputs(state: State, where: str) -> Any:
+    if state.example_inputs is not None:
+        return state.example_inputs
+    for data in (state.calibration_data, state.train_data):
+        if data is not None:
+            for batch in data:
+                inputs, _ = split_batch(batch)
+                from compress.batching import to_device
+
+                return to_device(inputs, state.device)
+    raise CalibrationError(f"{where}: pruning needs example inputs (or calibration/training data) to trace the model")

@@ -1,0 +1,538 @@
+"""Per-op rules of the dependency tracer: how each torch op moves and couples channel labels.
+
+Label tensors hold item ids per element (-1: none). Layout ops are replayed on the labels; mixing
+ops (conv, linear, norms, matmul) join items; an op with labeled inputs and no rule raises
+UnsupportedModelError, never a guess.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from pruning.graph import IN, NORM, OUT, VIRTUAL
+from pruning.trace import iter_tensors
+
+if TYPE_CHECKING:
+    from pruning.trace import Tracer
+
+log = logging.getLogger(__name__)
+
+Rule = Callable[["Tracer", str, Callable[..., Any], tuple[Any, ...], dict[str, Any], Any], None]
+
+UNARY = {
+    "relu", "relu6", "gelu", "silu", "sigmoid", "tanh", "hardswish", "hardsigmoid", "hardtanh", "leaky_relu",
+    "elu", "selu", "celu", "mish", "softplus", "softsign", "logsigmoid", "tanhshrink", "threshold",
+    "dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+    "softmax", "log_softmax", "softmin", "normalize", "abs", "neg", "exp", "log", "log1p", "expm1", "sqrt",
+    "rsqrt", "square", "sin", "cos", "erf", "erfc", "reciprocal", "sign", "floor", "ceil", "round", "trunc",
+    "clamp", "clip", "clamp_min", "clamp_max", "nan_to_num", "detach", "to", "type", "type_as", "float",
+    "double", "half", "bfloat16", "cpu", "cuda", "requires_grad", "zeros_like", "ones_like", "empty_like",
+    "full_like", "rand_like", "randn_like", "logical_not", "bitwise_not", "isnan", "isinf", "isfinite",
+    "get:data", "cumsum", "cumprod",
+}
+ELEMENTWISE = {
+    "add", "sub", "mul", "div", "truediv", "true_divide", "floordiv", "floor_divide", "__rsub__",
+    "__rtruediv__", "__rdiv__", "pow", "__rpow__", "maximum", "minimum", "fmax", "fmin", "where",
+    "masked_fill", "lerp", "addcmul", "addcdiv", "atan2", "hypot", "remainder", "fmod", "copysign",
+    "logaddexp", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "and", "or", "xor",
+    "bitwise_and", "bitwise_or", "rsub",
+}
+RESHAPE = {"view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"}
+LAYOUT = {
+    "permute", "transpose", "t", "movedim", "moveaxis", "swapaxes", "swapdims", "squeeze", "unsqueeze",
+    "expand", "expand_as", "broadcast_to", "contiguous", "clone", "repeat", "tile", "flip", "roll",
+    "repeat_interleave", "get:T", "get:mT", "cat", "concat", "concatenate", "stack",
+}
+SPLIT = {"split", "chunk", "tensor_split", "unbind", "split_with_sizes"}
+SELECT = {"narrow", "select", "getitem", "index_select"}
+REDUCE = {
+    "mean", "sum", "amax", "amin", "max", "min", "logsumexp", "norm", "std", "var", "prod", "nansum",
+    "nanmean", "median", "vector_norm", "std_mean", "var_mean",
+}
+SPATIAL = {
+    "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+    "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
+    "adaptive_max_pool2d", "adaptive_max_pool3d", "lp_pool1d", "lp_pool2d", "interpolate", "upsample",
+    "upsample_nearest", "upsample_bilinear", "pad", "max_pool2d_with_indices", "_max_pool2d",
+    "_adaptive_max_pool2d", "fractional_max_pool2d",
+}
+NO_LABELS = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
+ARG = {"argmax", "argmin", "argsort", "topk", "sort", "nonzero", "multinomial"}
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any = None) -> Any:
+    if len(args) > i:
+        return args[i]
+    return kwargs.get(name, default)
+
+
+def _along(items: torch.Tensor, dim: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """1-D ``items`` laid along ``dim`` and broadcast to ``shape``."""
+    dim = dim % len(shape)
+    view = [1] * len(shape)
+    view[dim] = items.numel()
+    return items.view(view).expand(shape)
+
+
+def _couple(tr: Tracer, labels: torch.Tensor | None, dim: int, items: torch.Tensor) -> None:
+    """Join item ``items[c]`` with every label at index ``c`` of ``dim``."""
+    if labels is None:
+        return
+    if labels.shape[dim] != items.numel():
+        raise tr.unsupported("couple", f"expected {items.numel()} channels on dim {dim}, got {labels.shape[dim]}")
+    tr.graph.union_tensors(labels, _along(items, dim, tuple(labels.shape)))
+
+
+def _varies(tr: Tracer, labels: torch.Tensor, dim: int) -> bool:
+    """Whether labels (as sets) differ along ``dim``."""
+    if labels.shape[dim] <= 1:
+        return False
+    r = tr.graph.roots(labels)
+    return bool((r.amax(dim) != r.amin(dim)).any())
+
+
+def _const_along(labels: torch.Tensor, dims: tuple[int, ...], keepdim: bool = True) -> torch.Tensor:
+    """Label per reduced slice when all ids along ``dims`` agree, else -1."""
+    if not dims:
+        return labels
+    mx = labels.amax(dim=dims, keepdim=keepdim)
+    mn = labels.amin(dim=dims, keepdim=keepdim)
+    return torch.where(mx == mn, mx, torch.full_like(mx, -1))
+
+
+def _pin_if_shaped(tr: Tracer, res: torch.Tensor, const: torch.Tensor, op: str) -> None:
+    """A constant operand whose shape spans varying channels would stop fitting after pruning."""
+    if const.numel() <= 1:
+        return
+    pad = res.dim() - const.dim()
+    for d in range(const.dim()):
+        if const.shape[d] > 1 and _varies(tr, res, d + pad):
+            tr.graph.pin(res, f"'{op}' with a fixed-shape tensor {tr.where()}")
+            return
+
+
+# ---- module functionals ---------------------------------------------------------------------
+
+
+def _weight(tr: Tracer, w: Any, x: Any, op: str) -> str | None:
+    name = tr.param_name(w)
+    if name is None and isinstance(x, torch.Tensor) and tr.labels(x, bare=False) is not None:
+        raise tr.unsupported(op, "its weight is not a parameter of the model")
+    return name
+
+
+def _norm_items(tr: Tracer, tensors: list[Any], size: int, mod: str) -> torch.Tensor | None:
+    """Join per-channel params/buffers (bias, BN statistics) into one item per channel."""
+    first: torch.Tensor | None = None
+    for t in tensors:
+        name = tr.param_name(t) if isinstance(t, torch.Tensor) else None
+        if name is None or t.dim() != 1 or t.numel() != size:
+            continue
+        items = tr.graph.item_labels(tr.graph.coord(name, 0, size, NORM, mod))
+        if first is None:
+            first = items
+        else:
+            tr.graph.union_tensors(first, items)
+    return first
+
+
+def conv(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+    groups = int(_arg(args, kwargs, 6, "groups", 1))
+    wn = _weight(tr, w, x, name)
+    if wn is None:
+        return
+    mod = wn.rsplit(".", 1)[0]
+    g = tr.graph
+    transposed = "transpose" in name
+    if transposed:
+        if groups != 1:
+            raise tr.unsupported(name, "grouped transposed convolutions are not supported")
+        cin, cout = w.shape[0], w.shape[1]
+        win, wout = g.coord(wn, 0, cin, IN, mod), g.coord(wn, 1, cout, OUT, mod)
+        ins = g.item_labels(win)
+    else:
+        cout, ipg = w.shape[0], w.shape[1]
+        cin = ipg * groups
+        wout = g.coord(wn, 0, cout, OUT, mod)
+        if groups == 1:
+            ins = g.item_labels(g.coord(wn, 1, cin, IN, mod))
+        else:
+            # a conv group is kept or removed whole: its inputs and outputs form one atom
+            ins = g.item_labels(g.coord(mod + "#in", None, cin, VIRTUAL, mod))
+            outs = g.item_labels(wout)
+            opg = cout // groups
+            for k in range(groups):
+                g.union_all(torch.cat([ins[k * ipg : (k + 1) * ipg], outs[k * opg : (k + 1) * opg]]))
+    out_items = g.item_labels(wout)
+    bias_items = _norm_items(tr, [b], cout, mod)
+    if bias_items is not None:
+        g.union_tensors(out_items, bias_items)
+    cdim = 1 if x.dim() == w.dim() else 0
+    _couple(tr, tr.labels(x), cdim, ins)
+    tr.set_labels(out, _along(out_items, cdim, tuple(out.shape)))
+    per_out = (w[0].numel() if not transposed else w.shape[1] * w[0, 0].numel()) if w.dim() > 1 else 1
+    macs = out.numel() * per_out if not transposed else x.numel() * w[0].numel()
+    g.mac_records.append(("weight", int(macs), (wn,)))
+
+
+def linear(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+    wn = _weight(tr, w, x, name)
+    if wn is None:
+        return
+    mod = wn.rsplit(".", 1)[0]
+    g = tr.graph
+    nout, nin = w.shape
+    out_items = g.item_labels(g.coord(wn, 0, nout, OUT, mod))
+    bias_items = _norm_items(tr, [b], nout, mod)
+    if bias_items is not None:
+        g.union_tensors(out_items, bias_items)
+    _couple(tr, tr.labels(x), -1, g.item_labels(g.coord(wn, 1, nin, IN, mod)))
+    tr.set_labels(out, _along(out_items, -1, tuple(out.shape)))
+    g.mac_records.append(("weight", int(out.numel() * nin), (wn,)))
+
+
+def _passthrough_norm(tr: Tracer, x: torch.Tensor, out: torch.Tensor, dim: int, items: torch.Tensor | None) -> None:
+    lab = tr.labels(x)
+    if items is None:
+        if lab is not None:
+            tr.set_labels(out, lab)
+        return
+    _couple(tr, lab, dim, items)
+    along = _along(items, dim, tuple(out.shape))
+    tr.set_labels(out, along if lab is None else torch.where(lab >= 0, lab, along))
+
+
+def batch_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x = _arg(args, kwargs, 0, "input")
+    params = [_arg(args, kwargs, i, n) for i, n in ((1, "running_mean"), (2, "running_var"), (3, "weight"), (4, "bias"))]
+    names = [tr.param_name(p) for p in params if isinstance(p, torch.Tensor)]
+    mod = next((n.rsplit(".", 1)[0] for n in names if n), tr.module_name())
+    dim = 1 if x.dim() > 1 else 0
+    _passthrough_norm(tr, x, out, dim, _norm_items(tr, params, x.shape[dim], mod))
+
+
+def layer_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x, shape = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "normalized_shape")
+    w = _arg(args, kwargs, 2, "weight")
+    b = _arg(args, kwargs, 3, "bias") if name == "layer_norm" else None
+    lab = tr.labels(x)
+    if len(tuple(shape)) != 1 or tr.param_name(w) is None:
+        # the normalized shape is fixed in the module: those channels cannot shrink
+        if lab is not None:
+            tr.graph.pin(lab, f"'{name}' without a per-channel weight {tr.where()}")
+            tr.set_labels(out, lab)
+        return
+    mod = str(tr.param_name(w)).rsplit(".", 1)[0]
+    _passthrough_norm(tr, x, out, -1, _norm_items(tr, [w, b], x.shape[-1], mod))
+
+
+def group_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x, groups = _arg(args, kwargs, 0, "input"), int(_arg(args, kwargs, 1, "num_groups"))
+    w, b = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias")
+    lab = tr.labels(x)
+    if tr.param_name(w) is None:
+        if lab is not None:
+            tr.graph.pin(lab, f"'group_norm' without affine weight {tr.where()}")
+            tr.set_labels(out, lab)
+        return
+    mod = str(tr.param_name(w)).rsplit(".", 1)[0]
+    c = x.shape[1]
+    items = _norm_items(tr, [w, b], c, mod)
+    assert items is not None
+    per = c // groups
+    for k in range(groups):  # statistics are per group: a group goes whole
+        tr.graph.union_all(items[k * per : (k + 1) * per])
+    _passthrough_norm(tr, x, out, 1, items)
+
+
+def prelu(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+    wn = tr.param_name(w)
+    items = None
+    if wn is not None and w.numel() > 1:
+        items = tr.graph.item_labels(tr.graph.coord(wn, 0, w.numel(), NORM, wn.rsplit(".", 1)[0]))
+    _passthrough_norm(tr, x, out, 1 if x.dim() > 1 else 0, items)
+
+
+def embedding(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    w = _arg(args, kwargs, 1, "weight")
+    wn = tr.param_name(w)
+    if wn is None:
+        return
+    c = tr.graph.coord(wn, 1, w.shape[1], OUT, wn.rsplit(".", 1)[0])
+    tr.set_labels(out, _along(tr.graph.item_labels(c), -1, tuple(out.shape)))
+
+
+def mha_functional(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    if any(tr.labels(t, bare=False) is not None for t in iter_tensors(args[:3])):
+        raise tr.unsupported(name, "call it through nn.MultiheadAttention")
+
+
+MODULE_OPS: dict[str, Rule] = {
+    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"), conv),
+    "linear": linear,
+    "batch_norm": batch_norm,
+    "instance_norm": batch_norm,
+    "layer_norm": layer_norm,
+    "rms_norm": layer_norm,
+    "group_norm": group_norm,
+    "prelu": prelu,
+    "embedding": embedding,
+    "multi_head_attention_forward": mha_functional,
+}
+
+
+# ---- generic ops ------------------------------------------------------------------------------
+
+
+def unary(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x = next(iter_tensors(args))
+    lab = tr.labels(x)
+    if lab is None or not isinstance(out, torch.Tensor):
+        return
+    if tuple(out.shape) != tuple(lab.shape):
+        raise tr.unsupported(name, f"shape {tuple(x.shape)} -> {tuple(out.shape)}")
+    tr.set_labels(out, lab)
+
+
+def elementwise(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    if not isinstance(out, torch.Tensor):
+        return
+    shape = tuple(out.shape)
+    labs: list[torch.Tensor] = []
+    consts: list[torch.Tensor] = []
+    for t in iter_tensors((args, kwargs)):
+        lab = tr.labels(t)
+        if lab is None:
+            consts.append(t)
+        else:
+            labs.append(lab.broadcast_to(shape))
+    if not labs:
+        return
+    for other in labs[1:]:
+        tr.graph.union_tensors(labs[0], other)
+    res = labs[0]
+    for other in labs[1:]:
+        res = torch.where(res >= 0, res, other)
+    for c in consts:
+        _pin_if_shaped(tr, res, c, name)
+    tr.set_labels(out, res)
+
+
+def _replay(tr: Tracer, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call ``func`` with every floating tensor replaced by its labels (index tensors kept)."""
+
+    def sub(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return tr.labels_or_blank(o) if o.is_floating_point() or tr.labels(o) is not None else o
+        if isinstance(o, (list, tuple)) and not isinstance(o, torch.Size):
+            return type(o)(sub(v) for v in o)
+        return o
+
+    raw = getattr(func, "__name__", "")
+    if raw.endswith("_") and not raw.startswith("_") and hasattr(torch.Tensor, raw[:-1]):
+        func = getattr(torch.Tensor, raw[:-1])  # in-place view ops replay out of place
+    return func(*[sub(a) for a in args], **{k: sub(v) for k, v in kwargs.items()})
+
+
+def _blocks(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Groups of dims of ``a`` and ``b`` (size-1 dims skipped) whose sizes multiply to the same value."""
+    ia = [i for i, s in enumerate(a) if s != 1]
+    ib = [i for i, s in enumerate(b) if s != 1]
+    out: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(ia) and j < len(ib):
+        da, db = [ia[i]], [ib[j]]
+        pa, pb = a[ia[i]], b[ib[j]]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(ia):
+                pa *= a[ia[i]]
+                da.append(ia[i])
+                i += 1
+            elif pb < pa and j < len(ib):
+                pb *= b[ib[j]]
+                db.append(ib[j])
+                j += 1
+            else:
+                return []
+        out.append((da, db))
+    return out
+
+
+def _reshape_constraints(tr: Tracer, name: str, lab_in: torch.Tensor, lab_out: torch.Tensor) -> None:
+    for din, dout in _blocks(tuple(lab_in.shape), tuple(lab_out.shape)):
+        if len(dout) < 2 or not any(_varies(tr, lab_in, d) for d in din):
+            continue
+        if len(din) > 1:
+            # a many-to-many reshape of channels has no index mapping that pruning could keep
+            tr.graph.pin(lab_in, f"'{name}' regrouping channel dims {tr.where()}")
+            continue
+        # a channel dim split in (outer, inner...): whole outer rows go together (attention heads),
+        # so the code's fixed inner sizes (head_dim) stay valid
+        rest = [d for d in range(lab_out.dim()) if d not in dout]
+        moved = lab_out.permute(*rest, *dout)
+        inner = math.prod(lab_out.shape[d] for d in dout[1:])
+        rows = moved.reshape(*moved.shape[: len(rest)], lab_out.shape[dout[0]], inner)
+        tr.graph.union_tensors(rows, rows[..., :1].expand_as(rows))
+
+
+def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    replayed = _replay(tr, func, args, kwargs)
+    outs, labs = list(iter_tensors(out)), list(iter_tensors(replayed))
+    if len(outs) != len(labs):
+        raise tr.unsupported(name, "could not replay it on channel labels")
+    x = next(iter_tensors(args))
+    lab_in = tr.labels_or_blank(x)
+    if name in RESHAPE:
+        _reshape_constraints(tr, name, lab_in, labs[0])
+    elif name in SPLIT and len(labs) > 1:
+        same = all(tuple(lab.shape) == tuple(labs[0].shape) for lab in labs)
+        if same:
+            # code splits at fixed fractions: each piece must lose the same local indices
+            for lab in labs[1:]:
+                tr.graph.union_tensors(labs[0], lab)
+        else:
+            dims = [d for d in range(lab_in.dim()) if all(lab.dim() == lab_in.dim() for lab in labs)
+                    and any(lab.shape[d] != lab_in.shape[d] for lab in labs)]
+            if any(_varies(tr, lab_in, d) for d in dims):
+                tr.graph.pin(lab_in, f"'{name}' into unequal channel pieces {tr.where()}")
+    elif name in SELECT:
+        r_in = set(torch.unique(tr.graph.roots(lab_in)).tolist()) - {-1}
+        r_out = set(torch.unique(tr.graph.roots(labs[0])).tolist()) - {-1}
+        tensor_index = any(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in iter_tensors(args[1:]))
+        if r_in - r_out or (tensor_index and len(r_in) > 1):
+            # a fixed index/slice into channels would select other channels after pruning
+            tr.graph.pin(lab_in, f"'{name}' selecting channels {tr.where()}")
+    for t, lab in zip(outs, labs):
+        if tuple(t.shape) != tuple(lab.shape):
+            raise tr.unsupported(name, "could not replay it on channel labels")
+        tr.set_labels(t, lab)
+
+
+def _dims(arg: Any, ndim: int) -> tuple[int, ...] | None:
+    if arg is None:
+        return None
+    if isinstance(arg, int):
+        return (arg % ndim,)
+    if isinstance(arg, (tuple, list)) and all(isinstance(d, int) for d in arg):
+        return tuple(d % ndim for d in arg)
+    return None
+
+
+def reduce(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x = args[0]
+    lab = tr.labels(x)
+    if lab is None:
+        return
+    if name in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        elementwise(tr, name, func, args, kwargs, out)
+        return
+    dpos, kpos = (2, 3) if name in ("norm", "vector_norm") else (1, 2)
+    dim_arg = _arg(args, kwargs, dpos, "dim")
+    keepdim = bool(_arg(args, kwargs, kpos, "keepdim", False)) if name not in ("std", "var", "std_mean", "var_mean") else bool(kwargs.get("keepdim", False))
+    outs = [t for t in iter_tensors(out) if t.is_floating_point()]
+    if dim_arg is None:
+        return  # a full reduction: the scalar has no channel identity
+    dims = _dims(dim_arg, x.dim())
+    if dims is None:
+        raise tr.unsupported(name, f"cannot read its dims {dim_arg!r}")
+    res = _const_along(lab, dims, keepdim=keepdim)
+    for t in outs:
+        if tuple(t.shape) != tuple(res.shape):
+            raise tr.unsupported(name, "unexpected output shape")
+        tr.set_labels(t, res)
+
+
+def spatial(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x = args[0] if args else kwargs["input"]
+    lab = tr.labels(x)
+    if lab is None:
+        return
+    y = next(iter_tensors(out))
+    lead = 2 if x.dim() >= 3 else 1
+    if tuple(y.shape[:lead]) != tuple(x.shape[:lead]):
+        raise tr.unsupported(name, f"it changes the channel dim ({tuple(x.shape)} -> {tuple(y.shape)})")
+    res = _const_along(lab, tuple(range(lead, x.dim())))
+    if bool((res < 0).any() & (lab >= 0).any()):
+        tr.graph.pin(lab, f"'{name}' over channel-varying dims {tr.where()}")
+    tr.set_labels(y, res.expand(y.shape))
+
+
+def setitem(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    target, value = args[0], args[2] if len(args) > 2 else None
+    lab = tr.labels(target)
+    vlab = tr.labels(value) if isinstance(value, torch.Tensor) else None
+    if vlab is not None:
+        tr.graph.pin(vlab, f"'__setitem__' {tr.where()}")
+        if lab is not None:
+            tr.graph.pin(lab, f"'__setitem__' {tr.where()}")
+
+
+def no_labels(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """New tensors built from a shape: no channel identity."""
+
+
+def arg_op(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """Indices into channels change meaning after pruning: pin what they index."""
+    lab = tr.labels(args[0])
+    if lab is not None:
+        tr.graph.pin(lab, f"'{name}' {tr.where()}")
+    for t in iter_tensors(out):
+        if t.is_floating_point() and lab is not None and tuple(t.shape) == tuple(lab.shape):
+            tr.set_labels(t, lab)
+
+
+def _generic_rules() -> dict[str, Rule]:
+    from pruning import rules_attention as ra
+
+    table: dict[str, Rule] = {}
+    table.update(dict.fromkeys(UNARY, unary))
+    table.update(dict.fromkeys(ELEMENTWISE, elementwise))
+    table.update(dict.fromkeys(RESHAPE | LAYOUT | SPLIT | SELECT, layout))
+    table.update(dict.fromkeys(REDUCE, reduce))
+    table.update(dict.fromkeys(SPATIAL, spatial))
+    table.update(dict.fromkeys(NO_LABELS, no_labels))
+    table.update(dict.fromkeys(ARG, arg_op))
+    table.update(ra.RULES)
+    table["setitem"] = setitem
+    return table
+
+
+_RULES: dict[str, Rule] = {}
+
+
+def handle(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """Apply the rule for op ``name``; ops on unlabeled tensors only are left alone."""
+    if not _RULES:
+        _RULES.update(_generic_rules())
+    module_rule = MODULE_OPS.get(name)
+    if module_rule is not None:
+        module_rule(tr, name, func, args, kwargs, out)
+        return
+    if name == "setitem":
+        setitem(tr, name, func, args, kwargs, out)
+        return
+    if not any(True for _ in iter_tensors(out)):
+        return  # sizes, dtypes, flags: no tensor comes out
+    if not any(tr.labels(t) is not None for t in iter_tensors((args, kwargs))):
+        return
+    rule = _RULES.get(name)
+    if rule is None:
+        raise tr.unsupported(name)
+    rule(tr, name, func, args, kwargs, out)
+
+
+def leaf_rule(mod: nn.Module) -> Callable[..., None] | None:
+    """A rule for a module traced as a whole (its internals are not followed), or None."""
+    from pruning import rules_attention as ra
+
+    return ra.LEAVES.get(type(mod))

@@ -1,0 +1,196 @@
+"""Build the dependency graph from one forward pass with a ``__torch_function__`` mode.
+
+Why not autograd (DepGraph) or torch.export: the mode sees every torch call with its arguments,
+under ``no_grad`` too, through Python control flow and Hugging Face models that export cannot
+capture. Every floating tensor the model computes carries a *label tensor* of the same shape
+holding item ids (-1: no channel identity). Shape ops (view, permute, cat, split, index...) are
+replayed on the labels, so index mappings through concat, chunk, flatten and head reshapes come
+out exact; mixing ops (conv, linear, norms, matmul) join items by rules in :mod:`pruning.rules`.
+An op the rules do not know stops the trace with UnsupportedModelError naming it and its module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from compress.batching import call_model
+from compress.errors import UnsupportedModelError
+from pruning.graph import ELEMENT, DependencyGraph
+
+log = logging.getLogger(__name__)
+
+
+def func_name(func: Callable[..., Any]) -> str:
+    """A normalized op name: ``__radd__``/``add_``/``Tensor.add`` -> ``add``; getters by property."""
+    name = getattr(func, "__name__", None) or str(func)
+    if name == "__get__":
+        owner = getattr(func, "__self__", None)
+        return "get:" + str(getattr(owner, "__name__", "?"))
+    if name in ("__rmatmul__", "__rsub__", "__rtruediv__", "__rdiv__", "__rpow__"):
+        return name  # operand order matters
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if (name.startswith("i") and name[1:] in ("add", "sub", "mul", "truediv", "div", "and", "or", "pow")) or (name.startswith("r") and name[1:] in ("add", "mul", "and", "or")):
+            name = name[1:]
+    elif name.endswith("_") and not name.startswith("_"):
+        name = name[:-1]
+    return name
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in nested args/outputs (tuples, lists, dicts, HF ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from iter_tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from iter_tensors(o)
+
+
+class Tracer(TorchFunctionMode):
+    """Records label tensors for every floating tensor of a forward pass into ``graph``."""
+
+    def __init__(self, model: nn.Module, graph: DependencyGraph) -> None:
+        super().__init__()
+        self.model = model
+        self.graph = graph
+        self.names: dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self.names.setdefault(id(p), n)
+        for n, b in model.named_buffers(remove_duplicate=False):
+            self.names.setdefault(id(b), n)
+        self._labels: dict[int, torch.Tensor] = {}
+        self._alive: list[torch.Tensor] = []  # keeps ids unique while tracing
+        self.stack: list[tuple[str, nn.Module]] = []
+        self.leaf_depth = 0
+        self.calls: dict[str, int] = {}
+        from pruning import rules
+
+        self._rules = rules
+
+    # ---- labels ------------------------------------------------------------------------------
+    def set_labels(self, t: torch.Tensor, labels: torch.Tensor) -> None:
+        if tuple(labels.shape) != tuple(t.shape):
+            raise UnsupportedModelError(f"internal: label shape {tuple(labels.shape)} != {tuple(t.shape)} {self.where()}")
+        self._labels[id(t)] = labels
+        self._alive.append(t)
+
+    def labels(self, t: torch.Tensor, *, bare: bool = True) -> torch.Tensor | None:
+        """Labels of ``t``; a model parameter used directly gets one item per element."""
+        got = self._labels.get(id(t))
+        if got is not None:
+            return got
+        if not bare or not t.is_floating_point():
+            return None
+        name = self.names.get(id(t))
+        if name is None:
+            return None
+        mod = name.rsplit(".", 1)[0] if "." in name else ""
+        c = self.graph.coord(name, None, t.numel(), ELEMENT, mod, tuple(t.shape))
+        lab = self.graph.item_labels(c).view(t.shape)
+        self.set_labels(t, lab)
+        return lab
+
+    def labels_or_blank(self, t: torch.Tensor) -> torch.Tensor:
+        lab = self.labels(t)
+        return lab if lab is not None else torch.full(t.shape, -1, dtype=torch.int64)
+
+    def is_param(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and id(t) in self.names
+
+    def param_name(self, t: torch.Tensor | None) -> str | None:
+        return None if t is None else self.names.get(id(t))
+
+    # ---- where ---------------------------------------------------------------------------------
+    def where(self) -> str:
+        if not self.stack:
+            return f"in {type(self.model).__name__}.forward"
+        name, mod = self.stack[-1]
+        return f"in module '{name or '<root>'}' ({type(mod).__name__})"
+
+    def module_name(self) -> str:
+        return self.stack[-1][0] if self.stack else ""
+
+    def unsupported(self, op: str, why: str = "") -> UnsupportedModelError:
+        extra = f": {why}" if why else ""
+        return UnsupportedModelError(f"pruning cannot trace channels through op '{op}' {self.where()}{extra}")
+
+    # ---- the mode ------------------------------------------------------------------------------
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.leaf_depth:
+            return out
+        name = func_name(func)
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self._rules.handle(self, name, func, args, kwargs, out)
+        return out
+
+
+def _hooks(tracer: Tracer, model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    from pruning import rules
+
+    handles = []
+    for name, mod in model.named_modules():
+        leaf = rules.leaf_rule(mod)
+
+        def pre(m: nn.Module, args: Any, kwargs: Any, *, _n: str = name, _leaf: bool = leaf is not None) -> None:
+            tracer.stack.append((_n, m))
+            if _leaf or tracer.leaf_depth:
+                tracer.leaf_depth += 1
+
+        def post(
+            m: nn.Module, args: Any, kwargs: Any, output: Any, *, _leaf: Callable[..., None] | None = leaf
+        ) -> None:
+            if _leaf is not None or tracer.leaf_depth:
+                tracer.leaf_depth -= 1
+                if _leaf is not None and not tracer.leaf_depth:
+                    _leaf(tracer, m, args, kwargs, output)
+            tracer.stack.pop()
+
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
+    return handles
+
+
+def trace_graph(model: nn.Module, example_inputs: Any) -> DependencyGraph:
+    """Run ``model`` once on ``example_inputs`` and return its (unfinalized) dependency graph.
+
+    The model runs in eval mode (restored after) so that tracing changes no statistics.
+    """
+    graph = DependencyGraph()
+    tracer = Tracer(model, graph)
+    handles = _hooks(tracer, model)
+    was_training = model.training
+    model.eval()
+    try:
+        with tracer:
+            out = call_model(model, example_inputs)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    outs = list(iter_tensors(out))
+    if not outs:
+        raise UnsupportedModelError(f"{type(model).__name__} returned no tensor to trace")
+    for t in outs:
+        graph.output_shapes.append(tuple(t.shape))
+        lab = tracer.labels(t, bare=False)
+        if lab is not None:
+            graph.pin(lab, "model output")
+    log.debug("traced %s: %d items, ops %s", type(model).__name__, graph.num_items, tracer.calls)
+    return graph
