@@ -160,8 +160,10 @@ class FakeQuantizer(nn.Module):
             raise CalibrationError(f"{self.name}: used before calibration (run a forward loop first)")
         scale = self.scale
         if self.learnable:
+            # LSQ's gradient scale, times the scale itself: updates are relative (first-order
+            # log-scale learning), so small scales cannot step across zero under plain SGD
             factor = lsq_grad_factor(x.numel() // max(scale.numel(), 1), self.qmax)
-            scale = grad_scale(scale, factor).clamp(min=SCALE_EPS)
+            scale = grad_scale(scale, scale.detach() * factor).clamp(min=SCALE_EPS)
         return fake_quantize_spec(x, scale, self.zero_point, self.spec)
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:

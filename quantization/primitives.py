@@ -52,7 +52,7 @@ def _round_ste(x: torch.Tensor) -> torch.Tensor:
     return x + (torch.round(x) - x).detach()
 
 
-def grad_scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+def grad_scale(x: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
     """``x`` in the forward pass, gradient multiplied by ``factor`` (LSQ's step-size gradient scale)."""
     y = x * factor
     return (x - y).detach() + y

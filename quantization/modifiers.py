@@ -1,0 +1,308 @@
+"""Recipe modifiers: ``type: ptq`` (post-training calibration) and ``type: qat`` (quantization-aware
+training). Both prepare the model by module swap; see quantization/preparation.py."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field, field_validator
+from torch import nn
+
+from compress.errors import CalibrationError
+from compress.modifier import Modifier, ModifierSpec, State, register_modifier
+from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
+from quantization.correction import bias_correction
+from quantization.fake_quant import FakeQuantizer
+from quantization.modules import QuantConv1d, QuantConv2d
+from quantization.preparation import (
+    FirstLast,
+    calibrate_weight,
+    plan_targets,
+    prepare,
+    quant_modules,
+    quantizers,
+)
+from quantization.sensitivity import accuracy_control, layer_sensitivity, plot_sensitivity
+from quantization.smoothquant import smooth_quant
+from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
+
+log = logging.getLogger(__name__)
+
+
+class _QuantSpecBase(ModifierSpec):
+    """Fields shared by ptq and qat: the scheme, what it applies to, observer overrides."""
+
+    kind: ClassVar[str] = "quantize"
+
+    scheme: str | QuantScheme = "w8a8"
+    targets: list[str] = Field(default_factory=lambda: ["*"])
+    ignore: list[str] = Field(default_factory=list)
+    first_last: FirstLast = "quantize"
+    quantize_ops: bool = True
+    observer: str | None = None
+    observer_params: dict[str, Any] = Field(default_factory=dict)
+    weight_observer: str | None = None
+
+    @field_validator("scheme", mode="before")
+    @classmethod
+    def _scheme(cls, v: Any) -> Any:
+        return resolve_scheme(v) if isinstance(v, (str, dict)) else v
+
+    def resolved_scheme(self) -> QuantScheme:
+        """The scheme with the observer overrides applied."""
+        s = resolve_scheme(self.scheme)
+        upd: dict[str, QuantSpec | None] = {}
+        if self.observer is not None:
+            for name in ("inputs", "outputs"):
+                spec: QuantSpec | None = getattr(s, name)
+                if spec is not None and not spec.dynamic:
+                    upd[name] = spec.with_(observer=self.observer, observer_params=self.observer_params)
+        if self.weight_observer is not None and s.weights is not None:
+            upd["weights"] = s.weights.with_(observer=self.weight_observer, observer_params={})
+        return s.model_copy(update=upd) if upd else s
+
+
+class PTQSpec(_QuantSpecBase):
+    """Post-training quantization: prepare, calibrate over ``num_batches`` calibration batches.
+
+    ``smoothquant`` (alpha) smooths Linear inputs first; ``bias_correction`` fixes the output mean
+    shift of weight rounding; ``sensitivity`` ("metric" or "sqnr") adds a per-layer table and plot;
+    ``max_accuracy_drop`` (metric units, e.g. 0.005 = half a point of accuracy) keeps the most
+    sensitive layers in float until the drop fits.
+    """
+
+    type: Literal["ptq"] = "ptq"
+    needs: ClassVar[frozenset[str]] = frozenset({"calibration"})
+
+    num_batches: int | None = Field(None, ge=1)
+    bn: Literal["fold", "keep"] = "fold"
+    smoothquant: float | None = Field(None, ge=0, le=1)
+    bias_correction: bool = False
+    sensitivity: Literal["none", "metric", "sqnr"] = "none"
+    max_accuracy_drop: float | None = Field(None, ge=0)
+
+
+class QATSpec(_QuantSpecBase):
+    """Quantization-aware training within a training stage.
+
+    Activation ranges follow an EMA observer (``observer``, default ``ema``) until
+    ``freeze_observers_epoch``; BatchNorm trains folded into the conv and its statistics freeze
+    at ``freeze_bn_epoch``; ``lsq`` learns the scales (LSQ). The model starts from a calibration
+    over ``num_batches`` batches (calibration data, else training data).
+    """
+
+    type: Literal["qat"] = "qat"
+    needs: ClassVar[frozenset[str]] = frozenset({"training"})
+
+    observer: str | None = "ema"
+    num_batches: int = Field(8, ge=1)
+    freeze_observers_epoch: float | None = Field(None, ge=0)
+    freeze_bn_epoch: float | None = Field(None, ge=0)
+    lsq: bool = False
+
+
+def _plan(spec: _QuantSpecBase, model: nn.Module, where: str) -> list[str]:
+    return list(
+        plan_targets(
+            model,
+            spec.resolved_scheme(),
+            targets=spec.targets,
+            ignore=spec.ignore,
+            first_last=spec.first_last,
+            quantize_ops=spec.quantize_ops,
+            where=where,
+        )
+    )
+
+
+@register_modifier
+class PTQModifier(Modifier[PTQSpec]):
+    """Handler of ``type: ptq``."""
+
+    spec_cls = PTQSpec
+
+    def plan(self, model: nn.Module) -> list[str]:
+        return _plan(self.spec, model, self.where)
+
+    def on_calibrate(self, state: State) -> None:
+        s = self.spec
+        scheme = s.resolved_scheme()
+        model = state.model
+        if state.calibration_data is None:
+            raise CalibrationError(f"{self.where}: ptq needs calibration data (data.calibration_samples > 0)")
+
+        def loop(m: nn.Module) -> int:
+            return state.forward_loop(m, max_batches=s.num_batches)
+
+        float_metric = None
+        if s.max_accuracy_drop is not None or s.sensitivity == "metric":
+            if state.evaluate is None:
+                raise CalibrationError(f"{self.where}: sensitivity/max_accuracy_drop need an evaluate function")
+            float_metric = state.evaluate(model)
+        swapped = prepare(
+            model,
+            scheme,
+            targets=s.targets,
+            ignore=s.ignore,
+            first_last=s.first_last,
+            bn=s.bn,
+            quantize_ops=s.quantize_ops,
+            where=self.where,
+        )
+        if s.smoothquant is not None:
+            smooth_quant(model, loop, alpha=s.smoothquant)
+        calibrate(model, loop, where=self.where)
+        if s.bias_correction:
+            bias_correction(model, loop)
+        state.metrics["quantized_modules"] = len(swapped)
+        self._sensitivity(state, float_metric)
+
+    def _sensitivity(self, state: State, float_metric: float | None) -> None:
+        s = self.spec
+        want = s.sensitivity != "none" or s.max_accuracy_drop is not None
+        if not want:
+            return
+        by_metric = s.sensitivity == "metric" or (s.sensitivity == "none" and s.max_accuracy_drop is not None)
+        rows = layer_sensitivity(
+            state.model,
+            evaluate=state.evaluate if by_metric else None,
+            data=None if by_metric else state.calibration_data,
+            max_batches=s.num_batches or 8,
+        )
+        if s.sensitivity != "none":
+            state.tables["quantization_sensitivity"] = rows
+            if state.out_dir is not None:
+                path = plot_sensitivity(rows, state.out_dir / f"sensitivity_{state.stage_name}.png")
+                state.artifacts.append(str(path))
+        if s.max_accuracy_drop is not None:
+            assert state.evaluate is not None and float_metric is not None  # checked in on_calibrate
+            ranking = [r["layer"] for r in rows]
+            reverted, metric = accuracy_control(
+                state.model,
+                evaluate=state.evaluate,
+                max_drop=s.max_accuracy_drop,
+                ranking=ranking,
+                float_metric=float_metric,
+            )
+            state.metrics.update(
+                float_metric=float_metric,
+                quantized_metric=metric,
+                float_layers=len(reverted),
+                met_budget=float_metric - metric <= s.max_accuracy_drop,
+            )
+            state.tables["quantization_kept_float"] = [{"layer": n} for n in reverted]
+
+
+@register_modifier
+class QATModifier(Modifier[QATSpec]):
+    """Handler of ``type: qat``."""
+
+    spec_cls = QATSpec
+
+    def __init__(self, spec: QATSpec, *, where: str = "") -> None:
+        super().__init__(spec, where=where)
+        self._observers_frozen = False
+        self._bn_frozen = False
+        self._started = False
+
+    def plan(self, model: nn.Module) -> list[str]:
+        return _plan(self.spec, model, self.where)
+
+    def on_initialize(self, state: State) -> None:
+        s = self.spec
+        model = state.model
+        swapped = prepare(
+            model,
+            s.resolved_scheme(),
+            targets=s.targets,
+            ignore=s.ignore,
+            first_last=s.first_last,
+            bn="qat",
+            quantize_ops=s.quantize_ops,
+            where=self.where,
+        )
+        calibrate(model, self._init_loop(state), where=self.where)
+        state.metrics["quantized_modules"] = len(swapped)
+        if s.lsq:
+            scales = [q.enable_lsq() for _, q in quantizers(model) if not q.spec.dynamic]
+            if state.optimizer is not None:
+                known = {id(p) for g in state.optimizer.param_groups for p in g["params"]}
+                new = [p for p in scales if id(p) not in known]
+                if new:
+                    state.optimizer.add_param_group({"params": new, "weight_decay": 0.0})
+        self._update(state)
+
+    def _init_loop(self, state: State) -> ForwardLoop:
+        n = self.spec.num_batches
+        if state.calibration_data is not None:
+            return lambda m: state.forward_loop(m, max_batches=n)
+        if state.train_data is not None:
+            return as_forward_loop(state.train_data, max_batches=n)
+        raise CalibrationError(f"{self.where}: qat needs calibration or training data to initialize its ranges")
+
+    def _update(self, state: State) -> None:
+        """Apply the schedule: quantization on within [start, end), observer and BN freezes."""
+        s = self.spec
+        active = self.active(state)
+        model = state.model
+        e = state.stage_epoch
+        freeze_obs = s.freeze_observers_epoch is not None and e >= s.freeze_observers_epoch
+        if self._started and not active and s.end_epoch is not None and e >= s.end_epoch:
+            freeze_obs = True  # past the end: keep quantizing with frozen ranges
+            active = True
+        if active and not self._started:
+            self._started = True
+        on = self._started
+        for _, q in quantizers(model):
+            q.enabled = on
+            q.observing = on and not freeze_obs and not q.learnable and q.observer is not None
+        if freeze_obs and not self._observers_frozen:
+            self._freeze_observers(model)
+        if s.freeze_bn_epoch is not None and e >= s.freeze_bn_epoch and not self._bn_frozen:
+            for _, m in quant_modules(model):
+                if isinstance(m, (QuantConv1d, QuantConv2d)) and m.bn is not None:
+                    m.bn_frozen = True
+            self._bn_frozen = True
+            log.info("%s: BatchNorm statistics frozen at epoch %.2f", self.where, e)
+
+    def _freeze_observers(self, model: nn.Module) -> None:
+        for _, q in quantizers(model):
+            if q.role != "weight" and q.observer is not None and not q.learnable and q.observer.num_updates:
+                q.finish_calibration()  # all-reduces across DDP ranks
+            q.observing = False
+        for _, m in quant_modules(model):
+            wq = getattr(m, "weight_quantizer", None)
+            if wq is not None and not wq.learnable:
+                calibrate_weight(m)
+        self._observers_frozen = True
+
+    def on_step(self, state: State) -> None:
+        self._update(state)
+
+    def on_epoch_end(self, state: State) -> None:
+        self._update(state)
+
+    def on_finalize(self, state: State) -> None:
+        model = state.model
+        self._started = True
+        if not self._observers_frozen:
+            self._freeze_observers(model)
+        for _, m in quant_modules(model):
+            if isinstance(m, (QuantConv1d, QuantConv2d)) and m.bn is not None:
+                m.fold_bn()
+                if not (m.weight_quantizer is not None and m.weight_quantizer.learnable):
+                    calibrate_weight(m)
+        for _, q in quantizers(model):
+            q.disable_lsq()
+            q.enabled, q.observing = True, False
+        state.metrics["lsq"] = self.spec.lsq
+
+
+def scales_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Current scales of all static quantizers by name (for logging and tests)."""
+    return {n: q.scale.detach().clone() for n, q in quantizers(model) if isinstance(q, FakeQuantizer) and q.calibrated}
+
+
+__all__ = ["PTQModifier", "PTQSpec", "QATModifier", "QATSpec", "scales_of"]
