@@ -213,3 +213,23 @@ def test_scheduled_weight_follows_the_modifier_window(digits: Any) -> None:
         kd = session.modifiers[0][0].distiller.last["kd"]  # type: ignore[attr-defined]
         assert total.item() == pytest.approx(F.cross_entropy(out, y).item() + 0.5 * kd.item(), rel=1e-5)
         session.epoch_end()
+
+
+def test_distill_and_qat_in_one_stage_follow_the_module_swap(digits: Any, teacher_ckpt: Path) -> None:
+    pytest.importorskip("quantization.modifiers")
+    model = build_zoo_model("mlp", {"hidden": 64})
+    model.load_state_dict(torch.load(teacher_ckpt, weights_only=True))
+    original = type(model.body[0])
+    mod = {"type": "distill", "losses": [{"type": "kd"}, {"type": "feature", "layers": {"body.0": "body.0"}}]}
+    stages = [{"name": "qat", "epochs": 1, "modifiers": [mod, {"type": "qat"}]}]  # distill hooks first, then the swap
+    session = Session(_recipe({}, stages=stages), model, calibration_data=digits.calibration)
+    _run(session, digits.train, lr=0.01)
+    swapped = model.body[0]
+    assert type(swapped) is not original  # QAT replaced the Linear
+    metrics = session.results[0].metrics
+    assert metrics["distill.train_feature"] >= 0.0 and metrics["distill.top1_agreement"] > 0.8
+    ours = [
+        h for m in model.modules() for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
+        if "FeatureCapture" in getattr(h, "__qualname__", "")
+    ]
+    assert ours == []
