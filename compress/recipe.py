@@ -255,6 +255,33 @@ class RecipeSource:
         return f"{loc}: {_printable(dotted)}" if dotted else loc
 
 
+def _check_duplicate_keys(source: RecipeSource) -> None:
+    """A key given twice in one mapping is an error (yaml.safe_load silently keeps the last one)."""
+    seen_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, list[str | int]]] = [(source._root, [])] if source._root is not None else []
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen_nodes:  # an alias: its node was checked already
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((v, [*path, i]) for i, v in reversed(list(enumerate(node.value))))
+        elif isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], int] = {}
+            for k, _ in node.value:
+                if not isinstance(k, yaml.ScalarNode) or k.tag == "tag:yaml.org,2002:merge":
+                    continue
+                line = k.start_mark.line + 1
+                if (k.tag, k.value) in first:
+                    dotted = _printable(".".join(str(p) for p in [*path, k.value]))
+                    raise RecipeError(
+                        f"{source.name}:{line}: {dotted}: key {k.value!r} is given twice in one mapping"
+                        f" (first on line {first[k.tag, k.value]})"
+                    )
+                first[k.tag, k.value] = line
+            stack.extend((v, [*path, k.value]) for k, v in reversed(node.value))
+
+
 def _split_path(path: str) -> list[str | int]:
     return [int(p) if p.isdigit() else p for p in path.split(".") if p]
 
@@ -431,6 +458,7 @@ def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: S
     source = RecipeSource(name, text, overrides)
     if not isinstance(data, dict):
         raise RecipeError(f"{source.where([])}: a recipe is a mapping with keys version, model, data, ...")
+    _check_duplicate_keys(source)
     data = apply_overrides(data, overrides, name)
     data = _validate_modifiers(data, source)
     _check_unique_stage_names(data, source)
