@@ -603,3 +603,18 @@ def test_control_characters_from_user_input_stay_on_one_line(tmp_path: Path) -> 
     msg = error_of(path, ['stages.0.name="a\\tb"'])  # YAML turns the escape into a tab
     assert msg.endswith("'test_train' needs training; give stage 'a\\tb' epochs or steps")
     assert error_of("version: 1\nmodel: {name: m}\n").endswith(": recipe file not found")
+
+
+def test_a_key_given_twice_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD + "train:\n  epochs: 5\n")  # line 31; yaml.safe_load would keep this one
+    assert error_of(path) == f"{path}:31: train: key 'train' is given twice in one mapping (first on line 10)"
+    path = write(tmp_path, edit(GOOD, "        bits: 4\n", "        bits: 4\n        bits: 6\n"))
+    assert error_of(path) == (
+        f"{path}:25: stages.1.modifiers.0.bits: key 'bits' is given twice in one mapping (first on line 24)"
+    )
+    # an alias repeats a mapping, not a key
+    path = write(tmp_path, edit(GOOD, "    hidden: 8\n", "    hidden: &h {a: 1, b: 2}\n    again: *h\n"))
+    assert load_recipe(path).model.kwargs == {"hidden": {"a": 1, "b": 2}, "again": {"a": 1, "b": 2}}
+    # the same digits as a string and as a number are two keys (and the number is not a valid name)
+    path = write(tmp_path, edit(GOOD, "    hidden: 8\n", "    '1': 2\n    1: 3\n"))
+    assert error_of(path).endswith(": model.kwargs.1: Input should be a valid string (got 1)")
