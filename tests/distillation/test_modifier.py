@@ -233,3 +233,33 @@ def test_distill_and_qat_in_one_stage_follow_the_module_swap(digits: Any, teache
         if "FeatureCapture" in getattr(h, "__qualname__", "")
     ]
     assert ours == []
+
+
+def test_distill_after_pruning_in_one_stage_adapts_the_narrowed_features(digits: Any, teacher_ckpt: Path) -> None:
+    pytest.importorskip("pruning.modifiers")
+    model = build_zoo_model("mlp", {"hidden": 64})
+    model.load_state_dict(torch.load(teacher_ckpt, weights_only=True))
+    mod = {"type": "distill", "losses": [{"type": "kd"}, {"type": "feature", "layers": {"body.1": "body.1"}}]}
+    stages = [{"name": "prune", "epochs": 1, "modifiers": [mod, {"type": "prune", "ratio": 0.5}]}]
+    x = next(iter(digits.train))[0]
+    session = Session(_recipe({}, stages=stages), model, calibration_data=digits.calibration, example_inputs=x[:2])
+    opt = torch.optim.SGD(model.parameters(), lr=0.02)
+    session.optimizer = opt
+    with session:
+        distill: Any = session.modifiers[0][0]
+        assert model.body[0].out_features == 32  # pruned at stage start, after distill set up its hooks
+        for batch in digits.train:
+            xb, yb = split_batch(batch)
+            out = model(xb)
+            loss = session.loss(F.cross_entropy(out, yb), inputs=xb, outputs=out)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            session.step()
+            adapter = distill.distiller.adapters.modules["feature:body__1"]
+            assert (adapter.in_features, adapter.out_features) == (32, 64)
+            assert any(p is adapter.weight for g in opt.param_groups for p in g["params"])
+        session.epoch_end()
+    metrics = session.results[0].metrics
+    assert metrics["prune_params_after"] < metrics["prune_params_before"]
+    assert metrics["distill.top1_agreement"] > 0.8
