@@ -396,7 +396,15 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
         _reshape_constraints(tr, name, lab_in, labs[0])
     elif name in SPLIT and len(labs) > 1:
         same = all(tuple(lab.shape) == tuple(labs[0].shape) for lab in labs)
-        if same:
+        sizes_fixed = name in ("split", "split_with_sizes") or (
+            name == "tensor_split" and not isinstance(_arg(args, kwargs, 1, "indices_or_sections"), int)
+        )
+        if sizes_fixed:
+            # split(x, 12) keeps cutting at 12 after pruning: channels of a split dim stay
+            dims = [d for d in range(lab_in.dim()) if any(lab.dim() == lab_in.dim() and lab.shape[d] != lab_in.shape[d] for lab in labs)]
+            if any(_varies(tr, lab_in, d) for d in dims):
+                tr.graph.pin(lab_in, f"'{name}' at fixed sizes {tr.where()}")
+        elif same:
             # code splits at fixed fractions: each piece must lose the same local indices
             for lab in labs[1:]:
                 tr.graph.union_tensors(labs[0], lab)
