@@ -62,8 +62,8 @@ def _macs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) ->
     if name == "multi_head_attention_forward":
         q, k = args[0], args[1]
         e = q.shape[-1]
-        w_in = args[4] if len(args) > 4 else kwargs.get("in_proj_weight")
-        w_out = args[10] if len(args) > 10 else kwargs.get("out_proj_weight")
+        w_in = args[5] if len(args) > 5 else kwargs.get("in_proj_weight")
+        w_out = args[11] if len(args) > 11 else kwargs.get("out_proj_weight")
         if w_in is None or w_out is None:
             return 0
         inner = w_in.shape[0] // 3

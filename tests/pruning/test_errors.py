@@ -1,0 +1,122 @@
+"""Clear errors for what a user can get wrong, and for models pruning cannot handle."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pruning_blocks import Residual, run
+from torch import nn
+
+from compress.errors import RecipeError, TargetMatchError, UnsupportedModelError
+from pruning.api import PruneOptions, prune
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5])
+def test_ratio_outside_unit_interval(ratio: float) -> None:
+    with pytest.raises(RecipeError, match=r"ratio must be in \[0, 1\)"):
+        prune(Residual(), torch.randn(2, 3, 8, 8), ratio=ratio)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "target", "match"),
+    [
+        (None, None, "exactly one of ratio"),
+        (0.5, {"macs": 0.5}, "exactly one of ratio"),
+        (None, {"flops": 0.5}, "one key, params or macs"),
+        (None, {"macs": 0.0}, r"fraction in \(0, 1\]"),
+    ],
+)
+def test_bad_ratio_or_target(ratio: float | None, target: dict[str, float] | None, match: str) -> None:
+    with pytest.raises(RecipeError, match=match):
+        prune(Residual(), torch.randn(2, 3, 8, 8), ratio=ratio, target=target)
+
+
+def test_unknown_importance_suggests_the_closest() -> None:
+    with pytest.raises(RecipeError, match="did you mean 'taylor'"):
+        prune(Residual(), torch.randn(2, 3, 8, 8), ratio=0.5, importance="tayler")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"ignore": ["nothing.here"]}, "ignore"),
+        ({"options": PruneOptions(targets=["re:layer9.*"])}, "targets"),
+        ({"options": PruneOptions(overrides={"stem.9": 0.2})}, "overrides"),
+    ],
+)
+def test_pattern_matching_nothing(kwargs: dict, field: str) -> None:
+    model = Residual()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(TargetMatchError, match=f"prune: {field}: pattern '.*' matches no module"):
+        prune(model, torch.randn(2, 3, 8, 8), ratio=0.5, **kwargs)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_tracing_under_no_grad_gives_the_same_result(context: type) -> None:
+    """The tracer reads torch calls, not autograd: no_grad/inference_mode change nothing."""
+    x = torch.randn(2, 3, 8, 8)
+    a, b = Residual().eval(), None
+    b = copy.deepcopy(a)
+    ra = prune(a, x, ratio=0.5)
+    with context():
+        rb = prune(b, x, ratio=0.5)
+    assert ra.plan.to_dict()["steps"] == rb.plan.to_dict()["steps"]
+    torch.testing.assert_close(run(a, x), run(b, x))
+
+
+class EinsumNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        self.mix = nn.Parameter(torch.randn(16, 16))
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.einsum("bc,cd->bd", self.proj(x), self.mix))
+
+
+def test_unsupported_op_names_op_and_module() -> None:
+    model = EinsumNet()
+    with pytest.raises(UnsupportedModelError, match=r"op 'einsum' in .*EinsumNet"):
+        prune(model, torch.randn(3, 8), ratio=0.5)
+
+
+class HardCoded(nn.Module):
+    """Reshapes with a literal channel count: no trace can know the 16 is a channel count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.head = nn.Linear(16 * 64, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.conv(x)).reshape(x.shape[0], 16 * 64))
+
+
+def test_hard_coded_channel_count_is_caught_and_model_restored() -> None:
+    model = HardCoded().eval()
+    x = torch.randn(2, 3, 8, 8)
+    y = run(model, x)
+    with pytest.raises(UnsupportedModelError, match=r"no longer runs.*Model restored"):
+        prune(model, x, ratio=0.5)
+    assert model.conv.out_channels == 16 and model.conv.weight.shape[0] == 16
+    torch.testing.assert_close(run(model, x), y, atol=0, rtol=0)
+
+
+def test_slicing_channels_with_fixed_indices_keeps_them() -> None:
+    class Slicer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 12)
+            self.b = nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x)[:, :6])
+
+    model = Slicer()
+    result = prune(model, torch.randn(2, 4), ratio=0.5)
+    assert model.a.out_features == 12 and result.params_after == result.params_before
