@@ -77,6 +77,7 @@ class AdapterSet:
                 log.info("%s: student width of '%s' changed to %s; rebuilding its adapter", where, key, _shape(student))
             adapter = make_adapter(student, teacher, where=where).to(student.device)
             _broadcast(adapter)
+            _sync_grads(list(adapter.parameters()))
             self.modules[mk] = adapter
             self.sync_optimizer()
         return adapter(student.float())
@@ -104,7 +105,6 @@ class AdapterSet:
         # lists with the optimizer's groups strictly, and a group added mid-run breaks them.
         opt.param_groups[-1]["params"].extend(current)
         self._in_optimizer = current
-        _sync_grads(current)
 
     def _drop_from_optimizer(self) -> None:
         opt = self._optimizer
