@@ -57,19 +57,21 @@ def build_data(
     seed: int = 0,
     rank: int = 0,
     world_size: int = 1,
-    where: str = "data",
+    where: str | Callable[[str], str] = "data",
 ) -> DataBundle:
     """Build the loaders a DataSpec describes.
 
     ``spec.seed`` fixes the split; ``seed`` fixes the train shuffle order. With ``world_size > 1``
     the train loader shards through a DistributedSampler (``bundle.train_sampler``); calibration
-    and eval are not sharded. ``where`` prefixes error messages (e.g. ``recipe.where("data")``).
+    and eval are not sharded. ``where`` names the recipe section in error messages: a string (``"data"`` gives
+    ``data.source: ...``) or a callable such as ``recipe.where`` that gets the field path
+    (``data.source``) and returns ``file:line: data.source``.
     """
     if not isinstance(spec, DataSpec):
         spec = DataSpec.model_validate(dict(spec))
     if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
         raise RecipeError(
-            f"{where}: need batch_size >= 1 and 0 <= rank < world_size (got {batch_size}, {rank}, {world_size})"
+            f"{_at(where, 'data')}: need batch_size >= 1 and 0 <= rank < world_size (got {batch_size}, {rank}, {world_size})"
         )
     splits = _splits(spec, where=where)
     train = splits.train
@@ -129,25 +131,31 @@ def _default_collate(samples: list[Any]) -> Any:
     return default_collate(samples)
 
 
-def _splits(spec: DataSpec, *, where: str) -> Splits:
+def _at(where: str | Callable[[str], str], path: str) -> str:
+    if callable(where):
+        return where(path)
+    return where + path.removeprefix("data")
+
+
+def _splits(spec: DataSpec, *, where: str | Callable[[str], str]) -> Splits:
     if is_import_path(spec.source):
-        return _from_factory(spec, where=f"{where}.source")
+        return _from_factory(spec, where=_at(where, "data.source"))
     if spec.source not in SOURCES:
         raise RecipeError(
-            f"{where}.source: unknown data source '{spec.source}'; {did_you_mean(spec.source, SOURCES.names())} or pkg.module:factory"
+            f"{_at(where, 'data.source')}: unknown data source '{spec.source}'; {did_you_mean(spec.source, SOURCES.names())} or pkg.module:factory"
         )
     valid = source_kwargs(spec.source)
     for key in spec.kwargs:
         if key not in valid:
             raise RecipeError(
-                f"{where}.kwargs: data source '{spec.source}' has no kwarg '{key}'; {did_you_mean(key, list(valid))}"
+                f"{_at(where, f'data.kwargs.{key}')}: data source '{spec.source}' has no kwarg '{key}'; {did_you_mean(key, list(valid))}"
             )
     try:
         return SOURCES.get(spec.source)(seed=spec.seed, **spec.kwargs)
     except (TypeError, ValueError) as exc:
         shown = ", ".join(f"{k}={v!r}" for k, v in valid.items())
         raise RecipeError(
-            f"{where}.kwargs: data source '{spec.source}' rejected its kwargs: {exc} (kwargs and defaults: {shown})"
+            f"{_at(where, 'data.kwargs')}: data source '{spec.source}' rejected its kwargs: {exc} (kwargs and defaults: {shown})"
         ) from None
 
 

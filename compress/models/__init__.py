@@ -4,15 +4,24 @@ from __future__ import annotations
 
 from compress.models.hf import MINILM, load_hf_model, load_tokenizer, minilm_dir, resolve_hf_path
 from compress.models.loading import apply_pruning_plan, check_state_dict, load_checkpoint, load_model
+from compress.models.mlp import MLP
+from compress.models.mobilenetv2 import MobileNetV2
 from compress.models.ops import Add, Concat, MatMul
+from compress.models.resnet import ResNet
+from compress.models.vit import Attention, ViT
 from compress.models.zoo import ZOO, build_zoo_model, zoo_kwargs
 
 __all__ = [
     "MINILM",
+    "MLP",
     "ZOO",
     "Add",
+    "Attention",
     "Concat",
     "MatMul",
+    "MobileNetV2",
+    "ResNet",
+    "ViT",
     "apply_pruning_plan",
     "build_zoo_model",
     "check_state_dict",

@@ -88,7 +88,7 @@ def test_digits_resize_and_channels() -> None:
     x, _ = next(iter(b.eval))
     assert x.shape == (128, 3, 16, 16)
     torch.testing.assert_close(x[:, 0], x[:, 2], atol=0, rtol=0)
-    with pytest.raises(RecipeError, match=r"data.kwargs: data source 'digits' has no kwarg 'size'"):
+    with pytest.raises(RecipeError, match=r"data.kwargs.size: data source 'digits' has no kwarg 'size'"):
         build_data(DataSpec(kwargs={"size": 16}), batch_size=8, seed=0)
     with pytest.raises(RecipeError, match=r"rejected its kwargs: image_size"):
         build_data(DataSpec(kwargs={"image_size": 0}), batch_size=8, seed=0)
@@ -275,3 +275,15 @@ def test_unknown_source_lists_valid() -> None:
         match=r"unknown data source 'digit'; valid: digits, synthetic, text \(did you mean 'digits'\?\)",
     ):
         build_data(DataSpec(source="digit"), batch_size=8, seed=0)
+
+
+def test_errors_point_at_the_recipe_line(tmp_path) -> None:
+    from compress.recipe import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "version: 1\nmodel:\n  name: resnet\ndata:\n  source: digits\n  kwargs:\n    image_sise: 16\n"
+    )
+    recipe = load_recipe(path)
+    with pytest.raises(RecipeError, match=rf"^{path}:7: data.kwargs.image_sise: .*did you mean 'image_size'"):
+        build_data(recipe.data, batch_size=8, seed=0, where=recipe.where)
