@@ -47,7 +47,7 @@ from distillation.spec import (
     SoftTargetLoss,
     TeacherDtype,
 )
-from distillation.teacher import Teacher, is_hf
+from distillation.teacher import Teacher, is_hf, load_teacher_model
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,10 @@ def _uniform(n_student: int, n_teacher: int, *, states: bool) -> dict[int, int]:
 class Distiller:
     """Distillation terms of ``student`` against a frozen ``teacher``, added to the task loss.
 
+    ``teacher``: an ``nn.Module`` (frozen in place: eval mode, no grad), a :class:`Teacher`, or a
+    model spec mapping (``{"name": "resnet", "kwargs": {...}, "checkpoint": "t.pt"}`` or
+    ``{"hf_path": ...}``) loaded like a recipe's model.
+
     ``losses``: loss specs or mappings (types ``kd``, ``soft_ce``, ``feature``, ``hidden_states``,
     ``attention``, ``cosine``; see distillation.spec); default KD at temperature 4.
     ``task_weight`` scales the task loss. ``teacher_dtype`` runs the teacher in half precision.
@@ -138,7 +142,7 @@ class Distiller:
 
     def __init__(
         self,
-        teacher: nn.Module | Teacher,
+        teacher: nn.Module | Teacher | Mapping[str, Any],
         student: nn.Module,
         *,
         losses: Sequence[LossTerm | Mapping[str, Any]] | None = None,
@@ -155,6 +159,10 @@ class Distiller:
         self.total_steps = total_steps
         self.student = _unwrap(student)
         device = _device_of(self.student)
+        if isinstance(teacher, Mapping):  # a model spec: zoo / factory / HF path, with its checkpoint
+            if teacher.get("train_epochs"):
+                raise RecipeError(f"{where}: teacher.train_epochs is for recipes; give the Distiller a trained teacher")
+            teacher = load_teacher_model(teacher, where=f"{where}: teacher")
         self.teacher = teacher if isinstance(teacher, Teacher) else Teacher(teacher, device=device, dtype=teacher_dtype)
         self.adapters = AdapterSet()
         self.steps = 0

@@ -103,10 +103,7 @@ def build_teacher(spec: TeacherSpec | None, state: State, *, dtype: TeacherDtype
         return Teacher(state.original_model, device=state.device, dtype=dtype)
     if not isinstance(spec, TeacherSpec):
         raise RecipeError(f"{where}: teacher must be 'self' or a model spec, not {spec!r}")
-    from compress.models import load_model  # heavy (transformers on demand): load only when used
-
-    fields = {k: getattr(spec, k) for k in ("name", "kwargs", "hf_path", "checkpoint", "pruning_plan")}
-    model = load_model(fields, where=lambda path: f"{where}.teacher.{path.removeprefix('model.')}")
+    model = load_teacher_model(spec, where=f"{where}.teacher")
     model.to(state.device)
     if spec.train_epochs > 0 and spec.checkpoint is None:
         _train(model, spec, state, where=where)
@@ -114,6 +111,23 @@ def build_teacher(spec: TeacherSpec | None, state: State, *, dtype: TeacherDtype
     if state.evaluate is not None:
         state.metrics["distill.teacher_metric"] = float(state.evaluate(teacher.model))
     return teacher
+
+
+def load_teacher_model(spec: TeacherSpec | Mapping[str, Any], *, where: str = "teacher") -> nn.Module:
+    """The (untrained unless it has a checkpoint or HF weights) model a teacher spec describes."""
+    from compress.models import load_model  # heavy (transformers on demand): import only when used
+
+    if not isinstance(spec, TeacherSpec):
+        from pydantic import ValidationError
+
+        try:
+            spec = TeacherSpec.model_validate(dict(spec))
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            path = ".".join(str(p) for p in err["loc"])
+            raise RecipeError(f"{where}{'.' + path if path else ''}: {str(err['msg']).removeprefix('Value error, ')}") from None
+    fields = {k: getattr(spec, k) for k in ("name", "kwargs", "hf_path", "checkpoint", "pruning_plan")}
+    return load_model(fields, where=lambda path: f"{where}.{path.removeprefix('model.')}")
 
 
 def _train(model: nn.Module, spec: TeacherSpec, state: State, *, where: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,3 +276,22 @@ def test_ddp_wrapped_student_is_unwrapped_for_hooks(data: tuple[torch.Tensor, to
     assert d.student is student
     d(x, wrapped(x))
     d.remove()
+
+
+def test_teacher_from_a_model_spec(tmp_path: Path, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+    x, _ = data
+    from compress.models import build_zoo_model
+
+    torch.manual_seed(0)
+    zoo_teacher = build_zoo_model("mlp", {"hidden": 8, "in_features": 36, "num_classes": 5})
+    path = tmp_path / "t.pt"
+    torch.save(zoo_teacher.state_dict(), path)
+    student = ConvNet(4)
+    spec = {"name": "mlp", "kwargs": {"hidden": 8, "in_features": 36, "num_classes": 5}, "checkpoint": str(path)}
+    d = Distiller(spec, student)
+    d(x, student(x))
+    assert torch.equal(d.teacher.model(x), zoo_teacher(x))
+    with pytest.raises(RecipeError, match="teacher 'mlp' has no weights"):
+        Distiller({"name": "mlp"}, student)
+    with pytest.raises(RecipeError, match="train_epochs is for recipes"):
+        Distiller({"name": "mlp", "train_epochs": 2}, student)
