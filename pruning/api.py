@@ -21,6 +21,7 @@ from pruning.counting import count_macs, count_params
 from pruning.graph import DependencyGraph
 from pruning.importance import IMPORTANCE, atom_scores
 from pruning.plan import PruningPlan
+from pruning.recalibrate import recalibrate_bn
 from pruning.select import CostModel, SelectionRules, choose, override_pairs, search_ratio
 from pruning.trace import iter_tensors, trace_graph
 
@@ -34,7 +35,8 @@ class PruneOptions(BaseModel):
     channels against one threshold. ``max_ratio`` caps what any group may lose. ``targets``
     restricts pruning to groups whose producing modules match (e.g. only attention heads);
     ``overrides`` maps module patterns to their own ratio. ``taylor_batches`` is how many batches
-    taylor importance reads.
+    taylor importance reads. ``bn_recalibration_batches`` re-estimates BatchNorm statistics on that
+    many batches of ``data`` after the cut (0: off; nothing happens without data).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -44,6 +46,7 @@ class PruneOptions(BaseModel):
     targets: list[str] = Field(default_factory=lambda: ["*"])
     overrides: dict[str, float] = Field(default_factory=dict)
     taylor_batches: int = Field(4, ge=1)
+    bn_recalibration_batches: int = Field(8, ge=0)
     seed: int = 0
 
     @field_validator("overrides")
@@ -187,6 +190,7 @@ class Pruner:
         ratio: float | None,
         target: Mapping[str, float] | None,
         grads: Mapping[str, torch.Tensor] | None = None,
+        base_sizes: Mapping[int, int] | None = None,
     ) -> np.ndarray:
         scores = atom_scores(graph, model, self.importance, grads=grads, seed=self.options.seed)
         rules = self.rules(model)
@@ -195,7 +199,7 @@ class Pruner:
             r, keep = search_ratio(graph, scores, rules, CostModel(graph, model), metric=metric, fraction=frac)
             log.info("%s: target %s=%.3g reached at ratio %.3f", self.where, metric, frac, r)
             return keep
-        return choose(graph, scores, float(ratio or 0.0), rules)
+        return choose(graph, scores, float(ratio or 0.0), rules, base_sizes=base_sizes)
 
     def cut(
         self,
@@ -250,7 +254,8 @@ def prune(
     ``example_inputs`` (a tensor, tuple or dict of keyword inputs) is run once to trace the channel
     dependencies. ``ignore`` lists module patterns whose outputs keep every channel (the model's
     outputs always do). ``round_to`` keeps channel counts multiples of N. ``optimizer`` state is
-    sliced along with the parameters. ``data``/``loss_fn`` feed ``importance="taylor"``.
+    sliced along with the parameters. ``data`` (batches) feeds ``importance="taylor"`` (with
+    ``loss_fn``, default cross-entropy) and BatchNorm recalibration after the cut.
     """
     check_ratio(ratio, target)
     pruner = Pruner(importance=importance, ignore=ignore, round_to=round_to, options=options)
@@ -264,6 +269,9 @@ def prune(
         grads = taylor_grads(model, data, loss_fn=loss_fn, batches=pruner.options.taylor_batches, device=device)
     keep = pruner.select(model, graph, ratio=ratio, target=target, grads=grads)
     slices = pruner.cut(model, graph, keep, example_inputs, optimizer=optimizer)
+    if data is not None and pruner.options.bn_recalibration_batches:
+        device = next(model.parameters()).device
+        recalibrate_bn(model, data, batches=pruner.options.bn_recalibration_batches, device=device)
     plan = PruningPlan()
     plan.add_step(slices)
     result = PruneResult(

@@ -8,6 +8,7 @@ with an optional sparsity-inducing phase (BN L1 or group lasso) before the first
       interval_epochs: 1
       schedule: agp         # cumulative ratio 1 - (1 - k/N)^3 (Zhu & Gupta) or linear
       sparsity: {kind: bn_l1, weight: 1.0e-4, epochs: 2}
+      bn_recalibration_batches: 8   # re-estimate BatchNorm statistics after each cut (0: off)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pruning.api import PruneOptions, Pruner, check_ratio, taylor_grads
 from pruning.counting import count_macs, count_params
 from pruning.graph import DependencyGraph
 from pruning.plan import PruningPlan
+from pruning.recalibrate import recalibrate_bn
 from pruning.select import CostModel, eligible_groups, search_ratio
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class PruneSpec(ModifierSpec):
     targets: list[str] = Field(default_factory=lambda: ["*"])
     overrides: dict[str, float] = Field(default_factory=dict)
     taylor_batches: int = Field(4, ge=1)
+    bn_recalibration_batches: int = Field(8, ge=0)
     seed: int = 0
     steps: int = Field(1, ge=1)
     interval_epochs: float = Field(1.0, gt=0)
@@ -97,6 +100,7 @@ class PruneSpec(ModifierSpec):
             targets=self.targets,
             overrides=self.overrides,
             taylor_batches=self.taylor_batches,
+            bn_recalibration_batches=self.bn_recalibration_batches,
             seed=self.seed,
         )
 
@@ -123,6 +127,7 @@ class PruneModifier(Modifier[PruneSpec]):
         self._before: tuple[int, int] = (0, 0)
         self._lasso: list[tuple[str, int, torch.Tensor]] = []
         self._lasso_atoms: torch.Tensor | None = None
+        self._sizes: dict[str, int] = {}  # group key -> atom count before the first step
 
     # ---- schedule -----------------------------------------------------------------------------
     def _epoch_of(self, k: int) -> float:
@@ -196,10 +201,18 @@ class PruneModifier(Modifier[PruneSpec]):
             if data is None:
                 raise CalibrationError(f"{self.where}: taylor importance needs training or calibration data")
             grads = taylor_grads(model, data, loss_fn=state.loss_fn, batches=s.taylor_batches, device=state.device)
-        if s.ratio is not None:
+        if s.ratio is not None and s.mode == "local":
+            # cumulative ratios against each group's size before the first step (no compounding floors)
+            base = {}
+            for g in graph.prunable_groups():
+                key = _group_key(graph, g)
+                base[g.index] = self._sizes.setdefault(key, len(g.atoms))
+            keep = self.pruner.select(
+                model, graph, ratio=s.ratio * s.progress(k), target=None, grads=grads, base_sizes=base
+            )
+        elif s.ratio is not None:
             prev = s.ratio * s.progress(k - 1)
-            cur = s.ratio * s.progress(k)
-            step_ratio = 1 - (1 - cur) / (1 - prev)
+            step_ratio = 1 - (1 - s.ratio * s.progress(k)) / (1 - prev)
             keep = self.pruner.select(model, graph, ratio=step_ratio, target=None, grads=grads)
         else:
             assert s.target is not None
@@ -208,6 +221,9 @@ class PruneModifier(Modifier[PruneSpec]):
             keep = self._target_keep(model, graph, metric, goal, grads)
         slices = self.pruner.cut(model, graph, keep, self._example, optimizer=state.optimizer)
         self.pruning_plan.add_step(slices)
+        data = state.calibration_data or state.train_data
+        if s.bn_recalibration_batches and data is not None:
+            recalibrate_bn(model, data, batches=s.bn_recalibration_batches, device=state.device)
         self.done = k
         log.info(
             "%s: step %d/%d at epoch %.2f: params %d, MACs %d",
@@ -266,6 +282,14 @@ class PruneModifier(Modifier[PruneSpec]):
             sq = sq.index_add(0, atoms.to(sq.device), per)
         mask = self._lasso_atoms.to(sq.device)
         return torch.sqrt(sq[mask] + 1e-12).sum()
+
+
+def _group_key(graph: DependencyGraph, g: Any) -> str:
+    """A name for a group that survives pruning: its first producing tensor."""
+    from pruning.graph import OUT
+
+    keys = sorted(graph.coords[ci].key for ci in g.coords if OUT in graph.coords[ci].roles)
+    return keys[0] if keys else f"#{g.index}"
 
 
 def _batch(inputs: Any) -> int:

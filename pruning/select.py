@@ -53,9 +53,22 @@ def _round_kept(kept: int, n: int, rules: SelectionRules, width: int) -> int:
     return min(max(kept, 1), n)
 
 
-def choose(graph: DependencyGraph, scores: np.ndarray, ratio: float, rules: SelectionRules) -> np.ndarray:
+def choose(
+    graph: DependencyGraph,
+    scores: np.ndarray,
+    ratio: float,
+    rules: SelectionRules,
+    *,
+    base_sizes: Mapping[int, int] | None = None,
+) -> np.ndarray:
     """Keep flag per atom for removing ``ratio`` of the channels of each eligible group (local) or
-    of all eligible groups together (global), lowest scores first."""
+    of all eligible groups together (global), lowest scores first.
+
+    ``base_sizes`` (group index -> its size before an iterative schedule began) makes a local
+    ratio cumulative: a group keeps ``n0 - floor(ratio * n0)`` of its original ``n0`` atoms, so
+    rounding does not compound over steps.
+    """
+    base_sizes = base_sizes or {}
     keep = np.ones(len(graph.atoms), dtype=bool)
     groups = eligible_groups(graph, rules)
     if rules.mode == "global":
@@ -63,14 +76,16 @@ def choose(graph: DependencyGraph, scores: np.ndarray, ratio: float, rules: Sele
     else:
         budget = {}
         for g in groups:
-            r = _group_ratio(g, ratio, rules)
-            budget[g.index] = math.floor(min(r, rules.max_ratio) * len(g.atoms) + 1e-9)
+            r = min(_group_ratio(g, ratio, rules), rules.max_ratio)
+            n0 = base_sizes.get(g.index, len(g.atoms))
+            budget[g.index] = max(0, len(g.atoms) - (n0 - math.floor(r * n0 + 1e-9)))
     for g in groups:
         n = len(g.atoms)
+        n0 = base_sizes.get(g.index, n)
         width = g.width(graph)
         n_remove = budget.get(g.index, 0)
         kept = _round_kept(n - n_remove, n, rules, width)
-        kept = max(kept, n - math.floor(rules.max_ratio * n + 1e-9), 1)
+        kept = max(kept, n0 - math.floor(rules.max_ratio * n0 + 1e-9), 1)
         prunable = [a for a in g.atoms if graph.atoms[a].prunable]
         n_remove = min(n - kept, len(prunable))
         if n_remove <= 0:

@@ -141,3 +141,17 @@ def test_optimizer_state_is_sliced() -> None:
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
     opt.step()  # the optimizer keeps training the pruned model
+
+
+def test_bn_recalibration_reestimates_statistics() -> None:
+    from pruning.recalibrate import recalibrate_bn
+
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5)).eval()
+    x = torch.randn(16, 1, 8, 8) * 3 + 1
+    assert recalibrate_bn(model, [(x, None), (x, None)], batches=1) == 1
+    bn = model[1]
+    with torch.no_grad():
+        conv = model[0](x)
+    torch.testing.assert_close(bn.running_mean, conv.mean((0, 2, 3)), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(bn.running_var, conv.var((0, 2, 3)), atol=1e-4, rtol=1e-4)
+    assert bn.momentum == 0.1 and not model.training and not model[2].training
