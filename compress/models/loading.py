@@ -81,7 +81,11 @@ def apply_pruning_plan(model: nn.Module, path: str, *, where: str = "pruning_pla
         raise CompressError(
             f"{where}: replaying a pruning plan needs pruning.plan.PruningPlan ({exc})"
         ) from None
-    plan_cls.load(path).apply(model)
+    try:
+        plan_cls.load(path).apply(model)
+    except CompressError as exc:
+        # the plan names its own file; prefix where the recipe asked for it (same error class)
+        raise type(exc)(f"{where}: {exc}") from None
     log.info("replayed pruning plan %s", path)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from compress.errors import RecipeError
+from compress.errors import CompressError, RecipeError
 from compress.models import ZOO, Add, Concat, MatMul, build_zoo_model, load_model, zoo_kwargs
 from compress.models.vit import Attention
 from compress.recipe import ModelSpec
@@ -246,8 +246,6 @@ def test_minilm_from_wheel() -> None:
 
 
 def test_vit_wrong_image_size_is_a_clear_error() -> None:
-    from compress.errors import CompressError
-
     with pytest.raises(CompressError, match=r"built for 8x8 inputs, got 16x16; build it with image_size=16"):
         build_zoo_model("vit")(torch.randn(1, 1, 16, 16))
 
@@ -295,3 +293,25 @@ def test_pruning_plan_replayed_before_checkpoint(tmp_path, monkeypatch) -> None:
     torch.testing.assert_close(model.fc.weight, pruned.fc.weight, atol=0, rtol=0)
     with pytest.raises(RecipeError, match=r"pruning plan '.*nope.json' not found"):
         load_model(ModelSpec(name="resnet", pruning_plan=str(tmp_path / "nope.json")))
+
+
+def test_real_pruning_plan_and_pruned_checkpoint_round_trip(tmp_path) -> None:
+    prune = pytest.importorskip("pruning.api").prune
+    torch.manual_seed(0)
+    model = build_zoo_model("resnet", width=8).eval()
+    x = torch.randn(4, 1, 8, 8)
+    result = prune(model, x[:2], ratio=0.5)
+    assert result.params_after < result.params_before
+    result.plan.save(tmp_path / "plan.json")
+    torch.save(model.state_dict(), tmp_path / "pruned.pt")
+    spec = ModelSpec(
+        name="resnet",
+        kwargs={"width": 8},
+        pruning_plan=str(tmp_path / "plan.json"),
+        checkpoint=str(tmp_path / "pruned.pt"),
+    )
+    loaded = load_model(spec).eval()
+    torch.testing.assert_close(loaded(x), model(x), atol=0, rtol=0)
+    # the plan does not fit another architecture: the error names where the recipe asked for it
+    with pytest.raises(CompressError, match=r"^model: pruning plan names"):
+        load_model(ModelSpec(name="mlp", pruning_plan=str(tmp_path / "plan.json")))
