@@ -1,0 +1,133 @@
+"""Helpers for validating ONNX files given from outside a run: what a file holds (an ExportRecord),
+a reference ONNX model run as a module, and the data to validate on."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from compress.errors import CompressError
+from export.records import ExportRecord, Role
+from export.runtimes import OrtSession, default_threads, integer_kernel_count
+
+log = logging.getLogger(__name__)
+
+
+def file_size(path: Path) -> int:
+    """Bytes of the model file plus its external-data file, if any."""
+    data = path.with_name(path.name + ".data")
+    return path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+
+
+def describe_onnx(path: Path, *, role: Role = "final", count_integer: bool = True) -> ExportRecord:
+    """An ExportRecord for an ONNX file: precision from its ops and initializers, the integer
+    kernels of ORT's optimized graph for QDQ models."""
+    if not path.is_file():
+        raise CompressError(f"model file '{path}' not found")
+    try:
+        m = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:
+        raise CompressError(f"'{path}' is not a readable ONNX model: {str(exc).splitlines()[0]}") from None
+    ops = {n.op_type for n in m.graph.node}
+    qdq = "DequantizeLinear" in ops or "QuantizeLinear" in ops
+    fp16 = any(t.data_type == onnx.TensorProto.FLOAT16 for t in m.graph.initializer)
+    precision = "int8" if qdq else ("fp16" if fp16 else "fp32")
+    fmt = {"int8": "onnx-int8-qdq", "fp16": "onnx-fp16", "fp32": "onnx-fp32"}[precision]
+    if qdq and fp16:
+        fmt += "-fp16"
+    ints, int_ops = integer_kernel_count(path) if qdq and count_integer else (None, {})
+    init = {t.name for t in m.graph.initializer}
+    inputs = [i for i in m.graph.input if i.name not in init]
+    dyn = all(i.type.tensor_type.shape.dim and not i.type.tensor_type.shape.dim[0].HasField("dim_value") for i in inputs)
+    opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
+    return ExportRecord(
+        path=path, format=fmt, role=role, precision=precision, size_bytes=file_size(path), integer_nodes=ints,
+        integer_ops=int_ops, opset=opset, dynamic_batch=dyn, inputs=[i.name for i in inputs],
+        outputs=[o.name for o in m.graph.output],
+    )
+
+
+class OnnxModule(nn.Module):
+    """An ONNX model run by onnxruntime behind a module interface (a reference for parity)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.session = OrtSession(path, default_threads())
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        from export.parity import to_numpy_feeds
+        from export.validate import run_session
+
+        inputs: Any = kwargs if kwargs else (args[0] if len(args) == 1 else args)
+        feeds = to_numpy_feeds(inputs, self.session.input_names)
+        return torch.from_numpy(np.ascontiguousarray(run_session(self.session, feeds)[0]))
+
+
+def onnx_reference(path: Path) -> OnnxModule:
+    if not path.is_file():
+        raise CompressError(f"reference model '{path}' not found")
+    return OnnxModule(path)
+
+
+def resolve_data(data: Any, model_path: Path, *, eval_samples: int | None) -> Any:
+    """An iterable of ``(inputs, targets)`` eval batches from a source name, DataSpec or iterable."""
+    from compress.recipe import DataSpec
+
+    if isinstance(data, str):
+        data = DataSpec(source=data)
+    if isinstance(data, DataSpec):
+        from compress.data import build_data
+
+        bundle = build_data(data, batch_size=32, seed=data.seed, where=f"validate data '{data.source}'")
+        if bundle.eval is None:
+            raise CompressError(f"validate: data source '{data.source}' has no eval split")
+        return bundle.eval
+    if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
+        raise CompressError(f"validate: data must be a source name, a DataSpec or an iterable of batches, not {type(data).__name__}")
+    return data
+
+
+_ONNX_TO_NUMPY = {
+    onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16, onnx.TensorProto.INT64: np.int64,
+    onnx.TensorProto.INT32: np.int32, onnx.TensorProto.BOOL: np.bool_, onnx.TensorProto.UINT8: np.uint8,
+}
+
+
+def random_batches(path: Path, *, batches: int = 4, batch: int = 8, seq: int = 16, seed: int = 0) -> Iterator[Any]:
+    """Random inputs shaped like the model's (symbolic dims: ``batch``, then ``seq``), no targets;
+    integer inputs are token ids below 100 and masks of ones."""
+    m = onnx.load(str(path), load_external_data=False)
+    init = {t.name for t in m.graph.initializer}
+    rng = np.random.default_rng(seed)
+    specs = []
+    for i in m.graph.input:
+        if i.name in init:
+            continue
+        t = i.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else (batch if k == 0 else seq) for k, d in enumerate(t.shape.dim)]
+        specs.append((i.name, dims, _ONNX_TO_NUMPY.get(t.elem_type, np.float32)))
+    out = []
+    for _ in range(batches):
+        feeds: dict[str, torch.Tensor] = {}
+        for name, dims, dt in specs:
+            arr: np.ndarray
+            if np.issubdtype(dt, np.floating):
+                arr = rng.standard_normal(dims).astype(dt)
+            elif "mask" in name or dt == np.bool_:
+                arr = np.ones(dims, dtype=dt)
+            elif "type" in name:
+                arr = np.zeros(dims, dtype=dt)
+            else:
+                arr = rng.integers(0, 100, size=dims).astype(dt)
+            feeds[name] = torch.from_numpy(arr)
+        out.append((feeds if len(feeds) > 1 else next(iter(feeds.values())), None))
+    log.info("validate: no data given; %d random batches of %d shaped like %s", batches, batch, path.name)
+    return iter(out)

@@ -1,0 +1,330 @@
+"""``export_onnx``: a PyTorch model (fp32, pruned or fake-quant) to one checked ONNX file.
+
+The dynamo exporter traces the model; fake-quant models are exported as QDQ (see export/qdq.py).
+The result is checked (onnx.checker with full shape inference) and written atomically: a temp
+file in the target directory, then ``os.replace``, so an interrupted export leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from torch import nn
+
+from compress.batching import call_model
+from compress.errors import ExportError
+from export import edge, qdq
+
+log = logging.getLogger(__name__)
+
+#: protobuf's hard limit is 2 GiB; stay clear of it (the serialized size grows a little on save)
+_SINGLE_FILE_LIMIT = 2**31 - 64 * 2**20
+
+
+def export_onnx(
+    model: nn.Module,
+    example_inputs: Any,
+    path: str | os.PathLike[str],
+    *,
+    opset: int | None = None,
+    dynamic_batch: bool = True,
+    activation_dtype: qdq.ActDtype = "uint8",
+    reduce_range: bool = False,
+    fp16: bool = False,
+    simplify: bool = True,
+    input_names: list[str] | None = None,
+    output_names: list[str] | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Export ``model`` to ONNX at ``path`` and return the path.
+
+    ``example_inputs``: a tensor, a tuple of tensors, or a dict of keyword tensors (HF models).
+    A model holding enabled fake-quantizers exports as QDQ int8 (weights stored as int8,
+    ``activation_dtype`` activations, 7-bit weights with ``reduce_range``). ``dynamic_batch`` makes
+    dim 0 of every input symbolic (and dim 1 of integer 2-D inputs: token sequences); otherwise all
+    shapes are those of the example. ``fp16`` stores the float parts in half precision with float32
+    inputs and outputs; ``simplify`` runs onnxscript's optimizer (constant folding, dead code).
+    Raises ExportError naming the cause for anything that stops a correct file being written.
+    """
+    path = Path(path)
+    if activation_dtype not in ("uint8", "int8"):
+        raise ExportError(f"activation_dtype must be 'uint8' or 'int8', got '{activation_dtype}'")
+    _check_writable(path)
+    model = model.eval()
+    args, kwargs = _split_inputs(example_inputs)
+    outputs = _run_example(model, args, kwargs)
+    quantized = qdq.is_quantized(model)
+    if quantized:
+        target, summary = qdq.swap_quantizers(model, activation_dtype=activation_dtype, reduce_range=reduce_range)
+        log.info(
+            "QDQ export: %d int8 weights (%d per-channel), %d %s activation pairs%s",
+            summary.weights, summary.per_channel_weights, summary.activations, activation_dtype,
+            ", reduce_range" if reduce_range else "",
+        )
+    else:
+        target = model
+    if fp16:
+        target = edge.Float16Wrapper(copy.deepcopy(target) if target is model else target)
+    args, kwargs = _exportable_batch(args, kwargs, dynamic_batch)
+    in_names = input_names or _input_names(args, kwargs)
+    out_names = output_names or _output_names(outputs)
+    proto = _dynamo_export(target, args, kwargs, in_names, out_names, opset=opset, dynamic_batch=dynamic_batch,
+                           quantized=quantized)
+    if quantized:
+        stats = qdq.tidy_qdq_graph(proto)
+        log.info("QDQ graph passes: %s", stats)
+    if simplify:
+        proto = edge.simplify(proto)
+    _rename_io(proto, out_names)
+    edge.set_metadata(proto, {"compress.precision": _precision(quantized, fp16), **(metadata or {})})
+    _check(proto, path)
+    _atomic_save(proto, path)
+    log.info("exported %s (%s, %d bytes)", path, _precision(quantized, fp16), path.stat().st_size)
+    return path
+
+
+def _precision(quantized: bool, fp16: bool) -> str:
+    if quantized:
+        return "int8-qdq" + ("+fp16" if fp16 else "")
+    return "fp16" if fp16 else "fp32"
+
+
+# ---- inputs --------------------------------------------------------------------------------------------
+def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise ExportError(
+        f"example_inputs must be a tensor, a tuple of tensors or a dict of tensors, got {type(example_inputs).__name__}"
+    )
+
+
+def _describe(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    def one(t: Any) -> str:
+        return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+    parts = [one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]
+    return ", ".join(parts)
+
+
+def _run_example(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run the model once on the example: a wrong shape or dtype fails here with a clear message,
+    not deep inside the tracer."""
+    try:
+        with torch.no_grad():
+            return call_model(model, kwargs) if kwargs else call_model(model, args)
+    except Exception as exc:  # any model error: the example does not fit the model
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExportError(
+            f"example input [{_describe(args, kwargs)}] does not fit {type(model).__name__}: {first}"
+        ) from exc
+
+
+def _exportable_batch(args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: bool) -> tuple[
+    tuple[Any, ...], dict[str, Any]
+]:
+    """torch.export specializes dims of size 1, so a dynamic batch needs an example batch >= 2."""
+    if not dynamic:
+        return args, kwargs
+
+    def grow(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == 1:
+            return torch.cat([t, t], dim=0)
+        return t
+
+    return tuple(grow(a) for a in args), {k: grow(v) for k, v in kwargs.items()}
+
+
+def _input_names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    if kwargs:
+        return [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    return ["input"] if len(args) == 1 else [f"input_{i}" for i in range(len(args))]
+
+
+def _output_names(outputs: Any) -> list[str]:
+    if isinstance(outputs, torch.Tensor):
+        return ["output"]
+    if isinstance(outputs, Mapping) or hasattr(outputs, "to_tuple"):
+        items = outputs.items() if isinstance(outputs, Mapping) else vars(outputs).items()
+        return [k for k, v in items if isinstance(v, torch.Tensor)]
+    if isinstance(outputs, (tuple, list)):
+        return [f"output_{i}" for i in range(len(outputs))]
+    return ["output"]
+
+
+def _dynamic_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    batch = torch.export.Dim("batch")
+    seq = torch.export.Dim("sequence")
+
+    def dims(t: Any) -> dict[int, Any] | None:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return None
+        d: dict[int, Any] = {0: batch}
+        if t.dim() == 2 and not t.is_floating_point():  # token ids / masks: variable length
+            d[1] = seq
+        return d
+
+    if kwargs:
+        return {k: dims(v) for k, v in kwargs.items()}
+    return tuple(dims(a) for a in args)
+
+
+# ---- export --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet() -> Iterator[io.StringIO]:
+    """The dynamo exporter prints progress to stdout and warns a lot; keep them out of users' logs."""
+    buf = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(buf):
+        warnings.simplefilter("ignore")
+        yield buf
+
+
+_UNSUPPORTED = re.compile(
+    r"(UnsupportedOperatorException: \S+|No decompositions? registered for \S+|"
+    r"Unsupported FX nodes: \{[^}]*\}|not supported by the ONNX exporter[^\n]*|No ONNX function found for \S+)"
+)
+
+
+def _dynamo_export(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    in_names: list[str],
+    out_names: list[str],
+    *,
+    opset: int | None,
+    dynamic_batch: bool,
+    quantized: bool,
+) -> onnx.ModelProto:
+    options: dict[str, Any] = {}
+    if opset is not None:
+        options["opset_version"] = opset
+    if dynamic_batch:
+        options["dynamic_shapes"] = _dynamic_shapes(args, kwargs)
+    if not kwargs:
+        options["input_names"] = in_names
+    if quantized:
+        options["custom_translation_table"] = qdq.translation_table()
+    try:
+        with _quiet(), torch.no_grad():
+            program = torch.onnx.export(
+                model, args, kwargs=kwargs or None, dynamo=True, external_data=False, optimize=True,
+                verbose=False, report=False, **options,
+            )
+    except Exception as exc:
+        text = str(exc)
+        hit = _UNSUPPORTED.search(text)
+        detail = hit.group(1) if hit else (text.strip().splitlines() or [type(exc).__name__])[0]
+        if "Constraints violated" in text or "specialized" in text:
+            detail = "a dimension marked dynamic (batch/sequence) was specialized by the model; use dynamic_batch=False"
+        raise ExportError(f"ONNX export of {type(model).__name__} failed: {detail}") from exc
+    if program is None:
+        raise ExportError(f"ONNX export of {type(model).__name__} returned no program")
+    proto = program.model_proto
+    if len(proto.graph.output) != len(out_names):
+        log.warning("model has %d outputs but %d names were given; keeping exporter names",
+                    len(proto.graph.output), len(out_names))
+    return proto
+
+
+def _rename_io(proto: onnx.ModelProto, out_names: list[str]) -> None:
+    """Graph outputs get the model's names (``logits``, ``last_hidden_state``, ...), not node names."""
+    g = proto.graph
+    if len(g.output) != len(out_names):
+        return
+    mapping = {o.name: new for o, new in zip(g.output, out_names) if o.name != new}
+    if not mapping:
+        return
+    taken = {n for node in g.node for n in list(node.input) + list(node.output)} | {i.name for i in g.initializer}
+    for new in mapping.values():
+        if new in taken and new not in mapping:
+            raise ExportError(f"output name '{new}' clashes with a tensor in the graph; pass output_names")
+    for node in g.node:
+        for k, n in enumerate(node.output):
+            if n in mapping:
+                node.output[k] = mapping[n]
+        for k, n in enumerate(node.input):
+            if n in mapping:
+                node.input[k] = mapping[n]
+    for o in g.output:
+        o.name = mapping.get(o.name, o.name)
+    for vi in list(g.value_info):
+        if vi.name in mapping:
+            g.value_info.remove(vi)
+
+
+# ---- check and save ------------------------------------------------------------------------------------
+def _check(proto: onnx.ModelProto, path: Path) -> None:
+    if proto.ByteSize() >= _SINGLE_FILE_LIMIT:
+        return  # checked on disk after saving with external data
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except Exception as exc:
+        raise ExportError(f"exported model for {path.name} does not pass onnx.checker: {str(exc).splitlines()[0]}") from exc
+
+
+def _check_writable(path: Path) -> None:
+    if path.suffix != ".onnx":
+        raise ExportError(f"export path '{path}' must end in .onnx")
+    parent = path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"cannot create directory '{parent}' for '{path.name}': {exc.strerror}") from None
+    if path.is_dir():
+        raise ExportError(f"export path '{path}' is a directory")
+    if not os.access(parent, os.W_OK):
+        raise ExportError(f"directory '{parent}' is not writable; cannot write '{path.name}'")
+
+
+def _atomic_save(proto: onnx.ModelProto, path: Path) -> None:
+    """Write to temp files beside ``path`` then ``os.replace``: never a half-written model. Above
+    2 GB the weights go to ``<name>.data`` beside the model (protobuf cannot hold them)."""
+    external = proto.ByteSize() >= _SINGLE_FILE_LIMIT
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    data_name = path.name + ".data"
+    tmp_data = path.parent / f".{data_name}.tmp"
+    try:
+        if external:
+            onnx.save_model(proto, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=tmp_data.name, size_threshold=1024)
+            onnx.checker.check_model(tmp)
+            _relocate_external(tmp, tmp_data.name, data_name)
+            os.replace(tmp_data, path.parent / data_name)
+        else:
+            onnx.save_model(proto, tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise ExportError(f"cannot write '{path}': {exc.strerror or exc}") from None
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"exported model for {path.name} does not pass onnx.checker: {str(exc).splitlines()[0]}") from exc
+    finally:
+        for leftover in (Path(tmp), tmp_data):
+            if leftover.exists():
+                leftover.unlink()
+
+
+def _relocate_external(model_path: str, old: str, new: str) -> None:
+    """Point external-data references at the final data file name before the rename."""
+    m = onnx.load(model_path, load_external_data=False)
+    for t in m.graph.initializer:
+        for entry in t.external_data:
+            if entry.key == "location" and entry.value == old:
+                entry.value = new
+    onnx.save_model(m, model_path)

@@ -1,0 +1,105 @@
+"""Streaming parity of a runtime's outputs against a reference: max/mean abs diff, cosine, SQNR and
+top-1 agreement, accumulated batch by batch (sequence lengths may differ between batches)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class Parity:
+    """Accumulates ``update(reference, output)`` over batches; ``result()`` gives the figures."""
+
+    def __init__(self, *, classification: bool = True) -> None:
+        self.classification = classification
+        self.max_abs = 0.0
+        self.abs_sum = 0.0
+        self.numel = 0
+        self.signal = 0.0
+        self.noise = 0.0
+        self.cos_sum = 0.0
+        self.rows = 0
+        self.agree = 0
+        self.agree_rows = 0
+        self.nonfinite = 0
+
+    def update(self, reference: np.ndarray, output: np.ndarray) -> None:
+        ref = np.asarray(reference, dtype=np.float64)
+        out = np.asarray(output, dtype=np.float64)
+        if ref.shape != out.shape:
+            raise ValueError(f"output shape {out.shape} differs from the reference's {ref.shape}")
+        finite = np.isfinite(out)
+        self.nonfinite += int(out.size - finite.sum())
+        out = np.where(finite, out, 0.0)
+        diff = out - ref
+        if diff.size:
+            self.max_abs = max(self.max_abs, float(np.abs(diff).max()))
+        self.abs_sum += float(np.abs(diff).sum())
+        self.numel += diff.size
+        self.signal += float((ref**2).sum())
+        self.noise += float((diff**2).sum())
+        n = ref.shape[0] if ref.ndim else 1
+        r2, o2 = ref.reshape(n, -1), out.reshape(n, -1)
+        denom = np.linalg.norm(r2, axis=1) * np.linalg.norm(o2, axis=1)
+        cos = np.where(denom > 0, (r2 * o2).sum(1) / np.where(denom > 0, denom, 1.0), 1.0)
+        self.cos_sum += float(cos.sum())
+        self.rows += n
+        if self.classification and ref.ndim >= 2:
+            a, b = ref.argmax(-1), out.argmax(-1)
+            self.agree += int((a == b).sum())
+            self.agree_rows += int(a.size)
+
+    def result(self) -> dict[str, float | None]:
+        if self.numel == 0:
+            return {}
+        if self.noise == 0:
+            sqnr = math.inf
+        elif self.signal == 0:
+            sqnr = -math.inf
+        else:
+            sqnr = 10 * math.log10(self.signal / self.noise)
+        return {
+            "max_abs_diff": self.max_abs,
+            "mean_abs_diff": self.abs_sum / self.numel,
+            "cosine": self.cos_sum / max(self.rows, 1),
+            "sqnr_db": sqnr if math.isfinite(sqnr) else (999.0 if sqnr > 0 else -999.0),
+            "top1_agreement": (self.agree / self.agree_rows) if self.agree_rows else None,
+            "nonfinite": float(self.nonfinite),
+        }
+
+
+def to_numpy_feeds(inputs: Any, names: list[str]) -> dict[str, np.ndarray]:
+    """Feeds for a runtime: a tensor, tuple or dict batch mapped onto the model's input names."""
+
+    def arr(t: Any) -> np.ndarray:
+        if isinstance(t, torch.Tensor):
+            t = t.detach().cpu()
+            if t.is_floating_point():
+                return t.float().numpy()
+            if t.dtype == torch.bool:
+                return t.numpy()
+            return t.long().numpy()
+        return np.asarray(t)
+
+    if isinstance(inputs, Mapping):
+        missing = [n for n in names if n not in inputs]
+        if missing:
+            raise KeyError(f"model input(s) {missing} are not in the data batch (keys: {sorted(inputs)})")
+        return {n: arr(inputs[n]) for n in names}
+    seq = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
+    if len(seq) != len(names):
+        raise KeyError(f"the model takes {len(names)} input(s) {names} but the batch holds {len(seq)}")
+    return {n: arr(t) for n, t in zip(names, seq)}
+
+
+def resize_batch(feeds: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+    """Feeds with batch ``n``: rows repeated (or cut) along dim 0 from a real batch."""
+    out = {}
+    for k, v in feeds.items():
+        reps = -(-n // v.shape[0])
+        out[k] = np.ascontiguousarray(np.concatenate([v] * reps, axis=0)[:n]) if reps > 1 else np.ascontiguousarray(v[:n])
+    return out

@@ -1,0 +1,88 @@
+"""The recipe's ``export:`` section: export the final model (QDQ int8 when it is quantized) and the
+fp32 baseline beside it, count ORT's integer kernels, and lay out a Triton repository on request."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from compress.errors import ExportError
+from compress.recipe import ExportSpec
+from export.describe import describe_onnx
+from export.edge import write_triton_repository
+from export.onnx import export_onnx
+from export.qdq import is_quantized, iter_quantizers
+from export.records import ExportRecord, Role
+
+log = logging.getLogger(__name__)
+
+
+def export_model(
+    model: nn.Module,
+    example_inputs: Any,
+    spec: ExportSpec,
+    out_dir: Path,
+    *,
+    name: str = "model",
+    baseline: nn.Module | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> list[ExportRecord]:
+    """Export ``model`` to ``out_dir/NAME.onnx`` (fp32) or ``NAME.int8.onnx`` (QDQ), and with
+    ``spec.baseline`` the fp32 ``baseline`` to ``NAME.fp32.onnx``; returns one record per file.
+
+    A QDQ export that ORT runs without a single integer kernel is an ExportError: it would be an
+    int8 file that runs in float.
+    """
+    if not spec.enabled:
+        return []
+    out_dir = Path(out_dir)
+    records: list[ExportRecord] = []
+    quantized = is_quantized(model)
+    suffix = ".int8" if quantized else (".fp16" if spec.fp16 else "")
+    final = _export_one(model, example_inputs, spec, out_dir / f"{name}{suffix}.onnx", role="final", fp16=spec.fp16,
+                        metadata=metadata, quantized=quantized)
+    records.append(final)
+    if spec.baseline and baseline is not None:
+        if is_quantized(baseline):
+            raise ExportError("export: the baseline model holds enabled fake-quantizers; pass the fp32 model")
+        base_path = out_dir / f"{name}.fp32.onnx"
+        if base_path == final.path:
+            base_path = out_dir / f"{name}.baseline.onnx"
+        records.append(_export_one(baseline, example_inputs, spec, base_path, role="baseline", fp16=False,
+                                   metadata=metadata, quantized=False))
+    if spec.triton_repository:
+        repo = out_dir / "triton_repository"
+        for rec in records:
+            rec.triton_dir = write_triton_repository(rec.path, repo, name=f"{name}_{rec.role}")
+    for rec in records:
+        log.info("export %s: %s %s, %d bytes%s", rec.role, rec.path.name, rec.format, rec.size_bytes,
+                 f", {rec.integer_nodes} integer kernels in ORT" if rec.integer_nodes is not None else "")
+    return records
+
+
+def _export_one(
+    model: nn.Module, example_inputs: Any, spec: ExportSpec, path: Path, *, role: Role, fp16: bool,
+    metadata: Mapping[str, str] | None, quantized: bool,
+) -> ExportRecord:
+    props = {"compress.role": role, **(metadata or {})}
+    export_onnx(
+        model, example_inputs, path, opset=spec.opset, dynamic_batch=spec.dynamic_batch,
+        activation_dtype=spec.activation_dtype, reduce_range=spec.reduce_range, fp16=fp16,
+        simplify=spec.simplify, metadata=props,
+    )
+    rec = describe_onnx(path, role=role)
+    if quantized:
+        rec.activation_dtype, rec.reduce_range = spec.activation_dtype, spec.reduce_range
+        static_acts = any(q.role != "weight" and q.enabled for _, q in iter_quantizers(model))
+        if not rec.integer_nodes and not static_acts:
+            log.warning("export: %s is weight-only int8; ORT dequantizes the weights and computes in float", path.name)
+        elif not rec.integer_nodes:
+            raise ExportError(
+                f"export: ORT runs {path.name} without integer kernels (the QDQ model would run in float); "
+                "quantize activations statically (e.g. scheme w8a8) so Q/DQ pairs surround the layers"
+            )
+    return rec

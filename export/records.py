@@ -1,0 +1,67 @@
+"""What an export produced and what validation measured: plain pydantic records, JSON-ready for
+report.json and the runner's threshold checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Role = Literal["final", "baseline"]
+
+
+class ExportRecord(BaseModel):
+    """One exported file. ``integer_nodes`` counts the integer kernels (QLinearConv, QGemm,
+    MatMulIntegerToFloat, ...) in ORT's optimized CPU graph; None for float exports."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Path
+    format: str  # "onnx-fp32" | "onnx-int8-qdq" | "onnx-fp16" | "onnx-int8-qdq-fp16"
+    role: Role = "final"
+    precision: str  # "fp32" | "int8" | "fp16"
+    size_bytes: int
+    integer_nodes: int | None = None
+    integer_ops: dict[str, int] = Field(default_factory=dict)
+    opset: int | None = None
+    dynamic_batch: bool = True
+    inputs: list[str] = Field(default_factory=list)
+    outputs: list[str] = Field(default_factory=list)
+    activation_dtype: str | None = None
+    reduce_range: bool | None = None
+    triton_dir: Path | None = None
+
+
+class ValidationRecord(BaseModel):
+    """One exported model measured in one runtime.
+
+    ``accuracy`` is the task metric on the eval data (``metric`` names it: classification accuracy,
+    or for embeddings the mean cosine of mean-pooled embeddings to the reference); ``parity``
+    compares the runtime's outputs with the PyTorch reference (max_abs_diff, mean_abs_diff,
+    cosine, sqnr_db, top1_agreement); ``latency_ms`` is the median per batch size and ``speedup``
+    the baseline's latency over this model's, timed side by side in one run.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    runtime: str
+    device: str
+    precision: str
+    format: str
+    model_path: Path
+    role: Role
+    metric: str | None = None
+    accuracy: float | None = None
+    reference_accuracy: float | None = None
+    samples: int = 0
+    parity: dict[str, float | None] = Field(default_factory=dict)
+    latency_ms: dict[int, float | None] = Field(default_factory=dict)
+    speedup: dict[int, float | None] | None = None
+    size_bytes: int
+    size_ratio: float | None = None
+    threads: int
+    integer_nodes: int | None = None
+    warmup: int = 0
+    runs: int = 0
+    notes: list[str] = Field(default_factory=list)

@@ -1,0 +1,184 @@
+"""Runtimes that run exported models, in a registry: onnxruntime, openvino, cuda (the project's own
+int8 kernels, in export/cuda.py). Each loads a file into a session with ``run(feeds) -> outputs``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import onnx
+
+from compress.errors import ExportError
+from compress.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+class RuntimeSession(Protocol):
+    """A loaded model: named inputs, and a run on numpy feeds returning outputs in graph order."""
+
+    input_names: list[str]
+    #: static input shapes (None for a symbolic dim), by input name
+    input_shapes: dict[str, list[int | None]]
+    device: str
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]: ...
+
+
+Loader = Callable[[Path, int], RuntimeSession]
+RUNTIMES: Registry[Loader] = Registry("runtime")
+
+
+def default_threads() -> int:
+    """All cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_session(runtime: str, path: Path, *, threads: int | None = None) -> RuntimeSession:
+    """Open ``path`` in ``runtime`` with ``threads`` intra-op threads (all cores when None)."""
+    loader = RUNTIMES.get(runtime)
+    return loader(Path(path), threads or default_threads())
+
+
+def _onnx_shapes(values: Any) -> dict[str, list[int | None]]:
+    out: dict[str, list[int | None]] = {}
+    for v in values:
+        dims = getattr(v, "shape", None)
+        out[v.name] = [d if isinstance(d, int) else None for d in (dims or [])]
+    return out
+
+
+# ---- onnxruntime ---------------------------------------------------------------------------------------
+_ORT_PREFERENCE = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+def ort_providers() -> list[str]:
+    """The providers this onnxruntime build offers, best first (TensorRT, CUDA, CPU)."""
+    import onnxruntime as ort
+
+    have = set(ort.get_available_providers())
+    return [p for p in _ORT_PREFERENCE if p in have] or ["CPUExecutionProvider"]
+
+
+class OrtSession:
+    """An onnxruntime InferenceSession with all graph optimizations on."""
+
+    def __init__(self, path: Path, threads: int, *, providers: list[str] | None = None) -> None:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        try:
+            self.sess = ort.InferenceSession(str(path), so, providers=providers or ort_providers())
+        except Exception as exc:
+            raise ExportError(f"onnxruntime cannot load '{path}': {str(exc).splitlines()[0]}") from exc
+        self.input_names = [i.name for i in self.sess.get_inputs()]
+        self.input_shapes = _onnx_shapes(self.sess.get_inputs())
+        self.device = "onnxruntime:" + self.sess.get_providers()[0].removesuffix("ExecutionProvider")
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        return [np.asarray(o) for o in self.sess.run(None, dict(feeds))]
+
+
+RUNTIMES.add("onnxruntime", lambda path, threads: OrtSession(path, threads))
+
+
+# ---- openvino ------------------------------------------------------------------------------------------
+class OpenVinoSession:
+    """An OpenVINO compiled model on CPU (reads QDQ ONNX and runs its int8 parts in int8)."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        try:
+            import openvino as ov
+        except ImportError:
+            raise ExportError("runtime 'openvino' needs the openvino package: pip install 'compress[openvino]'") from None
+        core = ov.Core()
+        try:
+            model = core.read_model(str(path))
+            self.compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads})
+        except Exception as exc:
+            raise ExportError(f"openvino cannot load '{path}': {str(exc).splitlines()[0]}") from exc
+        self.request = self.compiled.create_infer_request()
+        self.input_names = [p.get_any_name() for p in self.compiled.inputs]
+        self.input_shapes = {
+            p.get_any_name(): [d.get_length() if d.is_static else None for d in p.get_partial_shape()]
+            for p in self.compiled.inputs
+        }
+        self.outputs = list(self.compiled.outputs)
+        self.device = "openvino:CPU"
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        res = self.request.infer(dict(feeds))
+        return [np.asarray(res[o]) for o in self.outputs]
+
+
+RUNTIMES.add("openvino", lambda path, threads: OpenVinoSession(path, threads))
+
+
+# ---- cuda (the project's own int8 kernels; export/cuda.py belongs to the Triton-kernel engineer) --------
+def _cuda_loader(path: Path, threads: int) -> RuntimeSession:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ExportError("runtime 'cuda' needs a CUDA device; none is available")
+    try:
+        from export import cuda
+    except ImportError:
+        raise ExportError("runtime 'cuda' is not available in this build (export/cuda.py missing)") from None
+    factory = getattr(cuda, "load_session", None)
+    if factory is None:
+        raise ExportError("runtime 'cuda': export/cuda.py provides no load_session(path, threads=...)")
+    session: RuntimeSession = factory(path, threads=threads)
+    return session
+
+
+RUNTIMES.add("cuda", _cuda_loader)
+
+
+# ---- integer kernels in ORT's optimized graph ----------------------------------------------------------
+_INTEGER_OPS = {
+    "ConvInteger", "MatMulInteger", "QGemm", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QAttention",
+    "MatMulNBits", "QEmbedLayerNormalization", "QOrderedMatMul", "DynamicQuantizeLSTM",
+}
+
+
+def is_integer_kernel(op_type: str) -> bool:
+    """Whether an op of ORT's optimized graph computes on integers (QLinear*, *Integer*, QGemm ...)."""
+    return op_type.startswith("QLinear") or op_type in _INTEGER_OPS or op_type.startswith("NhwcQLinear")
+
+
+def ort_optimized_ops(path: Path) -> Counter[str]:
+    """Op types of the graph ORT actually runs on CPU after its optimizations (incl. QDQ fusion)."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        so.log_severity_level = 3
+        so.intra_op_num_threads = 1
+        try:
+            ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        except Exception as exc:
+            raise ExportError(f"onnxruntime cannot load '{path}': {str(exc).splitlines()[0]}") from exc
+        m = onnx.load(so.optimized_model_filepath, load_external_data=False)
+    return Counter(n.op_type for n in m.graph.node)
+
+
+def integer_kernel_count(path: Path) -> tuple[int, dict[str, int]]:
+    """How many nodes of ORT's optimized CPU graph are integer kernels, and which."""
+    ops = ort_optimized_ops(path)
+    ints = {k: v for k, v in sorted(ops.items()) if is_integer_kernel(k)}
+    return sum(ints.values()), ints

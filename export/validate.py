@@ -1,0 +1,353 @@
+"""Validation of exported models in real runtimes: parity with the PyTorch reference, task accuracy,
+latency (warm-up, median of repeated runs, stated thread count), side-by-side speedup and size.
+
+``validate_exports`` serves the recipe's ``validate:`` section (the runner passes the export
+records); ``validate`` is the one-shot Python API on an ONNX file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pydantic
+import torch
+from torch import nn
+
+from compress.batching import batch_size_of, call_model, primary_output, split_batch
+from compress.errors import CompressError, ExportError, RecipeError
+from compress.recipe import Thresholds, ValidateSpec
+from export.parity import Parity, resize_batch, to_numpy_feeds
+from export.records import ExportRecord, ValidationRecord
+from export.runtimes import RUNTIMES, RuntimeSession, default_threads, load_session
+
+log = logging.getLogger(__name__)
+
+MetricArg = str | Callable[[Any, Any], float] | None
+_TASK_METRICS = {"classification": "accuracy", "embedding": "embedding_cosine"}
+
+
+def _make_metric(metric: MetricArg, task: str) -> tuple[Any, str] | None:
+    from compress.metrics import _FunctionMetric, make_metric
+
+    if callable(metric):
+        return _FunctionMetric(metric), getattr(metric, "__name__", "metric")
+    name = metric or _TASK_METRICS.get(task)
+    if name is None:
+        raise CompressError(f"validate: unknown task '{task}'; valid: {', '.join(_TASK_METRICS)}")
+    return make_metric(name, where="validate.metric"), name
+
+
+def _take(eval_loader: Iterable[Any], limit: int | None) -> list[tuple[Any, Any]]:
+    batches: list[tuple[Any, Any]] = []
+    seen = 0
+    for batch in eval_loader:
+        if limit is not None and seen >= limit:
+            break
+        inputs, targets = split_batch(batch)
+        n = batch_size_of(inputs)
+        if limit is not None and seen + n > limit:
+            keep = limit - seen
+            inputs = {k: v[:keep] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[:keep]
+            targets = targets[:keep] if targets is not None else None
+            n = keep
+        batches.append((inputs, targets))
+        seen += n
+    if not batches:
+        raise CompressError("validate: the eval data is empty")
+    return batches
+
+
+def run_session(session: RuntimeSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Run ``feeds`` through ``session``; a model exported with a static batch runs in chunks of it."""
+    static = {session.input_shapes.get(k, [None])[0] for k in feeds}
+    b0 = next(iter(static)) if len(static) == 1 else None
+    n = next(iter(feeds.values())).shape[0]
+    if not isinstance(b0, int) or b0 == n:
+        return session.run(feeds)
+    chunks: list[list[np.ndarray]] = []
+    for start in range(0, n, b0):
+        part = {k: v[start : start + b0] for k, v in feeds.items()}
+        m = next(iter(part.values())).shape[0]
+        outs = session.run(resize_batch(part, b0) if m < b0 else part)
+        chunks.append([o[:m] for o in outs])
+    return [np.concatenate([c[i] for c in chunks], axis=0) for i in range(len(chunks[0]))]
+
+
+def _torch_outputs(model: nn.Module | None, batches: list[tuple[Any, Any]]) -> list[Any] | None:
+    if model is None:
+        return None
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return [call_model(model, inputs) for inputs, _ in batches]
+    finally:
+        model.train(was)
+
+
+def _latency(
+    sessions: dict[str, RuntimeSession], example: dict[str, np.ndarray], batch_sizes: Sequence[int], warmup: int, runs: int
+) -> tuple[dict[str, dict[int, float | None]], list[str]]:
+    """Median ms per batch size for each session, runs interleaved so that load on the machine
+    hits every model alike (the speedup is a ratio measured side by side)."""
+    out: dict[str, dict[int, float | None]] = {k: {} for k in sessions}
+    notes: list[str] = []
+    for b in batch_sizes:
+        feeds = resize_batch(example, b)
+        usable = {}
+        for key, s in sessions.items():
+            static = s.input_shapes.get(next(iter(feeds)), [None])[0]
+            if isinstance(static, int) and static != b:
+                out[key][b] = None
+                notes.append(f"{key}: batch {b} skipped (static batch {static})")
+            else:
+                usable[key] = s
+        for s in usable.values():
+            for _ in range(warmup):
+                s.run(feeds)
+        times: dict[str, list[float]] = {k: [] for k in usable}
+        for _ in range(runs):
+            for key, s in usable.items():
+                t0 = time.perf_counter()
+                s.run(feeds)
+                times[key].append((time.perf_counter() - t0) * 1e3)
+        for key, t in times.items():
+            out[key][b] = statistics.median(t)
+    return out, notes
+
+
+def validate_exports(
+    records: Sequence[ExportRecord],
+    spec: ValidateSpec,
+    *,
+    eval_loader: Iterable[Any],
+    reference: nn.Module | None,
+    metric: MetricArg = None,
+    task: str = "classification",
+    baseline_reference: nn.Module | None = None,
+) -> list[ValidationRecord]:
+    """Validate every exported model in every runtime of ``spec``.
+
+    ``reference`` is the PyTorch model the final export came from (the fake-quant model for a QDQ
+    export); ``baseline_reference`` the fp32 model behind a baseline export (parity of the baseline
+    record is skipped without it). ``metric``: a registered metric name, ``fn(outputs, targets) ->
+    float``, or None for the task's (classification: accuracy; embedding: mean cosine of
+    mean-pooled embeddings to the fp32 model). Threads: ``spec.threads`` or all cores.
+    """
+    if not records:
+        raise CompressError("validate: no exported model to validate")
+    threads = spec.threads or default_threads()
+    batches = _take(eval_loader, spec.eval_samples)
+    refs = {"final": reference, "baseline": baseline_reference}
+    ref_out = {role: _torch_outputs(m, batches) for role, m in refs.items()}
+    fp32_out = ref_out["baseline"] or ref_out["final"]
+    classification = task == "classification"
+    ref_metric = _reference_accuracy(metric, task, batches, ref_out["final"], fp32_out)
+    results: list[ValidationRecord] = []
+    for runtime in spec.runtimes:
+        if runtime == "cuda":
+            if reference is None:
+                raise CompressError("validate: runtime 'cuda' runs the PyTorch model; pass reference=the quantized model")
+            results.extend(_cuda_records(records, spec, batches, reference, baseline_reference, metric, task, threads))
+            continue
+        if runtime not in RUNTIMES:
+            raise CompressError(f"validate: unknown runtime '{runtime}'")
+        try:
+            sessions: dict[str, RuntimeSession] = {r.role: load_session(runtime, r.path, threads=threads) for r in records}
+        except ExportError as exc:
+            if runtime == "openvino" and "needs the openvino package" in str(exc):
+                log.warning("%s", exc)
+                results.extend(_skipped(r, runtime, threads, str(exc)) for r in records)
+                continue
+            raise
+        base_size = next((r.size_bytes for r in records if r.role == "baseline"), None)
+        for rec in records:
+            session = sessions[rec.role]
+            made = _make_metric(metric, task)
+            mt, mname = made if made else (None, None)
+            parity = Parity(classification=classification)
+            for i, (inputs, targets) in enumerate(batches):
+                try:
+                    feeds = to_numpy_feeds(inputs, session.input_names)
+                except KeyError as exc:
+                    raise CompressError(f"validate: {rec.path.name}: {exc.args[0]}") from None
+                out = run_session(session, feeds)[0]
+                outputs = torch.from_numpy(np.ascontiguousarray(out))
+                ref = ref_out[rec.role]
+                if ref is not None:
+                    parity.update(primary_output(ref[i]).float().numpy(), out)
+                if mt is not None and (targets is not None or not mt.needs_targets):
+                    fp = fp32_out[i] if fp32_out is not None else None
+                    if mt.needs_reference and fp is None:
+                        continue
+                    mt.update(outputs, targets, inputs=inputs, reference=fp)
+            acc = mt.compute() if mt is not None and mt.count else None
+            results.append(
+                ValidationRecord(
+                    runtime=runtime, device=session.device, precision=rec.precision, format=rec.format,
+                    model_path=rec.path, role=rec.role, metric=mname, accuracy=acc,
+                    reference_accuracy=ref_metric.get(rec.role), samples=sum(batch_size_of(b[0]) for b in batches),
+                    parity=parity.result(), size_bytes=rec.size_bytes,
+                    size_ratio=rec.size_bytes / base_size if base_size and rec.role == "final" else None,
+                    threads=threads, integer_nodes=rec.integer_nodes, warmup=spec.warmup, runs=spec.runs,
+                )
+            )
+        example = to_numpy_feeds(batches[0][0], sessions[records[0].role].input_names)
+        lat, notes = _latency(sessions, example, spec.batch_sizes, spec.warmup, spec.runs)
+        for vr in results[-len(records):]:
+            vr.latency_ms = lat[vr.role]
+            vr.notes.extend(notes)
+            if vr.role == "final" and "baseline" in lat:
+                vr.speedup = {
+                    b: (lat["baseline"][b] / ms) if ms and lat["baseline"].get(b) else None  # type: ignore[operator]
+                    for b, ms in lat["final"].items()
+                }
+            log.info("%s %s (%s): accuracy %s, latency %s ms, threads %d", runtime, vr.role, vr.precision,
+                     vr.accuracy, {k: round(v, 3) if v else v for k, v in vr.latency_ms.items()}, threads)
+    return results
+
+
+def _reference_accuracy(
+    metric: MetricArg, task: str, batches: list[tuple[Any, Any]], final: list[Any] | None, fp32: list[Any] | None
+) -> dict[str, float]:
+    """The task metric of the PyTorch models themselves, on the same samples."""
+    out: dict[str, float] = {}
+    for role, outs in (("final", final), ("baseline", fp32)):
+        made = _make_metric(metric, task)
+        if outs is None or made is None:
+            continue
+        mt = made[0]
+        for i, ((inputs, targets), o) in enumerate(zip(batches, outs)):
+            if targets is None and mt.needs_targets:
+                break
+            mt.update(o, targets, inputs=inputs, reference=fp32[i] if fp32 else None)
+        if mt.count:
+            out[role] = float(mt.compute())
+    return out
+
+
+def _skipped(rec: ExportRecord, runtime: str, threads: int, why: str) -> ValidationRecord:
+    return ValidationRecord(
+        runtime=runtime, device="unavailable", precision=rec.precision, format=rec.format, model_path=rec.path,
+        role=rec.role, size_bytes=rec.size_bytes, threads=threads, integer_nodes=rec.integer_nodes,
+        notes=[f"skipped: {why}"],
+    )
+
+
+def _cuda_records(
+    records: Sequence[ExportRecord], spec: ValidateSpec, batches: list[tuple[Any, Any]], reference: nn.Module,
+    baseline_reference: nn.Module | None, metric: MetricArg, task: str, threads: int,
+) -> list[ValidationRecord]:
+    """The cuda runtime runs the PyTorch model on the project's int8 kernels (export/cuda.py)."""
+    final = next((r for r in records if r.role == "final"), records[0])
+    if not torch.cuda.is_available():
+        log.warning("runtime 'cuda' skipped: no CUDA device")
+        return [_skipped(final, "cuda", threads, "no CUDA device")]
+    from export.cuda import validate_cuda
+
+    name = metric if isinstance(metric, str) else _TASK_METRICS.get(task)
+    res = validate_cuda(
+        reference, eval_loader=batches, reference=baseline_reference or reference, batch_sizes=spec.batch_sizes,
+        warmup=spec.warmup, runs=spec.runs, metric=name, eval_samples=spec.eval_samples,
+    )
+    acc = res.get("accuracy") or {}
+    rows = res.get("latency", [])
+    return [
+        ValidationRecord(
+            runtime="cuda", device=str(res.get("device")), precision="int8", format="triton-int8",
+            model_path=final.path, role="final", metric=name, accuracy=acc.get("int8"),
+            reference_accuracy=acc.get("fp32"), samples=int(res.get("samples", 0)),
+            parity=dict(res.get("parity", {})), latency_ms={r["batch"]: r["int8_ms"] for r in rows},
+            speedup={r["batch"]: r["speedup"] for r in rows}, size_bytes=int(res["size"]["int8_bytes"]),
+            size_ratio=float(res["size"]["ratio"]), threads=threads, warmup=spec.warmup, runs=spec.runs,
+            notes=[f"speedup vs {res.get('float_dtype')} PyTorch on the same GPU"],
+        )
+    ]
+
+
+def threshold_failures(records: Sequence[ValidationRecord], thresholds: Thresholds) -> list[str]:
+    """One line per threshold a final record misses (empty: all met)."""
+    fails: list[str] = []
+    base = {r.runtime: r for r in records if r.role == "baseline"}
+    for r in records:
+        if r.role != "final" or any(n.startswith("skipped") for n in r.notes):
+            continue
+        where = f"{r.runtime} {r.model_path.name}"
+        ref_acc = base[r.runtime].accuracy if r.runtime in base else r.reference_accuracy
+        if thresholds.max_accuracy_drop is not None and r.accuracy is not None and ref_acc is not None:
+            drop = ref_acc - r.accuracy
+            if drop > thresholds.max_accuracy_drop:
+                fails.append(f"{where}: accuracy drop {drop:.4f} > max_accuracy_drop {thresholds.max_accuracy_drop}")
+        if thresholds.min_speedup is not None and r.speedup:
+            for b, s in r.speedup.items():
+                if s is not None and s < thresholds.min_speedup:
+                    fails.append(f"{where}: speedup {s:.2f}x at batch {b} < min_speedup {thresholds.min_speedup}")
+        agree = r.parity.get("top1_agreement")
+        if thresholds.min_top1_agreement is not None and agree is not None and agree < thresholds.min_top1_agreement:
+            fails.append(f"{where}: top-1 agreement {agree:.4f} < min_top1_agreement {thresholds.min_top1_agreement}")
+        cos = r.parity.get("cosine")
+        if thresholds.min_cosine is not None and cos is not None and cos < thresholds.min_cosine:
+            fails.append(f"{where}: cosine {cos:.4f} < min_cosine {thresholds.min_cosine}")
+        if thresholds.max_size_ratio is not None and r.size_ratio is not None and r.size_ratio > thresholds.max_size_ratio:
+            fails.append(f"{where}: size ratio {r.size_ratio:.3f} > max_size_ratio {thresholds.max_size_ratio}")
+    return fails
+
+
+def validate(
+    onnx_path: str | os.PathLike[str],
+    *,
+    reference: nn.Module | str | os.PathLike[str] | None = None,
+    data: Any = None,
+    baseline: str | os.PathLike[str] | None = None,
+    runtimes: Sequence[str] = ("onnxruntime",),
+    batch_sizes: Sequence[int] = (1, 32),
+    warmup: int = 5,
+    runs: int = 20,
+    threads: int | None = None,
+    eval_samples: int | None = None,
+    task: str = "classification",
+    metric: MetricArg = None,
+) -> list[ValidationRecord]:
+    """Validate one ONNX file: parity with ``reference``, accuracy on ``data``, latency, size.
+
+    ``reference``: the PyTorch model it came from, or a reference ONNX file (run in onnxruntime;
+    it is then also the ``baseline`` the speedup is measured against). ``data``: a data source
+    name ("digits"), a DataSpec, an iterable of ``(inputs, targets)`` batches, or None for random
+    inputs shaped like the model's (parity and latency only).
+    """
+    from export.describe import describe_onnx, onnx_reference, random_batches, resolve_data
+
+    path = Path(onnx_path)
+    if not path.is_file():
+        raise CompressError(f"validate: model file '{path}' not found")
+    ref_module: nn.Module | None
+    if reference is None or isinstance(reference, nn.Module):
+        ref_module = reference
+    else:
+        ref_path = Path(reference)
+        ref_module = onnx_reference(ref_path)
+        baseline = baseline or ref_path
+    records = [describe_onnx(path, role="final")]
+    if baseline is not None:
+        records.append(describe_onnx(Path(baseline), role="baseline"))
+    loader = resolve_data(data, path, eval_samples=eval_samples) if data is not None else random_batches(path)
+    try:
+        spec = ValidateSpec.model_validate({
+            "runtimes": list(runtimes), "batch_sizes": list(batch_sizes), "warmup": warmup, "runs": runs,
+            "threads": threads, "eval_samples": eval_samples,
+        })
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise RecipeError(f"validate: {where}: {err['msg']}") from None
+    return validate_exports(
+        records, spec, eval_loader=loader, reference=ref_module, metric=metric, task=task,
+        baseline_reference=ref_module if baseline is not None else None,
+    )
