@@ -20,11 +20,11 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from pydantic import TypeAdapter, ValidationError
+from pydantic import ValidationError
 from torch import nn
 
 from compress.batching import call_model, primary_output, split_batch, to_device
-from compress.errors import CompressError, RecipeError, did_you_mean
+from compress.errors import CompressError, RecipeError
 from distillation.adapters import AdapterSet
 from distillation.capture import FeatureCapture
 from distillation.losses import (
@@ -42,50 +42,30 @@ from distillation.spec import (
     FeatureLoss,
     HiddenStateLoss,
     KDLoss,
-    LossSpec,
     LossTerm,
     SoftTargetLoss,
     TeacherDtype,
+    coerce_losses,
 )
 from distillation.teacher import Teacher, is_hf, load_teacher_model
 
 log = logging.getLogger(__name__)
 
-_LOSSES: TypeAdapter[list[LossSpec]] = TypeAdapter(list[LossSpec])
-_LOSS_CLASSES: dict[str, type[LossTerm]] = {
-    c.model_fields["type"].default: c
-    for c in (KDLoss, SoftTargetLoss, FeatureLoss, HiddenStateLoss, AttentionLoss, CosineLoss)
-}
 
 
 def parse_losses(losses: Sequence[LossTerm | Mapping[str, Any]] | None, *, where: str) -> list[LossTerm]:
     """Loss terms from specs or mappings (``{"type": "kd", ...}``); default: KD at T=4."""
     if losses is None:
         return [KDLoss()]
-    items = [t.model_dump() if isinstance(t, LossTerm) else dict(t) for t in losses]
+    items = [t if isinstance(t, LossTerm) else dict(t) for t in losses]
     if not items:
         raise RecipeError(f"{where}: losses is empty; give at least one term, e.g. {{'type': 'kd'}}")
     try:
-        return list(_LOSSES.validate_python(items))
+        return list(coerce_losses(items))
     except ValidationError as exc:
-        raise RecipeError(f"{where}: {explain_loss_error(exc.errors()[0], items)}") from None
-
-
-def explain_loss_error(err: Any, items: list[dict[str, Any]]) -> str:
-    """``losses.<i>.<field>: what is wrong; valid: ...`` for a pydantic error in a loss list."""
-    loc = list(err["loc"])
-    cls: type[LossTerm] | None = None
-    if len(loc) >= 2 and isinstance(loc[0], int) and loc[1] in _LOSS_CLASSES:
-        cls = _LOSS_CLASSES[str(loc.pop(1))]  # drop the union's tag from the path
-    path = "losses." + ".".join(str(p) for p in loc)
-    if err["type"] == "union_tag_invalid":
-        got = items[loc[0]].get("type") if isinstance(loc[0], int) else None
-        return f"{path}.type: unknown loss type {got!r}; {did_you_mean(str(got), list(_LOSS_CLASSES))}"
-    if err["type"] == "union_tag_not_found":
-        return f"{path}: a loss term needs a 'type'; valid: {', '.join(_LOSS_CLASSES)}"
-    if err["type"] == "extra_forbidden" and cls is not None:
-        return f"{path}: unknown field '{loc[-1]}'; {did_you_mean(str(loc[-1]), list(cls.model_fields))}"
-    return f"{path}: {str(err['msg']).removeprefix('Value error, ')}"
+        err = exc.errors()[0]
+        path = ".".join(str(p) for p in err["loc"])
+        raise RecipeError(f"{where}: losses.{path}: {str(err['msg']).removeprefix('Value error, ')}") from None
 
 
 def _names(terms: list[LossTerm]) -> list[str]:

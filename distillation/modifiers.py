@@ -24,7 +24,7 @@ from torch import nn
 from compress.modifier import Modifier, ModifierSpec, State, register_modifier
 from distillation.api import Distiller, parse_losses
 from distillation.capture import check_layers
-from distillation.spec import FeatureLoss, KDLoss, LossSpec, TeacherDtype, TeacherSpec
+from distillation.spec import FeatureLoss, KDLoss, LossSpec, TeacherDtype, TeacherSpec, coerce_losses
 from distillation.teacher import build_teacher
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,11 @@ class DistillSpec(ModifierSpec):
     # A ClassVar cannot depend on ``teacher``; the snapshot is one copy of the model, cheap next to
     # training, and "self" is the default teacher.
     wants_snapshot: ClassVar[bool] = True
+
+    @field_validator("losses", mode="before")
+    @classmethod
+    def _typed_losses(cls, v: Any) -> Any:
+        return coerce_losses(v)
 
     @field_validator("teacher", mode="before")
     @classmethod

@@ -4,10 +4,12 @@ the teacher. Shared by the ``distill`` recipe modifier and :class:`distillation.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from compress.errors import did_you_mean
 from compress.recipe import ModelSpec
 
 
@@ -108,6 +110,53 @@ LossSpec = Annotated[
     KDLoss | SoftTargetLoss | FeatureLoss | HiddenStateLoss | AttentionLoss | CosineLoss,
     Field(discriminator="type"),
 ]
+
+LOSS_CLASSES: dict[str, type[LossTerm]] = {
+    "kd": KDLoss, "soft_ce": SoftTargetLoss, "feature": FeatureLoss,
+    "hidden_states": HiddenStateLoss, "attention": AttentionLoss, "cosine": CosineLoss,
+}
+
+
+def _value_error(loc: tuple[Any, ...], message: str, value: Any) -> ValidationError:
+    return ValidationError.from_exception_data(
+        "LossTerm", [{"type": "value_error", "loc": loc, "input": value, "ctx": {"error": ValueError(message)}}]
+    )
+
+
+def coerce_losses(value: Any) -> Any:
+    """Mappings in a loss list to their typed terms, dispatched on ``type``.
+
+    Errors carry the item's index and the field (``1.temperatur``) and name the valid types or
+    fields of *that* term, where a plain discriminated union would put the union's tag in the path.
+    """
+    if not isinstance(value, list):
+        return value
+    out: list[Any] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, Mapping):
+            out.append(item)
+            continue
+        t = item.get("type")
+        if t not in LOSS_CLASSES:
+            if t is None:
+                raise _value_error((i, "type"), f"a loss term needs a 'type'; valid: {', '.join(LOSS_CLASSES)}", t)
+            raise _value_error((i, "type"), f"unknown loss type {t!r}; {did_you_mean(str(t), list(LOSS_CLASSES))}", t)
+        cls = LOSS_CLASSES[str(t)]
+        try:
+            out.append(cls.model_validate(item))
+        except ValidationError as exc:
+            errors = exc.errors()
+            # a misspelt field explains the "missing" error that comes with it: report the typo
+            err = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+            loc = (i, *err["loc"])
+            if err["type"] == "extra_forbidden":
+                bad = str(err["loc"][-1])
+                raise _value_error(loc, f"unknown field '{bad}'; {did_you_mean(bad, list(cls.model_fields))}", err["input"]) from None
+            line = {"type": err["type"], "loc": loc, "input": err["input"]}
+            if "ctx" in err:
+                line["ctx"] = err["ctx"]
+            raise ValidationError.from_exception_data(exc.title, [line]) from None  # type: ignore[list-item]
+    return out
 
 TeacherDtype = Literal["float32", "float16", "bfloat16"]
 

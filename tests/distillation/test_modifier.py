@@ -176,14 +176,24 @@ def test_recipe_errors_name_the_field(tmp_path: Path) -> None:
     assert load({"type": "distill", "teacher": dumped}).stages[0].modifiers[0].teacher.checkpoint == "t.pt"  # type: ignore[attr-defined]
     with pytest.raises(RecipeError, match="needs training"):
         load({"type": "distill"}, epochs=0)
-    with pytest.raises(RecipeError, match=r"stages.0.modifiers.0.losses.0"):
+    with pytest.raises(RecipeError, match=r"stages\.0\.modifiers\.0\.losses\.0\.layers: required field is missing"):
         load({"type": "distill", "losses": [{"type": "feature"}]})
+    with pytest.raises(RecipeError, match=r"losses\.1\.layerz: unknown field 'layerz'.*did you mean 'layers'"):
+        load({"type": "distill", "losses": [{"type": "kd"}, {"type": "feature", "layerz": {"a": "b"}}]})
+    with pytest.raises(RecipeError, match=r"losses\.0\.type: unknown loss type 'kld'.*did you mean 'kd'"):
+        load({"type": "distill", "losses": [{"type": "kld"}]})
     path = tmp_path / "r.yaml"
     path.write_text(
         "version: 1\nmodel: {name: mlp}\nstages:\n  - name: kd\n    epochs: 1\n    modifiers:\n"
         "      - type: distill\n        temperature: 3\n"
     )
     with pytest.raises(RecipeError, match=r"r.yaml:8: .*unknown field 'temperature'"):
+        load_recipe(path)
+    path.write_text(
+        "version: 1\nmodel: {name: mlp}\nstages:\n  - name: kd\n    epochs: 1\n    modifiers:\n"
+        "      - type: distill\n        losses:\n          - type: kd\n            temperatur: 3\n"
+    )
+    with pytest.raises(RecipeError, match=r"r.yaml:10: stages.0.modifiers.0.losses.0.temperatur: unknown field"):
         load_recipe(path)
 
 
