@@ -65,10 +65,10 @@ class _Run:
         seed_everything(recipe.train.seed)
         self.data = build_data(
             recipe.data, batch_size=recipe.train.batch_size, seed=recipe.data.seed,
-            rank=self.dist.rank, world_size=self.dist.world_size,
+            rank=self.dist.rank, world_size=self.dist.world_size, where=recipe.where,
         )
         seed_everything(recipe.train.seed)
-        self.model: nn.Module = load_model(recipe.model, where=recipe.where("model"))
+        self.model: nn.Module = load_model(recipe.model, where=recipe.where)
         self.metric = recipe.train.metric
         from compress.metrics import make_metric
 
@@ -150,7 +150,7 @@ def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None) -> 
     r = recipe if isinstance(recipe, Recipe) and not overrides else load_recipe(recipe, overrides=overrides or [])
     from compress.models import load_model
 
-    model = load_model(r.model, where=r.where("model"))
+    model = load_model(r.model, where=r.where)
     session = Session(r, model)
     return {"recipe": r.name, "model": type(model).__name__, "params": count_params(model), "stages": session.plan()}
 
