@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pruning.graph import IN, NORM, OUT, VIRTUAL
+from pruning.graph import NORM
 from pruning.trace import iter_tensors
 
 if TYPE_CHECKING:
@@ -120,13 +120,6 @@ def _pin_if_shaped(tr: Tracer, res: torch.Tensor, const: torch.Tensor, op: str) 
 # ---- module functionals ---------------------------------------------------------------------
 
 
-def _weight(tr: Tracer, w: Any, x: Any, op: str) -> str | None:
-    name = tr.param_name(w)
-    if name is None and isinstance(x, torch.Tensor) and tr.labels(x, bare=False) is not None:
-        raise tr.unsupported(op, "its weight is not a parameter of the model")
-    return name
-
-
 def _norm_items(tr: Tracer, tensors: list[Any], size: int, mod: str) -> torch.Tensor | None:
     """Join per-channel params/buffers (bias, BN statistics) into one item per channel."""
     first: torch.Tensor | None = None
@@ -140,154 +133,6 @@ def _norm_items(tr: Tracer, tensors: list[Any], size: int, mod: str) -> torch.Te
         else:
             tr.graph.union_tensors(first, items)
     return first
-
-
-def conv(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
-    groups = int(_arg(args, kwargs, 6, "groups", 1))
-    wn = _weight(tr, w, x, name)
-    if wn is None:
-        return
-    mod = wn.rsplit(".", 1)[0]
-    g = tr.graph
-    transposed = "transpose" in name
-    if transposed:
-        if groups != 1:
-            raise tr.unsupported(name, "grouped transposed convolutions are not supported")
-        cin, cout = w.shape[0], w.shape[1]
-        win, wout = g.coord(wn, 0, cin, IN, mod), g.coord(wn, 1, cout, OUT, mod)
-        ins = g.item_labels(win)
-    else:
-        cout, ipg = w.shape[0], w.shape[1]
-        cin = ipg * groups
-        wout = g.coord(wn, 0, cout, OUT, mod)
-        if groups == 1:
-            ins = g.item_labels(g.coord(wn, 1, cin, IN, mod))
-        else:
-            # a conv group is kept or removed whole: its inputs and outputs form one atom
-            ins = g.item_labels(g.coord(mod + "#in", None, cin, VIRTUAL, mod))
-            outs = g.item_labels(wout)
-            opg = cout // groups
-            for k in range(groups):
-                g.union_all(torch.cat([ins[k * ipg : (k + 1) * ipg], outs[k * opg : (k + 1) * opg]]))
-    out_items = g.item_labels(wout)
-    bias_items = _norm_items(tr, [b], cout, mod)
-    if bias_items is not None:
-        g.union_tensors(out_items, bias_items)
-    cdim = 1 if x.dim() == w.dim() else 0
-    _couple(tr, tr.labels(x), cdim, ins)
-    tr.set_labels(out, _along(out_items, cdim, tuple(out.shape)))
-    per_out = (w[0].numel() if not transposed else w.shape[1] * w[0, 0].numel()) if w.dim() > 1 else 1
-    macs = out.numel() * per_out if not transposed else x.numel() * w[0].numel()
-    g.mac_records.append(("weight", int(macs), (wn,)))
-
-
-def linear(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
-    wn = _weight(tr, w, x, name)
-    if wn is None:
-        return
-    mod = wn.rsplit(".", 1)[0]
-    g = tr.graph
-    nout, nin = w.shape
-    out_items = g.item_labels(g.coord(wn, 0, nout, OUT, mod))
-    bias_items = _norm_items(tr, [b], nout, mod)
-    if bias_items is not None:
-        g.union_tensors(out_items, bias_items)
-    _couple(tr, tr.labels(x), -1, g.item_labels(g.coord(wn, 1, nin, IN, mod)))
-    tr.set_labels(out, _along(out_items, -1, tuple(out.shape)))
-    g.mac_records.append(("weight", int(out.numel() * nin), (wn,)))
-
-
-def _passthrough_norm(tr: Tracer, x: torch.Tensor, out: torch.Tensor, dim: int, items: torch.Tensor | None) -> None:
-    lab = tr.labels(x)
-    if items is None:
-        if lab is not None:
-            tr.set_labels(out, lab)
-        return
-    _couple(tr, lab, dim, items)
-    along = _along(items, dim, tuple(out.shape))
-    tr.set_labels(out, along if lab is None else torch.where(lab >= 0, lab, along))
-
-
-def batch_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x = _arg(args, kwargs, 0, "input")
-    params = [_arg(args, kwargs, i, n) for i, n in ((1, "running_mean"), (2, "running_var"), (3, "weight"), (4, "bias"))]
-    names = [tr.param_name(p) for p in params if isinstance(p, torch.Tensor)]
-    mod = next((n.rsplit(".", 1)[0] for n in names if n), tr.module_name())
-    dim = 1 if x.dim() > 1 else 0
-    _passthrough_norm(tr, x, out, dim, _norm_items(tr, params, x.shape[dim], mod))
-
-
-def layer_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x, shape = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "normalized_shape")
-    w = _arg(args, kwargs, 2, "weight")
-    b = _arg(args, kwargs, 3, "bias") if name == "layer_norm" else None
-    lab = tr.labels(x)
-    if len(tuple(shape)) != 1 or tr.param_name(w) is None:
-        # the normalized shape is fixed in the module: those channels cannot shrink
-        if lab is not None:
-            tr.graph.pin(lab, f"'{name}' without a per-channel weight {tr.where()}")
-            tr.set_labels(out, lab)
-        return
-    mod = str(tr.param_name(w)).rsplit(".", 1)[0]
-    _passthrough_norm(tr, x, out, -1, _norm_items(tr, [w, b], x.shape[-1], mod))
-
-
-def group_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x, groups = _arg(args, kwargs, 0, "input"), int(_arg(args, kwargs, 1, "num_groups"))
-    w, b = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias")
-    lab = tr.labels(x)
-    if tr.param_name(w) is None:
-        if lab is not None:
-            tr.graph.pin(lab, f"'group_norm' without affine weight {tr.where()}")
-            tr.set_labels(out, lab)
-        return
-    mod = str(tr.param_name(w)).rsplit(".", 1)[0]
-    c = x.shape[1]
-    items = _norm_items(tr, [w, b], c, mod)
-    assert items is not None
-    per = c // groups
-    for k in range(groups):  # statistics are per group: a group goes whole
-        tr.graph.union_all(items[k * per : (k + 1) * per])
-    _passthrough_norm(tr, x, out, 1, items)
-
-
-def prelu(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
-    wn = tr.param_name(w)
-    items = None
-    if wn is not None and w.numel() > 1:
-        items = tr.graph.item_labels(tr.graph.coord(wn, 0, w.numel(), NORM, wn.rsplit(".", 1)[0]))
-    _passthrough_norm(tr, x, out, 1 if x.dim() > 1 else 0, items)
-
-
-def embedding(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    w = _arg(args, kwargs, 1, "weight")
-    wn = tr.param_name(w)
-    if wn is None:
-        return
-    c = tr.graph.coord(wn, 1, w.shape[1], OUT, wn.rsplit(".", 1)[0])
-    tr.set_labels(out, _along(tr.graph.item_labels(c), -1, tuple(out.shape)))
-
-
-def mha_functional(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    if any(tr.labels(t, bare=False) is not None for t in iter_tensors(args[:3])):
-        raise tr.unsupported(name, "call it through nn.MultiheadAttention")
-
-
-MODULE_OPS: dict[str, Rule] = {
-    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"), conv),
-    "linear": linear,
-    "batch_norm": batch_norm,
-    "instance_norm": batch_norm,
-    "layer_norm": layer_norm,
-    "rms_norm": layer_norm,
-    "group_norm": group_norm,
-    "prelu": prelu,
-    "embedding": embedding,
-    "multi_head_attention_forward": mha_functional,
-}
 
 
 # ---- generic ops ------------------------------------------------------------------------------
@@ -332,7 +177,9 @@ def _replay(tr: Tracer, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 
     def sub(o: Any) -> Any:
         if isinstance(o, torch.Tensor):
-            return tr.labels_or_blank(o) if o.is_floating_point() or tr.labels(o) is not None else o
+            if o.is_floating_point() or tr.labels(o) is not None:
+                return tr.labels_or_blank(o)
+            return o.cpu()  # index tensors meet labels, which live on the CPU
         if isinstance(o, (list, tuple)) and not isinstance(o, torch.Size):
             return type(o)(sub(v) for v in o)
         return o
@@ -522,6 +369,8 @@ def handle(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
     """Apply the rule for op ``name``; ops on unlabeled tensors only are left alone."""
     if not _RULES:
         _RULES.update(_generic_rules())
+    from pruning.rules_modules import MODULE_OPS
+
     module_rule = MODULE_OPS.get(name)
     if module_rule is not None:
         module_rule(tr, name, func, args, kwargs, out)
