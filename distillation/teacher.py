@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -133,12 +134,19 @@ def load_teacher_model(spec: TeacherSpec | Mapping[str, Any], *, where: str = "t
 def _train(model: nn.Module, spec: TeacherSpec, state: State, *, where: str) -> None:
     if state.train_data is None:
         raise RecipeError(f"{where}.teacher.train_epochs: training the teacher needs training data, and the run has none")
+    import torch.distributed as dist
+
     from compress.recipe import TrainSpec
-    from compress.training import Trainer
+    from compress.training import Dist, Trainer
 
     train = TrainSpec(epochs=spec.train_epochs, lr=spec.train_lr or TrainSpec().lr)
+    # under DDP each rank holds a shard of the data: train the teacher data-parallel too, so that
+    # every rank distills from the same teacher
+    ranks = None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
     log.info("%s: training teacher '%s' for %g epochs", where, spec.name, spec.train_epochs)
-    result = Trainer(train, device=state.device, progress=False).fit(
+    result = Trainer(train, device=state.device, distributed=ranks, progress=False).fit(
         model, state.train_data, epochs=spec.train_epochs, desc="teacher"
     )
     if result.final_loss is not None:

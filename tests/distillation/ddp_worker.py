@@ -21,6 +21,30 @@ class Net(nn.Module):
         return self.fc(self.body(x).mean((2, 3)))
 
 
+def _trained_teacher(rank: int) -> dict[str, torch.Tensor]:
+    """A recipe teacher with train_epochs, trained on this rank's shard: the ranks must agree on it."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from compress.session import Session
+
+    g = torch.Generator().manual_seed(200 + rank)
+    shard = TensorDataset(torch.randn(32, 1, 4, 4, generator=g), torch.randint(0, 3, (32,), generator=g))
+    loader = DataLoader(shard, batch_size=8)
+    teacher = {"name": "mlp", "kwargs": {"hidden": 8, "in_features": 16, "num_classes": 3}, "train_epochs": 1}
+    recipe = {
+        "version": 1, "model": {"name": "mlp"},
+        "stages": [{"name": "kd", "epochs": 1, "modifiers": [{"type": "distill", "teacher": teacher}]}],
+    }
+    torch.manual_seed(rank)  # different teacher inits per rank: DDP training must agree them
+    student = nn.Sequential(nn.Flatten(), nn.Linear(16, 3))
+    session = Session(recipe, student, train_data=loader)
+    session.initialize()
+    mod = session.modifiers[0][0]
+    state = {k: v.clone() for k, v in mod.distiller.teacher.model.state_dict().items()}  # type: ignore[attr-defined]
+    session.finalize()
+    return state
+
+
 def main(out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -41,8 +65,10 @@ def main(out: str) -> None:
         loss.backward()
         opt.step()
     d.remove()
+    teacher_state = _trained_teacher(rank)
     torch.save(
-        {"adapter0": adapter0, "adapter": [p.detach() for p in d.parameters()], "student": student.state_dict()},
+        {"adapter0": adapter0, "adapter": [p.detach() for p in d.parameters()], "student": student.state_dict(),
+         "trained_teacher": teacher_state},
         f"{out}/rank{rank}.pt",
     )
     dist.destroy_process_group()

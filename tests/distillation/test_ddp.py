@@ -43,3 +43,6 @@ def test_adapters_and_student_stay_identical_across_ranks(tmp_path: Path) -> Non
         assert not torch.equal(a0, init)  # and they did train
     for k, v in r0["student"].items():
         assert torch.allclose(v, r1["student"][k], atol=1e-6), k
+    # a teacher trained by the recipe on per-rank shards is the same teacher on every rank
+    for k, v in r0["trained_teacher"].items():
+        assert torch.allclose(v, r1["trained_teacher"][k], atol=1e-6), k
