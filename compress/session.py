@@ -68,7 +68,9 @@ class Session:
         device: torch.device | str | None = None,
         out_dir: str | Path | None = None,
     ) -> None:
-        self.recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+        # a Recipe built in code (no source) has not been through load_recipe's needs and order
+        # checks: run them, so that such a recipe fails here and not halfway through a run
+        self.recipe = recipe if isinstance(recipe, Recipe) and recipe.source is not None else load_recipe(recipe)
         if device is None:
             p = next(model.parameters(), None)
             device = p.device if p is not None else torch.device("cpu")
