@@ -628,3 +628,32 @@ def test_modifier_guards_name_the_modifier_and_its_phase(tiny_model: nn.Module) 
         mod.finalize(state)
     default_where = modifier_class("test_noop")(spec)
     assert default_where.where == "modifier 'test_noop'"
+
+
+def test_a_recipe_built_in_code_gets_the_needs_and_order_checks(tiny_model: nn.Module) -> None:
+    from compress.errors import RecipeError
+    from compress.recipe import Recipe
+
+    def built(*stages: dict[str, Any], **top: Any) -> Recipe:
+        return Recipe.model_validate(recipe(*stages, **top))
+
+    with pytest.raises(RecipeError, match=r"^recipe: stages\.0\.modifiers\.0: 'test_train' needs training"):
+        Session(built({"name": "p", "modifiers": [{"type": "test_train"}]}), tiny_model)
+    with pytest.raises(RecipeError, match=r"^recipe: stages\.1\.modifiers\.0: 'prune' after 'quantize'"):
+        Session(
+            built(
+                {"name": "q", "modifiers": [{"type": "test_calib"}]},
+                {"name": "p", "epochs": 1, "modifiers": [{"type": "test_train"}]},
+            ),
+            tiny_model,
+        )
+    with pytest.raises(RecipeError, match=r"needs calibration data but data\.calibration_samples is 0"):
+        Session(
+            built({"name": "q", "modifiers": [{"type": "test_calib"}]}, data={"calibration_samples": 0}),
+            tiny_model,
+        )
+    ok = built({"name": "q", "modifiers": [{"type": "test_calib", "bits": 5}]})
+    s = Session(ok, tiny_model)
+    assert s.recipe.to_dict() == ok.to_dict() and s.recipe.stages[0].modifiers[0].bits == 5  # type: ignore[attr-defined]
+    loaded = load_recipe(recipe({"name": "a"}))
+    assert Session(loaded, tiny_model).recipe is loaded  # a loaded recipe is used as it is
