@@ -128,6 +128,7 @@ class PruneModifier(Modifier[PruneSpec]):
         self._lasso: list[tuple[str, int, torch.Tensor]] = []
         self._lasso_atoms: torch.Tensor | None = None
         self._sizes: dict[str, int] = {}  # group key -> atom count before the first step
+        self._rows: list[dict[str, Any]] = []  # per step and group: units and how many went
 
     # ---- schedule -----------------------------------------------------------------------------
     def _epoch_of(self, k: int) -> float:
@@ -181,6 +182,7 @@ class PruneModifier(Modifier[PruneSpec]):
             }
         )
         self.pruning_plan.summary = {k: state.metrics[k] for k in state.metrics if k.startswith("prune_")}
+        state.tables["pruned_groups"] = self._rows
         if state.out_dir is not None:
             path = self.pruning_plan.save(state.out_dir / f"pruning_plan_{state.stage_name or 'stage'}.json")
             state.artifacts.append(str(path))
@@ -219,6 +221,13 @@ class PruneModifier(Modifier[PruneSpec]):
             metric, frac = next(iter(s.target.items()))
             goal = 1 - (1 - frac) * s.progress(k)
             keep = self._target_keep(model, graph, metric, goal, grads)
+        for g in graph.prunable_groups():
+            removed = int(sum(not keep[a] for a in g.atoms))
+            if removed:
+                self._rows.append(
+                    {"step": k, "modules": ", ".join(g.modules[:3]) + (", ..." if len(g.modules) > 3 else ""),
+                     "units": len(g.atoms), "removed": removed, "unit_width": g.width(graph)}
+                )
         slices = self.pruner.cut(model, graph, keep, self._example, optimizer=state.optimizer)
         self.pruning_plan.add_step(slices)
         data = state.calibration_data or state.train_data

@@ -47,6 +47,8 @@ def test_one_shot_stage_reports_params_and_macs(tmp_path: Path) -> None:
     m = s.results[0].metrics
     assert m["prune_params_after"] < m["prune_params_before"] and m["prune_macs_after"] < m["prune_macs_before"]
     assert m["prune_steps"] == 1
+    rows = s.results[0].tables["pruned_groups"]
+    assert rows and all(r["removed"] == r["units"] // 2 for r in rows)
     assert s.results[0].artifacts and Path(s.results[0].artifacts[0]).is_file()
 
 
