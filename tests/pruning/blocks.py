@@ -139,6 +139,37 @@ class SharedNet(nn.Module):
         return self.head(F.relu(self.fc(x.amax((2, 3)))))
 
 
+class ChannelsLast(nn.Module):
+    """ConvNeXt-style: depthwise conv, permute to channels-last, Linear MLP, permute back, residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.fc1, self.fc2 = nn.Linear(16, 48), nn.Linear(48, 16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        y = self.dw(x).permute(0, 2, 3, 1)
+        y = self.fc2(F.gelu(self.fc1(y))).permute(0, 3, 1, 2)
+        return self.head((x + y).mean((2, 3)))
+
+
+class MhaNet(nn.Module):
+    """nn.MultiheadAttention (batch first) in a residual, no LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 32)
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = nn.Linear(32, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.head(x + self.mha(x, x, x)[0]).mean(1)
+
+
 class Tricky(nn.Module):
     """All blocks together (one ONNX export covers them)."""
 
@@ -158,6 +189,8 @@ BLOCKS: dict[str, tuple[type[nn.Module], Any]] = {
     "grouped_depthwise": (GroupedNet, lambda: torch.randn(IMAGE)),
     "attention": (AttnNet, lambda: torch.randint(0, 50, (2, 6))),
     "shared": (SharedNet, lambda: torch.randn(IMAGE)),
+    "channels_last": (ChannelsLast, lambda: torch.randn(IMAGE)),
+    "mha": (MhaNet, lambda: torch.randint(0, 40, (2, 7))),
 }
 
 
