@@ -87,6 +87,7 @@ def export_onnx(
         log.info("QDQ graph passes: %s", stats)
     if simplify:
         proto = edge.simplify(proto)
+    _strip_trace_metadata(proto)
     _rename_io(proto, out_names)
     edge.set_metadata(proto, {"compress.precision": _precision(quantized, fp16), **(metadata or {})})
     _check(proto, path)
@@ -266,6 +267,26 @@ def _rename_io(proto: onnx.ModelProto, out_names: list[str]) -> None:
     for vi in list(g.value_info):
         if vi.name in mapping:
             g.value_info.remove(vi)
+
+
+def _strip_trace_metadata(proto: onnx.ModelProto) -> None:
+    """Drop the exporter's per-node stack traces and FX names: they can outweigh a small int8 model."""
+
+    def strip(graph: onnx.GraphProto) -> None:
+        for container in (graph.node, graph.value_info, graph.input, graph.output, graph.initializer):
+            for item in container:
+                del item.metadata_props[:]
+                if item.doc_string:
+                    item.doc_string = ""
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    strip(attr.g)
+
+    strip(proto.graph)
+    for fn in proto.functions:
+        for node in fn.node:
+            del node.metadata_props[:]
 
 
 # ---- check and save ------------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""QDQ int8 export: int8 weight initializers, uint8 activations, integer kernels in ORT's optimized
+graph, parity of ORT against the PyTorch fake-quant model, size, and the graph passes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import numpy_helper
+
+from compress.errors import ExportError
+from export.onnx import export_onnx
+from export.parity import Parity
+from export.qdq import swap_quantizers
+from export.runtimes import integer_kernel_count
+
+
+def _run(path: Path, feeds: dict[str, np.ndarray], *, optimize: bool = True) -> np.ndarray:
+    so = ort.SessionOptions()
+    if not optimize:  # ORT without graph optimizations runs the QDQ graph in float: the exact reference
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def _eval_parity(model: torch.nn.Module, path: Path, digits: Any) -> dict[str, Any]:
+    p = Parity()
+    for x, _ in digits.eval:
+        p.update(model(x).detach().numpy(), _run(path, {"input": x.numpy()}))
+    return p.result()
+
+
+def test_int8_parity_on_digits(quantized_resnet: torch.nn.Module, int8_path: Path, digits: Any) -> None:
+    res = _eval_parity(quantized_resnet, int8_path, digits)
+    assert res["top1_agreement"] >= 0.99, res
+    assert res["sqnr_db"] >= 15.0, res  # u8s8 kernels without VNNI saturate a little (see reduce_range)
+
+
+def test_qdq_graph_matches_fake_quant_exactly(quantized_resnet: torch.nn.Module, int8_path: Path) -> None:
+    torch.manual_seed(3)
+    x = torch.rand(16, 1, 8, 8) * 16  # digits' pixel range
+    out = _run(int8_path, {"input": x.numpy()}, optimize=False)
+    p = Parity()
+    p.update(quantized_resnet(x).detach().numpy(), out)
+    res = p.result()
+    # only rounding ties differ (ONNX divides by the scale, the fake-quant multiplies by its inverse)
+    assert res["sqnr_db"] >= 35.0 and res["top1_agreement"] == 1.0, res
+
+
+def test_integer_kernels_in_ort_graph(resnet_exports: Any, int8_path: Path) -> None:
+    count, ops = integer_kernel_count(int8_path)
+    assert ops.get("QLinearConv", 0) == 9, ops  # every conv of the ResNet
+    assert ops.get("QLinearAdd", 0) == 3 and ops.get("QGemm", 0) == 1, ops
+    final = next(r for r in resnet_exports if r.role == "final")
+    assert final.integer_nodes == count and final.format == "onnx-int8-qdq"
+
+
+def test_weights_stored_int8_per_channel_and_uint8_activations(int8_path: Path) -> None:
+    m = onnx.load(str(int8_path))
+    inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    float_weights = [k for k, v in inits.items() if v.dtype == np.float32 and v.ndim >= 2]
+    assert float_weights == []
+    producers = {o: n for n in m.graph.node for o in n.output}
+    conv_dq = 0
+    for n in m.graph.node:
+        if n.op_type in ("Conv", "Gemm"):
+            dq = producers[n.input[1]]
+            assert dq.op_type == "DequantizeLinear" and inits[dq.input[0]].dtype == np.int8
+            assert inits[dq.input[1]].ndim == 1  # per-channel scales ...
+            axis = next(a.i for a in dq.attribute if a.name == "axis")
+            assert axis == 0  # ... along the output channels
+            conv_dq += 1
+        if n.op_type == "QuantizeLinear":
+            assert inits[n.input[2]].dtype == np.uint8
+    assert conv_dq == 10  # stem, 6 block convs, 2 shortcuts, fc
+
+
+def test_no_redundant_pairs(int8_path: Path) -> None:
+    m = onnx.load(str(int8_path))
+    producers = {o: n for n in m.graph.node for o in n.output}
+    inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    seen: set[tuple[str, bytes, bytes]] = set()
+    for n in m.graph.node:
+        if n.op_type != "QuantizeLinear":
+            continue
+        key = (n.input[0], inits[n.input[1]].tobytes(), inits[n.input[2]].tobytes())
+        assert key not in seen, f"duplicate Q/DQ pair on {n.input[0]}"
+        seen.add(key)
+        src = producers.get(n.input[0])
+        if src is not None and src.op_type == "DequantizeLinear":
+            same = np.array_equal(inits[src.input[1]], inits[n.input[1]]) and np.array_equal(
+                inits[src.input[2]], inits[n.input[2]]
+            )
+            assert not same, f"Q after DQ with the same params at {n.name}"
+
+
+def test_int8_file_size_ratio(resnet_exports: Any) -> None:
+    final = next(r for r in resnet_exports if r.role == "final")
+    base = next(r for r in resnet_exports if r.role == "baseline")
+    assert final.size_bytes < 0.35 * base.size_bytes, (final.size_bytes, base.size_bytes)
+
+
+def test_swap_is_equivalent_in_eager(quantized_resnet: torch.nn.Module) -> None:
+    swapped, summary = swap_quantizers(quantized_resnet)
+    assert summary.weights == 10 and summary.per_channel_weights == 10 and summary.activations > 0
+    torch.manual_seed(4)
+    x = torch.rand(8, 1, 8, 8) * 16
+    np.testing.assert_allclose(swapped(x).detach().numpy(), quantized_resnet(x).detach().numpy(), atol=1e-4, rtol=0)
+    # the original model is untouched: still fake-quantizers
+    assert type(quantized_resnet.fc.weight_quantizer).__name__ == "FakeQuantizer"
+
+
+def test_reduce_range_and_int8_activations(quantized_resnet: torch.nn.Module, tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    x = torch.rand(16, 1, 8, 8) * 16
+    p = export_onnx(quantized_resnet, x, tmp_path / "rr.onnx", reduce_range=True, activation_dtype="int8")
+    m = onnx.load(str(p))
+    inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    codes = [v for k, v in inits.items() if v.dtype == np.int8 and v.ndim >= 2]
+    assert codes and all(c.min() >= -64 and c.max() <= 63 for c in codes)
+    zps = [inits[n.input[2]] for n in m.graph.node if n.op_type == "QuantizeLinear"]
+    assert zps and all(z.dtype == np.int8 for z in zps)
+    # 7-bit weights cannot saturate u8s8/s8s8 products: integer kernels equal the float QDQ graph
+    fused, exact = _run(p, {"input": x.numpy()}), _run(p, {"input": x.numpy()}, optimize=False)
+    par = Parity()
+    par.update(exact, fused)
+    assert par.result()["sqnr_db"] >= 35.0, par.result()  # u8s8 8-bit weights reach only ~22 dB here
+    assert (fused.argmax(1) == quantized_resnet(x).detach().numpy().argmax(1)).mean() >= 0.9
+
+
+def test_bert_w8a8_uses_integer_matmuls(tiny_bert: Any, text_batch: Any, tmp_path: Path) -> None:
+    from quantization.api import quantize
+
+    model = quantize(tiny_bert(), "w8a8", [text_batch(8, 12, seed=s) for s in range(3)])
+    p = export_onnx(model, text_batch(4, 12, seed=9), tmp_path / "bert.int8.onnx")
+    _, ops = integer_kernel_count(p)
+    assert ops.get("MatMulIntegerToFloat", 0) + ops.get("QLinearMatMul", 0) + ops.get("QGemm", 0) >= 12, ops
+    batch = text_batch(6, 10, seed=11)
+    sess = ort.InferenceSession(str(p), providers=["CPUExecutionProvider"])
+    feeds = {i.name: batch[i.name].numpy() for i in sess.get_inputs()}
+    exact = _run(p, feeds, optimize=False)
+    np.testing.assert_allclose(exact, model(**batch).last_hidden_state.detach().numpy(), atol=2e-3, rtol=0)
+    par = Parity(classification=False)
+    par.update(model(**batch).last_hidden_state.detach().numpy(), sess.run(None, feeds)[0])
+    assert par.result()["cosine"] > 0.98
+
+
+def test_dynamic_activation_quant_is_a_clear_error(tmp_path: Path) -> None:
+    from compress.models import build_zoo_model
+    from quantization.api import quantize
+
+    dyn = quantize(build_zoo_model("mlp", {"hidden": 16}).eval(), "w8a8_dynamic")
+    with pytest.raises(ExportError, match="dynamic"):
+        export_onnx(dyn, torch.randn(2, 1, 8, 8), tmp_path / "dyn.onnx")
+    assert not (tmp_path / "dyn.onnx").exists()
