@@ -51,9 +51,11 @@ class DistillSpec(ModifierSpec):
 
     kind: ClassVar[str] = "distill"
     needs: ClassVar[frozenset[str]] = frozenset({"training"})
-    # A ClassVar cannot depend on ``teacher``; the snapshot is one copy of the model, cheap next to
-    # training, and "self" is the default teacher.
-    wants_snapshot: ClassVar[bool] = True
+
+    @property
+    def wants_snapshot(self) -> bool:  # type: ignore[override]  # the session reads it per spec
+        """Only teacher ``self`` needs the session's frozen copy of the uncompressed model."""
+        return self.teacher is None
 
     @field_validator("losses", mode="before")
     @classmethod

@@ -131,6 +131,7 @@ def test_adapters_train_in_the_stage_optimizer_and_leave_it_at_finalize(digits: 
     n_model = len(list(student.parameters()))
     session = Session(_recipe(mod, epochs=1), student, optimizer=opt, example_inputs=next(iter(digits.train))[0])
     with session:
+        assert session.state.original_model is None  # an external teacher: no snapshot of the student
         modifier: Any = session.modifiers[0][0]
         adapter = modifier.distiller.adapters.modules["feature:body__1"]
         assert (adapter.in_features, adapter.out_features) == (16, 64)
