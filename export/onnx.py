@@ -216,7 +216,10 @@ def _dynamo_export(
     if opset is not None:
         options["opset_version"] = opset
     if dynamic_batch:
-        options["dynamic_shapes"] = _dynamic_shapes(args, kwargs)
+        shapes = _dynamic_shapes(args, kwargs)
+        if isinstance(model, edge.Float16Wrapper):  # forward(*args, **kwargs): shapes nest one level down
+            shapes = {"kwargs": shapes} if kwargs else (shapes,)
+        options["dynamic_shapes"] = shapes
     if not kwargs:
         options["input_names"] = in_names
     if quantized:
@@ -230,7 +233,7 @@ def _dynamo_export(
     except Exception as exc:
         text = str(exc)
         hit = _UNSUPPORTED.search(text)
-        detail = hit.group(1) if hit else (text.strip().splitlines() or [type(exc).__name__])[0]
+        detail = hit.group(1) if hit else _summary_line(text) or type(exc).__name__
         if "Constraints violated" in text or "specialized" in text:
             detail = "a dimension marked dynamic (batch/sequence) was specialized by the model; use dynamic_batch=False"
         raise ExportError(f"ONNX export of {type(model).__name__} failed: {detail}") from exc
@@ -241,6 +244,16 @@ def _dynamo_export(
         log.warning("model has %d outputs but %d names were given; keeping exporter names",
                     len(proto.graph.output), len(out_names))
     return proto
+
+
+def _summary_line(text: str) -> str:
+    """The line that says what went wrong in the exporter's long report (its 'Exception summary')."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for k, ln in enumerate(lines):
+        if ln.startswith("## Exception summary") and k + 1 < len(lines):
+            return re.sub(r"^<class '([\w.]+)'>: ", lambda m: m.group(1).rsplit(".", 1)[-1] + ": ", lines[k + 1])
+    return lines[0] if lines else ""
 
 
 def _rename_io(proto: onnx.ModelProto, out_names: list[str]) -> None:

@@ -1,0 +1,132 @@
+"""Validation in runtimes: records, side-by-side speedup, thresholds, the one-shot API and the CLI entry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from compress.errors import RecipeError
+from compress.recipe import Thresholds, ValidateSpec
+from export.cli_validate import format_records, parse_batch_sizes, run
+from export.onnx import export_onnx
+from export.runtimes import default_threads, load_session
+from export.validate import threshold_failures, validate, validate_exports
+
+_SPEC = {"batch_sizes": [1, 4], "warmup": 1, "runs": 3}
+
+
+@pytest.fixture(scope="module")
+def records(resnet_exports: Any, quantized_resnet: Any, trained_resnet: Any, digits: Any) -> Any:
+    spec = ValidateSpec(runtimes=["onnxruntime", "openvino"], **_SPEC)
+    return validate_exports(resnet_exports, spec, eval_loader=digits.eval, reference=quantized_resnet,
+                            baseline_reference=trained_resnet)
+
+
+def test_records_per_runtime_and_role(records: Any) -> None:
+    assert [(r.runtime, r.role) for r in records] == [
+        ("onnxruntime", "final"), ("onnxruntime", "baseline"), ("openvino", "final"), ("openvino", "baseline"),
+    ]
+    for r in records:
+        assert r.threads == default_threads() and r.samples == 256
+        assert set(r.latency_ms) == {1, 4} and all(v is not None and v > 0 for v in r.latency_ms.values())
+        assert r.metric == "accuracy" and r.accuracy is not None
+    final, base = records[0], records[1]
+    assert final.precision == "int8" and base.precision == "fp32"
+    assert final.speedup is not None and set(final.speedup) == {1, 4} and base.speedup is None
+    assert final.size_ratio is not None and final.size_ratio < 0.35
+    assert final.integer_nodes and final.integer_nodes > 0
+    assert final.parity["top1_agreement"] >= 0.99
+    assert base.parity["max_abs_diff"] < 1e-4  # fp32 export against the fp32 model
+    assert abs(final.accuracy - final.reference_accuracy) <= 0.02
+    assert base.accuracy == pytest.approx(base.reference_accuracy, abs=1e-9)
+
+
+def test_openvino_agrees_with_ort_on_int8_file(int8_path: Path, digits: Any) -> None:
+    ort_s, ov_s = load_session("onnxruntime", int8_path, threads=1), load_session("openvino", int8_path, threads=1)
+    agree = total = 0
+    for x, _ in digits.eval:
+        a = ort_s.run({"input": x.numpy()})[0]
+        b = ov_s.run({ov_s.input_names[0]: x.numpy()})[0]
+        agree += int((a.argmax(1) == b.argmax(1)).sum())
+        total += len(a)
+    assert agree / total >= 0.98
+
+
+def test_threshold_failures(records: Any) -> None:
+    assert threshold_failures(records, Thresholds(max_accuracy_drop=0.05, max_size_ratio=0.5)) == []
+    fails = threshold_failures(records, Thresholds(min_speedup=1000.0, max_size_ratio=0.01, min_cosine=1.0))
+    assert any("min_speedup" in f for f in fails) and any("max_size_ratio" in f for f in fails)
+    assert any("min_cosine" in f for f in fails)
+    assert all(f.startswith(("onnxruntime", "openvino")) for f in fails)
+
+
+def test_one_shot_validate_with_onnx_reference(int8_path: Path, fp32_path: Path) -> None:
+    recs = validate(int8_path, reference=fp32_path, data="digits", batch_sizes=[2], warmup=0, runs=2, eval_samples=64)
+    assert [r.role for r in recs] == ["final", "baseline"]
+    assert recs[0].speedup is not None and 2 in recs[0].speedup
+    assert recs[0].parity["top1_agreement"] >= 0.95  # int8 against the fp32 file
+    assert recs[0].accuracy is not None and recs[0].samples == 64
+
+
+def test_one_shot_validate_random_inputs(int8_path: Path, quantized_resnet: Any) -> None:
+    recs = validate(int8_path, reference=quantized_resnet, batch_sizes=[3], warmup=0, runs=2, threads=1)
+    assert len(recs) == 1 and recs[0].accuracy is None and recs[0].threads == 1
+    assert recs[0].parity["cosine"] > 0.95
+
+
+def test_static_batch_model_runs_in_chunks(trained_resnet: Any, tmp_path: Path, digits: Any) -> None:
+    path = export_onnx(trained_resnet, torch.randn(4, 1, 8, 8), tmp_path / "static.onnx", dynamic_batch=False)
+    recs = validate(path, reference=trained_resnet, data=digits.eval, batch_sizes=[1, 4], warmup=0, runs=1,
+                    eval_samples=70)
+    r = recs[0]
+    assert r.samples == 70 and r.parity["max_abs_diff"] < 1e-4
+    assert r.latency_ms[1] is None and r.latency_ms[4] is not None
+    assert any("static batch 4" in n for n in r.notes)
+
+
+def test_embedding_task(tiny_bert: Any, text_batch: Any, tmp_path: Path) -> None:
+    model = tiny_bert()
+    path = export_onnx(model, text_batch(2, 10, seed=0), tmp_path / "bert.onnx")
+    data = [(text_batch(4, 10, seed=s), None) for s in range(3)]
+    recs = validate(path, reference=model, data=data, batch_sizes=[2], warmup=0, runs=1, task="embedding")
+    r = recs[0]
+    assert r.metric == "embedding_cosine" and r.accuracy == pytest.approx(1.0, abs=1e-5)
+    assert r.parity["top1_agreement"] is None and r.parity["max_abs_diff"] < 1e-4
+
+
+def test_cli_run_and_errors(int8_path: Path, fp32_path: Path, tmp_path: Path) -> None:
+    recs = run(int8_path, reference=fp32_path, data="digits", batch_sizes=parse_batch_sizes("1,2"), warmup=0,
+               runs=1, eval_samples=32)
+    text = format_records(recs)
+    assert "speedup[" in text and "threads=" in text and "accuracy=" in text
+    with pytest.raises(RecipeError, match="MODEL: file"):
+        run(tmp_path / "missing.onnx")
+    with pytest.raises(RecipeError, match="unknown runtime 'onnxrt'"):
+        run(int8_path, runtimes=["onnxrt"])
+    with pytest.raises(RecipeError, match="--batch-sizes"):
+        parse_batch_sizes("1,x")
+    with pytest.raises(RecipeError, match="--reference"):
+        run(int8_path, reference=tmp_path / "nope.onnx")
+
+
+def test_parity_numbers_are_right() -> None:
+    from export.parity import Parity
+
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((50, 10))
+    noise = 0.01 * rng.standard_normal((50, 10))
+    p = Parity()
+    p.update(ref, ref + noise)
+    res = p.result()
+    expect = 10 * np.log10((ref**2).sum() / (noise**2).sum())
+    assert res["sqnr_db"] == pytest.approx(expect, rel=1e-9)
+    assert res["max_abs_diff"] == pytest.approx(np.abs(noise).max())
+    flipped = ref.copy()
+    flipped[:5] = -flipped[:5]
+    q = Parity()
+    q.update(ref, flipped)
+    assert q.result()["top1_agreement"] == pytest.approx((50 - (ref[:5].argmax(1) != (-ref[:5]).argmax(1)).sum()) / 50)
