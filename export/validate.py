@@ -92,7 +92,7 @@ def _torch_outputs(model: nn.Module | None, batches: list[tuple[Any, Any]]) -> l
         model.train(was)
 
 
-def _latency(
+def time_side_by_side(
     sessions: dict[str, RuntimeSession], example: dict[str, np.ndarray], batch_sizes: Sequence[int], warmup: int, runs: int
 ) -> tuple[dict[str, dict[int, float | None]], list[str]]:
     """Median ms per batch size for each session, runs interleaved so that load on the machine
@@ -200,7 +200,7 @@ def validate_exports(
                 )
             )
         example = to_numpy_feeds(batches[0][0], sessions[records[0].role].input_names)
-        lat, notes = _latency(sessions, example, spec.batch_sizes, spec.warmup, spec.runs)
+        lat, notes = time_side_by_side(sessions, example, spec.batch_sizes, spec.warmup, spec.runs)
         for vr in results[-len(records):]:
             vr.latency_ms = lat[vr.role]
             vr.notes.extend(notes)

@@ -81,3 +81,20 @@ def test_interrupted_export_leaves_no_partial_file(tmp_path: Path, monkeypatch: 
     assert _leftovers(tmp_path) == ["m.onnx"]  # and no temp file is left behind
     monkeypatch.undo()
     onnx.checker.check_model(str(target))
+
+
+def test_large_model_goes_to_external_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+    import onnxruntime as ort
+
+    import export.onnx as eo
+
+    monkeypatch.setattr(eo, "_SINGLE_FILE_LIMIT", 10_000)  # stands in for protobuf's 2 GB limit
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    x = torch.randn(3, 64)
+    path = export_onnx(model, x, tmp_path / "big.onnx")
+    assert _leftovers(tmp_path) == ["big.onnx", "big.onnx.data"]
+    assert path.stat().st_size < 10_000
+    out = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})[0]
+    np.testing.assert_allclose(out, model(x).detach().numpy(), atol=1e-5, rtol=0)
