@@ -62,7 +62,31 @@ def export_onnx(
     if activation_dtype not in ("uint8", "int8"):
         raise ExportError(f"activation_dtype must be 'uint8' or 'int8', got '{activation_dtype}'")
     _check_writable(path)
-    model = model.eval()
+    was_training = model.training
+    model.eval()
+    try:
+        return _export(model, example_inputs, path, opset=opset, dynamic_batch=dynamic_batch,
+                       activation_dtype=activation_dtype, reduce_range=reduce_range, fp16=fp16, simplify=simplify,
+                       input_names=input_names, output_names=output_names, metadata=metadata)
+    finally:
+        model.train(was_training)
+
+
+def _export(
+    model: nn.Module,
+    example_inputs: Any,
+    path: Path,
+    *,
+    opset: int | None,
+    dynamic_batch: bool,
+    activation_dtype: qdq.ActDtype,
+    reduce_range: bool,
+    fp16: bool,
+    simplify: bool,
+    input_names: list[str] | None,
+    output_names: list[str] | None,
+    metadata: Mapping[str, str] | None,
+) -> Path:
     args, kwargs = _split_inputs(example_inputs)
     outputs = _run_example(model, args, kwargs)
     quantized = qdq.is_quantized(model)

@@ -69,3 +69,15 @@ def test_bert_fp32_parity_dynamic_sequence(tiny_bert: Any, text_batch: Any, tmp_
     ref = model(**batch)
     np.testing.assert_allclose(out[0], ref.last_hidden_state.detach().numpy(), atol=1e-4, rtol=0)
     np.testing.assert_allclose(out[1], ref.pooler_output.detach().numpy(), atol=1e-4, rtol=0)
+
+
+def test_export_leaves_the_model_as_it_was(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 2)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    path = export_onnx(model, torch.randn(2, 4), tmp_path / "m.onnx")
+    assert model.training  # restored after the eval-mode export
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    x = torch.randn(3, 4)
+    out = _ort(path).run(None, {"input": x.numpy()})[0]
+    np.testing.assert_allclose(out, model.eval()(x).detach().numpy(), atol=1e-5, rtol=0)  # exported in eval mode
