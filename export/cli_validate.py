@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from compress.errors import RecipeError
 from export.records import ValidationRecord
@@ -25,7 +26,7 @@ def run(
     model: str | Path,
     *,
     reference: str | Path | None = None,
-    data: str | None = None,
+    data: Any = None,
     runtimes: Sequence[str] = ("onnxruntime",),
     batch_sizes: Sequence[int] = (1, 32),
     threads: int | None = None,
@@ -53,6 +54,57 @@ def run(
         model, reference=reference, data=data, runtimes=runtimes, batch_sizes=batch_sizes, warmup=warmup, runs=runs,
         threads=threads, eval_samples=eval_samples, task=task,
     )
+
+
+def run_validate(
+    model: Path,
+    *,
+    reference: Path | None = None,
+    data: str | None = None,
+    data_kwargs: Mapping[str, Any] | None = None,
+    runtimes: Sequence[str] = ("onnxruntime",),
+    backend: str = "cpu",
+    batch_sizes: Sequence[int] = (1, 32),
+    runs: int = 20,
+    threads: int | None = None,
+) -> list[dict[str, Any]]:
+    """The ``compress validate`` command: :func:`run`, with the data source's kwargs, flattened to one
+    JSON-ready row per (runtime, model) for printing as a table or JSON."""
+    if backend == "cuda":
+        raise RecipeError(
+            "--backend cuda: the cuda runtime runs the PyTorch model on the int8 kernels, not an ONNX file; "
+            "use `compress apply` with validate.runtimes: [cuda]"
+        )
+    if backend != "cpu":
+        raise RecipeError(f"--backend: '{backend}' is not one of cpu, cuda")
+    source: Any = data
+    if data is not None and data_kwargs:
+        from compress.recipe import DataSpec
+
+        source = DataSpec(source=data, kwargs=dict(data_kwargs))
+    records = run(model, reference=reference, data=source, runtimes=runtimes, batch_sizes=batch_sizes, runs=runs,
+                  threads=threads, task=_task_of(data))
+    return [record_row(r) for r in records]
+
+
+def _task_of(data: str | None) -> str:
+    return "embedding" if data == "text" else "classification"
+
+
+def record_row(r: ValidationRecord) -> dict[str, Any]:
+    """A flat row of a validation record (parity keys and per-batch latency/speedup as columns)."""
+    row: dict[str, Any] = {
+        "runtime": r.runtime, "device": r.device, "role": r.role, "precision": r.precision,
+        "model": r.model_path.name, "metric": r.metric, "accuracy": r.accuracy,
+    }
+    for k in ("cosine", "sqnr_db", "top1_agreement", "max_abs_diff"):
+        row[k] = r.parity.get(k)
+    for b, ms in r.latency_ms.items():
+        row[f"b{b}_ms"] = ms
+        row[f"b{b}_speedup"] = (r.speedup or {}).get(b)
+    row.update({"size_bytes": r.size_bytes, "integer_nodes": r.integer_nodes, "threads": r.threads,
+                "notes": "; ".join(r.notes)})
+    return row
 
 
 def format_records(records: Sequence[ValidationRecord]) -> str:

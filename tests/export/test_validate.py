@@ -130,3 +130,21 @@ def test_parity_numbers_are_right() -> None:
     q = Parity()
     q.update(ref, flipped)
     assert q.result()["top1_agreement"] == pytest.approx((50 - (ref[:5].argmax(1) != (-ref[:5]).argmax(1)).sum()) / 50)
+
+
+def test_cli_rows_and_inspect(int8_path: Path, fp32_path: Path) -> None:
+    import json
+
+    from export.cli_validate import run_validate
+    from export.inspect import describe_onnx
+
+    rows = run_validate(int8_path, reference=fp32_path, data="digits", data_kwargs={"image_size": 8},
+                        batch_sizes=[2], runs=1, threads=1)
+    assert [r["role"] for r in rows] == ["final", "baseline"]
+    assert rows[0]["b2_speedup"] is not None and rows[0]["accuracy"] is not None and rows[0]["threads"] == 1
+    json.dumps(rows, default=str)
+    with pytest.raises(RecipeError, match="--backend cuda"):
+        run_validate(int8_path, backend="cuda")
+    text = describe_onnx(int8_path)
+    assert "onnx-int8-qdq" in text and "QLinearConv" in text and "input: float32[batch, 1, 8, 8]" in text
+    assert "recipe.hash=abc123" in text
