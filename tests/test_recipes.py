@@ -32,6 +32,10 @@ def shrink(data: dict[str, Any]) -> dict[str, Any]:
             stage["epochs"] = min(math.ceil(stage["epochs"]), 2)
         if stage.get("steps"):
             stage["steps"] = min(stage["steps"], 4)
+        for mod in stage.get("modifiers", []):
+            teacher = mod.get("teacher")
+            if isinstance(teacher, dict) and teacher.get("train_epochs"):
+                teacher["train_epochs"] = min(teacher["train_epochs"], 2)
     val = d.setdefault("validate", {})
     val.update({"runs": 2, "warmup": 1, "batch_sizes": [1, 4]})
     return d
