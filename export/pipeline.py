@@ -80,6 +80,9 @@ def _export_one(
         static_acts = any(q.role != "weight" and q.enabled for _, q in iter_quantizers(model))
         if not rec.integer_nodes and not static_acts:
             log.warning("export: %s is weight-only int8; ORT dequantizes the weights and computes in float", path.name)
+        elif not rec.integer_nodes and fp16:
+            # fp16 scales are for GPU runtimes (TensorRT fuses them); ORT's CPU kernels want fp32 scales
+            log.warning("export: %s has fp16 Q/DQ scales, which ORT's CPU integer kernels do not take", path.name)
         elif not rec.integer_nodes:
             raise ExportError(
                 f"export: ORT runs {path.name} without integer kernels (the QDQ model would run in float); "
