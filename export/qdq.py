@@ -440,6 +440,45 @@ def quantize_biases(g: _Graph) -> int:
     return done
 
 
+def quantize_embedding_tables(g: _Graph, *, min_numel: int = 1 << 16) -> int:
+    """Large float tables read by Gather (token embeddings) -> int8 rows with one fp32 scale per row:
+    ``Gather(codes) -> Cast -> Mul(Gather(scales))``. The table is most of a small transformer's file;
+    per-row symmetric int8 keeps each looked-up vector within half a step of its row's scale."""
+    done = 0
+    for n in list(g.g.node):
+        if n.op_type != "Gather" or n.input[0] not in g.init or n.input[1] in g.init:
+            continue
+        if any(a.name == "axis" and helper.get_attribute_value(a) != 0 for a in n.attribute):
+            continue
+        table = g.array(n.input[0])
+        if table.dtype != np.float32 or table.ndim != 2 or table.size < min_numel:
+            continue
+        if len(g.consumers.get(n.input[0], [])) != 1:
+            continue
+        amax = np.abs(table).max(axis=1)
+        scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+        codes = np.clip(np.rint(table / scale[:, None]), -127, 127).astype(np.int8)
+        cn, sn = g.unique(f"{n.input[0]}_int8"), g.unique(f"{n.input[0]}_row_scale")
+        g.set_init(cn, codes)
+        g.set_init(sn, scale[:, None].copy())
+        out = n.output[0]
+        gq, gc, gs = (g.unique(f"{out}_{s}") for s in ("codes", "float", "scale"))
+        idx = list(g.g.node).index(n)
+        new = [
+            helper.make_node("Gather", [cn, n.input[1]], [gq], name=g.unique(f"{n.name}_int8"), axis=0),
+            helper.make_node("Cast", [gq], [gc], name=g.unique(f"{n.name}_cast"), to=onnx.TensorProto.FLOAT),
+            helper.make_node("Gather", [sn, n.input[1]], [gs], name=g.unique(f"{n.name}_scale"), axis=0),
+            helper.make_node("Mul", [gc, gs], [out], name=g.unique(f"{n.name}_dequant")),
+        ]
+        g.g.node.remove(n)
+        for k, node in enumerate(new):
+            g.g.node.insert(idx + k, node)
+        g.g.initializer.remove(g.init[n.input[0]])
+        g.refresh()
+        done += 1
+    return done
+
+
 def remove_unused_initializers(g: _Graph) -> int:
     used = {i for n in g.g.node for i in n.input} | g.outputs
     dead = [i for i in g.g.initializer if i.name not in used]
@@ -452,10 +491,11 @@ def remove_unused_initializers(g: _Graph) -> int:
     return len(dead)
 
 
-def tidy_qdq_graph(model: onnx.ModelProto) -> dict[str, int]:
+def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False) -> dict[str, int]:
     """Run the QDQ passes in place; returns how many edits each made."""
     g = _Graph(model.graph)
     stats = {
+        "int8_embedding_tables": quantize_embedding_tables(g) if quantize_embeddings else 0,
         "unused_initializers": remove_unused_initializers(g),
         "weight_transposes": fold_weight_transposes(g),
         "redundant_pairs": merge_duplicate_pairs(g),

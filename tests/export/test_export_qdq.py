@@ -157,3 +157,30 @@ def test_dynamic_activation_quant_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="dynamic"):
         export_onnx(dyn, torch.randn(2, 1, 8, 8), tmp_path / "dyn.onnx")
     assert not (tmp_path / "dyn.onnx").exists()
+
+
+def test_int8_embedding_tables(tmp_path: Path) -> None:
+    from quantization.api import quantize
+
+    class Tagger(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(4096, 32)
+            self.fc = torch.nn.Linear(32, 5)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.emb(ids))
+
+    torch.manual_seed(0)
+    model = quantize(Tagger().eval(), "w8a8", [torch.randint(0, 4096, (8, 12)) for _ in range(3)])
+    ids = torch.randint(0, 4096, (6, 12))
+    plain = export_onnx(model, ids, tmp_path / "plain.onnx")
+    small = export_onnx(model, ids, tmp_path / "small.onnx", quantize_embeddings=True)
+    assert small.stat().st_size < 0.35 * plain.stat().st_size
+    inits = {i.name: numpy_helper.to_array(i) for i in onnx.load(str(small)).graph.initializer}
+    assert any(v.dtype == np.int8 and v.shape == (4096, 32) for v in inits.values())
+    a = _run(plain, {"input": ids.numpy()}, optimize=False)
+    b = _run(small, {"input": ids.numpy()}, optimize=False)
+    par = Parity()
+    par.update(a, b)
+    assert par.result()["sqnr_db"] > 25.0, par.result()
