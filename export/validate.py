@@ -54,7 +54,12 @@ def _take(eval_loader: Iterable[Any], limit: int | None) -> list[tuple[Any, Any]
         n = batch_size_of(inputs)
         if limit is not None and seen + n > limit:
             keep = limit - seen
-            inputs = {k: v[:keep] for k, v in inputs.items()} if isinstance(inputs, dict) else inputs[:keep]
+            if isinstance(inputs, dict):
+                inputs = {k: v[:keep] for k, v in inputs.items()}
+            elif isinstance(inputs, (tuple, list)):
+                inputs = type(inputs)(t[:keep] for t in inputs)
+            else:
+                inputs = inputs[:keep]
             targets = targets[:keep] if targets is not None else None
             n = keep
         batches.append((inputs, targets))
