@@ -141,13 +141,13 @@ def _graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def time_side_by_side(
-    fns: dict[str, Callable[[], Any]], *, warmup: int, runs: int, device: torch.device, graphs: bool
+    fns: Mapping[str, Callable[[], Any]], *, warmup: int, runs: int, device: torch.device, graphs: bool
 ) -> tuple[dict[str, float], bool]:
     """Median milliseconds of each function, runs alternating between them; whether graphs were used."""
     used = False
     if device.type == "cuda" and graphs:
         try:
-            fns = {k: _graphed(f) for k, f in fns.items()}
+            fns = {k: _graphed(f) for k, f in fns.items()}  # replaces the mapping, never mutates it
             used = True
         except Exception as exc:  # an op that cannot be captured: time eagerly rather than fail
             log.warning("CUDA graph capture failed (%s); timing eagerly", exc)

@@ -24,10 +24,12 @@ Design, shared by all kernels:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,8 +39,9 @@ INSTALL_HINT = "pip install 'compress[triton]'"
 ACTIVATIONS = ("none", "relu", "gelu")
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether the Triton package is importable."""
+    """Whether the Triton package is importable (cached: every kernel launch checks it)."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -110,3 +113,11 @@ def __getattr__(name: str) -> object:
     if mod is None:
         raise AttributeError(f"module 'quantization.kernels' has no attribute '{name}'")
     return getattr(load(mod), name)
+
+
+if TYPE_CHECKING:  # the lazy names above, for type checkers (importing them loads Triton)
+    from quantization.kernels.conv import int8_conv2d as int8_conv2d
+    from quantization.kernels.gemm import GemmConfig as GemmConfig
+    from quantization.kernels.gemm import int8_gemm as int8_gemm
+    from quantization.kernels.quant import quantize_per_token as quantize_per_token
+    from quantization.kernels.quant import quantize_static as quantize_static

@@ -5,9 +5,9 @@
 - 1x1, stride 1, no padding: a plain GEMM on the ``[N*H*W, C]`` view of the NHWC input.
 - Everything else (kxk, strides, padding, dilation): implicit GEMM. Output pixels are GEMM rows,
   ``(kh, kw, c)`` the reduction; the weight is stored ``[O, KH, KW, C]`` so that both operands are
-  read C-contiguous. The K loop walks the filter taps outside and channel blocks inside, so
-  addresses and padding masks are computed once per tap instead of per element, and no im2col
-  buffer is written. Padded taps read the activation zero point (the code of a real 0), which the
+  read C-contiguous. One flat K loop walks (filter tap, channel block) pairs, so addresses and
+  padding masks are computed per tap rather than per element, the loop stays pipelinable, and no
+  im2col buffer is written. Padded taps read the activation zero point (the code of a real 0), which the
   epilogue's ``zp * colsum(w)`` correction then cancels exactly.
 
 Groups other than 1 (depthwise) are not handled here: they have too little reuse for a GEMM, so
@@ -88,22 +88,26 @@ def _conv_kernel(
     w_col = w_ptr + rbn * stride_wn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for kh in range(KH):
+    # one flat loop over (tap, channel block) so that the compiler pipelines it (num_stages); the
+    # per-iteration index math is scalar, the per-tap padding mask one vector compare
+    c_blocks = tl.cdiv(C, BLOCK_K)
+    for it in range(0, KH * KW * c_blocks):
+        tap = it // c_blocks
+        c0 = (it - tap * c_blocks) * BLOCK_K
+        kh = tap // KW
+        kw = tap - kh * KW
         ih = ih0 + kh * DH
-        for kw in range(KW):
-            iw = iw0 + kw * DW
-            inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            x_pix = x_img + ih * stride_xh + iw * stride_xw
-            w_tap = w_col + (kh * KW + kw) * C
-            for c0 in range(0, C, BLOCK_K):
-                ck = c0 + rk
-                cmask = ck < C
-                a = tl.load(x_pix[:, None] + ck[None, :], mask=inside[:, None] & cmask[None, :], other=0)
-                if HAS_ZP:
-                    # padding holds the code of a real 0; the epilogue's zp*colsum cancels it
-                    a = tl.where(inside[:, None], a, a_zp).to(tl.int8)
-                b = tl.load(w_tap[None, :] + ck[:, None], mask=cmask[:, None], other=0)
-                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        iw = iw0 + kw * DW
+        inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        ck = c0 + rk
+        cmask = ck < C
+        a = tl.load((x_img + ih * stride_xh + iw * stride_xw)[:, None] + ck[None, :],
+                    mask=inside[:, None] & cmask[None, :], other=0)
+        if HAS_ZP:
+            # padding holds the code of a real 0; the epilogue's zp*colsum cancels it
+            a = tl.where(inside[:, None], a, a_zp).to(tl.int8)
+        b = tl.load((w_col + tap * C)[None, :] + ck[:, None], mask=cmask[:, None], other=0)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
 
     y = epilogue(acc, rm, rn, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, colsum_ptr, a_zp,
                  False, HAS_BIAS, HAS_ZP, ACT)
