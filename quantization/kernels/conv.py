@@ -17,6 +17,7 @@ the converter leaves them float with a reason.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import triton
@@ -115,15 +116,17 @@ def _conv_kernel(
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-_conv_tuned = (
-    None
-    if INTERPRETED
-    else triton.autotune(
-        configs=CONV_CONFIGS,
+def tuned_conv(configs: list[triton.Config], *, do_bench: Any = None) -> Any:
+    """The autotuned implicit-GEMM launcher over ``configs`` (``do_bench`` replaces timing, for tests)."""
+    return triton.autotune(
+        configs=configs,
         key=["M_BUCKET", "N", "C", "H", "W", "KH", "KW", "SH", "SW"],
         prune_configs_by={"early_config_prune": _prune},
+        do_bench=do_bench,
     )(_conv_kernel)
-)
+
+
+_conv_tuned = None if INTERPRETED else tuned_conv(CONV_CONFIGS)
 
 
 def _pair(v: int | tuple[int, ...]) -> tuple[int, int]:

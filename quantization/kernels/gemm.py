@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -100,8 +101,8 @@ def _prune(configs: list[triton.Config], named_args: dict[str, object], **_: obj
     major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 8
     arch = HOPPER_CONFIGS if major >= 9 else AMPERE_CONFIGS
     mb = int(named_args["M_BUCKET"])  # type: ignore[call-overload]
-    keep = [c for c in configs if c in arch and c.kwargs["BLOCK_M"] <= max(16, mb)]
-    return keep or [c for c in configs if c in arch]
+    pool = [c for c in configs if c in arch] or configs
+    return [c for c in pool if c.kwargs["BLOCK_M"] <= max(16, mb)] or pool
 
 
 @triton.jit
@@ -181,15 +182,16 @@ def _gemm_kernel(
 
 _even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 _gemm_fixed = _even_k(_gemm_kernel)
-_gemm_tuned = (
-    None
-    if INTERPRETED
-    else triton.autotune(
-        configs=HOPPER_CONFIGS + [c for c in AMPERE_CONFIGS if c not in HOPPER_CONFIGS],
-        key=["M_BUCKET", "N", "K"],
-        prune_configs_by={"early_config_prune": _prune},
+
+
+def tuned_gemm(configs: list[triton.Config], *, do_bench: Any = None) -> Any:
+    """The autotuned GEMM launcher over ``configs`` (``do_bench`` replaces timing, for tests)."""
+    return triton.autotune(
+        configs=configs, key=["M_BUCKET", "N", "K"], prune_configs_by={"early_config_prune": _prune}, do_bench=do_bench
     )(_even_k(_gemm_kernel))
-)
+
+
+_gemm_tuned = None if INTERPRETED else tuned_gemm(HOPPER_CONFIGS + [c for c in AMPERE_CONFIGS if c not in HOPPER_CONFIGS])
 
 
 def _vec(t: torch.Tensor | None, n: int, what: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:

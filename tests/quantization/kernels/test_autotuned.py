@@ -1,0 +1,63 @@
+"""The autotuned launch path (config pruning, EVEN_K heuristic, grid from the chosen tile) on the
+interpreter, with a stand-in timer: the production launcher code, not only fixed tiles."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quantization.kernels import load
+
+
+def _fake_bench(times: dict[int, float]) -> Callable[..., list[float]]:
+    # runs the candidate once (so a wrong config would crash here) and ranks configs by BLOCK_N
+    calls = iter(range(10**6))
+
+    def bench(kernel_call: Callable[[], object], quantiles: tuple[float, ...] | None = None) -> list[float]:
+        kernel_call()
+        i = next(calls)
+        return [times.get(i, 1.0)] * (len(quantiles) if quantiles else 1)
+
+    return bench
+
+
+@pytest.fixture
+def interpret_only() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("on CUDA the real autotuner runs in every other test")
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_autotuned_gemm_path(m: int, interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    gemm = load("gemm")
+    configs = [gemm._cfg(16, 32, 32, 1, 4, group=2), gemm._cfg(32, 16, 64, 1, 4, group=2)]
+    tuned = gemm.tuned_gemm(configs, do_bench=_fake_bench({0: 2.0, 1: 1.0}))
+    monkeypatch.setattr(gemm, "_gemm_tuned", tuned)
+    g = torch.Generator().manual_seed(m)
+    n, k = 45, 70  # K ragged for the 64-deep tile, even for neither: both heuristic branches run
+    a = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    y = gemm.int8_gemm(a, b, a_scale=torch.ones(1), b_scale=torch.ones(n), out_dtype=torch.float32)
+    torch.testing.assert_close(y.to(torch.int32), (a.long() @ b.long().T).int(), atol=0, rtol=0)
+    # M=1 prunes the 32-row tile away (padding rows would waste the MMA); M=40 benchmarks both
+    pruned = gemm._prune(configs, {"M_BUCKET": gemm.m_bucket(m)})
+    assert [c.kwargs["BLOCK_M"] for c in pruned] == ([16] if m == 1 else [16, 32])
+    assert len(tuned.cache) == 1
+
+
+def test_autotuned_conv_path(interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    conv = load("conv")
+    configs = [conv._cfg(32, 16, 32, 1, 4, group=2), conv._cfg(16, 32, 32, 1, 4, group=2)]
+    monkeypatch.setattr(conv, "_conv_tuned", conv.tuned_conv(configs, do_bench=_fake_bench({})))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-128, 128, (1, 6, 7, 5), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (9, 6, 3, 3), generator=g, dtype=torch.int8)
+    y = conv.int8_conv2d(x, w.permute(0, 2, 3, 1).contiguous(), a_scale=torch.ones(1), w_scale=torch.ones(9),
+                         a_zero_point=-3, w_colsum=w.int().sum((1, 2, 3)), stride=2, padding=1,
+                         out_dtype=torch.float32)
+    ref = F.conv2d(F.pad(x.double() + 3, (1, 1, 1, 1)), w.double(), stride=2)
+    torch.testing.assert_close(y.double(), ref, atol=0, rtol=0)
