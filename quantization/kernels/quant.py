@@ -65,13 +65,14 @@ def _per_token_kernel(
 
 
 @triton.jit
-def _static_kernel(x_ptr, q_ptr, scale_ptr, numel, ZP: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+def _static_kernel(x_ptr, q_ptr, scale_ptr, numel, zp, QMIN: tl.constexpr, QMAX: tl.constexpr,
                    BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     inv = 1.0 / tl.load(scale_ptr)
-    q = _round_clamp(x * inv, QMIN - ZP, QMAX - ZP) + ZP
+    # zp is a runtime argument: one compiled kernel serves every layer's zero point
+    q = _round_clamp(x * inv, QMIN - zp, QMAX - zp) + zp
     tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
 
 
@@ -130,5 +131,5 @@ def quantize_static(
     if n:
         block = 1024
         # flat indexing over storage: valid for contiguous and channels-last alike
-        _static_kernel[(triton.cdiv(n, block),)](xc, q, s, n, ZP=int(zero_point), QMIN=qmin, QMAX=qmax, BLOCK=block)
+        _static_kernel[(triton.cdiv(n, block),)](xc, q, s, n, int(zero_point), QMIN=qmin, QMAX=qmax, BLOCK=block)
     return q
