@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -39,3 +41,34 @@ def test_importing_quantization_does_not_import_triton() -> None:
     r = _run("import sys, quantization, quantization.kernels; print('triton' in sys.modules)")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
+
+
+ROOT = Path(__file__).resolve().parents[3]  # benchmarks/ is a top-level folder of the repository
+
+
+def test_benchmark_script_without_cuda_exits_2_with_one_line() -> None:
+    r = subprocess.run([sys.executable, "-m", "benchmarks.cuda_int8"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    if r.returncode == 0:  # a CUDA machine ran it for real
+        return
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "benchmarks.cuda_int8: needs a CUDA GPU (none found); --interpret-smoke checks the script on CPU"
+    ]
+
+
+def test_benchmark_script_interpret_smoke(tmp_path: Path) -> None:
+    # the kernel parts of the script end to end on tiny shapes (the models part is slower: run by hand)
+    out = tmp_path / "smoke.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cuda_int8", "--interpret-smoke", "--skip", "models", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["gpu"].startswith("cpu") and len(data["gemm"]) == 2 and len(data["conv"]) == 2
+    for row in data["gemm"]:
+        assert {"M", "N", "K", "ours_tops", "fp16_tflops", "int_mm_tops", "speedup_vs_fp16", "speedup_vs_int_mm",
+                "sqnr_db"} <= set(row)
+        assert row["sqnr_db"] > 35  # int8 per-token x per-channel on Gaussian data: ~40 dB
+    assert all(row["sqnr_db"] > 35 for row in data["conv"])
