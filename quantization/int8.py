@@ -95,16 +95,19 @@ class _Int8Base(nn.Module):
     def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """int8 codes and scale(s) of ``x`` as the fake-quant input quantizer would produce them."""
         quant = load("quant")
-        if self.pre_quant_scale is not None:
-            x = x * self.pre_quant_scale.to(x.dtype)
+        pqs = self.pre_quant_scale
         if self.input_mode == "token":
-            return quant.quantize_per_token(x, qmin=self.qmin, qmax=self.qmax)
+            return quant.quantize_per_token(x, qmin=self.qmin, qmax=self.qmax, pre_scale=pqs)
         if self.input_mode == "dynamic_tensor":
+            if pqs is not None:  # the absmax needs the scaled tensor anyway
+                x, pqs = x * pqs.to(x.dtype), None
             # symmetric: scale = max(absmax / qmax, eps), computed on device (no host sync: graph-safe)
             scale = torch.clamp(x.detach().abs().amax().float().reshape(1) / self._qmax_sym, min=SCALE_EPS)
         else:
             scale = self.input_scale
-        q = quant.quantize_static(x, scale=scale, zero_point=self.input_zero_point, qmin=self.qmin, qmax=self.qmax)
+        q = quant.quantize_static(
+            x, scale=scale, zero_point=self.input_zero_point, qmin=self.qmin, qmax=self.qmax, pre_scale=pqs
+        )
         return q, scale
 
     def _set_activation(self, activation: str) -> None:

@@ -99,6 +99,16 @@ def test_linear_smoothquant_and_output_quantizer_parity(device: str) -> None:
     assert (y == ref).float().mean() > 0.95
 
 
+def test_linear_dynamic_smoothquant_parity(device: str) -> None:
+    ql = _linear("w8a8_dynamic", seed=4).eval()
+    assert ql.input_quantizer is not None
+    ql.input_quantizer.pre_quant_scale = torch.rand(70, generator=torch.Generator().manual_seed(1)) + 0.5
+    il = Int8Linear.from_quant(ql).to(device)
+    x = torch.randn(9, 70)
+    with torch.no_grad():
+        torch.testing.assert_close(il(x.to(device)).cpu(), ql(x), atol=1e-4, rtol=1e-4)
+
+
 def test_conv_static_matches_integer_reference_and_fake_quant(device: str) -> None:
     torch.manual_seed(3)
     conv = nn.Conv2d(6, 10, 3, stride=2, padding=1)

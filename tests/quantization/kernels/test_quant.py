@@ -64,3 +64,22 @@ def test_bad_inputs_raise(device: str) -> None:
         quantize_per_token(torch.zeros(2, 3, dtype=torch.int8, device=device))
     with pytest.raises(CompressError, match="qmin"):
         quantize_static(torch.zeros(2, 3, device=device), scale=0.1, zero_point=200)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pre_scale_is_fused_exactly(dtype: torch.dtype, device: str) -> None:
+    # SmoothQuant's per-column factor: the kernels must equal quantizing ``x * pqs.to(x.dtype)``
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(6, 37, generator=g) * 2).to(dtype)
+    pqs = torch.rand(37, generator=g) * 3 + 0.1
+    xs = x * pqs.to(dtype)
+    spec = QuantSpec(granularity="token", dynamic=True)
+    scale, zp = dynamic_qparams(xs, spec)
+    q, s = quantize_per_token(x.to(device), pre_scale=pqs)
+    torch.testing.assert_close(s.cpu(), scale.reshape(-1), atol=0, rtol=0)
+    torch.testing.assert_close(q.cpu(), quantize(xs, scale, zp, -128, 127), atol=0, rtol=0)
+    qs = quantize_static(x.to(device), scale=torch.tensor(0.05), zero_point=-7, pre_scale=pqs)
+    ref = quantize(xs, torch.tensor(0.05), torch.tensor(121), 0, 255).int() - 128
+    torch.testing.assert_close(qs.cpu().int(), ref, atol=0, rtol=0)
+    with pytest.raises(CompressError, match="pre_scale has 5 elements"):
+        quantize_per_token(x.to(device), pre_scale=torch.ones(5))
