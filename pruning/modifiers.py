@@ -45,7 +45,9 @@ class SparsitySpec(BaseModel):
 
 
 class PruneSpec(ModifierSpec):
-    """Structured pruning: ``ratio`` of each coupled group's channels, or ``target`` params/MACs."""
+    """Structured pruning: remove ``ratio`` (in [0, 1)) of each coupled group's channels, or prune
+    until the model has ``target`` of its original size, e.g. ``{macs: 0.5}`` or ``{params: 0.3}``.
+    See :class:`pruning.api.PruneOptions` for mode, max_ratio, targets and overrides."""
 
     type: Literal["prune"] = "prune"
     ratio: float | None = None

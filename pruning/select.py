@@ -49,7 +49,8 @@ def _group_ratio(g: Group, ratio: float, rules: SelectionRules) -> float:
 
 def _round_kept(kept: int, n: int, rules: SelectionRules, width: int) -> int:
     if rules.round_to > 1 and width == 1 and n >= rules.round_to:
-        kept = max(rules.round_to, round(kept / rules.round_to) * rules.round_to)
+        # nearest multiple, halves up (Python's round() would send 1.5 and 2.5 both to 2)
+        kept = max(rules.round_to, math.floor(kept / rules.round_to + 0.5) * rules.round_to)
     return min(max(kept, 1), n)
 
 
