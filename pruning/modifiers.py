@@ -140,11 +140,16 @@ class PruneModifier(Modifier[PruneSpec]):
         return s.start_epoch + lead + k * s.interval_epochs
 
     def plan(self, model: nn.Module) -> list[str]:
-        self.pruner.rules(model)  # checks targets/overrides patterns before anything runs
+        """Layers whose channels this modifier may remove (targets minus ignore; the model's
+        outputs are always kept, which only the trace at run time can tell)."""
+        from compress.targets import select_modules
         from pruning.api import _modules_of
 
-        _modules_of(model, self.spec.ignore, f"{self.where}: ignore")
-        return [n for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear, nn.MultiheadAttention))]
+        self.pruner.rules(model)  # checks targets/overrides patterns before anything runs
+        ignored = _modules_of(model, self.spec.ignore, f"{self.where}: ignore")
+        kinds = (nn.modules.conv._ConvNd, nn.Linear, nn.MultiheadAttention, nn.Embedding)
+        picked = select_modules(model, self.spec.targets, where=f"{self.where}: targets")
+        return [n for n, m in picked.items() if isinstance(m, kinds) and n not in ignored]
 
     def on_initialize(self, state: State) -> None:
         self._example = _example_inputs(state, self.where)
