@@ -148,3 +148,12 @@ def test_cli_rows_and_inspect(int8_path: Path, fp32_path: Path) -> None:
     text = describe_onnx(int8_path)
     assert "onnx-int8-qdq" in text and "QLinearConv" in text and "input: float32[batch, 1, 8, 8]" in text
     assert "recipe.hash=abc123" in text
+
+
+def test_cuda_runtime_without_cuda_is_a_skipped_record(resnet_exports: Any, quantized_resnet: Any, digits: Any) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the cuda runtime runs for real (tests/export/test_cuda_runtime.py)")
+    recs = validate_exports(resnet_exports, ValidateSpec(runtimes=["cuda"], **_SPEC), eval_loader=digits.eval,
+                            reference=quantized_resnet)
+    assert len(recs) == 1 and recs[0].runtime == "cuda" and recs[0].notes == ["skipped: no CUDA device"]
+    assert threshold_failures(recs, Thresholds(min_speedup=100.0)) == []  # a skipped runtime is not a miss
