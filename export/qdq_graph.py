@@ -1,0 +1,264 @@
+"""Graph passes over a QDQ ONNX model so that ONNX Runtime fuses it into integer kernels: weights in
+the layout their consumer reads, int32 biases, no duplicate or re-quantizing Q/DQ pairs, no dead
+initializers (and, opt-in, int8 embedding tables)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+log = logging.getLogger(__name__)
+
+
+class _Graph:
+    """Producer/consumer/initializer maps over an onnx GraphProto, rebuilt after each edit."""
+
+    def __init__(self, graph: onnx.GraphProto) -> None:
+        self.g = graph
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.init = {i.name: i for i in self.g.initializer}
+        self.producer: dict[str, onnx.NodeProto] = {o: n for n in self.g.node for o in n.output}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in self.g.node:
+            for i in n.input:
+                self.consumers.setdefault(i, []).append(n)
+        self.outputs = {o.name for o in self.g.output}
+
+    def array(self, name: str) -> np.ndarray:
+        return numpy_helper.to_array(self.init[name])
+
+    def set_init(self, name: str, arr: np.ndarray) -> None:
+        if name in self.init:
+            self.g.initializer.remove(self.init[name])
+        self.g.initializer.append(numpy_helper.from_array(arr, name))
+        self.init[name] = self.g.initializer[-1]
+
+    def rewire(self, old: str, new: str) -> None:
+        for n in self.consumers.get(old, []):
+            for k, i in enumerate(n.input):
+                if i == old:
+                    n.input[k] = new
+        for o in self.g.output:
+            if o.name == old:  # keep graph output names: rename the producer instead
+                raise ValueError("rewire of a graph output")
+
+    def unique(self, base: str) -> str:
+        names = set(self.init) | set(self.producer) | {i.name for i in self.g.input}
+        k, name = 0, base
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        return name
+
+
+def _axis(node: onnx.NodeProto) -> int:
+    for a in node.attribute:
+        if a.name == "axis":
+            return int(helper.get_attribute_value(a))
+    return 1
+
+
+def _set_axis(node: onnx.NodeProto, axis: int) -> None:
+    for a in list(node.attribute):
+        if a.name == "axis":
+            node.attribute.remove(a)
+    node.attribute.append(helper.make_attribute("axis", axis))
+
+
+def fold_weight_transposes(g: _Graph) -> int:
+    """``DQ(W) -> Transpose -> op`` becomes ``DQ(W^T) -> op`` so ORT sees DQ feeding the op directly."""
+    done = 0
+    for t in list(g.g.node):
+        if t.op_type != "Transpose":
+            continue
+        dq = g.producer.get(t.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in g.init:
+            continue
+        if len(g.consumers.get(dq.output[0], [])) != 1 or t.output[0] in g.outputs:
+            continue
+        perm = next((list(helper.get_attribute_value(a)) for a in t.attribute if a.name == "perm"), None)
+        codes = g.array(dq.input[0])
+        perm = perm if perm is not None else list(reversed(range(codes.ndim)))
+        if len(g.consumers.get(dq.input[0], [])) != 1:
+            continue
+        g.set_init(dq.input[0], np.ascontiguousarray(np.transpose(codes, perm)))
+        if g.array(dq.input[1]).ndim == 1:
+            ax = _axis(dq) % codes.ndim
+            _set_axis(dq, perm.index(ax))
+        out = t.output[0]
+        g.g.node.remove(t)
+        dq.output[0], old = out, dq.output[0]
+        del old
+        g.refresh()
+        done += 1
+    return done
+
+
+def _same_params(g: _Graph, a: onnx.NodeProto, b: onnx.NodeProto) -> bool:
+    try:
+        sa, sb = g.array(a.input[1]), g.array(b.input[1])
+        za, zb = g.array(a.input[2]), g.array(b.input[2])
+    except KeyError:
+        return False
+    return (
+        sa.shape == sb.shape
+        and za.dtype == zb.dtype
+        and bool(np.array_equal(sa, sb))
+        and bool(np.array_equal(za, zb))
+        and (sa.ndim == 0 or _axis(a) == _axis(b))
+    )
+
+
+def merge_duplicate_pairs(g: _Graph) -> int:
+    """Drop redundant Q/DQ pairs: twins quantizing one tensor with equal params, and a pair that
+    re-quantizes the output of an identical pair (``Q->DQ->Q'->DQ'`` with Q' == Q)."""
+    removed = 0
+    changed = True
+    while changed:
+        changed = False
+        for q in list(g.g.node):
+            if q.op_type != "QuantizeLinear":
+                continue
+            src = g.producer.get(q.input[0])
+            # (a) Q'->DQ' right after a DQ with the same params: values already lie on the grid
+            prev_q = g.producer.get(src.input[0]) if src is not None and src.op_type == "DequantizeLinear" else None
+            twins = [
+                o for o in g.consumers.get(q.input[0], [])
+                if o is not q and o.op_type == "QuantizeLinear" and _same_params(g, o, q)
+            ]
+            victim_dq = [d for d in g.consumers.get(q.output[0], []) if d.op_type == "DequantizeLinear"]
+            if len(victim_dq) != len(g.consumers.get(q.output[0], [])) or not victim_dq:
+                continue
+            if any(d.output[0] in g.outputs for d in victim_dq):
+                continue
+            keep: str | None = None
+            if prev_q is not None and prev_q.op_type == "QuantizeLinear" and _same_params(g, prev_q, q) and all(
+                _same_params(g, d, q) for d in victim_dq
+            ):
+                keep = q.input[0]
+            elif twins:
+                twin = twins[0]
+                tw_dq = [d for d in g.consumers.get(twin.output[0], []) if d.op_type == "DequantizeLinear"]
+                if tw_dq and all(_same_params(g, d, q) for d in victim_dq + tw_dq):
+                    keep = tw_dq[0].output[0]
+            if keep is None:
+                continue
+            for d in victim_dq:
+                g.rewire(d.output[0], keep)
+                g.g.node.remove(d)
+            g.g.node.remove(q)
+            g.refresh()
+            removed += 1
+            changed = True
+            break
+    return removed
+
+
+def quantize_biases(g: _Graph) -> int:
+    """Float bias of a Conv/Gemm whose input and weight come from DequantizeLinear -> int32 codes with
+    scale ``s_x * s_w`` and a DequantizeLinear (what ORT's QDQ selectors need to fuse the op)."""
+    done = 0
+    for n in list(g.g.node):
+        if n.op_type not in ("Conv", "Gemm") or len(n.input) < 3 or n.input[2] not in g.init:
+            continue
+        dqx, dqw = g.producer.get(n.input[0]), g.producer.get(n.input[1])
+        if dqx is None or dqw is None or dqx.op_type != "DequantizeLinear" or dqw.op_type != "DequantizeLinear":
+            continue
+        if dqx.input[1] not in g.init or dqw.input[1] not in g.init:
+            continue
+        bias = g.array(n.input[2])
+        if bias.dtype != np.float32 or len(g.consumers.get(n.input[2], [])) != 1:
+            continue
+        sx, sw = g.array(dqx.input[1]), g.array(dqw.input[1])
+        if sx.ndim != 0:
+            continue
+        scale = (sx.astype(np.float64) * sw.astype(np.float64)).astype(np.float32)
+        scale = np.broadcast_to(scale, bias.shape).copy() if scale.ndim else scale
+        safe = np.where(scale == 0, 1.0, scale)
+        codes = np.clip(np.rint(bias / safe), -(2**31), 2**31 - 1).astype(np.int32)
+        qn, sn, zn, on = (g.unique(f"{n.input[2]}_{s}") for s in ("quantized", "scale", "zero_point", "dq"))
+        g.set_init(qn, codes)
+        g.set_init(sn, scale)
+        g.set_init(zn, np.zeros(scale.shape, dtype=np.int32))
+        dq = helper.make_node("DequantizeLinear", [qn, sn, zn], [on], name=g.unique(f"{n.name}_bias_dq"), axis=0)
+        idx = list(g.g.node).index(n)
+        g.g.node.insert(idx, dq)
+        old = n.input[2]
+        n.input[2] = on
+        g.g.initializer.remove(g.init[old])
+        g.refresh()
+        done += 1
+    return done
+
+
+def quantize_embedding_tables(g: _Graph, *, min_numel: int = 1 << 16) -> int:
+    """Large float tables read by Gather (token embeddings) -> int8 rows with one fp32 scale per row:
+    ``Gather(codes) -> Cast -> Mul(Gather(scales))``. The table is most of a small transformer's file;
+    per-row symmetric int8 keeps each looked-up vector within half a step of its row's scale."""
+    done = 0
+    for n in list(g.g.node):
+        if n.op_type != "Gather" or n.input[0] not in g.init or n.input[1] in g.init:
+            continue
+        if any(a.name == "axis" and helper.get_attribute_value(a) != 0 for a in n.attribute):
+            continue
+        table = g.array(n.input[0])
+        if table.dtype != np.float32 or table.ndim != 2 or table.size < min_numel:
+            continue
+        if len(g.consumers.get(n.input[0], [])) != 1:
+            continue
+        amax = np.abs(table).max(axis=1)
+        scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+        codes = np.clip(np.rint(table / scale[:, None]), -127, 127).astype(np.int8)
+        cn, sn = g.unique(f"{n.input[0]}_int8"), g.unique(f"{n.input[0]}_row_scale")
+        g.set_init(cn, codes)
+        g.set_init(sn, scale[:, None].copy())
+        out = n.output[0]
+        gq, gc, gs = (g.unique(f"{out}_{s}") for s in ("codes", "float", "scale"))
+        idx = list(g.g.node).index(n)
+        new = [
+            helper.make_node("Gather", [cn, n.input[1]], [gq], name=g.unique(f"{n.name}_int8"), axis=0),
+            helper.make_node("Cast", [gq], [gc], name=g.unique(f"{n.name}_cast"), to=onnx.TensorProto.FLOAT),
+            helper.make_node("Gather", [sn, n.input[1]], [gs], name=g.unique(f"{n.name}_scale"), axis=0),
+            helper.make_node("Mul", [gc, gs], [out], name=g.unique(f"{n.name}_dequant")),
+        ]
+        g.g.node.remove(n)
+        for k, node in enumerate(new):
+            g.g.node.insert(idx + k, node)
+        g.g.initializer.remove(g.init[n.input[0]])
+        g.refresh()
+        done += 1
+    return done
+
+
+def remove_unused_initializers(g: _Graph) -> int:
+    used = {i for n in g.g.node for i in n.input} | g.outputs
+    dead = [i for i in g.g.initializer if i.name not in used]
+    for i in dead:
+        g.g.initializer.remove(i)
+    graph_inputs = [i for i in g.g.input if i.name in {d.name for d in dead}]
+    for i in graph_inputs:
+        g.g.input.remove(i)
+    g.refresh()
+    return len(dead)
+
+
+def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False) -> dict[str, int]:
+    """Run the QDQ passes in place; returns how many edits each made."""
+    g = _Graph(model.graph)
+    stats = {
+        "int8_embedding_tables": quantize_embedding_tables(g) if quantize_embeddings else 0,
+        "unused_initializers": remove_unused_initializers(g),
+        "weight_transposes": fold_weight_transposes(g),
+        "redundant_pairs": merge_duplicate_pairs(g),
+        "int32_biases": quantize_biases(g),
+    }
+    stats["unused_initializers"] += remove_unused_initializers(g)
+    if any(stats.values()):  # shapes of edited tensors changed: let shape inference redo them
+        del model.graph.value_info[:]
+    log.debug("QDQ graph passes: %s", stats)
+    return stats
