@@ -150,6 +150,15 @@ def _cuda_loader(path: Path, threads: int) -> RuntimeSession:
 RUNTIMES.add("cuda", _cuda_loader)
 
 
+def cpu_has_vnni() -> bool | None:
+    """Whether this x86 CPU has VNNI (int8 dot products without int16 saturation); None if unknown."""
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return any(f in flags.split() for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
 # ---- integer kernels in ORT's optimized graph ----------------------------------------------------------
 _INTEGER_OPS = {
     "ConvInteger", "MatMulInteger", "QGemm", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QAttention",

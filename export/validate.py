@@ -25,7 +25,7 @@ from compress.errors import CompressError, ExportError, RecipeError
 from compress.recipe import Thresholds, ValidateSpec
 from export.parity import Parity, resize_batch, to_numpy_feeds
 from export.records import ExportRecord, ValidationRecord
-from export.runtimes import RUNTIMES, RuntimeSession, default_threads, load_session
+from export.runtimes import RUNTIMES, RuntimeSession, cpu_has_vnni, default_threads, load_session
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +204,11 @@ def validate_exports(
                     threads=threads, integer_nodes=rec.integer_nodes, warmup=spec.warmup, runs=spec.runs,
                 )
             )
+        for vr, rec in zip(results[-len(records):], records):
+            if (runtime == "onnxruntime" and rec.precision == "int8" and rec.reduce_range is False
+                    and vr.device.endswith(":CPU") and cpu_has_vnni() is False):
+                vr.notes.append("CPU without VNNI: ORT's u8s8 kernels can saturate 8-bit weights; "
+                                "export.reduce_range=true trades one weight bit for exact integer sums")
         example = to_numpy_feeds(batches[0][0], sessions[records[0].role].input_names)
         lat, notes = time_side_by_side(sessions, example, spec.batch_sizes, spec.warmup, spec.runs)
         for vr in results[-len(records):]:

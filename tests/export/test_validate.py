@@ -43,6 +43,10 @@ def test_records_per_runtime_and_role(records: Any) -> None:
     assert base.parity["max_abs_diff"] < 1e-4  # fp32 export against the fp32 model
     assert abs(final.accuracy - final.reference_accuracy) <= 0.02
     assert base.accuracy == pytest.approx(base.reference_accuracy, abs=1e-9)
+    from export.runtimes import cpu_has_vnni
+
+    assert any("VNNI" in n for n in final.notes) == (cpu_has_vnni() is False)
+    assert not any("VNNI" in n for n in base.notes)
 
 
 def test_openvino_agrees_with_ort_on_int8_file(int8_path: Path, digits: Any) -> None:
