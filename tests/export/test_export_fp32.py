@@ -81,3 +81,13 @@ def test_export_leaves_the_model_as_it_was(tmp_path: Path) -> None:
     x = torch.randn(3, 4)
     out = _ort(path).run(None, {"input": x.numpy()})[0]
     np.testing.assert_allclose(out, model.eval()(x).detach().numpy(), atol=1e-5, rtol=0)  # exported in eval mode
+
+
+def test_batch_one_example_still_exports_a_dynamic_batch(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).eval()
+    path = export_onnx(model, torch.randn(1, 6), tmp_path / "m.onnx")  # torch.export specializes size-1 dims
+    dim0 = onnx.load(str(path)).graph.input[0].type.tensor_type.shape.dim[0]
+    assert not dim0.HasField("dim_value")
+    x = torch.randn(3, 6)
+    np.testing.assert_allclose(_ort(path).run(None, {"input": x.numpy()})[0], model(x).detach().numpy(), atol=1e-5)

@@ -184,3 +184,18 @@ def test_int8_embedding_tables(tmp_path: Path) -> None:
     par = Parity()
     par.update(a, b)
     assert par.result()["sqnr_db"] > 25.0, par.result()
+
+
+def test_weight_only_export_is_int8_but_float_compute(tmp_path: Path) -> None:
+    from compress.models import build_zoo_model
+    from compress.recipe import ExportSpec
+    from export.pipeline import export_model
+    from quantization.api import quantize
+
+    torch.manual_seed(0)
+    model = quantize(build_zoo_model("mlp", {"hidden": 256}).eval(), "w8_weight_only")
+    x = torch.randn(4, 1, 8, 8)
+    recs = export_model(model, x, ExportSpec(baseline=False), tmp_path)  # warns, does not fail
+    assert recs[0].format == "onnx-int8-qdq" and recs[0].integer_nodes == 0
+    out = _run(recs[0].path, {"input": x.numpy()})
+    np.testing.assert_allclose(out, model(x).detach().numpy(), atol=1e-4, rtol=0)
