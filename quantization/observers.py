@@ -44,15 +44,20 @@ class Observer:
         self.num_updates = 0
         self.min_val = self.max_val = None
 
+    def state_bytes(self) -> int:
+        """Bytes held in tensors by this observer (its memory, whatever the samples seen)."""
+        return sum(v.numel() * v.element_size() for v in vars(self).values() if isinstance(v, torch.Tensor))
+
     def update(self, rows: torch.Tensor) -> None:
         """Fold one batch of rows into the statistics (non-finite values are a CalibrationError)."""
         rows = rows.detach()
         if rows.numel() == 0:
             return
-        if not bool(torch.isfinite(rows).all()):
-            raise CalibrationError(f"{self.where}: calibration saw NaN or inf values")
         rows = rows.float()
         mn, mx = rows.amin(dim=1), rows.amax(dim=1)
+        # NaN and inf propagate into the extremes: checking them avoids a full isfinite pass
+        if not bool(torch.isfinite(mn).all() and torch.isfinite(mx).all()):
+            raise CalibrationError(f"{self.where}: calibration saw NaN or inf values")
         if self.min_val is None or self.max_val is None or self.min_val.shape != mn.shape:
             self.min_val, self.max_val = mn, mx
         else:
