@@ -1,0 +1,88 @@
+"""Statistics are all-reduced across DDP ranks: 2 gloo CPU processes calibrate on different data and
+end with the qparams one process gets on all of it; QAT with LSQ trains under DDP."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from quantization import calibrate, prepare, quantizers
+from quantization.spec import QuantScheme, QuantSpec
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _scheme(observer: str) -> QuantScheme:
+    return QuantScheme(inputs=QuantSpec(dtype="uint8", symmetric=False, observer=observer))
+
+
+def _data(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + rank)
+    return [torch.randn(8, 16, generator=g) * (1 + 2 * rank) for _ in range(3)]
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        result = {}
+        for observer in ("minmax", "percentile"):
+            m = _model()
+            prepare(m, _scheme(observer))
+            calibrate(m, _data(rank))
+            result[observer] = {n: q.scale.clone() for n, q in quantizers(m)}
+        # QAT with LSQ under DDP: scales get averaged gradients and stay identical across ranks
+        m = _model()
+        prepare(m, _scheme("minmax"))
+        calibrate(m, _data(rank))
+        for _, q in quantizers(m):
+            q.enable_lsq()
+        ddp = nn.parallel.DistributedDataParallel(m)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        result["lsq"] = {n: q.scale.detach().clone() for n, q in quantizers(m)}
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_observers_all_reduce_across_ranks(tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in range(2))
+    for observer in ("minmax", "percentile", "lsq"):
+        for name in r0[observer]:
+            torch.testing.assert_close(r0[observer][name], r1[observer][name], atol=0, rtol=0)
+    # minmax over both ranks' data equals one process calibrating on all of it
+    m = _model()
+    prepare(m, _scheme("minmax"))
+    calibrate(m, _data(0) + _data(1))
+    for name, q in quantizers(m):
+        torch.testing.assert_close(r0["minmax"][name], q.scale, atol=0, rtol=0)
+    # and differs from what rank 0 alone would have seen (the reduction did something)
+    solo = _model()
+    prepare(solo, _scheme("minmax"))
+    calibrate(solo, _data(0))
+    assert not torch.equal(dict(quantizers(solo))["0.input_quantizer"].scale, r0["minmax"]["0.input_quantizer"])
+    assert any(not torch.equal(r0["lsq"][n], r0["minmax"][n]) for n in r0["lsq"])  # LSQ moved the scales
