@@ -95,8 +95,14 @@ def _export(
     args, kwargs = _split_inputs(example_inputs)
     outputs = _run_example(model, args, kwargs)
     quantized = qdq.is_quantized(model)
+    blocked = 0
     if quantized:
         target, summary = qdq.swap_quantizers(model, activation_dtype=activation_dtype, reduce_range=reduce_range)
+        if summary.blocked_weights:  # blocked DequantizeLinear is opset 21
+            if opset is not None and opset < 21:
+                raise ExportError(f"per-group (blocked) weights need opset >= 21, got opset={opset}")
+            opset = max(opset or 21, 21)
+            blocked = summary.blocked_weights
         log.info(
             "QDQ export: %d int8 weights (%d per-channel), %d %s activation pairs%s",
             summary.weights, summary.per_channel_weights, summary.activations, activation_dtype,
@@ -118,7 +124,10 @@ def _export(
         proto = edge.simplify(proto)
     _strip_trace_metadata(proto)
     _rename_io(proto, out_names)
-    edge.set_metadata(proto, {"compress.precision": _precision(quantized, fp16), **(metadata or {})})
+    props = {"compress.precision": _precision(quantized, fp16), **(metadata or {})}
+    if blocked:  # read by the runtimes: ORT needs one fusion off to run blocked weights as MatMulNBits
+        props["compress.blocked_weights"] = str(blocked)
+    edge.set_metadata(proto, props)
     _check(proto, path)
     _atomic_save(proto, path)
     log.info("exported %s (%s, %d bytes)", path, _precision(quantized, fp16), path.stat().st_size)

@@ -64,15 +64,19 @@ def _qdq_fake(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, ax
 
 
 @torch.library.custom_op("compress_export::dq", mutates_args=())
-def dq_op(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int) -> torch.Tensor:
-    """DequantizeLinear of stored integer codes."""
+def dq_op(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
+    """DequantizeLinear of stored integer codes (blocked along ``axis`` when ``block_size`` > 0)."""
+    if block_size:
+        s = scale.repeat_interleave(block_size, dim=axis)
+        z = zero_point.repeat_interleave(block_size, dim=axis).float()
+        return ((q.float() - z) * s.float()).to(scale.dtype)
     s = _shape_for(scale, q, axis)
     z = _shape_for(zero_point, q, axis).float()
     return ((q.float() - z) * s.float()).to(scale.dtype)
 
 
 @dq_op.register_fake
-def _dq_fake(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int) -> torch.Tensor:
+def _dq_fake(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
     return torch.empty(q.shape, dtype=scale.dtype, device=q.device)
 
 
@@ -83,7 +87,11 @@ def translation_table() -> dict[Any, Any]:
     def qdq_onnx(x: Any, scale: Any, zero_point: Any, axis: int) -> Any:
         return op.DequantizeLinear(op.QuantizeLinear(x, scale, zero_point, axis=axis), scale, zero_point, axis=axis)
 
-    def dq_onnx(q: Any, scale: Any, zero_point: Any, axis: int) -> Any:
+    def dq_onnx(q: Any, scale: Any, zero_point: Any, axis: int, block_size: int) -> Any:
+        if block_size:
+            from onnxscript import opset21
+
+            return opset21.DequantizeLinear(q, scale, zero_point, axis=axis, block_size=block_size)
         return op.DequantizeLinear(q, scale, zero_point, axis=axis)
 
     return {torch.ops.compress_export.qdq.default: qdq_onnx, torch.ops.compress_export.dq.default: dq_onnx}
@@ -94,15 +102,19 @@ class WeightDQ(nn.Module):
     """Stands in for a weight quantizer: returns the dequantized stored codes (its input is the weight
     it was computed from, unused in the graph so the float weight never reaches the file)."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int) -> None:
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, block_size: int = 0
+    ) -> None:
         super().__init__()
         self.register_buffer("codes", codes)
         self.register_buffer("scale", scale)
         self.register_buffer("zero_point", zero_point)
         self.axis = axis
+        self.block_size = block_size
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return torch.ops.compress_export.dq(self.codes, self.scale, self.zero_point, self.axis).to(weight.dtype)
+        dq = torch.ops.compress_export.dq(self.codes, self.scale, self.zero_point, self.axis, self.block_size)
+        return dq.to(weight.dtype)
 
 
 class ActivationQDQ(nn.Module):
@@ -130,6 +142,7 @@ class QDQSummary:
     weights: int = 0
     activations: int = 0
     per_channel_weights: int = 0
+    blocked_weights: int = 0
     disabled: int = 0
     weight_bits: set[int] = field(default_factory=set)
     activation_dtype: str = "uint8"
@@ -195,6 +208,18 @@ def _weight_of(parent: nn.Module, qname: str) -> torch.Tensor:
     raise ExportError(f"weight quantizer '{qname}' sits in {type(parent).__name__}, which has no weight to quantize")
 
 
+def _blocked(q: Any, weight: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, where: str) -> WeightDQ:
+    """Per-group weights as a blocked DequantizeLinear (opset 21): blocks of ``group_size`` along the
+    input features of a 2-D weight, stored as int4 when they fit (ORT fuses them into MatMulNBits)."""
+    gs = int(q.group_size or 0)
+    if weight.dim() != 2 or gs <= 0 or weight.shape[1] % gs or tuple(scale.shape) != (weight.shape[0], weight.shape[1] // gs):
+        raise ExportError(
+            f"{where}: per-group quantization exports for 2-D (Linear) weights with groups along the input "
+            f"features; got weight {tuple(weight.shape)}, scales {tuple(scale.shape)}"
+        )
+    return WeightDQ(codes.to(torch.int8), scale.clone(), zp.to(torch.int8), 1, gs)
+
+
 def _check_static(q: Any, where: str) -> None:
     spec = q.spec
     if spec.dynamic:
@@ -202,8 +227,6 @@ def _check_static(q: Any, where: str) -> None:
             f"{where}: dynamic ({spec.granularity}) activation quantization has no static QDQ form; "
             "use a static activation scheme (e.g. w8a8) or weight-only for ONNX export"
         )
-    if spec.granularity == "group":
-        raise ExportError(f"{where}: per-group weight quantization is not exportable as QDQ yet; use per-channel")
     if not q.calibrated:
         raise ExportError(f"{where}: quantizer is not calibrated; run calibration before export")
 
@@ -240,6 +263,12 @@ def swap_quantizers(model: nn.Module, *, activation_dtype: ActDtype = "uint8", r
                     codes, zp, qmin, qmax = codes - 128, zp - 128, qmin - 128, qmax - 128
                 if axis < 0:
                     axis += weight.dim()
+                if q.spec.granularity == "group":
+                    setattr(parent, cname, _blocked(q, weight, codes, scale, zp, where))
+                    summary.weights += 1
+                    summary.blocked_weights += 1
+                    summary.weight_bits.add(int(q.spec.bits))
+                    continue
                 if reduce_range:
                     c8, s8, z8 = _reduce_range(codes, scale, zp, axis, qmin, qmax)
                 else:

@@ -86,15 +86,81 @@ def fold_weight_transposes(g: _Graph) -> int:
         perm = perm if perm is not None else list(reversed(range(codes.ndim)))
         if len(g.consumers.get(dq.input[0], [])) != 1:
             continue
+        scale = g.array(dq.input[1])
+        if scale.ndim == codes.ndim and scale.ndim > 1:  # blocked: scales and zero points transpose too
+            if any(len(g.consumers.get(n, [])) != 1 for n in dq.input[1:3]):
+                continue
+            g.set_init(dq.input[1], np.ascontiguousarray(np.transpose(scale, perm)))
+            if len(dq.input) > 2 and dq.input[2]:
+                g.set_init(dq.input[2], np.ascontiguousarray(np.transpose(g.array(dq.input[2]), perm)))
         g.set_init(dq.input[0], np.ascontiguousarray(np.transpose(codes, perm)))
-        if g.array(dq.input[1]).ndim == 1:
+        if scale.ndim >= 1:
             ax = _axis(dq) % codes.ndim
             _set_axis(dq, perm.index(ax))
-        out = t.output[0]
+        dq.output[0] = t.output[0]
         g.g.node.remove(t)
-        dq.output[0], old = out, dq.output[0]
-        del old
         g.refresh()
+        done += 1
+    return done
+
+
+def _block_size(node: onnx.NodeProto) -> int:
+    return next((int(helper.get_attribute_value(a)) for a in node.attribute if a.name == "block_size"), 0)
+
+
+def blocked_gemm_to_matmul(g: _Graph) -> int:
+    """``Gemm(x, DQ_blocked(W), b, transB=1)`` -> ``MatMul(x, DQ_blocked(W^T)) + b``: ORT fuses a
+    blocked DequantizeLinear into MatMulNBits only in front of a MatMul, with blocks along K."""
+    done = 0
+    for n in list(g.g.node):
+        if n.op_type != "Gemm":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            continue
+        dq = g.producer.get(n.input[1])
+        if dq is None or dq.op_type != "DequantizeLinear" or not _block_size(dq) or dq.input[0] not in g.init:
+            continue
+        if len(g.consumers.get(dq.output[0], [])) != 1:
+            continue
+        if attrs.get("transB", 0):
+            t_out = g.unique(f"{dq.output[0]}_t")
+            transpose = helper.make_node("Transpose", [dq.output[0]], [t_out], perm=[1, 0], name=g.unique("wt"))
+            g.g.node.insert(list(g.g.node).index(n), transpose)
+            weight = t_out
+        else:
+            weight = n.input[1]
+        has_bias = len(n.input) > 2 and bool(n.input[2])
+        mm_out = g.unique(f"{n.output[0]}_matmul") if has_bias else n.output[0]
+        nodes = [helper.make_node("MatMul", [n.input[0], weight], [mm_out], name=g.unique(f"{n.name}_matmul"))]
+        if has_bias:
+            nodes.append(helper.make_node("Add", [mm_out, n.input[2]], [n.output[0]], name=g.unique(f"{n.name}_bias")))
+        idx = list(g.g.node).index(n)
+        g.g.node.remove(n)
+        for k, node in enumerate(nodes):
+            g.g.node.insert(idx + k, node)
+        g.refresh()
+        done += 1
+    return done
+
+
+def pack_int4(g: _Graph) -> int:
+    """Blocked DequantizeLinear inputs whose codes fit 4 bits -> INT4 initializers (two per byte)."""
+    import ml_dtypes
+
+    done = 0
+    for n in g.g.node:
+        if n.op_type != "DequantizeLinear" or not _block_size(n) or n.input[0] not in g.init:
+            continue
+        codes = g.array(n.input[0])
+        zp = g.array(n.input[2]) if len(n.input) > 2 and n.input[2] in g.init else None
+        if codes.dtype != np.int8 or codes.min() < -8 or codes.max() > 7:
+            continue
+        if zp is not None and (zp.min() < -8 or zp.max() > 7):
+            continue
+        g.set_init(n.input[0], codes.astype(ml_dtypes.int4))
+        if zp is not None:
+            g.set_init(n.input[2], zp.astype(ml_dtypes.int4))
         done += 1
     return done
 
@@ -253,7 +319,9 @@ def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False)
     stats = {
         "int8_embedding_tables": quantize_embedding_tables(g) if quantize_embeddings else 0,
         "unused_initializers": remove_unused_initializers(g),
+        "blocked_gemms": blocked_gemm_to_matmul(g),
         "weight_transposes": fold_weight_transposes(g),
+        "int4_weights": pack_int4(g),
         "redundant_pairs": merge_duplicate_pairs(g),
         "int32_biases": quantize_biases(g),
     }

@@ -69,6 +69,17 @@ def ort_providers() -> list[str]:
     return [p for p in _ORT_PREFERENCE if p in have] or ["CPUExecutionProvider"]
 
 
+def ort_disabled_optimizers(path: Path) -> list[str]:
+    """ORT fusions to turn off for a file: for blocked (int4) weights, MatMulAddFusion, which would
+    turn ``MatMul(x, DQ(W)) + b`` into a float Gemm before ORT can fuse the DQ into MatMulNBits."""
+    try:
+        m = onnx.load(str(path), load_external_data=False)
+    except Exception:  # ORT reports unreadable files itself
+        return []
+    props = {p.key: p.value for p in m.metadata_props}
+    return ["MatMulAddFusion"] if props.get("compress.blocked_weights", "0") != "0" else []
+
+
 class OrtSession:
     """An onnxruntime InferenceSession with all graph optimizations on."""
 
@@ -84,7 +95,9 @@ class OrtSession:
         # timed interleaved (side by side); measured 2-3x inflated MiniLM latency with spinning on
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
-            self.sess = ort.InferenceSession(str(path), so, providers=providers or ort_providers())
+            self.sess = ort.InferenceSession(
+                str(path), so, providers=providers or ort_providers(), disabled_optimizers=ort_disabled_optimizers(path)
+            )
         except Exception as exc:
             raise ExportError(f"onnxruntime cannot load '{path}': {str(exc).splitlines()[0]}") from exc
         self.input_names = [i.name for i in self.sess.get_inputs()]
@@ -182,7 +195,8 @@ def ort_optimized_ops(path: Path) -> Counter[str]:
         so.log_severity_level = 3
         so.intra_op_num_threads = 1
         try:
-            ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+            ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"],
+                                 disabled_optimizers=ort_disabled_optimizers(path))
         except Exception as exc:
             raise ExportError(f"onnxruntime cannot load '{path}': {str(exc).splitlines()[0]}") from exc
         m = onnx.load(so.optimized_model_filepath, load_external_data=False)

@@ -3,6 +3,7 @@ graph, parity of ORT against the PyTorch fake-quant model, size, and the graph p
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +200,26 @@ def test_weight_only_export_is_int8_but_float_compute(tmp_path: Path) -> None:
     assert recs[0].format == "onnx-int8-qdq" and recs[0].integer_nodes == 0
     out = _run(recs[0].path, {"input": x.numpy()})
     np.testing.assert_allclose(out, model(x).detach().numpy(), atol=1e-4, rtol=0)
+
+
+def test_int4_group_weights_run_as_matmulnbits(tmp_path: Path) -> None:
+    from compress.models import build_zoo_model
+    from quantization.api import quantize
+
+    torch.manual_seed(0)
+    fp32 = build_zoo_model("mlp", {"hidden": 256}).eval()
+    x = torch.randn(5, 1, 8, 8)
+    base = export_onnx(fp32, x, tmp_path / "fp32.onnx")
+    model = quantize(copy.deepcopy(fp32), "w4_weight_only_g128")
+    path = export_onnx(model, x, tmp_path / "int4.onnx")
+    m = onnx.load(str(path))
+    assert next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx")) >= 21
+    int4 = [i for i in m.graph.initializer if i.data_type == onnx.TensorProto.INT4]
+    assert len(int4) == 6  # codes and zero points of the 3 Linear layers
+    assert path.stat().st_size < 0.2 * base.stat().st_size
+    _, ops = integer_kernel_count(path)
+    assert ops == {"MatMulNBits": 3}
+    exact = _run(path, {"input": x.numpy()}, optimize=False)
+    np.testing.assert_allclose(exact, model(x).detach().numpy(), atol=1e-5, rtol=0)
+    with pytest.raises(ExportError, match="opset >= 21"):
+        export_onnx(model, x, tmp_path / "old.onnx", opset=20)
