@@ -16,7 +16,7 @@ the concatenation needs no requantization.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +111,30 @@ class _QuantConvNd(QuantLayerMixin):
             "padding_mode": mod.padding_mode,
         }
 
+    @classmethod
+    def from_float(
+        cls, mod: nn.modules.conv._ConvNd, scheme: QuantScheme, *, name: str, weights: QuantSpec | None
+    ) -> Any:
+        new: Any = cast(Any, cls)(**cls._conv_args(mod), device="meta")
+        new.weight = mod.weight
+        if mod.bias is not None:
+            new.bias = mod.bias
+        new._init_quantizers(scheme, name, weights=weights)
+        new.bn, new.bn_frozen = None, False
+        new.train(mod.training)
+        return new
+
+    def to_float(self) -> nn.Module:
+        """The float conv (BatchNorm folded in), sharing this module's Parameters."""
+        self.fold_bn()
+        me: Any = self
+        new: Any = cast(Any, self.float_cls)(**self._conv_args(me), device="meta")
+        new.weight = self.weight
+        if self.bias is not None:
+            new.bias = self.bias
+        new.train(me.training)
+        return new
+
     def _forward_conv(self, x: torch.Tensor) -> torch.Tensor:
         x = _apply(self.input_quantizer, x)
         bn = self.bn
@@ -157,22 +181,6 @@ class QuantConv1d(_QuantConvNd, nn.Conv1d):
 
     float_cls = nn.Conv1d
 
-    @classmethod
-    def from_float(cls, mod: nn.Conv1d, scheme: QuantScheme, *, name: str, weights: QuantSpec | None) -> QuantConv1d:
-        new = cls(**cls._conv_args(mod), device="meta")
-        new.weight, new.bias = mod.weight, mod.bias
-        new._init_quantizers(scheme, name, weights=weights)
-        new.bn, new.bn_frozen = None, False
-        new.train(mod.training)
-        return new
-
-    def to_float(self) -> nn.Conv1d:
-        self.fold_bn()
-        new = nn.Conv1d(**self._conv_args(self), device="meta")
-        new.weight, new.bias = self.weight, self.bias
-        new.train(self.training)
-        return new
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward_conv(x)
 
@@ -181,22 +189,6 @@ class QuantConv2d(_QuantConvNd, nn.Conv2d):
     """``nn.Conv2d`` with weight, input and output quantizers."""
 
     float_cls = nn.Conv2d
-
-    @classmethod
-    def from_float(cls, mod: nn.Conv2d, scheme: QuantScheme, *, name: str, weights: QuantSpec | None) -> QuantConv2d:
-        new = cls(**cls._conv_args(mod), device="meta")
-        new.weight, new.bias = mod.weight, mod.bias
-        new._init_quantizers(scheme, name, weights=weights)
-        new.bn, new.bn_frozen = None, False
-        new.train(mod.training)
-        return new
-
-    def to_float(self) -> nn.Conv2d:
-        self.fold_bn()
-        new = nn.Conv2d(**self._conv_args(self), device="meta")
-        new.weight, new.bias = self.weight, self.bias
-        new.train(self.training)
-        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward_conv(x)
