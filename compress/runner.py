@@ -301,7 +301,7 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
 
     needs_ref = make_metric(run.metric).needs_reference
     vals = validate_exports(records, r.validate_, eval_loader=run.data.eval, reference=model,
-                            task="embedding" if needs_ref else "classification")
+                            baseline_reference=reference, task="embedding" if needs_ref else "classification")
     for v in vals:
         d = _as_dict(v)
         report.validation.append(ValidationReport(**{
