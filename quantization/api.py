@@ -13,7 +13,7 @@ from compress.errors import CalibrationError
 from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
 from quantization.correction import bias_correction
 from quantization.preparation import BnMode, FirstLast, prepare
-from quantization.smoothquant import smooth_quant
+from quantization.smoothquant import SmoothQuantField, smooth_quant
 from quantization.spec import QuantScheme, resolve_scheme
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ class QuantizeParams(BaseModel):
 
     ``first_last``: quantize / keep in ``float`` / give ``w8`` weights to the first and last layer.
     ``bn``: fold BatchNorm into the preceding conv (``fold``) or leave it (``keep``).
-    ``smoothquant``: SmoothQuant's alpha for Linear layers (None = off).
+    ``smoothquant``: SmoothQuant's alpha for Linear layers, ``"auto"`` (chosen per layer), or None (off).
     ``bias_correction``: correct the output mean shift caused by weight rounding.
     ``max_batches``: cap on calibration batches when ``forward_loop`` is an iterable.
     """
@@ -34,7 +34,7 @@ class QuantizeParams(BaseModel):
     first_last: FirstLast = "quantize"
     bn: BnMode = "fold"
     quantize_ops: bool = True
-    smoothquant: float | None = Field(None, ge=0, le=1)
+    smoothquant: SmoothQuantField = None
     bias_correction: bool = False
     max_batches: int | None = Field(None, ge=1)
 

@@ -25,7 +25,7 @@ from quantization.preparation import (
     quantizers,
 )
 from quantization.sensitivity import accuracy_control, layer_sensitivity, plot_sensitivity
-from quantization.smoothquant import smooth_quant
+from quantization.smoothquant import SmoothQuantField, smooth_quant
 from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class PTQSpec(_QuantSpecBase):
 
     num_batches: int | None = Field(None, ge=1)
     bn: Literal["fold", "keep"] = "fold"
-    smoothquant: float | None = Field(None, ge=0, le=1)
+    smoothquant: SmoothQuantField = None
     bias_correction: bool = False
     sensitivity: Literal["none", "metric", "sqnr"] = "none"
     max_accuracy_drop: float | None = Field(None, ge=0)

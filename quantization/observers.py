@@ -292,6 +292,10 @@ def _kl_threshold(hist: Any, edge: float, levels: int, stride: int) -> float:
     import numpy as np
 
     bins = len(hist)
+    hist = np.array(hist, dtype=np.float64)
+    # the spike of exact zeros (ReLU outputs, padding) would dominate the divergence and pull the
+    # threshold far down; like TensorRT's calibrator, give bin 0 its neighbour's count
+    hist[0] = hist[1]
     nz = np.nonzero(hist)[0]
     if len(nz) == 0:
         return 0.0

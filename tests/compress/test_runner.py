@@ -41,7 +41,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Report]:
 
 
 def test_apply_writes_the_run_folder(tiny_run: tuple[Path, Report]) -> None:
-    out, report = tiny_run
+    out, _report = tiny_run
     for f in ("recipe.yaml", "report.json", "report.md", "run.log", "checkpoints/baseline.pt", "checkpoints/final.pt"):
         assert (out / f).is_file(), f
     data = json.loads((out / "report.json").read_text())

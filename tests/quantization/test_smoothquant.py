@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from quantization import QuantizeParams, quantize, set_quantizers, strip
 from quantization.correction import bias_correction
+from quantization.smoothquant import smooth_quant
 
 
 def _outlier_model() -> nn.Sequential:
@@ -43,6 +46,45 @@ def test_smoothquant_preserves_float_and_improves_sqnr() -> None:
         assert type(smooth[0]) is nn.Linear
         torch.testing.assert_close(smooth(x), ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(smooth[0].weight, m[0].weight, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_alpha_is_no_worse_than_fixed_or_none_and_keeps_float() -> None:
+    m = _outlier_model()
+    x = _inputs(9)[0]
+    with torch.no_grad():
+        ref = m(x)
+        plain = quantize(copy.deepcopy(m), "w8a8", _inputs(1))
+        fixed = quantize(copy.deepcopy(m), "w8a8", _inputs(1), params=QuantizeParams(smoothquant=0.5))
+        auto = quantize(copy.deepcopy(m), "w8a8", _inputs(1), params=QuantizeParams(smoothquant="auto"))
+        # the first layer has the outliers: auto must smooth it
+        assert auto[0].input_quantizer.pre_quant_scale is not None
+        assert _sqnr(ref, auto(x)) >= max(_sqnr(ref, fixed(x)), _sqnr(ref, plain(x))) - 0.5
+        set_quantizers(auto, enabled=False)
+        torch.testing.assert_close(auto(x), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_auto_alpha_is_no_worse_than_none_where_fixed_alpha_hurts() -> None:
+    torch.manual_seed(3)
+    m = nn.Sequential(nn.Linear(64, 32)).eval()
+    with torch.no_grad():
+        m[0].weight[:, :4] *= 50.0  # weight outliers, flat activations: alpha=0.9 piles onto them
+    g = torch.Generator().manual_seed(4)
+    data = [torch.randn(32, 64, generator=g) for _ in range(2)]
+    x = torch.randn(64, 64, generator=g)
+    with torch.no_grad():
+        ref = m(x)
+        plain = quantize(copy.deepcopy(m), "w8a8", data)
+        heavy = quantize(copy.deepcopy(m), "w8a8", data, params=QuantizeParams(smoothquant=0.9))
+        auto = quantize(copy.deepcopy(m), "w8a8", data, params=QuantizeParams(smoothquant="auto"))
+        assert _sqnr(ref, heavy(x)) < _sqnr(ref, plain(x)) - 1.0
+        assert _sqnr(ref, auto(x)) >= _sqnr(ref, plain(x)) - 0.5
+
+
+def test_smoothquant_rejects_bad_alpha() -> None:
+    with pytest.raises(ValueError, match="alpha"):
+        smooth_quant(_outlier_model(), _inputs(1), alpha=1.5)
+    with pytest.raises(ValidationError):
+        QuantizeParams(smoothquant="always")  # type: ignore[arg-type]
 
 
 def test_bias_correction_removes_mean_shift() -> None:
