@@ -76,7 +76,9 @@ def _export_one(
     )
     rec = describe_onnx(path, role=role)
     if quantized:
-        rec.activation_dtype, rec.reduce_range = spec.activation_dtype, spec.reduce_range
+        weights = [q for _, q in iter_quantizers(model) if q.role == "weight" and q.enabled]
+        calibrated_7bit = bool(weights) and all(getattr(q.spec, "reduce_range", False) for q in weights)
+        rec.activation_dtype, rec.reduce_range = spec.activation_dtype, spec.reduce_range or calibrated_7bit
         static_acts = any(q.role != "weight" and q.enabled for _, q in iter_quantizers(model))
         if not rec.integer_nodes and not static_acts:
             log.warning("export: %s is weight-only int8; ORT dequantizes the weights and computes in float", path.name)

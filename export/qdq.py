@@ -269,7 +269,7 @@ def swap_quantizers(model: nn.Module, *, activation_dtype: ActDtype = "uint8", r
                     summary.blocked_weights += 1
                     summary.weight_bits.add(int(q.spec.bits))
                     continue
-                if reduce_range:
+                if reduce_range and (qmin, qmax) != (-64, 63):  # calibrated at 7 bits already: as is
                     c8, s8, z8 = _reduce_range(codes, scale, zp, axis, qmin, qmax)
                 else:
                     c8, s8, z8 = codes.to(torch.int8), scale.clone(), zp.to(torch.int8)

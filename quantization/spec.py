@@ -2,7 +2,9 @@
 
 Conventions (read by export and the int8 converter, keep stable):
 - ``qmin``/``qmax`` follow from ``dtype`` and ``bits``: int8 is [-2^(b-1), 2^(b-1)-1], uint8 is
-  [0, 2^b-1]; ``narrow_range`` drops the most negative int level (int8 [-127, 127]).
+  [0, 2^b-1]; ``narrow_range`` drops the most negative int level (int8 [-127, 127]);
+  ``reduce_range`` keeps 8-bit int8 codes in [-64, 63] (ORT's reduce_range: on x86 CPUs without
+  VNNI, u8s8 kernels add pairs of products in int16, which 7-bit weights cannot overflow).
 - Symmetric specs use ``scale = amax / (qmax - zero_point)`` with zero_point 0 (int8) or 2^(b-1)
   (uint8), so +amax maps exactly to qmax; asymmetric specs map [min, max] (widened to include 0)
   onto [qmin, qmax] with an integer zero_point.
@@ -36,6 +38,7 @@ class QuantSpec(BaseModel):
     symmetric: bool = True
     dtype: Literal["int8", "uint8"] = "int8"
     narrow_range: bool = False
+    reduce_range: bool = False
     granularity: Granularity = "tensor"
     axis: int = 0
     group_size: int | None = Field(None, ge=2)
@@ -53,16 +56,22 @@ class QuantSpec(BaseModel):
             raise ValueError("granularity 'token' is computed at run time: set dynamic: true")
         if self.narrow_range and self.dtype == "uint8":
             raise ValueError("narrow_range applies to int8 only")
+        if self.reduce_range and (self.dtype != "int8" or self.bits != 8 or self.narrow_range):
+            raise ValueError("reduce_range applies to 8-bit int8 (weights) without narrow_range")
         return self
 
     @property
     def qmin(self) -> int:
         if self.dtype == "uint8":
             return 0
+        if self.reduce_range:
+            return -64
         return -(2 ** (self.bits - 1)) + (1 if self.narrow_range else 0)
 
     @property
     def qmax(self) -> int:
+        if self.reduce_range:
+            return 63
         return 2**self.bits - 1 if self.dtype == "uint8" else 2 ** (self.bits - 1) - 1
 
     def with_(self, **changes: Any) -> QuantSpec:

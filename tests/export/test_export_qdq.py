@@ -41,6 +41,23 @@ def test_int8_parity_on_digits(quantized_resnet: torch.nn.Module, int8_path: Pat
     assert res["sqnr_db"] >= 15.0, res  # u8s8 kernels without VNNI saturate a little (see reduce_range)
 
 
+def test_weights_calibrated_at_reduce_range_give_ort_parity(
+    trained_resnet: torch.nn.Module, digits: Any, tmp_path: Path
+) -> None:
+    from quantization.api import quantize
+
+    scheme = {"preset": "w8a8", "weights": {"reduce_range": True}}
+    q = quantize(copy.deepcopy(trained_resnet), scheme, digits.calibration).eval()
+    assert q.fc.weight_quantizer.qmin == -64 and q.fc.weight_quantizer.qmax == 63
+    p = export_onnx(q, next(iter(digits.eval))[0], tmp_path / "rr7.onnx")
+    inits = [numpy_helper.to_array(i) for i in onnx.load(str(p)).graph.initializer]
+    codes = [v for v in inits if v.dtype == np.int8 and v.ndim >= 2]
+    assert codes and all(c.min() >= -64 and c.max() <= 63 for c in codes)
+    res = _eval_parity(q, p, digits)
+    # no int16 saturation left: ORT's integer kernels match the fake-quant model to rounding
+    assert res["top1_agreement"] == 1.0 and res["sqnr_db"] >= 35.0, res
+
+
 def test_qdq_graph_matches_fake_quant_exactly(quantized_resnet: torch.nn.Module, int8_path: Path) -> None:
     torch.manual_seed(3)
     x = torch.rand(16, 1, 8, 8) * 16  # digits' pixel range

@@ -119,3 +119,18 @@ def test_presets_validate_and_typos_are_named() -> None:
         QuantSpec(granularity="token")
     with pytest.raises(ValueError, match="8 bits"):
         QuantScheme(inputs=QuantSpec(bits=4))
+
+
+def test_reduce_range_spec_keeps_int8_codes_in_7_bits() -> None:
+    from quantization.spec import QuantSpec
+
+    spec = QuantSpec(granularity="channel", reduce_range=True)
+    assert (spec.qmin, spec.qmax) == (-64, 63)
+    w = torch.randn(8, 16)
+    scale, zp = qparams_from_range(w.amin(1), w.amax(1), qmin=spec.qmin, qmax=spec.qmax, symmetric=True)
+    q = quantize(w, scale.unsqueeze(1), zp.unsqueeze(1), spec.qmin, spec.qmax)
+    assert q.dtype == torch.int8 and int(q.min()) >= -64 and int(q.max()) <= 63
+    assert int(q.abs().amax(1).min()) >= 63  # each row's extreme still reaches the edge
+    for bad in ({"dtype": "uint8"}, {"bits": 4}, {"narrow_range": True}):
+        with pytest.raises(ValueError, match="reduce_range"):
+            QuantSpec(reduce_range=True, **bad)  # type: ignore[arg-type]
