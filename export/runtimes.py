@@ -143,21 +143,12 @@ class OpenVinoSession:
 RUNTIMES.add("openvino", lambda path, threads: OpenVinoSession(path, threads))
 
 
-# ---- cuda (the project's own int8 kernels; export/cuda.py belongs to the Triton-kernel engineer) --------
+# ---- cuda: named here so recipes may list it; export.validate runs it on the PyTorch model ----------
 def _cuda_loader(path: Path, threads: int) -> RuntimeSession:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ExportError("runtime 'cuda' needs a CUDA device; none is available")
-    try:
-        from export import cuda
-    except ImportError:
-        raise ExportError("runtime 'cuda' is not available in this build (export/cuda.py missing)") from None
-    factory = getattr(cuda, "load_session", None)
-    if factory is None:
-        raise ExportError("runtime 'cuda': export/cuda.py provides no load_session(path, threads=...)")
-    session: RuntimeSession = factory(path, threads=threads)
-    return session
+    raise ExportError(
+        f"runtime 'cuda' runs the PyTorch model on the project's int8 kernels, not an ONNX file ({path.name}); "
+        "list it in the recipe's validate.runtimes (export.validate converts the model itself)"
+    )
 
 
 RUNTIMES.add("cuda", _cuda_loader)
