@@ -16,7 +16,7 @@ the concatenation needs no requantization.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -205,10 +205,15 @@ def _op_specs(scheme: QuantScheme) -> tuple[QuantSpec, QuantSpec]:
     return inp, out.with_(granularity="tensor", axis=0)
 
 
-class QuantAdd(Add):
-    """Residual add with a quantizer per operand and one on the sum."""
+_OpT = TypeVar("_OpT", bound="_QuantOperandsMixin")
 
-    def __init__(self, scheme: QuantScheme, *, name: str = "add") -> None:
+
+class _QuantOperandsMixin(nn.Module):
+    """Shared wiring of QuantAdd / QuantMatMul: a quantizer per operand and one on the result."""
+
+    float_cls: ClassVar[type[nn.Module]]
+
+    def __init__(self, scheme: QuantScheme, *, name: str) -> None:
         super().__init__()
         inp, out = _op_specs(scheme)
         self.input_quantizers = nn.ModuleList(
@@ -217,37 +222,34 @@ class QuantAdd(Add):
         self.output_quantizer = FakeQuantizer(out, role="output", name=f"{name}.output_quantizer")
 
     @classmethod
-    def from_float(cls, mod: Add, scheme: QuantScheme, *, name: str) -> QuantAdd:
+    def from_float(cls: type[_OpT], mod: nn.Module, scheme: QuantScheme, *, name: str) -> _OpT:
         new = cls(scheme, name=name)
         new.train(mod.training)
         return new
 
-    def to_float(self) -> Add:
-        return Add().train(self.training)
+    def to_float(self) -> nn.Module:
+        return self.float_cls().train(self.training)
+
+
+class QuantAdd(_QuantOperandsMixin, Add):
+    """Residual add with a quantizer per operand and one on the sum."""
+
+    float_cls = Add
+
+    def __init__(self, scheme: QuantScheme, *, name: str = "add") -> None:
+        super().__init__(scheme, name=name)
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return self.output_quantizer(self.input_quantizers[0](a) + self.input_quantizers[1](b))
 
 
-class QuantMatMul(MatMul):
+class QuantMatMul(_QuantOperandsMixin, MatMul):
     """Matmul (attention scores / weighted values) with a quantizer per operand and on the product."""
 
+    float_cls = MatMul
+
     def __init__(self, scheme: QuantScheme, *, name: str = "matmul") -> None:
-        super().__init__()
-        inp, out = _op_specs(scheme)
-        self.input_quantizers = nn.ModuleList(
-            [FakeQuantizer(inp, role="input", name=f"{name}.input_quantizers.{i}") for i in range(2)]
-        )
-        self.output_quantizer = FakeQuantizer(out, role="output", name=f"{name}.output_quantizer")
-
-    @classmethod
-    def from_float(cls, mod: MatMul, scheme: QuantScheme, *, name: str) -> QuantMatMul:
-        new = cls(scheme, name=name)
-        new.train(mod.training)
-        return new
-
-    def to_float(self) -> MatMul:
-        return MatMul().train(self.training)
+        super().__init__(scheme, name=name)
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         y = torch.matmul(self.input_quantizers[0](a), self.input_quantizers[1](b))
