@@ -69,7 +69,11 @@ class InvertedResidual(nn.Module):
 
 
 class MobileNetV2(nn.Module):
-    """Stem conv, inverted residual stages, 1x1 head conv, global pooling, dropout and a classifier."""
+    """Stem conv, inverted residual stages, 1x1 head conv, global pooling, dropout and a classifier.
+
+    ``config="standard"`` is the paper's block table, ``"compact"`` a short one for tests. The zoo
+    builds it by name (``mobilenetv2``).
+    """
 
     def __init__(
         self,
@@ -114,22 +118,3 @@ class MobileNetV2(nn.Module):
         x = self.flatten(self.pool(self.features(x)))
         return self.classifier(self.dropout(x))
 
-
-def mobilenetv2(
-    *,
-    width_mult: float = 1.0,
-    depth_mult: float = 1.0,
-    config: Literal["compact", "standard"] = "compact",
-    num_classes: int = 10,
-    in_channels: int = 1,
-    dropout: float = 0.0,
-) -> MobileNetV2:
-    """MobileNetV2; ``config="standard"`` is the paper's block table, ``"compact"`` a short one for tests."""
-    return MobileNetV2(
-        width_mult=width_mult,
-        depth_mult=depth_mult,
-        config=config,
-        num_classes=num_classes,
-        in_channels=in_channels,
-        dropout=dropout,
-    )

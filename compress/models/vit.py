@@ -91,7 +91,11 @@ class EncoderBlock(nn.Module):
 
 
 class ViT(nn.Module):
-    """Vision Transformer classifier for ``image_size`` x ``image_size`` inputs cut into ``patch`` tiles."""
+    """Vision Transformer classifier for ``image_size`` x ``image_size`` inputs cut into ``patch`` tiles.
+
+    ``attn="native"`` uses this package's attention (q/k/v Linears, MatMul ops), ``attn="mha"``
+    torch's ``nn.MultiheadAttention``. The zoo builds it by name (``vit``).
+    """
 
     def __init__(
         self,
@@ -144,29 +148,3 @@ class ViT(nn.Module):
         x = self.blocks(self.add_pos(x, self.pos_embed))
         return self.head(self.norm(x)[:, 0])
 
-
-def vit(
-    *,
-    dim: int = 64,
-    depth: int = 2,
-    heads: int = 4,
-    patch: int = 4,
-    image_size: int = 8,
-    mlp_ratio: float = 2.0,
-    attn: Literal["native", "mha"] = "native",
-    num_classes: int = 10,
-    in_channels: int = 1,
-) -> ViT:
-    """A small ViT; ``attn="native"`` uses this package's attention (q/k/v Linears, MatMul ops),
-    ``attn="mha"`` torch's ``nn.MultiheadAttention``."""
-    return ViT(
-        dim=dim,
-        depth=depth,
-        heads=heads,
-        patch=patch,
-        image_size=image_size,
-        mlp_ratio=mlp_ratio,
-        attn=attn,
-        num_classes=num_classes,
-        in_channels=in_channels,
-    )

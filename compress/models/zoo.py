@@ -10,15 +10,16 @@ from torch import nn
 
 from compress.errors import RecipeError, did_you_mean
 from compress.models.mlp import mlp
-from compress.models.mobilenetv2 import mobilenetv2
+from compress.models.mobilenetv2 import MobileNetV2
 from compress.models.resnet import resnet
-from compress.models.vit import vit
+from compress.models.vit import ViT
 from compress.registry import Registry
 
 ZOO: Registry[Callable[..., nn.Module]] = Registry("zoo model")
+# an entry is any callable taking keyword arguments: ViT and MobileNetV2 are their own factories
 ZOO.add("resnet", resnet)
-ZOO.add("mobilenetv2", mobilenetv2)
-ZOO.add("vit", vit)
+ZOO.add("mobilenetv2", MobileNetV2)
+ZOO.add("vit", ViT)
 ZOO.add("mlp", mlp)
 
 
