@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from compress.batching import split_batch
@@ -44,10 +44,8 @@ class SparsitySpec(BaseModel):
     epochs: float = Field(1.0, gt=0)
 
 
-class PruneSpec(ModifierSpec):
-    """Structured pruning: remove ``ratio`` (in [0, 1)) of each coupled group's channels, or prune
-    until the model has ``target`` of its original size, e.g. ``{macs: 0.5}`` or ``{params: 0.3}``.
-    See :class:`pruning.api.PruneOptions` for mode, max_ratio, targets and overrides."""
+class _PruneWhat(ModifierSpec):
+    """The prune modifier's first fields: what to prune and how much (see :class:`PruneSpec`)."""
 
     type: Literal["prune"] = "prune"
     ratio: float | None = None
@@ -55,13 +53,16 @@ class PruneSpec(ModifierSpec):
     importance: Literal["l1", "l2", "bn_scale", "taylor", "random"] = "l2"
     ignore: list[str] = Field(default_factory=list)
     round_to: int = Field(1, ge=1)
-    mode: Literal["local", "global"] = "local"
-    max_ratio: float = Field(0.9, gt=0, lt=1)
-    targets: list[str] = Field(default_factory=lambda: ["*"])
-    overrides: dict[str, float] = Field(default_factory=dict)
-    taylor_batches: int = Field(4, ge=1)
-    bn_recalibration_batches: int = Field(8, ge=0)
-    seed: int = 0
+
+
+# The fields of PruneOptions (and its overrides check) come by inheritance. The bases stand in this
+# order so that the fields keep the order the resolved recipe lists them in: ModifierSpec's, then
+# _PruneWhat's, then PruneOptions', then this class's own.
+class PruneSpec(PruneOptions, _PruneWhat):
+    """Structured pruning: remove ``ratio`` (in [0, 1)) of each coupled group's channels, or prune
+    until the model has ``target`` of its original size, e.g. ``{macs: 0.5}`` or ``{params: 0.3}``.
+    See :class:`pruning.api.PruneOptions` for mode, max_ratio, targets and overrides."""
+
     steps: int = Field(1, ge=1)
     interval_epochs: float = Field(1.0, gt=0)
     schedule: Literal["agp", "linear"] = "agp"
@@ -77,14 +78,6 @@ class PruneSpec(ModifierSpec):
     def iterative(self) -> bool:
         return self.steps > 1 or self.sparsity is not None or self.start_epoch > 0
 
-    @field_validator("overrides")
-    @classmethod
-    def _override_ratios(cls, v: dict[str, float]) -> dict[str, float]:
-        for k, r in v.items():
-            if not 0 <= r < 1:
-                raise ValueError(f"override ratio for '{k}' must be in [0, 1), got {r}")
-        return v
-
     @model_validator(mode="after")
     def _ratio_or_target(self) -> PruneSpec:
         from compress.errors import RecipeError
@@ -96,15 +89,7 @@ class PruneSpec(ModifierSpec):
         return self
 
     def options(self) -> PruneOptions:
-        return PruneOptions(
-            mode=self.mode,
-            max_ratio=self.max_ratio,
-            targets=self.targets,
-            overrides=self.overrides,
-            taylor_batches=self.taylor_batches,
-            bn_recalibration_batches=self.bn_recalibration_batches,
-            seed=self.seed,
-        )
+        return PruneOptions(**{name: getattr(self, name) for name in PruneOptions.model_fields})
 
     def progress(self, k: int) -> float:
         """Fraction of the final sparsity reached after step ``k`` (1-based) of ``steps``."""
