@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from compress.batching import batch_size_of, call_model
+from pruning.observe import ObserverMode
 
 
 def count_params(model: nn.Module) -> int:
@@ -19,25 +19,16 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-class _MacCounter(TorchFunctionMode):
+class _MacCounter(ObserverMode):
     def __init__(self) -> None:
         super().__init__()
         self.macs = 0
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def observe(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         name = getattr(func, "__name__", "")
         # an unusual call signature is not a MAC op we count
         with contextlib.suppress(IndexError, TypeError, AttributeError, RuntimeError):
             self.macs += _macs(name, args, kwargs, out)
-        return out
 
 
 def _macs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:

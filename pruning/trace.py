@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from compress.batching import call_model
 from compress.errors import UnsupportedModelError
 from pruning.graph import ELEMENT, DependencyGraph
+from pruning.observe import ObserverMode
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from iter_tensors(o)
 
 
-class Tracer(TorchFunctionMode):
+class Tracer(ObserverMode):
     """Records label tensors for every floating tensor of a forward pass into ``graph``."""
 
     def __init__(self, model: nn.Module, graph: DependencyGraph) -> None:
@@ -124,21 +124,12 @@ class Tracer(TorchFunctionMode):
         return UnsupportedModelError(f"pruning cannot trace channels through op '{op}' {self.where()}{extra}")
 
     # ---- the mode ------------------------------------------------------------------------------
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def observe(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self.leaf_depth:
-            return out
+            return
         name = func_name(func)
         self.calls[name] = self.calls.get(name, 0) + 1
         self._rules.handle(self, name, func, args, kwargs, out)
-        return out
 
 
 def _hooks(tracer: Tracer, model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
