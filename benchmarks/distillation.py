@@ -290,6 +290,7 @@ def main() -> None:
         rows3.append(_row(f"QAT {label}, CE", res["plain"], res["plain_kl"]))
         rows3.append(_row(f"QAT {label}, 0.5 CE + 0.5 KD (self teacher)", res["kd"], res["kd_kl"]))
     md = (
+        "## Distillation (`python -m benchmarks.distillation`)\n\n"
         "Distillation on scikit-learn digits (450-sample eval split), through Session + the built-in Trainer"
         f" (SGD, cosine LR), torch on 1 thread, seeds {seeds}; total {minutes:.1f} min."
         + (" **Quick smoke run: fewer epochs than the full benchmark.**" if q else "") + "\n\n"
