@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ def find_conv_bn_pairs(model: nn.Module) -> dict[str, str]:
         return _pairs_fx(model)
     except Exception as exc:  # fx fails on data-dependent control flow; fall back, don't fail
         log.debug("fx tracing failed (%s); pairing conv/bn by Sequential adjacency", exc)
-        return _pairs_sequential(model)
+        return sequential_pairs(model, _compatible)
 
 
 def _pairs_fx(model: nn.Module) -> dict[str, str]:
@@ -45,16 +46,17 @@ def _pairs_fx(model: nn.Module) -> dict[str, str]:
     return pairs
 
 
-def _pairs_sequential(model: nn.Module) -> dict[str, str]:
+def sequential_pairs(model: nn.Module, match: Callable[[nn.Module, nn.Module], bool]) -> dict[str, str]:
+    """``{first_name: second_name}`` for adjacent children of every ``nn.Sequential`` in ``model``
+    for which ``match(first, second)`` holds (full module names)."""
     pairs: dict[str, str] = {}
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Sequential):
             continue
-        children = list(mod.named_children())
-        for (cn, conv), (bn_name, bn) in itertools.pairwise(children):
-            if isinstance(conv, _CONVS) and isinstance(bn, _BNS) and _compatible(conv, bn):
-                prefix = f"{name}." if name else ""
-                pairs[prefix + cn] = prefix + bn_name
+        prefix = f"{name}." if name else ""
+        for (first_name, first), (second_name, second) in itertools.pairwise(mod.named_children()):
+            if match(first, second):
+                pairs[prefix + first_name] = prefix + second_name
     return pairs
 
 

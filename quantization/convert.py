@@ -12,7 +12,6 @@ or by nn.Sequential adjacency when the model does not trace).
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from compress.errors import RecipeError, UnsupportedModelError, did_you_mean
+from quantization.bn import sequential_pairs
 from quantization.fake_quant import FakeQuantizer
 from quantization.int8 import Int8Conv2d, Int8Linear
 from quantization.kernels import require_triton
@@ -62,6 +62,10 @@ def _activation_of(mod: nn.Module) -> str | None:
     return None
 
 
+def _fusable(layer: nn.Module, act: nn.Module) -> bool:
+    return isinstance(layer, _LAYERS) and _activation_of(act) is not None
+
+
 class _LeafTracer:
     """A torch.fx tracer that keeps quantized layers and quantizers opaque (built lazily)."""
 
@@ -87,7 +91,7 @@ def fusable_activations(model: nn.Module) -> dict[str, str]:
         graph = _LeafTracer.trace(model)
     except Exception as exc:  # fx cannot trace data-dependent control flow; adjacency is still certain
         log.debug("fx tracing failed (%s); fusing activations by Sequential adjacency only", exc)
-        return _pairs_sequential(model)
+        return sequential_pairs(model, _fusable)
     calls: dict[str, int] = {}
     for node in graph.nodes:
         if node.op == "call_module":
@@ -104,18 +108,6 @@ def fusable_activations(model: nn.Module) -> dict[str, str]:
         layer, act = str(src.target), str(node.target)
         if isinstance(mods[layer], _LAYERS) and calls[layer] == 1 and calls[act] == 1:
             pairs[layer] = act
-    return pairs
-
-
-def _pairs_sequential(model: nn.Module) -> dict[str, str]:
-    pairs: dict[str, str] = {}
-    for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Sequential):
-            continue
-        prefix = f"{name}." if name else ""
-        for (ln, layer), (an, act) in itertools.pairwise(mod.named_children()):
-            if isinstance(layer, _LAYERS) and _activation_of(act) is not None:
-                pairs[prefix + ln] = prefix + an
     return pairs
 
 
