@@ -6,7 +6,6 @@ model's outputs and the inputs) and returns one float, higher is better.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 from compress.batching import batch_size_of, primary_output
 from compress.errors import RecipeError, did_you_mean
+from compress.imports import import_object, is_import_path
 from compress.registry import Registry
 
 
@@ -94,25 +94,10 @@ class _FunctionMetric(Metric):
         self.count += n
 
 
-def import_object(path: str, *, where: str) -> Any:
-    """Import ``pkg.module:name``; RecipeError naming ``where`` on failure."""
-    if ":" not in path:
-        raise RecipeError(f"{where}: '{path}' is not of the form pkg.module:name")
-    mod_name, attr = path.split(":", 1)
-    try:
-        mod = importlib.import_module(mod_name)
-    except Exception as exc:  # any import-time failure is the user's module, reported in one line
-        raise RecipeError(f"{where}: cannot import '{mod_name}': {type(exc).__name__}: {exc}") from None
-    try:
-        return getattr(mod, attr)
-    except AttributeError:
-        raise RecipeError(f"{where}: module '{mod_name}' has no attribute '{attr}'") from None
-
-
 def make_metric(name: str, *, where: str = "train.metric") -> Metric:
     """A fresh metric accumulator from a registered name or ``pkg.module:fn``."""
-    if ":" in name:
-        fn = import_object(name, where=where)
+    if is_import_path(name):
+        fn = import_object(name, where=where, what="fn")
         if not callable(fn):
             raise RecipeError(f"{where}: '{name}' is not callable")
         return _FunctionMetric(fn)

@@ -15,7 +15,7 @@ from compress.data.bundle import DataBundle, Splits, collate_unlabelled, head, s
 from compress.data.digits import FRACTIONS, digits
 from compress.data.synthetic import synthetic
 from compress.errors import RecipeError, did_you_mean
-from compress.models.imports import import_object, is_import_path
+from compress.imports import import_object, is_import_path
 from compress.recipe import DataSpec
 from compress.registry import Registry
 

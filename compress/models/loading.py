@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError, RecipeError
+from compress.imports import import_object, is_import_path
 from compress.models.hf import load_hf_model
-from compress.models.imports import import_object, is_import_path
 from compress.models.zoo import _build
 from compress.recipe import ModelSpec
 

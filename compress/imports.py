@@ -13,11 +13,14 @@ def is_import_path(name: str) -> bool:
     return ":" in name
 
 
-def import_object(path: str, *, where: str) -> Any:
-    """The object at ``pkg.module:attr`` (``attr`` may be dotted); RecipeError naming the path and why."""
+def import_object(path: str, *, where: str, what: str = "factory") -> Any:
+    """The object at ``pkg.module:attr`` (``attr`` may be dotted); RecipeError naming the path and why.
+
+    ``what`` names the attribute in the message for a malformed path (``'pkg.module:factory'``).
+    """
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
-        raise RecipeError(f"{where}: '{path}' is not of the form 'pkg.module:factory'")
+        raise RecipeError(f"{where}: '{path}' is not of the form 'pkg.module:{what}'")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any failure while importing user code is a bad recipe path
