@@ -1,5 +1,5 @@
-"""Shared setup for the pruning tests: one thread (small models run far faster than with two
-contending ones on a loaded 2-core box), a fixed seed, and the ``pruning_blocks`` helper module.
+"""Shared setup for the pruning tests: a fixed seed and the ``pruning_blocks`` helper module (one
+torch thread comes from tests/conftest.py).
 
 With ``--import-mode=importlib`` a test file cannot import a sibling module, so the helpers in
 ``blocks.py`` are registered here as ``pruning_blocks`` before the test files are collected.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,9 +23,5 @@ if "pruning_blocks" not in sys.modules:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_and_seed() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _seed() -> None:
     torch.manual_seed(0)
-    yield
-    torch.set_num_threads(threads)
