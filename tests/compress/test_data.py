@@ -18,15 +18,6 @@ from compress.models import build_zoo_model
 from compress.recipe import DataSpec
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # small models on a shared 2-core box: one thread is faster and keeps timings stable
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def all_of(loader) -> tuple[torch.Tensor, torch.Tensor]:
     xs, ys = zip(*loader)
     return torch.cat(xs), torch.cat(ys)

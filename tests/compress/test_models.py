@@ -15,15 +15,6 @@ from compress.models.vit import Attention
 from compress.recipe import ModelSpec
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # small models on a shared 2-core box: one thread is faster and keeps timings stable
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def n_params(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
