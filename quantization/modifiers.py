@@ -91,6 +91,10 @@ class QATSpec(_QuantSpecBase):
     ``freeze_observers_epoch``; BatchNorm trains folded into the conv and its statistics freeze
     at ``freeze_bn_epoch``; ``lsq`` learns the scales (LSQ). The model starts from a calibration
     over ``num_batches`` batches (calibration data, else training data).
+
+    With ``lsq`` the scales join the optimizer as a new param group (no weight decay) when the
+    modifier initializes; an LR scheduler built before that does not schedule the new group (it
+    keeps its initial lr), so build schedulers after the Session has started.
     """
 
     type: Literal["qat"] = "qat"
