@@ -112,9 +112,12 @@ def smooth_quant(
             h.remove()
     scales: dict[str, torch.Tensor] = {}
     chosen: dict[str, float | None] = {}
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     for name, mod in layers.items():
         if name not in amax:
             raise CalibrationError(f"smoothquant: layer '{name}' saw no data during the forward loop")
+        if distributed:  # ranks may calibrate on different shards: every rank must smooth alike
+            torch.distributed.all_reduce(amax[name], op=torch.distributed.ReduceOp.MAX)
         iq = mod.input_quantizer
         assert iq is not None
         with torch.no_grad():
@@ -128,6 +131,10 @@ def smooth_quant(
                 rows = samples[name].rows
                 assert rows is not None
                 best = _pick_alpha(mod, w_raw, rows, a, w, min_scale)
+                if distributed:  # rank 0's choice, so the weights stay identical across ranks
+                    pick = torch.tensor([-1 if best is None else ALPHA_GRID.index(best)], device=a.device)
+                    torch.distributed.broadcast(pick, src=0)
+                    best = None if int(pick) < 0 else ALPHA_GRID[int(pick)]
                 chosen[name] = best
                 s = _factors(a, w, best, min_scale) if best is not None else torch.ones_like(a)
             else:

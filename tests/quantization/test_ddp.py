@@ -1,5 +1,6 @@
 """Statistics are all-reduced across DDP ranks: 2 gloo CPU processes calibrate on different data and
-end with the qparams one process gets on all of it; QAT with LSQ trains under DDP."""
+end with the qparams one process gets on all of it; SmoothQuant smooths alike on every rank; QAT
+with LSQ trains under DDP."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantization import calibrate, prepare, quantizers
+from quantization.smoothquant import smooth_quant
 from quantization.spec import QuantScheme, QuantSpec
 
 
@@ -42,6 +44,12 @@ def _worker(rank: int, port: int, out: str) -> None:
             prepare(m, _scheme(observer))
             calibrate(m, _data(rank))
             result[observer] = {n: q.scale.clone() for n, q in quantizers(m)}
+        # SmoothQuant (fixed and auto alpha) on per-rank data: the same smoothing on every rank
+        for sq in (0.5, "auto"):
+            m = _model()
+            prepare(m, QuantScheme(weights=QuantSpec(granularity="channel"), inputs=_scheme("minmax").inputs))
+            smooth_quant(m, _data(rank), alpha=sq)
+            result[f"sq_{sq}"] = {"w": m[0].weight.detach().clone(), "s": m[0].input_quantizer.pre_quant_scale.clone()}
         # QAT with LSQ under DDP: scales get averaged gradients and stay identical across ranks
         m = _model()
         prepare(m, _scheme("minmax"))
@@ -71,7 +79,7 @@ def _port() -> int:
 def test_observers_all_reduce_across_ranks(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in range(2))
-    for observer in ("minmax", "percentile", "lsq"):
+    for observer in ("minmax", "percentile", "lsq", "sq_0.5", "sq_auto"):
         for name in r0[observer]:
             torch.testing.assert_close(r0[observer][name], r1[observer][name], atol=0, rtol=0)
     # minmax over both ranks' data equals one process calibrating on all of it
