@@ -47,6 +47,9 @@ from compress.training import (
     seed_everything,
 )
 
+#: the pickled final module in a run folder's checkpoints/ (quantized runs only)
+FINAL_MODEL = "final_model.pt"
+
 log = logging.getLogger(__name__)
 LOGGERS = ("compress", "quantization", "pruning", "distillation", "export")
 
@@ -265,6 +268,16 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
     report.final = run.figures(model, accuracy=run.evaluate(model))
     if main:
         save_checkpoint(ckpt_dir / "final.pt", model, None, 0)
+        if any(hasattr(m, "weight_quantizer") for m in model.modules()):
+            # the whole module (quantizers and their settings, not only tensors), so that
+            # `compress validate RUN --backend cuda` can convert it without rerunning the stages
+            tmp = ckpt_dir / "final_model.pt.tmp"
+            try:
+                torch.save(model, tmp)
+                os.replace(tmp, ckpt_dir / FINAL_MODEL)
+            except Exception as exc:  # an unpicklable user module must not fail a finished run
+                tmp.unlink(missing_ok=True)
+                log.warning("final model not pickled (%s): `compress validate --backend cuda` needs it", exc)
 
     # ---- export and validation ----
     if main and r.export.enabled and run.data.example_inputs is not None:

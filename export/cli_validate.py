@@ -71,10 +71,7 @@ def run_validate(
     """The ``compress validate`` command: :func:`run`, with the data source's kwargs, flattened to one
     JSON-ready row per (runtime, model) for printing as a table or JSON."""
     if backend == "cuda":
-        raise RecipeError(
-            "--backend cuda: the cuda runtime runs the PyTorch model on the int8 kernels, not an ONNX file; "
-            "use `compress apply` with validate.runtimes: [cuda]"
-        )
+        return validate_run_cuda(model, batch_sizes=batch_sizes, runs=runs)
     if backend != "cpu":
         raise RecipeError(f"--backend: '{backend}' is not one of cpu, cuda")
     source: Any = data
@@ -85,6 +82,55 @@ def run_validate(
     records = run(model, reference=reference, data=source, runtimes=runtimes, batch_sizes=batch_sizes, runs=runs,
                   threads=threads, task=_task_of(data))
     return [record_row(r) for r in records]
+
+
+def validate_run_cuda(
+    run_dir: Path, *, batch_sizes: Sequence[int] = (1, 32), runs: int = 20, device: str = "cuda",
+    dtype: Any = None,
+) -> list[dict[str, Any]]:
+    """``compress validate RUN_DIR --backend cuda``: the quantized model a ``compress apply`` run
+    left in RUN_DIR, converted to the int8 kernels and validated against the run's fp32 baseline on
+    the recipe's eval data (accuracy, parity with fake-quant, latency vs fp16, side by side).
+    One row per batch size; ``dtype`` is the deployed float type (default float16)."""
+    import torch
+
+    from compress.data import build_data
+    from compress.models import load_model
+    from compress.recipe import load_recipe
+    from compress.runner import FINAL_MODEL
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or not (run_dir / "recipe.yaml").is_file():
+        raise RecipeError(
+            f"MODEL: --backend cuda validates a run folder of `compress apply` (with recipe.yaml), got '{run_dir}'"
+        )
+    final = run_dir / "checkpoints" / FINAL_MODEL
+    if not final.is_file():
+        raise RecipeError(f"MODEL: {final} not found; only runs that quantize the model write it")
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    # the run folder is the user's own output; the module pickle is how quantizer settings travel
+    model = torch.load(final, map_location="cpu", weights_only=False)
+    baseline = load_model(recipe.model, where=recipe.where)
+    ckpt = run_dir / "checkpoints" / "baseline.pt"
+    if ckpt.is_file():
+        baseline.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=True)["model"])
+    data = build_data(recipe.data, batch_size=recipe.train.batch_size, seed=recipe.data.seed, where=recipe.where)
+    if data.eval is None:
+        raise RecipeError(f"{recipe.where('data.source')}: the data source has no eval split to validate on")
+    from export.cuda import validate_cuda
+
+    res = validate_cuda(model, eval_loader=data.eval, reference=baseline, batch_sizes=batch_sizes, runs=runs,
+                        metric=recipe.train.metric, device=device, dtype=dtype or torch.float16)
+    acc, par = res.get("accuracy") or {}, res.get("parity") or {}
+    return [
+        {"runtime": "cuda", "device": res.get("device"), "batch": row["batch"], "float": res.get("float_dtype"),
+         "float_ms": row["float_ms"], "int8_ms": row["int8_ms"], "speedup": row["speedup"],
+         "metric": recipe.train.metric, "fp32": acc.get("fp32"), "fakequant": acc.get("fakequant"),
+         "int8": acc.get("int8"),
+         "parity_sqnr_db": par.get("sqnr_db"), "parity_top1": par.get("top1_agreement"),
+         "size_ratio": (res.get("size") or {}).get("ratio")}
+        for row in res.get("latency", [])
+    ]
 
 
 def _task_of(data: str | None) -> str:

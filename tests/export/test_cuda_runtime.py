@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,3 +80,43 @@ def test_needs_a_cuda_device() -> None:
     fp, q, data = _setup()
     with pytest.raises(ExportError, match="needs a CUDA device"):
         validate_cuda(q, eval_loader=data, reference=fp)
+
+
+def test_validate_a_run_folder_with_backend_cuda(tmp_path: Path) -> None:
+    """`compress validate RUN --backend cuda`: the pickled quantized model of a finished run is
+    converted and validated against the run's baseline, without rerunning any stage."""
+    from export.cli_validate import validate_run_cuda
+
+    recipe = {
+        "version": 1, "name": "tiny_q",
+        "model": {"name": "mlp", "kwargs": {"hidden": 64, "depth": 1, "num_classes": 10, "in_features": 64}},
+        "data": {"source": "digits", "calibration_samples": 64, "eval_samples": 64},
+        "train": {"epochs": 2, "batch_size": 32, "lr": 0.1, "seed": 0},
+        "stages": [{"name": "ptq", "modifiers": [{"type": "ptq", "scheme": "w8a8"}]}],
+        "export": {"enabled": False},
+    }
+    out = tmp_path / "run"
+    compress.apply(recipe, out_dir=out, quiet=True)
+    assert (out / "checkpoints" / "final_model.pt").is_file()
+    if torch.cuda.is_available():
+        rows = validate_run_cuda(out, batch_sizes=[1, 8], runs=3)
+    else:
+        rows = validate_run_cuda(out, batch_sizes=[1, 8], runs=1, device="cpu", dtype=torch.float32)
+    assert [r["batch"] for r in rows] == [1, 8]
+    r = rows[0]
+    assert r["fp32"] is not None and r["int8"] is not None and r["fp32"] - r["int8"] <= 0.05
+    assert r["parity_sqnr_db"] > 30 and r["parity_top1"] >= 0.98
+    assert all(x["int8_ms"] > 0 and x["float_ms"] > 0 for x in rows)
+
+
+def test_backend_cuda_needs_a_run_folder(tmp_path: Path) -> None:
+    from compress.errors import RecipeError
+    from export.cli_validate import validate_run_cuda
+
+    f = tmp_path / "m.onnx"
+    f.write_bytes(b"x")
+    with pytest.raises(RecipeError, match="run folder"):
+        validate_run_cuda(f)
+    (tmp_path / "recipe.yaml").write_text("version: 1\n")
+    with pytest.raises(RecipeError, match=r"final_model\.pt"):
+        validate_run_cuda(tmp_path)
