@@ -31,36 +31,28 @@ def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean()))
 
 
-def test_smoothquant_preserves_float_and_improves_sqnr() -> None:
+def test_smoothquant_fixed_and_auto_preserve_float_and_improve_sqnr() -> None:
     m = _outlier_model()
     x = _inputs(9)[0]
     with torch.no_grad():
         ref = m(x)
         plain = quantize(copy.deepcopy(m), "w8a8", _inputs(1))
-        smooth = quantize(copy.deepcopy(m), "w8a8", _inputs(1), params=QuantizeParams(smoothquant=0.5))
-        assert smooth[0].input_quantizer.pre_quant_scale is not None
-        assert _sqnr(ref, smooth(x)) > _sqnr(ref, plain(x)) + 3.0
-        set_quantizers(smooth, enabled=False)
-        torch.testing.assert_close(smooth(x), ref, atol=1e-4, rtol=1e-4)
-        strip(smooth)
-        assert type(smooth[0]) is nn.Linear
-        torch.testing.assert_close(smooth(x), ref, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(smooth[0].weight, m[0].weight, atol=1e-5, rtol=1e-5)
-
-
-def test_auto_alpha_is_no_worse_than_fixed_or_none_and_keeps_float() -> None:
-    m = _outlier_model()
-    x = _inputs(9)[0]
-    with torch.no_grad():
-        ref = m(x)
-        plain = quantize(copy.deepcopy(m), "w8a8", _inputs(1))
-        fixed = quantize(copy.deepcopy(m), "w8a8", _inputs(1), params=QuantizeParams(smoothquant=0.5))
-        auto = quantize(copy.deepcopy(m), "w8a8", _inputs(1), params=QuantizeParams(smoothquant="auto"))
-        # the first layer has the outliers: auto must smooth it
+        smoothed = {
+            alpha: quantize(copy.deepcopy(m), "w8a8", _inputs(1), params=QuantizeParams(smoothquant=alpha))
+            for alpha in (0.5, "auto")
+        }
+        fixed, auto = smoothed[0.5], smoothed["auto"]
+        assert _sqnr(ref, fixed(x)) > _sqnr(ref, plain(x)) + 3.0
+        # the first layer has the outliers: auto smooths it, and lands no worse than either
         assert auto[0].input_quantizer.pre_quant_scale is not None
         assert _sqnr(ref, auto(x)) >= max(_sqnr(ref, fixed(x)), _sqnr(ref, plain(x))) - 0.5
-        set_quantizers(auto, enabled=False)
-        torch.testing.assert_close(auto(x), ref, atol=1e-4, rtol=1e-4)
+        for q in smoothed.values():
+            set_quantizers(q, enabled=False)
+            torch.testing.assert_close(q(x), ref, atol=1e-4, rtol=1e-4)
+        strip(fixed)
+        assert type(fixed[0]) is nn.Linear
+        torch.testing.assert_close(fixed(x), ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fixed[0].weight, m[0].weight, atol=1e-5, rtol=1e-5)
 
 
 def test_auto_alpha_is_no_worse_than_none_where_fixed_alpha_hurts() -> None:
