@@ -228,9 +228,16 @@ def _dynamic_shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _quiet() -> Iterator[io.StringIO]:
     """The dynamo exporter prints progress to stdout and warns a lot; keep them out of users' logs."""
     buf = io.StringIO()
-    with warnings.catch_warnings(), contextlib.redirect_stdout(buf):
-        warnings.simplefilter("ignore")
-        yield buf
+    # it logs one warning per torchvision op it cannot register (torchvision is not a dependency)
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(buf):
+            warnings.simplefilter("ignore")
+            yield buf
+    finally:
+        registration.setLevel(level)
 
 
 _UNSUPPORTED = re.compile(
