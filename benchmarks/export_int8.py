@@ -190,13 +190,14 @@ def minilm(tmp: Path) -> dict[str, Any]:
     from compress.models import load_model
     from compress.models.hf import MINILM
     from compress.recipe import ModelSpec
-    from quantization.api import quantize
+    from quantization.api import QuantizeParams, quantize
 
     data = build_data(DataSpec(source="text", kwargs={"samples": 800, "max_length": 64}, eval_samples=128),
                       batch_size=32, seed=0)
     model = load_model(ModelSpec(hf_path=MINILM)).eval()
     base = copy.deepcopy(model)
     w4 = quantize(copy.deepcopy(model), "w4_weight_only_g128")
+    sq = quantize(copy.deepcopy(model), "w8a8", data.calibration, params=QuantizeParams(smoothquant="auto"))
     q = quantize(model, "w8a8", data.calibration)
     x32 = next(iter(data.eval))[0]
     files = {
@@ -204,6 +205,7 @@ def minilm(tmp: Path) -> dict[str, Any]:
         "ours-int8": export_onnx(q, x32, tmp / "minilm.int8.onnx"),
         "ours-int8-rr": export_onnx(q, x32, tmp / "minilm.int8.rr.onnx", reduce_range=True),
         "ours-int8-emb": export_onnx(q, x32, tmp / "minilm.int8.emb.onnx", quantize_embeddings=True),
+        "ours-int8-sq": export_onnx(sq, x32, tmp / "minilm.int8.sq.onnx"),
         "ours-w4g128-emb": export_onnx(w4, x32, tmp / "minilm.w4.onnx", quantize_embeddings=True),
     }
     names = [i for i in ("input_ids", "attention_mask", "token_type_ids") if i in x32]
@@ -244,7 +246,7 @@ def main() -> None:
         f"ONNX Runtime CPU, {THREADS} intra-op threads, warm-up {WARMUP} then median of {RUNS} runs, all models of a "
         "table timed side by side in one run (interleaved). `speedup` = fp32 latency / this model's. "
         "`ours-int8`: our w8a8 PTQ (per-channel int8 weights, uint8 activations, minmax) exported as QDQ; "
-        "`-rr`: with reduce_range (7-bit weights); `-emb`: token embedding tables also int8 (per row); `w4g128`: 4-bit weight-only, groups of 128, blocked int4 DequantizeLinear run as ORT MatMulNBits. ORT peers quantize the same fp32 file (QDQ, per-channel, "
+        "`-rr`: with reduce_range (7-bit weights); `-emb`: token embedding tables also int8 (per row); `-sq`: SmoothQuant with alpha picked per layer (`smoothquant: auto`, 1/s as a Mul before each QuantizeLinear); `w4g128`: 4-bit weight-only, groups of 128, blocked int4 DequantizeLinear run as ORT MatMulNBits. ORT peers quantize the same fp32 file (QDQ, per-channel, "
         "QUInt8 activations / QInt8 weights). `int_kernels`: integer nodes in ORT's optimized graph.",
         "",
         f"### Digits ResNet 64/128/256 channels (trained {res['epochs']:.2f} epochs here; score = accuracy on 360 eval images)",
