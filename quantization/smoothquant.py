@@ -78,9 +78,11 @@ def smooth_quant(
     (all ones where ``alpha="auto"`` chose no smoothing).
 
     Runs ``forward_loop`` once in float to record per-feature activation maxima (O(features)
-    memory; with ``"auto"`` also ``sample_rows`` input rows per layer), then rescales weights in
-    place and recalibrates the weight quantizers. ``s`` is clamped to ``[min_scale, 1/min_scale]``
-    so that dead features do not blow up the weight.
+    memory; with ``"auto"`` also ``sample_rows`` input rows per group), then rescales weights in
+    place and recalibrates the weight quantizers. Layers that read the same tensor (BERT's query,
+    key and value) get one ``s``, from the maxima of all their weights, so the exported graph
+    quantizes that tensor once. ``s`` is clamped to ``[min_scale, 1/min_scale]`` so that dead
+    features do not blow up the weight.
     """
     auto = alpha == "auto"
     if not auto and not (isinstance(alpha, (int, float)) and 0.0 <= float(alpha) <= 1.0):
@@ -91,6 +93,7 @@ def smooth_quant(
     if not layers:
         return {}
     amax: dict[str, torch.Tensor] = {}
+    first_input: dict[str, tuple[Any, ...]] = {}
     samples = {n: _Reservoir(sample_rows, seed=i) for i, n in enumerate(layers)} if auto else {}
 
     def hook(name: str) -> Any:
@@ -98,6 +101,9 @@ def smooth_quant(
             x = args[0].detach()
             a = x.abs().reshape(-1, x.shape[-1]).amax(0).float()
             amax[name] = torch.maximum(amax[name], a) if name in amax else a
+            if name not in first_input:  # a fingerprint of the first input: equal for layers that share it
+                flat = x.reshape(-1)
+                first_input[name] = (tuple(x.shape), float(flat.double().sum()), tuple(flat[:16].tolist()))
             if auto:
                 samples[name].add(x)
 
@@ -110,47 +116,57 @@ def smooth_quant(
     finally:
         for h in handles:
             h.remove()
-    scales: dict[str, torch.Tensor] = {}
-    chosen: dict[str, float | None] = {}
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    for name, mod in layers.items():
+    for name in layers:
         if name not in amax:
             raise CalibrationError(f"smoothquant: layer '{name}' saw no data during the forward loop")
-        if distributed:  # ranks may calibrate on different shards: every rank must smooth alike
-            torch.distributed.all_reduce(amax[name], op=torch.distributed.ReduceOp.MAX)
-        iq = mod.input_quantizer
-        assert iq is not None
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name in layers:
+        groups.setdefault(first_input[name], []).append(name)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    scales: dict[str, torch.Tensor] = {}
+    chosen: list[float | None] = []
+    for names in groups.values():
+        mods = [layers[n] for n in names]
         with torch.no_grad():
-            if iq.pre_quant_scale is not None:  # smoothed before: start again from the raw weight
-                mod.weight.mul_(iq.pre_quant_scale.to(mod.weight.dtype))
-                iq.pre_quant_scale = None
-            a = amax[name]  # the hook sees the raw input, before pre_quant_scale
-            w_raw = mod.weight.detach().clone()
-            w = w_raw.abs().amax(0).float()
+            raw = []
+            for mod in mods:
+                iq = mod.input_quantizer
+                assert iq is not None
+                if iq.pre_quant_scale is not None:  # smoothed before: start again from the raw weight
+                    mod.weight.mul_(iq.pre_quant_scale.to(mod.weight.dtype))
+                    iq.pre_quant_scale = None
+                raw.append(mod.weight.detach().clone())
+            a = torch.stack([amax[n] for n in names]).amax(0)  # the hooks saw the raw input
+            if distributed:  # ranks may calibrate on different shards: every rank must smooth alike
+                torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX)
+            w = torch.stack([r.abs().amax(0).float() for r in raw]).amax(0)
             if auto:
-                rows = samples[name].rows
+                rows = samples[names[0]].rows
                 assert rows is not None
-                best = _pick_alpha(mod, w_raw, rows, a, w, min_scale)
+                best = _pick_alpha(mods, raw, rows, a, w, min_scale)
                 if distributed:  # rank 0's choice, so the weights stay identical across ranks
                     pick = torch.tensor([-1 if best is None else ALPHA_GRID.index(best)], device=a.device)
                     torch.distributed.broadcast(pick, src=0)
                     best = None if int(pick) < 0 else ALPHA_GRID[int(pick)]
-                chosen[name] = best
+                chosen.append(best)
                 s = _factors(a, w, best, min_scale) if best is not None else torch.ones_like(a)
             else:
                 s = _factors(a, w, float(alpha), min_scale)
-            mod.weight.copy_(w_raw * s.to(w_raw.dtype))
-        iq.pre_quant_scale = (1.0 / s).to(mod.weight.device) if not torch.all(s == 1) else None
-        calibrate_weight(mod)
-        scales[name] = s
+            for mod, r in zip(mods, raw):
+                mod.weight.copy_(r * s.to(r.dtype))
+        for name, mod in zip(names, mods):
+            assert mod.input_quantizer is not None
+            mod.input_quantizer.pre_quant_scale = (1.0 / s).to(mod.weight.device) if not torch.all(s == 1) else None
+            calibrate_weight(mod)
+            scales[name] = s
     if auto:
-        picked = [v for v in chosen.values() if v is not None]
+        picked = [v for v in chosen if v is not None]
         log.info(
-            "smoothquant: auto alpha on %d Linear layers; %d smoothed (alphas %s), %d left as they were",
-            len(scales), len(picked), sorted(set(picked)), len(chosen) - len(picked),
+            "smoothquant: auto alpha on %d Linear layers in %d input groups; %d groups smoothed (alphas %s), "
+            "%d left as they were", len(scales), len(groups), len(picked), sorted(set(picked)), len(chosen) - len(picked),
         )
     else:
-        log.info("smoothquant: alpha=%.2f on %d Linear layers", float(alpha), len(scales))
+        log.info("smoothquant: alpha=%.2f on %d Linear layers in %d input groups", float(alpha), len(scales), len(groups))
     return scales
 
 
@@ -160,27 +176,27 @@ def _factors(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float, min_scale
 
 
 def _pick_alpha(
-    mod: QuantLinear, w_raw: torch.Tensor, rows: torch.Tensor, amax_x: torch.Tensor, amax_w: torch.Tensor,
-    min_scale: float,
+    mods: list[QuantLinear], raw: list[torch.Tensor], rows: torch.Tensor, amax_x: torch.Tensor,
+    amax_w: torch.Tensor, min_scale: float,
 ) -> float | None:
-    """The candidate (``None`` = no smoothing) with the least output error on held-out rows.
+    """The candidate (``None`` = no smoothing) with the least summed output error of the group's
+    layers on held-out rows.
 
     The activation range comes from one half of the sample and the error from the other: smoothing
     can concentrate the range in a few columns whose extremes a sample estimates poorly, and only
     out-of-sample rows show the clipping that follows.
     """
-    iq = mod.input_quantizer
-    wq = mod.weight_quantizer
+    iq = mods[0].input_quantizer
     assert iq is not None
-    x = rows.to(w_raw.device, w_raw.dtype)
+    x = rows.to(raw[0].device, raw[0].dtype)
     fit, held = (x[0::2], x[1::2]) if len(x) >= 2 else (x, x)
-    ref = held @ w_raw.t()
+    refs = [held @ r.t() for r in raw]
     best: float | None = None
     best_err = float("inf")
     for al in (None, *ALPHA_GRID):
         s = torch.ones_like(amax_x) if al is None else _factors(amax_x, amax_w, al, min_scale)
         s = s.to(x.dtype)
-        xs, ws = held / s, w_raw * s
+        xs = held / s
         if iq.spec.dynamic:
             sc, zp = dynamic_qparams(xs, iq.spec)
         else:
@@ -189,10 +205,14 @@ def _pick_alpha(
                 xf.min(), xf.max(), qmin=iq.spec.qmin, qmax=iq.spec.qmax, symmetric=iq.spec.symmetric
             )
         xq = fake_quantize_spec(xs, sc, zp, iq.spec) if iq.spec.granularity in ("tensor", "token") else xs
-        if wq is not None:
-            wsc, wzp = dynamic_qparams(ws, wq.spec)
-            ws = fake_quantize_spec(ws, wsc, wzp, wq.spec)
-        err = float((xq @ ws.t() - ref).pow(2).sum())
+        err = 0.0
+        for mod, r, ref in zip(mods, raw, refs):
+            ws = r * s.to(r.dtype)
+            wq = mod.weight_quantizer
+            if wq is not None:
+                wsc, wzp = dynamic_qparams(ws, wq.spec)
+                ws = fake_quantize_spec(ws, wsc, wzp, wq.spec)
+            err += float((xq @ ws.t() - ref).pow(2).sum())
         if err < best_err:
             best, best_err = al, err
     return best

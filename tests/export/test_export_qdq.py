@@ -167,6 +167,21 @@ def test_bert_w8a8_uses_integer_matmuls(tiny_bert: Any, text_batch: Any, tmp_pat
     assert par.result()["cosine"] > 0.98
 
 
+def test_bert_smoothquant_keeps_one_quantize_per_shared_input(tiny_bert: Any, text_batch: Any, tmp_path: Path) -> None:
+    from quantization.api import QuantizeParams, quantize
+
+    calib = [text_batch(8, 12, seed=s) for s in range(3)]
+    counts = {}
+    for sq in (None, "auto"):
+        model = quantize(tiny_bert(), "w8a8", calib, params=QuantizeParams(smoothquant=sq))
+        p = export_onnx(model, text_batch(4, 12, seed=9), tmp_path / f"bert.{sq}.onnx")
+        counts[sq] = sum(n.op_type == "QuantizeLinear" for n in onnx.load(str(p)).graph.node)
+        _, ops = integer_kernel_count(p)
+        assert ops.get("MatMulIntegerToFloat", 0) + ops.get("QLinearMatMul", 0) + ops.get("QGemm", 0) >= 12, ops
+    # query/key/value share one smoothing, so the LayerNorm output is still quantized once
+    assert counts["auto"] == counts[None], counts
+
+
 def test_dynamic_activation_quant_is_a_clear_error(tmp_path: Path) -> None:
     from compress.models import build_zoo_model
     from quantization.api import quantize

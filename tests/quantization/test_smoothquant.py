@@ -72,6 +72,31 @@ def test_auto_alpha_is_no_worse_than_none_where_fixed_alpha_hurts() -> None:
         assert _sqnr(ref, auto(x)) >= _sqnr(ref, plain(x)) - 0.5
 
 
+class _TwoHeads(nn.Module):
+    """Two Linears reading the same tensor, as BERT's query/key/value do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 16), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.b(x)
+
+
+@pytest.mark.parametrize("alpha", [0.5, "auto"])
+def test_layers_reading_one_tensor_share_one_smoothing(alpha: float | str) -> None:
+    torch.manual_seed(5)
+    m = _TwoHeads().eval()
+    x = _inputs(9)[0]
+    q = quantize(copy.deepcopy(m), "w8a8", _inputs(1), params=QuantizeParams(smoothquant=alpha))  # type: ignore[arg-type]
+    sa, sb = q.a.input_quantizer.pre_quant_scale, q.b.input_quantizer.pre_quant_scale
+    assert sa is not None and torch.equal(sa, sb)
+    assert torch.equal(q.a.input_quantizer.scale, q.b.input_quantizer.scale)  # one QuantizeLinear when exported
+    with torch.no_grad():
+        set_quantizers(q, enabled=False)
+        torch.testing.assert_close(q(x), m(x), atol=1e-3, rtol=1e-4)
+
+
 def test_smoothquant_rejects_bad_alpha() -> None:
     with pytest.raises(ValueError, match="alpha"):
         smooth_quant(_outlier_model(), _inputs(1), alpha=1.5)
