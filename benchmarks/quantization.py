@@ -125,7 +125,7 @@ def minilm(quick: bool) -> dict[str, Any]:
             secs = time.perf_counter() - t0
             cos = evaluate(q, bundle.eval, metric="embedding_cosine", reference=model)
             rows.append(
-                {"smoothquant": "off" if sq is None else ("auto (per layer)" if sq == "auto" else f"alpha={sq}"), "activation observer": obs,
+                {"smoothquant": "off" if sq is None else ("auto (per input group)" if sq == "auto" else f"alpha={sq}"), "activation observer": obs,
                  "mean_cosine": cos, "quantize_s": secs}
             )
     return {"eval_sentences": len(bundle.eval.dataset), "rows": rows}  # type: ignore[arg-type]
