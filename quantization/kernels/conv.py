@@ -16,7 +16,6 @@ the converter leaves them float with a reason.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -25,9 +24,17 @@ import triton.language as tl
 
 from compress.errors import CompressError
 from quantization.kernels import ACTIVATIONS, check_device
-from quantization.kernels.gemm import INTERPRET_CONFIG, GemmConfig, _cfg, epilogue, int8_gemm, m_bucket
+from quantization.kernels.gemm import (
+    INTERPRET_CONFIG,
+    INTERPRETED,
+    GemmConfig,
+    _cfg,
+    epilogue,
+    grouped_tile,
+    int8_gemm,
+    m_bucket,
+)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "no")
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 
 CONV_CONFIGS = [
@@ -65,15 +72,7 @@ def _conv_kernel(
     HAS_BIAS: tl.constexpr, HAS_ZP: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -20,7 +20,6 @@ one a test passes) runs on CPU tensors, with int32 accumulation bit-exact.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +28,9 @@ import triton
 import triton.language as tl
 
 from compress.errors import CompressError
-from quantization.kernels import ACTIVATIONS, check_device
+from quantization.kernels import ACTIVATIONS, check_device, interpret_mode
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false", "no")
+INTERPRETED = interpret_mode()  # fixed at import, as Triton fixes it when it decorates the kernels
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -106,6 +105,20 @@ def _prune(configs: list[triton.Config], named_args: dict[str, object], **_: obj
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid`` in grouped order: GROUP_M row tiles walk the same
+    column band, keeping the weight tiles hot in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def epilogue(
     acc, rm, rn, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, colsum_ptr, a_zp,
     A_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ZP: tl.constexpr, ACT: tl.constexpr,
@@ -141,16 +154,7 @@ def _gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    # grouped ordering: GROUP_M row tiles walk the same column band, keeping B tiles hot in L2
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
