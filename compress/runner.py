@@ -268,7 +268,9 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
     report.final = run.figures(model, accuracy=run.evaluate(model))
     if main:
         save_checkpoint(ckpt_dir / "final.pt", model, None, 0)
-        if any(hasattr(m, "weight_quantizer") for m in model.modules()):
+        from quantization import quantizers
+
+        if next(quantizers(model), None) is not None:
             # the whole module (quantizers and their settings, not only tensors), so that
             # `compress validate RUN --backend cuda` can convert it without rerunning the stages
             tmp = ckpt_dir / "final_model.pt.tmp"

@@ -76,10 +76,11 @@ def _export_one(
     )
     rec = describe_onnx(path, role=role)
     if quantized:
-        weights = [q for _, q in iter_quantizers(model) if q.role == "weight" and q.enabled]
+        enabled = [q for _, q in iter_quantizers(model) if q.enabled]
+        weights = [q for q in enabled if q.role == "weight"]
         calibrated_7bit = bool(weights) and all(getattr(q.spec, "reduce_range", False) for q in weights)
         rec.activation_dtype, rec.reduce_range = spec.activation_dtype, spec.reduce_range or calibrated_7bit
-        static_acts = any(q.role != "weight" and q.enabled for _, q in iter_quantizers(model))
+        static_acts = len(weights) < len(enabled)
         if not rec.integer_nodes and not static_acts:
             log.warning("export: %s is weight-only int8; ORT dequantizes the weights and computes in float", path.name)
         elif not rec.integer_nodes and fp16:
