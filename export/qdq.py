@@ -188,7 +188,10 @@ def _reduce_range(codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, ax
     torch.Tensor, torch.Tensor, torch.Tensor
 ]:
     """Re-quantize int8 weight codes to 7 bits ([-64, 63]) over the same real range (ORT's
-    reduce_range: keeps u8s8 products from saturating int16 on CPUs without VNNI)."""
+    reduce_range: keeps u8s8 products from saturating int16 on CPUs without VNNI). Codes calibrated
+    at 7 bits already (QuantSpec.reduce_range) are returned as they are."""
+    if (qmin, qmax) == (-64, 63):
+        return codes.to(torch.int8), scale.clone(), zp.to(torch.int8)
     s = _shape_for(scale, codes, axis) if scale.dim() else scale
     z = (_shape_for(zp, codes, axis) if zp.dim() else zp).float()
     real = (codes.float() - z) * s
@@ -269,7 +272,7 @@ def swap_quantizers(model: nn.Module, *, activation_dtype: ActDtype = "uint8", r
                     summary.blocked_weights += 1
                     summary.weight_bits.add(int(q.spec.bits))
                     continue
-                if reduce_range and (qmin, qmax) != (-64, 63):  # calibrated at 7 bits already: as is
+                if reduce_range:
                     c8, s8, z8 = _reduce_range(codes, scale, zp, axis, qmin, qmax)
                 else:
                     c8, s8, z8 = codes.to(torch.int8), scale.clone(), zp.to(torch.int8)
