@@ -1,0 +1,294 @@
+"""The graph of a real forward pass, seen at torch-function level, for quantizer placement.
+
+Users' models write ``+``, ``+=``, ``torch.cat``, ``F.relu``, ``@`` and
+``F.scaled_dot_product_attention`` in ``forward``; module types do not show where tensors meet.
+A ``TorchFunctionMode`` sees every torch function and tensor operator with its arguments (also
+under ``no_grad``, through Python control flow and inside Hugging Face models), which is what
+NNCF's hook mode does; torch.export/PT2E would replace the user's module by a graph module, which
+breaks QAT in the user's own loop. Chosen: the mode, plus global module hooks for the scope.
+
+Every op call gets a stable key ``scope:kind#n``: the innermost module running it, the op kind and
+its index among the calls of that kind in that scope during one forward pass. The same key names
+the same call in calibration, QAT, export and conversion, as long as the forward takes the same path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+# ---- op kinds ---------------------------------------------------------------------------------------
+# The name of the function or method decides the kind; ``None`` kinds are not recorded as ops.
+_KIND_BY_NAME: dict[str, str] = {}
+
+
+def _kinds(kind: str, *names: str) -> None:
+    for n in names:
+        _KIND_BY_NAME[n] = kind
+
+
+_kinds("linear", "linear")
+_kinds("conv", "conv1d", "conv2d", "conv3d", "_conv_forward")
+_kinds("addmm", "addmm")
+_kinds("matmul", "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "baddbmm")
+_kinds("einsum", "einsum")
+_kinds("add", "add", "__add__", "__radd__", "__iadd__", "add_")
+_kinds("sub", "sub", "__sub__", "__rsub__", "__isub__", "sub_")
+_kinds("mul", "mul", "__mul__", "__rmul__", "__imul__", "mul_")
+_kinds("cat", "cat", "concat", "concatenate")
+_kinds("sdpa", "scaled_dot_product_attention")
+_kinds("mha", "multi_head_attention_forward")
+_kinds("relu", "relu", "relu_")
+_kinds("relu6", "relu6", "hardtanh", "hardtanh_", "clamp", "clip", "clamp_", "clamp_min")
+_kinds("max_pool", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices", "max_pool2d_with_indices",
+       "adaptive_max_pool2d")
+_kinds("avg_pool", "avg_pool1d", "avg_pool2d", "adaptive_avg_pool1d", "adaptive_avg_pool2d")
+_kinds("mean", "mean")
+_kinds("batch_norm", "batch_norm")
+_kinds("layer_norm", "layer_norm", "group_norm", "rms_norm")
+_kinds("embedding", "embedding")
+_kinds("softmax", "softmax", "log_softmax")
+_kinds("sigmoid", "sigmoid", "hardsigmoid")
+_kinds("act", "gelu", "silu", "hardswish", "tanh", "leaky_relu", "elu", "mish", "softplus", "erf")
+_kinds("reshape", "reshape", "view", "flatten", "transpose", "permute", "contiguous", "squeeze", "unsqueeze",
+       "__getitem__", "split", "chunk", "unbind", "expand", "narrow", "movedim", "t", "view_as", "reshape_as",
+       "flatten", "unflatten", "repeat_interleave", "expand_as", "pixel_shuffle", "pixel_unshuffle",
+       "channel_shuffle", "roll", "select", "split_with_sizes", "tensor_split", "T", "mT")
+_kinds("pad", "pad")
+_kinds("dropout", "dropout", "dropout1d", "dropout2d", "alpha_dropout")
+
+#: ops whose output is a view/reordering of one input's values (a quantized input stays exactly on
+#: its grid): the tensor after them can share the quantizer of the tensor before them
+PASS_THROUGH = frozenset({"reshape", "max_pool", "dropout"})
+#: the weighted ops: (weight argument index, per-output-channel axis of that weight)
+WEIGHTED: dict[str, tuple[int, int]] = {"linear": (1, 0), "conv": (1, 0), "addmm": (2, 1)}
+
+
+def call_kind(func: Any) -> str:
+    """The kind of any call: a known kind, else ``~name`` (counted on its own, never placed)."""
+    kind = op_kind(func)
+    if kind is not None:
+        return kind
+    name = getattr(func, "__name__", None) or type(func).__name__
+    return f"~{name}"
+
+
+def op_kind(func: Any) -> str | None:
+    """The kind of a torch function (see ``_KIND_BY_NAME``), None for those not recorded."""
+    if func is F.max_pool1d or func is F.max_pool2d or func is F.max_pool3d:
+        return "max_pool"
+    if func is F.adaptive_max_pool1d or func is F.adaptive_max_pool2d:
+        return "max_pool"
+    name = getattr(func, "__name__", None)
+    if name == "__get__":  # Tensor.T / .mT properties arrive as getset descriptors
+        name = getattr(getattr(func, "__self__", None), "__name__", None)
+    return _KIND_BY_NAME.get(name) if isinstance(name, str) else None
+
+
+# ---- the traced graph -----------------------------------------------------------------------------
+@dataclass
+class Operand:
+    """A tensor argument of an op: its flat position among the op's tensor leaves and its source.
+
+    ``source``: "op" (``producer`` = the key of the op that made it, ``index`` = which output),
+    "input" (a model input), "param" (``name`` = a parameter or buffer of the model) or "const"
+    (made outside any recorded op: constants, masks built by untraced code).
+    """
+
+    position: int
+    source: str
+    producer: str | None = None
+    index: int = 0
+    name: str | None = None
+    shape: tuple[int, ...] = ()
+    floating: bool = True
+
+    @property
+    def activation(self) -> bool:
+        return self.source in ("op", "input")
+
+
+@dataclass
+class OpNode:
+    """One recorded op call."""
+
+    key: str
+    kind: str
+    func: str
+    scope: str
+    operands: list[Operand]
+    n_outputs: int
+    out_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OpGraph:
+    """The ops of one forward pass in call order, with consumers by produced tensor."""
+
+    nodes: dict[str, OpNode] = field(default_factory=dict)
+    outputs: set[tuple[str, int]] = field(default_factory=set)  # (producer key, index) returned by the model
+
+    def consumers(self, producer: str, index: int = 0) -> list[tuple[OpNode, Operand]]:
+        out = []
+        for n in self.nodes.values():
+            for o in n.operands:
+                if o.source == "op" and o.producer == producer and o.index == index:
+                    out.append((n, o))
+        return out
+
+    def producer_of(self, o: Operand) -> OpNode | None:
+        return self.nodes.get(o.producer) if o.source == "op" and o.producer is not None else None
+
+
+# ---- scope and keys: shared by tracing and the quantizing mode ----------------------------------------
+class ScopeTracker:
+    """The innermost module running, via global module hooks installed only inside ``active``, and
+    per-(scope, kind) call counters that make op keys."""
+
+    def __init__(self, root: nn.Module) -> None:
+        from quantization.fake_quant import FakeQuantizer
+
+        self.names = {id(m): n for n, m in root.named_modules()}
+        # quantizers (and export stand-ins) run torch calls that are not the model's own ops
+        self.quantizer_ids = {id(m) for m in root.modules() if isinstance(m, FakeQuantizer) or getattr(m, "is_quantizer", False)}
+        self.stack: list[str] = []
+        self.modules: list[int] = []
+        self.counts: dict[tuple[str, str], int] = {}
+        #: called with (quantizer name, output) after a quantizer module runs (the tracer uses it)
+        self.on_quantizer: Callable[[str, Any], None] | None = None
+
+    def in_quantizer(self) -> bool:
+        return bool(self.modules) and self.modules[-1] in self.quantizer_ids
+
+    def key(self, kind: str) -> tuple[str, str]:
+        scope = self.stack[-1] if self.stack else ""
+        n = self.counts.get((scope, kind), 0)
+        self.counts[(scope, kind)] = n + 1
+        return f"{scope}:{kind}#{n}", scope
+
+    def _pre(self, mod: nn.Module, args: Any) -> None:
+        name = self.names.get(id(mod))
+        self.stack.append(name if name is not None else (self.stack[-1] if self.stack else ""))
+        self.modules.append(id(mod))
+
+    def _post(self, mod: nn.Module, args: Any, out: Any) -> None:
+        if self.stack:
+            name = self.stack.pop()
+            self.modules.pop()
+            if self.on_quantizer is not None and id(mod) in self.quantizer_ids:
+                self.on_quantizer(name, out)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        from torch.nn.modules import module as module_mod
+
+        h1 = module_mod.register_module_forward_pre_hook(self._pre)
+        h2 = module_mod.register_module_forward_hook(self._post, always_call=True)
+        try:
+            yield
+        finally:
+            h1.remove()
+            h2.remove()
+            self.stack.clear()
+            self.modules.clear()
+            self.counts.clear()
+
+
+def tensor_leaves(args: Any, kwargs: Any) -> list[tuple[int, torch.Tensor]]:
+    """``(flat position, tensor)`` of every tensor in ``(args, kwargs)``."""
+    leaves = pytree.tree_leaves((args, kwargs or {}))
+    return [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+
+
+class GraphTracer(TorchFunctionMode):
+    """Records an OpGraph of every forward pass run inside it (the model itself runs unchanged)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self.root = root
+        self.scopes = ScopeTracker(root)
+        self.graph = OpGraph()
+        self.params = {id(t): n for n, t in [*root.named_parameters(), *root.named_buffers()]}
+        self._made_ids: dict[int, tuple[weakref.ref[Any], tuple[str, int]]] = {}
+        self.inputs: dict[int, int] = {}
+        self._keep: list[Any] = []
+        self.scopes.on_quantizer = self._quantized_weight
+
+    def _quantized_weight(self, name: str, out: Any) -> None:
+        """A swapped layer's weight quantizer ran: its output stands for the layer's weight."""
+        if name.endswith(".weight_quantizer") and isinstance(out, torch.Tensor):
+            self.params[id(out)] = name.removesuffix("_quantizer")
+            self._keep.append(out)  # keep the id from being reused during the trace
+
+    def mark_inputs(self, args: Any, kwargs: Any) -> None:
+        self._inputs_refs = [t for _, t in tensor_leaves(args, kwargs)]
+        self.inputs = {id(t): k for k, t in enumerate(self._inputs_refs)}
+
+    def _source(self, pos: int, t: torch.Tensor) -> Operand:
+        hit = self._made_ids.get(id(t))
+        shape, fl = tuple(t.shape), t.is_floating_point()
+        if hit is not None and hit[0]() is t:
+            return Operand(pos, "op", producer=hit[1][0], index=hit[1][1], shape=shape, floating=fl)
+        if id(t) in self.params:
+            return Operand(pos, "param", name=self.params[id(t)], shape=shape, floating=fl)
+        if id(t) in self.inputs:
+            return Operand(pos, "input", name=f"input{self.inputs[id(t)]}", shape=shape, floating=fl)
+        return Operand(pos, "const", shape=shape, floating=fl)
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.scopes.in_quantizer():
+            return func(*args, **kwargs)
+        kind = call_kind(func)
+        key, scope = self.scopes.key(kind)
+        leaves = tensor_leaves(args, kwargs)
+        out = func(*args, **kwargs)
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if not outs:  # size(), dim(), item(): no tensor flows on from here
+            return out
+        operands = [self._source(p, t) for p, t in leaves]
+        node = OpNode(key, kind, getattr(func, "__name__", str(func)), scope, operands, len(outs),
+                      [tuple(t.shape) for t in outs], _attrs(kind, args, kwargs))
+        self.graph.nodes[key] = node
+        for i, t in enumerate(outs):
+            self._made_ids[id(t)] = (weakref.ref(t), (key, i))
+        return out
+
+    def mark_outputs(self, out: Any) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                hit = self._made_ids.get(id(t))
+                if hit is not None and hit[0]() is t:
+                    self.graph.outputs.add(hit[1])
+
+
+def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The few non-tensor arguments placement reads (clamp bounds, pooling output size)."""
+    if kind == "relu6":
+        lo = kwargs.get("min", kwargs.get("min_val", args[1] if len(args) > 1 else None))
+        hi = kwargs.get("max", kwargs.get("max_val", args[2] if len(args) > 2 else None))
+        return {"min": lo if isinstance(lo, (int, float)) else None, "max": hi if isinstance(hi, (int, float)) else None}
+    if kind == "avg_pool":
+        size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
+        return {"output_size": size}
+    return {}
+
+
+def trace_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpGraph:
+    """The OpGraph of ``model(*args, **kwargs)`` (run once, under no_grad, in the model's mode)."""
+    tracer = GraphTracer(model)
+    tracer.mark_inputs(args, kwargs)
+    with torch.no_grad(), tracer.scopes.active(), tracer:
+        out = model(*args, **kwargs)
+    tracer.mark_outputs(out)
+    return tracer.graph

@@ -1,0 +1,321 @@
+"""Quantizer placement on the traced graph, by a runtime profile.
+
+Input: the OpGraph of one forward pass (quantization/graph.py) and a RuntimeProfile
+(quantization/profiles.py). Output: a ``Placement``, plain data saved with the model:
+
+- one activation quantizer per quantized tensor, shared by every consumer of that tensor, so the
+  exported graph has one Q/DQ pair per tensor; tensors that must share a scale (concat inputs and
+  output, the two sides of pass-through ops such as reshape or max-pool) share one quantizer;
+- ``entries``: for each op call (by its stable key), which operand positions read which
+  quantizer; attention (SDPA) calls get quantizers inside the decomposed attention (``q``, ``k``,
+  ``v`` and the softmax output ``p``);
+- ``weights``: weights used functionally (a parameter passed to ``F.linear``/``addmm``/``@`` outside
+  a swapped layer's own forward: GPT-2's Conv1D, a helper that calls ``F.linear(x, self.qkv.weight)``)
+  get a weight quantizer at that call;
+- ``floats``: every weighted op, add and attention left in float, with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from quantization.graph import Operand, OpGraph, OpNode
+from quantization.profiles import RuntimeProfile
+
+#: weighted kinds: (data operand position, weight operand position, weight per-channel axis)
+_WEIGHTED_POS: dict[str, tuple[int, int, int]] = {"linear": (0, 1, 0), "conv": (0, 1, 0), "addmm": (1, 2, 1)}
+
+
+@dataclass
+class WeightUse:
+    """A parameter quantized where it is used functionally: ``param`` names it in the model;
+    ``axis`` is its per-output-channel axis in that use; ``module`` is the swapped layer whose own
+    weight quantizer applies (None: the placement owns a quantizer for it)."""
+
+    param: str
+    axis: int
+    module: str | None = None
+
+
+@dataclass
+class Placement:
+    """Where the activation (and functional weight) quantizers sit; see the module docstring."""
+
+    target: str
+    activations: dict[str, list[str]] = field(default_factory=dict)
+    entries: dict[str, dict[str, str]] = field(default_factory=dict)
+    weights: dict[str, WeightUse] = field(default_factory=dict)
+    floats: dict[str, str] = field(default_factory=dict)
+    shared_ops: dict[str, list[str]] = field(default_factory=dict)
+
+    def to_data(self) -> dict[str, Any]:
+        """A plain dict (torch.load(weights_only=True) and JSON can hold it)."""
+        return {
+            "target": self.target,
+            "activations": {k: list(v) for k, v in self.activations.items()},
+            "entries": {k: dict(v) for k, v in self.entries.items()},
+            "weights": {k: [w.param, w.axis, w.module] for k, w in self.weights.items()},
+            "floats": dict(self.floats),
+        }
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> Placement:
+        return cls(
+            target=str(data["target"]),
+            activations={k: list(v) for k, v in data["activations"].items()},
+            entries={k: dict(v) for k, v in data["entries"].items()},
+            weights={k: WeightUse(v[0], int(v[1]), v[2]) for k, v in data["weights"].items()},
+            floats=dict(data.get("floats", {})),
+        )
+
+
+def weighted_operands(node: OpNode) -> tuple[Operand, Operand, int] | None:
+    """``(data, weight, weight axis)`` of a weighted op call whose weight is a model parameter."""
+    ops = {o.position: o for o in node.operands}
+    if node.kind in _WEIGHTED_POS:
+        d, w, axis = _WEIGHTED_POS[node.kind]
+        data, weight = ops.get(d), ops.get(w)
+        if data is not None and weight is not None and weight.source == "param":
+            return data, weight, axis
+        return None
+    if node.kind == "matmul" and len(node.operands) == 2:
+        a, b = node.operands
+        if b.source == "param" and a.source != "param" and len(b.shape) >= 2:
+            return a, b, len(b.shape) - 1
+    return None
+
+
+class _Groups:
+    """Union-find over tensor ids."""
+
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def add(self, t: str) -> None:
+        self.parent.setdefault(t, t)
+
+    def find(self, t: str) -> str:
+        self.add(t)
+        while self.parent[t] != t:
+            self.parent[t] = self.parent[self.parent[t]]
+            t = self.parent[t]
+        return t
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+
+
+def _tid(o: Operand) -> str | None:
+    if o.source == "op":
+        return f"{o.producer}/{o.index}"
+    if o.source == "input":
+        return f"<{o.name}>"
+    return None
+
+
+def place(
+    graph: OpGraph,
+    profile: RuntimeProfile,
+    *,
+    targeted: Callable[[str], bool],
+    swapped: set[str],
+    skip_layers: set[str] = frozenset(),  # type: ignore[assignment]
+    quantize_ops: bool = True,
+) -> Placement:
+    """Place quantizers on ``graph`` for ``profile``.
+
+    ``targeted(scope)``: whether ops running in that module are to be quantized (targets/ignore);
+    ``swapped``: names of layers swapped for quantized modules (they quantize their own weight);
+    ``skip_layers``: layers kept float on purpose (first/last policy), not quantized at all.
+    """
+    pl = Placement(target=profile.name)
+    nodes = list(graph.nodes.values())
+    consumers: dict[str, list[tuple[OpNode, Operand]]] = {}
+    for n in nodes:
+        for o in n.operands:
+            t = _tid(o)
+            if t is not None:
+                consumers.setdefault(t, []).append((n, o))
+    producers = {n.key: n for n in nodes}
+    weighted_keys = {n.key for n in nodes if weighted_operands(n) is not None}
+    groups = _Groups()
+    quantized: set[str] = set()
+    requested_out: list[str] = []
+
+    def quantize(o: Operand) -> bool:
+        t = _tid(o)
+        if t is None or not o.floating:
+            return False
+        groups.add(t)
+        quantized.add(t)
+        return True
+
+    for n in nodes:
+        rule = profile.rules.get(n.kind)
+        w = weighted_operands(n)
+        if w is not None:
+            data, weight, axis = w
+            layer = weight.name.rsplit(".", 1)[0] if weight.name and "." in weight.name else ""
+            if layer in skip_layers or n.scope in skip_layers:
+                pl.floats[n.key] = "kept float by the first/last-layer policy"
+                continue
+            if not targeted(n.scope) or not targeted(layer):
+                pl.floats[n.key] = "excluded by targets/ignore"
+                continue
+            if not data.floating or data.source not in ("op", "input"):
+                pl.floats[n.key] = "its input is not a floating activation"
+                continue
+            if n.scope != layer or layer not in swapped:
+                module = layer if layer in swapped else None
+                qid = f"w{len(pl.weights)}"
+                pl.weights[qid] = WeightUse(weight.name or "", axis, module)
+                pl.entries.setdefault(n.key, {})[str(weight.position)] = qid
+            quantize(data)
+            if rule is not None and rule.output:
+                requested_out.append(n.key)
+            continue
+        if rule is None or not quantize_ops:
+            if rule is not None and n.kind in ("add", "sdpa") and n.scope not in swapped:
+                pl.floats[n.key] = "tensor ops are not quantized (quantize_ops: false)"
+            continue
+        if not targeted(n.scope):
+            if n.kind in ("add", "sdpa", "matmul", "cat"):
+                pl.floats[n.key] = "excluded by targets/ignore"
+            continue
+        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+        if n.kind == "sdpa":
+            if len(n.operands) >= 3 and all(o.floating for o in n.operands[:3]):
+                pl.entries.setdefault(n.key, {}).update(
+                    {p: _new_internal(pl, f"{n.key}.{p}") for p in ("q", "k", "v", "p")}
+                )
+            else:
+                pl.floats[n.key] = "attention inputs are not floating tensors"
+            continue
+        if n.kind == "matmul":
+            if len(acts) != 2:
+                continue
+            chosen = acts
+        elif n.kind == "add":
+            out_shape = n.out_shapes[0] if n.out_shapes else ()
+            same = [o for o in acts if o.shape == out_shape]
+            if len(n.operands) != 2 or len(same) != 2:
+                if acts and n.scope not in swapped:
+                    pl.floats[n.key] = "one operand is a constant or broadcast (bias, mask, scale)"
+                continue
+            if rule.inputs == "residual":
+                skip = [o for o in same if o.producer not in weighted_keys]
+                chosen = skip if len(skip) == 1 else same
+            else:
+                chosen = same
+        elif n.kind == "cat":
+            if len(acts) != len(n.operands) or not acts:
+                continue
+            chosen = acts
+        else:
+            chosen = acts[:1]
+        if rule.inputs == "none" or not chosen:
+            continue
+        for o in chosen:
+            quantize(o)
+        if rule.shared:
+            tids = [_tid(o) for o in chosen]
+            for t in tids[1:]:
+                groups.union(str(tids[0]), str(t))
+            out = f"{n.key}/0"
+            groups.union(str(tids[0]), out)
+            quantized.add(out)
+        elif rule.output:
+            requested_out.append(n.key)
+
+    # an op whose output the runtime wants quantized: quantize it, after a foldable activation
+    for key in requested_out:
+        t = f"{key}/0"
+        node = producers[key]
+        if node.kind == "conv":
+            # a QAT conv holding its BatchNorm computes the norm inside its own forward: the layer's
+            # output is the norm's
+            inner = [m for m in nodes if m.scope == node.scope and m.kind == "batch_norm"]
+            if inner:
+                t = f"{inner[-1].key}/0"
+        while True:
+            cons = consumers.get(t, [])
+            if len(cons) == 1 and _foldable(cons[0][0], profile) and t not in _outputs(graph):
+                t = f"{cons[0][0].key}/0"
+                continue
+            break
+        if consumers.get(t):
+            groups.add(t)
+            quantized.add(t)
+        elif key.split(":")[-1].startswith("conv"):
+            pl.floats[key] = "its output is a model output (the runtime needs a quantizer after it to fuse)"
+
+    # pass-through ops: the tensor before shares the quantizer of the tensor after
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(nodes):
+            if n.kind not in profile.pass_through or f"{n.key}/0" not in quantized:
+                continue
+            src = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+            if len(src) != 1:
+                continue
+            t = _tid(src[0])
+            assert t is not None
+            for i in range(n.n_outputs):
+                out = f"{n.key}/{i}"
+                if out in quantized:
+                    groups.union(t, out)
+            if t not in quantized:
+                quantized.add(t)
+                changed = True
+
+    ids: dict[str, str] = {}
+    for t in sorted(quantized, key=_order(nodes)):
+        root = groups.find(t)
+        if root not in ids:
+            ids[root] = f"a{len(ids)}"
+        qid = ids[root]
+        pl.activations.setdefault(qid, []).append(t)
+        for n, o in consumers.get(t, []):
+            pl.entries.setdefault(n.key, {}).setdefault(str(o.position), qid)
+    for n in nodes:  # report weighted ops whose input ended up unquantized
+        if n.key in weighted_keys and n.key not in pl.floats:
+            w = weighted_operands(n)
+            assert w is not None
+            t = _tid(w[0])
+            if t is None or t not in quantized:
+                pl.floats[n.key] = "its input is not quantized"
+    return pl
+
+
+def _new_internal(pl: Placement, label: str) -> str:
+    qid = f"s{sum(k.startswith('s') for k in pl.activations)}"
+    pl.activations[qid] = [label]
+    return qid
+
+
+def _foldable(n: OpNode, profile: RuntimeProfile) -> bool:
+    if n.kind not in profile.fold:
+        return False
+    if n.kind == "relu6":
+        return n.attrs.get("min") == 0
+    return True
+
+
+def _outputs(graph: OpGraph) -> set[str]:
+    return {f"{k}/{i}" for k, i in graph.outputs}
+
+
+def _order(nodes: list[OpNode]) -> Callable[[str], tuple[int, str]]:
+    index = {n.key: i for i, n in enumerate(nodes)}
+
+    def key(t: str) -> tuple[int, str]:
+        if t.startswith("<"):
+            return (-1, t)
+        return (index.get(t.rsplit("/", 1)[0], len(index)), t)
+
+    return key
