@@ -12,7 +12,9 @@ from torch import nn
 from compress.errors import CalibrationError
 from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
 from quantization.correction import bias_correction
+from quantization.graph_prepare import capture_first_call
 from quantization.preparation import BnMode, FirstLast, prepare
+from quantization.profiles import Target
 from quantization.smoothquant import SmoothQuantField, smooth_quant
 from quantization.spec import QuantScheme, resolve_scheme
 
@@ -27,6 +29,8 @@ class QuantizeParams(BaseModel):
     ``smoothquant``: SmoothQuant's alpha for Linear layers, ``"auto"`` (chosen per layer), or None (off).
     ``bias_correction``: correct the output mean shift caused by weight rounding.
     ``max_batches``: cap on calibration batches when ``forward_loop`` is an iterable.
+    ``target``: the runtime whose fusion rules place the activation quantizers (onnxruntime,
+    tensorrt, openvino).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -37,6 +41,7 @@ class QuantizeParams(BaseModel):
     smoothquant: SmoothQuantField = None
     bias_correction: bool = False
     max_batches: int | None = Field(None, ge=1)
+    target: Target = "onnxruntime"
 
 
 def quantize(
@@ -61,6 +66,7 @@ def quantize(
     if forward_loop is None and needs_data:
         raise CalibrationError("quantize: this scheme and params need calibration data; pass forward_loop")
     loop = as_forward_loop(forward_loop, max_batches=p.max_batches) if forward_loop is not None else None
+    example = capture_first_call(model, loop) if loop is not None and scheme.static_activations else None
     prepare(
         model,
         scheme,
@@ -69,6 +75,8 @@ def quantize(
         first_last=p.first_last,
         bn=p.bn,
         quantize_ops=p.quantize_ops,
+        target=p.target,
+        example_inputs=example,
     )
     if loop is not None:
         if p.smoothquant is not None:

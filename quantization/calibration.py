@@ -12,6 +12,7 @@ from torch import nn
 
 from compress.batching import call_model, split_batch, to_device
 from compress.errors import CalibrationError
+from quantization.graph_prepare import ensure_placed
 from quantization.preparation import quantizers, unwrap
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ def calibrate(model: nn.Module, forward_loop: ForwardLoop | Iterable[Any], *, wh
     """
     loop = as_forward_loop(forward_loop)
     root = unwrap(model)
+    ensure_placed(root, loop)
     acts = [(n, q) for n, q in quantizers(root) if q.role != "weight" and q.observer is not None]
     if not acts:
         return

@@ -15,6 +15,7 @@ from compress.modifier import Modifier, ModifierSpec, State, register_modifier
 from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
 from quantization.correction import bias_correction
 from quantization.fake_quant import FakeQuantizer
+from quantization.graph_prepare import capture_first_call
 from quantization.modules import QuantConv1d, QuantConv2d
 from quantization.preparation import (
     FirstLast,
@@ -24,6 +25,7 @@ from quantization.preparation import (
     quant_modules,
     quantizers,
 )
+from quantization.profiles import Target
 from quantization.sensitivity import accuracy_control, layer_sensitivity, plot_sensitivity
 from quantization.smoothquant import SmoothQuantField, smooth_quant
 from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
@@ -41,6 +43,7 @@ class _QuantSpecBase(ModifierSpec):
     ignore: list[str] = Field(default_factory=list)
     first_last: FirstLast = "quantize"
     quantize_ops: bool = True
+    target: Target = "onnxruntime"
     observer: str | None = None
     observer_params: dict[str, Any] = Field(default_factory=dict)
     weight_observer: str | None = None
@@ -153,6 +156,8 @@ class PTQModifier(Modifier[PTQSpec]):
             first_last=s.first_last,
             bn=s.bn,
             quantize_ops=s.quantize_ops,
+            target=s.target,
+            example_inputs=capture_first_call(model, loop) if scheme.static_activations else None,
             where=self.where,
         )
         if s.smoothquant is not None:
@@ -217,17 +222,21 @@ class QATModifier(Modifier[QATSpec]):
     def on_initialize(self, state: State) -> None:
         s = self.spec
         model = state.model
+        scheme = s.resolved_scheme()
+        loop = self._init_loop(state)
         swapped = prepare(
             model,
-            s.resolved_scheme(),
+            scheme,
             targets=s.targets,
             ignore=s.ignore,
             first_last=s.first_last,
             bn="qat",
             quantize_ops=s.quantize_ops,
+            target=s.target,
+            example_inputs=capture_first_call(model, loop) if scheme.static_activations else None,
             where=self.where,
         )
-        calibrate(model, self._init_loop(state), where=self.where)
+        calibrate(model, loop, where=self.where)
         state.metrics["quantized_modules"] = len(swapped)
         if s.lsq:
             scales = [q.enable_lsq() for _, q in quantizers(model) if not q.spec.dynamic]

@@ -7,22 +7,21 @@ A QuantConv may also hold the BatchNorm that followed it (``bn``, QAT only): whi
 quantizes the BN-folded weight and keeps BN statistics exact (torch.ao's ConvBn scheme); once
 ``bn_frozen`` is set it uses running statistics, and :meth:`fold_bn` merges it for good.
 
-``QuantAdd`` and ``QuantMatMul`` own ``input_quantizers`` (one per operand) and an
-``output_quantizer``; ``QuantConcat`` owns one ``input_quantizer`` shared by all operands so that
-the concatenation needs no requantization.
+Under static activation schemes ``prepare`` leaves ``input_quantizer``/``output_quantizer`` None:
+activation quantizers are placed on the traced graph (quantization/placement.py), shared by all
+consumers of a tensor. Modules built directly from a scheme (and dynamic schemes) own them.
 
 ``from_float``/``to_float`` swap between float and quantized modules without copying parameters.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.models.ops import Add, Concat, MatMul
 from quantization.bn import fold_bn_into_conv
 from quantization.fake_quant import FakeQuantizer
 from quantization.spec import QuantScheme, QuantSpec
@@ -194,101 +193,9 @@ class QuantConv2d(_QuantConvNd, nn.Conv2d):
         return self._forward_conv(x)
 
 
-# ---- tensor ops -------------------------------------------------------------------------------------
-
-
-def _op_specs(scheme: QuantScheme) -> tuple[QuantSpec, QuantSpec]:
-    """Per-tensor static input and output specs for the ops (integer kernels need static scales)."""
-    assert scheme.inputs is not None and not scheme.inputs.dynamic
-    inp = scheme.inputs.with_(granularity="tensor", axis=0)
-    out = scheme.outputs if scheme.outputs is not None else inp
-    return inp, out.with_(granularity="tensor", axis=0)
-
-
-_OpT = TypeVar("_OpT", bound="_QuantOperandsMixin")
-
-
-class _QuantOperandsMixin(nn.Module):
-    """Shared wiring of QuantAdd / QuantMatMul: a quantizer per operand and one on the result."""
-
-    float_cls: ClassVar[type[nn.Module]]
-
-    def __init__(self, scheme: QuantScheme, *, name: str) -> None:
-        super().__init__()
-        inp, out = _op_specs(scheme)
-        self.input_quantizers = nn.ModuleList(
-            [FakeQuantizer(inp, role="input", name=f"{name}.input_quantizers.{i}") for i in range(2)]
-        )
-        self.output_quantizer = FakeQuantizer(out, role="output", name=f"{name}.output_quantizer")
-
-    @classmethod
-    def from_float(cls: type[_OpT], mod: nn.Module, scheme: QuantScheme, *, name: str) -> _OpT:
-        new = cls(scheme, name=name)
-        new.train(mod.training)
-        return new
-
-    def to_float(self) -> nn.Module:
-        return self.float_cls().train(self.training)
-
-
-class QuantAdd(_QuantOperandsMixin, Add):
-    """Residual add with a quantizer per operand and one on the sum."""
-
-    float_cls = Add
-
-    def __init__(self, scheme: QuantScheme, *, name: str = "add") -> None:
-        super().__init__(scheme, name=name)
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self.output_quantizer(self.input_quantizers[0](a) + self.input_quantizers[1](b))
-
-
-class QuantMatMul(_QuantOperandsMixin, MatMul):
-    """Matmul (attention scores / weighted values) with a quantizer per operand and on the product."""
-
-    float_cls = MatMul
-
-    def __init__(self, scheme: QuantScheme, *, name: str = "matmul") -> None:
-        super().__init__(scheme, name=name)
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(self.input_quantizers[0](a), self.input_quantizers[1](b))
-        return self.output_quantizer(y)
-
-
-class QuantConcat(Concat):
-    """Concatenation whose operands share one input quantizer (the output needs no requantization)."""
-
-    def __init__(self, scheme: QuantScheme, *, dim: int = 1, name: str = "concat") -> None:
-        super().__init__(dim)
-        inp, _ = _op_specs(scheme)
-        self.input_quantizer = FakeQuantizer(inp, role="input", name=f"{name}.input_quantizer")
-        self.output_quantizer: FakeQuantizer | None = None
-
-    @classmethod
-    def from_float(cls, mod: Concat, scheme: QuantScheme, *, name: str) -> QuantConcat:
-        new = cls(scheme, dim=mod.dim, name=name)
-        new.train(mod.training)
-        return new
-
-    def to_float(self) -> Concat:
-        return Concat(self.dim).train(self.training)
-
-    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_quantizer(t) for t in tensors], dim=self.dim)
-
-
 QUANT_LAYERS: dict[type[nn.Module], Any] = {
     nn.Linear: QuantLinear,
     nn.Conv1d: QuantConv1d,
     nn.Conv2d: QuantConv2d,
 }
-QUANT_OPS: dict[type[nn.Module], Any] = {Add: QuantAdd, MatMul: QuantMatMul, Concat: QuantConcat}
-QUANT_TYPES: tuple[type[nn.Module], ...] = (
-    QuantLinear,
-    QuantConv1d,
-    QuantConv2d,
-    QuantAdd,
-    QuantMatMul,
-    QuantConcat,
-)
+QUANT_TYPES: tuple[type[nn.Module], ...] = (QuantLinear, QuantConv1d, QuantConv2d)

@@ -15,11 +15,22 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
-from compress.models.ops import Add, Concat, MatMul
 from compress.targets import select_modules
 from quantization.bn import find_conv_bn_pairs, fold_bn_into_conv
 from quantization.fake_quant import FakeQuantizer
-from quantization.modules import QUANT_LAYERS, QUANT_OPS, QUANT_TYPES, QuantConv1d, QuantConv2d
+from quantization.graph import trace_graph
+from quantization.graph_prepare import (
+    GraphConfig,
+    bn_pairs_from_graph,
+    example_args,
+    layers_by_flow,
+    new_graph,
+    place_graph,
+    targeted_fn,
+)
+from quantization.hooks import detach, graph_of, unsmooth
+from quantization.modules import QUANT_LAYERS, QUANT_TYPES, QuantConv1d, QuantConv2d
+from quantization.profiles import Target, get_profile
 from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
 
 log = logging.getLogger(__name__)
@@ -48,25 +59,28 @@ def plan_targets(
     first_last: FirstLast = "quantize",
     quantize_ops: bool = True,
     where: str = "quantize",
+    order: Sequence[str] | None = None,
 ) -> dict[str, QuantSpec | None]:
-    """Modules to quantize, mapped to their weight spec (None for tensor ops); nothing is changed.
+    """Layers to swap for quantized modules, mapped to their weight spec; nothing is changed.
 
-    Only exact Linear/Conv1d/Conv2d types are swapped: subclasses (e.g. MultiheadAttention's
-    out_proj, read functionally by its parent) keep their own forward and are left alone.
+    Exact Linear/Conv1d/Conv2d types are swapped. Subclasses (e.g. MultiheadAttention's out_proj,
+    read functionally by its parent) and third-party layers (GPT-2's Conv1D) keep their own
+    forward: with static activations their weights are quantized at the call that reads them
+    (quantization/placement.py). ``order``: layer names in data-flow order (from a trace), which
+    decides the first and last layer; registration order otherwise.
     """
     model = unwrap(model)
-    ops = quantize_ops and scheme.inputs is not None and not scheme.inputs.dynamic
-    types: tuple[type[nn.Module], ...] = (*QUANT_LAYERS, *((Add, Concat, MatMul) if ops else ()))
+    types: tuple[type[nn.Module], ...] = tuple(QUANT_LAYERS)
     selected = select_modules(model, list(targets), ignore=list(ignore), types=types, where=f"{where}: targets")
-    layers = [n for n, m in selected.items() if type(m) in QUANT_LAYERS]
     out: dict[str, QuantSpec | None] = {}
     for n, m in selected.items():
         if type(m) in QUANT_LAYERS:
             out[n] = scheme.weights
-        elif type(m) in QUANT_OPS:
-            out[n] = None
         else:
-            log.debug("%s: %s is a subclass of a supported layer; left in float", n, type(m).__name__)
+            log.debug("%s: %s subclasses a supported layer; its weight is quantized where it is used", n, type(m).__name__)
+    layers = [n for n in out]
+    if order is not None:
+        layers = [n for n in order if n in out] or layers
     if layers and first_last != "quantize":
         for n in {layers[0], layers[-1]}:
             if first_last == "float":
@@ -85,6 +99,8 @@ def prepare(
     first_last: FirstLast = "quantize",
     bn: BnMode = "fold",
     quantize_ops: bool = True,
+    target: Target = "onnxruntime",
+    example_inputs: Any = None,
     where: str = "quantize",
 ) -> dict[str, nn.Module]:
     """Swap the targeted layers of ``model`` (in place) for quantized ones; returns them by name.
@@ -94,27 +110,44 @@ def prepare(
     ``first_last``: "float" keeps the first and last layer unquantized, "w8" gives them 8-bit
     per-channel weights (useful under 4-bit schemes). Weight quantizers are calibrated here;
     activation quantizers need :func:`quantization.calibration.calibrate`.
+
+    Static activation quantizers are placed on the traced graph of the forward pass for the
+    ``target`` runtime (quantization/placement.py): at residual adds, concats, attention matmuls
+    and weighted ops, functional ones included. ``example_inputs`` (a tensor, tuple or dict) is
+    traced now; without it, the first forward pass is (``first_last`` then goes by registration
+    order instead of data flow, and BatchNorm pairs only by nn.Sequential adjacency).
     """
     scheme = resolve_scheme(scheme)
     model = unwrap(model)
-    if any(isinstance(m, QUANT_TYPES) for m in model.modules()):
+    if any(isinstance(m, QUANT_TYPES) for m in model.modules()) or graph_of(model) is not None:
         raise CompressError(f"{where}: the model is already quantized; strip() it first")
+    get_profile(target)
+    graph_mode = scheme.static_activations
+    call = example_args(example_inputs) if example_inputs is not None and graph_mode else None
+    graph0 = _trace_eval(model, *call) if call is not None else None
+    flow = layers_by_flow(graph0) if graph0 is not None else None
     plan = plan_targets(
-        model, scheme, targets=targets, ignore=ignore, first_last=first_last, quantize_ops=quantize_ops, where=where
+        model, scheme, targets=targets, ignore=ignore, first_last=first_last, quantize_ops=quantize_ops, where=where,
+        order=flow,
     )
+    skip: set[str] = set()
+    if first_last == "float" and graph_mode:
+        selected = [n for n in (flow or []) if _is_target(model, n, targets, ignore)]
+        skip = {selected[0], selected[-1]} if selected else set()
     pairs = find_conv_bn_pairs(model) if bn != "keep" else {}
+    if graph0 is not None and bn != "keep":
+        pairs.update(bn_pairs_from_graph(model, graph0))
     if bn == "fold":
         for conv_name, bn_name in pairs.items():
             if conv_name in plan:
                 fold_bn_into_conv(model.get_submodule(conv_name), model.get_submodule(bn_name))  # type: ignore[arg-type]
                 model.set_submodule(bn_name, nn.Identity())
     swapped: dict[str, nn.Module] = {}
+    # with static activations the graph places every activation quantizer; layers own their weight's
+    layer_scheme = scheme.model_copy(update={"inputs": None, "outputs": None}) if graph_mode else scheme
     for name, wspec in plan.items():
         mod = model.get_submodule(name)
-        if type(mod) in QUANT_LAYERS:
-            new = QUANT_LAYERS[type(mod)].from_float(mod, scheme, name=name, weights=wspec)
-        else:
-            new = QUANT_OPS[type(mod)].from_float(mod, scheme, name=name)
+        new = QUANT_LAYERS[type(mod)].from_float(mod, layer_scheme, name=name, weights=wspec)
         _to_device_of(new, mod)
         model.set_submodule(name, new)
         swapped[name] = new
@@ -126,8 +159,31 @@ def prepare(
                 model.set_submodule(bn_name, nn.Identity())
     for mod in swapped.values():
         calibrate_weight(mod)
+    if graph_mode:
+        assert scheme.inputs is not None
+        config = GraphConfig(
+            target=target, targets=list(targets), ignore=list(ignore), quantize_ops=quantize_ops,
+            activation_spec=scheme.inputs.with_(granularity="tensor", axis=0), weight_spec=scheme.weights,
+            swapped=set(swapped), skip_layers=skip,
+        )
+        new_graph(model, config)
+        if call is not None:
+            place_graph(model, config, *call)
     log.info("%s: prepared %d modules (%s)", where, len(swapped), _summary(swapped))
     return swapped
+
+
+def _trace_eval(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    was_training = model.training
+    model.eval()
+    try:
+        return trace_graph(model, args, kwargs)
+    finally:
+        model.train(was_training)
+
+
+def _is_target(model: nn.Module, name: str, targets: Sequence[str], ignore: Sequence[str]) -> bool:
+    return targeted_fn(model, targets, ignore)(name)
 
 
 def calibrate_weight(mod: nn.Module) -> None:
@@ -152,6 +208,8 @@ def strip(model: nn.Module) -> nn.Module:
     the weight, so the float model computes what the prepared model computes with quantizers off.
     """
     root = unwrap(model)
+    unsmooth(root)
+    detach(root)
     for name, mod in list(root.named_modules()):
         if isinstance(mod, QUANT_TYPES):
             root.set_submodule(name, cast(Any, mod).to_float())

@@ -1,0 +1,370 @@
+"""Applying a Placement while the model runs: a torch-function mode entered by removable root hooks.
+
+``QuantizerGraph`` is a submodule attached to the model (``quantizer_graph``): it owns the
+activation quantizers (and the quantizers of functionally used weights) and keeps the placement
+as its extra state, so ``state_dict`` holds both the qparams and where they apply, and
+``torch.load(weights_only=True)`` restores them. While the model's forward runs, ``QuantizeMode``
+counts op calls exactly as the tracer did and, for each call listed in the placement, replaces
+the listed operands by their quantized versions. A tensor read by several consumers is quantized
+once per forward (a small identity cache), so export traces one Q/DQ pair per tensor.
+
+Attention through ``F.scaled_dot_product_attention`` runs decomposed (``q @ k^T * scale``, mask,
+softmax, ``@ v``) with quantizers on q, k, the probabilities and v, which is the graph the ONNX
+exporter writes for it anyway.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
+
+from compress.errors import CalibrationError
+from quantization.fake_quant import FakeQuantizer
+from quantization.graph import ScopeTracker, call_kind
+from quantization.placement import Placement
+from quantization.spec import QuantSpec
+
+ATTR = "quantizer_graph"
+
+
+class QuantizerGraph(nn.Module):
+    """The activation quantizers of a model placed on its graph, and the placement itself.
+
+    ``pending`` until a forward pass (or a loaded state_dict) gives it a placement: ``placer``,
+    set by prepare, traces that first call and places the quantizers.
+    """
+
+    def __init__(self, placement: Placement, *, activation_spec: QuantSpec, weight_spec: QuantSpec | None,
+                 pending: bool = False) -> None:
+        super().__init__()
+        self.placement = placement
+        self.activation_spec = activation_spec
+        self.weight_spec = weight_spec
+        self.pending = pending
+        self.placing = False
+        self.placer: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None] | None = None
+        self.quantizers = nn.ModuleDict()
+        self._handles: list[RemovableHandle] = []
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {
+            "placement": None if self.pending else self.placement.to_data(),
+            "activation_spec": self.activation_spec.model_dump(),
+            "weight_spec": None if self.weight_spec is None else self.weight_spec.model_dump(),
+        }
+
+    def set_extra_state(self, state: Any) -> None:
+        # runs before the children load: build the quantizers whose scales follow in the state_dict
+        self.activation_spec = QuantSpec(**state["activation_spec"])
+        self.weight_spec = None if state["weight_spec"] is None else QuantSpec(**state["weight_spec"])
+        if state["placement"] is not None:
+            self.placement = Placement.from_data(state["placement"])
+            self.pending = False
+            for k in list(self.quantizers.keys()):
+                del self.quantizers[k]
+            build_quantizers(self)
+
+    def extra_repr(self) -> str:
+        state = "pending" if self.pending else f"{len(self.placement.entries)} op calls"
+        return f"target={self.placement.target}, {state}"
+
+    def forward(self, x: Any) -> Any:
+        # an nn.Sequential root calls its children in turn, this one last: pass the output through
+        return x
+
+
+def attach(root: nn.Module, graph: QuantizerGraph) -> None:
+    """Attach ``graph`` to ``root`` and register the root hooks that enter the mode."""
+    root.add_module(ATTR, graph)
+    graph._handles = [
+        root.register_forward_pre_hook(_enter, with_kwargs=True),
+        root.register_forward_hook(_exit, always_call=True),
+    ]
+
+
+def detach(root: nn.Module) -> QuantizerGraph | None:
+    """Remove the hooks and the quantizer graph from ``root``; returns it (None if absent)."""
+    graph = getattr(root, ATTR, None)
+    if not isinstance(graph, QuantizerGraph):
+        return None
+    for h in graph._handles:
+        h.remove()
+    # hooks copied with the module (deepcopy) are not in _handles: drop ours by identity
+    for hooks in (root._forward_pre_hooks, root._forward_hooks):
+        for k in [k for k, fn in hooks.items() if fn in (_enter, _exit)]:
+            del hooks[k]
+    delattr(root, ATTR)
+    return graph
+
+
+def graph_of(root: nn.Module) -> QuantizerGraph | None:
+    g = getattr(root, ATTR, None)
+    return g if isinstance(g, QuantizerGraph) else None
+
+
+_ACTIVE: list[tuple[QuantizeMode, Any]] = []
+
+
+def _enter(module: nn.Module, args: Any, kwargs: Any) -> None:
+    graph = graph_of(module)
+    if graph is None or graph.placing:
+        return None
+    if graph.pending:
+        if graph.placer is None:
+            raise CalibrationError(f"{type(module).__name__}: its quantizers were never placed; load a state_dict "
+                                   "of a quantized model or run a calibration batch first")
+        graph.placing = True
+        try:
+            graph.placer(module, tuple(args), dict(kwargs))
+        finally:
+            graph.placing = False
+    mode = QuantizeMode(module, graph)
+    scopes = mode.scopes.active()
+    scopes.__enter__()
+    mode.__enter__()
+    _ACTIVE.append((mode, scopes))
+    return None
+
+
+def _exit(module: nn.Module, args: Any, out: Any) -> None:
+    if _ACTIVE and _ACTIVE[-1][0].root is module:
+        mode, scopes = _ACTIVE.pop()
+        mode.__exit__(None, None, None)
+        scopes.__exit__(None, None, None)
+    return None
+
+
+class QuantizeMode(TorchFunctionMode):
+    """Applies a QuantizerGraph's placement to the op calls of one forward pass."""
+
+    def __init__(self, root: nn.Module, graph: QuantizerGraph) -> None:
+        super().__init__()
+        self.root = root
+        self.graph = graph
+        self.scopes = ScopeTracker(root)
+        self.entries = graph.placement.entries
+        self.quantizers: dict[str, nn.Module] = dict(graph.quantizers.items())
+        self.cache: dict[tuple[int, str], tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
+        self.hits: set[str] = set()
+
+    def quantizer(self, qid: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        q = self.quantizers.get(qid)
+        if q is not None:
+            return q
+        use = self.graph.placement.weights.get(qid)
+        if use is not None and use.module is not None:
+            layer = self.root.get_submodule(use.module)
+            wq = getattr(layer, "weight_quantizer", None)
+            if isinstance(wq, nn.Module):
+                return wq
+        return _identity
+
+    def apply(self, qid: str, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return x
+        key = (id(x), qid)
+        hit = self.cache.get(key)
+        if hit is not None and hit[0]() is x:
+            y = hit[1]()
+            if y is not None:
+                return y
+        y = self.quantizer(qid)(x)
+        self.cache[key] = (weakref.ref(x), weakref.ref(y))
+        return y
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.scopes.in_quantizer():
+            return func(*args, **kwargs)
+        key, _ = self.scopes.key(call_kind(func))
+        entry = self.entries.get(key)
+        if entry is None:
+            return func(*args, **kwargs)
+        self.hits.add(key)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        for pos, qid in entry.items():
+            if pos.isdigit() and int(pos) < len(leaves):
+                leaves[int(pos)] = self.apply(qid, leaves[int(pos)])
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        if "q" in entry:  # attention, decomposed with its own quantizers inside
+            return self._attention(entry, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _attention(self, entry: dict[str, str], args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+        return decomposed_attention(*args, **kwargs, quant=lambda role, t: self.apply(entry[role], t))
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def decomposed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    quant: Callable[[str, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` written out, with ``quant(role, tensor)`` on q, k^T, the
+    softmax output and v (the inputs of the two matmuls)."""
+    n_q, n_kv = query.size(-3) if query.dim() >= 3 else 1, key.size(-3) if key.dim() >= 3 else 1
+    if enable_gqa and n_q != n_kv:
+        key = key.repeat_interleave(n_q // n_kv, dim=-3)
+        value = value.repeat_interleave(n_q // n_kv, dim=-3)
+    s = scale if scale is not None else 1.0 / math.sqrt(query.size(-1))
+    scores = torch.matmul(quant("q", query), quant("k", key.transpose(-2, -1))) * s
+    L, S = query.size(-2), key.size(-2)
+    if is_causal:
+        keep = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    return torch.matmul(quant("p", probs), quant("v", value))
+
+
+def _weight_spec(graph: QuantizerGraph, axis: int) -> QuantSpec | None:
+    spec = graph.weight_spec
+    if spec is None:
+        return None
+    if spec.granularity == "channel":
+        return spec.with_(axis=axis)
+    if spec.granularity == "group" and axis != 0:
+        return spec.with_(granularity="channel", axis=axis)  # groups run along the input features
+    return spec
+
+
+def build_quantizers(graph: QuantizerGraph) -> None:
+    """Create the (uncalibrated) FakeQuantizers a placement names: one per activation group, one
+    per functionally used weight that no swapped layer owns."""
+    for qid in graph.placement.activations:
+        if qid not in graph.quantizers:
+            graph.quantizers[qid] = FakeQuantizer(graph.activation_spec, role="input", name=f"{ATTR}.quantizers.{qid}")
+    for qid, use in graph.placement.weights.items():
+        spec = _weight_spec(graph, use.axis)
+        if use.module is None and spec is not None and qid not in graph.quantizers:
+            graph.quantizers[qid] = FakeQuantizer(spec, role="weight", name=f"{ATTR}.quantizers.{qid}")
+
+
+def calibrate_weights(graph: QuantizerGraph, root: nn.Module) -> None:
+    """Set the qparams of the placement's own weight quantizers from the weights they quantize."""
+    tensors = dict(root.named_parameters()) | dict(root.named_buffers())
+    for qid, use in graph.placement.weights.items():
+        q = _member(graph, qid)
+        if isinstance(q, FakeQuantizer) and use.param in tensors:
+            w = tensors[use.param]
+            q.to(w.device)
+            with torch.no_grad():
+                q.observe(w.detach())
+                q.compute_qparams()
+
+
+def _member(graph: QuantizerGraph, qid: str | None) -> nn.Module | None:
+    return graph.quantizers[qid] if qid is not None and qid in graph.quantizers else None
+
+
+def _layer_keys(placement: Placement, layer: str, kind: str = "linear") -> list[str]:
+    prefix = f"{layer}:{kind}#"
+    return [k for k in placement.entries if k.startswith(prefix)]
+
+
+def input_quantizer(root: nn.Module, name: str) -> FakeQuantizer | None:
+    """The quantizer of a layer's input: its own (dynamic schemes), else the placed one."""
+    mod = root.get_submodule(name)
+    own = getattr(mod, "input_quantizer", None)
+    if isinstance(own, FakeQuantizer):
+        return own
+    graph = graph_of(root)
+    if graph is None:
+        return None
+    for kind in ("linear", "conv"):
+        for k in _layer_keys(graph.placement, name, kind):
+            qid = graph.placement.entries[k].get("0")
+            q = _member(graph, qid)
+            if isinstance(q, FakeQuantizer):
+                return q
+    return None
+
+
+def set_smoothing(root: nn.Module, names: list[str], pre_scale: torch.Tensor | None) -> None:
+    """Give the Linear layers ``names`` (which read one tensor) the input factor ``pre_scale``.
+
+    Placed quantizers are shared with the tensor's other consumers (a residual add reads the
+    unsmoothed tensor), so the layers get a quantizer of their own for the smoothed tensor."""
+    graph = graph_of(root)
+    if graph is None:
+        for n in names:
+            iq = getattr(root.get_submodule(n), "input_quantizer", None)
+            if isinstance(iq, FakeQuantizer):
+                iq.pre_quant_scale = pre_scale
+        return
+    keys = [k for n in names for k in _layer_keys(graph.placement, n)]
+    current = {graph.placement.entries[k].get("0") for k in keys}
+    if pre_scale is None:
+        for qid in current:
+            q = _member(graph, qid)
+            if isinstance(q, FakeQuantizer) and qid is not None and qid.startswith("m"):
+                q.pre_quant_scale = None
+        return
+    first = next(iter(current))
+    base = _member(graph, first)
+    if not isinstance(base, FakeQuantizer):
+        return
+    if len(current) == 1 and first is not None and first.startswith("m"):
+        base.pre_quant_scale = pre_scale
+        return
+    qid = f"m{sum(k.startswith('m') for k in graph.quantizers)}"
+    q = FakeQuantizer(base.spec, role="input", name=f"{ATTR}.quantizers.{qid}").to(pre_scale.device)
+    q.pre_quant_scale = pre_scale
+    graph.quantizers[qid] = q
+    graph.placement.activations[qid] = [f"{n} input, smoothed" for n in names]
+    for k in keys:
+        graph.placement.entries[k]["0"] = qid
+    used = {v for e in graph.placement.entries.values() for v in e.values()}
+    for old in current:  # a quantizer only these layers read is replaced, not left unobserved
+        if old is not None and old not in used and old in graph.quantizers:
+            del graph.quantizers[old]
+            graph.placement.activations.pop(old, None)
+
+
+def unsmooth(root: nn.Module) -> None:
+    """Fold SmoothQuant factors of placed quantizers back into their Linear weights (strip)."""
+    graph = graph_of(root)
+    if graph is None:
+        return
+    done: set[str] = set()
+    for key, entry in graph.placement.entries.items():
+        qid = entry.get("0")
+        q = _member(graph, qid)
+        scope, _, kind = key.rpartition(":")
+        if not isinstance(q, FakeQuantizer) or q.pre_quant_scale is None or not kind.startswith("linear"):
+            continue
+        if scope in done:
+            continue
+        done.add(scope)
+        weight = root.get_submodule(scope).weight
+        if isinstance(weight, torch.Tensor):
+            with torch.no_grad():
+                weight.mul_(q.pre_quant_scale.to(weight.dtype))
+    for q in graph.quantizers.values():
+        if isinstance(q, FakeQuantizer):
+            q.pre_quant_scale = None
