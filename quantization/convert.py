@@ -22,6 +22,7 @@ from torch import nn
 from compress.errors import RecipeError, UnsupportedModelError, did_you_mean
 from quantization.bn import sequential_pairs
 from quantization.fake_quant import FakeQuantizer
+from quantization.hooks import input_quantizer
 from quantization.int8 import Int8Conv2d, Int8Linear
 from quantization.kernels import require_triton
 from quantization.modules import QUANT_TYPES, QuantConv1d, QuantConv2d, QuantLinear
@@ -139,15 +140,12 @@ def convert_with_report(
     report: list[LayerConversion] = []
     for name, mod in layers.items():
         qtype = type(mod).__name__
-        if not isinstance(mod, _LAYERS):
-            report.append(LayerConversion(name, qtype, None, reason="tensor op: runs in float with its fake quantizers"))
-            continue
         act_name = acts.get(name)
         act = "none"
         if act_name is not None and mod.output_quantizer is None:
             act = _activation_of(root.get_submodule(act_name)) or "none"
         try:
-            new = _builder(mod)(mod, activation=act)
+            new = _builder(mod)(mod, activation=act, input_quantizer=input_quantizer(root, name))
         except UnsupportedModelError as exc:
             log.info("convert: %s (%s) stays float: %s", name, qtype, exc)
             report.append(LayerConversion(name, qtype, None, reason=str(exc)))

@@ -25,6 +25,7 @@ from torch import nn
 from compress.errors import CalibrationError, UnsupportedModelError
 from quantization.observers import Observer, build_observer
 from quantization.primitives import (
+    MIN_RANGE_SCALE,
     SCALE_EPS,
     broadcast_param,
     dynamic_qparams,
@@ -102,7 +103,8 @@ class FakeQuantizer(nn.Module):
         if self.observer is None:
             return
         mn, mx = self.observer.compute()
-        scale, zp = qparams_from_range(mn, mx, qmin=self.qmin, qmax=self.qmax, symmetric=self.spec.symmetric)
+        scale, zp = qparams_from_range(mn, mx, qmin=self.qmin, qmax=self.qmax, symmetric=self.spec.symmetric,
+                                       min_scale=MIN_RANGE_SCALE)
         shape = self._stat_shape if self._stat_shape is not None else tuple(scale.shape)
         self.set_qparams(scale.reshape(shape), zp.reshape(shape))
 

@@ -139,11 +139,12 @@ class Int8Linear(_Int8Base):
         self.output_quantizer: FakeQuantizer | None = None
 
     @classmethod
-    def from_quant(cls, mod: Any, *, activation: str = "none") -> Int8Linear:
-        """An Int8Linear computing what the fake-quant ``QuantLinear`` ``mod`` computes."""
+    def from_quant(cls, mod: Any, *, activation: str = "none", input_quantizer: FakeQuantizer | None = None) -> Int8Linear:
+        """An Int8Linear computing what the fake-quant ``QuantLinear`` ``mod`` computes
+        (``input_quantizer``: the one placed on its input, when the layer does not own one)."""
         weight: torch.Tensor = mod.weight
         new = cls(weight.shape[1], weight.shape[0])
-        new._init_input(mod.input_quantizer, allow_token=True)
+        new._init_input(input_quantizer or mod.input_quantizer, allow_token=True)
         codes, scale = _weight_codes(mod, weight)
         new.register_buffer("weight_q", codes.contiguous())
         new.register_buffer("weight_scale", scale)
@@ -181,8 +182,9 @@ class Int8Conv2d(_Int8Base):
         self.output_quantizer: FakeQuantizer | None = None
 
     @classmethod
-    def from_quant(cls, mod: Any, *, activation: str = "none") -> Int8Conv2d:
-        """An Int8Conv2d computing what the fake-quant ``QuantConv2d`` ``mod`` computes (BN folded)."""
+    def from_quant(cls, mod: Any, *, activation: str = "none", input_quantizer: FakeQuantizer | None = None) -> Int8Conv2d:
+        """An Int8Conv2d computing what the fake-quant ``QuantConv2d`` ``mod`` computes (BN folded;
+        ``input_quantizer``: the one placed on its input, when the layer does not own one)."""
         conv: Any = mod
         if conv.groups != 1:
             raise UnsupportedModelError(f"it is a grouped convolution (groups={conv.groups}); only groups=1 has an int8 kernel")
@@ -194,7 +196,7 @@ class Int8Conv2d(_Int8Base):
             raise UnsupportedModelError("it still holds a BatchNorm; fold it first (the converter folds a copy)")
         new = cls(conv.in_channels, conv.out_channels, kernel_size=tuple(conv.kernel_size), stride=tuple(conv.stride),
                   padding=tuple(conv.padding), dilation=tuple(conv.dilation))
-        new._init_input(conv.input_quantizer, allow_token=False)
+        new._init_input(input_quantizer or conv.input_quantizer, allow_token=False)
         if new.pre_quant_scale is not None:
             raise UnsupportedModelError("its input has a pre_quant_scale (SmoothQuant), which convolutions do not take")
         codes, scale = _weight_codes(conv, conv.weight)

@@ -20,6 +20,9 @@ from quantization.spec import QuantSpec
 
 # Smallest scale: keeps constant or all-zero tensors finite (they quantize to exact zeros).
 SCALE_EPS = float(torch.finfo(torch.float32).eps)
+#: the smallest scale a calibrated range gets: tensors with tiny values (1e-6 activations of a
+#: freshly initialized network) keep their resolution; only an all-zero range hits it
+MIN_RANGE_SCALE = 1e-30
 
 
 def zero_point_of_symmetric(qmin: int, qmax: int) -> int:
@@ -28,22 +31,24 @@ def zero_point_of_symmetric(qmin: int, qmax: int) -> int:
 
 
 def qparams_from_range(
-    min_val: torch.Tensor, max_val: torch.Tensor, *, qmin: int, qmax: int, symmetric: bool
+    min_val: torch.Tensor, max_val: torch.Tensor, *, qmin: int, qmax: int, symmetric: bool,
+    min_scale: float = SCALE_EPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, zero_point)`` (float32, int32) that cover ``[min_val, max_val]`` elementwise.
 
     The range is widened to include 0 so that zero is exactly representable (padding, ReLU);
-    a degenerate range (constant tensor) gets ``SCALE_EPS`` rather than a zero or NaN scale.
+    a degenerate range gets ``min_scale`` rather than a zero or NaN scale (calibrated static
+    ranges pass ``MIN_RANGE_SCALE``; run-time per-token ranges keep ``SCALE_EPS``, as the kernels do).
     """
     min_val = torch.clamp(min_val.float(), max=0.0)
     max_val = torch.clamp(max_val.float(), min=0.0)
     if symmetric:
         zp = zero_point_of_symmetric(qmin, qmax)
         amax = torch.maximum(-min_val, max_val)
-        scale = torch.clamp(amax / float(qmax - zp), min=SCALE_EPS)
+        scale = torch.clamp(amax / float(qmax - zp), min=min_scale)
         zero_point = torch.full_like(scale, zp, dtype=torch.int32)
     else:
-        scale = torch.clamp((max_val - min_val) / float(qmax - qmin), min=SCALE_EPS)
+        scale = torch.clamp((max_val - min_val) / float(qmax - qmin), min=min_scale)
         zero_point = torch.clamp(qmin - torch.round(min_val / scale), qmin, qmax).to(torch.int32)
     return scale, zero_point
 

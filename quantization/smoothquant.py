@@ -25,6 +25,9 @@ from torch import nn
 
 from compress.errors import CalibrationError
 from quantization.calibration import ForwardLoop, as_forward_loop, float_mode
+from quantization.fake_quant import FakeQuantizer
+from quantization.graph_prepare import ensure_placed
+from quantization.hooks import input_quantizer, set_smoothing
 from quantization.modules import QuantLinear
 from quantization.preparation import calibrate_weight, quant_modules, unwrap
 from quantization.primitives import dynamic_qparams, fake_quantize_spec, qparams_from_range
@@ -89,7 +92,8 @@ def smooth_quant(
         raise ValueError(f"smoothquant alpha must be in [0, 1] or 'auto' (got {alpha!r})")
     loop = as_forward_loop(forward_loop)
     root = unwrap(model)
-    layers = {n: m for n, m in quant_modules(root) if isinstance(m, QuantLinear) and m.input_quantizer is not None}
+    ensure_placed(root, loop)
+    layers = {n: m for n, m in quant_modules(root) if isinstance(m, QuantLinear) and input_quantizer(root, n) is not None}
     if not layers:
         return {}
     amax: dict[str, torch.Tensor] = {}
@@ -129,8 +133,8 @@ def smooth_quant(
         mods = [layers[n] for n in names]
         with torch.no_grad():
             raw = []
-            for mod in mods:
-                iq = mod.input_quantizer
+            for name, mod in zip(names, mods):
+                iq = input_quantizer(root, name)
                 assert iq is not None
                 if iq.pre_quant_scale is not None:  # smoothed before: start again from the raw weight
                     mod.weight.mul_(iq.pre_quant_scale.to(mod.weight.dtype))
@@ -143,7 +147,7 @@ def smooth_quant(
             if auto:
                 rows = samples[names[0]].rows
                 assert rows is not None
-                best = _pick_alpha(mods, raw, rows, a, w, min_scale)
+                best = _pick_alpha(mods, raw, rows, a, w, min_scale, input_quantizer(root, names[0]))
                 if distributed:  # rank 0's choice, so the weights stay identical across ranks
                     pick = torch.tensor([-1 if best is None else ALPHA_GRID.index(best)], device=a.device)
                     torch.distributed.broadcast(pick, src=0)
@@ -154,9 +158,8 @@ def smooth_quant(
                 s = _factors(a, w, float(alpha), min_scale)
             for mod, r in zip(mods, raw):
                 mod.weight.copy_(r * s.to(r.dtype))
+        set_smoothing(root, names, None if torch.all(s == 1) else (1.0 / s).to(mods[0].weight.device))
         for name, mod in zip(names, mods):
-            assert mod.input_quantizer is not None
-            mod.input_quantizer.pre_quant_scale = (1.0 / s).to(mod.weight.device) if not torch.all(s == 1) else None
             calibrate_weight(mod)
             scales[name] = s
     if auto:
@@ -177,7 +180,7 @@ def _factors(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float, min_scale
 
 def _pick_alpha(
     mods: list[QuantLinear], raw: list[torch.Tensor], rows: torch.Tensor, amax_x: torch.Tensor,
-    amax_w: torch.Tensor, min_scale: float,
+    amax_w: torch.Tensor, min_scale: float, iq: FakeQuantizer | None,
 ) -> float | None:
     """The candidate (``None`` = no smoothing) with the least summed output error of the group's
     layers on held-out rows.
@@ -186,7 +189,6 @@ def _pick_alpha(
     can concentrate the range in a few columns whose extremes a sample estimates poorly, and only
     out-of-sample rows show the clipping that follows.
     """
-    iq = mods[0].input_quantizer
     assert iq is not None
     x = rows.to(raw[0].device, raw[0].dtype)
     fit, held = (x[0::2], x[1::2]) if len(x) >= 2 else (x, x)
