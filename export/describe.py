@@ -15,7 +15,7 @@ from torch import nn
 
 from compress.errors import CompressError
 from export.records import ExportRecord, Role
-from export.runtimes import OrtSession, default_threads, integer_kernel_count
+from export.runtimes import OrtSession, default_threads, ort_coverage
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +42,15 @@ def describe_onnx(path: Path, *, role: Role = "final", count_integer: bool = Tru
     fmt = {"int8": "onnx-int8-qdq", "fp16": "onnx-fp16", "fp32": "onnx-fp32"}[precision]
     if qdq and fp16:
         fmt += "-fp16"
-    ints, int_ops = integer_kernel_count(path) if qdq and count_integer else (None, {})
+    cov = ort_coverage(path) if qdq and count_integer else None
+    ints, int_ops = (sum(cov.integer_ops.values()), cov.integer_ops) if cov is not None else (None, {})
     init = {t.name for t in m.graph.initializer}
     inputs = [i for i in m.graph.input if i.name not in init]
     dyn = all(i.type.tensor_type.shape.dim and not i.type.tensor_type.shape.dim[0].HasField("dim_value") for i in inputs)
     opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
     return ExportRecord(
         path=path, format=fmt, role=role, precision=precision, size_bytes=file_size(path), integer_nodes=ints,
-        integer_ops=int_ops, opset=opset, dynamic_batch=dyn, inputs=[i.name for i in inputs],
+        integer_ops=int_ops, float_nodes=cov.float_nodes if cov is not None else [], opset=opset, dynamic_batch=dyn, inputs=[i.name for i in inputs],
         outputs=[o.name for o in m.graph.output],
     )
 

@@ -118,7 +118,9 @@ def _export(
     proto = _dynamo_export(target, args, kwargs, in_names, out_names, opset=opset, dynamic_batch=dynamic_batch,
                            quantized=quantized)
     if quantized:
-        stats = qdq.tidy_qdq_graph(proto, quantize_embeddings=quantize_embeddings)
+        qgraph: Any = getattr(model, "quantizer_graph", None)
+        runtime = str(getattr(getattr(qgraph, "placement", None), "target", "onnxruntime"))
+        stats = qdq.tidy_qdq_graph(proto, quantize_embeddings=quantize_embeddings, ort_float_weights=runtime == "onnxruntime")
         log.info("QDQ graph passes: %s", stats)
     if simplify:
         proto = edge.simplify(proto)

@@ -64,6 +64,13 @@ def export_model(
     return records
 
 
+def _kept_float(model: nn.Module) -> dict[str, str]:
+    """What the quantizer placement left float on purpose, and why (empty without a placement)."""
+    graph = getattr(model, "quantizer_graph", None)
+    placement = getattr(graph, "placement", None)
+    return dict(getattr(placement, "floats", {}))
+
+
 def _export_one(
     model: nn.Module, example_inputs: Any, spec: ExportSpec, path: Path, *, role: Role, fp16: bool,
     metadata: Mapping[str, str] | None, quantized: bool,
@@ -76,6 +83,11 @@ def _export_one(
     )
     rec = describe_onnx(path, role=role)
     if quantized:
+        rec.kept_float = _kept_float(model)
+        if rec.integer_nodes and rec.float_nodes:
+            shown = ", ".join(rec.float_nodes[:8]) + (f" (+{len(rec.float_nodes) - 8} more)" if len(rec.float_nodes) > 8 else "")
+            log.warning("export: %d Conv/MatMul/Gemm/Add of %s still run in float in ORT: %s", len(rec.float_nodes),
+                        path.name, shown)
         enabled = [q for _, q in iter_quantizers(model) if q.enabled]
         weights = [q for q in enabled if q.role == "weight"]
         calibrated_7bit = bool(weights) and all(getattr(q.spec, "reduce_range", False) for q in weights)

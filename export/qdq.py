@@ -102,6 +102,8 @@ class WeightDQ(nn.Module):
     """Stands in for a weight quantizer: returns the dequantized stored codes (its input is the weight
     it was computed from, unused in the graph so the float weight never reaches the file)."""
 
+    is_quantizer = True
+
     def __init__(
         self, codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, block_size: int = 0
     ) -> None:
@@ -120,6 +122,7 @@ class WeightDQ(nn.Module):
 class ActivationQDQ(nn.Module):
     """Stands in for an activation quantizer: an optional SmoothQuant Mul, then a Q/DQ pair."""
 
+    is_quantizer = True
     pre_scale: torch.Tensor | None
 
     def __init__(self, scale: torch.Tensor, zero_point: torch.Tensor, axis: int, pre_scale: torch.Tensor | None) -> None:
@@ -223,6 +226,23 @@ def _blocked(q: Any, weight: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
     return WeightDQ(codes.to(torch.int8), scale.clone(), zp.to(torch.int8), 1, gs)
 
 
+def _functional_weights(model: nn.Module) -> dict[int, torch.Tensor]:
+    """Weight quantizers that a placement owns for functionally used weights, by id, with the
+    weight each one quantizes (they sit in the quantizer graph, not beside their weight)."""
+    from quantization.hooks import QuantizerGraph
+
+    out: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        if isinstance(m, QuantizerGraph):
+            for qid, use in m.placement.weights.items():
+                if use.module is None and qid in m.quantizers:
+                    tensors: dict[str, torch.Tensor] = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+                    w = tensors.get(use.param)
+                    if w is not None:
+                        out[id(m.quantizers[qid])] = w.detach()
+    return out
+
+
 def _check_static(q: Any, where: str) -> None:
     spec = q.spec
     if spec.dynamic:
@@ -243,6 +263,7 @@ def swap_quantizers(model: nn.Module, *, activation_dtype: ActDtype = "uint8", r
     summary = QDQSummary(activation_dtype=activation_dtype, reduce_range=reduce_range)
     if cls is None:
         return out, summary
+    functional = _functional_weights(out)
     for pname, parent in list(out.named_modules()):
         for cname, child in list(parent.named_children()):
             if not isinstance(child, cls):
@@ -258,7 +279,7 @@ def swap_quantizers(model: nn.Module, *, activation_dtype: ActDtype = "uint8", r
             if q.role == "weight":
                 if getattr(parent, "bn", None) is not None and hasattr(parent, "fold_bn"):
                     parent.fold_bn()  # QAT conv+BN: the exported conv uses the folded weight
-                weight = _weight_of(parent, cname)
+                weight = functional[id(child)] if id(child) in functional else _weight_of(parent, cname)
                 codes = q.int_repr(weight).to(torch.int32)
                 scale, zp = q.scale.detach().float(), q.zero_point.to(torch.int32)
                 qmin, qmax = int(q.qmin), int(q.qmax)

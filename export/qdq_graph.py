@@ -225,6 +225,58 @@ def merge_duplicate_pairs(g: _Graph) -> int:
     return removed
 
 
+def matmul_bias_to_gemm(g: _Graph) -> int:
+    """``Add(MatMul(DQ(x), DQ(W)), b)`` (a Linear on 3-D input, as the exporter writes it) ->
+    ``Reshape(Gemm(DQ(Reshape(q_x, [-1, K])), DQ(W), b), [..., N])``: ORT fuses the Gemm with its bias
+    into one QGemm, where the MatMul form leaves a float Add after MatMulIntegerToFloat. The reshape
+    runs on the 8-bit codes, so the DequantizeLinear still feeds the Gemm directly."""
+    done = 0
+    for n in list(g.g.node):
+        if n.op_type != "MatMul":
+            continue
+        dqx, dqw = g.producer.get(n.input[0]), g.producer.get(n.input[1])
+        if dqx is None or dqw is None or dqx.op_type != "DequantizeLinear" or dqw.op_type != "DequantizeLinear":
+            continue
+        if dqw.input[0] not in g.init or dqx.input[1] not in g.init or g.array(dqx.input[1]).ndim != 0:
+            continue
+        if any(a.name == "block_size" and helper.get_attribute_value(a) for a in dqw.attribute):
+            continue
+        w = g.array(dqw.input[0])
+        cons = g.consumers.get(n.output[0], [])
+        if w.ndim != 2 or len(cons) != 1 or cons[0].op_type != "Add" or n.output[0] in g.outputs:
+            continue
+        add = cons[0]
+        bias_name = add.input[1] if add.input[0] == n.output[0] else add.input[0]
+        if bias_name not in g.init or g.array(bias_name).shape != (w.shape[1],):
+            continue
+        k, cols = w.shape
+        u = {s_: g.unique(f"{n.name}_{s_}") for s_ in ("shape", "lead", "flat", "codes2d", "x2d", "gemm", "outshape",
+                                                    "k", "n", "start", "end")}
+        g.set_init(u["k"], np.array([-1, k], dtype=np.int64))
+        g.set_init(u["n"], np.array([cols], dtype=np.int64))
+        g.set_init(u["start"], np.array([0], dtype=np.int64))
+        g.set_init(u["end"], np.array([-1], dtype=np.int64))
+        codes = dqx.input[0]
+        dq_args = list(dqx.input[1:])
+        new = [
+            helper.make_node("Shape", [codes], [u["shape"]], name=u["shape"]),
+            helper.make_node("Slice", [u["shape"], u["start"], u["end"]], [u["lead"]], name=u["lead"]),
+            helper.make_node("Reshape", [codes, u["k"]], [u["codes2d"]], name=u["codes2d"]),
+            helper.make_node("DequantizeLinear", [u["codes2d"], *dq_args], [u["x2d"]], name=u["x2d"]),
+            helper.make_node("Gemm", [u["x2d"], n.input[1], bias_name], [u["gemm"]], name=u["gemm"]),
+            helper.make_node("Concat", [u["lead"], u["n"]], [u["outshape"]], name=u["outshape"], axis=0),
+            helper.make_node("Reshape", [u["gemm"], u["outshape"]], [add.output[0]], name=f"{n.name}_out"),
+        ]
+        idx = list(g.g.node).index(n)
+        g.g.node.remove(n)
+        g.g.node.remove(add)
+        for j, node in enumerate(new):
+            g.g.node.insert(idx + j, node)
+        g.refresh()
+        done += 1
+    return done
+
+
 def quantize_biases(g: _Graph) -> int:
     """Float bias of a Conv/Gemm whose input and weight come from DequantizeLinear -> int32 codes with
     scale ``s_x * s_w`` and a DequantizeLinear (what ORT's QDQ selectors need to fuse the op)."""
@@ -238,7 +290,7 @@ def quantize_biases(g: _Graph) -> int:
         if dqx.input[1] not in g.init or dqw.input[1] not in g.init:
             continue
         bias = g.array(n.input[2])
-        if bias.dtype != np.float32 or len(g.consumers.get(n.input[2], [])) != 1:
+        if bias.dtype != np.float32:
             continue
         sx, sw = g.array(dqx.input[1]), g.array(dqw.input[1])
         if sx.ndim != 0:
@@ -256,7 +308,8 @@ def quantize_biases(g: _Graph) -> int:
         g.g.node.insert(idx, dq)
         old = n.input[2]
         n.input[2] = on
-        g.g.initializer.remove(g.init[old])
+        if not g.consumers.get(old) or g.consumers[old] == [n]:  # shared (deduplicated) biases stay for the others
+            g.g.initializer.remove(g.init[old])
         g.refresh()
         done += 1
     return done
@@ -301,6 +354,47 @@ def quantize_embedding_tables(g: _Graph, *, min_numel: int = 1 << 16) -> int:
     return done
 
 
+def float_weights_for_float_layers(g: _Graph) -> int:
+    """A Conv/Gemm/MatMul that ORT will not fuse into an integer kernel keeps its fast float kernel:
+    its weight becomes the dequantized float initializer instead of a DequantizeLinear, which ORT's
+    float kernels cannot pre-pack (a Conv fed by a DQ weight also loses the blocked NCHWc kernel).
+    ORT fuses only when the data input comes from a DequantizeLinear and, for Conv, the output goes
+    to one QuantizeLinear alone. The values are the same, so the output does not change."""
+    done = 0
+    for n in list(g.g.node):
+        if n.op_type not in ("Conv", "Gemm", "MatMul") or len(n.input) < 2:
+            continue
+        dqw, dqx = g.producer.get(n.input[1]), g.producer.get(n.input[0])
+        if dqw is None or dqw.op_type != "DequantizeLinear" or not all(i in g.init for i in dqw.input if i):
+            continue
+        if any(a.name == "block_size" and helper.get_attribute_value(a) for a in dqw.attribute):
+            continue
+        fused = dqx is not None and dqx.op_type == "DequantizeLinear"
+        if n.op_type == "Conv":
+            out = n.output[0]
+            outs = g.consumers.get(out, [])
+            while len(outs) == 1 and outs[0].op_type in ("Relu", "Clip") and out not in g.outputs:
+                out = outs[0].output[0]  # ORT removes a Relu/Clip whose range the Q after it clamps anyway
+                outs = g.consumers.get(out, [])
+            fused = fused and len(outs) == 1 and outs[0].op_type == "QuantizeLinear" and out not in g.outputs
+        if fused:
+            continue
+        codes = g.array(dqw.input[0]).astype(np.float32)
+        scale = g.array(dqw.input[1]).astype(np.float32)
+        zp = g.array(dqw.input[2]).astype(np.float32) if len(dqw.input) > 2 and dqw.input[2] else np.zeros_like(scale)
+        if scale.ndim:
+            axis = next((helper.get_attribute_value(a) for a in dqw.attribute if a.name == "axis"), 1)
+            shape = [1] * codes.ndim
+            shape[axis % codes.ndim] = -1
+            scale, zp = scale.reshape(shape), zp.reshape(shape)
+        name = g.unique(f"{n.input[1]}_float")
+        g.set_init(name, ((codes - zp) * scale).astype(np.float32))
+        n.input[1] = name
+        g.refresh()
+        done += 1
+    return done
+
+
 def remove_unused_initializers(g: _Graph) -> int:
     used = {i for n in g.g.node for i in n.input} | g.outputs
     dead = [i for i in g.g.initializer if i.name not in used]
@@ -313,8 +407,9 @@ def remove_unused_initializers(g: _Graph) -> int:
     return len(dead)
 
 
-def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False) -> dict[str, int]:
-    """Run the QDQ passes in place; returns how many edits each made."""
+def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False, ort_float_weights: bool = True) -> dict[str, int]:
+    """Run the QDQ passes in place; returns how many edits each made. ``ort_float_weights``: give
+    layers ORT will not fuse float weights (only for files ORT runs: other runtimes fuse otherwise)."""
     g = _Graph(model.graph)
     stats = {
         "int8_embedding_tables": quantize_embedding_tables(g) if quantize_embeddings else 0,
@@ -323,6 +418,10 @@ def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False)
         "weight_transposes": fold_weight_transposes(g),
         "int4_weights": pack_int4(g),
         "redundant_pairs": merge_duplicate_pairs(g),
+        "bias_gemms": matmul_bias_to_gemm(g),
+        # weight-only models (no activation Q) keep int8 weights: their point is the file size
+        "float_weights": float_weights_for_float_layers(g)
+        if ort_float_weights and any(n.op_type == "QuantizeLinear" for n in g.g.node) else 0,
         "int32_biases": quantize_biases(g),
     }
     stats["unused_initializers"] += remove_unused_initializers(g)

@@ -24,6 +24,10 @@ class ExportRecord(BaseModel):
     size_bytes: int
     integer_nodes: int | None = None
     integer_ops: dict[str, int] = Field(default_factory=dict)
+    #: Conv/MatMul/Gemm/Add nodes ORT still runs in float (``OpType:node``), for QDQ exports
+    float_nodes: list[str] = Field(default_factory=list)
+    #: layers and ops the quantizer placement left float on purpose, with the reason (``op call: why``)
+    kept_float: dict[str, str] = Field(default_factory=dict)
     opset: int | None = None
     dynamic_batch: bool = True
     inputs: list[str] = Field(default_factory=list)

@@ -8,6 +8,7 @@ import os
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -175,8 +176,8 @@ def is_integer_kernel(op_type: str) -> bool:
     return op_type.startswith("QLinear") or op_type in _INTEGER_OPS or op_type.startswith("NhwcQLinear")
 
 
-def ort_optimized_ops(path: Path) -> Counter[str]:
-    """Op types of the graph ORT actually runs on CPU after its optimizations (incl. QDQ fusion)."""
+def ort_optimized_graph(path: Path) -> onnx.ModelProto:
+    """The graph ORT actually runs on CPU after its optimizations (incl. QDQ fusion)."""
     import onnxruntime as ort
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,8 +191,48 @@ def ort_optimized_ops(path: Path) -> Counter[str]:
                                  disabled_optimizers=ort_disabled_optimizers(path))
         except Exception as exc:
             raise ExportError(f"onnxruntime cannot load '{path}': {str(exc).splitlines()[0]}") from exc
-        m = onnx.load(so.optimized_model_filepath, load_external_data=False)
-    return Counter(n.op_type for n in m.graph.node)
+        return onnx.load(so.optimized_model_filepath, load_external_data=False)
+
+
+def ort_optimized_ops(path: Path) -> Counter[str]:
+    """Op types of the graph ORT actually runs on CPU after its optimizations (incl. QDQ fusion)."""
+    return Counter(n.op_type for n in ort_optimized_graph(path).graph.node)
+
+
+#: float compute ops of ORT's optimized CPU graph (what a QDQ model should have turned into integers)
+FLOAT_COMPUTE_OPS = frozenset({"Conv", "FusedConv", "NhwcFusedConv", "MatMul", "FusedMatMul", "Gemm", "FusedGemm", "Add"})
+#: integer ops that do the work of a Conv/MatMul/Gemm/Add
+INTEGER_COMPUTE_OPS = frozenset({
+    "QLinearConv", "NhwcQLinearConv", "QLinearMatMul", "MatMulIntegerToFloat", "QGemm", "QLinearAdd",
+    "ConvInteger", "MatMulInteger", "DynamicQuantizeMatMul", "MatMulNBits", "QAttention",
+})
+
+
+@dataclass
+class Coverage:
+    """Which Conv/MatMul/Gemm/Add work ORT runs in integers in a QDQ model, and what stays float."""
+
+    integer_ops: dict[str, int]
+    float_nodes: list[str]
+
+    @property
+    def integer(self) -> int:
+        return sum(v for k, v in self.integer_ops.items() if k in INTEGER_COMPUTE_OPS)
+
+    @property
+    def share(self) -> float:
+        """Integer compute kernels over all compute kernels (1.0: nothing runs in float)."""
+        total = self.integer + len(self.float_nodes)
+        return self.integer / total if total else 1.0
+
+
+def ort_coverage(path: Path) -> Coverage:
+    """The integer kernels of ORT's optimized CPU graph, and the float Conv/MatMul/Gemm/Add nodes
+    left in it (``OpType:node_name``)."""
+    g = ort_optimized_graph(path).graph
+    ints = Counter(n.op_type for n in g.node if is_integer_kernel(n.op_type))
+    floats = [f"{n.op_type}:{n.name}" for n in g.node if n.op_type in FLOAT_COMPUTE_OPS]
+    return Coverage(dict(sorted(ints.items())), floats)
 
 
 def integer_kernel_count(path: Path) -> tuple[int, dict[str, int]]:
