@@ -1,0 +1,215 @@
+"""Quantizer placement on models nobody here wrote: compress vs ONNX Runtime's ``quantize_static``.
+
+For each model of benchmarks/hf_suite.py (transformers architectures from configs, random weights):
+quantize with compress (w8a8 static, per-channel weights, minmax) and export QDQ; run ORT's own
+``quantize_static`` (QDQ, per-channel, uint8 activations, minmax) on compress's fp32 export with the
+same calibration batches; then, side by side in one run:
+
+- coverage: integer kernels / (integer + float Conv/MatMul/Gemm/Add) in ORT's optimized graph;
+- SQNR (dB) of each int8 model's ORT output against the fp32 model's ORT output on held-out inputs;
+- ORT latency at a serving batch (fp32, compress int8 and ORT int8 timed in interleaved rounds,
+  medians after warm-up) and the speedups over fp32;
+- file size over the fp32 file.
+
+``python -m benchmarks.real_models [--models resnet bert ...] [--rounds N]`` writes
+benchmarks/results/real_models.json and the "Real models" section of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.hf_suite import SUITE, SuiteModel
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+JSON_OUT = Path(__file__).parent / "results" / "real_models.json"
+SECTION = "## Real models: quantizer placement vs ORT quantize_static"
+
+
+def _feeds(sess: Any, x: Any) -> dict[str, np.ndarray]:
+    names = [i.name for i in sess.get_inputs()]
+    if isinstance(x, dict):
+        return {n: x[n].numpy() for n in names if n in x}
+    return {names[0]: x.numpy()}
+
+
+def _sqnr(ref: np.ndarray, out: np.ndarray) -> float:
+    ref, out = ref.astype(np.float64), out.astype(np.float64)
+    return float(10 * np.log10((ref**2).mean() / max(((ref - out) ** 2).mean(), 1e-30)))
+
+
+def _session(path: Path, threads: int) -> Any:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _ort_static(fp32: Path, out: Path, calib: list[Any]) -> None:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    sess = _session(fp32, 1)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.it = iter([_feeds(sess, x) for x in calib])
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.it, None)
+
+    quantize_static(str(fp32), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+
+
+def _serving_input(sm: SuiteModel) -> Any:
+    g = torch.Generator().manual_seed(99)
+    if sm.kind == "text":
+        ids = sm.example["input_ids"]
+        return {"input_ids": torch.randint(0, 200, (8, 64), generator=g)} if ids is not None else None
+    x = sm.calibration[0]
+    return torch.randn(32, *x.shape[1:], generator=g)
+
+
+def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int) -> dict[str, float]:
+    feeds = {k: _feeds(s, x) for k, s in sessions.items()}
+    for k, s in sessions.items():  # warm-up
+        for _ in range(3):
+            s.run(None, feeds[k])
+    times: dict[str, list[float]] = {k: [] for k in sessions}
+    for _ in range(rounds):
+        for k, s in sessions.items():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                s.run(None, feeds[k])
+            times[k].append((time.perf_counter() - t0) / reps * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run_one(name: str, *, rounds: int, threads: int) -> dict[str, Any]:
+    import compress
+    from export.onnx import export_onnx
+    from export.runtimes import ort_coverage
+
+    sm = SUITE[name](0)
+    fp = copy.deepcopy(sm.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        f32, ours, theirs = d / "fp32.onnx", d / "ours.int8.onnx", d / "ort.int8.onnx"
+        export_onnx(fp, sm.example, f32)
+        t0 = time.perf_counter()
+        q = compress.quantize(sm.model, "w8a8", sm.calibration)
+        t_quant = time.perf_counter() - t0
+        export_onnx(q, sm.example, ours)
+        t0 = time.perf_counter()
+        _ort_static(f32, theirs, sm.calibration)
+        t_ort = time.perf_counter() - t0
+        held = SUITE[name](7).calibration[:2]  # other inputs, same shapes
+        sessions = {k: _session(p, threads) for k, p in (("fp32", f32), ("compress", ours), ("ort", theirs))}
+        sq: dict[str, list[float]] = {"compress": [], "ort": []}
+        for x in held:
+            ref = sessions["fp32"].run(None, _feeds(sessions["fp32"], x))[0]
+            for k in sq:
+                sq[k].append(_sqnr(ref, sessions[k].run(None, _feeds(sessions[k], x))[0]))
+        cov = {"compress": ort_coverage(ours), "ort": ort_coverage(theirs)}
+        lat = _time(sessions, _serving_input(sm), rounds, reps=3)
+        size = {k: p.stat().st_size for k, p in (("fp32", f32), ("compress", ours), ("ort", theirs))}
+    placement = q.quantizer_graph.placement
+    return {
+        "model": name,
+        "kind": sm.kind,
+        "coverage": {k: round(c.share, 3) for k, c in cov.items()},
+        "integer_kernels": {k: c.integer for k, c in cov.items()},
+        "float_nodes": {k: c.float_nodes for k, c in cov.items()},
+        "kept_float": placement.floats,
+        "sqnr_db": {k: round(statistics.mean(v), 2) for k, v in sq.items()},
+        "latency_ms": {k: round(v, 3) for k, v in lat.items()},
+        "speedup": {k: round(lat["fp32"] / lat[k], 3) for k in ("compress", "ort")},
+        "size_ratio": {k: round(size[k] / size["fp32"], 3) for k in ("compress", "ort")},
+        "quantize_s": {"compress": round(t_quant, 2), "ort": round(t_ort, 2)},
+    }
+
+
+def _machine() -> str:
+    import os
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError, StopIteration):
+        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                   if ln.startswith("model name"))
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, load average {load:.1f} at the start"
+
+
+def write_results(rows: list[dict[str, Any]], machine: str, threads: int) -> None:
+    lines = [SECTION, "",
+             f"`python -m benchmarks.real_models` on {machine}; ORT {threads} thread(s); serving batch: 32 images "
+             "or 8 x 64 tokens; latency = interleaved medians after warm-up. Coverage = integer kernels / (integer + "
+             "float Conv/MatMul/Gemm/Add) in ORT's optimized graph. SQNR of each int8 model's ORT output to the "
+             "fp32 model's ORT output on held-out inputs. Random-weight models from transformers configs "
+             "(benchmarks/hf_suite.py).", "",
+             "| model | coverage compress / ORT | SQNR dB compress / ORT | speedup compress / ORT | size compress / ORT |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | |")
+            continue
+        c, s, v, z = r["coverage"], r["sqnr_db"], r["speedup"], r["size_ratio"]
+        lines.append(f"| {r['model']} | {c['compress']:.2f} / {c['ort']:.2f} | {s['compress']:.1f} / {s['ort']:.1f} | "
+                     f"{v['compress']:.2f}x / {v['ort']:.2f}x | {z['compress']:.2f} / {z['ort']:.2f} |")
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        med = {k: statistics.median(r["speedup"][k] for r in ok) for k in ("compress", "ort")}
+        cov = {k: statistics.median(r["coverage"][k] for r in ok) for k in ("compress", "ort")}
+        lines += ["", f"Medians over {len(ok)} models: coverage {cov['compress']:.2f} (compress) vs {cov['ort']:.2f} "
+                  f"(ORT); speedup {med['compress']:.2f}x vs {med['ort']:.2f}x."]
+    floats = [f"- {r['model']}: " + "; ".join(f"`{k}`: {v}" for k, v in r["kept_float"].items())
+              for r in ok if r["kept_float"]]
+    if floats:
+        lines += ["", "Left float by compress's placement, with its reason:", *floats]
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    if SECTION in text:
+        head, _, rest = text.partition(SECTION)
+        nxt = rest.find("\n## ")
+        text = head + "\n".join(lines) + ("\n" + rest[nxt + 1:] if nxt >= 0 else "\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
+    RESULTS.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="*", default=list(SUITE))
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    machine = _machine()
+    rows = []
+    for name in args.models:
+        try:
+            row = run_one(name, rounds=args.rounds, threads=args.threads)
+        except Exception as exc:  # one model's failure is a result, not the end of the run
+            row = {"model": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        print(json.dumps({k: v for k, v in row.items() if k not in ("float_nodes",)}), flush=True)
+        rows.append(row)
+    JSON_OUT.parent.mkdir(exist_ok=True)
+    JSON_OUT.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    write_results(rows, machine, args.threads)
+
+
+if __name__ == "__main__":
+    main()
