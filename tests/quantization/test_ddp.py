@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from quantization import calibrate, prepare, quantizers
+from quantization import calibrate, input_quantizer, prepare, quantizers
 from quantization.smoothquant import smooth_quant
 from quantization.spec import QuantScheme, QuantSpec
 
@@ -26,6 +27,12 @@ def _model() -> nn.Module:
 
 def _scheme(observer: str) -> QuantScheme:
     return QuantScheme(inputs=QuantSpec(dtype="uint8", symmetric=False, observer=observer))
+
+
+def _iq(m: nn.Module) -> Any:
+    q = input_quantizer(m, "0")
+    assert q is not None
+    return q
 
 
 def _data(rank: int) -> list[torch.Tensor]:
@@ -49,7 +56,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             m = _model()
             prepare(m, QuantScheme(weights=QuantSpec(granularity="channel"), inputs=_scheme("minmax").inputs))
             smooth_quant(m, _data(rank), alpha=sq)
-            result[f"sq_{sq}"] = {"w": m[0].weight.detach().clone(), "s": m[0].input_quantizer.pre_quant_scale.clone()}
+            result[f"sq_{sq}"] = {"w": m[0].weight.detach().clone(), "s": _iq(m).pre_quant_scale.clone()}
         # QAT with LSQ under DDP: scales get averaged gradients and stay identical across ranks
         m = _model()
         prepare(m, _scheme("minmax"))
@@ -92,5 +99,6 @@ def test_observers_all_reduce_across_ranks(tmp_path: Path) -> None:
     solo = _model()
     prepare(solo, _scheme("minmax"))
     calibrate(solo, _data(0))
-    assert not torch.equal(dict(quantizers(solo))["0.input_quantizer"].scale, r0["minmax"]["0.input_quantizer"])
+    name0 = next(n for n, q in quantizers(solo) if q is _iq(solo))
+    assert not torch.equal(_iq(solo).scale, r0["minmax"][name0])
     assert any(not torch.equal(r0["lsq"][n], r0["minmax"][n]) for n in r0["lsq"])  # LSQ moved the scales

@@ -14,11 +14,13 @@ from torch import nn
 if not torch.cuda.is_available():  # before the kernels are first imported (jit decides then)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import compress
 from compress.errors import CompressError, UnsupportedModelError
+from quantization.calibration import calibrate
 from quantization.int8 import Int8Conv2d, Int8Linear
+from quantization.modules import QUANT_LAYERS
+from quantization.preparation import calibrate_weight
 from quantization.primitives import quantize
-from quantization.spec import QuantScheme, QuantSpec
+from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs compress[triton]")
 
@@ -36,8 +38,13 @@ def device(request: pytest.FixtureRequest) -> str:
 
 
 def _quantized(layer: nn.Module, scheme: QuantScheme | str, data: list[torch.Tensor]) -> nn.Module:
-    q = compress.quantize(nn.Sequential(layer), scheme, data)
-    return q[0]
+    """The layer as a quantized module owning its input (and output) quantizers: the module-level
+    form the int8 modules are checked against (prepare places activation quantizers on the graph)."""
+    s = resolve_scheme(scheme)
+    q = QUANT_LAYERS[type(layer)].from_float(layer, s, name="0", weights=s.weights)
+    calibrate_weight(q)
+    calibrate(nn.Sequential(q), data)
+    return q
 
 
 def _linear(scheme: QuantScheme | str, *, k: int = 70, n: int = 45, seed: int = 0) -> nn.Module:

@@ -15,7 +15,7 @@ from torch import nn
 from compress.errors import RecipeError
 from compress.recipe import load_recipe
 from compress.session import Session
-from quantization import QuantConv2d, QuantLinear, quantizers, set_quantizers
+from quantization import QuantConv2d, QuantLinear, input_quantizer, quantizers, set_quantizers
 from quantization.modifiers import scales_of
 
 
@@ -144,8 +144,8 @@ def test_qat_observers_track_then_freeze() -> None:
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     recipe = _recipe([{"type": "qat", "freeze_observers_epoch": 1, "num_batches": 1}], epochs=2)
     with Session(recipe, m, optimizer=opt, steps_per_epoch=len(data), train_data=data) as s:
-        iq = s.model.fc.input_quantizer
-        assert isinstance(s.model.fc, QuantLinear) and iq.observing and iq.observer.spec.observer == "ema"
+        iq = input_quantizer(s.model, "fc")
+        assert iq is not None and isinstance(s.model.fc, QuantLinear) and iq.observing and iq.observer.spec.observer == "ema"
         for epoch in range(2):
             for x, y in data:
                 opt.zero_grad()

@@ -11,19 +11,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress.errors import CalibrationError, CompressError, TargetMatchError, UnsupportedModelError
-from compress.models.ops import Add, Concat, MatMul
 from quantization import (
-    QuantAdd,
-    QuantConcat,
     QuantConv2d,
     QuantLinear,
-    QuantMatMul,
     calibrate,
     prepare,
     quantize,
     quantizers,
     strip,
 )
+from quantization.hooks import graph_of
 from quantization.primitives import fake_quantize
 
 
@@ -33,17 +30,15 @@ class Block(nn.Module):
         self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(8)
         self.conv2 = nn.Conv2d(8, 8, 3, padding=1, groups=2)
-        self.add = Add()
-        self.cat = Concat(dim=1)
-        self.mm = MatMul()
         self.fc = nn.Linear(16 * 4, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # tensor ops written as users write them: functional, operators, no wrapper modules
         h = torch.relu(self.bn1(self.conv1(x)))
-        h = self.add(h, self.conv2(h))
-        h = self.cat(h, h * 0.5)  # [N, 16, 8, 8]
+        h = h + self.conv2(h)
+        h = torch.cat([h, h * 0.5], dim=1)  # [N, 16, 8, 8]
         h = F.adaptive_avg_pool2d(h, 2).flatten(2)  # [N, 16, 4]
-        h = self.mm(h, h.transpose(1, 2))  # [N, 16, 16]
+        h = h @ h.transpose(1, 2)  # [N, 16, 16]
         return self.fc(h[:, :, :4].reshape(h.shape[0], -1))
 
 
@@ -86,25 +81,29 @@ def test_quant_linear_matches_functional_reference_bit_exact() -> None:
     zp = int(min(max(0 - round(lo / s), 0), 255))
     xq = torch.fake_quantize_per_tensor_affine(x, s, zp, 0, 255)
     ref = F.linear(xq, wq, lin.bias)
-    torch.testing.assert_close(ql(x), ref, atol=0, rtol=0)
+    torch.testing.assert_close(root(x), ref, atol=0, rtol=0)
     assert ql.weight is lin.weight or torch.equal(ql.weight, lin.weight)
 
 
-def test_ops_wrappers_quantize_each_operand_and_output() -> None:
+def test_functional_ops_are_quantized_where_the_graph_says() -> None:
     m = _model()
     prepare(m, "w8a8")
-    assert isinstance(m.add, QuantAdd) and isinstance(m.mm, QuantMatMul) and isinstance(m.cat, QuantConcat)
     calibrate(m, _data())
-    a, b = torch.randn(2, 8, 8, 8), torch.randn(2, 8, 8, 8)
-    qa, qb, qo = m.add.input_quantizers[0], m.add.input_quantizers[1], m.add.output_quantizer
+    pl = m.quantizer_graph.placement
+    add, cat, mm = pl.entries[":add#0"], pl.entries[":cat#0"], pl.entries[":matmul#0"]
+    assert set(add) == {"0", "1"} and add["0"] != add["1"]  # the residual and the conv output
+    assert len(cat) == 2  # both concat inputs quantized (ORT's QLinearConcat requantizes each)
+    assert set(mm) == {"0", "1"}
+    q = m.quantizer_graph.quantizers
+    a = torch.randn(2, 8, 8, 8)
 
-    def fq(q, t):
-        return fake_quantize(t, q.scale, q.zero_point, q.qmin, q.qmax)
+    def fq(qid: str, t: torch.Tensor) -> torch.Tensor:
+        z = q[qid]
+        return fake_quantize(t, z.scale, z.zero_point, z.qmin, z.qmax)
 
-    torch.testing.assert_close(m.add(a, b), fq(qo, fq(qa, a) + fq(qb, b)), atol=0, rtol=0)
-    c = m.cat(a, b)
-    q = m.cat.input_quantizer
-    torch.testing.assert_close(c, torch.cat([fq(q, a), fq(q, b)], 1), atol=0, rtol=0)
+    # the relu output feeds conv2 and the add through one quantizer: one Q/DQ pair when exported
+    assert pl.entries["conv2:conv#0"]["0"] == add["0"]
+    assert fq(add["0"], fq(add["0"], a)).equal(fq(add["0"], a))
 
 
 def test_prepare_then_strip_is_reversible() -> None:
@@ -120,7 +119,8 @@ def test_prepare_then_strip_is_reversible() -> None:
     assert set(q.state_dict()) == keys
     assert all(torch.equal(a, b) for a, b in zip(q.state_dict().values(), m.state_dict().values()))
     torch.testing.assert_close(q(x), ref, atol=0, rtol=0)
-    assert not any(isinstance(mod, (QuantLinear, QuantConv2d, QuantAdd)) for mod in q.modules())
+    assert not any(isinstance(mod, (QuantLinear, QuantConv2d)) for mod in q.modules()) and graph_of(q) is None
+    assert not q._forward_pre_hooks and not q._forward_hooks
 
 
 def test_bn_fold_for_ptq_preserves_float_function() -> None:
@@ -128,7 +128,7 @@ def test_bn_fold_for_ptq_preserves_float_function() -> None:
     x = torch.randn(4, 3, 8, 8)
     ref = m(x)
     q = copy.deepcopy(m)
-    prepare(q, "w8a8", bn="fold")
+    prepare(q, "w8a8", bn="fold", example_inputs=x)
     assert isinstance(q.bn1, nn.Identity) and q.conv1.bias is not None
     for _, fq in quantizers(q):
         fq.enabled = False
@@ -164,10 +164,16 @@ def test_targets_ignore_first_last() -> None:
     m = _model()
     prepare(m, "w8a8", targets=["type:Conv2d", "fc"], ignore=["conv2"], quantize_ops=False)
     assert isinstance(m.conv1, QuantConv2d) and type(m.conv2) is nn.Conv2d and isinstance(m.fc, QuantLinear)
-    assert type(m.add) is Add
+    calibrate(m, _data())
+    entries = m.quantizer_graph.placement.entries
+    # no tensor-op quantizers: the add reads conv2's (float) output unquantized, the matmul nothing;
+    # conv1's output is still quantized (after its ReLU) since ORT fuses conv1 only then
+    assert "1" not in entries.get(":add#0", {}) and ":matmul#0" not in entries
+    assert type(m.conv2) is nn.Conv2d
     m = _model()
-    prepare(m, "w8a8", first_last="float")
+    prepare(m, "w8a8", first_last="float", example_inputs=_data(1)[0])
     assert type(m.conv1) is nn.Conv2d and type(m.fc) is nn.Linear and isinstance(m.conv2, QuantConv2d)
+    assert {"conv1:conv#0", "fc:linear#0"} <= set(m.quantizer_graph.placement.floats)
     m = _model()
     prepare(m, "w4_weight_only_g128", first_last="w8")
     assert m.conv1.weight_quantizer.spec.bits == 8 and m.conv2.weight_quantizer.spec.bits == 4

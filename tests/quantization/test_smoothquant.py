@@ -4,13 +4,14 @@ mean output shift; both undo cleanly with strip."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 from pydantic import ValidationError
 from torch import nn
 
-from quantization import QuantizeParams, quantize, set_quantizers, strip
+from quantization import QuantizeParams, input_quantizer, quantize, set_quantizers, strip
 from quantization.correction import bias_correction
 from quantization.smoothquant import smooth_quant
 
@@ -25,6 +26,12 @@ def _inputs(seed: int, n: int = 4) -> list[torch.Tensor]:
     scale = torch.ones(64)
     scale[:3] = 40.0  # a few outlier features, as in transformer activations
     return [torch.randn(32, 64, generator=g) * scale for _ in range(n)]
+
+
+def _iq(model: nn.Module, name: str) -> Any:
+    q = input_quantizer(model, name)
+    assert q is not None
+    return q
 
 
 def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -44,7 +51,7 @@ def test_smoothquant_fixed_and_auto_preserve_float_and_improve_sqnr() -> None:
         fixed, auto = smoothed[0.5], smoothed["auto"]
         assert _sqnr(ref, fixed(x)) > _sqnr(ref, plain(x)) + 3.0
         # the first layer has the outliers: auto smooths it, and lands no worse than either
-        assert auto[0].input_quantizer.pre_quant_scale is not None
+        assert _iq(auto, "0").pre_quant_scale is not None
         assert _sqnr(ref, auto(x)) >= max(_sqnr(ref, fixed(x)), _sqnr(ref, plain(x))) - 0.5
         for q in smoothed.values():
             set_quantizers(q, enabled=False)
@@ -89,9 +96,9 @@ def test_layers_reading_one_tensor_share_one_smoothing(alpha: float | str) -> No
     m = _TwoHeads().eval()
     x = _inputs(9)[0]
     q = quantize(copy.deepcopy(m), "w8a8", _inputs(1), params=QuantizeParams(smoothquant=alpha))  # type: ignore[arg-type]
-    sa, sb = q.a.input_quantizer.pre_quant_scale, q.b.input_quantizer.pre_quant_scale
+    sa, sb = _iq(q, "a").pre_quant_scale, _iq(q, "b").pre_quant_scale
     assert sa is not None and torch.equal(sa, sb)
-    assert torch.equal(q.a.input_quantizer.scale, q.b.input_quantizer.scale)  # one QuantizeLinear when exported
+    assert _iq(q, "a") is _iq(q, "b")  # one quantizer: one Mul and one QuantizeLinear when exported
     with torch.no_grad():
         set_quantizers(q, enabled=False)
         torch.testing.assert_close(q(x), m(x), atol=1e-3, rtol=1e-4)
