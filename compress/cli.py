@@ -13,9 +13,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from compress.errors import CompressError, ValidationFailed
+
+if TYPE_CHECKING:
+    from compress.report import Report
 
 log = logging.getLogger("compress")
 
@@ -87,18 +90,34 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     out = args.out or f"runs/{recipe.name}"
     report = apply(recipe, out_dir=out, device=args.device, overwrite=args.overwrite, resume=args.resume,
                    quiet=args.quiet)
-    b, f = report.baseline, report.final
-    print(f"{recipe.name}: baseline {report.metric} {_f(b.accuracy)} -> final {_f(f.accuracy)}; "
-          f"params {b.params} -> {f.params}; {report.seconds or 0:.1f} s; report: {Path(out) / 'report.md'}")
-    for v in report.validation:
-        print(f"  {v.runtime} {v.precision}: {report.metric} {_f(v.accuracy)}, latency_ms {v.latency_ms}, "
-              f"speedup {v.speedup}")
     missed = [t for t in report.thresholds if not t.passed]
-    for t in report.thresholds:
-        print(f"  threshold {t.name}: {_f(t.value)} (limit {t.limit}) {'ok' if t.passed else 'MISSED'}")
+    if int(os.environ.get("RANK", "0")) != 0:
+        # under torchrun every rank holds rank 0's report; rank 0 alone speaks, all exit alike
+        return ValidationFailed.exit_code if missed else 0
+    print(summary(report, out=Path(out)))
     if missed:
-        raise ValidationFailed(", ".join(f"{t.name} {_f(t.value)} vs limit {t.limit}" for t in missed))
+        raise ValidationFailed(", ".join(f"{t.name} {_f(t.value)} vs limit {_f(t.limit)}" for t in missed))
     return 0
+
+
+def summary(report: Report, *, out: Path) -> str:
+    """The closing lines of ``compress apply``: accuracy, size, runtime figures, thresholds."""
+    b, f = report.baseline, report.final
+    name = report.recipe.get("name", "recipe")
+    lines = [f"{name}: baseline {report.metric} {_f(b.accuracy)} -> final {_f(f.accuracy)}; "
+             f"params {_n(b.params)} -> {_n(f.params)}; {report.seconds or 0:.1f} s; report: {out / 'report.md'}"]
+    for v in report.validation:
+        lat = ", ".join(f"b{k} {_f(ms)} ms" for k, ms in v.latency_ms.items())
+        spd = ", ".join(f"b{k} {_f(x)}x" for k, x in (v.speedup or {}).items())
+        lines.append(f"  {v.runtime} {v.role} {v.precision}: {report.metric} {_f(v.accuracy)}"
+                     + (f"; latency {lat}" if lat else "") + (f"; speedup {spd}" if spd else ""))
+    for t in report.thresholds:
+        lines.append(f"  threshold {t.name}: {_f(t.value)} (limit {_f(t.limit)}) {'ok' if t.passed else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def _n(x: int | None) -> str:
+    return "-" if x is None else f"{x:,}"
 
 
 def _f(x: float | None) -> str:

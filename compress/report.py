@@ -12,12 +12,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from compress.io import atomic_write_text
+from export.records import ExportRecord, ThresholdRecord, ValidationRecord
 
 log = logging.getLogger(__name__)
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
 
 class ModelFigures(_Model):
@@ -40,28 +41,6 @@ class StageReport(_Model):
     seconds: float | None = None
 
 
-class ExportReport(_Model):
-    path: str
-    format: str
-    size_bytes: int
-
-
-class ValidationReport(_Model):
-    runtime: str
-    precision: str
-    accuracy: float | None = None
-    parity: dict[str, Any] = Field(default_factory=dict)
-    latency_ms: dict[str, float] = Field(default_factory=dict)
-    speedup: dict[str, float | None] = Field(default_factory=dict)
-
-
-class ThresholdReport(_Model):
-    name: str
-    limit: float
-    value: float | None
-    passed: bool
-
-
 class Report(_Model):
     """Everything a run measured. ``report.json`` is this model dumped as JSON."""
 
@@ -72,9 +51,9 @@ class Report(_Model):
     baseline: ModelFigures = Field(default_factory=ModelFigures)
     stages: list[StageReport] = Field(default_factory=list)
     final: ModelFigures = Field(default_factory=ModelFigures)
-    exports: list[ExportReport] = Field(default_factory=list)
-    validation: list[ValidationReport] = Field(default_factory=list)
-    thresholds: list[ThresholdReport] = Field(default_factory=list)
+    exports: list[ExportRecord] = Field(default_factory=list)
+    validation: list[ValidationRecord] = Field(default_factory=list)
+    thresholds: list[ThresholdRecord] = Field(default_factory=list)
     seconds: float | None = None
 
     @property
@@ -137,6 +116,8 @@ def _fmt(v: Any) -> str:
         return f"{v:,}"
     if isinstance(v, dict):
         return ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        return "; ".join(_fmt(x) for x in v)
     return str(v)
 
 
@@ -177,14 +158,15 @@ def render_markdown(report: Report, *, plot_name: str | None = None) -> str:
             out.append(f"\n![{Path(a).stem}]({a})\n")
     if r.exports:
         out.append("\n## Exports\n")
-        out.append(md_table([e.model_dump() for e in r.exports]))
+        out.append(md_table([e.model_dump(mode="json") for e in r.exports],
+                            ["role", "path", "format", "size_bytes", "integer_nodes"]))
     if r.validation:
         out.append("\n## Validation\n")
-        out.append(md_table([v.model_dump() for v in r.validation],
-                            ["runtime", "precision", "accuracy", "parity", "latency_ms", "speedup"]))
+        out.append(md_table([v.model_dump(mode="json") for v in r.validation],
+                            ["runtime", "role", "precision", "accuracy", "parity", "latency_ms", "speedup", "notes"]))
     if r.thresholds:
         out.append("\n## Thresholds\n")
-        out.append(md_table([t.model_dump() for t in r.thresholds]))
+        out.append(md_table([t.model_dump() for t in r.thresholds], ["name", "limit", "value", "passed", "where"]))
     out.append("\n## Environment\n")
     out.append(md_table([{"what": k, "value": v} for k, v in {**r.versions, **r.machine}.items()]))
     return "\n".join(out)

@@ -26,16 +26,7 @@ from compress.errors import RecipeError
 from compress.io import atomic_write_text
 from compress.profile import count_macs, count_params, state_size_bytes
 from compress.recipe import Recipe, load_recipe
-from compress.report import (
-    ExportReport,
-    ModelFigures,
-    Report,
-    StageReport,
-    ThresholdReport,
-    ValidationReport,
-    machine,
-    versions,
-)
+from compress.report import ModelFigures, Report, StageReport, machine, versions
 from compress.session import Session, StageResult
 from compress.training import (
     Dist,
@@ -46,6 +37,7 @@ from compress.training import (
     save_checkpoint,
     seed_everything,
 )
+from export.records import ThresholdRecord
 
 #: the pickled final module in a run folder's checkpoints/ (quantized runs only)
 FINAL_MODEL = "final_model.pt"
@@ -187,14 +179,28 @@ def apply(
         atomic_write_text(out / "recipe.yaml", r.to_yaml())
     try:
         with _log_to(out / "run.log" if main else None, quiet):
-            report = _run(run, out, resume=resume)
+            try:
+                report = _run(run, out, resume=resume)
+            except Exception:
+                # the traceback belongs in run.log (the console shows one line); then re-raise
+                log.exception("run failed")
+                raise
+            report.seconds = time.perf_counter() - t0
+            if main:
+                report.write(out)
+            if run.dist.enabled:
+                report = _share_report(report)
     finally:
         if run.dist.enabled and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    report.seconds = time.perf_counter() - t0
-    if main:
-        report.write(out)
     return report
+
+
+def _share_report(report: Report) -> Report:
+    """Rank 0's report, on every rank: one set of records, one threshold verdict, one exit code."""
+    box: list[Any] = [report.model_dump(mode="json") if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return Report.model_validate(box[0])
 
 
 def _run(run: _Run, out: Path, *, resume: bool) -> Report:
@@ -281,20 +287,18 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
                 tmp.unlink(missing_ok=True)
                 log.warning("final model not pickled (%s): `compress validate --backend cuda` needs it", exc)
 
-    # ---- export and validation ----
-    if main and r.export.enabled and run.data.example_inputs is not None:
-        _export_and_validate(run, model, out, report)
-    report.thresholds = check_thresholds(r, report)
+    # ---- export, validation and thresholds: rank 0 alone; the others receive its report ----
+    if main:
+        if r.export.enabled and run.data.example_inputs is not None:
+            _export_and_validate(run, model, out, report)
+        report.thresholds = check_thresholds(r, report)
     return report
 
 
 def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report) -> None:
-    try:
-        from export.pipeline import export_model
-        from export.validate import validate_exports
-    except ImportError as exc:
-        log.warning("export is not available in this install (%s): skipped", exc)
-        return
+    from export.pipeline import export_model
+    from export.validate import validate_exports
+
     r = run.recipe
     model = model.to("cpu").eval()
     reference = run.reference.to("cpu") if run.reference is not None else None
@@ -303,13 +307,7 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
     meta = {"recipe": r.name, "recipe_sha256": hashlib.sha256(r.to_yaml().encode()).hexdigest()[:16]}
     records = export_model(model, _to(run.data.example_inputs, torch.device("cpu")), r.export, out / "export",
                            name=r.name, baseline=reference, metadata=meta)
-    for rec in records:
-        p = Path(rec.path)
-        report.exports.append(ExportReport(
-            path=str(p.relative_to(out)) if p.is_relative_to(out) else str(p), format=rec.format,
-            size_bytes=rec.size_bytes, **{k: v for k, v in _as_dict(rec).items()
-                                          if k not in ("path", "format", "size_bytes")},
-        ))
+    report.exports = [rec.model_copy(update={"path": _rel(rec.path, out)}) for rec in records]
     if not r.validate_.enabled or run.data.eval is None:
         return
     from compress.metrics import make_metric
@@ -317,54 +315,17 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
     needs_ref = make_metric(run.metric).needs_reference
     vals = validate_exports(records, r.validate_, eval_loader=run.data.eval, reference=model,
                             baseline_reference=reference, task="embedding" if needs_ref else "classification")
-    for v in vals:
-        d = _as_dict(v)
-        report.validation.append(ValidationReport(**{
-            **d,
-            "latency_ms": {str(k): x for k, x in (d.get("latency_ms") or {}).items()},
-            "speedup": {str(k): x for k, x in (d.get("speedup") or {}).items()},
-        }))
+    report.validation = [v.model_copy(update={"model_path": _rel(v.model_path, out)}) for v in vals]
 
 
-def _as_dict(obj: Any) -> dict[str, Any]:
-    if hasattr(obj, "model_dump"):
-        return dict(obj.model_dump(mode="json"))
-    import dataclasses
-
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
-    return dict(vars(obj))
+def _rel(path: Path, root: Path) -> Path:
+    p = Path(path)
+    return p.relative_to(root) if p.is_relative_to(root) else p
 
 
-def check_thresholds(recipe: Recipe, report: Report) -> list[ThresholdReport]:
-    """Compare the recipe's validate.thresholds with what the run measured."""
-    th = recipe.validate_.thresholds
-    out: list[ThresholdReport] = []
-    finals = [v for v in report.validation if v.model_extra and v.model_extra.get("role") == "final"]
-    first = finals[0] if finals else None
-    if th.max_accuracy_drop is not None:
-        # the deployed form decides: the runtime's accuracy when validated, else PyTorch's
-        final_acc = first.accuracy if first is not None and first.accuracy is not None else report.final.accuracy
-        base = report.baseline.accuracy
-        drop = None if final_acc is None or base is None else base - final_acc
-        out.append(ThresholdReport(name="max_accuracy_drop", limit=th.max_accuracy_drop, value=drop,
-                                   passed=drop is not None and drop <= th.max_accuracy_drop + 1e-12))
-    if th.min_speedup is not None:
-        sp = [x for x in (first.speedup.values() if first else []) if x is not None]
-        best = max(sp) if sp else None
-        out.append(ThresholdReport(name="min_speedup", limit=th.min_speedup, value=best,
-                                   passed=best is not None and best >= th.min_speedup))
-    if th.min_top1_agreement is not None:
-        val = first.parity.get("top1_agreement") if first else None
-        out.append(ThresholdReport(name="min_top1_agreement", limit=th.min_top1_agreement, value=val,
-                                   passed=val is not None and val >= th.min_top1_agreement))
-    if th.min_cosine is not None:
-        val = first.parity.get("cosine") if first else None
-        out.append(ThresholdReport(name="min_cosine", limit=th.min_cosine, value=val,
-                                   passed=val is not None and val >= th.min_cosine))
-    if th.max_size_ratio is not None:
-        sizes = {(e.model_extra or {}).get("role"): e.size_bytes for e in report.exports}
-        ratio = sizes["final"] / sizes["baseline"] if sizes.get("final") and sizes.get("baseline") else None
-        out.append(ThresholdReport(name="max_size_ratio", limit=th.max_size_ratio, value=ratio,
-                                   passed=ratio is not None and ratio <= th.max_size_ratio))
-    return out
+def check_thresholds(recipe: Recipe, report: Report) -> list[ThresholdRecord]:
+    """The recipe's validate.thresholds against what the run measured (export.validate.check_thresholds)."""
+    from export.validate import check_thresholds as check
+
+    return check(recipe.validate_.thresholds, report.validation, exports=report.exports,
+                 baseline_accuracy=report.baseline.accuracy, final_accuracy=report.final.accuracy)

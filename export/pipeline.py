@@ -11,12 +11,12 @@ from typing import Any
 from torch import nn
 
 from compress.errors import ExportError
-from compress.recipe import ExportSpec
 from export.describe import describe_onnx
 from export.edge import write_triton_repository
 from export.onnx import export_onnx
 from export.qdq import is_quantized, iter_quantizers
 from export.records import ExportRecord, Role
+from export.specs import ExportSpec
 
 log = logging.getLogger(__name__)
 
