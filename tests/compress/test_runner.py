@@ -13,8 +13,9 @@ import compress
 from compress.cli import main
 from compress.errors import RecipeError
 from compress.recipe import load_recipe
-from compress.report import ModelFigures, Report, ValidationReport
+from compress.report import ModelFigures, Report
 from compress.runner import check_thresholds
+from export.records import ValidationRecord
 
 TINY = {
     "version": 1,
@@ -89,9 +90,10 @@ def test_bad_input_is_found_before_the_folder_is_made(tmp_path: Path) -> None:
 
 def _report(baseline: float, final: float, speedup: float, cosine: float) -> Report:
     r = Report(recipe={}, baseline=ModelFigures(accuracy=baseline), final=ModelFigures(accuracy=final))
-    r.validation.append(ValidationReport(runtime="onnxruntime", precision="int8", accuracy=final,
-                                         parity={"cosine": cosine, "top1_agreement": 0.99},
-                                         speedup={"1": 0.9, "32": speedup}, role="final"))
+    r.validation.append(ValidationRecord(
+        runtime="onnxruntime", device="cpu", precision="int8", format="onnx-int8-qdq", model_path=Path("m.onnx"),
+        role="final", accuracy=final, parity={"cosine": cosine, "top1_agreement": 0.99},
+        speedup={1: 0.9, 32: speedup}, size_bytes=1, threads=1))
     return r
 
 
