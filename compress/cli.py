@@ -61,7 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("path", help="recipe .yaml, model .onnx, or checkpoint .pt")
     i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
-    sub.add_parser("recipes", help="list the shipped recipes")
+    r = sub.add_parser("recipes", help="list the shipped recipes")
+    for sp in (a, v, i, r):  # --debug is accepted after the command too (`compress apply X --debug`)
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 
@@ -229,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         h.setLevel(logging.WARNING if quiet else logging.INFO)
     debug = args.debug or os.environ.get("COMPRESS_DEBUG") == "1"
     try:
+        _check_package()
         return COMMANDS[args.command](args)
     except CompressError as exc:
         if debug:
@@ -241,9 +244,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if debug:
             raise
-        print(f"compress: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+        print(f"compress: internal error: {type(exc).__name__}: {exc} "
+              f"(the traceback: rerun as 'compress --debug {args.command} ...'; a run's run.log holds it too)",
               file=sys.stderr)
         return 1
+
+
+def _check_package() -> None:
+    """Fail at once when ``compress`` resolved to a folder without ``__init__.py`` (a namespace
+    package: e.g. a clone named ``compress`` whose parent is on PYTHONPATH). Submodules still load
+    through the installed package's finder, so such a run trains for minutes and dies at the first
+    use of a package-level name."""
+    import compress
+
+    if getattr(compress, "__file__", None) is None:
+        where = ", ".join(str(p) for p in getattr(compress, "__path__", [])) or "?"
+        raise CompressError(
+            f"'import compress' found the folder {where}, not the installed package (a directory named "
+            "'compress' on sys.path shadows it, e.g. through PYTHONPATH or the current folder); "
+            "remove that folder from PYTHONPATH or run from another folder"
+        )
 
 
 if __name__ == "__main__":

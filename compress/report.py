@@ -55,11 +55,13 @@ class Report(_Model):
     validation: list[ValidationRecord] = Field(default_factory=list)
     thresholds: list[ThresholdRecord] = Field(default_factory=list)
     seconds: float | None = None
+    #: set when the run failed: what raised (the report then holds what was measured before)
+    error: str | None = None
 
     @property
     def passed(self) -> bool:
-        """True when every threshold held."""
-        return all(t.passed for t in self.thresholds)
+        """True when the run finished and every threshold held."""
+        return self.error is None and all(t.passed for t in self.thresholds)
 
     def write(self, out_dir: Path) -> None:
         """Write report.json, report.md and the accuracy-vs-size plot into ``out_dir``."""
@@ -138,7 +140,9 @@ def render_markdown(report: Report, *, plot_name: str | None = None) -> str:
     out = [f"# compress run: {name}\n"]
     if r.recipe.get("description"):
         out.append(f"{r.recipe['description']}\n")
-    verdict = "all thresholds passed" if r.passed else "THRESHOLDS MISSED"
+    if r.error:
+        out.append(f"**The run FAILED**: {r.error} (the traceback is in run.log).\n")
+    verdict = "all thresholds passed" if all(t.passed for t in r.thresholds) else "THRESHOLDS MISSED"
     out.append(f"Metric: `{r.metric}`. {len(r.thresholds)} threshold(s): {verdict}."
                + (f" Run time {r.seconds:.1f} s." if r.seconds else "") + "\n")
     out.append("## Model\n")

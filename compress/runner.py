@@ -69,6 +69,7 @@ class _Run:
 
         make_metric(self.metric, where=recipe.where("train.metric"))  # unknown metric: fail before any work
         self.reference: nn.Module | None = None
+        self.report: Report | None = None  # the run's report as far as it got (written on a failure too)
 
     @property
     def train_loader(self) -> DataLoader[Any]:
@@ -181,9 +182,15 @@ def apply(
         with _log_to(out / "run.log" if main else None, quiet):
             try:
                 report = _run(run, out, resume=resume)
-            except Exception:
-                # the traceback belongs in run.log (the console shows one line); then re-raise
+            except Exception as exc:
+                # the traceback belongs in run.log (the console shows one line), and the folder gets a
+                # report that says the run failed and where it got to; then re-raise
                 log.exception("run failed")
+                if main:
+                    failed = run.report or Report(recipe=r.to_dict(), versions=versions(), machine=machine())
+                    failed.error = f"{type(exc).__name__}: {exc}"
+                    failed.seconds = time.perf_counter() - t0
+                    failed.write(out)
                 raise
             report.seconds = time.perf_counter() - t0
             if main:
@@ -238,7 +245,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
     run.reference = copy.deepcopy(model).eval()
     for p in run.reference.parameters():
         p.requires_grad_(False)
-    report = Report(recipe=r.to_dict(), versions=versions(), machine=machine(), metric=run.metric)
+    report = run.report = Report(recipe=r.to_dict(), versions=versions(), machine=machine(), metric=run.metric)
     report.baseline = run.figures(model, accuracy=run.evaluate(model))
     log.info("baseline %s: %s", run.metric, report.baseline.accuracy)
 
