@@ -42,7 +42,7 @@ _EXPORTS: dict[str, str] = {
     "Distiller": "distillation.api",
     # export and validation
     "export_onnx": "export.onnx",
-    "validate": "export.validate",
+    "validate": "compress.validation",
 }
 
 __all__ = sorted(_EXPORTS)

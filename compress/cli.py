@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from compress.errors import CompressError, ValidationFailed
+from compress.errors import CompressError, RecipeError, ValidationFailed
 
 if TYPE_CHECKING:
     from compress.report import Report
@@ -68,28 +68,25 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def shipped_recipes() -> dict[str, Path]:
-    """Name -> path of the recipes shipped with the package."""
-    import recipes
+    """Name -> path of the shipped recipes (compress.recipe.shipped_recipes, imported on use)."""
+    from compress.recipe import shipped_recipes as shipped
 
-    folder = Path(recipes.__file__).parent
-    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
-
-
-def _resolve_recipe(arg: str) -> str:
-    if Path(arg).exists() or arg.endswith((".yaml", ".yml")):
-        return arg
-    return str(shipped_recipes().get(arg, arg))
+    return shipped()
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
     from compress.recipe import load_recipe
     from compress.runner import apply, plan
 
-    recipe = load_recipe(_resolve_recipe(args.recipe), overrides=args.overrides)
+    recipe = load_recipe(args.recipe, overrides=args.overrides)
+    _check_device(args.device, recipe)
+    out = args.out or f"runs/{recipe.name}"
+    if args.resume and not args.dry_run and not (Path(out) / "recipe.yaml").is_file():
+        what = "does not exist" if not Path(out).exists() else "is not a run folder (no recipe.yaml)"
+        raise RecipeError(f"--resume: {out} {what}; nothing to resume (drop --resume to start a run)")
     if args.dry_run:
         print(_render_plan(plan(recipe)))
         return 0
-    out = args.out or f"runs/{recipe.name}"
     report = apply(recipe, out_dir=out, device=args.device, overwrite=args.overwrite, resume=args.resume,
                    quiet=args.quiet)
     missed = [t for t in report.thresholds if not t.passed]
@@ -122,6 +119,15 @@ def _n(x: int | None) -> str:
     return "-" if x is None else f"{x:,}"
 
 
+def _check_device(flag: str | None, recipe: Any) -> None:
+    """A CUDA request on a machine without CUDA is bad input, found before any work (--dry-run too)."""
+    import torch
+
+    if (flag or recipe.train.device) == "cuda" and not torch.cuda.is_available():
+        where = "--device cuda" if flag else f"{recipe.where('train.device')}: 'cuda'"
+        raise RecipeError(f"{where}: this machine has no CUDA device (torch {torch.__version__})")
+
+
 def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
 
@@ -139,7 +145,7 @@ def _render_plan(p: dict[str, Any]) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from export.cli_validate import run_validate
+    from compress.validation import run_validate
 
     sizes = _int_list(args.batch_sizes, "--batch-sizes")
     try:
@@ -161,8 +167,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _int_list(text: str, flag: str) -> list[int]:
-    from compress.errors import RecipeError
-
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -173,11 +177,13 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from compress.errors import RecipeError
-
-    path = Path(_resolve_recipe(args.path))
+    path = Path(args.path)
     if not path.exists():
-        raise RecipeError(f"{args.path}: file not found")
+        if path.suffix not in ("", ".yaml", ".yml"):
+            raise RecipeError(f"{args.path}: file not found")
+        from compress.recipe import resolve_recipe_path
+
+        path = resolve_recipe_path(args.path)
     if path.suffix in (".yaml", ".yml"):
         from compress.recipe import load_recipe
         from compress.runner import plan
@@ -190,12 +196,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
         print(describe_onnx(path))
     elif path.suffix in (".pt", ".pth"):
+        import pickle
+
         import torch
 
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            # torch's own message is six lines with terminal colour codes; say what it means
+            raise RecipeError(
+                f"{path}: holds pickled Python objects, not only tensors (e.g. a module saved with "
+                "torch.save(model)); compress reads checkpoints with weights_only=True and runs no code from a file"
+            ) from None
         except Exception as exc:  # a corrupt or foreign file is the user's input
-            raise RecipeError(f"{path}: not a loadable checkpoint ({type(exc).__name__}: {exc})") from None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise RecipeError(f"{path}: not a loadable checkpoint ({type(exc).__name__}: {first})") from None
         sd = state.get("model", state) if isinstance(state, dict) else {}
         total = sum(t.numel() for t in sd.values() if hasattr(t, "numel"))
         print(f"{path}: {len(sd)} tensors, {total:,} values" + (f", epoch {state['epoch']}" if "epoch" in state else ""))
@@ -211,11 +226,18 @@ def _cmd_recipes(_args: argparse.Namespace) -> int:
 
     for name, path in shipped_recipes().items():
         try:
-            desc = load_recipe(path).description.strip().splitlines()[0]
-        except (CompressError, IndexError):
-            desc = ""
-        print(f"{name:24s} {desc}")
+            desc = _first_sentence(load_recipe(path).description)
+        except CompressError as exc:
+            desc = f"(does not load: {exc})"
+        print(f"{name:20s} {desc}")
     return 0
+
+
+def _first_sentence(text: str) -> str:
+    """The description's first sentence, whole (a YAML block wraps it over several lines)."""
+    flat = " ".join(text.split())
+    end = flat.find(". ")
+    return flat if end < 0 else flat[: end + 1]
 
 
 COMMANDS = {"apply": _cmd_apply, "validate": _cmd_validate, "inspect": _cmd_inspect, "recipes": _cmd_recipes}
@@ -241,6 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("compress: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`compress inspect X | head`): stop quietly, as a SIGPIPE'd tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except Exception as exc:
         if debug:
             raise

@@ -392,6 +392,33 @@ def _printable(text: str) -> str:
 # ---- the loader ---------------------------------------------------------------------------------
 
 
+def shipped_recipes() -> dict[str, Path]:
+    """Name -> path of the recipes shipped with the package (``compress recipes`` lists them)."""
+    import recipes
+
+    folder = Path(recipes.__file__).parent
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def resolve_recipe_path(recipe: str | Path) -> Path:
+    """The one rule the CLI and ``load_recipe`` share: an existing file wins; else a shipped recipe
+    named ``NAME``, ``NAME.yaml`` or ``recipes/NAME.yaml`` (the README's paths, from any folder);
+    else a RecipeError naming the closest shipped recipe."""
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    shipped = shipped_recipes()
+    parts = path.parts
+    bare = len(parts) == 1 or (len(parts) == 2 and parts[0] == "recipes")
+    stem = path.stem if path.suffix in (".yaml", ".yml") else path.name
+    if bare and stem in shipped:
+        return shipped[stem]
+    name = _printable(str(recipe))
+    hint = did_you_mean(stem, list(shipped)) if bare else f"shipped recipes: {', '.join(shipped)}"
+    raise RecipeError(f"{name}: recipe file not found (nor a shipped recipe; {hint})")
+
+
+
 def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: Sequence[str] = ()) -> Recipe:
     """Load and validate a recipe from a YAML path, a mapping, or a Recipe (re-validated with overrides).
 
@@ -404,10 +431,8 @@ def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: S
     elif isinstance(recipe, Mapping):
         name, data = "recipe", copy.deepcopy(dict(recipe))
     elif isinstance(recipe, (str, Path)):
-        path = Path(recipe)
         name = _printable(str(recipe))
-        if not path.is_file():
-            raise RecipeError(f"{name}: recipe file not found")
+        path = resolve_recipe_path(recipe)
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -462,7 +487,34 @@ def _validate_modifiers(data: dict[str, Any], source: RecipeSource) -> dict[str,
                 mods[j] = modifier_class(str(t)).spec_cls.model_validate(item)
             except ValidationError as exc:
                 _raise_validation(exc, source, data, prefix=path)
+            except RecipeError as exc:
+                # a spec's own resolver (e.g. a scheme preset name) raises without a location: point
+                # at the field whose value it names, else at the modifier
+                field = _field_naming(item, str(exc))
+                raise RecipeError(f"{source.where([*path, *field])}: {exc}") from None
     return data
+
+
+def _field_naming(item: Any, message: str) -> list[str | int]:
+    """Path inside ``item`` to the first scalar value quoted in ``message`` (``'w8a9'``)."""
+    quoted = set(re.findall(r"'([^']*)'", message))
+
+    def walk(node: Any, path: list[str | int]) -> list[str | int] | None:
+        if isinstance(node, Mapping):
+            for k, v in node.items():
+                found = walk(v, [*path, str(k)])
+                if found is not None:
+                    return found
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                found = walk(v, [*path, i])
+                if found is not None:
+                    return found
+        elif isinstance(node, (str, int, float)) and str(node) in quoted:
+            return path
+        return None
+
+    return walk(item, []) or []
 
 
 def _check_unique_stage_names(data: dict[str, Any], source: RecipeSource) -> None:

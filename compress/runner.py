@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +29,7 @@ from compress.profile import count_macs, count_params, state_size_bytes
 from compress.recipe import Recipe, load_recipe
 from compress.report import ModelFigures, Report, StageReport, machine, versions
 from compress.session import Session, StageResult
+from compress.state import save_compressed
 from compress.training import (
     Dist,
     Trainer,
@@ -38,9 +40,6 @@ from compress.training import (
     seed_everything,
 )
 from export.records import ThresholdRecord
-
-#: the pickled final module in a run folder's checkpoints/ (quantized runs only)
-FINAL_MODEL = "final_model.pt"
 
 log = logging.getLogger(__name__)
 LOGGERS = ("compress", "quantization", "pruning", "distillation", "export")
@@ -54,7 +53,8 @@ class _Run:
         from compress.models import load_model
 
         self.recipe = recipe
-        self.quiet = quiet
+        # progress bars only on a terminal: redirected, every tqdm update is a line in the file
+        self.quiet = quiet or not sys.stderr.isatty()
         self.device = resolve_device(device or recipe.train.device)
         self.dist: Dist = init_distributed(self.device)
         seed_everything(recipe.train.seed)
@@ -280,19 +280,9 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
                         session=session, desc=stage.name)
     report.final = run.figures(model, accuracy=run.evaluate(model))
     if main:
-        save_checkpoint(ckpt_dir / "final.pt", model, None, 0)
-        from quantization import quantizers
-
-        if next(quantizers(model), None) is not None:
-            # the whole module (quantizers and their settings, not only tensors), so that
-            # `compress validate RUN --backend cuda` can convert it without rerunning the stages
-            tmp = ckpt_dir / "final_model.pt.tmp"
-            try:
-                torch.save(model, tmp)
-                os.replace(tmp, ckpt_dir / FINAL_MODEL)
-            except Exception as exc:  # an unpicklable user module must not fail a finished run
-                tmp.unlink(missing_ok=True)
-                log.warning("final model not pickled (%s): `compress validate --backend cuda` needs it", exc)
+        # weights plus the compression state as data (pruning plans, quantizer config): restorable
+        # with weights_only=True (compress.state.restore_compressed), never a pickled module
+        save_compressed(ckpt_dir / "final.pt", model, [m for stage in session.modifiers for m in stage])
 
     # ---- export, validation and thresholds: rank 0 alone; the others receive its report ----
     if main:

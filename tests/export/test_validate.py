@@ -11,10 +11,10 @@ import torch
 
 from compress.errors import RecipeError
 from compress.recipe import Thresholds, ValidateSpec
-from export.cli_validate import format_records, parse_batch_sizes, run
+from compress.validation import run_validate, validate
 from export.onnx import export_onnx
 from export.runtimes import default_threads, load_session
-from export.validate import check_thresholds, validate, validate_exports
+from export.validate import check_thresholds, validate_exports
 
 _SPEC = {"batch_sizes": [1, 4], "warmup": 1, "runs": 3}
 
@@ -109,18 +109,18 @@ def test_embedding_task(tiny_bert: Any, text_batch: Any, tmp_path: Path) -> None
 
 
 def test_cli_run_and_errors(int8_path: Path, fp32_path: Path, tmp_path: Path) -> None:
-    recs = run(int8_path, reference=fp32_path, data="digits", batch_sizes=parse_batch_sizes("1,2"), warmup=0,
-               runs=1, eval_samples=32)
-    text = format_records(recs)
-    assert "speedup[" in text and "threads=" in text and "accuracy=" in text
+    rows = run_validate(int8_path, reference=fp32_path, data="digits", batch_sizes=[1, 2], warmup=0, runs=1,
+                        eval_samples=32)
+    assert rows[0]["b2_speedup"] is not None and rows[0]["accuracy"] is not None and rows[0]["threads"]
     with pytest.raises(RecipeError, match="MODEL: file"):
-        run(tmp_path / "missing.onnx")
+        run_validate(tmp_path / "missing.onnx")
     with pytest.raises(RecipeError, match="unknown runtime 'onnxrt'"):
-        run(int8_path, runtimes=["onnxrt"])
-    with pytest.raises(RecipeError, match="--batch-sizes"):
-        parse_batch_sizes("1,x")
+        run_validate(int8_path, runtimes=["onnxrt"])
     with pytest.raises(RecipeError, match="--reference"):
-        run(int8_path, reference=tmp_path / "nope.onnx")
+        run_validate(int8_path, reference=tmp_path / "nope.onnx")
+    (tmp_path / "junk.onnx").write_bytes(b"\x00\xffnot a protobuf")
+    with pytest.raises(RecipeError, match=r"MODEL: .* is not an ONNX model"):
+        run_validate(tmp_path / "junk.onnx")
 
 
 def test_parity_numbers_are_right() -> None:
@@ -145,7 +145,6 @@ def test_parity_numbers_are_right() -> None:
 def test_cli_rows_and_inspect(int8_path: Path, fp32_path: Path) -> None:
     import json
 
-    from export.cli_validate import run_validate
     from export.inspect import describe_onnx
 
     rows = run_validate(int8_path, reference=fp32_path, data="digits", data_kwargs={"image_size": 8},
