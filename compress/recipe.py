@@ -7,6 +7,7 @@ the YAML line, the field path, the valid choices and the closest name to a typo.
 from __future__ import annotations
 
 import copy
+import math
 import re
 import types
 import typing
@@ -451,6 +452,7 @@ def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: S
         raise RecipeError(f"{source.where([])}: a recipe is a mapping with keys version, model, data, ...")
     _check_duplicate_keys(source)
     data = apply_overrides(data, overrides, name)
+    _check_finite(data, source)
     data = _validate_modifiers(data, source)
     _check_unique_stage_names(data, source)
     try:
@@ -493,6 +495,19 @@ def _validate_modifiers(data: dict[str, Any], source: RecipeSource) -> dict[str,
                 field = _field_naming(item, str(exc))
                 raise RecipeError(f"{source.where([*path, *field])}: {exc}") from None
     return data
+
+
+def _check_finite(node: Any, source: RecipeSource, path: tuple[str | int, ...] = ()) -> None:
+    """No number in a recipe means anything as inf or nan: refuse them everywhere, nested modifier
+    settings (loss temperatures, observer parameters, ...) included, not only where a schema says so."""
+    if isinstance(node, float) and not math.isfinite(node):
+        raise RecipeError(f"{source.where(list(path))}: {node} is not a finite number")
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            _check_finite(v, source, (*path, str(k)))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _check_finite(v, source, (*path, i))
 
 
 def _field_naming(item: Any, message: str) -> list[str | int]:

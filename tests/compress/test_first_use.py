@@ -190,11 +190,13 @@ def test_an_exception_in_the_loop_leaves_no_hooks_on_the_model() -> None:
 
 @pytest.mark.parametrize("mod", [
     {"type": "distill", "teacher": "self", "losses": [{"type": "kd", "temperature": 2.0}], "start_epoch": ".inf"},
-    {"type": "ptq", "scheme": "w8a8", "end_epoch": ".nan"},
+    {"type": "ptq", "scheme": "w8a8", "end_epoch": ".inf"},
+    {"type": "distill", "teacher": "self", "losses": [{"type": "kd", "temperature": ".inf"}]},
 ])
 def test_modifier_numbers_refuse_inf_and_nan(mod: dict[str, Any], tmp_path: Path) -> None:
     text = yaml.safe_dump({"version": 1, "model": MLP, "stages": [{"name": "s", "epochs": 1, "modifiers": [mod]}]})
     path = tmp_path / "r.yaml"
     path.write_text(text.replace("'.inf'", ".inf").replace("'.nan'", ".nan"))
-    with pytest.raises(RecipeError, match=r"r\.yaml:\d+: stages\.0\.modifiers\.0\.(start|end)_epoch"):
+    with pytest.raises(RecipeError, match=r"r\.yaml:\d+: stages\.0\.modifiers\.0\.(start_epoch|end_epoch|losses\.0\."
+                                          r"temperature)"):
         compress.load_recipe(path)
