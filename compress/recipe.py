@@ -415,8 +415,9 @@ def resolve_recipe_path(recipe: str | Path) -> Path:
     if bare and stem in shipped:
         return shipped[stem]
     name = _printable(str(recipe))
-    hint = did_you_mean(stem, list(shipped)) if bare else f"shipped recipes: {', '.join(shipped)}"
-    raise RecipeError(f"{name}: recipe file not found (nor a shipped recipe; {hint})")
+    if not bare:
+        raise RecipeError(f"{name}: recipe file not found")
+    raise RecipeError(f"{name}: recipe file not found (nor a shipped recipe; {did_you_mean(stem, list(shipped))})")
 
 
 
