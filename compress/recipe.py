@@ -410,8 +410,8 @@ def resolve_recipe_path(recipe: str | Path) -> Path:
         return path
     shipped = shipped_recipes()
     parts = path.parts
-    bare = len(parts) == 1 or (len(parts) == 2 and parts[0] == "recipes")
     stem = path.stem if path.suffix in (".yaml", ".yml") else path.name
+    bare = (len(parts) == 1 or (len(parts) == 2 and parts[0] == "recipes")) and re.fullmatch(r"[\w.-]+", stem) is not None
     if bare and stem in shipped:
         return shipped[stem]
     name = _printable(str(recipe))
@@ -502,7 +502,7 @@ def _check_finite(node: Any, source: RecipeSource, path: tuple[str | int, ...] =
     """No number in a recipe means anything as inf or nan: refuse them everywhere, nested modifier
     settings (loss temperatures, observer parameters, ...) included, not only where a schema says so."""
     if isinstance(node, float) and not math.isfinite(node):
-        raise RecipeError(f"{source.where(list(path))}: {node} is not a finite number")
+        raise RecipeError(f"{source.where(list(path))}: Input should be a finite number (got {node})")
     if isinstance(node, Mapping):
         for k, v in node.items():
             _check_finite(v, source, (*path, str(k)))
