@@ -22,7 +22,9 @@ class _Model(BaseModel):
 
 
 class ModelFigures(_Model):
-    """Accuracy and size of the model at one point of the pipeline."""
+    """Accuracy and size of the model at one point of the pipeline. ``size_bytes`` is the deployed
+    size of its weights (quantized weights at their bit width: compress.profile.deployed_size_bytes);
+    the exported files' sizes are in ``Report.exports``."""
 
     accuracy: float | None = None
     params: int | None = None
@@ -146,10 +148,13 @@ def render_markdown(report: Report, *, plot_name: str | None = None) -> str:
     out.append(f"Metric: `{r.metric}`. {len(r.thresholds)} threshold(s): {verdict}."
                + (f" Run time {r.seconds:.1f} s." if r.seconds else "") + "\n")
     out.append("## Model\n")
-    rows = [{"model": "baseline", **r.baseline.model_dump()}]
+    files = {e.role: e.size_bytes for e in r.exports}
+    rows = [{"model": "baseline", **r.baseline.model_dump(), "onnx_bytes": files.get("baseline")}]
     rows += [{"model": f"after {s.name}", **s.model.model_dump()} for s in r.stages]
-    rows.append({"model": "final", **r.final.model_dump()})
-    out.append(md_table(rows, ["model", "accuracy", "params", "macs", "size_bytes"]))
+    rows.append({"model": "final", **r.final.model_dump(), "onnx_bytes": files.get("final")})
+    out.append(md_table(rows, ["model", "accuracy", "params", "macs", "size_bytes", "onnx_bytes"]))
+    out.append("`size_bytes`: the weights as deployed (quantized weights at their bit width); "
+               "`onnx_bytes`: the exported file.\n")
     if plot_name:
         out.append(f"\n![accuracy vs size]({plot_name})\n")
     for s in r.stages:
@@ -176,6 +181,15 @@ def render_markdown(report: Report, *, plot_name: str | None = None) -> str:
     return "\n".join(out)
 
 
+def _fit(values: list[float], *, floor: float | None = None) -> tuple[float, float]:
+    """Axis limits around ``values`` with a margin (matplotlib pads to round ticks, past 1.0 for
+    accuracy, and a flat series gets a visible span)."""
+    lo, hi = min(values), max(values)
+    pad = (hi - lo) * 0.1 or max(abs(hi) * 0.05, 1e-3)
+    low = lo - pad if floor is None else max(floor, lo - pad)
+    return low, hi + pad
+
+
 def _plot(report: Report, path: Path) -> Path | None:
     points = [("baseline", report.baseline)] + [(s.name, s.model) for s in report.stages]
     pts = [(n, f.size_bytes, f.accuracy) for n, f in points if f.size_bytes and f.accuracy is not None]
@@ -195,7 +209,9 @@ def _plot(report: Report, path: Path) -> Path | None:
     ax.plot(xs, ys, "-o")
     for (n, _, _), x, y in zip(pts, xs, ys):
         ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("model size (KiB, in-memory tensors)")
+    ax.set_xlim(*_fit(xs, floor=0.0))
+    ax.set_ylim(*_fit(ys))
+    ax.set_xlabel("model size (KiB, weights as deployed)")
     ax.set_ylabel(report.metric)
     ax.set_title(f"{report.recipe.get('name', 'run')}: {report.metric} vs size across stages")
     ax.grid(True, alpha=0.3)

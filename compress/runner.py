@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from compress.errors import RecipeError
 from compress.io import atomic_write_text
-from compress.profile import count_macs, count_params, state_size_bytes
+from compress.profile import count_macs, count_params, deployed_size_bytes
 from compress.recipe import Recipe, load_recipe
 from compress.report import ModelFigures, Report, StageReport, machine, versions
 from compress.session import Session, StageResult
@@ -99,7 +99,7 @@ class _Run:
             macs = count_macs(model, _to(self.data.example_inputs, self.device))
         except Exception as exc:  # MACs are informative; a model the counter can't run still reports the rest
             log.warning("could not count MACs: %s", exc)
-        return ModelFigures(accuracy=None if math.isnan(accuracy) else accuracy, params=count_params(model), macs=macs, size_bytes=state_size_bytes(model))
+        return ModelFigures(accuracy=None if math.isnan(accuracy) else accuracy, params=count_params(model), macs=macs, size_bytes=deployed_size_bytes(model))
 
 
 def _to(x: Any, device: torch.device) -> Any:

@@ -86,3 +86,19 @@ def test_a_legacy_pickled_module_is_refused_with_a_clear_message(tmp_path: Path)
     torch.save({"model": model.state_dict(), "epoch": 0}, run / "checkpoints" / "final.pt")
     with pytest.raises(RecipeError, match=r"no compression state.*final_model\.pt.*not loaded"):
         restore_compressed(lambda: load_model(RECIPE["model"]), run / "checkpoints" / "final.pt")
+
+
+def test_report_sizes_are_deployed_sizes_and_the_plot_fits_them(run_dir: Path) -> None:
+    import json
+
+    from compress.report import _fit
+
+    r = json.loads((run_dir / "report.json").read_text())
+    base, (pruned, quant) = r["baseline"]["size_bytes"], [s["model"]["size_bytes"] for s in r["stages"]]
+    assert pruned < 0.8 * base  # half the channels gone
+    assert quant < 0.35 * pruned  # int8 weights: a quarter of fp32, plus scales and the float first/last layer
+    assert r["final"]["size_bytes"] == quant
+    lo, hi = _fit([0.95, 0.97, 0.99])
+    assert 0.93 < lo < 0.95 and 0.99 < hi < 1.0
+    lo, hi = _fit([305.3, 306.4], floor=0.0)
+    assert hi - lo < 2.0
