@@ -45,7 +45,7 @@ def deployed_size_bytes(model: nn.Module) -> int:
         if id(t) not in skip and t.numel() > 0:
             seen[id(t)] = t
     total = sum(t.numel() * quantized.get(i, t.element_size()) for i, t in seen.items())
-    return int(round(total))
+    return round(total)
 
 
 @torch.no_grad()
