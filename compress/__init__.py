@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from compress.version import __version__
+from compress.version import __version__ as __version__
 
 _EXPORTS: dict[str, str] = {
     # core
