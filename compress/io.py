@@ -14,7 +14,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         # mkstemp makes the file 0600; give it the mode open() would (0666 less the umask), as the
         # rest of the run folder has
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, umask_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
@@ -23,10 +23,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def _umask() -> int:
+def umask_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 less the process's umask."""
     mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
     os.umask(mask)
-    return mask
+    return 0o666 & ~mask
 
 
 def atomic_write_text(path: Path, text: str) -> None:

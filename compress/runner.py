@@ -139,6 +139,34 @@ def _prepare_out_dir(out_dir: Path, *, overwrite: bool, resume: bool) -> None:
         raise RecipeError(f"--out {out_dir}: exists and is not a folder")
     if out_dir.exists() and any(out_dir.iterdir()) and not (overwrite or resume):
         raise RecipeError(f"--out {out_dir}: run folder exists and is not empty; pass --overwrite or --resume")
+    if resume and not (out_dir / "recipe.yaml").is_file():
+        raise RecipeError(f"--resume: {out_dir} is not a run folder (no recipe.yaml); nothing to resume")
+
+
+def _check_same_recipe(recipe: Recipe, out_dir: Path) -> None:
+    """--resume continues the run its folder describes: a different recipe would mix two runs."""
+    import yaml
+
+    saved = yaml.safe_load((out_dir / "recipe.yaml").read_text(encoding="utf-8"))
+    now = recipe.to_dict()
+    if saved != now:
+        keys = sorted({*saved, *now} if isinstance(saved, dict) else now)
+        differ = [k for k in keys if not isinstance(saved, dict) or saved.get(k) != now.get(k)]
+        raise RecipeError(
+            f"--resume: the recipe differs from {out_dir / 'recipe.yaml'} in {', '.join(differ)}; "
+            "resume with the run's own recipe (compress apply RUN/recipe.yaml --resume) or start a new run"
+        )
+
+
+def _clear_unfinished(out_dir: Path) -> None:
+    """Before a resumed run: drop what a killed attempt may have left (temp files of interrupted
+    writes, exports and reports of an earlier attempt), so that only this run's finished outputs
+    are ever in the folder, and report.json, written last, marks a complete run."""
+    for p in [*out_dir.rglob("*.tmp"), *out_dir.rglob(".*.tmp"), *out_dir.rglob("*.tmp.png")]:
+        p.unlink(missing_ok=True)
+    for name in ("report.json", "report.md", "accuracy_vs_size.png"):
+        (out_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(out_dir / "export", ignore_errors=True)
 
 
 def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -174,6 +202,9 @@ def apply(
     run = _Run(r, device=device, quiet=quiet)  # bad model/data input raises here, before the folder is touched
     main = run.dist.is_main
     if main:
+        if resume:
+            _check_same_recipe(r, out)
+            _clear_unfinished(out)
         if overwrite and out.exists() and not resume:
             shutil.rmtree(out)
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
