@@ -76,6 +76,7 @@ def test_resume_loads_the_baseline_checkpoint(tiny_run: tuple[Path, Report], tmp
     # scramble the weights: a resumed run must use them, a retrained one would not
     state["model"] = {k: torch.randn(v.shape, generator=g) for k, v in state["model"].items()}
     torch.save(state, copy / "checkpoints" / "baseline.pt")
+    (copy / "recipe.yaml").write_text((out / "recipe.yaml").read_text())  # a run folder has its recipe
     resumed = compress.apply(TINY, out_dir=copy, resume=True, quiet=True)
     assert resumed.baseline.accuracy is not None and report.baseline.accuracy is not None
     assert resumed.baseline.accuracy < 0.5 < report.baseline.accuracy
