@@ -192,9 +192,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(recipe.to_yaml())
         print(_render_plan(plan(recipe)))
     elif path.suffix == ".onnx":
-        from export.inspect import describe_onnx
+        from export.inspect import inspect_onnx
 
-        print(describe_onnx(path))
+        print(inspect_onnx(path))
     elif path.suffix in (".pt", ".pth"):
         import pickle
 

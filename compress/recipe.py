@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from compress.errors import RecipeError, closest, did_you_mean
+from compress.errors import RecipeError, did_you_mean
 from compress.modifier import ModifierSpec, check_order, modifier_class, modifier_types
 
 # the export and validate sections are export/'s own settings, embedded here (export never imports the recipe)
@@ -566,8 +566,3 @@ def _check_needs_and_order(recipe: Recipe, source: RecipeSource) -> None:
             per.append((spec.kind, where))
         kinds.append(per)
     check_order(kinds)
-
-
-def suggest_field(name: str, model: type[BaseModel]) -> str | None:
-    """Closest field of ``model`` to ``name`` (for callers building their own messages)."""
-    return closest(name, _field_names(model))

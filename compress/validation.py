@@ -85,6 +85,9 @@ def run_validate(
     from export.runtimes import RUNTIMES
 
     for rt in runtimes:
+        if rt == "cuda":
+            raise RecipeError("--runtime cuda: the CUDA int8 kernels validate a run folder: "
+                              "compress validate RUN_DIR --backend cuda")
         if rt not in RUNTIMES:
             RUNTIMES.get(rt)  # raises RecipeError listing the valid runtimes
     if threads is not None and threads < 1:

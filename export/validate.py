@@ -157,7 +157,7 @@ def validate_exports(
     ref_metric = _reference_accuracy(metric, task, batches, ref_out["final"], fp32_out)
     results: list[ValidationRecord] = []
     for runtime in spec.runtimes:
-        if runtime == "cuda":
+        if runtime == "cuda":  # the PyTorch model on the int8 kernels, not a file runtime
             if reference is None:
                 raise CompressError("validate: runtime 'cuda' runs the PyTorch model; pass reference=the quantized model")
             results.extend(_cuda_records(records, spec, batches, reference, baseline_reference, metric, task, threads))

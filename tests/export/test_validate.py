@@ -145,7 +145,7 @@ def test_parity_numbers_are_right() -> None:
 def test_cli_rows_and_inspect(int8_path: Path, fp32_path: Path) -> None:
     import json
 
-    from export.inspect import describe_onnx
+    from export.inspect import inspect_onnx
 
     rows = run_validate(int8_path, reference=fp32_path, data="digits", data_kwargs={"image_size": 8},
                         batch_sizes=[2], runs=1, threads=1)
@@ -154,7 +154,7 @@ def test_cli_rows_and_inspect(int8_path: Path, fp32_path: Path) -> None:
     json.dumps(rows, default=str)
     with pytest.raises(RecipeError, match="run folder"):  # --backend cuda validates a run, not an ONNX file
         run_validate(int8_path, backend="cuda")
-    text = describe_onnx(int8_path)
+    text = inspect_onnx(int8_path)
     assert "onnx-int8-qdq" in text and "QLinearConv" in text and "input: float32[batch, 1, 8, 8]" in text
     assert "recipe.hash=abc123" in text
 
