@@ -286,7 +286,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
         tqdm(calib, desc="calibrate", disable=run.quiet or not main, leave=False) if calib is not None else None
     )
     session = Session(
-        r, model, calibration_data=calibration, train_data=run.train_loader,
+        r, model, steps_per_epoch=len(run.train_loader), calibration_data=calibration, train_data=run.train_loader,
         example_inputs=_to(run.data.example_inputs, run.device), evaluate=run.evaluate, device=run.device,
         out_dir=out / "artifacts" if main else None,
     )

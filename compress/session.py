@@ -139,6 +139,15 @@ class Session:
         self.state.optimizer = opt
 
     @property
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps per epoch (fractional epochs in schedules); a trainer may set it once."""
+        return self.state.steps_per_epoch
+
+    @steps_per_epoch.setter
+    def steps_per_epoch(self, n: int | None) -> None:
+        self.state.steps_per_epoch = n
+
+    @property
     def finished(self) -> bool:
         """True once every stage has run."""
         return self._index >= len(self.recipe.stages)
@@ -154,7 +163,8 @@ class Session:
         return sum(math.ceil(s.epochs) for s in self.recipe.stages if s.steps is None)
 
     def on_stage_start(self, fn: Callable[[Session], None]) -> None:
-        """Call ``fn(session)`` whenever a training stage starts (the runner rebuilds its optimizer)."""
+        """Call ``fn(session)`` whenever a training stage starts (e.g. a callback that rebuilds its
+        optimizer per stage; the built-in runner builds one per stage in ``Trainer.fit`` instead)."""
         self._stage_callbacks.append(fn)
 
     def on_stage_end(self, fn: Callable[[Session, StageResult], None]) -> None:
