@@ -81,9 +81,6 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, overrides=args.overrides)
     _check_device(args.device, recipe)
     out = args.out or f"runs/{recipe.name}"
-    if args.resume and not args.dry_run and not (Path(out) / "recipe.yaml").is_file():
-        what = "does not exist" if not Path(out).exists() else "is not a run folder (no recipe.yaml)"
-        raise RecipeError(f"--resume: {out} {what}; nothing to resume (drop --resume to start a run)")
     if args.dry_run:
         print(_render_plan(plan(recipe)))
         return 0

@@ -140,7 +140,8 @@ def _prepare_out_dir(out_dir: Path, *, overwrite: bool, resume: bool) -> None:
     if out_dir.exists() and any(out_dir.iterdir()) and not (overwrite or resume):
         raise RecipeError(f"--out {out_dir}: run folder exists and is not empty; pass --overwrite or --resume")
     if resume and not (out_dir / "recipe.yaml").is_file():
-        raise RecipeError(f"--resume: {out_dir} is not a run folder (no recipe.yaml); nothing to resume")
+        what = "does not exist" if not out_dir.exists() else "is not a run folder (no recipe.yaml)"
+        raise RecipeError(f"--resume: {out_dir} {what}; nothing to resume (drop --resume to start a run)")
 
 
 def _check_same_recipe(recipe: Recipe, out_dir: Path) -> None:
