@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from compress.version import __version__ as __version__
 
 _EXPORTS: dict[str, str] = {
     # core
@@ -42,7 +42,7 @@ _EXPORTS: dict[str, str] = {
     "Distiller": "distillation.api",
     # export and validation
     "export_onnx": "export.onnx",
-    "validate": "export.validate",
+    "validate": "compress.validation",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -13,9 +13,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from compress.errors import CompressError, ValidationFailed
+from compress.errors import CompressError, RecipeError, ValidationFailed
+
+if TYPE_CHECKING:
+    from compress.report import Report
 
 log = logging.getLogger("compress")
 
@@ -58,47 +61,68 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("path", help="recipe .yaml, model .onnx, or checkpoint .pt")
     i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
-    sub.add_parser("recipes", help="list the shipped recipes")
+    r = sub.add_parser("recipes", help="list the shipped recipes")
+    for sp in (a, v, i, r):  # --debug is accepted after the command too (`compress apply X --debug`)
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 
 def shipped_recipes() -> dict[str, Path]:
-    """Name -> path of the recipes shipped with the package."""
-    import recipes
+    """Name -> path of the shipped recipes (compress.recipe.shipped_recipes, imported on use)."""
+    from compress.recipe import shipped_recipes as shipped
 
-    folder = Path(recipes.__file__).parent
-    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
-
-
-def _resolve_recipe(arg: str) -> str:
-    if Path(arg).exists() or arg.endswith((".yaml", ".yml")):
-        return arg
-    return str(shipped_recipes().get(arg, arg))
+    return shipped()
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
     from compress.recipe import load_recipe
     from compress.runner import apply, plan
 
-    recipe = load_recipe(_resolve_recipe(args.recipe), overrides=args.overrides)
+    recipe = load_recipe(args.recipe, overrides=args.overrides)
+    _check_device(args.device, recipe)
+    out = args.out or f"runs/{recipe.name}"
     if args.dry_run:
         print(_render_plan(plan(recipe)))
         return 0
-    out = args.out or f"runs/{recipe.name}"
     report = apply(recipe, out_dir=out, device=args.device, overwrite=args.overwrite, resume=args.resume,
                    quiet=args.quiet)
-    b, f = report.baseline, report.final
-    print(f"{recipe.name}: baseline {report.metric} {_f(b.accuracy)} -> final {_f(f.accuracy)}; "
-          f"params {b.params} -> {f.params}; {report.seconds or 0:.1f} s; report: {Path(out) / 'report.md'}")
-    for v in report.validation:
-        print(f"  {v.runtime} {v.precision}: {report.metric} {_f(v.accuracy)}, latency_ms {v.latency_ms}, "
-              f"speedup {v.speedup}")
     missed = [t for t in report.thresholds if not t.passed]
-    for t in report.thresholds:
-        print(f"  threshold {t.name}: {_f(t.value)} (limit {t.limit}) {'ok' if t.passed else 'MISSED'}")
+    if int(os.environ.get("RANK", "0")) != 0:
+        # under torchrun every rank holds rank 0's report; rank 0 alone speaks, all exit alike
+        return ValidationFailed.exit_code if missed else 0
+    print(summary(report, out=Path(out)))
     if missed:
-        raise ValidationFailed(", ".join(f"{t.name} {_f(t.value)} vs limit {t.limit}" for t in missed))
+        raise ValidationFailed(", ".join(f"{t.name} {_f(t.value)} vs limit {_f(t.limit)}" for t in missed))
     return 0
+
+
+def summary(report: Report, *, out: Path) -> str:
+    """The closing lines of ``compress apply``: accuracy, size, runtime figures, thresholds."""
+    b, f = report.baseline, report.final
+    name = report.recipe.get("name", "recipe")
+    lines = [f"{name}: baseline {report.metric} {_f(b.accuracy)} -> final {_f(f.accuracy)}; "
+             f"params {_n(b.params)} -> {_n(f.params)}; {report.seconds or 0:.1f} s; report: {out / 'report.md'}"]
+    for v in report.validation:
+        lat = ", ".join(f"b{k} {_f(ms)} ms" for k, ms in v.latency_ms.items())
+        spd = ", ".join(f"b{k} {_f(x)}x" for k, x in (v.speedup or {}).items())
+        lines.append(f"  {v.runtime} {v.role} {v.precision}: {report.metric} {_f(v.accuracy)}"
+                     + (f"; latency {lat}" if lat else "") + (f"; speedup {spd}" if spd else ""))
+    for t in report.thresholds:
+        lines.append(f"  threshold {t.name}: {_f(t.value)} (limit {_f(t.limit)}) {'ok' if t.passed else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def _n(x: int | None) -> str:
+    return "-" if x is None else f"{x:,}"
+
+
+def _check_device(flag: str | None, recipe: Any) -> None:
+    """A CUDA request on a machine without CUDA is bad input, found before any work (--dry-run too)."""
+    import torch
+
+    if (flag or recipe.train.device) == "cuda" and not torch.cuda.is_available():
+        where = "--device cuda" if flag else f"{recipe.where('train.device')}: 'cuda'"
+        raise RecipeError(f"{where}: this machine has no CUDA device (torch {torch.__version__})")
 
 
 def _f(x: float | None) -> str:
@@ -118,7 +142,7 @@ def _render_plan(p: dict[str, Any]) -> str:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from export.cli_validate import run_validate
+    from compress.validation import run_validate
 
     sizes = _int_list(args.batch_sizes, "--batch-sizes")
     try:
@@ -140,8 +164,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _int_list(text: str, flag: str) -> list[int]:
-    from compress.errors import RecipeError
-
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -152,11 +174,13 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from compress.errors import RecipeError
-
-    path = Path(_resolve_recipe(args.path))
+    path = Path(args.path)
     if not path.exists():
-        raise RecipeError(f"{args.path}: file not found")
+        if path.suffix not in ("", ".yaml", ".yml"):
+            raise RecipeError(f"{args.path}: file not found")
+        from compress.recipe import resolve_recipe_path
+
+        path = resolve_recipe_path(args.path)
     if path.suffix in (".yaml", ".yml"):
         from compress.recipe import load_recipe
         from compress.runner import plan
@@ -165,16 +189,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(recipe.to_yaml())
         print(_render_plan(plan(recipe)))
     elif path.suffix == ".onnx":
-        from export.inspect import describe_onnx
+        from export.inspect import inspect_onnx
 
-        print(describe_onnx(path))
+        print(inspect_onnx(path))
     elif path.suffix in (".pt", ".pth"):
+        import pickle
+
         import torch
 
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            # torch's own message is six lines with terminal colour codes; say what it means
+            raise RecipeError(
+                f"{path}: holds pickled Python objects, not only tensors (e.g. a module saved with "
+                "torch.save(model)); compress reads checkpoints with weights_only=True and runs no code from a file"
+            ) from None
         except Exception as exc:  # a corrupt or foreign file is the user's input
-            raise RecipeError(f"{path}: not a loadable checkpoint ({type(exc).__name__}: {exc})") from None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise RecipeError(f"{path}: not a loadable checkpoint ({type(exc).__name__}: {first})") from None
         sd = state.get("model", state) if isinstance(state, dict) else {}
         total = sum(t.numel() for t in sd.values() if hasattr(t, "numel"))
         print(f"{path}: {len(sd)} tensors, {total:,} values" + (f", epoch {state['epoch']}" if "epoch" in state else ""))
@@ -190,11 +223,18 @@ def _cmd_recipes(_args: argparse.Namespace) -> int:
 
     for name, path in shipped_recipes().items():
         try:
-            desc = load_recipe(path).description.strip().splitlines()[0]
-        except (CompressError, IndexError):
-            desc = ""
-        print(f"{name:24s} {desc}")
+            desc = _first_sentence(load_recipe(path).description)
+        except CompressError as exc:
+            desc = f"(does not load: {exc})"
+        print(f"{name:20s} {desc}")
     return 0
+
+
+def _first_sentence(text: str) -> str:
+    """The description's first sentence, whole (a YAML block wraps it over several lines)."""
+    flat = " ".join(text.split())
+    end = flat.find(". ")
+    return flat if end < 0 else flat[: end + 1]
 
 
 COMMANDS = {"apply": _cmd_apply, "validate": _cmd_validate, "inspect": _cmd_inspect, "recipes": _cmd_recipes}
@@ -210,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         h.setLevel(logging.WARNING if quiet else logging.INFO)
     debug = args.debug or os.environ.get("COMPRESS_DEBUG") == "1"
     try:
+        _check_package()
         return COMMANDS[args.command](args)
     except CompressError as exc:
         if debug:
@@ -219,12 +260,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("compress: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`compress inspect X | head`): stop quietly, as a SIGPIPE'd tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except Exception as exc:
         if debug:
             raise
-        print(f"compress: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+        print(f"compress: internal error: {type(exc).__name__}: {exc} "
+              f"(the traceback: rerun as 'compress --debug {args.command} ...'; a run's run.log holds it too)",
               file=sys.stderr)
         return 1
+
+
+def _check_package() -> None:
+    """Fail at once when ``compress`` resolved to a folder without ``__init__.py`` (a namespace
+    package: e.g. a clone named ``compress`` whose parent is on PYTHONPATH). Submodules still load
+    through the installed package's finder, so such a run trains for minutes and dies at the first
+    use of a package-level name."""
+    import compress
+
+    if getattr(compress, "__file__", None) is None:
+        where = ", ".join(str(p) for p in getattr(compress, "__path__", [])) or "?"
+        raise CompressError(
+            f"'import compress' found the folder {where}, not the installed package (a directory named "
+            "'compress' on sys.path shadows it, e.g. through PYTHONPATH or the current folder); "
+            "remove that folder from PYTHONPATH or run from another folder"
+        )
 
 
 if __name__ == "__main__":

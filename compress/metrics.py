@@ -81,7 +81,7 @@ class EmbeddingCosine(Metric):
         self.count += int(cos.shape[0])
 
 
-class _FunctionMetric(Metric):
+class FunctionMetric(Metric):
     """A user function ``fn(outputs, targets) -> float`` averaged over samples."""
 
     def __init__(self, fn: Callable[[Any, Any], float]) -> None:
@@ -100,7 +100,7 @@ def make_metric(name: str, *, where: str = "train.metric") -> Metric:
         fn = import_object(name, where=where, what="fn")
         if not callable(fn):
             raise RecipeError(f"{where}: '{name}' is not callable")
-        return _FunctionMetric(fn)
+        return FunctionMetric(fn)
     if name not in METRICS:
         raise RecipeError(f"{where}: unknown metric '{name}'; {did_you_mean(name, METRICS.names())} or pkg.module:fn")
     return METRICS.get(name)()

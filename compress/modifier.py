@@ -40,7 +40,8 @@ class ModifierSpec(BaseModel):
     exclusive and None means "until the stage ends". ``update_every`` spaces step updates.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: like every recipe section, no modifier number means anything as inf or nan
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     type: str
     start_epoch: float = Field(0.0, ge=0)
@@ -173,6 +174,10 @@ class Modifier(Generic[S]):
     def on_finalize(self, state: State) -> None:
         """Called once at stage end; must leave the model runnable without this modifier."""
 
+    def on_abort(self, state: State) -> None:
+        """Called instead of finalize when the caller's loop raised: release what initialize attached
+        (hooks on the model, a teacher, ...). The Session also removes any hook left on the model."""
+
     def plan(self, model: nn.Module) -> list[str]:
         """Names of the modules this modifier would touch (for ``--dry-run``)."""
         return []
@@ -220,6 +225,12 @@ class Modifier(Generic[S]):
         self._require(Phase.INITIALIZED, "finalize")
         self.on_finalize(state)
         self.phase = Phase.FINALIZED
+
+    def abort(self, state: State) -> None:
+        """End an initialized modifier without finalizing it (the loop feeding it raised)."""
+        if self.phase is Phase.INITIALIZED:
+            self.phase = Phase.FINALIZED
+            self.on_abort(state)
 
 
 MODIFIERS: Registry[type[Modifier[Any]]] = Registry("modifier type")

@@ -7,6 +7,7 @@ the YAML line, the field path, the valid choices and the closest name to a typo.
 from __future__ import annotations
 
 import copy
+import math
 import re
 import types
 import typing
@@ -25,8 +26,14 @@ from pydantic import (
     model_validator,
 )
 
-from compress.errors import RecipeError, closest, did_you_mean
+from compress.errors import RecipeError, did_you_mean
 from compress.modifier import ModifierSpec, check_order, modifier_class, modifier_types
+
+# the export and validate sections are export/'s own settings, embedded here (export never imports the recipe)
+from export.specs import ExportSpec as ExportSpec
+from export.specs import Runtime as Runtime
+from export.specs import Thresholds as Thresholds
+from export.specs import ValidateSpec as ValidateSpec
 
 
 class _Strict(BaseModel):
@@ -110,46 +117,6 @@ class Stage(_Strict):
     @property
     def trains(self) -> bool:
         return self.epochs > 0 or self.steps is not None
-
-
-class ExportSpec(_Strict):
-    """ONNX export of the final model (QDQ int8 when it is quantized) and of the fp32 baseline."""
-
-    enabled: bool = True
-    opset: int | None = Field(None, ge=13)
-    dynamic_batch: bool = True
-    fp16: bool = False
-    simplify: bool = True
-    activation_dtype: Literal["uint8", "int8"] = "uint8"
-    reduce_range: bool = False
-    baseline: bool = True
-    triton_repository: bool = False
-
-
-class Thresholds(_Strict):
-    """Limits checked after validation; a miss makes ``compress apply`` exit 3."""
-
-    max_accuracy_drop: float | None = Field(None, ge=0)
-    min_speedup: float | None = Field(None, gt=0)
-    min_top1_agreement: float | None = Field(None, ge=0, le=1)
-    min_cosine: float | None = Field(None, ge=-1, le=1)
-    max_size_ratio: float | None = Field(None, gt=0)
-
-
-Runtime = Literal["onnxruntime", "openvino", "cuda"]
-
-
-class ValidateSpec(_Strict):
-    """Runtimes to validate the exported model on and how to time it."""
-
-    enabled: bool = True
-    runtimes: list[Runtime] = Field(default_factory=lambda: list[Runtime](["onnxruntime"]))
-    batch_sizes: list[int] = Field(default_factory=lambda: [1, 32])
-    warmup: int = Field(5, ge=0)
-    runs: int = Field(20, ge=1)
-    threads: int | None = Field(None, ge=1)
-    eval_samples: int | None = Field(None, ge=1)
-    thresholds: Thresholds = Field(default_factory=Thresholds)
 
 
 class Recipe(_Strict):
@@ -426,6 +393,34 @@ def _printable(text: str) -> str:
 # ---- the loader ---------------------------------------------------------------------------------
 
 
+def shipped_recipes() -> dict[str, Path]:
+    """Name -> path of the recipes shipped with the package (``compress recipes`` lists them)."""
+    import recipes
+
+    folder = Path(recipes.__file__).parent
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def resolve_recipe_path(recipe: str | Path) -> Path:
+    """The one rule the CLI and ``load_recipe`` share: an existing file wins; else a shipped recipe
+    named ``NAME``, ``NAME.yaml`` or ``recipes/NAME.yaml`` (the README's paths, from any folder);
+    else a RecipeError naming the closest shipped recipe."""
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    shipped = shipped_recipes()
+    parts = path.parts
+    stem = path.stem if path.suffix in (".yaml", ".yml") else path.name
+    bare = (len(parts) == 1 or (len(parts) == 2 and parts[0] == "recipes")) and re.fullmatch(r"[\w.-]+", stem) is not None
+    if bare and stem in shipped:
+        return shipped[stem]
+    name = _printable(str(recipe))
+    if not bare:
+        raise RecipeError(f"{name}: recipe file not found")
+    raise RecipeError(f"{name}: recipe file not found (nor a shipped recipe; {did_you_mean(stem, list(shipped))})")
+
+
+
 def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: Sequence[str] = ()) -> Recipe:
     """Load and validate a recipe from a YAML path, a mapping, or a Recipe (re-validated with overrides).
 
@@ -438,10 +433,8 @@ def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: S
     elif isinstance(recipe, Mapping):
         name, data = "recipe", copy.deepcopy(dict(recipe))
     elif isinstance(recipe, (str, Path)):
-        path = Path(recipe)
         name = _printable(str(recipe))
-        if not path.is_file():
-            raise RecipeError(f"{name}: recipe file not found")
+        path = resolve_recipe_path(recipe)
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
@@ -460,6 +453,7 @@ def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: S
         raise RecipeError(f"{source.where([])}: a recipe is a mapping with keys version, model, data, ...")
     _check_duplicate_keys(source)
     data = apply_overrides(data, overrides, name)
+    _check_finite(data, source)
     data = _validate_modifiers(data, source)
     _check_unique_stage_names(data, source)
     try:
@@ -496,7 +490,47 @@ def _validate_modifiers(data: dict[str, Any], source: RecipeSource) -> dict[str,
                 mods[j] = modifier_class(str(t)).spec_cls.model_validate(item)
             except ValidationError as exc:
                 _raise_validation(exc, source, data, prefix=path)
+            except RecipeError as exc:
+                # a spec's own resolver (e.g. a scheme preset name) raises without a location: point
+                # at the field whose value it names, else at the modifier
+                field = _field_naming(item, str(exc))
+                raise RecipeError(f"{source.where([*path, *field])}: {exc}") from None
     return data
+
+
+def _check_finite(node: Any, source: RecipeSource, path: tuple[str | int, ...] = ()) -> None:
+    """No number in a recipe means anything as inf or nan: refuse them everywhere, nested modifier
+    settings (loss temperatures, observer parameters, ...) included, not only where a schema says so."""
+    if isinstance(node, float) and not math.isfinite(node):
+        raise RecipeError(f"{source.where(list(path))}: Input should be a finite number (got {node})")
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            _check_finite(v, source, (*path, str(k)))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _check_finite(v, source, (*path, i))
+
+
+def _field_naming(item: Any, message: str) -> list[str | int]:
+    """Path inside ``item`` to the first scalar value quoted in ``message`` (``'w8a9'``)."""
+    quoted = set(re.findall(r"'([^']*)'", message))
+
+    def walk(node: Any, path: list[str | int]) -> list[str | int] | None:
+        if isinstance(node, Mapping):
+            for k, v in node.items():
+                found = walk(v, [*path, str(k)])
+                if found is not None:
+                    return found
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                found = walk(v, [*path, i])
+                if found is not None:
+                    return found
+        elif isinstance(node, (str, int, float)) and str(node) in quoted:
+            return path
+        return None
+
+    return walk(item, []) or []
 
 
 def _check_unique_stage_names(data: dict[str, Any], source: RecipeSource) -> None:
@@ -532,8 +566,3 @@ def _check_needs_and_order(recipe: Recipe, source: RecipeSource) -> None:
             per.append((spec.kind, where))
         kinds.append(per)
     check_order(kinds)
-
-
-def suggest_field(name: str, model: type[BaseModel]) -> str | None:
-    """Closest field of ``model`` to ``name`` (for callers building their own messages)."""
-    return closest(name, _field_names(model))

@@ -12,16 +12,19 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from compress.io import atomic_write_text
+from export.records import ExportRecord, ThresholdRecord, ValidationRecord
 
 log = logging.getLogger(__name__)
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
 
 class ModelFigures(_Model):
-    """Accuracy and size of the model at one point of the pipeline."""
+    """Accuracy and size of the model at one point of the pipeline. ``size_bytes`` is the deployed
+    size of its weights (quantized weights at their bit width: compress.profile.deployed_size_bytes);
+    the exported files' sizes are in ``Report.exports``."""
 
     accuracy: float | None = None
     params: int | None = None
@@ -40,28 +43,6 @@ class StageReport(_Model):
     seconds: float | None = None
 
 
-class ExportReport(_Model):
-    path: str
-    format: str
-    size_bytes: int
-
-
-class ValidationReport(_Model):
-    runtime: str
-    precision: str
-    accuracy: float | None = None
-    parity: dict[str, Any] = Field(default_factory=dict)
-    latency_ms: dict[str, float] = Field(default_factory=dict)
-    speedup: dict[str, float | None] = Field(default_factory=dict)
-
-
-class ThresholdReport(_Model):
-    name: str
-    limit: float
-    value: float | None
-    passed: bool
-
-
 class Report(_Model):
     """Everything a run measured. ``report.json`` is this model dumped as JSON."""
 
@@ -72,15 +53,17 @@ class Report(_Model):
     baseline: ModelFigures = Field(default_factory=ModelFigures)
     stages: list[StageReport] = Field(default_factory=list)
     final: ModelFigures = Field(default_factory=ModelFigures)
-    exports: list[ExportReport] = Field(default_factory=list)
-    validation: list[ValidationReport] = Field(default_factory=list)
-    thresholds: list[ThresholdReport] = Field(default_factory=list)
+    exports: list[ExportRecord] = Field(default_factory=list)
+    validation: list[ValidationRecord] = Field(default_factory=list)
+    thresholds: list[ThresholdRecord] = Field(default_factory=list)
     seconds: float | None = None
+    #: set when the run failed: what raised (the report then holds what was measured before)
+    error: str | None = None
 
     @property
     def passed(self) -> bool:
-        """True when every threshold held."""
-        return all(t.passed for t in self.thresholds)
+        """True when the run finished and every threshold held."""
+        return self.error is None and all(t.passed for t in self.thresholds)
 
     def write(self, out_dir: Path) -> None:
         """Write report.json, report.md and the accuracy-vs-size plot into ``out_dir``."""
@@ -137,6 +120,8 @@ def _fmt(v: Any) -> str:
         return f"{v:,}"
     if isinstance(v, dict):
         return ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        return "; ".join(_fmt(x) for x in v)
     return str(v)
 
 
@@ -157,14 +142,19 @@ def render_markdown(report: Report, *, plot_name: str | None = None) -> str:
     out = [f"# compress run: {name}\n"]
     if r.recipe.get("description"):
         out.append(f"{r.recipe['description']}\n")
-    verdict = "all thresholds passed" if r.passed else "THRESHOLDS MISSED"
+    if r.error:
+        out.append(f"**The run FAILED**: {r.error} (the traceback is in run.log).\n")
+    verdict = "all thresholds passed" if all(t.passed for t in r.thresholds) else "THRESHOLDS MISSED"
     out.append(f"Metric: `{r.metric}`. {len(r.thresholds)} threshold(s): {verdict}."
                + (f" Run time {r.seconds:.1f} s." if r.seconds else "") + "\n")
     out.append("## Model\n")
-    rows = [{"model": "baseline", **r.baseline.model_dump()}]
+    files = {e.role: e.size_bytes for e in r.exports}
+    rows = [{"model": "baseline", **r.baseline.model_dump(), "onnx_bytes": files.get("baseline")}]
     rows += [{"model": f"after {s.name}", **s.model.model_dump()} for s in r.stages]
-    rows.append({"model": "final", **r.final.model_dump()})
-    out.append(md_table(rows, ["model", "accuracy", "params", "macs", "size_bytes"]))
+    rows.append({"model": "final", **r.final.model_dump(), "onnx_bytes": files.get("final")})
+    out.append(md_table(rows, ["model", "accuracy", "params", "macs", "size_bytes", "onnx_bytes"]))
+    out.append("`size_bytes`: the weights as deployed (quantized weights at their bit width); "
+               "`onnx_bytes`: the exported file.\n")
     if plot_name:
         out.append(f"\n![accuracy vs size]({plot_name})\n")
     for s in r.stages:
@@ -177,17 +167,27 @@ def render_markdown(report: Report, *, plot_name: str | None = None) -> str:
             out.append(f"\n![{Path(a).stem}]({a})\n")
     if r.exports:
         out.append("\n## Exports\n")
-        out.append(md_table([e.model_dump() for e in r.exports]))
+        out.append(md_table([e.model_dump(mode="json") for e in r.exports],
+                            ["role", "path", "format", "size_bytes", "integer_nodes"]))
     if r.validation:
         out.append("\n## Validation\n")
-        out.append(md_table([v.model_dump() for v in r.validation],
-                            ["runtime", "precision", "accuracy", "parity", "latency_ms", "speedup"]))
+        out.append(md_table([v.model_dump(mode="json") for v in r.validation],
+                            ["runtime", "role", "precision", "accuracy", "parity", "latency_ms", "speedup", "notes"]))
     if r.thresholds:
         out.append("\n## Thresholds\n")
-        out.append(md_table([t.model_dump() for t in r.thresholds]))
+        out.append(md_table([t.model_dump() for t in r.thresholds], ["name", "limit", "value", "passed", "where"]))
     out.append("\n## Environment\n")
     out.append(md_table([{"what": k, "value": v} for k, v in {**r.versions, **r.machine}.items()]))
     return "\n".join(out)
+
+
+def _fit(values: list[float], *, floor: float | None = None) -> tuple[float, float]:
+    """Axis limits around ``values`` with a margin (matplotlib pads to round ticks, past 1.0 for
+    accuracy, and a flat series gets a visible span)."""
+    lo, hi = min(values), max(values)
+    pad = (hi - lo) * 0.1 or max(abs(hi) * 0.05, 1e-3)
+    low = lo - pad if floor is None else max(floor, lo - pad)
+    return low, hi + pad
 
 
 def _plot(report: Report, path: Path) -> Path | None:
@@ -209,7 +209,9 @@ def _plot(report: Report, path: Path) -> Path | None:
     ax.plot(xs, ys, "-o")
     for (n, _, _), x, y in zip(pts, xs, ys):
         ax.annotate(n, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("model size (KiB, in-memory tensors)")
+    ax.set_xlim(*_fit(xs, floor=0.0))
+    ax.set_ylim(*_fit(ys))
+    ax.set_xlabel("model size (KiB, weights as deployed)")
     ax.set_ylabel(report.metric)
     ax.set_title(f"{report.recipe.get('name', 'run')}: {report.metric} vs size across stages")
     ax.grid(True, alpha=0.3)

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,19 +25,11 @@ from tqdm import tqdm
 
 from compress.errors import RecipeError
 from compress.io import atomic_write_text
-from compress.profile import count_macs, count_params, state_size_bytes
+from compress.profile import count_macs, count_params, deployed_size_bytes
 from compress.recipe import Recipe, load_recipe
-from compress.report import (
-    ExportReport,
-    ModelFigures,
-    Report,
-    StageReport,
-    ThresholdReport,
-    ValidationReport,
-    machine,
-    versions,
-)
+from compress.report import ModelFigures, Report, StageReport, machine, versions
 from compress.session import Session, StageResult
+from compress.state import save_compressed
 from compress.training import (
     Dist,
     Trainer,
@@ -46,9 +39,7 @@ from compress.training import (
     save_checkpoint,
     seed_everything,
 )
-
-#: the pickled final module in a run folder's checkpoints/ (quantized runs only)
-FINAL_MODEL = "final_model.pt"
+from export.records import ThresholdRecord
 
 log = logging.getLogger(__name__)
 LOGGERS = ("compress", "quantization", "pruning", "distillation", "export")
@@ -62,7 +53,8 @@ class _Run:
         from compress.models import load_model
 
         self.recipe = recipe
-        self.quiet = quiet
+        # progress bars only on a terminal: redirected, every tqdm update is a line in the file
+        self.quiet = quiet or not sys.stderr.isatty()
         self.device = resolve_device(device or recipe.train.device)
         self.dist: Dist = init_distributed(self.device)
         seed_everything(recipe.train.seed)
@@ -77,6 +69,7 @@ class _Run:
 
         make_metric(self.metric, where=recipe.where("train.metric"))  # unknown metric: fail before any work
         self.reference: nn.Module | None = None
+        self.report: Report | None = None  # the run's report as far as it got (written on a failure too)
 
     @property
     def train_loader(self) -> DataLoader[Any]:
@@ -106,7 +99,7 @@ class _Run:
             macs = count_macs(model, _to(self.data.example_inputs, self.device))
         except Exception as exc:  # MACs are informative; a model the counter can't run still reports the rest
             log.warning("could not count MACs: %s", exc)
-        return ModelFigures(accuracy=None if math.isnan(accuracy) else accuracy, params=count_params(model), macs=macs, size_bytes=state_size_bytes(model))
+        return ModelFigures(accuracy=None if math.isnan(accuracy) else accuracy, params=count_params(model), macs=macs, size_bytes=deployed_size_bytes(model))
 
 
 def _to(x: Any, device: torch.device) -> Any:
@@ -146,6 +139,35 @@ def _prepare_out_dir(out_dir: Path, *, overwrite: bool, resume: bool) -> None:
         raise RecipeError(f"--out {out_dir}: exists and is not a folder")
     if out_dir.exists() and any(out_dir.iterdir()) and not (overwrite or resume):
         raise RecipeError(f"--out {out_dir}: run folder exists and is not empty; pass --overwrite or --resume")
+    if resume and not (out_dir / "recipe.yaml").is_file():
+        what = "does not exist" if not out_dir.exists() else "is not a run folder (no recipe.yaml)"
+        raise RecipeError(f"--resume: {out_dir} {what}; nothing to resume (drop --resume to start a run)")
+
+
+def _check_same_recipe(recipe: Recipe, out_dir: Path) -> None:
+    """--resume continues the run its folder describes: a different recipe would mix two runs."""
+    import yaml
+
+    saved = yaml.safe_load((out_dir / "recipe.yaml").read_text(encoding="utf-8"))
+    now = recipe.to_dict()
+    if saved != now:
+        keys = sorted({*saved, *now} if isinstance(saved, dict) else now)
+        differ = [k for k in keys if not isinstance(saved, dict) or saved.get(k) != now.get(k)]
+        raise RecipeError(
+            f"--resume: the recipe differs from {out_dir / 'recipe.yaml'} in {', '.join(differ)}; "
+            "resume with the run's own recipe (compress apply RUN/recipe.yaml --resume) or start a new run"
+        )
+
+
+def _clear_unfinished(out_dir: Path) -> None:
+    """Before a resumed run: drop what a killed attempt may have left (temp files of interrupted
+    writes, exports and reports of an earlier attempt), so that only this run's finished outputs
+    are ever in the folder, and report.json, written last, marks a complete run."""
+    for p in [*out_dir.rglob("*.tmp"), *out_dir.rglob(".*.tmp"), *out_dir.rglob("*.tmp.png")]:
+        p.unlink(missing_ok=True)
+    for name in ("report.json", "report.md", "accuracy_vs_size.png"):
+        (out_dir / name).unlink(missing_ok=True)
+    shutil.rmtree(out_dir / "export", ignore_errors=True)
 
 
 def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -181,20 +203,43 @@ def apply(
     run = _Run(r, device=device, quiet=quiet)  # bad model/data input raises here, before the folder is touched
     main = run.dist.is_main
     if main:
+        if resume:
+            _check_same_recipe(r, out)
+            _clear_unfinished(out)
         if overwrite and out.exists() and not resume:
             shutil.rmtree(out)
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "recipe.yaml", r.to_yaml())
     try:
         with _log_to(out / "run.log" if main else None, quiet):
-            report = _run(run, out, resume=resume)
+            try:
+                report = _run(run, out, resume=resume)
+            except Exception as exc:
+                # the traceback belongs in run.log (the console shows one line), and the folder gets a
+                # report that says the run failed and where it got to; then re-raise
+                log.exception("run failed")
+                if main:
+                    failed = run.report or Report(recipe=r.to_dict(), versions=versions(), machine=machine())
+                    failed.error = f"{type(exc).__name__}: {exc}"
+                    failed.seconds = time.perf_counter() - t0
+                    failed.write(out)
+                raise
+            report.seconds = time.perf_counter() - t0
+            if main:
+                report.write(out)
+            if run.dist.enabled:
+                report = _share_report(report)
     finally:
         if run.dist.enabled and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    report.seconds = time.perf_counter() - t0
-    if main:
-        report.write(out)
     return report
+
+
+def _share_report(report: Report) -> Report:
+    """Rank 0's report, on every rank: one set of records, one threshold verdict, one exit code."""
+    box: list[Any] = [report.model_dump(mode="json") if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return Report.model_validate(box[0])
 
 
 def _run(run: _Run, out: Path, *, resume: bool) -> Report:
@@ -232,7 +277,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
     run.reference = copy.deepcopy(model).eval()
     for p in run.reference.parameters():
         p.requires_grad_(False)
-    report = Report(recipe=r.to_dict(), versions=versions(), machine=machine(), metric=run.metric)
+    report = run.report = Report(recipe=r.to_dict(), versions=versions(), machine=machine(), metric=run.metric)
     report.baseline = run.figures(model, accuracy=run.evaluate(model))
     log.info("baseline %s: %s", run.metric, report.baseline.accuracy)
 
@@ -242,7 +287,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
         tqdm(calib, desc="calibrate", disable=run.quiet or not main, leave=False) if calib is not None else None
     )
     session = Session(
-        r, model, calibration_data=calibration, train_data=run.train_loader,
+        r, model, steps_per_epoch=len(run.train_loader), calibration_data=calibration, train_data=run.train_loader,
         example_inputs=_to(run.data.example_inputs, run.device), evaluate=run.evaluate, device=run.device,
         out_dir=out / "artifacts" if main else None,
     )
@@ -267,34 +312,22 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
                         session=session, desc=stage.name)
     report.final = run.figures(model, accuracy=run.evaluate(model))
     if main:
-        save_checkpoint(ckpt_dir / "final.pt", model, None, 0)
-        from quantization import quantizers
+        # weights plus the compression state as data (pruning plans, quantizer config): restorable
+        # with weights_only=True (compress.state.restore_compressed), never a pickled module
+        save_compressed(ckpt_dir / "final.pt", model, [m for stage in session.modifiers for m in stage])
 
-        if next(quantizers(model), None) is not None:
-            # the whole module (quantizers and their settings, not only tensors), so that
-            # `compress validate RUN --backend cuda` can convert it without rerunning the stages
-            tmp = ckpt_dir / "final_model.pt.tmp"
-            try:
-                torch.save(model, tmp)
-                os.replace(tmp, ckpt_dir / FINAL_MODEL)
-            except Exception as exc:  # an unpicklable user module must not fail a finished run
-                tmp.unlink(missing_ok=True)
-                log.warning("final model not pickled (%s): `compress validate --backend cuda` needs it", exc)
-
-    # ---- export and validation ----
-    if main and r.export.enabled and run.data.example_inputs is not None:
-        _export_and_validate(run, model, out, report)
-    report.thresholds = check_thresholds(r, report)
+    # ---- export, validation and thresholds: rank 0 alone; the others receive its report ----
+    if main:
+        if r.export.enabled and run.data.example_inputs is not None:
+            _export_and_validate(run, model, out, report)
+        report.thresholds = check_thresholds(r, report)
     return report
 
 
 def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report) -> None:
-    try:
-        from export.pipeline import export_model
-        from export.validate import validate_exports
-    except ImportError as exc:
-        log.warning("export is not available in this install (%s): skipped", exc)
-        return
+    from export.pipeline import export_model
+    from export.validate import validate_exports
+
     r = run.recipe
     model = model.to("cpu").eval()
     reference = run.reference.to("cpu") if run.reference is not None else None
@@ -303,13 +336,7 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
     meta = {"recipe": r.name, "recipe_sha256": hashlib.sha256(r.to_yaml().encode()).hexdigest()[:16]}
     records = export_model(model, _to(run.data.example_inputs, torch.device("cpu")), r.export, out / "export",
                            name=r.name, baseline=reference, metadata=meta)
-    for rec in records:
-        p = Path(rec.path)
-        report.exports.append(ExportReport(
-            path=str(p.relative_to(out)) if p.is_relative_to(out) else str(p), format=rec.format,
-            size_bytes=rec.size_bytes, **{k: v for k, v in _as_dict(rec).items()
-                                          if k not in ("path", "format", "size_bytes")},
-        ))
+    report.exports = [rec.model_copy(update={"path": _rel(rec.path, out)}) for rec in records]
     if not r.validate_.enabled or run.data.eval is None:
         return
     from compress.metrics import make_metric
@@ -317,54 +344,17 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
     needs_ref = make_metric(run.metric).needs_reference
     vals = validate_exports(records, r.validate_, eval_loader=run.data.eval, reference=model,
                             baseline_reference=reference, task="embedding" if needs_ref else "classification")
-    for v in vals:
-        d = _as_dict(v)
-        report.validation.append(ValidationReport(**{
-            **d,
-            "latency_ms": {str(k): x for k, x in (d.get("latency_ms") or {}).items()},
-            "speedup": {str(k): x for k, x in (d.get("speedup") or {}).items()},
-        }))
+    report.validation = [v.model_copy(update={"model_path": _rel(v.model_path, out)}) for v in vals]
 
 
-def _as_dict(obj: Any) -> dict[str, Any]:
-    if hasattr(obj, "model_dump"):
-        return dict(obj.model_dump(mode="json"))
-    import dataclasses
-
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.asdict(obj)
-    return dict(vars(obj))
+def _rel(path: Path, root: Path) -> Path:
+    p = Path(path)
+    return p.relative_to(root) if p.is_relative_to(root) else p
 
 
-def check_thresholds(recipe: Recipe, report: Report) -> list[ThresholdReport]:
-    """Compare the recipe's validate.thresholds with what the run measured."""
-    th = recipe.validate_.thresholds
-    out: list[ThresholdReport] = []
-    finals = [v for v in report.validation if v.model_extra and v.model_extra.get("role") == "final"]
-    first = finals[0] if finals else None
-    if th.max_accuracy_drop is not None:
-        # the deployed form decides: the runtime's accuracy when validated, else PyTorch's
-        final_acc = first.accuracy if first is not None and first.accuracy is not None else report.final.accuracy
-        base = report.baseline.accuracy
-        drop = None if final_acc is None or base is None else base - final_acc
-        out.append(ThresholdReport(name="max_accuracy_drop", limit=th.max_accuracy_drop, value=drop,
-                                   passed=drop is not None and drop <= th.max_accuracy_drop + 1e-12))
-    if th.min_speedup is not None:
-        sp = [x for x in (first.speedup.values() if first else []) if x is not None]
-        best = max(sp) if sp else None
-        out.append(ThresholdReport(name="min_speedup", limit=th.min_speedup, value=best,
-                                   passed=best is not None and best >= th.min_speedup))
-    if th.min_top1_agreement is not None:
-        val = first.parity.get("top1_agreement") if first else None
-        out.append(ThresholdReport(name="min_top1_agreement", limit=th.min_top1_agreement, value=val,
-                                   passed=val is not None and val >= th.min_top1_agreement))
-    if th.min_cosine is not None:
-        val = first.parity.get("cosine") if first else None
-        out.append(ThresholdReport(name="min_cosine", limit=th.min_cosine, value=val,
-                                   passed=val is not None and val >= th.min_cosine))
-    if th.max_size_ratio is not None:
-        sizes = {(e.model_extra or {}).get("role"): e.size_bytes for e in report.exports}
-        ratio = sizes["final"] / sizes["baseline"] if sizes.get("final") and sizes.get("baseline") else None
-        out.append(ThresholdReport(name="max_size_ratio", limit=th.max_size_ratio, value=ratio,
-                                   passed=ratio is not None and ratio <= th.max_size_ratio))
-    return out
+def check_thresholds(recipe: Recipe, report: Report) -> list[ThresholdRecord]:
+    """The recipe's validate.thresholds against what the run measured (export.validate.check_thresholds)."""
+    from export.validate import check_thresholds as check
+
+    return check(recipe.validate_.thresholds, report.validation, exports=report.exports,
+                 baseline_accuracy=report.baseline.accuracy, final_accuracy=report.final.accuracy)

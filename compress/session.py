@@ -35,6 +35,28 @@ from compress.recipe import Recipe, Stage, load_recipe
 log = logging.getLogger(__name__)
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
+def _hook_ids(model: nn.Module) -> set[tuple[int, str, int]]:
+    """(module id, hook dict, handle id) of every hook on ``model``'s modules."""
+    return {(id(m), d, h) for m in model.modules() for d in _HOOK_DICTS for h in getattr(m, d, {})}
+
+
+def _remove_hooks_since(model: nn.Module, before: set[tuple[int, str, int]]) -> int:
+    n = 0
+    for m in model.modules():
+        for d in _HOOK_DICTS:
+            hooks = getattr(m, d, None)
+            if not hooks:
+                continue
+            for h in [h for h in hooks if (id(m), d, h) not in before]:
+                del hooks[h]
+                n += 1
+    return n
+
+
 @dataclass
 class StageResult:
     """What a finished stage reported: its modifiers' metrics and tables."""
@@ -101,6 +123,7 @@ class Session:
         self._stage_end_callbacks: list[Callable[[Session, StageResult], None]] = []
         self._epochs_done = 0
         self._epoch_steps = 0
+        self._hooks_before: set[tuple[int, str, int]] = set()
 
     # ---- properties ------------------------------------------------------------------------------
     @property
@@ -114,6 +137,15 @@ class Session:
     @optimizer.setter
     def optimizer(self, opt: torch.optim.Optimizer | None) -> None:
         self.state.optimizer = opt
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps per epoch (fractional epochs in schedules); a trainer may set it once."""
+        return self.state.steps_per_epoch
+
+    @steps_per_epoch.setter
+    def steps_per_epoch(self, n: int | None) -> None:
+        self.state.steps_per_epoch = n
 
     @property
     def finished(self) -> bool:
@@ -131,7 +163,8 @@ class Session:
         return sum(math.ceil(s.epochs) for s in self.recipe.stages if s.steps is None)
 
     def on_stage_start(self, fn: Callable[[Session], None]) -> None:
-        """Call ``fn(session)`` whenever a training stage starts (the runner rebuilds its optimizer)."""
+        """Call ``fn(session)`` whenever a training stage starts (e.g. a callback that rebuilds its
+        optimizer per stage; the built-in runner builds one per stage in ``Trainer.fit`` instead)."""
         self._stage_callbacks.append(fn)
 
     def on_stage_end(self, fn: Callable[[Session, StageResult], None]) -> None:
@@ -144,6 +177,7 @@ class Session:
         if self._initialized:
             raise CompressError("Session.initialize called twice")
         self._initialized = True
+        self._hooks_before = _hook_ids(self.state.model)
         # targets are checked for all stages before anything touches the model
         for mods in self.modifiers:
             for m in mods:
@@ -257,11 +291,34 @@ class Session:
         return self.modifiers[self._index] if 0 <= self._index < len(self.modifiers) else []
 
     def __enter__(self) -> Session:
-        return self.initialize()
+        try:
+            return self.initialize()
+        except BaseException:
+            self.abort()  # a stage that failed to start may have attached hooks already
+            raise
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if exc_type is None and not self._closed:
             self.finalize()
+        elif not self._closed:
+            self.abort()
         self._closed = True
+
+    def abort(self) -> None:
+        """End the session after the caller's loop failed: the current stage's modifiers release what
+        they attached, and every hook added to the model since initialize is removed. The model keeps
+        the changes finished stages made; it is not finalized (no calibration, no pruning surgery)."""
+        if self._closed or not self._initialized:
+            self._closed = True
+            return
+        self._closed = True
+        for m in self._current():
+            try:
+                m.abort(self.state)
+            except Exception:  # the caller's exception is the one to see; log this one
+                log.exception("%s: abort failed", m.where)
+        removed = _remove_hooks_since(self.state.model, self._hooks_before)
+        if removed:
+            log.info("session aborted: removed %d hook(s) left on the model", removed)

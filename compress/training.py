@@ -195,16 +195,16 @@ class Trainer:
         n_epochs = math.ceil(epochs) if steps is None else math.ceil(steps / max(n_batches or steps, 1))
         total = steps if steps is not None else n_epochs * (n_batches or 0)
         opt = optimizer or build_optimizer(model, self.spec, lr=lr)
-        if session is not None:
+        if session is not None:  # the trainer only reports events to the session, through its public API
             session.optimizer = opt
-            if session.state.steps_per_epoch is None:
-                session.state.steps_per_epoch = n_batches
+            if session.steps_per_epoch is None:
+                session.steps_per_epoch = n_batches
         sched = build_schedule(opt, self.spec, total_steps=total, steps_per_epoch=n_batches or total)
         for _ in range(start_epoch * (n_batches or 0)):
             sched.step()
         use_amp = self.spec.amp and self.device.type == "cuda"
         scaler = torch.amp.GradScaler("cuda") if use_amp else None
-        stage_index = session.state.stage_index if session is not None else None
+        stage = session.stage if session is not None else None
         result = FitResult()
         t0 = time.perf_counter()
         wrapped, wrapped_params = self._wrap(model), _param_ids(model)
@@ -248,7 +248,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{running / seen:.4f}")
                 if session is not None:
                     session.step()
-                    if session.state.stage_index != stage_index or session.finished:
+                    if session.stage is not stage:  # the stage ended (or the session did)
                         break
                 if steps is not None and result.steps >= steps:
                     break
@@ -258,10 +258,10 @@ class Trainer:
             if self.checkpoint is not None and self.dist.is_main:
                 self.checkpoint(model, opt, epoch + 1)
             if session is not None:
-                if session.state.stage_index != stage_index or session.finished:
+                if session.stage is not stage:
                     break
                 session.epoch_end()
-                if session.state.stage_index != stage_index or session.finished:
+                if session.stage is not stage:
                     break
             elif steps is not None and result.steps >= steps:
                 break

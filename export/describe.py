@@ -79,20 +79,13 @@ def onnx_reference(path: Path) -> OnnxModule:
 
 
 def resolve_data(data: Any, model_path: Path, *, eval_samples: int | None) -> Any:
-    """An iterable of ``(inputs, targets)`` eval batches from a source name, DataSpec or iterable."""
-    from compress.recipe import DataSpec
-
-    if isinstance(data, str):
-        data = DataSpec(source=data)
-    if isinstance(data, DataSpec):
-        from compress.data import build_data
-
-        bundle = build_data(data, batch_size=32, seed=data.seed, where=f"validate data '{data.source}'")
-        if bundle.eval is None:
-            raise CompressError(f"validate: data source '{data.source}' has no eval split")
-        return bundle.eval
+    """``data`` checked to be an iterable of ``(inputs, targets)`` eval batches (data source names
+    are resolved on compress's side: ``compress.validate``)."""
     if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
-        raise CompressError(f"validate: data must be a source name, a DataSpec or an iterable of batches, not {type(data).__name__}")
+        raise CompressError(
+            f"validate: data must be an iterable of (inputs, targets) batches, not {type(data).__name__} "
+            "(compress.validate also takes a data source name such as 'digits')"
+        )
     return data
 
 

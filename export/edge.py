@@ -76,7 +76,7 @@ def simplify(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 def set_metadata(proto: onnx.ModelProto, props: Mapping[str, str]) -> None:
     """Set ``metadata_props`` (recipe hash, quant scheme, toolkit version ...); replaces equal keys."""
-    from compress import __version__
+    from compress.version import __version__
 
     merged = {"compress.version": __version__, **{str(k): str(v) for k, v in props.items()}}
     keep = [p for p in proto.metadata_props if p.key not in merged]

@@ -18,7 +18,7 @@ def _shape(v: onnx.ValueInfoProto) -> str:
     return f"{v.name}: {onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)}[{', '.join(dims)}]"
 
 
-def describe_onnx(path: Path) -> str:
+def inspect_onnx(path: Path) -> str:
     """A multi-line description of the ONNX model at ``path``."""
     path = Path(path)
     if not path.is_file():

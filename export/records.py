@@ -69,3 +69,16 @@ class ValidationRecord(BaseModel):
     warmup: int = 0
     runs: int = 0
     notes: list[str] = Field(default_factory=list)
+
+
+class ThresholdRecord(BaseModel):
+    """One threshold of the recipe against what the run measured. ``where`` names the record that
+    decided it (the worst runtime), or ``pytorch`` when nothing was validated in a runtime."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    limit: float
+    value: float | None
+    passed: bool
+    where: str | None = None

@@ -1,5 +1,6 @@
-"""Runtimes that run exported models, in a registry: onnxruntime, openvino, cuda (the project's own
-int8 kernels, in export/cuda.py). Each loads a file into a session with ``run(feeds) -> outputs``."""
+"""Runtimes that run exported ONNX files, in a registry: onnxruntime and openvino. Each loads a file
+into a session with ``run(feeds) -> outputs``. (The recipe's ``cuda`` runtime is not one of them: it
+runs the PyTorch model on the project's int8 kernels, export/cuda.py, and export.validate calls it.)"""
 
 from __future__ import annotations
 
@@ -142,17 +143,6 @@ class OpenVinoSession:
 
 
 RUNTIMES.add("openvino", lambda path, threads: OpenVinoSession(path, threads))
-
-
-# ---- cuda: named here so recipes may list it; export.validate runs it on the PyTorch model ----------
-def _cuda_loader(path: Path, threads: int) -> RuntimeSession:
-    raise ExportError(
-        f"runtime 'cuda' runs the PyTorch model on the project's int8 kernels, not an ONNX file ({path.name}); "
-        "list it in the recipe's validate.runtimes (export.validate converts the model itself)"
-    )
-
-
-RUNTIMES.add("cuda", _cuda_loader)
 
 
 def cpu_has_vnni() -> bool | None:

@@ -22,10 +22,10 @@ from torch import nn
 
 from compress.batching import batch_size_of, call_model, primary_output, split_batch
 from compress.errors import CompressError, ExportError, RecipeError
-from compress.recipe import Thresholds, ValidateSpec
 from export.parity import Parity, resize_batch, to_numpy_feeds
-from export.records import ExportRecord, ValidationRecord
+from export.records import ExportRecord, ThresholdRecord, ValidationRecord
 from export.runtimes import RUNTIMES, RuntimeSession, cpu_has_vnni, default_threads, load_session
+from export.specs import Thresholds, ValidateSpec
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,10 @@ _TASK_METRICS = {"classification": "accuracy", "embedding": "embedding_cosine"}
 
 
 def _make_metric(metric: MetricArg, task: str) -> tuple[Any, str] | None:
-    from compress.metrics import _FunctionMetric, make_metric
+    from compress.metrics import FunctionMetric, make_metric
 
     if callable(metric):
-        return _FunctionMetric(metric), getattr(metric, "__name__", "metric")
+        return FunctionMetric(metric), getattr(metric, "__name__", "metric")
     name = metric or _TASK_METRICS.get(task)
     if name is None:
         raise CompressError(f"validate: unknown task '{task}'; valid: {', '.join(_TASK_METRICS)}")
@@ -157,7 +157,7 @@ def validate_exports(
     ref_metric = _reference_accuracy(metric, task, batches, ref_out["final"], fp32_out)
     results: list[ValidationRecord] = []
     for runtime in spec.runtimes:
-        if runtime == "cuda":
+        if runtime == "cuda":  # the PyTorch model on the int8 kernels, not a file runtime
             if reference is None:
                 raise CompressError("validate: runtime 'cuda' runs the PyTorch model; pass reference=the quantized model")
             results.extend(_cuda_records(records, spec, batches, reference, baseline_reference, metric, task, threads))
@@ -282,32 +282,62 @@ def _cuda_records(
     ]
 
 
-def threshold_failures(records: Sequence[ValidationRecord], thresholds: Thresholds) -> list[str]:
-    """One line per threshold a final record misses (empty: all met)."""
-    fails: list[str] = []
+def check_thresholds(
+    thresholds: Thresholds,
+    records: Sequence[ValidationRecord],
+    *,
+    exports: Sequence[ExportRecord] = (),
+    baseline_accuracy: float | None = None,
+    final_accuracy: float | None = None,
+) -> list[ThresholdRecord]:
+    """The one threshold check: every limit set in ``thresholds`` against the measured records.
+
+    Every runtime's final record must hold each limit; the reported value is the worst one and
+    ``where`` names its runtime. Accuracy drop is the fp32 baseline's accuracy (``baseline_accuracy``,
+    else the runtime's baseline record, else the record's PyTorch reference) minus the runtime's; with
+    no runtime record it falls back to the PyTorch ``final_accuracy``. Speedup is a runtime's best
+    over the timed batch sizes. A limit that nothing measured is missed, not passed.
+    """
+    finals = [r for r in records if r.role == "final" and not any(n.startswith("skipped") for n in r.notes)]
     base = {r.runtime: r for r in records if r.role == "baseline"}
-    for r in records:
-        if r.role != "final" or any(n.startswith("skipped") for n in r.notes):
-            continue
-        where = f"{r.runtime} {r.model_path.name}"
-        ref_acc = base[r.runtime].accuracy if r.runtime in base else r.reference_accuracy
-        if thresholds.max_accuracy_drop is not None and r.accuracy is not None and ref_acc is not None:
-            drop = ref_acc - r.accuracy
-            if drop > thresholds.max_accuracy_drop:
-                fails.append(f"{where}: accuracy drop {drop:.4f} > max_accuracy_drop {thresholds.max_accuracy_drop}")
-        if thresholds.min_speedup is not None and r.speedup:
-            for b, s in r.speedup.items():
-                if s is not None and s < thresholds.min_speedup:
-                    fails.append(f"{where}: speedup {s:.2f}x at batch {b} < min_speedup {thresholds.min_speedup}")
-        agree = r.parity.get("top1_agreement")
-        if thresholds.min_top1_agreement is not None and agree is not None and agree < thresholds.min_top1_agreement:
-            fails.append(f"{where}: top-1 agreement {agree:.4f} < min_top1_agreement {thresholds.min_top1_agreement}")
-        cos = r.parity.get("cosine")
-        if thresholds.min_cosine is not None and cos is not None and cos < thresholds.min_cosine:
-            fails.append(f"{where}: cosine {cos:.4f} < min_cosine {thresholds.min_cosine}")
-        if thresholds.max_size_ratio is not None and r.size_ratio is not None and r.size_ratio > thresholds.max_size_ratio:
-            fails.append(f"{where}: size ratio {r.size_ratio:.3f} > max_size_ratio {thresholds.max_size_ratio}")
-    return fails
+    out: list[ThresholdRecord] = []
+
+    def worst(name: str, limit: float, values: list[tuple[str, float | None]], *, upper: bool) -> None:
+        known = [(w, v) for w, v in values if v is not None]
+        if not known:
+            out.append(ThresholdRecord(name=name, limit=limit, value=None, passed=False))
+            return
+        w, v = max(known, key=lambda x: x[1]) if upper else min(known, key=lambda x: x[1])
+        ok = v <= limit + 1e-12 if upper else v >= limit - 1e-12
+        out.append(ThresholdRecord(name=name, limit=limit, value=v, passed=ok, where=w))
+
+    th = thresholds
+    if th.max_accuracy_drop is not None:
+        drops: list[tuple[str, float | None]] = []
+        for r in finals:
+            ref = baseline_accuracy
+            if ref is None:
+                ref = base[r.runtime].accuracy if r.runtime in base else r.reference_accuracy
+            drops.append((r.runtime, None if ref is None or r.accuracy is None else ref - r.accuracy))
+        if not any(d is not None for _, d in drops) and baseline_accuracy is not None and final_accuracy is not None:
+            drops = [("pytorch", baseline_accuracy - final_accuracy)]
+        worst("max_accuracy_drop", th.max_accuracy_drop, drops, upper=True)
+    if th.min_speedup is not None:
+        best = [(r.runtime, max((s for s in (r.speedup or {}).values() if s is not None), default=None)) for r in finals]
+        worst("min_speedup", th.min_speedup, best, upper=False)
+    if th.min_top1_agreement is not None:
+        worst("min_top1_agreement", th.min_top1_agreement,
+              [(r.runtime, r.parity.get("top1_agreement")) for r in finals], upper=False)
+    if th.min_cosine is not None:
+        worst("min_cosine", th.min_cosine, [(r.runtime, r.parity.get("cosine")) for r in finals], upper=False)
+    if th.max_size_ratio is not None:
+        sizes = {e.role: e.size_bytes for e in exports}
+        ratios: list[tuple[str, float | None]] = (
+            [("export", sizes["final"] / sizes["baseline"])] if sizes.get("final") and sizes.get("baseline")
+            else [(r.runtime, r.size_ratio) for r in finals]
+        )
+        worst("max_size_ratio", th.max_size_ratio, ratios, upper=True)
+    return out
 
 
 def validate(

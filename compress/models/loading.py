@@ -42,7 +42,8 @@ def load_model(spec: ModelSpec | Mapping[str, Any], *, where: Where = "model") -
     if not isinstance(spec, ModelSpec):
         spec = ModelSpec.model_validate(dict(spec))
     if spec.name is not None:
-        model = _from_name(spec.name, spec.kwargs, where=_at(where, "name"))
+        model = _from_name(spec.name, spec.kwargs, where=_at(where, "name"),
+                           kwarg_where=lambda key: _at(where, f"kwargs.{key}"))
     else:
         assert spec.hf_path is not None  # ModelSpec guarantees exactly one source
         model = load_hf_model(spec.hf_path, spec.kwargs, where=_at(where, "hf_path"))
@@ -53,9 +54,9 @@ def load_model(spec: ModelSpec | Mapping[str, Any], *, where: Where = "model") -
     return model
 
 
-def _from_name(name: str, kwargs: Mapping[str, Any], *, where: str) -> nn.Module:
+def _from_name(name: str, kwargs: Mapping[str, Any], *, where: str, kwarg_where: Callable[[str], str]) -> nn.Module:
     if not is_import_path(name):
-        return _build(name, kwargs, where=where)
+        return _build(name, kwargs, where=where, kwarg_where=kwarg_where)
     factory = import_object(name, where=where)
     if not callable(factory):
         raise RecipeError(f"{where}: '{name}' is a {type(factory).__name__}, not a callable model factory")

@@ -38,7 +38,9 @@ def build_zoo_model(name: str, kwargs: Mapping[str, Any] | None = None, /, **mod
     return _build(name, {**(kwargs or {}), **model_kwargs}, where="")
 
 
-def _build(name: str, kwargs: Mapping[str, Any], *, where: str) -> nn.Module:
+def _build(name: str, kwargs: Mapping[str, Any], *, where: str, kwarg_where: Callable[[str], str] | None = None) -> nn.Module:
+    """``where`` prefixes errors about the name; ``kwarg_where(key)`` those about one kwarg (its own
+    YAML line), else ``where``."""
     prefix = f"{where}: " if where else ""
     if name not in ZOO:
         raise RecipeError(f"{prefix}unknown zoo model '{name}'; {did_you_mean(name, ZOO.names())}")
@@ -46,9 +48,8 @@ def _build(name: str, kwargs: Mapping[str, Any], *, where: str) -> nn.Module:
     valid = zoo_kwargs(name)
     for key in kwargs:
         if key not in valid:
-            raise RecipeError(
-                f"{prefix}zoo model '{name}' has no kwarg '{key}'; {did_you_mean(key, list(valid))}"
-            )
+            at = f"{kwarg_where(key)}: " if kwarg_where is not None else prefix
+            raise RecipeError(f"{at}zoo model '{name}' has no kwarg '{key}'; {did_you_mean(key, list(valid))}")
     try:
         return factory(**kwargs)
     except (TypeError, ValueError) as exc:

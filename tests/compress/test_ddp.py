@@ -1,4 +1,5 @@
-"""DistributedDataParallel: 2 CPU processes under torchrun match a single-process run."""
+"""DistributedDataParallel: 2 CPU processes under torchrun match a single-process run, export and
+validation included: rank 0 alone exports, validates and checks thresholds; one summary, one report."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ RECIPE = {
     "data": {"source": "digits", "calibration_samples": 32},
     "train": {"epochs": 3, "batch_size": 32, "lr": 0.2, "momentum": 0.0, "weight_decay": 0.0, "seed": 3,
               "device": "cpu"},
-    "export": {"enabled": False},
+    "stages": [{"name": "ptq", "modifiers": [{"type": "ptq", "scheme": "w8a8"}]}],
+    "validate": {"batch_sizes": [1], "warmup": 1, "runs": 3,
+                 "thresholds": {"min_top1_agreement": 0.9, "max_accuracy_drop": 0.05}},
 }
 
 
@@ -30,7 +33,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(tmp: Path, nproc: int) -> tuple[dict, dict]:
+def _run(tmp: Path, nproc: int) -> tuple[dict, dict, str]:
     recipe = tmp / "r.yaml"
     recipe.write_text(yaml.safe_dump(RECIPE))
     out = tmp / f"out{nproc}"
@@ -42,13 +45,21 @@ def _run(tmp: Path, nproc: int) -> tuple[dict, dict]:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    state = torch.load(out / "checkpoints" / "final.pt", weights_only=True)["model"]
-    return report, state
+    state = torch.load(out / "checkpoints" / "baseline.pt", weights_only=True)["model"]
+    assert sorted(p.name for p in (out / "export").iterdir()) == ["ddp.fp32.onnx", "ddp.int8.onnx"]
+    return report, state, proc.stdout
 
 
 def test_two_process_ddp_matches_single_process(tmp_path: Path) -> None:
-    single, w1 = _run(tmp_path, 1)
-    ddp, w2 = _run(tmp_path, 2)
+    single, w1, _ = _run(tmp_path, 1)
+    ddp, w2, stdout = _run(tmp_path, 2)
+    # one summary (rank 0's), one verdict from rank 0's records
+    assert stdout.count("ddp: baseline") == 1, stdout
+    assert [(v["runtime"], v["role"]) for v in ddp["validation"]] == [("onnxruntime", "final"),
+                                                                      ("onnxruntime", "baseline")]
+    assert {t["name"]: t["passed"] for t in ddp["thresholds"]} == {"max_accuracy_drop": True,
+                                                                   "min_top1_agreement": True}
+    assert abs(ddp["final"]["accuracy"] - single["final"]["accuracy"]) <= 0.03
     # both trained (so the weight comparison is not between two untouched initializations)
     assert single["baseline"]["accuracy"] > 0.85, single["baseline"]
     assert ddp["baseline"]["accuracy"] > 0.85, ddp["baseline"]

@@ -179,7 +179,7 @@ def test_load_model_factory_errors(factory_module: str) -> None:
         load_model(ModelSpec(name=f"{factory_module}:not_a_model"))
     with pytest.raises(RecipeError, match=r"rejected kwargs"):
         load_model(ModelSpec(name=f"{factory_module}:tiny", kwargs={"depth": 2}))
-    with pytest.raises(RecipeError, match=r"^recipe.yaml:3: model.name: zoo model 'vit' has no kwarg"):
+    with pytest.raises(RecipeError, match=r"^recipe.yaml:\d+: model.kwargs.dims: zoo model 'vit' has no kwarg"):
         load_model(ModelSpec(name="vit", kwargs={"dims": 2}), where=lambda p: f"recipe.yaml:3: {p}")
 
 

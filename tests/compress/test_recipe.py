@@ -21,7 +21,6 @@ from compress.recipe import (
     ValidateSpec,
     apply_overrides,
     load_recipe,
-    suggest_field,
 )
 
 # A valid recipe; the line numbers the error tests rely on are in the comments on the right.
@@ -168,12 +167,6 @@ def test_where_names_file_line_and_path(tmp_path: Path) -> None:
     # a path that is not in the YAML points at its deepest existing parent
     assert r.where("stages.0.steps") == f"{path}:15: stages.0.steps"
     assert load_recipe({"version": 1, "model": {"name": "m"}}).where("train.lr") == "recipe: train.lr"
-
-
-def test_suggest_field() -> None:
-    assert suggest_field("calibration_sample", DataSpec) == "calibration_samples"
-    assert suggest_field("validat", Recipe) == "validate"
-    assert suggest_field("zzzz", Recipe) is None
 
 
 # ---- overrides ------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ import compress
 from compress.cli import main
 from compress.errors import RecipeError
 from compress.recipe import load_recipe
-from compress.report import ModelFigures, Report, ValidationReport
+from compress.report import ModelFigures, Report
 from compress.runner import check_thresholds
+from export.records import ValidationRecord
 
 TINY = {
     "version": 1,
@@ -75,6 +76,7 @@ def test_resume_loads_the_baseline_checkpoint(tiny_run: tuple[Path, Report], tmp
     # scramble the weights: a resumed run must use them, a retrained one would not
     state["model"] = {k: torch.randn(v.shape, generator=g) for k, v in state["model"].items()}
     torch.save(state, copy / "checkpoints" / "baseline.pt")
+    (copy / "recipe.yaml").write_text((out / "recipe.yaml").read_text())  # a run folder has its recipe
     resumed = compress.apply(TINY, out_dir=copy, resume=True, quiet=True)
     assert resumed.baseline.accuracy is not None and report.baseline.accuracy is not None
     assert resumed.baseline.accuracy < 0.5 < report.baseline.accuracy
@@ -89,9 +91,10 @@ def test_bad_input_is_found_before_the_folder_is_made(tmp_path: Path) -> None:
 
 def _report(baseline: float, final: float, speedup: float, cosine: float) -> Report:
     r = Report(recipe={}, baseline=ModelFigures(accuracy=baseline), final=ModelFigures(accuracy=final))
-    r.validation.append(ValidationReport(runtime="onnxruntime", precision="int8", accuracy=final,
-                                         parity={"cosine": cosine, "top1_agreement": 0.99},
-                                         speedup={"1": 0.9, "32": speedup}, role="final"))
+    r.validation.append(ValidationRecord(
+        runtime="onnxruntime", device="cpu", precision="int8", format="onnx-int8-qdq", model_path=Path("m.onnx"),
+        role="final", accuracy=final, parity={"cosine": cosine, "top1_agreement": 0.99},
+        speedup={1: 0.9, 32: speedup}, size_bytes=1, threads=1))
     return r
 
 

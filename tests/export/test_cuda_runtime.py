@@ -83,9 +83,10 @@ def test_needs_a_cuda_device() -> None:
 
 
 def test_validate_a_run_folder_with_backend_cuda(tmp_path: Path) -> None:
-    """`compress validate RUN --backend cuda`: the pickled quantized model of a finished run is
-    converted and validated against the run's baseline, without rerunning any stage."""
-    from export.cli_validate import validate_run_cuda
+    """`compress validate RUN --backend cuda`: the quantized model of a finished run, restored from its
+    saved state (data, weights_only), is converted and validated against the run's baseline, without
+    rerunning any stage."""
+    from compress.validation import validate_run_cuda
 
     recipe = {
         "version": 1, "name": "tiny_q",
@@ -97,7 +98,7 @@ def test_validate_a_run_folder_with_backend_cuda(tmp_path: Path) -> None:
     }
     out = tmp_path / "run"
     compress.apply(recipe, out_dir=out, quiet=True)
-    assert (out / "checkpoints" / "final_model.pt").is_file()
+    assert not (out / "checkpoints" / "final_model.pt").exists()  # no pickled module any more
     if torch.cuda.is_available():
         rows = validate_run_cuda(out, batch_sizes=[1, 8], runs=3)
     else:
@@ -111,12 +112,12 @@ def test_validate_a_run_folder_with_backend_cuda(tmp_path: Path) -> None:
 
 def test_backend_cuda_needs_a_run_folder(tmp_path: Path) -> None:
     from compress.errors import RecipeError
-    from export.cli_validate import validate_run_cuda
+    from compress.validation import validate_run_cuda
 
     f = tmp_path / "m.onnx"
     f.write_bytes(b"x")
     with pytest.raises(RecipeError, match="run folder"):
         validate_run_cuda(f)
     (tmp_path / "recipe.yaml").write_text("version: 1\n")
-    with pytest.raises(RecipeError, match=r"final_model\.pt"):
+    with pytest.raises(RecipeError, match=r"final\.pt not found"):
         validate_run_cuda(tmp_path)

@@ -1,0 +1,160 @@
+"""Compression state saved as data, restored onto the float model (no pickled modules).
+
+A run's ``checkpoints/final.pt`` holds ``{"model": state_dict, "epoch": 0, "compression": JSON}``:
+tensors and a JSON string only, so ``torch.load(..., weights_only=True)`` reads it and a run folder
+made by someone else cannot execute code. The JSON says how to rebuild the compressed structure:
+
+- ``pruning_plans``: the plans the prune stages made, replayed in order on the fresh float model;
+- ``quantization``: the quantize modifier's spec (scheme, targets, ignore, ...), the modules it left
+  quantized and each quantizer's ``enabled`` flag. The model is prepared again through the same
+  entry point the modifiers use (no calibration), then the state_dict brings the weights and qparams.
+
+:func:`restore_compressed` is the only place that knows how; it is what ``compress validate RUN_DIR
+--backend cuda`` uses (modelopt's restore works the same way: config + state, onto the float model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.errors import CompressError, RecipeError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "compress.compression-state"
+VERSION = 1
+#: the pickled whole module older runs wrote; refused, never loaded
+LEGACY_PICKLE = "final_model.pt"
+
+
+def compression_state(model: nn.Module, modifiers: Sequence[Any]) -> dict[str, Any]:
+    """What :func:`restore_compressed` needs besides the state_dict, as JSON-ready data.
+
+    ``modifiers`` are the session's modifier handlers in stage order; prune handlers contribute
+    their ``pruning_plan``, the quantize handler its spec.
+    """
+    plans = [m.pruning_plan.to_dict() for m in modifiers if getattr(m, "pruning_plan", None) is not None]
+    quant = [m for m in modifiers if getattr(m.spec, "kind", None) == "quantize"]
+    if len(quant) > 1:  # the recipe's order rules allow one quantize modifier per model
+        raise CompressError("compression state: more than one quantize modifier; cannot describe the model")
+    q: dict[str, Any] | None = None
+    if quant:
+        from quantization import quant_modules, quantizers
+
+        q = {
+            "type": quant[0].spec.type,
+            "spec": quant[0].spec.model_dump(mode="json"),
+            "modules": [n for n, _ in quant_modules(model)],
+            "quantizers": {n: {"enabled": bool(fq.enabled)} for n, fq in quantizers(model)},
+        }
+    return {"format": FORMAT, "version": VERSION, "pruning_plans": plans, "quantization": q}
+
+
+def save_compressed(path: Path, model: nn.Module, modifiers: Sequence[Any]) -> None:
+    """Atomically write ``model``'s state_dict and its compression state to ``path``."""
+    state = compression_state(model, modifiers)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "epoch": 0, "compression": json.dumps(state)}, tmp)
+    os.replace(tmp, path)
+
+
+def load_state_file(path: Path) -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)``; a file that needs code to load is refused."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise RecipeError(
+            f"{path}: holds pickled Python objects, not only tensors; compress loads state with "
+            "weights_only=True and will not run code from a file (rerun the recipe to get a data-only state)"
+        ) from None
+    except Exception as exc:  # a truncated or foreign file is the user's input
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise RecipeError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {first})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise RecipeError(f"{path}: not a compress checkpoint (a dict with a 'model' state_dict)")
+    return data
+
+
+def restore_compressed(build_float: Callable[[], nn.Module], path: Path) -> nn.Module:
+    """The compressed model a run saved at ``path``: ``build_float()`` (the recipe's float model),
+    the pruning plans replayed, the quantizers prepared again, then the state_dict loaded strictly."""
+    data = load_state_file(path)
+    legacy = path.parent / LEGACY_PICKLE
+    if "compression" not in data:
+        hint = f" (the old pickled {legacy.name} beside it is not loaded: it could run code)" if legacy.exists() else ""
+        raise RecipeError(f"{path}: has no compression state; rerun the recipe with this version{hint}")
+    try:
+        state = json.loads(data["compression"])
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise RecipeError(f"{path}: compression state is not valid JSON ({exc})") from None
+    if state.get("format") != FORMAT or state.get("version") != VERSION:
+        raise RecipeError(f"{path}: unknown compression state {state.get('format')!r} v{state.get('version')!r}")
+    model = build_float()
+    if state["pruning_plans"]:
+        from pruning.plan import PruningPlan
+
+        for i, plan in enumerate(state["pruning_plans"]):
+            PruningPlan.from_dict(plan, where=f"{path}: pruning_plans.{i}").apply(model)
+    if state["quantization"] is not None:
+        _prepare_quantizers(model, state["quantization"], where=str(path))
+    sd = data["model"]
+    _shape_empty_buffers(model, sd)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise RecipeError(
+            f"{path}: the state does not fit the rebuilt model (missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}); was the recipe's model changed after the run?"
+        )
+    return model.eval()
+
+
+def _prepare_quantizers(model: nn.Module, q: dict[str, Any], *, where: str) -> None:
+    """Swap in the quantized modules as the run's quantize modifier did, without calibrating."""
+    from compress.modifier import modifier_class
+    from quantization import prepare, quantizers
+    from quantization.preparation import plan_targets
+
+    spec = modifier_class(q["type"]).spec_cls.model_validate(q["spec"])
+    scheme = spec.resolved_scheme()  # type: ignore[attr-defined]
+    kept = set(q["modules"])
+    planned = plan_targets(model, scheme, targets=spec.targets, ignore=spec.ignore,  # type: ignore[attr-defined]
+                           first_last=spec.first_last, quantize_ops=spec.quantize_ops,  # type: ignore[attr-defined]
+                           where=where)
+    # layers the run reverted to float (accuracy control) stay float here too
+    reverted = [n for n in planned if n not in kept]
+    bn = getattr(spec, "bn", "fold")  # QAT trains BN folded-in and folds it at its end
+    prepare(model, scheme, targets=spec.targets, ignore=[*spec.ignore, *reverted],  # type: ignore[attr-defined]
+            first_last=spec.first_last, bn=bn, quantize_ops=spec.quantize_ops, where=where)  # type: ignore[attr-defined]
+    flags = q["quantizers"]
+    for name, fq in quantizers(model):
+        fq.observing = False
+        fq.enabled = bool(flags.get(name, {}).get("enabled", True))
+
+
+def _shape_empty_buffers(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Give the buffers a fresh module holds empty or as None (qparams before calibration, an
+    optional pre-scale) the shape the saved state has, so that a strict load fills them."""
+    for key, value in sd.items():
+        owner_name, _, attr = key.rpartition(".")
+        try:
+            owner = model.get_submodule(owner_name) if owner_name else model
+        except AttributeError:
+            continue
+        if attr in owner._buffers:
+            cur = owner._buffers[attr]
+            if cur is None or (cur.numel() == 0 and value.numel() > 0):
+                owner._buffers[attr] = torch.empty_like(value)
+        elif attr in owner._parameters:
+            cur_p = owner._parameters[attr]
+            if cur_p is not None and cur_p.numel() == 0 and value.numel() > 0:
+                owner._parameters[attr] = nn.Parameter(torch.empty_like(value), requires_grad=cur_p.requires_grad)

@@ -1,0 +1,56 @@
+"""The typed settings of export and validation (the recipe's ``export:`` and ``validate:`` sections).
+
+They live here, not in the recipe module, so that export/ is usable without the recipe machinery:
+``compress.recipe`` embeds these classes, export/ never imports the recipe.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    # the same rules as every recipe section: unknown keys are errors, no inf/nan numbers
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
+
+
+class ExportSpec(_Strict):
+    """ONNX export of the final model (QDQ int8 when it is quantized) and of the fp32 baseline."""
+
+    enabled: bool = True
+    opset: int | None = Field(None, ge=13)
+    dynamic_batch: bool = True
+    fp16: bool = False
+    simplify: bool = True
+    activation_dtype: Literal["uint8", "int8"] = "uint8"
+    reduce_range: bool = False
+    baseline: bool = True
+    triton_repository: bool = False
+
+
+class Thresholds(_Strict):
+    """Limits checked after validation; a miss makes ``compress apply`` exit 3."""
+
+    max_accuracy_drop: float | None = Field(None, ge=0)
+    min_speedup: float | None = Field(None, gt=0)
+    min_top1_agreement: float | None = Field(None, ge=0, le=1)
+    min_cosine: float | None = Field(None, ge=-1, le=1)
+    max_size_ratio: float | None = Field(None, gt=0)
+
+
+Runtime = Literal["onnxruntime", "openvino", "cuda"]
+
+
+class ValidateSpec(_Strict):
+    """Runtimes to validate the exported model on and how to time it."""
+
+    enabled: bool = True
+    runtimes: list[Runtime] = Field(default_factory=lambda: list[Runtime](["onnxruntime"]))
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 32])
+    warmup: int = Field(5, ge=0)
+    runs: int = Field(20, ge=1)
+    threads: int | None = Field(None, ge=1)
+    eval_samples: int | None = Field(None, ge=1)
+    thresholds: Thresholds = Field(default_factory=Thresholds)
