@@ -9,7 +9,8 @@ exactly the fake-quant model's weight:
   unsigned nibbles;
 - ``scale``: float32 ``[N, G]``; ``zero_point``: uint8 ``[N, G]`` in the same shifted code space
   (8 everywhere for symmetric signed int4);
-- ``group_size``: input features per group (K for per-channel scales, G = 1);
+- ``group_size``: input features per group (K for per-channel scales, G = 1); when it does not
+  divide K the last group is shorter (G = ceil(K / group_size)), as the quantizer makes it;
 - ``g_idx``: int32 ``[K]`` or None: the group of each input feature. None means the contiguous
   ``k // group_size``; GPTQ's act_order quantizes features in another order and sets it.
 
@@ -67,9 +68,9 @@ def g_idx_of(wq: Any) -> torch.Tensor | None:
 
 
 def is_int4_weight_only(mod: Any) -> bool:
-    """Whether ``mod`` is a Linear-like layer with calibrated 4-bit weights and unquantized inputs."""
+    """Whether ``mod`` has 4-bit (or 3-bit: codes fit a nibble) weights and unquantized inputs."""
     wq = getattr(mod, "weight_quantizer", None)
-    if wq is None or not getattr(wq, "enabled", False) or wq.spec.bits != 4:
+    if wq is None or not getattr(wq, "enabled", False) or wq.spec.bits > 4:
         return False
     iq = getattr(mod, "input_quantizer", None)
     return iq is None or not iq.enabled
@@ -81,7 +82,7 @@ def int4_weight(mod: Any, *, where: str = "layer") -> Int4Weight:
     if wq is None or not wq.enabled:
         raise UnsupportedModelError(f"{where}: its weights are not quantized")
     s = wq.spec
-    if s.bits != 4:
+    if s.bits > 4:
         raise UnsupportedModelError(f"{where}: its weights are {s.bits}-bit, not 4-bit")
     if not wq.calibrated:
         raise UnsupportedModelError(f"{where}: its weight quantizer is not calibrated")

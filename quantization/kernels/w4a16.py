@@ -199,7 +199,7 @@ def w4a16_gemm(
     """``act(x @ W^T + bias)`` in ``x``'s dtype, ``W`` dequantized from int4 inside the kernel.
 
     ``x`` float16/bfloat16/float32 ``[M, K]`` (any strides); ``w_packed`` uint8 ``[N, K/2]``;
-    ``scale`` float32 ``[N, G]``; ``zero_point`` uint8 ``[N, G]`` or None (symmetric: 8);
+    ``scale`` float32 ``[N, ceil(K / group_size)]``; ``zero_point`` uint8 ``[N, G]`` or None (symmetric: 8);
     ``g_idx`` int32 ``[K]`` or None (``k // group_size``); ``bias`` ``N`` floats or None.
     ``config`` fixes the tile (default: autotuned on CUDA).
     """
@@ -216,9 +216,10 @@ def w4a16_gemm(
         raise CompressError(f"w4a16_gemm: activation '{activation}' unknown; valid: {', '.join(ACTIVATIONS)}")
     m, k = x.shape
     n = w_packed.shape[0]
-    if group_size < 2 or (g_idx is None and k % group_size):
-        raise CompressError(f"w4a16_gemm: group_size {group_size} does not divide K={k}")
-    groups = k // group_size if g_idx is None else scale.shape[-1]
+    if group_size < 2:
+        raise CompressError(f"w4a16_gemm: group_size must be >= 2 (got {group_size})")
+    # a K not divisible by the group size has a shorter last group with its own scale
+    groups = -(-k // group_size) if g_idx is None else scale.shape[-1]
     if scale.shape != (n, groups):
         raise CompressError(f"w4a16_gemm: scale has shape {tuple(scale.shape)}, expected {(n, groups)}")
     if zero_point is not None and zero_point.shape != scale.shape:

@@ -20,7 +20,7 @@ TILE = GemmConfig(16, 32, 32, group_m=2)
 
 
 def _int4(n: int, k: int, gs: int, *, asym: bool, act_order: bool, g: torch.Generator, dyadic: bool = False) -> Int4Weight:
-    groups = k // gs
+    groups = -(-k // gs)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     if dyadic:  # powers of two: every product and partial sum below is exact in float32
         scale = 2.0 ** -torch.randint(2, 7, (n, groups), generator=g).float()
@@ -60,8 +60,9 @@ def test_dequantized_weight_is_bit_exact(dtype: torch.dtype, asym: bool, act_ord
     torch.testing.assert_close(y.T, ref, atol=0, rtol=0)
 
 
-# (M, N, K, group): decode rows 1..16, a prefill-like ragged M; K ragged against the 32-wide K-tile
-SHAPES = [(1, 40, 128, 32), (5, 33, 96, 32), (16, 64, 64, 64), (37, 19, 80, 16)]
+# (M, N, K, group): decode rows 1..16, a prefill-like ragged M; K ragged against the 32-wide K-tile,
+# and K=80 with group 32: a shorter last group (the quantizer's layout for such widths)
+SHAPES = [(1, 40, 128, 32), (5, 33, 80, 32), (16, 64, 64, 64), (37, 19, 80, 16)]
 
 
 @pytest.mark.parametrize(("asym", "act_order"), [(False, False), (True, True)], ids=["sym", "asym-act_order"])
