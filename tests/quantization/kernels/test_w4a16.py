@@ -154,3 +154,18 @@ def test_unsupported_layers_and_bad_inputs_say_why(device: str) -> None:
         w4a16_gemm(a, wp, scale=torch.ones(3, 2), group_size=8)
     with pytest.raises(CompressError, match="float16"):
         w4a16_gemm(a.double(), wp, scale=torch.ones(3, 1), group_size=8)
+
+
+def test_convert_runs_a_transformers_llama_on_the_kernel(device: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128)
+    fq = compress.quantize(transformers.LlamaForCausalLM(cfg).eval(), "w4_weight_only_g128", ignore=["lm_head"])
+    conv, report = convert_with_report(fq, backend="cuda")
+    assert [r.int8_type for r in report] == ["W4A16Linear"] * 7  # every projection (q, k, v, o, gate, up, down)
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = fq(ids).logits
+        y = conv.to(device)(ids.to(device)).logits.cpu()
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
