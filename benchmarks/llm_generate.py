@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         log.info("%s: %.2f MB, prefill %.1f ms, decode %.2f ms/token (%.1f tok/s)", name, row["file_mb"], pre, dec,
                  row["tokens_per_s"])
-    data = {"model": what, "prompt": int(ids.shape[1]), "new": args.new, "repeats": args.repeats,
+    data = {"size": args.size, "model": what, "prompt": int(ids.shape[1]), "new": args.new, "repeats": args.repeats,
             "threads": args.threads, "load": [load_before, load_after], "rows": rows}
     from benchmarks._results import RESULTS_DIR, write_section
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _markdown(d: dict[str, Any]) -> str:
     lines = [
-        f"## LLM generation in ONNX Runtime (CPU): {d['model'].split(' (')[0]}",
+        f"## LLM generation in ONNX Runtime (CPU), {d['size']} size: {d['model'].split(' (')[0]}",
         "",
         f"`python -m benchmarks.llm_generate`: {d['model']}. Prompt {d['prompt']} tokens, {d['new']} greedy tokens, "
         f"{d['threads']} ORT thread(s), {d['repeats']} interleaved repeats (medians). int4 = RTN w4 g128 "

@@ -82,7 +82,7 @@ def test_transformers_loads_and_decompresses_exactly(kind: str, group: int | Non
 def test_asymmetric_groups_decompress_with_the_library(tmp_path: Path) -> None:
     # compressed-tensors 0.20 builds the *unpacked* zero-point shape when transformers prepares a model
     # for loading, while its compressor writes zero points packed (what vLLM reads): we write the
-    # latter and check it with the compressor's own decompress
+    # latter and check it with the compressor's own decompress (known upstream: vllm-project/llm-compressor#1618)
     from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file
