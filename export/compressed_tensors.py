@@ -93,7 +93,7 @@ def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], di
             if isinstance(mod, nn.Linear):
                 plain.append(name)
             continue
-        if not is_int4_weight_only(mod):
+        if not is_int4_weight_only(mod) or wq.spec.bits != 4:
             raise UnsupportedModelError(
                 f"{name}: only weight-only 4-bit layers are written as pack-quantized (it is {wq.spec.bits}-bit"
                 f"{', with quantized inputs' if getattr(mod, 'input_quantizer', None) is not None else ''})"
