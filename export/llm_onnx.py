@@ -2,13 +2,15 @@
 
 ``export_llm_onnx(model, path, weights="int4")`` writes a graph that ONNX Runtime runs step by step:
 
-- inputs ``input_ids`` int64 ``[B, S]`` and, per layer ``i``, ``past_key_values.{i}.key`` /
-  ``.value`` float32 ``[B, kv_heads, P, head_dim]`` (P = 0 on the first step);
+- inputs ``input_ids`` int64 ``[B, S]``, ``attention_mask`` int64 ``[B, P+S]`` (0 marks left
+  padding) and, per layer ``i``, ``past_key_values.{i}.key`` / ``.value`` float32
+  ``[B, kv_heads, P, head_dim]`` (P = 0 on the first step);
 - outputs ``logits`` ``[B, S, vocab]`` and ``present.{i}.key`` / ``.value`` ``[B, kv_heads, P+S,
   head_dim]``, which the next step feeds back as its past (the names ORT GenAI uses).
 
-Positions are ``P .. P+S-1`` and attention is causal over past and new tokens: sequences of one
-length, no padding (batched prompts of equal length, or one prompt). The graph is traced from
+Positions count the unpadded tokens (``cumsum(attention_mask) - 1``, as transformers' generate
+does) and attention is causal over past and new tokens, padding masked out, so batched prompts
+of different lengths run left-padded. The graph is traced from
 :class:`KVDecoder`, a hand-written forward over the model's own modules (embeddings, RMSNorms,
 projections, MLPs, rotary frequencies), because transformers' cache objects do not trace into a
 graph with explicit past tensors. Rotary embeddings use the model's precomputed ``inv_freq`` and
@@ -146,7 +148,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVDecoder(nn.Module):
-    """``(input_ids, *past) -> (logits, *present)`` over a transformers Llama-family causal LM."""
+    """``(input_ids, attention_mask, *past) -> (logits, *present)`` over a transformers Llama-family causal LM."""
 
     lm: Any  # a transformers causal LM (its submodules are reached by attribute)
     inv_freq: torch.Tensor
@@ -163,17 +165,20 @@ class KVDecoder(nn.Module):
         self.register_buffer("inv_freq", rot.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(getattr(rot, "attention_scaling", 1.0))
 
-    def forward(self, input_ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         base = self.lm.model
         b, s = input_ids.shape
         p = past[0].shape[2]
-        pos = torch.arange(s, device=input_ids.device) + p
-        freqs = pos[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # positions count real tokens only (left padding), as transformers' generate derives them
+        seen = torch.cumsum(attention_mask, dim=-1) - 1
+        pos = seen[:, p:].clamp(min=0)  # [B, S]
+        freqs = pos[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D]
         cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
         t = p + s
-        masked = torch.arange(t, device=input_ids.device)[None, :] > pos[:, None]
-        mask = masked.float() * torch.finfo(torch.float32).min  # [S, T]
+        causal = torch.arange(t, device=input_ids.device)[None, :] > (torch.arange(s, device=input_ids.device) + p)[:, None]
+        masked = causal[None] | (attention_mask[:, None, :] == 0)  # [B, S, T]: future keys and padding
+        mask = (masked.float() * torch.finfo(torch.float32).min)[:, None]  # [B, 1, S, T]
         h = base.embed_tokens(input_ids)
         presents: list[torch.Tensor] = []
         for i, layer in enumerate(base.layers):
@@ -197,6 +202,10 @@ class KVDecoder(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         logits = self.lm.lm_head(base.norm(h))
         return (logits, *presents)
+
+    def dummy_inputs(self, batch: int, past: int, new: int) -> tuple[torch.Tensor, ...]:
+        ids = torch.randint(0, int(self.lm.config.vocab_size), (batch, new))
+        return (ids, torch.ones(batch, past + new, dtype=torch.long), *self.empty_past(batch, past))
 
     def empty_past(self, batch: int, length: int = 0) -> list[torch.Tensor]:
         return [torch.zeros(batch, self.n_kv, length, self.head_dim) for _ in range(2 * self.n_layers)]
@@ -251,7 +260,7 @@ def _swap_linears(model: nn.Module, weights: Weights, accuracy_level: int) -> di
 def io_names(n_layers: int) -> tuple[list[str], list[str]]:
     past = [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
     present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-    return ["input_ids", *past], ["logits", *present]
+    return ["input_ids", "attention_mask", *past], ["logits", *present]
 
 
 def export_llm_onnx(
@@ -278,12 +287,12 @@ def export_llm_onnx(
         raise UnsupportedModelError("export_llm_onnx(weights='int4'): the model has no weight-only 4-bit layers")
     dec = KVDecoder(m).eval()
     inputs, outputs = io_names(dec.n_layers)
-    dyn: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}}
-    for name in inputs[1:]:
+    dyn: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"},
+                                      "attention_mask": {0: "batch", 1: "total_sequence"}}
+    for name in inputs[2:]:
         dyn[name] = {0: "batch", 2: "past_sequence"}
     for name in outputs[1:]:
         dyn[name] = {0: "batch", 2: "total_sequence"}
-    ids = torch.randint(0, int(m.config.vocab_size), (1, 3))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with torch.no_grad(), warnings.catch_warnings():
@@ -291,7 +300,7 @@ def export_llm_onnx(
         # exporter needs an onnxscript translation per op); the traced forward is our own code
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            dec, (ids, *dec.empty_past(1, 2)), str(out), input_names=inputs, output_names=outputs,
+            dec, dec.dummy_inputs(1, 2, 3), str(out), input_names=inputs, output_names=outputs,
             dynamic_axes=dyn, opset_version=opset, dynamo=False, custom_opsets={"com.microsoft": 1},
         )
     log.info("LLM ONNX (%s weights: %d MatMulNBits, %d float Linears) written to %s", weights, counts["int4"],
@@ -315,25 +324,33 @@ class OrtGenerator:
         self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         names = [i.name for i in self.session.get_inputs()]
         past = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
-        if not names or names[0] != "input_ids" or not past:
+        if names[:2] != ["input_ids", "attention_mask"] or not past:
             raise ExportError(f"{path}: not an export_llm_onnx file (inputs {names[:3]}...)")
         self.past_names = [i.name for i in past]
         self.n_kv, self.head_dim = int(past[0].shape[1]), int(past[0].shape[3])
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.past: list[np.ndarray] = []
+        self.mask = np.ones((0, 0), dtype=np.int64)
 
-    def prefill(self, input_ids: np.ndarray) -> np.ndarray:
-        """Run the prompt ``[B, S]`` with an empty cache; returns the last position's logits ``[B, V]``."""
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """Run the prompts ``[B, S]`` with an empty cache; returns the last position's logits ``[B, V]``.
+
+        ``attention_mask`` ``[B, S]`` (1 = token, 0 = padding) allows left-padded prompts of
+        different lengths; None means no padding."""
         b = input_ids.shape[0]
+        self.mask = np.ones(input_ids.shape, dtype=np.int64) if attention_mask is None else attention_mask.astype(np.int64)
+        if self.mask.shape != input_ids.shape:
+            raise ExportError(f"attention_mask has shape {self.mask.shape}, input_ids {input_ids.shape}")
         empty = np.zeros((b, self.n_kv, 0, self.head_dim), dtype=np.float32)
         return self._run(input_ids, [empty] * len(self.past_names))
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """Feed one token per sequence ``[B]``; returns the next logits ``[B, V]``."""
+        self.mask = np.concatenate([self.mask, np.ones((self.mask.shape[0], 1), dtype=np.int64)], axis=1)
         return self._run(tokens.reshape(-1, 1), self.past)
 
     def _run(self, ids: np.ndarray, past: list[np.ndarray]) -> np.ndarray:
-        feed = {"input_ids": ids.astype(np.int64), **dict(zip(self.past_names, past))}
+        feed = {"input_ids": ids.astype(np.int64), "attention_mask": self.mask, **dict(zip(self.past_names, past))}
         logits, *present = self.session.run(self.output_names, feed)
         self.past = present
         return logits[:, -1]
@@ -344,16 +361,21 @@ def generate_ort(
     input_ids: torch.Tensor | np.ndarray,
     *,
     max_new_tokens: int,
+    attention_mask: torch.Tensor | np.ndarray | None = None,
     eos_token_id: int | None = None,
 ) -> torch.Tensor:
-    """Greedy continuation ``[B, S + new]`` of ``input_ids`` computed by ONNX Runtime (stops early
-    when every sequence produced ``eos_token_id``)."""
+    """Greedy continuation ``[B, S + new]`` of ``input_ids`` computed by ONNX Runtime.
+
+    ``attention_mask`` marks left padding (0) of prompts of different lengths; generation stops
+    early when every sequence produced ``eos_token_id``."""
     gen = path if isinstance(path, OrtGenerator) else OrtGenerator(path)
     ids = np.asarray(input_ids.cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids, dtype=np.int64)
     if ids.ndim != 2:
         raise ExportError(f"generate_ort: input_ids must be [batch, sequence] (got shape {ids.shape})")
     out = [ids]
-    logits = gen.prefill(ids)
+    mask = None if attention_mask is None else np.asarray(
+        attention_mask.cpu().numpy() if isinstance(attention_mask, torch.Tensor) else attention_mask)
+    logits = gen.prefill(ids, mask)
     done = np.zeros(ids.shape[0], dtype=bool)
     for i in range(max_new_tokens):
         nxt = logits.argmax(-1).astype(np.int64)

@@ -39,14 +39,18 @@ def _model(kind: str, scheme: QuantScheme | str | None, seed: int = 0) -> nn.Mod
     return model if scheme is None else compress.quantize(model, scheme, ignore=["lm_head"])
 
 
-def _prompts(seed: int) -> torch.Tensor:
-    return torch.randint(0, SMALL["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(seed))
+def _prompts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of 7 and 4 tokens, the second left-padded: ``(input_ids, attention_mask)``."""
+    ids = torch.randint(1, SMALL["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
 
 
-def _hf_greedy(model: nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
+def _hf_greedy(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, pad_token_id=0)
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
 
 
 @pytest.mark.parametrize(
@@ -63,18 +67,19 @@ def test_ort_greedy_tokens_match_pytorch(kind: str, scheme: QuantScheme, weights
     path = export_llm_onnx(fq, tmp_path / "m.onnx", weights=weights)  # type: ignore[arg-type]
     ops = [n.op_type for n in onnx.load(str(path)).graph.node]
     assert ops.count("MatMulNBits") == (14 if weights == "int4" else 0)
-    ids = _prompts(1)  # 7-token prompts: neither the traced length (3) nor the traced past (2)
+    ids, mask = _prompts(1)  # 7 tokens and a left-padded 4: neither the traced length (3) nor past (2)
     new = 12
-    ref = _hf_greedy(fq, ids, new)
-    got = generate_ort(path, ids, max_new_tokens=new)
+    ref = _hf_greedy(fq, ids, mask, new)
+    got = generate_ort(path, ids, attention_mask=mask, max_new_tokens=new)
     assert got.shape == ref.shape == (2, 7 + new)
     assert torch.equal(got, ref), (got.tolist(), ref.tolist())
     # the logits themselves, past the first step: the cache carries the state exactly enough
     gen = OrtGenerator(path)
-    logits = [gen.prefill(ids.numpy())] + [gen.step(ref[:, 7 + i].numpy()) for i in range(3)]
+    logits = [gen.prefill(ids.numpy(), mask.numpy())] + [gen.step(ref[:, 7 + i].numpy()) for i in range(3)]
+    full_mask = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], dim=1)
     with torch.no_grad():
-        hf = fq(ref[:, : 7 + 3]).logits[:, 6:].numpy()
-    np.testing.assert_allclose(np.stack(logits, 1), hf, atol=2e-5, rtol=1e-4)
+        hf = fq(ref[:, :10], attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    np.testing.assert_allclose(np.stack(logits, 1), hf[:, 6:].numpy(), atol=2e-5, rtol=1e-4)
 
 
 def test_matmul_nbits_layout_pads_ragged_blocks_exactly(tmp_path: Path) -> None:
