@@ -2,6 +2,7 @@
 
     python -m benchmarks.w4a16                   # on a CUDA GPU: writes results/w4a16.json + RESULTS.md
     python -m benchmarks.w4a16 --interpret-smoke # CPU, TRITON_INTERPRET=1, tiny shapes: checks the script
+    python -m benchmarks.w4a16 --compile-check   # no GPU needed: compiles every config to sm80/sm90 cubin
 
 Rows: every (N, K) Linear of LLaMA-7B (q/k/v/o 4096x4096, gate/up 11008x4096, down 4096x11008) at
 M = 1 and 16 tokens (decode) and 2048 (prefill). ``fp16`` is F.linear on fp16 weights (cuBLAS),
@@ -96,6 +97,54 @@ def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: tor
     return rows
 
 
+def compile_variant(arch: int, cfg: Any, x: str = "fp16", **flags: Any) -> dict[str, Any]:
+    """Compile the kernel for ``sm{arch}`` (PTX and cubin; no GPU needed) with one tile config
+    (a ``triton.Config``), activation dtype ``x`` and specialization ``flags``; what it used."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quantization.kernels import w4a16 as k
+
+    fn = k._w4a16_kernel
+    names = list(fn.arg_names)
+    const = {"HAS_ZP": True, "HAS_GIDX": False, "HAS_BIAS": True, "ACT": 0, "GROUP_M": cfg.kwargs["GROUP_M"],
+             "BLOCK_M": cfg.kwargs["BLOCK_M"], "BLOCK_N": cfg.kwargs["BLOCK_N"], "BLOCK_K": cfg.kwargs["BLOCK_K"],
+             "EVEN_K": True, "TILE_IN_GROUP": True, "DOT_F32": False, **flags}
+    ptrs = {"x_ptr": f"*{x}", "w_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8", "g_ptr": "*i32",
+            "bias_ptr": "*fp32", "y_ptr": f"*{x}"}
+    sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()})
+    t0 = time.perf_counter()
+    kern = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    row = {"arch": f"sm{arch}", "tile": "x".join(str(cfg.kwargs[b]) for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K")),
+           "stages": cfg.num_stages, "warps": cfg.num_warps, "x": x, "flags": dict(flags),
+           "shared_bytes": int(kern.metadata.shared), "cubin_bytes": len(kern.asm["cubin"]),
+           "seconds": time.perf_counter() - t0}
+    log.info("%s %s s%d w%d %s %s: %d B shared", row["arch"], row["tile"], cfg.num_stages, cfg.num_warps, x,
+             row["flags"], row["shared_bytes"])
+    return row
+
+
+def compile_check() -> list[dict[str, Any]]:
+    """Every autotune config (sm90, fp16, zero points), and every specialization (sym, per-feature
+    scale gathers, g_idx with ragged K, bf16, fused GELU) on one decode and one prefill config for
+    sm80 and sm90."""
+    from quantization.kernels import w4a16 as k
+
+    rows = [compile_variant(90, c) for c in k.DECODE_CONFIGS + k.PREFILL_CONFIGS]
+    variants: list[dict[str, Any]] = [
+        {"HAS_ZP": False}, {"TILE_IN_GROUP": False}, {"TILE_IN_GROUP": False, "HAS_GIDX": True, "EVEN_K": False},
+        {"ACT": 2},
+    ]
+    for cfg in (k.DECODE_CONFIGS[0], k.PREFILL_CONFIGS[0]):
+        for arch in (80, 90):
+            rows.append(compile_variant(arch, cfg, "bf16"))
+            rows += [compile_variant(arch, cfg, "fp16", **v) for v in variants]
+    return rows
+
+
 def _markdown(data: dict[str, Any]) -> str:
     lines = [
         "## W4A16 kernel vs fp16 cuBLAS (LLaMA-7B linears)",
@@ -118,9 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.w4a16", description=__doc__.splitlines()[0])
     ap.add_argument("--interpret-smoke", action="store_true",
                     help="run the script on CPU under TRITON_INTERPRET=1 with tiny shapes (checks the script)")
+    ap.add_argument("--compile-check", action="store_true",
+                    help="compile every config for sm80/sm90 without a GPU (checks the CUDA path builds)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.compile_check:
+        os.environ.pop("TRITON_INTERPRET", None)
+        rows = compile_check()
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(rows, indent=2))
+        log.info("compiled %d kernel variants for sm80/sm90 (no timing: no GPU involved)", len(rows))
+        return 0
     if args.interpret_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported: jit decides then
     elif not torch.cuda.is_available():
