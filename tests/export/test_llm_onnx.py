@@ -111,3 +111,16 @@ def test_refuses_what_it_cannot_export(tmp_path: Path) -> None:
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
     with pytest.raises(UnsupportedModelError, match="supports transformers llama"):
         export_llm_onnx(gpt2, tmp_path / "d.onnx", weights="fp32")
+
+
+def test_export_checks_the_file_in_ort(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a graph that drops the zero points computes something else than PyTorch: the export refuses it
+    from export import llm_onnx
+
+    def no_zero_points(g: object, x: object, b: object, scales: object, zp: object, *attrs: int) -> object:
+        return original(g, x, b, scales, None, *attrs)
+
+    original = llm_onnx._MatMulNBitsFn.symbolic
+    monkeypatch.setattr(llm_onnx._MatMulNBitsFn, "symbolic", staticmethod(no_zero_points))
+    with pytest.raises(ExportError, match="differ from the PyTorch model"):
+        export_llm_onnx(_model("llama", _w4(32, symmetric=False)), tmp_path / "bad.onnx")
