@@ -137,7 +137,9 @@ def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str]) -> d
     config_groups: dict[str, Any] = {}
     for i, (key, names) in enumerate(groups.items()):
         targets = ["Linear"] if len(groups) == 1 else sorted(names)
-        config_groups[f"group_{i}"] = QuantizationScheme(targets=targets, weights=QuantizationArgs(**key_args[key]))
+        config_groups[f"group_{i}"] = QuantizationScheme(
+            targets=targets, weights=QuantizationArgs(**key_args[key]), format="pack-quantized"
+        )
     qc = QuantizationConfig(
         config_groups=config_groups, format="pack-quantized", quantization_status="compressed", ignore=sorted(ignore),
     )

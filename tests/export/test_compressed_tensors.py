@@ -60,6 +60,7 @@ def test_transformers_loads_and_decompresses_exactly(kind: str, group: int | Non
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     assert qc["ignore"] == ["lm_head"] and qc["quantization_status"] == "compressed"
+    assert qc["config_groups"]["group_0"]["format"] == "pack-quantized"
     weights = qc["config_groups"]["group_0"]["weights"]
     assert (weights["num_bits"], weights["strategy"], weights["group_size"]) == (4, "group" if group else "channel", group)
 
