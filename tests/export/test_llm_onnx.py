@@ -65,8 +65,13 @@ def _hf_greedy(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int
 def test_ort_greedy_tokens_match_pytorch(kind: str, scheme: QuantScheme, weights: str, tmp_path: Path) -> None:
     fq = _model(kind, scheme)
     path = export_llm_onnx(fq, tmp_path / "m.onnx", weights=weights)  # type: ignore[arg-type]
-    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
-    assert ops.count("MatMulNBits") == (14 if weights == "int4" else 0)
+    nodes = [n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
+    assert len(nodes) == (14 if weights == "int4" else 0)
+    if nodes:  # q_proj: K = N = 64; g32 blocks, or one 64-wide block per channel; zero points when asym
+        attrs = {a.name: a.i for a in nodes[0].attribute}
+        assert nodes[0].domain == "com.microsoft"
+        assert attrs == {"K": 64, "N": 64, "bits": 4, "block_size": scheme.weights.group_size or 64, "accuracy_level": 0}
+        assert len(nodes[0].input) == (3 if scheme.weights.symmetric else 4)
     ids, mask = _prompts(1)  # 7 tokens and a left-padded 4: neither the traced length (3) nor past (2)
     new = 12
     ref = _hf_greedy(fq, ids, mask, new)
