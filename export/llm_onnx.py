@@ -304,6 +304,9 @@ def export_llm_onnx(
         torch.onnx.export(
             dec, dec.dummy_inputs(1, 2, 3), str(out), input_names=inputs, output_names=outputs,
             dynamic_axes=dyn, opset_version=opset, dynamo=False, custom_opsets={"com.microsoft": 1},
+            # no folding: a tied lm_head stays one initializer shared with the embedding (folding writes a
+            # transposed copy); ORT folds the weight transposes in memory when it loads the file
+            do_constant_folding=False,
         )
     log.info("LLM ONNX (%s weights: %d MatMulNBits, %d float Linears) written to %s", weights, counts["int4"],
              counts["float"], out)
