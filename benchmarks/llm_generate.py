@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         log.info("%s: %.2f MB, prefill %.1f ms, decode %.2f ms/token (%.1f tok/s)", name, row["file_mb"], pre, dec,
                  row["tokens_per_s"])
-    data = {"size": args.size, "model": what, "prompt": int(ids.shape[1]), "new": args.new, "repeats": args.repeats,
+    float_params = model.get_input_embeddings().weight.numel() + model.get_output_embeddings().weight.numel()
+    data = {"size": args.size, "float_mb": float_params * 4 / 2**20, "model": what, "prompt": int(ids.shape[1]), "new": args.new, "repeats": args.repeats,
             "threads": args.threads, "load": [load_before, load_after], "rows": rows}
     from benchmarks._results import RESULTS_DIR, write_section
 
@@ -157,7 +158,10 @@ def _markdown(d: dict[str, Any]) -> str:
         "",
         f"`python -m benchmarks.llm_generate`: {d['model']}. Prompt {d['prompt']} tokens, {d['new']} greedy tokens, "
         f"{d['threads']} ORT thread(s), {d['repeats']} interleaved repeats (medians). int4 = RTN w4 g128 "
-        "(lm_head float) as MatMulNBits. Load average {:.1f} -> {:.1f} (2 cores shared with other work).".format(*d["load"]),
+        "(lm_head float) as MatMulNBits; the embeddings and lm_head, float32 in every file, are "
+        f"{d['float_mb']:.2f} MB of it. "
+        "Load average {:.1f} -> {:.1f} (2 cores shared with other work: absolute times and ratios move "
+        "between runs).".format(*d["load"]),
         "",
         "| variant | file MB | prefill ms | decode ms/token | tokens/s | prefill x | decode x | tokens = PyTorch fake-quant | = fp32 |",
         "|---|---:|---:|---:|---:|---:|---:|---|---|",
