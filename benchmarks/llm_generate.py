@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         log.info("%s: %.2f MB, prefill %.1f ms, decode %.2f ms/token (%.1f tok/s)", name, row["file_mb"], pre, dec,
                  row["tokens_per_s"])
-    float_params = model.get_input_embeddings().weight.numel() + model.get_output_embeddings().weight.numel()
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    float_params = emb.numel() + (0 if head.data_ptr() == emb.data_ptr() else head.numel())  # tied: stored once
     data = {"size": args.size, "float_mb": float_params * 4 / 2**20, "model": what, "prompt": int(ids.shape[1]), "new": args.new, "repeats": args.repeats,
             "threads": args.threads, "load": [load_before, load_after], "rows": rows}
     from benchmarks._results import RESULTS_DIR, write_section
