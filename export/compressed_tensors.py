@@ -32,7 +32,13 @@ import torch
 from torch import nn
 
 from compress.errors import ExportError, UnsupportedModelError
-from quantization.int4 import Int4Weight, int4_weight, is_int4_weight_only, pack_nibbles
+from quantization.int4 import (
+    Int4Weight,
+    activation_quantizers,
+    int4_weight,
+    is_int4_weight_only,
+    pack_nibbles,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +172,9 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path) -> Path:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise UnsupportedModelError("compressed-tensors export needs a transformers model (one with a .config)")
+    acts = activation_quantizers(model)
+    if acts:
+        raise UnsupportedModelError(f"{acts[0]}: quantized activations are not written (weight-only int4 checkpoints)")
     tensors, args, plain = compressed_state_dict(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,13 @@ import torch
 from torch import nn
 
 from compress.errors import ExportError, UnsupportedModelError
-from quantization.int4 import Int4Weight, dequantize_int4, int4_weight, is_int4_weight_only
+from quantization.int4 import (
+    Int4Weight,
+    activation_quantizers,
+    dequantize_int4,
+    int4_weight,
+    is_int4_weight_only,
+)
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +289,11 @@ def export_llm_onnx(
     if weights not in ("int4", "fp32"):
         raise ExportError(f"export_llm_onnx: weights must be 'int4' or 'fp32' (got {weights!r})")
     check_decoder(model)
+    acts = activation_quantizers(model)
+    if acts:
+        raise UnsupportedModelError(
+            f"{acts[0]}: quantized activations (W8A8) are not exported for generation here; weight-only layers are"
+        )
     m: Any = copy.deepcopy(model).float().eval()
     counts = _swap_linears(m, weights, accuracy_level)
     if weights == "int4" and counts["int4"] == 0:

@@ -76,6 +76,16 @@ def is_int4_weight_only(mod: Any) -> bool:
     return iq is None or not iq.enabled
 
 
+def activation_quantizers(model: Any) -> list[str]:
+    """Names of the enabled input/output (activation) quantizers anywhere in ``model``.
+
+    Weight-only exports refuse a model that has any, wherever they are placed (on layers, on
+    tensor operations or in hooks' modules), rather than silently dropping them."""
+    from quantization.fake_quant import FakeQuantizer
+
+    return [n for n, m in model.named_modules() if isinstance(m, FakeQuantizer) and m.role != "weight" and m.enabled]
+
+
 def int4_weight(mod: Any, *, where: str = "layer") -> Int4Weight:
     """The integer form of ``mod``'s 4-bit weight, or UnsupportedModelError saying why it has none."""
     wq = getattr(mod, "weight_quantizer", None)

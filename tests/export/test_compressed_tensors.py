@@ -110,3 +110,10 @@ def test_non_int4_layers_are_refused(tmp_path: Path) -> None:
     fq = _model("llama", QuantScheme.preset("w8_weight_only"))
     with pytest.raises(UnsupportedModelError, match="only weight-only 4-bit"):
         save_compressed_tensors(fq, tmp_path / "x")
+
+
+def test_quantized_activations_are_refused_not_dropped(tmp_path: Path) -> None:
+    w4a8 = QuantScheme(weights=QuantSpec(bits=4, granularity="group", group_size=32),
+                       inputs=QuantSpec(granularity="token", dynamic=True))
+    with pytest.raises(UnsupportedModelError, match="quantized activations"):
+        save_compressed_tensors(_model("llama", w4a8), tmp_path / "x")
