@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=REFERENCE_DIR, help="a transformers checkpoint of the reference Llama")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     ap.add_argument("--new", type=int, default=32, help="generated tokens")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         base = base or (pre, dec)
         row = {
             "variant": name, "file_mb": files[name].stat().st_size / 2**20, "prefill_ms": pre, "decode_ms": dec,
+            "decode_ms_range": [min(r[1] for r in runs[name]), max(r[1] for r in runs[name])],
+            "prefill_ms_range": [min(r[0] for r in runs[name]), max(r[0] for r in runs[name])],
             "tokens_per_s": 1e3 / dec, "prefill_speedup": base[0] / pre, "decode_speedup": base[1] / dec,
             "same_tokens_as_pytorch_fake_quant": tokens[name] == ref_new if name != "fp32" else None,
             "same_tokens_as_fp32": tokens[name] == tokens["fp32"],
@@ -164,13 +166,17 @@ def _markdown(d: dict[str, Any]) -> str:
         "Load average {:.1f} -> {:.1f} (2 cores shared with other work: absolute times and ratios move "
         "between runs).".format(*d["load"]),
         "",
+        "Each time: median over repeats [fastest, slowest repeat].",
+        "",
         "| variant | file MB | prefill ms | decode ms/token | tokens/s | prefill x | decode x | tokens = PyTorch fake-quant | = fp32 |",
         "|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in d["rows"]:
         same = r["same_tokens_as_pytorch_fake_quant"]
         lines.append(
-            f"| {r['variant']} | {r['file_mb']:.2f} | {r['prefill_ms']:.1f} | {r['decode_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+            f"| {r['variant']} | {r['file_mb']:.2f} | {r['prefill_ms']:.1f} [{r['prefill_ms_range'][0]:.1f}, "
+            f"{r['prefill_ms_range'][1]:.1f}] | {r['decode_ms']:.2f} [{r['decode_ms_range'][0]:.2f}, "
+            f"{r['decode_ms_range'][1]:.2f}] | {r['tokens_per_s']:.1f} | "
             f"{r['prefill_speedup']:.2f}x | {r['decode_speedup']:.2f}x | {'-' if same is None else same} | "
             f"{r['same_tokens_as_fp32']} |"
         )
