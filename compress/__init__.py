@@ -43,6 +43,10 @@ _EXPORTS: dict[str, str] = {
     # export and validation
     "export_onnx": "export.onnx",
     "validate": "compress.validation",
+    # LLM exports (issue 13): ONNX with a KV cache (MatMulNBits int4), compressed-tensors checkpoints
+    "export_llm_onnx": "export.llm_onnx",
+    "generate_ort": "export.llm_onnx",
+    "save_compressed_tensors": "export.compressed_tensors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,8 +1,9 @@
 """Conversion of a calibrated (PTQ) or trained (QAT) fake-quant model into real int8 modules.
 
 ``convert(model, backend="cuda")`` swaps every QuantLinear / QuantConv2d the int8 kernels can run
-for an Int8Linear / Int8Conv2d computing the same integer codes. A layer that cannot be converted
-(weight-only or 4-bit schemes, grouped convolutions, per-channel activations, ...) stays as it is,
+for an Int8Linear / Int8Conv2d computing the same integer codes, and every weight-only int4
+QuantLinear for a W4A16Linear (quantization/w4a16.py). A layer that cannot be converted
+(weight-only 8-bit or W4A8 schemes, grouped convolutions, per-channel activations, ...) stays as it is,
 a fake-quant layer computing in float, and the reason is logged and reported. QAT BatchNorms held
 by a QuantConv are folded first (on the copy). A ReLU/GELU module that alone consumes a converted
 layer's output is fused into the kernel epilogue and replaced by Identity (found with torch.fx,
@@ -23,9 +24,11 @@ from compress.errors import RecipeError, UnsupportedModelError, did_you_mean
 from quantization.bn import sequential_pairs
 from quantization.fake_quant import FakeQuantizer
 from quantization.hooks import input_quantizer
+from quantization.int4 import is_int4_weight_only
 from quantization.int8 import Int8Conv2d, Int8Linear
 from quantization.kernels import require_triton
 from quantization.modules import QUANT_TYPES, QuantConv1d, QuantConv2d, QuantLinear
+from quantization.w4a16 import W4A16Linear
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +117,8 @@ def fusable_activations(model: nn.Module) -> dict[str, str]:
 
 def _builder(mod: nn.Module) -> Callable[..., nn.Module]:
     if type(mod) is QuantLinear:
-        return Int8Linear.from_quant
+        # weight-only int4 (w4_weight_only_g128, GPTQ, AWQ) runs the W4A16 kernel (quantization/w4a16.py)
+        return W4A16Linear.from_quant if is_int4_weight_only(mod) else Int8Linear.from_quant
     if type(mod) is QuantConv2d:
         return Int8Conv2d.from_quant
     raise UnsupportedModelError(f"{type(mod).__name__} has no int8 kernel (Linear and Conv2d do)")

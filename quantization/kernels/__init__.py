@@ -89,7 +89,7 @@ _MODULES: dict[str, ModuleType] = {}
 
 
 def load(name: str) -> ModuleType:
-    """The kernel module ``name`` (``gemm``, ``quant`` or ``conv``), importing Triton on first use."""
+    """The kernel module ``name`` (``gemm``, ``quant``, ``conv`` or ``w4a16``), importing Triton on first use."""
     require_triton()
     if name not in _MODULES:
         if name != "gemm":
@@ -104,6 +104,7 @@ _LAZY = {
     "quantize_per_token": "quant",
     "quantize_static": "quant",
     "int8_conv2d": "conv",
+    "w4a16_gemm": "w4a16",
 }
 
 
@@ -121,3 +122,4 @@ if TYPE_CHECKING:  # the lazy names above, for type checkers (importing them loa
     from quantization.kernels.gemm import int8_gemm as int8_gemm
     from quantization.kernels.quant import quantize_per_token as quantize_per_token
     from quantization.kernels.quant import quantize_static as quantize_static
+    from quantization.kernels.w4a16 import w4a16_gemm as w4a16_gemm

@@ -61,3 +61,26 @@ def test_autotuned_conv_path(interpret_only: None, monkeypatch: pytest.MonkeyPat
                          out_dtype=torch.float32)
     ref = F.conv2d(F.pad(x.double() + 3, (1, 1, 1, 1)), w.double(), stride=2)
     torch.testing.assert_close(y.double(), ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_autotuned_w4a16_path(m: int, interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantization.int4 import Int4Weight, dequantize_int4, pack_nibbles
+
+    w4 = load("w4a16")
+    # a 32-deep tile inside the 32-wide groups (one scale row per tile) and a 64-deep one across two
+    configs = [w4._cfg(16, 32, 32, 1, 4, group=2), w4._cfg(16, 16, 64, 1, 4, group=2), w4._cfg(64, 32, 32, 1, 4)]
+    tuned = w4.tuned_w4a16(configs, do_bench=_fake_bench({0: 2.0}))
+    monkeypatch.setattr(w4, "_w4a16_tuned", tuned)
+    g = torch.Generator().manual_seed(m)
+    n, k, gs = 40, 96, 32
+    w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                   2.0 ** -torch.randint(2, 6, (n, k // gs), generator=g).float(),
+                   torch.randint(0, 16, (n, k // gs), generator=g, dtype=torch.uint8), gs, False)
+    x = torch.randint(-4, 5, (m, k), generator=g).float()  # exact sums: any tile order agrees bit for bit
+    y = w4.w4a16_gemm(x, pack_nibbles(w.codes), scale=w.scale, group_size=gs, zero_point=w.zero_point)
+    torch.testing.assert_close(y, x @ dequantize_int4(w).T, atol=0, rtol=0)
+    # decode sizes keep the short tiles; prefill sizes the tall ones
+    pruned = w4._prune(configs, {"M_BUCKET": w4.m_bucket(m)})
+    assert [c.kwargs["BLOCK_M"] for c in pruned] == ([16, 16] if m == 1 else [16, 16, 64])
+    assert len(tuned.cache) == 1

@@ -1,0 +1,221 @@
+"""ONNX Runtime CPU generation of a small Llama: prefill latency and decode tokens/s, fp32 vs int4 MatMulNBits.
+
+    python -m benchmarks.llm_generate                 # writes results/llm_generate.json + RESULTS.md
+    python -m benchmarks.llm_generate --size medium   # a wider Llama (hidden 1024) where weights dominate
+
+The model is the team's reference Llama (trained on stdlib text) when ``--model DIR`` (or
+/work/notes/reference_llm) holds a transformers checkpoint, else a random-init Llama with the same
+shapes (vocab 4096, hidden 256, 4 layers, 768 MLP, 4 heads / 2 kv heads); the report says which.
+Prompts are windows of this repository's README (held-out text for a model trained on the stdlib),
+capped so that prompt + generated tokens stay inside the model's trained context; ORT's greedy
+continuations of them are compared with transformers' generate on the same weights.
+int4 = round-to-nearest ``w4_weight_only_g128`` on every Linear but lm_head, exported with
+:func:`export.llm_onnx.export_llm_onnx` as MatMulNBits, at accuracy_level 0 (float32 compute) and 4
+(ORT quantizes activations to int8 inside the op). Variants run interleaved in each repeat (same
+machine state), one ORT intra-op thread each; prefill = one call on the prompt with an empty cache,
+decode = per-token time of the following greedy steps. Medians over repeats. W8A8 (QDQ) is not in
+this run: the activation-quantizer placement it needs for LLMs is not on main yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("benchmarks.llm_generate")
+
+REFERENCE_DIR = Path("/work/notes/reference_llm")
+SIZES: dict[str, dict[str, Any]] = {
+    "reference": {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768,
+                  "num_attention_heads": 4, "num_key_value_heads": 2},
+    "medium": {"vocab_size": 4096, "hidden_size": 1024, "num_hidden_layers": 4, "intermediate_size": 2816,
+               "num_attention_heads": 16, "num_key_value_heads": 4},
+}
+
+
+def load_model(size: str, model_dir: Path | None) -> tuple[Any, str, Any]:
+    """``(model, description, tokenizer or None)``."""
+    import transformers
+
+    if size == "reference" and model_dir is not None and (model_dir / "config.json").exists():
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        tok = None
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+        except Exception as exc:  # a checkpoint without a tokenizer still benchmarks on token ids
+            log.info("no tokenizer in %s (%s); random prompt ids", model_dir, exc)
+        return model, f"reference Llama from {model_dir} (trained on stdlib text)", tok
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**SIZES[size], max_position_embeddings=1024)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    shape = ", ".join(f"{k}={v}" for k, v in SIZES[size].items())
+    why = "the reference model was not available" if size == "reference" else "no trained model of this size"
+    return model, f"random-init Llama ({shape}): {why}", None
+
+
+def prompt_ids(tok: Any, vocab: int, length: int, count: int) -> np.ndarray:
+    """``[count, length]`` prompts: windows spread over this repository's README, text the reference
+    model never saw (it was trained on Python stdlib text); random ids without a tokenizer."""
+    if tok is not None:
+        ids = tok((Path(__file__).resolve().parents[1] / "README.md").read_text())["input_ids"]
+        step = max(length, len(ids) // count)
+        rows = [ids[i * step: i * step + length] for i in range(count)]
+        if all(len(r) == length for r in rows):
+            return np.asarray(rows, dtype=np.int64)
+    return np.random.default_rng(0).integers(0, vocab, (count, length), dtype=np.int64)
+
+
+def agreement(got: torch.Tensor, ref: torch.Tensor, start: int) -> dict[str, int]:
+    """How many prompts continue identically, and how many generated tokens agree position by position."""
+    g, r = got[:, start:], ref[:, start:]
+    return {"prompts_identical": int((g == r).all(1).sum()), "prompts": int(g.shape[0]),
+            "tokens_equal": int((g == r).sum()), "tokens": int(g.numel())}
+
+
+def time_variant(gen: Any, ids: np.ndarray, new: int) -> tuple[float, float, list[int]]:
+    """(prefill ms, median decode ms per token, generated tokens) of one greedy run."""
+    t0 = time.perf_counter()
+    logits = gen.prefill(ids)
+    prefill = (time.perf_counter() - t0) * 1e3
+    toks: list[int] = []
+    steps = []
+    for _ in range(new):
+        nxt = logits.argmax(-1).astype(np.int64)
+        toks.append(int(nxt[0]))
+        t0 = time.perf_counter()
+        logits = gen.step(nxt)
+        steps.append((time.perf_counter() - t0) * 1e3)
+    return prefill, statistics.median(steps), toks
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.llm_generate", description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=list(SIZES), default="reference")
+    ap.add_argument("--model", type=Path, default=REFERENCE_DIR, help="a transformers checkpoint of the reference Llama")
+    ap.add_argument("--prompt", type=int, default=96, help="prompt tokens (capped so prompt + new fit the context)")
+    ap.add_argument("--prompts", type=int, default=4, help="held-out prompts for the token agreement")
+    ap.add_argument("--new", type=int, default=32, help="generated tokens")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import compress
+    from export.llm_onnx import OrtGenerator, export_llm_onnx, generate_ort
+
+    model, what, tok = load_model(args.size, args.model)
+    max_pos = int(getattr(model.config, "max_position_embeddings", 4096))
+    length = min(args.prompt, max_pos - args.new)  # stay inside the context the model was trained for
+    prompts = prompt_ids(tok, int(model.config.vocab_size), length, args.prompts)
+    ids = prompts[:1]  # timed prompt
+    fq = compress.quantize(copy.deepcopy(model), "w4_weight_only_g128", ignore=["lm_head"])
+
+    def hf_greedy(m: Any) -> torch.Tensor:
+        with torch.no_grad():
+            x = torch.from_numpy(prompts)
+            return m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new,
+                              min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+
+    hf = {"float": hf_greedy(model), "fake-quant": hf_greedy(fq)}
+    tmp = Path(tempfile.mkdtemp(prefix="llm_generate_"))
+    files = {
+        "fp32": export_llm_onnx(model, tmp / "fp32.onnx", weights="fp32"),
+        "int4 (acc 0)": export_llm_onnx(fq, tmp / "int4_acc0.onnx", weights="int4", accuracy_level=0),
+        "int4 (acc 4)": export_llm_onnx(fq, tmp / "int4_acc4.onnx", weights="int4", accuracy_level=4),
+    }
+    gens = {name: OrtGenerator(path, threads=args.threads) for name, path in files.items()}
+    for gen in gens.values():  # warm-up: first runs allocate and pick kernels
+        time_variant(gen, ids, 4)
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in gens}
+    agree = {
+        name: agreement(generate_ort(gen, prompts, max_new_tokens=args.new), hf["float" if name == "fp32" else "fake-quant"],
+                        prompts.shape[1])
+        for name, gen in gens.items()
+    }
+    load_before = os.getloadavg()[0]
+    for _ in range(args.repeats):
+        for name, gen in gens.items():  # interleaved: every repeat times each variant back to back
+            pre, dec, _ = time_variant(gen, ids, args.new)
+            runs[name].append((pre, dec))
+    load_after = os.getloadavg()[0]
+    rows = []
+    base = None
+    for name in gens:
+        pre = statistics.median(r[0] for r in runs[name])
+        dec = statistics.median(r[1] for r in runs[name])
+        base = base or (pre, dec)
+        row = {
+            "variant": name, "file_mb": files[name].stat().st_size / 2**20, "prefill_ms": pre, "decode_ms": dec,
+            "decode_ms_range": [min(r[1] for r in runs[name]), max(r[1] for r in runs[name])],
+            "prefill_ms_range": [min(r[0] for r in runs[name]), max(r[0] for r in runs[name])],
+            "tokens_per_s": 1e3 / dec, "prefill_speedup": base[0] / pre, "decode_speedup": base[1] / dec,
+            "agreement_with_pytorch": agree[name],
+        }
+        rows.append(row)
+        log.info("%s: %.2f MB, prefill %.1f ms, decode %.2f ms/token (%.1f tok/s)", name, row["file_mb"], pre, dec,
+                 row["tokens_per_s"])
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    float_params = emb.numel() + (0 if head.data_ptr() == emb.data_ptr() else head.numel())  # tied: stored once
+    data = {"size": args.size, "fake_quant_vs_float": agreement(hf["fake-quant"], hf["float"], prompts.shape[1]), "float_mb": float_params * 4 / 2**20, "model": what, "prompt": int(ids.shape[1]), "prompts": int(prompts.shape[0]), "new": args.new, "repeats": args.repeats,
+            "threads": args.threads, "load": [load_before, load_after], "rows": rows}
+    from benchmarks._results import RESULTS_DIR, write_section
+
+    RESULTS_DIR.mkdir(exist_ok=True)
+    write_section(f"llm_generate_{args.size}", _markdown(data), data)
+    return 0
+
+
+def _markdown(d: dict[str, Any]) -> str:
+    lines = [
+        f"## LLM generation in ONNX Runtime (CPU), {d['size']} size: {d['model'].split(' (')[0]}",
+        "",
+        f"`python -m benchmarks.llm_generate`: {d['model']}. Prompt {d['prompt']} tokens, {d['new']} greedy tokens, "
+        f"{d['threads']} ORT thread(s), {d['repeats']} interleaved repeats (medians). int4 = RTN w4 g128 "
+        "(lm_head float) as MatMulNBits; the embeddings and lm_head, float32 in every file, are "
+        f"{d['float_mb']:.2f} MB of it. "
+        "Load average {:.1f} -> {:.1f} (2 cores shared with other work: absolute times and ratios move "
+        "between runs).".format(*d["load"]),
+        "",
+        "Each time: median over repeats [fastest, slowest repeat].",
+        "",
+        "| variant | file MB | prefill ms | decode ms/token | tokens/s | prefill x | decode x | greedy = PyTorch: prompts | tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        a = r["agreement_with_pytorch"]
+        lines.append(
+            f"| {r['variant']} | {r['file_mb']:.2f} | {r['prefill_ms']:.1f} [{r['prefill_ms_range'][0]:.1f}, "
+            f"{r['prefill_ms_range'][1]:.1f}] | {r['decode_ms']:.2f} [{r['decode_ms_range'][0]:.2f}, "
+            f"{r['decode_ms_range'][1]:.2f}] | {r['tokens_per_s']:.1f} | "
+            f"{r['prefill_speedup']:.2f}x | {r['decode_speedup']:.2f}x | {a['prompts_identical']}/{a['prompts']} | "
+            f"{a['tokens_equal']}/{a['tokens']} |"
+        )
+    fq = d["fake_quant_vs_float"]
+    lines += [
+        "",
+        f"Greedy = PyTorch: ORT's greedy continuation of {d['prompts']} prompts ({d['prompt']} tokens each; windows of "
+        "the README when the reference tokenizer is there, which the model never saw) against transformers' "
+        "generate on the same weights: the float model for fp32, the fake-quant model for int4 (identical "
+        "continuations, and tokens equal position by position). For scale, the fake-quant model itself keeps "
+        f"{fq['prompts_identical']}/{fq['prompts']} continuations and {fq['tokens_equal']}/{fq['tokens']} tokens of the "
+        "float model's.",
+    ]
+    lines += ["", "W8A8 (QDQ) generation is not measured: the activation-quantizer placement it needs for LLMs is not on "
+              "main yet (issue 13, left)."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

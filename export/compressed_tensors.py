@@ -1,0 +1,186 @@
+"""Hugging Face checkpoints in the compressed-tensors format (what vLLM and llm-compressor load).
+
+``save_compressed_tensors(model, out_dir)`` writes a folder that ``transformers``'
+``from_pretrained`` (and vLLM) read: ``config.json`` with the ``quantization_config`` llm-compressor
+writes (``quant_method: compressed-tensors``, ``format: pack-quantized``, one config group per
+distinct weight scheme, the unquantized Linears in ``ignore``) and ``model.safetensors`` where each
+weight-only int4 Linear ``P`` is stored as
+
+- ``P.weight_packed`` int32 ``[N, K/8]``: codes + 8 as unsigned nibbles, element ``i`` of a word at
+  bits ``4i..4i+3`` (compressed-tensors' dense packing);
+- ``P.weight_scale`` ``[N, G]`` (group) or ``[N, 1]`` (channel), in the model's dtype;
+- ``P.weight_zero_point`` int32 ``[ceil(N/8), G]`` (asymmetric only; packed along the output dim);
+- ``P.weight_shape`` int64 ``[2]``.
+
+compressed-tensors keeps int4 codes signed (-8..7) with signed zero points; ours for asymmetric
+weights are uint4 (0..15) with zero points 0..15. Both dequantize as ``(q - zp) * scale``, and both
+store ``q + 8`` resp. the unsigned code, so the packed bits are the same nibbles
+(:class:`quantization.int4.Int4Weight`). Everything else (embeddings, norms, lm_head, biases) is
+written as it is in the model. Needs ``pip install 'compress[llm]'`` (the config is built and
+validated with compressed-tensors' own pydantic models).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.errors import ExportError, UnsupportedModelError
+from quantization.int4 import (
+    Int4Weight,
+    activation_quantizers,
+    int4_weight,
+    is_int4_weight_only,
+    pack_nibbles,
+)
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'compress[llm]'"
+
+
+def require_compressed_tensors(what: str = "compressed-tensors export") -> None:
+    """Raise an ExportError naming the extra to install when compressed-tensors is missing."""
+    if importlib.util.find_spec("compressed_tensors") is None:
+        raise ExportError(f"{what} needs the compressed-tensors package: {INSTALL_HINT}")
+
+
+def pack_int32(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[R, C]`` codes 0..15 -> int32 ``[R, ceil(C/8)]``: 8 nibbles a word, the first lowest."""
+    r, c = codes.shape
+    pad = (-c) % 8
+    if pad:
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    b = pack_nibbles(codes).to(torch.int64).reshape(r, -1, 4)  # 4 bytes a word, little-endian
+    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()  # int32's bit pattern
+
+
+def _strategy(w: Int4Weight, k: int, where: str) -> dict[str, Any]:
+    if w.g_idx is not None:
+        raise UnsupportedModelError(f"{where}: act_order with a g_idx permutation is not written (static groups are)")
+    if w.num_groups == 1:
+        return {"strategy": "channel", "group_size": None}
+    if k % w.group_size:
+        raise UnsupportedModelError(
+            f"{where}: {k} input features are not a multiple of group_size {w.group_size}; compressed-tensors "
+            "requires whole groups"
+        )
+    return {"strategy": "group", "group_size": w.group_size}
+
+
+def _scheme_args(w: Int4Weight, k: int, where: str, observer: str) -> dict[str, Any]:
+    return {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": w.symmetric,
+        "dynamic": False,
+        "observer": observer,
+        **_strategy(w, k, where),
+    }
+
+
+def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[str]]:
+    """``(tensors, weight_args_by_layer, unquantized_linears)`` of a weight-only int4 model."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    tensors: dict[str, torch.Tensor] = {}
+    args: dict[str, dict[str, Any]] = {}
+    quant_prefixes: list[str] = []
+    plain: list[str] = []
+    for name, mod in model.named_modules():
+        wq = getattr(mod, "weight_quantizer", None)
+        if wq is None:
+            if isinstance(mod, nn.Linear):
+                plain.append(name)
+            continue
+        if not is_int4_weight_only(mod) or wq.spec.bits != 4:
+            raise UnsupportedModelError(
+                f"{name}: only weight-only 4-bit layers are written as pack-quantized (it is {wq.spec.bits}-bit"
+                f"{', with quantized inputs' if getattr(mod, 'input_quantizer', None) is not None else ''})"
+            )
+        w = int4_weight(mod, where=name)
+        n, k = w.shape
+        args[name] = _scheme_args(w, k, name, wq.spec.observer)
+        tensors[f"{name}.weight_packed"] = pack_int32(w.codes)
+        tensors[f"{name}.weight_scale"] = w.scale.to(dtype).contiguous()
+        tensors[f"{name}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        if not w.symmetric:
+            tensors[f"{name}.weight_zero_point"] = pack_int32(w.zero_point.T.contiguous()).T.contiguous()
+        quant_prefixes.append(name + ".")
+    if not args:
+        raise UnsupportedModelError("compressed-tensors export: the model has no quantized layers; quantize it first")
+    seen: dict[int, str] = {}
+    for key, t in model.state_dict().items():
+        prefix = key.rsplit(".", 1)[0] + "."
+        if "_quantizer." in key or (key.endswith(".weight") and prefix in quant_prefixes):
+            continue
+        ptr = t.data_ptr()
+        if ptr in seen and t.numel() > 0:  # tied weights (lm_head = embed_tokens): stored once, retied on load
+            continue
+        seen[ptr] = key
+        tensors[key] = t.detach().contiguous().clone()
+    return tensors, args, plain
+
+
+def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str]) -> dict[str, Any]:
+    """The config.json ``quantization_config`` llm-compressor writes, validated by compressed-tensors."""
+    require_compressed_tensors()
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    groups: dict[str, list[str]] = {}
+    key_args: dict[str, dict[str, Any]] = {}
+    for name, a in args.items():
+        key = json.dumps(a, sort_keys=True)
+        groups.setdefault(key, []).append(name)
+        key_args[key] = a
+    config_groups: dict[str, Any] = {}
+    for i, (key, names) in enumerate(groups.items()):
+        targets = ["Linear"] if len(groups) == 1 else sorted(names)
+        config_groups[f"group_{i}"] = QuantizationScheme(
+            targets=targets, weights=QuantizationArgs(**key_args[key]), format="pack-quantized"
+        )
+    qc = QuantizationConfig(
+        config_groups=config_groups, format="pack-quantized", quantization_status="compressed", ignore=sorted(ignore),
+    )
+    data = qc.model_dump(exclude={"quant_method"})
+    return {
+        "version": compressed_tensors.__version__,
+        "quant_method": "compressed-tensors",
+        "sparsity_config": {},
+        "transform_config": {},
+        **json.loads(json.dumps(data, default=str)),
+    }
+
+
+def save_compressed_tensors(model: nn.Module, out_dir: str | Path) -> Path:
+    """Write ``model`` (a transformers model quantized weight-only int4) as a compressed-tensors checkpoint.
+
+    Layers must be weight-only 4-bit QuantLinears (GPTQ, AWQ, RTN ``w4_weight_only_g128``, per
+    group or per channel); other Linears are stored in float and listed in ``ignore``. Returns the
+    folder, loadable with ``AutoModelForCausalLM.from_pretrained`` (compressed-tensors installed).
+    """
+    require_compressed_tensors()
+    from safetensors.torch import save_file
+
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise UnsupportedModelError("compressed-tensors export needs a transformers model (one with a .config)")
+    acts = activation_quantizers(model)
+    if acts:
+        raise UnsupportedModelError(f"{acts[0]}: quantized activations are not written (weight-only int4 checkpoints)")
+    tensors, args, plain = compressed_state_dict(model)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = config.to_dict()
+    cfg["quantization_config"] = quantization_config(args, plain)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
+    save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    log.info("compressed-tensors checkpoint: %d int4 layers, %d float Linears, written to %s", len(args), len(plain), out)
+    return out

@@ -1,0 +1,438 @@
+"""ONNX export of decoder-only LLMs (Llama, Qwen2, Mistral) for generation with a key/value cache.
+
+``export_llm_onnx(model, path, weights="int4")`` writes a graph that ONNX Runtime runs step by step:
+
+- inputs ``input_ids`` int64 ``[B, S]``, ``attention_mask`` int64 ``[B, P+S]`` (0 marks left
+  padding) and, per layer ``i``, ``past_key_values.{i}.key`` / ``.value`` float32
+  ``[B, kv_heads, P, head_dim]`` (P = 0 on the first step);
+- outputs ``logits`` ``[B, S, vocab]`` and ``present.{i}.key`` / ``.value`` ``[B, kv_heads, P+S,
+  head_dim]``, which the next step feeds back as its past (the names ORT GenAI uses).
+
+Positions count the unpadded tokens (``cumsum(attention_mask) - 1``, as transformers' generate
+does) and attention is causal over past and new tokens, padding masked out, so batched prompts
+of different lengths run left-padded. The graph is traced from
+:class:`KVDecoder`, a hand-written forward over the model's own modules (embeddings, RMSNorms,
+projections, MLPs, rotary frequencies), because transformers' cache objects do not trace into a
+graph with explicit past tensors. Rotary embeddings use the model's precomputed ``inv_freq`` and
+``attention_scaling`` (default, linear and llama3 RoPE; dynamic RoPE is refused).
+
+Weights: ``"int4"`` writes every weight-only 4-bit QuantLinear as ``com.microsoft.MatMulNBits``
+(bits 4, block size = the group size, float32 scales, packed uint8 zero points when asymmetric;
+per-channel scales become one block of the next power of two >= K, and a K not divisible by the
+block is padded with zero-point codes, which dequantize to 0) and other Linears in float;
+``"fp32"`` writes every weight in float32 — for a fake-quant model its quantized values, so both
+files compute the fake-quant model up to float rounding. Quantized activations (W8A8) are not
+handled here. GPTQ's act_order in this project keeps static groups (no g_idx), so nothing extra is
+exported; a g_idx permutation is refused.
+
+:func:`generate_ort` runs greedy generation on such a file; :class:`OrtGenerator` exposes the
+prefill and decode steps separately (benchmarks time them).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from compress.errors import ExportError, UnsupportedModelError
+from quantization.int4 import (
+    Int4Weight,
+    activation_quantizers,
+    dequantize_int4,
+    int4_weight,
+    is_int4_weight_only,
+)
+
+log = logging.getLogger(__name__)
+
+SUPPORTED = ("llama", "qwen2", "mistral")
+Weights = Literal["int4", "fp32"]
+
+
+# ---- MatMulNBits -------------------------------------------------------------------------------------
+
+
+def matmul_nbits_tensors(w: Int4Weight, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(B, scales, zero_points)`` as MatMulNBits stores them for ``w`` with ``block_size``.
+
+    B uint8 ``[N, k_blocks, block_size/2]`` (feature 2i of a block in the low nibble); scales
+    float32 ``[N * k_blocks]``; zero points uint8 ``[N * ceil(k_blocks/2)]`` (two per byte, the
+    even block low) or None when all are 8 (MatMulNBits' default for 4 bits).
+    """
+    n, k = w.shape
+    k_blocks = math.ceil(k / block_size)
+    gi = torch.arange(k) // w.group_size
+    codes = w.codes
+    if k_blocks * block_size != k:  # pad with each row's last zero point: dequantizes to exactly 0
+        pad = k_blocks * block_size - k
+        codes = torch.cat([codes, w.zero_point[:, gi[-1:]].expand(n, pad)], dim=1)
+    b = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(n, k_blocks, block_size // 2).contiguous()
+    if w.num_groups == k_blocks:
+        scales, zps = w.scale, w.zero_point
+    elif w.num_groups == 1:
+        scales, zps = w.scale.expand(n, k_blocks), w.zero_point.expand(n, k_blocks)
+    else:
+        raise UnsupportedModelError(f"{w.num_groups} groups do not map to {k_blocks} blocks of {block_size}")
+    zp_packed = None
+    if not bool((zps == 8).all()):
+        z = zps if k_blocks % 2 == 0 else torch.cat([zps, torch.full((n, 1), 8, dtype=torch.uint8)], dim=1)
+        zp_packed = (z[:, 0::2] | (z[:, 1::2] << 4)).reshape(-1).contiguous()
+    return b, scales.float().reshape(-1).contiguous(), zp_packed
+
+
+class _MatMulNBitsFn(torch.autograd.Function):
+    """``x @ W^T`` with W dequantized from MatMulNBits tensors; exported as the ORT contrib op."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None,
+                k: int, n: int, block_size: int, accuracy_level: int) -> torch.Tensor:
+        k_blocks = b.shape[1]
+        codes = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(n, k_blocks * block_size).float()
+        if zp is None:
+            z = torch.full((n, k_blocks), 8.0)
+        else:
+            z = torch.stack([zp & 0xF, zp >> 4], dim=-1).reshape(n, -1)[:, :k_blocks].float()
+        w = (codes.reshape(n, k_blocks, block_size) - z[..., None]) * scales.reshape(n, k_blocks, 1)
+        return x @ w.reshape(n, -1)[:, :k].T.to(x.dtype)
+
+    @staticmethod
+    def symbolic(g: Any, x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block_size: int,
+                 accuracy_level: int) -> Any:
+        inputs = [x, b, scales] + ([zp] if zp is not None and not _is_none(zp) else [])
+        return g.op("com.microsoft::MatMulNBits", *inputs, K_i=k, N_i=n, bits_i=4, block_size_i=block_size,
+                    accuracy_level_i=accuracy_level)
+
+
+def _is_none(v: Any) -> bool:
+    return hasattr(v, "node") and v.node().mustBeNone()
+
+
+class MatMulNBitsLinear(nn.Module):
+    """A Linear computing with int4 weights held as MatMulNBits tensors (exports as that op)."""
+
+    b: torch.Tensor
+    scales: torch.Tensor
+    zero_points: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(self, w: Int4Weight, bias: torch.Tensor | None, *, accuracy_level: int = 0, where: str = "layer") -> None:
+        super().__init__()
+        if w.g_idx is not None:
+            raise UnsupportedModelError(f"{where}: a g_idx (act_order permutation) is not exported; use static groups")
+        self.out_features, self.in_features = w.shape
+        gs = w.group_size if w.num_groups > 1 else w.shape[1]
+        self.block_size = max(16, 1 << (gs - 1).bit_length())  # MatMulNBits: a power of two >= 16
+        if w.num_groups > 1 and self.block_size != w.group_size:
+            raise UnsupportedModelError(f"{where}: group_size {w.group_size} is not a power of two >= 16 (MatMulNBits)")
+        b, scales, zp = matmul_nbits_tensors(w, self.block_size)
+        self.register_buffer("b", b)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zero_points", zp)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.accuracy_level = accuracy_level
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _MatMulNBitsFn.apply(x, self.b, self.scales, self.zero_points, self.in_features, self.out_features,
+                                 self.block_size, self.accuracy_level)
+        return y + self.bias if self.bias is not None else y
+
+
+# ---- the traced decoder -------------------------------------------------------------------------------
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class KVDecoder(nn.Module):
+    """``(input_ids, attention_mask, *past) -> (logits, *present)`` over a transformers Llama-family causal LM."""
+
+    lm: Any  # a transformers causal LM (its submodules are reached by attribute)
+    inv_freq: torch.Tensor
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        cfg = check_decoder(model)
+        self.lm = model
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rot: Any = self.lm.model.rotary_emb
+        self.register_buffer("inv_freq", rot.inv_freq.detach().float().clone(), persistent=False)
+        self.rope_scaling = float(getattr(rot, "attention_scaling", 1.0))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        base = self.lm.model
+        b, s = input_ids.shape
+        p = past[0].shape[2]
+        # positions count real tokens only (left padding), as transformers' generate derives them
+        seen = torch.cumsum(attention_mask, dim=-1) - 1
+        pos = seen[:, p:].clamp(min=0)  # [B, S]
+        freqs = pos[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D]
+        cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        t = p + s
+        causal = torch.arange(t, device=input_ids.device)[None, :] > (torch.arange(s, device=input_ids.device) + p)[:, None]
+        masked = causal[None] | (attention_mask[:, None, :] == 0)  # [B, S, T]: future keys and padding
+        mask = (masked.float() * torch.finfo(torch.float32).min)[:, None]  # [B, 1, S, T]
+        h = base.embed_tokens(input_ids)
+        presents: list[torch.Tensor] = []
+        for i, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k = torch.cat([past[2 * i], k], dim=2)
+            v = torch.cat([past[2 * i + 1], v], dim=2)
+            presents += [k, v]
+            rep = self.n_heads // self.n_kv
+            kr = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+            vr = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+            scores = torch.matmul(q, kr.transpose(2, 3)) * attn.scaling + mask
+            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+            o = torch.matmul(probs, vr).transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits = self.lm.lm_head(base.norm(h))
+        return (logits, *presents)
+
+    def dummy_inputs(self, batch: int, past: int, new: int) -> tuple[torch.Tensor, ...]:
+        ids = torch.randint(0, int(self.lm.config.vocab_size), (batch, new))
+        return (ids, torch.ones(batch, past + new, dtype=torch.long), *self.empty_past(batch, past))
+
+    def empty_past(self, batch: int, length: int = 0) -> list[torch.Tensor]:
+        return [torch.zeros(batch, self.n_kv, length, self.head_dim) for _ in range(2 * self.n_layers)]
+
+
+def check_decoder(model: nn.Module) -> Any:
+    """The model's config if it is a supported decoder, else UnsupportedModelError saying why."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if cfg is None or kind not in SUPPORTED:
+        raise UnsupportedModelError(
+            f"LLM ONNX export supports transformers {', '.join(SUPPORTED)} causal LMs (got {kind or type(model).__name__})"
+        )
+    if not hasattr(model, "lm_head") or not hasattr(getattr(model, "model", None), "rotary_emb"):
+        raise UnsupportedModelError(f"{type(model).__name__}: expected .model (with rotary_emb) and .lm_head")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and rope.get("rope_type", "default") in ("dynamic", "longrope"):
+        raise UnsupportedModelError(f"RoPE type '{rope['rope_type']}' changes with the sequence length; not exported")
+    if getattr(cfg, "use_sliding_window", False) or (kind == "mistral" and getattr(cfg, "sliding_window", None)):
+        raise UnsupportedModelError("sliding-window attention is not exported")
+    return cfg
+
+
+def _swap_linears(model: nn.Module, weights: Weights, accuracy_level: int) -> dict[str, int]:
+    """Replace quantized layers in place: MatMulNBitsLinear (int4) or float Linear (fp32)."""
+    counts = {"int4": 0, "float": 0}
+    for name, mod in list(model.named_modules()):
+        if getattr(mod, "weight_quantizer", None) is None:
+            continue
+        if getattr(mod, "input_quantizer", None) is not None or getattr(mod, "output_quantizer", None) is not None:
+            raise UnsupportedModelError(
+                f"{name}: quantized activations (W8A8) are not exported for generation here; weight-only layers are"
+            )
+        if weights == "int4" and is_int4_weight_only(mod):
+            new: nn.Module = MatMulNBitsLinear(int4_weight(mod, where=name), mod.bias,
+                                               accuracy_level=accuracy_level, where=name)
+            counts["int4"] += 1
+        else:
+            with torch.no_grad():
+                w = (dequantize_int4(int4_weight(mod, where=name)) if is_int4_weight_only(mod)
+                     else mod.quantized_weight().detach())
+            lin = nn.Linear(mod.in_features, mod.out_features, bias=mod.bias is not None)
+            lin.weight = nn.Parameter(w.float().clone(), requires_grad=False)
+            if mod.bias is not None:
+                lin.bias = nn.Parameter(mod.bias.detach().float().clone(), requires_grad=False)
+            new = lin
+            counts["float"] += 1
+        model.set_submodule(name, new)
+    return counts
+
+
+def io_names(n_layers: int) -> tuple[list[str], list[str]]:
+    past = [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+    present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+    return ["input_ids", "attention_mask", *past], ["logits", *present]
+
+
+def export_llm_onnx(
+    model: nn.Module,
+    path: str | Path,
+    *,
+    weights: Weights = "int4",
+    accuracy_level: int = 0,
+    opset: int = 17,
+    check: bool = True,
+) -> Path:
+    """Write ``model`` (a transformers Llama/Qwen2/Mistral causal LM, float or weight-only fake-quant)
+    as a single ONNX file with past/present key-value tensors. Returns the path.
+
+    ``weights="int4"`` writes weight-only 4-bit layers as MatMulNBits (``accuracy_level`` is its
+    attribute: 0 computes in float32, 4 lets ORT's CPU kernel quantize activations to int8);
+    ``"fp32"`` writes all weights in float32. The model itself is not modified. ``check`` runs the
+    file once in ONNX Runtime against the traced PyTorch module (ExportError when they disagree).
+    """
+    if weights not in ("int4", "fp32"):
+        raise ExportError(f"export_llm_onnx: weights must be 'int4' or 'fp32' (got {weights!r})")
+    check_decoder(model)
+    acts = activation_quantizers(model)
+    if acts:
+        raise UnsupportedModelError(
+            f"{acts[0]}: quantized activations (W8A8) are not exported for generation here; weight-only layers are"
+        )
+    m: Any = copy.deepcopy(model).float().eval()
+    counts = _swap_linears(m, weights, accuracy_level)
+    if weights == "int4" and counts["int4"] == 0:
+        raise UnsupportedModelError("export_llm_onnx(weights='int4'): the model has no weight-only 4-bit layers")
+    dec = KVDecoder(m).eval()
+    inputs, outputs = io_names(dec.n_layers)
+    dyn: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"},
+                                      "attention_mask": {0: "batch", 1: "total_sequence"}}
+    for name in inputs[2:]:
+        dyn[name] = {0: "batch", 2: "past_sequence"}
+    for name in outputs[1:]:
+        dyn[name] = {0: "batch", 2: "total_sequence"}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        # the TorchScript exporter: custom ops export through autograd.Function.symbolic (the dynamo
+        # exporter needs an onnxscript translation per op); the traced forward is our own code
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            dec, dec.dummy_inputs(1, 2, 3), str(out), input_names=inputs, output_names=outputs,
+            dynamic_axes=dyn, opset_version=opset, dynamo=False, custom_opsets={"com.microsoft": 1},
+            # no folding: a tied lm_head stays one initializer shared with the embedding (folding writes a
+            # transposed copy); ORT folds the weight transposes in memory when it loads the file
+            do_constant_folding=False,
+        )
+    log.info("LLM ONNX (%s weights: %d MatMulNBits, %d float Linears) written to %s", weights, counts["int4"],
+             counts["float"], out)
+    if check:
+        _check_in_ort(out, dec, strict=accuracy_level == 0)
+    return out
+
+
+def _check_in_ort(path: Path, dec: KVDecoder, *, strict: bool) -> None:
+    """Run the file once in ORT (a 5-token step after 4 cached ones, batch 2) against the traced module.
+
+    With float32 compute (accuracy_level 0) the outputs differ only by float rounding; a larger
+    difference means the graph is wrong and raises ExportError. ORT's int8-activation compute
+    (accuracy_level 4) is only reported (its SQNR), since it is meant to differ."""
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    inputs = dec.dummy_inputs(2, 4, 5)
+    past = [torch.randn_like(t) for t in inputs[2:]]
+    with torch.no_grad():
+        ref = dec(inputs[0], inputs[1], *past)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    got = sess.run(None, dict(zip(names, [t.numpy() for t in (inputs[0], inputs[1], *past)])))
+    worst = 0.0
+    for r, g in zip(ref, got):
+        scale = float(r.abs().max()) or 1.0
+        worst = max(worst, float(np.abs(g - r.numpy()).max()) / scale)
+    logits_err = float(((torch.from_numpy(got[0]) - ref[0]) ** 2).mean())
+    sqnr = 10 * math.log10(float((ref[0] ** 2).mean()) / max(logits_err, 1e-30))
+    log.info("%s in ONNX Runtime vs PyTorch: max error %.2e of the largest output, logits SQNR %.1f dB", path.name,
+             worst, sqnr)
+    if strict and worst > 1e-4:
+        raise ExportError(
+            f"{path}: ONNX Runtime's outputs differ from the PyTorch model's by {worst:.2e} of their largest value "
+            "(float rounding stays below 1e-4): the exported graph is wrong"
+        )
+
+
+# ---- generation in ONNX Runtime -------------------------------------------------------------------
+
+
+class OrtGenerator:
+    """Greedy generation on an :func:`export_llm_onnx` file: ``prefill`` then ``step`` per token."""
+
+    def __init__(self, path: str | Path, *, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        if threads is not None:
+            so.intra_op_num_threads = threads
+            so.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        names = [i.name for i in self.session.get_inputs()]
+        past = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        if names[:2] != ["input_ids", "attention_mask"] or not past:
+            raise ExportError(f"{path}: not an export_llm_onnx file (inputs {names[:3]}...)")
+        self.past_names = [i.name for i in past]
+        self.n_kv, self.head_dim = int(past[0].shape[1]), int(past[0].shape[3])
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.past: list[np.ndarray] = []
+        self.mask = np.ones((0, 0), dtype=np.int64)
+
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """Run the prompts ``[B, S]`` with an empty cache; returns the last position's logits ``[B, V]``.
+
+        ``attention_mask`` ``[B, S]`` (1 = token, 0 = padding) allows left-padded prompts of
+        different lengths; None means no padding."""
+        b = input_ids.shape[0]
+        self.mask = np.ones(input_ids.shape, dtype=np.int64) if attention_mask is None else attention_mask.astype(np.int64)
+        if self.mask.shape != input_ids.shape:
+            raise ExportError(f"attention_mask has shape {self.mask.shape}, input_ids {input_ids.shape}")
+        empty = np.zeros((b, self.n_kv, 0, self.head_dim), dtype=np.float32)
+        return self._run(input_ids, [empty] * len(self.past_names))
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed one token per sequence ``[B]``; returns the next logits ``[B, V]``."""
+        self.mask = np.concatenate([self.mask, np.ones((self.mask.shape[0], 1), dtype=np.int64)], axis=1)
+        return self._run(tokens.reshape(-1, 1), self.past)
+
+    def _run(self, ids: np.ndarray, past: list[np.ndarray]) -> np.ndarray:
+        feed = {"input_ids": ids.astype(np.int64), "attention_mask": self.mask, **dict(zip(self.past_names, past))}
+        logits, *present = self.session.run(self.output_names, feed)
+        self.past = present
+        return logits[:, -1]
+
+
+def generate_ort(
+    path: str | Path | OrtGenerator,
+    input_ids: torch.Tensor | np.ndarray,
+    *,
+    max_new_tokens: int,
+    attention_mask: torch.Tensor | np.ndarray | None = None,
+    eos_token_id: int | None = None,
+) -> torch.Tensor:
+    """Greedy continuation ``[B, S + new]`` of ``input_ids`` computed by ONNX Runtime.
+
+    ``attention_mask`` marks left padding (0) of prompts of different lengths; generation stops
+    early when every sequence produced ``eos_token_id``."""
+    gen = path if isinstance(path, OrtGenerator) else OrtGenerator(path)
+    ids = np.asarray(input_ids.cpu().numpy() if isinstance(input_ids, torch.Tensor) else input_ids, dtype=np.int64)
+    if ids.ndim != 2:
+        raise ExportError(f"generate_ort: input_ids must be [batch, sequence] (got shape {ids.shape})")
+    out = [ids]
+    mask = None if attention_mask is None else np.asarray(
+        attention_mask.cpu().numpy() if isinstance(attention_mask, torch.Tensor) else attention_mask)
+    logits = gen.prefill(ids, mask)
+    done = np.zeros(ids.shape[0], dtype=bool)
+    for i in range(max_new_tokens):
+        nxt = logits.argmax(-1).astype(np.int64)
+        out.append(nxt[:, None])
+        if eos_token_id is not None:
+            done |= nxt == eos_token_id
+            if done.all():
+                break
+        if i + 1 < max_new_tokens:
+            logits = gen.step(nxt)
+    return torch.from_numpy(np.concatenate(out, axis=1))

@@ -1,0 +1,119 @@
+"""compressed-tensors checkpoints: read back by the compressed-tensors library itself (through
+transformers' loader, and through its pack-quantized decompressor) to exactly our weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("compressed_tensors")
+transformers = pytest.importorskip("transformers")
+
+import compress  # noqa: E402
+from compress.errors import UnsupportedModelError  # noqa: E402
+from export.compressed_tensors import pack_int32, save_compressed_tensors  # noqa: E402
+from quantization.int4 import dequantize_int4, int4_weight  # noqa: E402
+from quantization.spec import QuantScheme, QuantSpec  # noqa: E402
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 256}
+
+
+def _w4(group: int | None, *, symmetric: bool) -> QuantScheme:
+    gran = {"granularity": "group", "group_size": group} if group else {"granularity": "channel"}
+    dtype = "int8" if symmetric else "uint8"
+    return QuantScheme(weights=QuantSpec(bits=4, symmetric=symmetric, dtype=dtype, **gran), inputs=None)  # type: ignore[arg-type]
+
+
+def _model(kind: str, scheme: QuantScheme, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL))
+    return compress.quantize(model.eval(), scheme, ignore=["lm_head"])
+
+
+def _quantized(model: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if getattr(m, "weight_quantizer", None) is not None}
+
+
+def test_pack_int32_is_the_library_packing() -> None:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (5, 43), generator=g, dtype=torch.uint8)  # ragged: 43 = 5 words + 3 nibbles
+    ours = pack_int32(codes)
+    theirs = pack_to_int32((codes.to(torch.int16) - 8).to(torch.int8), 4)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(pack_int32(codes.T.contiguous()).T, pack_to_int32((codes.to(torch.int16) - 8).to(torch.int8), 4, packed_dim=0))
+
+
+@pytest.mark.parametrize(("kind", "group"), [("llama", 32), ("qwen2", None)], ids=["llama-gqa-g32", "qwen2-per-channel"])
+def test_transformers_loads_and_decompresses_exactly(kind: str, group: int | None, tmp_path: Path) -> None:
+    fq = _model(kind, _w4(group, symmetric=True))
+    out = save_compressed_tensors(fq, tmp_path / "ckpt")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    assert qc["ignore"] == ["lm_head"] and qc["quantization_status"] == "compressed"
+    assert qc["config_groups"]["group_0"]["format"] == "pack-quantized"
+    weights = qc["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["strategy"], weights["group_size"]) == (4, "group" if group else "channel", group)
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = loaded(ids).logits  # the first forward decompresses (compressed-tensors' hook)
+        ref = fq(ids).logits
+    layers = _quantized(fq)
+    assert len(layers) == 14
+    for name, mod in layers.items():
+        got = loaded.get_submodule(name).weight
+        torch.testing.assert_close(got, dequantize_int4(int4_weight(mod)), atol=0, rtol=0)
+        torch.testing.assert_close(got, mod.quantized_weight(), atol=0, rtol=0)
+        if mod.bias is not None:  # Qwen2's q/k/v biases travel as float
+            torch.testing.assert_close(loaded.get_submodule(name).bias, mod.bias, atol=0, rtol=0)
+    torch.testing.assert_close(logits, ref, atol=0, rtol=0)
+
+
+def test_asymmetric_groups_decompress_with_the_library(tmp_path: Path) -> None:
+    # compressed-tensors 0.20 builds the *unpacked* zero-point shape when transformers prepares a model
+    # for loading, while its compressor writes zero points packed (what vLLM reads): we write the
+    # latter and check it with the compressor's own decompress (known upstream: vllm-project/llm-compressor#1618)
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    fq = _model("qwen2", _w4(32, symmetric=False), seed=3)
+    out = save_compressed_tensors(fq, tmp_path / "ckpt")
+    qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    scheme = qc.config_groups["group_0"]
+    assert scheme.weights.symmetric is False and scheme.weights.group_size == 32
+    tensors = load_file(str(out / "model.safetensors"))
+    layers = _quantized(fq)
+    for name, mod in layers.items():
+        local = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".weight_")}
+        assert set(local) == {"weight_packed", "weight_scale", "weight_zero_point", "weight_shape"}
+        dec = PackedQuantizationCompressor.decompress(local, scheme)
+        ours = dequantize_int4(int4_weight(mod))
+        assert bool((int4_weight(mod).zero_point != 8).any())  # really asymmetric
+        torch.testing.assert_close(dec["weight"], ours, atol=0, rtol=0)
+        torch.testing.assert_close(dec["weight"], mod.quantized_weight(), atol=0, rtol=0)
+    assert torch.equal(tensors["model.embed_tokens.weight"], fq.model.embed_tokens.weight)
+
+
+def test_non_int4_layers_are_refused(tmp_path: Path) -> None:
+    fq = _model("llama", QuantScheme.preset("w8_weight_only"))
+    with pytest.raises(UnsupportedModelError, match="only weight-only 4-bit"):
+        save_compressed_tensors(fq, tmp_path / "x")
+
+
+def test_quantized_activations_are_refused_not_dropped(tmp_path: Path) -> None:
+    w4a8 = QuantScheme(weights=QuantSpec(bits=4, granularity="group", group_size=32),
+                       inputs=QuantSpec(granularity="token", dynamic=True))
+    with pytest.raises(UnsupportedModelError, match="quantized activations"):
+        save_compressed_tensors(_model("llama", w4a8), tmp_path / "x")

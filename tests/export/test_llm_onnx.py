@@ -1,0 +1,131 @@
+"""LLM ONNX export with a key/value cache: ORT's greedy tokens equal the PyTorch fake-quant model's
+(transformers' own generate), int4 layers are MatMulNBits, the cache and shapes are dynamic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+import compress  # noqa: E402
+from compress.errors import ExportError, UnsupportedModelError  # noqa: E402
+from export.llm_onnx import MatMulNBitsLinear, OrtGenerator, export_llm_onnx, generate_ort  # noqa: E402
+from quantization.int4 import Int4Weight, dequantize_int4  # noqa: E402
+from quantization.spec import QuantScheme, QuantSpec  # noqa: E402
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 256}
+
+
+def _w4(group: int | None, *, symmetric: bool) -> QuantScheme:
+    gran = {"granularity": "group", "group_size": group} if group else {"granularity": "channel"}
+    return QuantScheme(weights=QuantSpec(bits=4, symmetric=symmetric, dtype="int8" if symmetric else "uint8", **gran),  # type: ignore[arg-type]
+                       inputs=None)
+
+
+def _model(kind: str, scheme: QuantScheme | str | None, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL))
+    model.eval()
+    return model if scheme is None else compress.quantize(model, scheme, ignore=["lm_head"])
+
+
+def _prompts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two prompts of 7 and 4 tokens, the second left-padded: ``(input_ids, attention_mask)``."""
+    ids = torch.randint(1, SMALL["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    ids[1, :3], mask[1, :3] = 0, 0
+    return ids, mask
+
+
+def _hf_greedy(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "scheme", "weights"),
+    [
+        ("llama", _w4(32, symmetric=False), "int4"),
+        ("qwen2", _w4(None, symmetric=True), "int4"),
+        ("qwen2", _w4(32, symmetric=True), "fp32"),
+    ],
+    ids=["llama-gqa-asym-g32-int4", "qwen2-sym-per-channel-int4", "qwen2-fake-quant-fp32"],
+)
+def test_ort_greedy_tokens_match_pytorch(kind: str, scheme: QuantScheme, weights: str, tmp_path: Path) -> None:
+    fq = _model(kind, scheme)
+    path = export_llm_onnx(fq, tmp_path / "m.onnx", weights=weights)  # type: ignore[arg-type]
+    nodes = [n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
+    assert len(nodes) == (14 if weights == "int4" else 0)
+    if nodes:  # q_proj: K = N = 64; g32 blocks, or one 64-wide block per channel; zero points when asym
+        attrs = {a.name: a.i for a in nodes[0].attribute}
+        assert nodes[0].domain == "com.microsoft"
+        assert attrs == {"K": 64, "N": 64, "bits": 4, "block_size": scheme.weights.group_size or 64, "accuracy_level": 0}
+        assert len(nodes[0].input) == (3 if scheme.weights.symmetric else 4)
+    ids, mask = _prompts(1)  # 7 tokens and a left-padded 4: neither the traced length (3) nor past (2)
+    new = 12
+    ref = _hf_greedy(fq, ids, mask, new)
+    got = generate_ort(path, ids, attention_mask=mask, max_new_tokens=new)
+    assert got.shape == ref.shape == (2, 7 + new)
+    assert torch.equal(got, ref), (got.tolist(), ref.tolist())
+    # the logits themselves, past the first step: the cache carries the state exactly enough
+    gen = OrtGenerator(path)
+    logits = [gen.prefill(ids.numpy(), mask.numpy())] + [gen.step(ref[:, 7 + i].numpy()) for i in range(3)]
+    full_mask = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        hf = fq(ref[:, :10], attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    np.testing.assert_allclose(np.stack(logits, 1), hf[:, 6:].numpy(), atol=2e-5, rtol=1e-4)
+
+
+def test_matmul_nbits_layout_pads_ragged_blocks_exactly(tmp_path: Path) -> None:
+    # K=80 in groups of 32: a shorter last group, padded up to MatMulNBits' block with zero-point codes
+    g = torch.Generator().manual_seed(2)
+    n, k = 24, 80
+    w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), torch.rand(n, 3, generator=g) * 0.1,
+                   torch.randint(0, 16, (n, 3), generator=g, dtype=torch.uint8), 32, False)
+    layer = MatMulNBitsLinear(w, torch.randn(n, generator=g))
+    x = torch.randn(5, k, generator=g)
+    ref = nn.functional.linear(x, dequantize_int4(w), layer.bias)
+    torch.testing.assert_close(layer(x), ref, atol=1e-6, rtol=0)  # MatMulNBits' definition, in torch
+    path = tmp_path / "one.onnx"
+    with pytest.warns(DeprecationWarning):  # the TorchScript exporter, as export_llm_onnx uses it
+        torch.onnx.export(layer, (x,), str(path), input_names=["x"], dynamo=False, custom_opsets={"com.microsoft": 1})
+    import onnxruntime as ort
+
+    (y,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
+    np.testing.assert_allclose(y, ref.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_refuses_what_it_cannot_export(tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match="weights must be"):
+        export_llm_onnx(_model("llama", None), tmp_path / "a.onnx", weights="int8")  # type: ignore[arg-type]
+    with pytest.raises(UnsupportedModelError, match="no weight-only 4-bit"):
+        export_llm_onnx(_model("llama", None), tmp_path / "b.onnx", weights="int4")
+    with pytest.raises(UnsupportedModelError, match="W8A8"):
+        export_llm_onnx(_model("llama", "w8a8_dynamic"), tmp_path / "c.onnx")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="supports transformers llama"):
+        export_llm_onnx(gpt2, tmp_path / "d.onnx", weights="fp32")
+
+
+def test_export_checks_the_file_in_ort(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a graph that drops the zero points computes something else than PyTorch: the export refuses it
+    from export import llm_onnx
+
+    def no_zero_points(g: object, x: object, b: object, scales: object, zp: object, *attrs: int) -> object:
+        return original(g, x, b, scales, None, *attrs)
+
+    original = llm_onnx._MatMulNBitsFn.symbolic
+    monkeypatch.setattr(llm_onnx._MatMulNBitsFn, "symbolic", staticmethod(no_zero_points))
+    with pytest.raises(ExportError, match="differ from the PyTorch model"):
+        export_llm_onnx(_model("llama", _w4(32, symmetric=False)), tmp_path / "bad.onnx")
