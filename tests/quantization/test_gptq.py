@@ -20,7 +20,7 @@ from compress.errors import CalibrationError, RecipeError
 from quantization.gptq import GPTQParams, HessianAccumulator, gptq_quantize, layer_error
 from quantization.modules import QuantLinear
 from quantization.primitives import dynamic_qparams, fake_quantize_spec, quantize_spec
-from quantization.spec import QuantSpec
+from quantization.spec import QuantScheme, QuantSpec
 
 SPECS = {
     "w4g32": QuantSpec(bits=4, granularity="group", group_size=32),
@@ -146,7 +146,7 @@ def _gpt2() -> nn.Module:
 
 
 MODELS = {"llama": _llama, "qwen2": _qwen2, "gpt2": _gpt2}
-W3 = {"preset": "w3_weight_only_g128", "weights": {"group_size": 32}}
+W3 = QuantScheme(weights=QuantSpec(bits=3, granularity="group", group_size=32), inputs=None)
 
 
 def _calib() -> list[torch.Tensor]:
@@ -174,9 +174,7 @@ def test_gptq_on_hf_causal_lms_beats_rtn(arch: str) -> None:
     from quantization.sequential import linearize_conv1d
 
     linearize_conv1d(rtn)
-    compress.quantize(rtn, compress.QuantScheme.model_validate({"weights": {**W3["weights"], "bits": 3,
-                                                                           "granularity": "group"}, "inputs": None}),
-                      ignore=["lm_head"])
+    compress.quantize(rtn, W3, ignore=["lm_head"])
     assert _logit_mse(q, fp, data) < 0.8 * _logit_mse(rtn, fp, data)
 
 
@@ -184,6 +182,6 @@ def test_gptq_inputs_are_checked() -> None:
     with pytest.raises(CalibrationError, match="weight-only"):
         compress.gptq(_llama(), _calib(), scheme="w8a8")
     with pytest.raises(CalibrationError, match="not a forward loop"):
-        compress.gptq(_llama(), lambda m: None)  # type: ignore[arg-type]
+        compress.gptq(_llama(), lambda m: None)
     with pytest.raises(RecipeError, match="unknown quantization scheme"):
         compress.gptq(_llama(), _calib(), scheme="w4_g128")
