@@ -69,11 +69,12 @@ class HessianAccumulator:
             dist.all_reduce(n)
             self.count = int(n.item())
 
-    def hessian(self) -> torch.Tensor:
-        """``2 X^T X / n`` (the Hessian of the layer's squared output error)."""
+    def hessian(self, *, inplace: bool = False) -> torch.Tensor:
+        """``2 X^T X / n`` (the Hessian of the layer's squared output error); ``inplace`` scales the
+        running sum itself (no copy: the accumulator is spent)."""
         if self.count == 0:
             raise CalibrationError("gptq: a layer saw no calibration inputs (was it called in the forward loop?)")
-        return self.xtx * (2.0 / self.count)
+        return self.xtx.mul_(2.0 / self.count) if inplace else self.xtx * (2.0 / self.count)
 
 
 def _qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,14 +83,16 @@ def _qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
 
 
 def _inverse_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + damp I)^-1``, dampening raised on failure."""
+    """Upper Cholesky factor of ``(H + damp I)^-1``, dampening raised on failure. ``h`` is
+    dampened in place (at most three K x K matrices live at once: ``h``, the factor, the inverse)."""
     mean_diag = float(torch.mean(torch.diag(h)))
-    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    added = 0.0
     damp = dampening
     for _ in range(4):
+        h.diagonal().add_(damp * mean_diag - added)
+        added = damp * mean_diag
         try:
-            lower = torch.linalg.cholesky(h + damp * mean_diag * eye)
-            inv = torch.cholesky_inverse(lower)
+            inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
             return torch.linalg.cholesky(inv, upper=True)
         except torch.linalg.LinAlgError:
             log.warning("gptq: Hessian not positive definite at dampening %.3g; raising it", damp)
@@ -98,7 +101,10 @@ def _inverse_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor:
 
 
 def gptq_quantize(
-    weight: torch.Tensor, hessian: torch.Tensor, spec: QuantSpec, params: GPTQParams | None = None
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: QuantSpec,
+    params: GPTQParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ-round ``weight`` ([out, in]) for ``spec`` (granularity channel or group, axis 0).
 
@@ -126,8 +132,10 @@ def gptq_quantize(
             s1, z1 = _qparams(w[:, (n_groups - 1) * gs :], spec)
             scale[:, -1], zp[:, -1] = s1, z1
     perm = torch.argsort(torch.diag(h), descending=True) if p.act_order else torch.arange(cols)
-    w, h = w[:, perm], h[perm][:, perm]
+    if p.act_order:
+        w, h = w[:, perm], h[perm][:, perm]
     hinv = _inverse_cholesky(h, p.dampening)
+    del h
     q = torch.zeros_like(w)
     dynamic_groups = spec.granularity == "group" and not p.act_order
     for i1 in range(0, cols, p.block_size):

@@ -33,29 +33,50 @@ DEFAULT_SCHEME = "w4_weight_only_g128"
 def gptq_layer(layer: nn.Module, linears: dict[str, QuantLinear], calls: Sequence[Call], params: GPTQParams) -> dict[str, Any]:
     """GPTQ on one layer's Linears in place, from Hessians of their float inputs over ``calls``
     (summed across DDP ranks). Returns the summed GPTQ objective before (RTN) and after."""
-    acc = {n: HessianAccumulator(m.in_features, device=m.weight.device) for n, m in linears.items()}
-    handles = [m.register_forward_pre_hook(acc[n].hook) for n, m in linears.items()]
+    # Linears that read one tensor (q/k/v, gate/up) share one accumulator: one K x K sum, one GEMM
+    accs: list[HessianAccumulator] = []
+    owner: dict[str, int] = {}
+    fed: dict[int, tuple[torch.Tensor, int]] = {}  # id(input) -> (input kept alive, accumulator) per call
+
+    def hook(name: str, m: QuantLinear) -> Any:
+        def fn(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0]
+            seen = fed.get(id(x))
+            if name not in owner:
+                if seen is None:
+                    accs.append(HessianAccumulator(m.in_features, device=m.weight.device))
+                owner[name] = seen[1] if seen is not None else len(accs) - 1
+            k = owner[name]
+            if seen is None or seen[1] != k:
+                fed[id(x)] = (x, k)
+                accs[k].add(x)
+
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n, m)) for n, m in linears.items()]
     try:
         with float_mode(layer):
             for args, kwargs in calls:
                 layer(*args, **kwargs)
+                fed.clear()
     finally:
         for handle in handles:
             handle.remove()
     rtn_err = gptq_err = 0.0
-    for n, m in linears.items():
-        wq = m.weight_quantizer
-        if wq is None:
-            continue
-        a = acc.pop(n)
+    for k, a in enumerate(accs):
+        names = [n for n, o in owner.items() if o == k and linears[n].weight_quantizer is not None]
         a.all_reduce()
-        h = a.hessian()
-        del a
-        rtn_err += layer_error(m.weight, wq(m.weight), h)
-        q, scale, zp = gptq_quantize(m.weight, h, wq.spec, params)
-        gptq_err += layer_error(m.weight, q, h)
-        m.weight.data.copy_(q)
-        wq.set_qparams(scale, zp)
+        h = a.hessian(inplace=True)
+        for n in names:
+            m = linears[n]
+            wq = m.weight_quantizer
+            assert wq is not None
+            rtn_err += layer_error(m.weight, wq(m.weight), h)
+            q, scale, zp = gptq_quantize(m.weight, h, wq.spec, params)
+            gptq_err += layer_error(m.weight, q, h)
+            m.weight.data.copy_(q)
+            wq.set_qparams(scale, zp)
+        accs[k] = HessianAccumulator(0)  # free the K x K sum now, not at the end of the layer
     return {"rtn_error": rtn_err, "gptq_error": gptq_err}
 
 
