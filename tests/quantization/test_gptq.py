@@ -185,3 +185,21 @@ def test_gptq_inputs_are_checked() -> None:
         compress.gptq(_llama(), lambda m: None)
     with pytest.raises(RecipeError, match="unknown quantization scheme"):
         compress.gptq(_llama(), _calib(), scheme="w4_g128")
+
+
+def test_recipe_modifiers_validate_their_fields() -> None:
+    base = {"version": 1, "model": {"hf_path": "x"}, "data": {"source": "text_lm"}, "train": {"metric": "perplexity"}}
+
+    def recipe(mod: dict[str, object]) -> object:
+        return compress.load_recipe({**base, "stages": [{"name": "q", "modifiers": [mod]}]})
+
+    r = recipe({"type": "gptq", "act_order": True, "scheme": {"preset": "w4_weight_only_g128", "weights": {"group_size": 64}}})
+    spec = r.stages[0].modifiers[0]  # type: ignore[attr-defined]
+    assert spec.params().act_order and spec.resolved_scheme().weights.group_size == 64
+    with pytest.raises(RecipeError, match=r"act_ordr.*did you mean 'act_order'"):
+        recipe({"type": "gptq", "act_ordr": True})
+    with pytest.raises(RecipeError, match="weight-only scheme"):
+        recipe({"type": "awq", "scheme": "w8a8"})
+    with pytest.raises(RecipeError, match="needs calibration data"):
+        compress.load_recipe({**base, "data": {"source": "text_lm", "calibration_samples": 0},
+                              "stages": [{"name": "q", "modifiers": [{"type": "awq"}]}]})
