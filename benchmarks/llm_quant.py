@@ -29,10 +29,11 @@ from benchmarks._results import table, write_section
 
 log = logging.getLogger("benchmarks.llm_quant")
 
-SCHEMES = {
+SCHEMES: dict[str, Any] = {
     "w4 g128": "w4_weight_only_g128",
     "w4 per-channel": "w4_weight_only",
     "w3 g128": "w3_weight_only_g128",
+    "w3 per-channel": {"weights": {"bits": 3, "granularity": "channel"}, "inputs": None},
 }
 
 
@@ -54,7 +55,8 @@ def _windows(ds: Any) -> torch.Tensor:
     return ds.windows if hasattr(ds, "windows") else torch.stack([ds[i][0]["input_ids"] for i in range(len(ds))])
 
 
-def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib_batch: int) -> list[dict[str, Any]]:
+def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib_batch: int,
+              schemes: list[str]) -> list[dict[str, Any]]:
     import compress
     from compress.models import load_model
     from quantization.gptq import GPTQParams
@@ -66,7 +68,8 @@ def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib
     base = perplexity(fp, evalw)
     rows.append({"scheme": "fp32", "method": "fp32", "perplexity": base, "seconds": 0.0})
     log.info("fp32 %.3f", base)
-    for label, scheme in SCHEMES.items():
+    for label in schemes:
+        scheme = SCHEMES[label]
         methods: dict[str, Any] = {
             "RTN": lambda m, s=scheme: compress.quantize(m, s, ignore=["lm_head"]),
             "GPTQ": lambda m, s=scheme: compress.gptq(m, data, scheme=s, params=GPTQParams(act_order=True)),
@@ -199,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calib", type=int, default=128, help="calibration windows")
     p.add_argument("--eval", type=int, default=128, help="held-out eval windows")
     p.add_argument("--calib-batch", type=int, default=16)
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    p.add_argument("--add", action="store_true", help="run --schemes and merge them into the last run's rows")
     p.add_argument("--no-ort", action="store_true")
     p.add_argument("--ort-only", action="store_true", help="rerun ORT's rows, keep the last run's PyTorch rows")
     p.add_argument("--report-only", action="store_true", help="rewrite the RESULTS.md section from the last run's rows")
@@ -221,8 +226,18 @@ def main(argv: list[str] | None = None) -> None:
         if args.report_only:
             _write(args, rows, len(calib), len(evalw))
             return
+    elif args.add:  # more schemes, merged into the last run's rows (same model, data and args)
+        from benchmarks._results import RESULTS_DIR
+
+        old = json.loads((RESULTS_DIR / "llm_quant.json").read_text())["rows"]
+        new = [r for r in run_torch(args.model, calib, evalw, calib_batch=args.calib_batch, schemes=args.schemes)
+               if r["method"] != "fp32"]
+        torch_rows = [r for r in old if not r["method"].startswith("ORT") and r["scheme"] not in args.schemes]
+        rows = torch_rows + new + [r for r in old if r["method"].startswith("ORT")]
+        _write(args, rows, len(calib), len(evalw))
+        return
     else:
-        rows = run_torch(args.model, calib, evalw, calib_batch=args.calib_batch)
+        rows = run_torch(args.model, calib, evalw, calib_batch=args.calib_batch, schemes=args.schemes)
     _write(args, rows, len(calib), len(evalw))  # the PyTorch figures stand even if ORT's part fails
     if not args.no_ort:
         rows += run_ort(args.model, calib, evalw, batch=16)
