@@ -32,6 +32,10 @@ _EXPORTS: dict[str, str] = {
     "ValidationFailed": "compress.errors",
     # quantization
     "quantize": "quantization.api",
+    "gptq": "quantization.weight_only",
+    "awq": "quantization.weight_only",
+    "GPTQParams": "quantization.gptq",
+    "AWQParams": "quantization.awq",
     "QuantSpec": "quantization.spec",
     "QuantScheme": "quantization.spec",
     # pruning

@@ -1,11 +1,12 @@
 """Task metrics: a registry of accumulators, plus ``pkg.module:fn`` for user metrics.
 
 A metric sees each eval batch's outputs and targets (and, for fidelity metrics, the reference
-model's outputs and the inputs) and returns one float, higher is better.
+model's outputs and the inputs) and returns one float, higher is better (``higher_is_better = False`` for perplexity).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ class Metric:
 
     needs_reference = False
     needs_targets = True
+    higher_is_better = True
 
     def __init__(self) -> None:
         self.total = 0.0
@@ -79,6 +81,37 @@ class EmbeddingCosine(Metric):
         cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
         self.total += float(cos.sum())
         self.count += int(cos.shape[0])
+
+
+def causal_lm_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token negative log-likelihood (float64) and the number of predicted tokens:
+    position t predicts label t+1; labels of -100 (padding) are not counted."""
+    pred = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    tgt = labels[:, 1:].reshape(-1).to(pred.device)
+    nll = torch.nn.functional.cross_entropy(pred, tgt, ignore_index=-100, reduction="sum")
+    return nll.double(), int((tgt != -100).sum())
+
+
+@METRICS.register("perplexity")
+class Perplexity(Metric):
+    """Held-out perplexity of a causal LM, ``exp(mean next-token NLL)`` over every predicted token
+    of the eval set (batches of ``(inputs, labels)`` windows). Lower is better: unlike the other
+    metrics, so read drops with the sign flipped."""
+
+    higher_is_better = False
+
+    def update(self, outputs: Any, targets: Any, *, inputs: Any = None, reference: Any = None) -> None:
+        logits = primary_output(outputs)
+        if logits.dim() != 3 or targets is None or targets.dim() != 2:
+            raise RecipeError(
+                "perplexity: needs causal-LM logits [batch, tokens, vocab] and token labels (data.source: text_lm)"
+            )
+        nll, n = causal_lm_nll(logits, targets)
+        self.total += float(nll)
+        self.count += n
+
+    def compute(self) -> float:
+        return math.exp(self.total / self.count) if self.count else float("nan")
 
 
 class FunctionMetric(Metric):

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # Modules whose import registers the built-in modifiers. Imported on first registry lookup.
 BUILTIN_MODIFIER_MODULES: tuple[str, ...] = (
     "quantization.modifiers",
+    "quantization.weight_modifiers",
     "pruning.modifiers",
     "distillation.modifiers",
 )

@@ -62,7 +62,7 @@ class ModelSpec(_Strict):
 
 
 class DataSpec(_Strict):
-    """The data: ``digits``, ``synthetic``, ``text`` or ``pkg.module:factory``, split into train,
+    """The data: ``digits``, ``synthetic``, ``text``, ``text_lm`` or ``pkg.module:factory``, split into train,
     calibration and eval sets with a fixed seed."""
 
     source: str = "digits"

@@ -147,6 +147,10 @@ def task_loss(outputs: Any, targets: Any, *, label_smoothing: float = 0.0) -> to
     logits = primary_output(outputs)
     if targets is None:
         return torch.zeros((), device=logits.device)
+    if logits.dim() == 3 and targets.dim() == 2:
+        # causal LM: position t predicts token t+1 (labels are the inputs, shifted here)
+        pred, tgt = logits[:, :-1].reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1)
+        return F.cross_entropy(pred, tgt, ignore_index=-100, label_smoothing=label_smoothing)
     return F.cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
 

@@ -37,6 +37,10 @@ _EXPORTS: dict[str, str] = {
     "bias_correction": "quantization.correction",
     "layer_sensitivity": "quantization.sensitivity",
     "convert": "quantization.convert",
+    "gptq": "quantization.weight_only",
+    "awq": "quantization.weight_only",
+    "GPTQParams": "quantization.gptq",
+    "AWQParams": "quantization.awq",
 }
 
 __all__ = sorted(_EXPORTS)

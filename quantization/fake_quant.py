@@ -5,7 +5,8 @@ Attributes read by export (QDQ ONNX) and the int8 converter, kept stable:
 - ``spec`` (QuantSpec), ``qmin``/``qmax`` (ints), ``axis`` (int for per-channel, else None),
   ``group_size`` (int for per-group, else None; the effective size after short rows).
 - ``scale`` (float32) and ``zero_point`` (int32): shape ``()`` per tensor, ``(C,)`` per channel,
-  ``(C, G)`` per group; empty until calibrated; absent in meaning for ``spec.dynamic`` quantizers,
+  ``(C, G)`` per group (G = ceil(K / group_size), the last group
+  shorter when K is not a multiple); empty until calibrated; absent in meaning for ``spec.dynamic`` quantizers,
   which compute per-token qparams at run time. ``scale`` is an ``nn.Parameter`` while LSQ learns it.
 - ``pre_quant_scale`` (float32 ``(K,)`` or None): SmoothQuant's per-input-channel factor,
   multiplied into the input *before* quantization (a Mul in the exported graph).
@@ -27,14 +28,13 @@ from quantization.observers import Observer, build_observer
 from quantization.primitives import (
     MIN_RANGE_SCALE,
     SCALE_EPS,
-    broadcast_param,
     dynamic_qparams,
     fake_quantize_spec,
     grad_scale,
     group_size_for,
     lsq_grad_factor,
     qparams_from_range,
-    quantize,
+    quantize_spec,
     stat_shape,
     to_rows,
 )
@@ -174,26 +174,17 @@ class FakeQuantizer(nn.Module):
             raise CalibrationError(f"{self.name}: int_repr needs calibrated static qparams")
         if self.pre_quant_scale is not None:
             x = x * self.pre_quant_scale.to(x.dtype)
-        if self.spec.granularity == "group":
-            gs = group_size_for(x, self.spec)
-            xg = x.reshape(x.shape[0], -1, gs)
-            q = quantize(xg, self.scale.detach()[..., None], self.zero_point[..., None], self.qmin, self.qmax)
-            return q.reshape(x.shape)
-        s = broadcast_param(self.scale.detach(), x, self.spec)
-        z = broadcast_param(self.zero_point, x, self.spec)
-        return quantize(x, s, z, self.qmin, self.qmax)
+        return quantize_spec(x, self.scale.detach(), self.zero_point, self.spec)
 
     def _check_layout(self, x: torch.Tensor) -> None:
         s = self.spec
         if s.granularity == "channel" and not -x.dim() <= s.axis < x.dim():
             raise UnsupportedModelError(f"{self.name}: axis {s.axis} is out of range for a {x.dim()}-D tensor")
         if s.granularity == "group":
-            gs = group_size_for(x, s)
-            if x.dim() < 2 or x[0].numel() % gs:
-                raise UnsupportedModelError(
-                    f"{self.name}: {x[0].numel()} input features per row are not divisible by group_size {gs}"
-                )
-            self.group_size = gs
+            if x.dim() < 2:
+                raise UnsupportedModelError(f"{self.name}: group quantization needs a weight of 2 or more dims")
+            # a row not divisible by the group size gets a shorter last group (primitives.to_groups)
+            self.group_size = group_size_for(x, s)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # calibrated shapes differ from the empty placeholders; adopt the incoming ones

@@ -103,8 +103,24 @@ def to_rows(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
         return x.movedim(spec.axis, 0).reshape(x.shape[spec.axis], -1)
     if g == "token":
         return x.reshape(-1, x.shape[-1])
-    gs = group_size_for(x, spec)
-    return x.reshape(x.shape[0], -1).reshape(-1, gs)
+    return to_groups(x, group_size_for(x, spec)).reshape(-1, group_size_for(x, spec))
+
+
+def to_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x`` as ``[C, G, group_size]`` (C = ``x.shape[0]``): consecutive features of each row in
+    groups. A row whose length is not a multiple of ``group_size`` gets a shorter last group,
+    zero-padded here (zero is exact under every scale and inside every widened range)."""
+    rows = x.reshape(x.shape[0], -1)
+    pad = -rows.shape[1] % group_size
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, pad))
+    return rows.reshape(rows.shape[0], -1, group_size)
+
+
+def from_groups(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_groups`: drop the padding and take ``like``'s shape."""
+    n = like[0].numel() if like.dim() > 0 and like.shape[0] > 0 else 0
+    return g.reshape(g.shape[0], -1)[:, :n].reshape(like.shape)
 
 
 def group_size_for(x: torch.Tensor, spec: QuantSpec) -> int:
@@ -122,7 +138,7 @@ def stat_shape(x: torch.Tensor, spec: QuantSpec) -> tuple[int, ...]:
     if g == "channel":
         return (x.shape[spec.axis],)
     if g == "group":
-        return (x.shape[0], x[0].numel() // group_size_for(x, spec))
+        return (x.shape[0], -(-x[0].numel() // group_size_for(x, spec)))
     return (*x.shape[:-1], 1)
 
 
@@ -143,13 +159,22 @@ def fake_quantize_spec(
 ) -> torch.Tensor:
     """Fake-quantize ``x`` with stored qparams laid out for ``spec``'s granularity."""
     if spec.granularity == "group":
-        gs = group_size_for(x, spec)
-        xg = x.reshape(x.shape[0], -1, gs)
+        xg = to_groups(x, group_size_for(x, spec))
         out = fake_quantize(xg, scale.unsqueeze(-1), zero_point.unsqueeze(-1), spec.qmin, spec.qmax)
-        return out.reshape(x.shape)
+        return from_groups(out, x)
     s = broadcast_param(scale, x, spec)
     z = broadcast_param(zero_point, x, spec)
     return fake_quantize(x, s, z, spec.qmin, spec.qmax)
+
+
+def quantize_spec(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Integer codes of ``x`` with stored qparams laid out for ``spec``'s granularity; shape of ``x``."""
+    if spec.granularity == "group":
+        xg = to_groups(x, group_size_for(x, spec))
+        return from_groups(quantize(xg, scale[..., None], zero_point[..., None], spec.qmin, spec.qmax), x)
+    s = broadcast_param(scale, x, spec)
+    z = broadcast_param(zero_point, x, spec)
+    return quantize(x, s, z, spec.qmin, spec.qmax)
 
 
 def dynamic_qparams(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:

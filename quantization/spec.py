@@ -34,7 +34,7 @@ class QuantSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bits: Literal[4, 8] = 8
+    bits: Literal[3, 4, 8] = 8
     symmetric: bool = True
     dtype: Literal["int8", "uint8"] = "int8"
     narrow_range: bool = False
@@ -92,6 +92,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "w8a8_dynamic": {"weights": _w(), "inputs": _A_TOKEN},
     "w8_weight_only": {"weights": _w(), "inputs": None},
     "w4_weight_only_g128": {"weights": QuantSpec(bits=4, granularity="group", group_size=128), "inputs": None},
+    "w4_weight_only": {"weights": _w(bits=4), "inputs": None},
+    "w3_weight_only_g128": {"weights": QuantSpec(bits=3, granularity="group", group_size=128), "inputs": None},
 }
 
 
@@ -116,7 +118,7 @@ class QuantScheme(BaseModel):
             if s is None:
                 continue
             if s.bits != 8:
-                raise ValueError(f"{name}: activations are quantized to 8 bits (4 bits is for weights)")
+                raise ValueError(f"{name}: activations are quantized to 8 bits (3 and 4 bits are for weights)")
             if s.granularity == "group":
                 raise ValueError(f"{name}: granularity 'group' is for weights")
         if self.outputs is not None and self.outputs.dynamic:
@@ -129,7 +131,8 @@ class QuantScheme(BaseModel):
 
     @classmethod
     def preset(cls, name: str) -> QuantScheme:
-        """One of the named presets: w8a8, w8a8_dynamic, w8_weight_only, w4_weight_only_g128."""
+        """One of the named presets: w8a8, w8a8_dynamic, w8_weight_only, w4_weight_only_g128,
+        w4_weight_only (per channel), w3_weight_only_g128."""
         if name not in PRESETS:
             raise RecipeError(f"unknown quantization scheme '{name}'; {did_you_mean(name, list(PRESETS))}")
         return cls(**PRESETS[name])

@@ -19,3 +19,23 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random LlamaForCausalLM (GQA) saved as a Hugging Face directory with a BPE tokenizer
+    trained on a few stdlib files: what the LLM recipes load in place of the trained reference model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from compress.data.lm import iter_texts, split_files, train_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_llm")
+    tok = train_tokenizer(iter_texts(split_files(0)["train"][:4]), vocab_size=384)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)

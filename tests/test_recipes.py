@@ -27,6 +27,10 @@ def shrink(data: dict[str, Any]) -> dict[str, Any]:
     if data_spec.get("source") == "text":
         kw = data_spec.setdefault("kwargs", {})
         kw["samples"] = min(kw.get("samples", 10**9), 96)
+    if data_spec.get("source") == "text_lm":
+        kw = data_spec.setdefault("kwargs", {})
+        kw["samples"], kw["seq_len"] = min(kw.get("samples", 512), 8), min(kw.get("seq_len", 128), 32)
+        data_spec["calibration_samples"] = min(data_spec["calibration_samples"], 8)
     for stage in d.get("stages", []):
         if stage.get("epochs"):
             stage["epochs"] = min(math.ceil(stage["epochs"]), 2)
@@ -53,9 +57,17 @@ def test_recipe_loads(name: str) -> None:
     assert recipe.description.strip(), f"{name}: recipes describe themselves (compress recipes shows it)"
 
 
+#: the trained reference LLM the llm_* recipes load; tests use a tiny random one instead
+REFERENCE_LLM = "runs/reference_llm"
+
+
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_recipe_runs_small(name: str, tmp_path: Path) -> None:
+def test_recipe_runs_small(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     raw = yaml.safe_load(RECIPES[name].read_text())
+    if raw["model"].get("hf_path") == REFERENCE_LLM:
+        tiny = request.getfixturevalue("tiny_llm_dir")
+        raw["model"]["hf_path"] = tiny
+        raw["data"]["kwargs"]["tokenizer"] = tiny
     recipe = compress.load_recipe(shrink(raw))
     report = compress.apply(recipe, out_dir=tmp_path / name, quiet=True)
     assert (tmp_path / name / "report.json").is_file()

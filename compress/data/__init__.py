@@ -1,4 +1,4 @@
-"""Data sources (``digits``, ``synthetic``, ``text``, ``pkg.module:factory``) and ``build_data``."""
+"""Data sources (``digits``, ``synthetic``, ``text``, ``text_lm``, ``pkg.module:factory``) and ``build_data``."""
 
 from __future__ import annotations
 

@@ -35,9 +35,15 @@ def _text(**kwargs: Any) -> Splits:
     return text(**kwargs)
 
 
+def _text_lm(**kwargs: Any) -> Splits:
+    from compress.data.lm import text_lm
+
+    return text_lm(**kwargs)
+
+
 def source_kwargs(name: str) -> dict[str, Any]:
     """The kwargs a built-in source takes (besides ``seed``), with their defaults."""
-    fn = _text_signature() if name == "text" else SOURCES.get(name)
+    fn = _text_signature() if name == "text" else _text_lm_signature() if name == "text_lm" else SOURCES.get(name)
     return {p.name: p.default for p in inspect.signature(fn).parameters.values() if p.name != "seed"}
 
 
@@ -47,7 +53,14 @@ def _text_signature() -> Callable[..., Splits]:
     return text
 
 
+def _text_lm_signature() -> Callable[..., Splits]:
+    from compress.data.lm import text_lm
+
+    return text_lm
+
+
 SOURCES.add("text", _text)
+SOURCES.add("text_lm", _text_lm)
 
 
 def build_data(

@@ -9,7 +9,7 @@ from typing import Any, Literal, cast
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, default_collate
 
-Task = Literal["classification", "embedding"]
+Task = Literal["classification", "embedding", "causal_lm"]
 
 
 @dataclass

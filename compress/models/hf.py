@@ -63,15 +63,27 @@ def _transformers(where: str) -> Any:
     return transformers
 
 
+def _is_causal_lm(directory: Path) -> bool:
+    """Whether the saved config names a causal LM head (``LlamaForCausalLM``, ``GPT2LMHeadModel``):
+    such a directory loads with its head, so that it predicts tokens (perplexity), not hidden states."""
+    import json
+
+    try:
+        archs = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError):
+        return False
+    return any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+
+
 def load_hf_model(path: str, kwargs: dict[str, Any] | None = None, *, where: str = "hf_path") -> nn.Module:
     """``AutoModel.from_pretrained`` on a local directory (or ``package:DIST``) with
-    ``local_files_only=True``; ``kwargs`` go to ``from_pretrained`` (e.g. ``attn_implementation``)."""
+    ``local_files_only=True`` (``AutoModelForCausalLM`` when the config names a causal-LM
+    architecture); ``kwargs`` go to ``from_pretrained`` (e.g. ``attn_implementation``)."""
     directory = resolve_hf_path(path, where=where)
     transformers = _transformers(where)
+    auto = transformers.AutoModelForCausalLM if _is_causal_lm(directory) else transformers.AutoModel
     try:
-        model = transformers.AutoModel.from_pretrained(
-            str(directory), local_files_only=True, **(kwargs or {})
-        )
+        model = auto.from_pretrained(str(directory), local_files_only=True, **(kwargs or {}))
     except (OSError, ValueError, TypeError) as exc:
         why = " ".join(str(exc).split())[:300]
         raise RecipeError(f"{where}: cannot load a Hugging Face model from '{directory}' ({why})") from None

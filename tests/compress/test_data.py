@@ -263,7 +263,7 @@ def test_factory_errors(data_module: str) -> None:
 def test_unknown_source_lists_valid() -> None:
     with pytest.raises(
         RecipeError,
-        match=r"unknown data source 'digit'; valid: digits, synthetic, text \(did you mean 'digits'\?\)",
+        match=r"unknown data source 'digit'; valid: digits, synthetic, text, text_lm \(did you mean 'digits'\?\)",
     ):
         build_data(DataSpec(source="digit"), batch_size=8, seed=0)
 

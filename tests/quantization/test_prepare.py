@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.errors import CalibrationError, CompressError, TargetMatchError, UnsupportedModelError
+from compress.errors import CalibrationError, CompressError, TargetMatchError
 from quantization import (
     QuantConv2d,
     QuantLinear,
@@ -21,7 +21,8 @@ from quantization import (
     strip,
 )
 from quantization.hooks import graph_of
-from quantization.primitives import fake_quantize
+from quantization.primitives import fake_quantize, qparams_from_range
+from quantization.primitives import quantize as quantize_codes
 
 
 class Block(nn.Module):
@@ -198,10 +199,21 @@ def test_calibration_errors_are_clear() -> None:
         quantize(_model(), "w8a8")
 
 
-def test_group_size_must_divide_features() -> None:
-    lin = nn.Sequential(nn.Linear(200, 4))
-    with pytest.raises(UnsupportedModelError, match="not divisible by group_size 128"):
-        prepare(lin, "w4_weight_only_g128")
+def test_features_not_divisible_by_group_size_get_a_shorter_last_group() -> None:
+    torch.manual_seed(0)
+    lin = nn.Sequential(nn.Linear(200, 4))  # 200 = 128 + 72
+    prepare(lin, "w4_weight_only_g128")
+    wq = lin[0].weight_quantizer
+    assert wq.scale.shape == (4, 2) and wq.group_size == 128
+    w = lin[0].weight.detach()
+    for g, cols in enumerate((slice(0, 128), slice(128, 200))):  # each group quantized on its own range
+        part = w[:, cols]
+        scale, zp = qparams_from_range(part.amin(1), part.amax(1), qmin=-8, qmax=7, symmetric=True)
+        torch.testing.assert_close(wq.scale[:, g], scale, atol=0, rtol=0)
+        expect = fake_quantize(part, scale[:, None], zp[:, None], -8, 7)
+        torch.testing.assert_close(lin[0].quantized_weight()[:, cols], expect, atol=0, rtol=0)
+        codes = quantize_codes(part, scale[:, None], zp[:, None], -8, 7)
+        torch.testing.assert_close(wq.int_repr(w)[:, cols], codes, atol=0, rtol=0)
     small = nn.Sequential(nn.Linear(64, 4))  # shorter rows: one group per row
     prepare(small, "w4_weight_only_g128")
     assert small[0].weight_quantizer.scale.shape == (4, 1)

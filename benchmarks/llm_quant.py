@@ -1,0 +1,276 @@
+"""Weight-only LLM quantization on the reference model: held-out perplexity of fp32, RTN, GPTQ, AWQ
+and AWQ+GPTQ at w4 g128, w4 per-channel and w3 g128, beside ONNX Runtime's own weight-only
+quantizer (``onnxruntime.quantization.matmul_nbits_quantizer``: RTN, GPTQ, HQQ) on the same fp32
+ONNX. ``python -m benchmarks.llm_quant --model runs/reference_llm`` (train it first with
+``python -m benchmarks.train_reference_llm``).
+
+Calibration windows come from the calibration files, perplexity from the held-out eval files
+(compress.data.lm: split by file, never seen in training). Every method quantizes the Linears of
+the decoder layers; lm_head (tied to the embedding) and the embedding stay float, for ours and ORT's
+(ORT's quantizers are told to skip the lm_head MatMul).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks._results import table, write_section
+
+log = logging.getLogger("benchmarks.llm_quant")
+
+SCHEMES: dict[str, Any] = {
+    "w4 g128": "w4_weight_only_g128",
+    "w4 per-channel": "w4_weight_only",
+    "w3 g128": "w3_weight_only_g128",
+    "w3 per-channel": {"weights": {"bits": 3, "granularity": "channel"}, "inputs": None},
+}
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, windows: torch.Tensor, *, batch: int = 16) -> float:
+    from compress.metrics import causal_lm_nll
+
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(windows), batch):
+        x = windows[i : i + batch]
+        nll, n = causal_lm_nll(model(input_ids=x).logits, x)
+        total += float(nll)
+        count += n
+    return math.exp(total / count)
+
+
+def _windows(ds: Any) -> torch.Tensor:
+    return ds.windows if hasattr(ds, "windows") else torch.stack([ds[i][0]["input_ids"] for i in range(len(ds))])
+
+
+def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib_batch: int,
+              schemes: list[str]) -> list[dict[str, Any]]:
+    import compress
+    from compress.models import load_model
+    from quantization.gptq import GPTQParams
+
+    fp = load_model({"hf_path": model_dir}).eval()
+    data = [calib[i : i + calib_batch] for i in range(0, len(calib), calib_batch)]
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    base = perplexity(fp, evalw)
+    rows.append({"scheme": "fp32", "method": "fp32", "perplexity": base, "seconds": 0.0})
+    log.info("fp32 %.3f", base)
+    for label in schemes:
+        scheme = SCHEMES[label]
+        methods: dict[str, Any] = {
+            "RTN": lambda m, s=scheme: compress.quantize(m, s, ignore=["lm_head"]),
+            "GPTQ": lambda m, s=scheme: compress.gptq(m, data, scheme=s, params=GPTQParams(act_order=True)),
+            "AWQ": lambda m, s=scheme: compress.awq(m, data, scheme=s),
+            "AWQ+GPTQ": lambda m, s=scheme: compress.gptq(compress.awq(m, data, scheme=s), data, scheme=s,
+                                                          params=GPTQParams(act_order=True)),
+        }
+        for method, fn in methods.items():
+            t = time.perf_counter()
+            q = fn(copy.deepcopy(fp))
+            secs = time.perf_counter() - t
+            ppl = perplexity(q, evalw)
+            rows.append({"scheme": label, "method": method, "perplexity": ppl, "seconds": secs})
+            log.info("%s %s %.3f (%.1f s; %.0f s total)", label, method, ppl, secs, time.perf_counter() - t0)
+    return rows
+
+
+# ---- ONNX Runtime's weight-only quantizer on the same fp32 model ----------------------------------
+
+
+class _Logits(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits  # type: ignore[no-any-return]
+
+
+def export_fp32(model_dir: str, path: Path, example: torch.Tensor) -> None:
+    from compress.models import load_model
+
+    fp = load_model({"hf_path": model_dir}).eval()
+    torch.onnx.export(_Logits(fp).eval(), (example,), str(path), input_names=["input_ids"], output_names=["logits"],
+                      dynamo=True, external_data=False)
+
+
+def ort_perplexity(path: Path, evalw: torch.Tensor, batch: int) -> float:
+    import onnxruntime as ort
+
+    from compress.metrics import causal_lm_nll
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    sess = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    total, count = 0.0, 0
+    for i in range(0, len(evalw) - batch + 1, batch):
+        x = evalw[i : i + batch]
+        logits = torch.from_numpy(sess.run(None, {"input_ids": x.numpy()})[0])
+        nll, n = causal_lm_nll(logits, x)
+        total += float(nll)
+        count += n
+    return math.exp(total / count)
+
+
+def run_ort(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, batch: int) -> list[dict[str, Any]]:
+    import onnx
+    from onnxruntime.quantization import CalibrationDataReader
+    from onnxruntime.quantization import matmul_nbits_quantizer as mnq
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        fp32 = Path(tmp) / "fp32.onnx"
+        export_fp32(model_dir, fp32, evalw[:batch])
+        rows.append({"scheme": "fp32", "method": "ORT fp32", "perplexity": ort_perplexity(fp32, evalw, batch),
+                     "seconds": 0.0})
+        head = [n.name for n in onnx.load(str(fp32)).graph.node if n.op_type == "MatMul"][-1:]  # lm_head: last MatMul
+
+        class Reader(CalibrationDataReader):
+            def __init__(self) -> None:
+                self.it = iter([{"input_ids": calib[i : i + batch].numpy()} for i in range(0, len(calib) - batch + 1, batch)])
+
+            def get_next(self) -> dict[str, Any] | None:
+                return next(self.it, None)
+
+        configs: dict[tuple[str, str], Any] = {
+            ("w4 g128", "ORT RTN"): lambda: mnq.DefaultWeightOnlyQuantConfig(block_size=128, is_symmetric=True),
+            ("w4 g128", "ORT HQQ"): lambda: mnq.HQQWeightOnlyQuantConfig(block_size=128, bits=4),
+            ("w4 g128", "ORT GPTQ"): lambda: mnq.GPTQWeightOnlyQuantConfig(Reader(), actorder=True),
+            ("w4 per-channel", "ORT RTN"): lambda: mnq.DefaultWeightOnlyQuantConfig(
+                block_size=128, is_symmetric=True, channel_wised_quantize=True),
+        }
+        for (label, method), make in configs.items():
+            out = Path(tmp) / f"{method}_{label}.onnx".replace(" ", "_")
+            t = time.perf_counter()
+            try:
+                quant = mnq.MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=128, is_symmetric=True,
+                                                 nodes_to_exclude=head, algo_config=make())
+                quant.process()
+                quant.model.save_model_to_file(str(out), use_external_data_format=False)
+                ppl = ort_perplexity(out, evalw, batch)
+            except Exception as exc:  # a quantizer that does not run is reported, not fatal
+                log.warning("%s %s failed: %s", label, method, exc)
+                rows.append({"scheme": label, "method": method, "perplexity": float("nan"), "seconds": 0.0,
+                             "note": f"failed: {type(exc).__name__}: {str(exc)[:120]}"})
+                continue
+            rows.append({"scheme": label, "method": method, "perplexity": ppl, "seconds": time.perf_counter() - t})
+            log.info("%s %s %.3f", label, method, ppl)
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    base = next(r["perplexity"] for r in rows if r["method"] == "fp32")
+    rtn = {r["scheme"]: r["perplexity"] for r in rows if r["method"] == "RTN"}
+    out = []
+    for r in rows:
+        gap = rtn.get(r["scheme"])
+        closed = None
+        if gap is not None and r["method"] not in ("RTN", "fp32") and gap > base:
+            closed = (gap - r["perplexity"]) / (gap - base)
+        out.append({
+            "scheme": r["scheme"], "method": r["method"], "perplexity": f"{r['perplexity']:.3f}",
+            "vs fp32": f"{(r['perplexity'] / base - 1) * 100:+.2f}%" if math.isfinite(r["perplexity"]) else "-",
+            "RTN gap closed": f"{closed:.0%}" if closed is not None else "-",
+            "quantize s": round(r["seconds"], 1), "note": r.get("note", ""),
+        })
+    return out
+
+
+def _w3_rtn_cost(rows: list[dict[str, Any]]) -> float:
+    base = next(r["perplexity"] for r in rows if r["method"] == "fp32")
+    w3 = [r["perplexity"] for r in rows if r["method"] == "RTN" and r["scheme"] == "w3 g128"]
+    return (w3[0] / base - 1) * 100 if w3 else float("nan")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="runs/reference_llm")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--calib", type=int, default=128, help="calibration windows")
+    p.add_argument("--eval", type=int, default=128, help="held-out eval windows")
+    p.add_argument("--calib-batch", type=int, default=16)
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    p.add_argument("--add", action="store_true", help="run --schemes and merge them into the last run's rows")
+    p.add_argument("--no-ort", action="store_true")
+    p.add_argument("--ort-only", action="store_true", help="rerun ORT's rows, keep the last run's PyTorch rows")
+    p.add_argument("--report-only", action="store_true", help="rewrite the RESULTS.md section from the last run's rows")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("quantization").setLevel(logging.WARNING)
+    torch.set_num_threads(args.threads)
+    from compress.data.lm import text_lm
+
+    splits = text_lm(seed=0, tokenizer=args.model, seq_len=args.seq_len, samples=max(args.calib, args.eval))
+    calib = _windows(splits.calibration)[: args.calib]
+    evalw = _windows(splits.eval)[: args.eval]
+    if args.ort_only or args.report_only:  # reuse the last run's rows (same args): rerun ORT's part / nothing
+        from benchmarks._results import RESULTS_DIR
+
+        rows = [r for r in json.loads((RESULTS_DIR / "llm_quant.json").read_text())["rows"]
+                if args.report_only or not r["method"].startswith("ORT")]
+        if args.report_only:
+            _write(args, rows, len(calib), len(evalw))
+            return
+    elif args.add:  # more schemes, merged into the last run's rows (same model, data and args)
+        from benchmarks._results import RESULTS_DIR
+
+        old = json.loads((RESULTS_DIR / "llm_quant.json").read_text())["rows"]
+        new = [r for r in run_torch(args.model, calib, evalw, calib_batch=args.calib_batch, schemes=args.schemes)
+               if r["method"] != "fp32"]
+        torch_rows = [r for r in old if not r["method"].startswith("ORT") and r["scheme"] not in args.schemes]
+        rows = torch_rows + new + [r for r in old if r["method"].startswith("ORT")]
+        _write(args, rows, len(calib), len(evalw))
+        return
+    else:
+        rows = run_torch(args.model, calib, evalw, calib_batch=args.calib_batch, schemes=args.schemes)
+    _write(args, rows, len(calib), len(evalw))  # the PyTorch figures stand even if ORT's part fails
+    if not args.no_ort:
+        rows += run_ort(args.model, calib, evalw, batch=16)
+        _write(args, rows, len(calib), len(evalw))
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int, n_eval: int) -> None:
+    info = json.loads((Path(args.model) / "training.json").read_text())
+    summary = summarize(rows)
+    md = (
+        "## Weight-only LLM quantization: GPTQ, AWQ, RTN vs ORT (`python -m benchmarks.llm_quant`)\n\n"
+        f"The reference LLaMA (benchmarks/train_reference_llm.py: {info['params'] / 1e6:.1f}M parameters, hidden "
+        f"{info['config']['hidden_size']}, {info['config']['num_hidden_layers']} layers, GQA "
+        f"{info['config']['num_attention_heads']}/{info['config']['num_key_value_heads']} heads, SwiGLU "
+        f"{info['config']['intermediate_size']}, vocab {info['config']['vocab_size']}; "
+        f"{info['train_tokens_seen'] / 1e3:.0f}k training tokens, {info['train_seconds'] / 60:.0f} min on this CPU under load; "
+        f"held-out perplexity {info['eval_perplexity']:.1f} on {info['eval_tokens']} tokens). Here: perplexity on "
+        f"{n_eval} held-out windows of {args.seq_len} tokens, {n_calib} calibration windows. Decoder-layer "
+        "Linears quantized (lm_head and embeddings float, for every method). GPTQ with act_order (static groups); "
+        "AWQ with duo scaling, grid 20, clip search. 'RTN gap closed': how much of RTN's perplexity increase over "
+        "fp32 the method removes. ORT rows: the same fp32 model exported to ONNX and quantized by "
+        "onnxruntime.quantization.matmul_nbits_quantizer (MatMulNBits, symmetric), evaluated in ORT.\n\n"
+        + table(summary)
+        + "\nRTN's cost over fp32 on this model: "
+        + ", ".join(f"{r['scheme']} {r['vs fp32']}" for r in summary if r["method"] == "RTN")
+        + ". Where it is a few hundredths of a percent the model cannot tell methods apart (differences of that"
+        " size are noise)."
+        + (" The issue asked for a reference model on which RTN w3 g128 costs several percent; this one does not"
+           " get there." if _w3_rtn_cost(rows) < 2.0 else "") + "\n"
+        + f"\nMachine load: {args.load}.\n"
+    )
+    write_section("llm_quant", md, {"rows": rows, "args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""AWQ (Lin et al., 2024): activation-aware weight quantization, one decoder layer at a time.
+
+Linears that read the same tensor (q/k/v after the input norm, gate/up after the post-attention
+norm) form a group; a group whose input comes from a module that can absorb a per-channel factor
+(a norm's weight and bias, or a preceding Linear's output rows, e.g. v_proj -> o_proj without GQA,
+up_proj -> down_proj through SwiGLU's product) gets per-input-channel scales ``s``: the weights
+are multiplied by ``s`` and the producer divided by it, which leaves the float layer unchanged and
+lets the salient input channels (large mean ``|x|``) keep more precision after rounding.
+
+``s = mean|x|^alpha / mean|w_normalized|^(1-alpha)`` (AutoAWQ's duo scaling; ``x`` term only when
+``duo_scaling`` is off), normalized to a geometric mean of 1; alpha is picked on a grid by the
+group's output error ``||Q(W s)(x / s) - W x||^2`` over sampled calibration tokens, with ``s = 1``
+(plain rounding) always a candidate, so the search never does worse than round-to-nearest on its
+objective. Then each Linear's weights are clipped per group to the range (shrunk by up to
+``max_shrink``) that minimizes its own output error (AutoAWQ's clip search; q/k projections are
+skipped by default, their error is read through a softmax).
+
+Which producer can absorb a group's scales is not looked up in a table of architectures: it is
+found in the traced layer (the module whose output *is* the group's input tensor, or a Linear of
+matching width) and proved numerically, by folding random factors and checking that the layer's
+output does not change. So Llama, Qwen2, Mistral and GPT-2 blocks need no per-model code, and a
+group no fold preserves (GPT-2's c_proj after GELU, GQA's o_proj) is left unscaled.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from quantization.calibration import float_mode
+from quantization.modules import QuantLinear
+from quantization.preparation import calibrate_weight
+from quantization.primitives import (
+    dynamic_qparams,
+    fake_quantize,
+    fake_quantize_spec,
+    qparams_from_range,
+    to_groups,
+)
+from quantization.spec import QuantSpec
+
+log = logging.getLogger(__name__)
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+class AWQParams(BaseModel):
+    """AWQ's knobs: ``grid`` alphas in [0, 1) for the scale search, ``duo_scaling`` (weight term in
+    the scales), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
+    skipping Linears matching ``clip_ignore``; ``sample_tokens`` / ``clip_tokens`` calibration rows
+    sampled for the two searches (bounded cost and memory)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    grid: int = Field(20, ge=1)
+    duo_scaling: bool = True
+    clip: bool = True
+    clip_grid: int = Field(20, ge=1)
+    max_shrink: float = Field(0.5, ge=0, lt=1)
+    clip_ignore: list[str] = Field(default_factory=lambda: ["*q_proj", "*k_proj"])
+    sample_tokens: int = Field(2048, ge=16)
+    clip_tokens: int = Field(512, ge=16)
+
+
+@dataclass
+class FoldGroup:
+    """Linears that read one tensor and the module that produces it (None: no exact fold)."""
+
+    consumers: list[str]
+    producer: str | None
+
+
+def _primary(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _rtn(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    scale, zp = dynamic_qparams(w, spec)
+    return fake_quantize_spec(w, scale, zp, spec)
+
+
+def _fold(layer: nn.Module, producer: str, consumers: Sequence[str], s: torch.Tensor) -> None:
+    """Divide the producer's output channels by ``s`` and multiply the consumers' inputs by it."""
+    p = layer.get_submodule(producer)
+    with torch.no_grad():
+        w = p.weight
+        assert isinstance(w, torch.Tensor)  # find_fold_groups only proposes producers with a weight
+        w.div_(s.to(w.dtype).unsqueeze(1) if isinstance(p, nn.Linear) else s.to(w.dtype))
+        b = getattr(p, "bias", None)
+        if isinstance(b, torch.Tensor):
+            b.div_(s.to(b.dtype))
+        for c in consumers:
+            cw = layer.get_submodule(c).weight
+            assert isinstance(cw, torch.Tensor)
+            cw.mul_(s.to(cw.dtype).unsqueeze(0))
+
+
+def find_fold_groups(layer: nn.Module, linears: Sequence[str], call: Call, *, tol: float = 1e-3) -> list[FoldGroup]:
+    """Group ``linears`` (names inside ``layer``) by the tensor they read and find, for each group,
+    the producer whose per-channel scaling the layer absorbs exactly (checked on ``call``)."""
+    produced: dict[int, tuple[str, torch.Tensor]] = {}
+    reads: dict[str, torch.Tensor] = {}
+    handles = []
+    lin_set = set(linears)
+    for name, mod in layer.named_modules():
+        if not name:
+            continue
+        if name in lin_set:
+            handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: reads.setdefault(n, a[0])))
+        if any(True for _ in mod.parameters(recurse=False)):
+
+            def post(m: nn.Module, a: Any, out: Any, n: str = name) -> None:
+                if isinstance(out, torch.Tensor):
+                    produced.setdefault(id(out), (n, out))  # the tensor kept alive: ids stay unique
+
+            handles.append(mod.register_forward_hook(post))
+    try:
+        with float_mode(layer), torch.no_grad():
+            ref = _primary(layer(*call[0], **call[1])).clone()
+    finally:
+        for h in handles:
+            h.remove()
+    by_input: dict[int, list[str]] = {}
+    for n in linears:
+        if n in reads:
+            by_input.setdefault(id(reads[n]), []).append(n)
+    groups = []
+    for key, consumers in by_input.items():
+        width = reads[consumers[0]].shape[-1]
+        cands: list[str] = []
+        if key in produced and produced[key][0] not in consumers:
+            cands.append(produced[key][0])
+        else:
+            cands += [
+                n for n in linears
+                if n not in consumers and getattr(layer.get_submodule(n), "out_features", None) == width
+            ]
+        producer = next((c for c in cands if _fold_is_exact(layer, c, consumers, width, call, ref, tol)), None)
+        groups.append(FoldGroup(consumers, producer))
+    return groups
+
+
+def _fold_is_exact(
+    layer: nn.Module, producer: str, consumers: list[str], width: int, call: Call, ref: torch.Tensor, tol: float
+) -> bool:
+    p = layer.get_submodule(producer)
+    w = getattr(p, "weight", None)
+    if not isinstance(w, torch.Tensor) or (not isinstance(p, nn.Linear) and tuple(w.shape) != (width,)):
+        return False
+    saved = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+    s = torch.empty(width).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
+    try:
+        _fold(layer, producer, consumers, s)
+        with float_mode(layer), torch.no_grad():
+            out = _primary(layer(*call[0], **call[1]))
+        err = float((out - ref).norm() / ref.norm().clamp_min(1e-12))
+    finally:
+        layer.load_state_dict(saved)
+    return err < tol
+
+
+def _weight_importance(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Mean over rows of |w| normalized by its group's max (AutoAWQ's ``w_mean``), per input channel."""
+    gs = spec.group_size if spec.granularity == "group" and spec.group_size else w.shape[1]
+    g = to_groups(w.abs(), min(gs, w.shape[1]))
+    g = g / g.amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    return g.reshape(w.shape[0], -1)[:, : w.shape[1]].mean(0)
+
+
+def search_scales(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: QuantSpec, params: AWQParams) -> tuple[torch.Tensor, float, float]:
+    """Best per-input-channel scales for Linears with weights ``weights`` reading rows ``x``:
+    returns ``(s, alpha, error)`` (alpha -1 means s = 1, plain rounding, was best)."""
+    w = torch.cat([wi.detach().float() for wi in weights], dim=0)
+    x = x.float()
+    ref = x @ w.t()
+    x_mean = x.abs().mean(0).clamp_min(1e-8)
+    w_mean = _weight_importance(w, spec).clamp_min(1e-8)
+    cands: list[tuple[float, torch.Tensor]] = [(-1.0, torch.ones_like(x_mean))]
+    for i in range(params.grid):
+        alpha = i / params.grid
+        s = x_mean.pow(alpha) / w_mean.pow(1 - alpha) if params.duo_scaling else x_mean.pow(alpha)
+        s = s.clamp_min(1e-4)
+        cands.append((alpha, s / (s.max() * s.min()).sqrt()))
+    errs = torch.stack([((x @ (_rtn(w * s, spec) / s).t() - ref) ** 2).sum() for _, s in cands])
+    n = torch.tensor([float(ref.numel())])
+    _all_sum(errs, n)  # under DDP every rank picks the same scales, on all ranks' tokens
+    k = int(torch.argmin(errs))
+    return cands[k][1], cands[k][0], float(errs[k] / n)
+
+
+def _all_sum(*tensors: torch.Tensor) -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for t in tensors:
+            dist.all_reduce(t)
+
+
+@torch.no_grad()
+def search_clip(x: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, params: AWQParams) -> torch.Tensor:
+    """Per (output channel, group) clipping bound of ``weight`` minimizing each group's output error on
+    rows ``x``; returns the bound ``[out, G]`` (the unclipped max where clipping does not help)."""
+    w = weight.detach().float()
+    gs = min(spec.group_size or w.shape[1], w.shape[1]) if spec.granularity == "group" else w.shape[1]
+    xt = to_groups(x.float(), gs)  # [n, G, gs]
+    bounds = []
+    # output channels per chunk: the [b, n, G, gs] products stay within ~64 MB
+    step = max(1, (64 * 1024 * 1024) // max(4 * xt.shape[0] * xt.shape[1] * gs, 1))
+    for o in range(0, w.shape[0], step):
+        wg = to_groups(w[o : o + step], gs)  # [b, G, gs]
+        ref = torch.einsum("ngk,bgk->bng", xt, wg)
+        amax = wg.abs().amax(dim=-1)  # [b, G]
+        shrink = torch.tensor([1 - i / params.clip_grid for i in range(max(int(params.max_shrink * params.clip_grid), 1))])
+        errs = []
+        for f in shrink.tolist():
+            mv = amax * f
+            cw = torch.maximum(torch.minimum(wg, mv.unsqueeze(-1)), -mv.unsqueeze(-1))
+            sc, zp = qparams_from_range(cw.amin(-1), cw.amax(-1), qmin=spec.qmin, qmax=spec.qmax, symmetric=spec.symmetric)
+            qw = fake_quantize(cw, sc.unsqueeze(-1), zp.unsqueeze(-1), spec.qmin, spec.qmax)
+            errs.append(((torch.einsum("ngk,bgk->bng", xt, qw) - ref) ** 2).sum(dim=1))
+        err = torch.stack(errs)  # [shrinks, b, G]
+        _all_sum(err)
+        bounds.append(amax * shrink[err.argmin(dim=0)])
+    return torch.cat(bounds)
+
+
+def _sample_rows(x: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    if x.shape[0] <= n:
+        return x
+    idx = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:n]
+    return x[idx]
+
+
+@torch.no_grad()
+def awq_layer(
+    layer: nn.Module, linears: dict[str, QuantLinear], calls: Sequence[Call], params: AWQParams, *, seed: int = 0
+) -> dict[str, Any]:
+    """AWQ on one decoder layer in place: scale search and fold per foldable group, then clipping.
+    ``linears`` are the layer's weight-quantized Linears by name inside ``layer``; ``calls`` are the
+    layer's calibration calls ``(args, kwargs)``. Weight quantizers are recalibrated at the end."""
+    names = list(linears)
+    groups = find_fold_groups(layer, names, calls[0])
+    inputs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    handles = [
+        linears[n].register_forward_pre_hook(lambda m, a, n=n: inputs[n].append(a[0].detach().reshape(-1, a[0].shape[-1])))
+        for n in names
+    ]
+    try:
+        with float_mode(layer):
+            for args, kwargs in calls:
+                layer(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    x_of = {n: _sample_rows(torch.cat(v).float(), params.sample_tokens, seed) for n, v in inputs.items() if v}
+    report: dict[str, Any] = {"groups": [], "clipped": 0}
+    scale_of: dict[str, torch.Tensor] = {}
+    for g in groups:
+        spec = linears[g.consumers[0]].weight_quantizer
+        if g.producer is None or spec is None or g.consumers[0] not in x_of:
+            report["groups"].append({"consumers": g.consumers, "producer": None, "alpha": None})
+            continue
+        x = x_of[g.consumers[0]]
+        s, alpha, err = search_scales(x, [linears[c].weight for c in g.consumers], spec.spec, params)
+        if alpha >= 0:
+            _fold(layer, g.producer, g.consumers, s)
+            for c in g.consumers:
+                scale_of[c] = s
+        report["groups"].append({"consumers": g.consumers, "producer": g.producer, "alpha": alpha, "error": err})
+    if params.clip:
+        for n, lin in linears.items():
+            wq = lin.weight_quantizer
+            if wq is None or n not in x_of or any(fnmatch.fnmatchcase(n, p) for p in params.clip_ignore):
+                continue
+            x = _sample_rows(x_of[n], params.clip_tokens, seed + 1)
+            if n in scale_of:
+                x = x / scale_of[n]
+            bound = search_clip(x, lin.weight, wq.spec, params)
+            w = lin.weight
+            gs = min(wq.spec.group_size or w.shape[1], w.shape[1]) if wq.spec.granularity == "group" else w.shape[1]
+            wg = to_groups(w.data, gs)
+            clipped = torch.maximum(torch.minimum(wg, bound.unsqueeze(-1)), -bound.unsqueeze(-1))
+            w.data.copy_(clipped.reshape(w.shape[0], -1)[:, : w.shape[1]])
+            report["clipped"] += 1
+    for lin in linears.values():
+        calibrate_weight(lin)
+    return report

@@ -1,0 +1,140 @@
+"""Recipe modifiers for weight-only LLM quantization: ``type: gptq`` and ``type: awq``.
+
+Both calibrate layer by layer on the stage's calibration batches (quantization/sequential.py) and
+leave QuantLinear modules with per-group or per-channel weight qparams. In one stage,
+``[awq, gptq]`` is AWQ's scaling and clipping followed by GPTQ's rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
+from torch import nn
+
+from compress.errors import CalibrationError
+from compress.modifier import Modifier, ModifierSpec, State, register_modifier
+from quantization.awq import AWQParams, awq_layer
+from quantization.gptq import GPTQParams
+from quantization.preparation import plan_targets
+from quantization.sequential import linearize_conv1d, sequential_quantize
+from quantization.spec import QuantScheme, resolve_scheme
+from quantization.weight_only import DEFAULT_SCHEME, gptq_layer
+
+
+class _WeightOnlySpec(ModifierSpec):
+    """Fields shared by gptq and awq: a weight-only scheme (preset name or mapping), what it
+    applies to (``lm_head`` ignored by default), and how many calibration batches to use."""
+
+    kind: ClassVar[str] = "quantize"
+    needs: ClassVar[frozenset[str]] = frozenset({"calibration"})
+
+    scheme: str | QuantScheme = DEFAULT_SCHEME
+    targets: list[str] = Field(default_factory=lambda: ["*"])
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    num_batches: int | None = Field(None, ge=1)
+
+    @field_validator("scheme", mode="before")
+    @classmethod
+    def _scheme(cls, v: Any) -> Any:
+        s = resolve_scheme(v) if isinstance(v, (str, dict)) else v
+        if isinstance(s, QuantScheme) and (s.weights is None or s.inputs is not None or s.outputs is not None):
+            raise ValueError("needs a weight-only scheme (weights set, inputs and outputs null), e.g. w4_weight_only_g128")
+        return s
+
+    def resolved_scheme(self) -> QuantScheme:
+        return resolve_scheme(self.scheme)
+
+
+class GPTQSpec(_WeightOnlySpec):
+    """GPTQ: ``block_size``, ``dampening`` (fraction of the mean Hessian diagonal) and
+    ``act_order`` (columns in decreasing Hessian-diagonal order, static groups)."""
+
+    type: Literal["gptq"] = "gptq"
+    block_size: int = Field(128, ge=1)
+    dampening: float = Field(0.01, gt=0, le=1)
+    act_order: bool = False
+
+    def params(self) -> GPTQParams:
+        return GPTQParams(block_size=self.block_size, dampening=self.dampening, act_order=self.act_order)
+
+
+class AWQSpec(_WeightOnlySpec):
+    """AWQ: scale search over ``grid`` alphas (``duo_scaling``: with the weight term), then a
+    clipping search (``clip``) over ``clip_grid`` steps down to ``1 - max_shrink`` of each group's
+    range, skipping ``clip_ignore``; ``sample_tokens``/``clip_tokens`` bound the searches' cost."""
+
+    type: Literal["awq"] = "awq"
+    grid: int = Field(20, ge=1)
+    duo_scaling: bool = True
+    clip: bool = True
+    clip_grid: int = Field(20, ge=1)
+    max_shrink: float = Field(0.5, ge=0, lt=1)
+    clip_ignore: list[str] = Field(default_factory=lambda: ["*q_proj", "*k_proj"])
+    sample_tokens: int = Field(2048, ge=16)
+    clip_tokens: int = Field(512, ge=16)
+
+    def params(self) -> AWQParams:
+        return AWQParams.model_validate(self.model_dump(include=set(AWQParams.model_fields)))
+
+
+class _WeightOnlyModifier(Modifier[Any]):
+    def plan(self, model: nn.Module) -> list[str]:
+        s = self.spec
+        return list(plan_targets(model, s.resolved_scheme(), targets=s.targets, ignore=s.ignore, quantize_ops=False,
+                                 where=self.where))
+
+    def _run(self, state: State, process: Any) -> dict[str, Any]:
+        s = self.spec
+        if state.calibration_data is None:
+            raise CalibrationError(f"{self.where}: {s.type} needs calibration data (data.calibration_samples > 0)")
+        was_training = state.model.training
+        state.model.eval()
+        linearize_conv1d(state.model)
+        summary = sequential_quantize(
+            state.model, state.calibration_data, s.resolved_scheme(), process,
+            targets=s.targets, ignore=s.ignore, max_batches=s.num_batches, device=state.device, where=self.where,
+        )
+        state.model.train(was_training)
+        state.metrics["quantized_modules"] = summary["quantized_linears"]
+        state.metrics[f"{s.type}_seconds"] = round(summary["seconds"], 2)
+        return summary
+
+
+@register_modifier
+class GPTQModifier(_WeightOnlyModifier):
+    """Handler of ``type: gptq``."""
+
+    spec_cls = GPTQSpec
+
+    def on_calibrate(self, state: State) -> None:
+        p = self.spec.params()
+        summary = self._run(state, lambda i, layer, lin, calls: gptq_layer(layer, lin, calls, p))
+        rows = [r for r in summary["layers"] if "gptq_error" in r]
+        state.metrics["gptq_error"] = sum(r["gptq_error"] for r in rows)
+        state.metrics["rtn_error"] = sum(r["rtn_error"] for r in rows)
+        state.tables["gptq_layers"] = [
+            {"layer": r["layer"], "linears": r["linears"], "rtn_error": r["rtn_error"], "gptq_error": r["gptq_error"]}
+            for r in rows
+        ]
+
+
+@register_modifier
+class AWQModifier(_WeightOnlyModifier):
+    """Handler of ``type: awq``."""
+
+    spec_cls = AWQSpec
+
+    def on_calibrate(self, state: State) -> None:
+        p = self.spec.params()
+        summary = self._run(state, lambda i, layer, lin, calls: awq_layer(layer, lin, calls, p, seed=i))
+        rows = []
+        for r in summary["layers"]:
+            for g in r.get("groups", []):
+                rows.append({"layer": r["layer"], "linears": ", ".join(g["consumers"]), "folded_into": g["producer"] or "-",
+                             "alpha": g["alpha"]})
+        state.tables["awq_groups"] = rows
+        state.metrics["awq_scaled_groups"] = sum(1 for r in rows if r["alpha"] is not None and r["alpha"] >= 0)
+
+
+__all__ = ["AWQModifier", "AWQSpec", "GPTQModifier", "GPTQSpec"]

@@ -1,0 +1,147 @@
+"""AWQ: fold groups found in the traced layer (the exact folds of Llama MHA/GQA, Qwen2 and GPT-2),
+folds that leave the float model unchanged, a scale search never worse than rounding to nearest,
+the clip search, and AWQ then GPTQ composed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import compress
+from compress.errors import CalibrationError
+from quantization.awq import AWQParams, find_fold_groups, search_clip, search_scales
+from quantization.calibration import float_mode
+from quantization.modules import QuantLinear
+from quantization.primitives import dynamic_qparams, fake_quantize_spec
+from quantization.sequential import capture_inputs, decoder_layers, linearize_conv1d
+from quantization.spec import QuantScheme, QuantSpec
+
+W3 = QuantScheme(weights=QuantSpec(bits=3, granularity="group", group_size=32), inputs=None)
+
+
+def _llama(kv_heads: int = 2) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=128)).eval()
+
+
+def _qwen2() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128)).eval()
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0)).eval()
+
+
+def _calib() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 128, (2, 32), generator=g) for _ in range(6)]
+
+
+LLAMA_GQA = [
+    (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "input_layernorm"),
+    (["self_attn.o_proj"], None),  # GQA: v_proj's channels are repeated per head group, no exact fold
+    (["mlp.gate_proj", "mlp.up_proj"], "post_attention_layernorm"),
+    (["mlp.down_proj"], "mlp.up_proj"),  # through SwiGLU's product
+]
+
+
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        (_llama, LLAMA_GQA),
+        (lambda: _llama(kv_heads=4), [LLAMA_GQA[0], (["self_attn.o_proj"], "self_attn.v_proj"), *LLAMA_GQA[2:]]),
+        (_qwen2, LLAMA_GQA),
+        (_gpt2, [(["attn.c_attn"], "ln_1"), (["attn.c_proj"], None), (["mlp.c_fc"], "ln_2"), (["mlp.c_proj"], None)]),
+    ],
+    ids=["llama_gqa", "llama_mha", "qwen2", "gpt2"],
+)
+def test_fold_groups_are_found_in_the_traced_layer(make, expected) -> None:  # type: ignore[no-untyped-def]
+    model = make()
+    linearize_conv1d(model)
+    _, layers = decoder_layers(model)
+    calls = capture_inputs(model, layers[0], _calib()[:1])
+    names = [n for n, m in layers[0].named_modules() if isinstance(m, nn.Linear)]
+    got = [(g.consumers, g.producer) for g in find_fold_groups(layers[0], names, calls[0])]
+    assert got == expected
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_awq_folds_leave_the_float_model_unchanged_and_beat_rtn(make) -> None:  # type: ignore[no-untyped-def]
+    fp = make()
+    data = _calib()
+    q = compress.awq(copy.deepcopy(fp), data, scheme=W3)
+    with torch.no_grad():
+        ref = torch.cat([fp(input_ids=x).logits for x in data])
+        with float_mode(q):  # quantizers off: only the folds and the clipping remain
+            folded = torch.cat([q(input_ids=x).logits for x in data])
+        got = torch.cat([q(input_ids=x).logits for x in data])
+    rtn = copy.deepcopy(fp)
+    linearize_conv1d(rtn)
+    compress.quantize(rtn, W3, ignore=["lm_head"])
+    with torch.no_grad():
+        base = torch.cat([rtn(input_ids=x).logits for x in data])
+    unclipped = compress.awq(copy.deepcopy(fp), data, scheme=W3, params=AWQParams(clip=False))
+    with torch.no_grad(), float_mode(unclipped):
+        exact = torch.cat([unclipped(input_ids=x).logits for x in data])
+    torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-4)  # scale folds alone are exact in float
+    assert float(((folded - ref) ** 2).mean()) < float(((got - ref) ** 2).mean())  # clipping is a small change
+    assert float(((got - ref) ** 2).mean()) < float(((base - ref) ** 2).mean())
+
+
+def test_scale_search_never_loses_to_rtn_and_favours_salient_channels() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=g)
+    x[:, :4] *= 20  # four salient input channels
+    w = torch.randn(48, 64, generator=g) * 0.05
+    spec = W3.weights
+    assert spec is not None
+    s, alpha, err = search_scales(x, [w], spec, AWQParams())
+    sc, zp = dynamic_qparams(w, spec)
+    rtn_err = float(((x @ fake_quantize_spec(w, sc, zp, spec).t() - x @ w.t()) ** 2).mean())
+    assert alpha >= 0 and err < 0.9 * rtn_err
+    assert float(s[:4].min()) > float(s[4:].max())  # the salient channels are scaled up
+
+
+def test_clip_search_bounds_lie_within_the_range_and_do_not_hurt() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(256, 80, generator=g)
+    w = torch.randn(16, 80, generator=g)
+    w[0, 5] = 8.0  # an outlier weight: clipping it pays off for its group
+    spec = QuantSpec(bits=4, granularity="group", group_size=32)  # 80 = 32 + 32 + 16
+    bound = search_clip(x, w, spec, AWQParams())
+    amax = torch.stack([w[:, :32].abs().amax(1), w[:, 32:64].abs().amax(1), w[:, 64:].abs().amax(1)], dim=1)
+    assert bound.shape == (16, 3) and torch.all(bound <= amax) and torch.all(bound >= 0.5 * amax - 1e-6)
+    assert float(bound[0, 0]) < 8.0
+    clipped = torch.maximum(torch.minimum(w, bound.repeat_interleave(32, 1)[:, :80]), -bound.repeat_interleave(32, 1)[:, :80])
+    err = lambda v: float(((x @ fake_quantize_spec(v, *dynamic_qparams(v, spec), spec).t() - x @ w.t()) ** 2).mean())  # noqa: E731
+    assert err(clipped) <= err(w)
+
+
+def test_awq_then_gptq_keeps_awq_and_rounds_with_gptq() -> None:
+    fp = _llama()
+    data = _calib()
+    a = compress.awq(copy.deepcopy(fp), data, scheme=W3)
+    ln = a.model.layers[0].input_layernorm.weight.detach().clone()
+    both = compress.gptq(a, data, scheme=W3)
+    torch.testing.assert_close(both.model.layers[0].input_layernorm.weight, ln, atol=0, rtol=0)
+    for m in both.modules():
+        if isinstance(m, QuantLinear):
+            assert m.weight_quantizer is not None
+            torch.testing.assert_close(m.weight_quantizer(m.weight), m.weight, atol=0, rtol=0)
+    w4 = QuantScheme(weights=QuantSpec(bits=4, granularity="channel"), inputs=None)
+    with pytest.raises(CalibrationError, match="another weight spec"):
+        compress.gptq(both, data, scheme=w4)
