@@ -154,14 +154,15 @@ def elementwise(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs:
     shape = tuple(out.shape)
     labs: list[torch.Tensor] = []
     consts: list[torch.Tensor] = []
-    for t in iter_tensors((args, kwargs)):
-        lab = tr.labels(t)
+    tensors = list(iter_tensors((args, kwargs)))
+    if not any(tr.labels(t) is not None for t in tensors):
+        return
+    for t in tensors:
+        lab = tr.labels(t, buffers=True)
         if lab is None:
             consts.append(t)
         else:
             labs.append(lab.broadcast_to(shape))
-    if not labs:
-        return
     for other in labs[1:]:
         tr.graph.union_tensors(labs[0], other)
     res = labs[0]

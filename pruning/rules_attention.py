@@ -80,9 +80,12 @@ def matmul(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
 
 def sdpa(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     q, k, v = (args[i] if len(args) > i else kwargs[n] for i, n in enumerate(("query", "key", "value")))
-    if kwargs.get("enable_gqa"):
-        raise tr.unsupported(name, "grouped-query attention (enable_gqa) is not supported")
     ql, kl, vl = (tr.labels_or_blank(t) for t in (q, k, v))
+    if kwargs.get("enable_gqa") and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        # grouped-query attention: query head h reads key/value head h // n_rep, exactly as if the
+        # code had repeated k and v itself (transformers' repeat_kv); the labels say so
+        n_rep = q.shape[-3] // k.shape[-3]
+        kl, vl = (lab.repeat_interleave(n_rep, dim=-3) for lab in (kl, vl))
     scores = matmul_labels(tr, ql, kl.transpose(-2, -1), name)
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
     if scores is not None and isinstance(mask, torch.Tensor):

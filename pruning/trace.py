@@ -63,8 +63,10 @@ class Tracer(ObserverMode):
         self.model = model
         self.graph = graph
         self.names: dict[int, str] = {}
+        self._param_ids: set[int] = set()
         for n, p in model.named_parameters(remove_duplicate=False):
             self.names.setdefault(id(p), n)
+            self._param_ids.add(id(p))
         for n, b in model.named_buffers(remove_duplicate=False):
             self.names.setdefault(id(b), n)
         self._labels: dict[int, torch.Tensor] = {}
@@ -83,15 +85,21 @@ class Tracer(ObserverMode):
         self._labels[id(t)] = labels
         self._alive.append(t)
 
-    def labels(self, t: torch.Tensor, *, bare: bool = True) -> torch.Tensor | None:
-        """Labels of ``t``; a model parameter used directly gets one item per element."""
+    def labels(self, t: torch.Tensor, *, bare: bool = True, buffers: bool = False) -> torch.Tensor | None:
+        """Labels of ``t``; a model parameter used directly gets one item per element.
+
+        A buffer is a constant (RoPE's ``inv_freq``, a fixed sin-cos table): what is computed from
+        it carries no channel identity, else its elements would tie every channel they meet into
+        one unit. Only an op that combines a buffer itself with channels (``x + pos_buffer``) asks
+        for its elements (``buffers=True``), so that they are sliced with those channels.
+        """
         got = self._labels.get(id(t))
         if got is not None:
             return got
         if not bare or not t.is_floating_point():
             return None
         name = self.names.get(id(t))
-        if name is None:
+        if name is None or (not buffers and id(t) not in self._param_ids):
             return None
         mod = name.rsplit(".", 1)[0] if "." in name else ""
         c = self.graph.coord(name, None, t.numel(), ELEMENT, mod, tuple(t.shape))
