@@ -1,7 +1,8 @@
 """Physical surgery: slice parameters, buffers and optimizer state, then fix module attributes.
 
 A pruning step is a mapping ``tensor name -> [(axis, kept indices), ...]`` (what a PruningPlan
-stores). :func:`apply_slices` is the one code path for pruning and for replaying a plan, so a
+stores); a key ``attr:<module>:<attribute>`` holding ``[(-1, [value])]`` sets an int width
+attribute that the module's forward reshapes with (``self.hidden_dim``, ``self.n_heads``). :func:`apply_slices` is the one code path for pruning and for replaying a plan, so a
 replay rebuilds exactly the architecture the pruning produced. Changes are logged so that a
 model that fails its check after surgery is restored, never left half-pruned.
 """
@@ -44,7 +45,27 @@ def slices_from_keep(graph: DependencyGraph, keep: np.ndarray) -> Slices:
                 )
             others = tuple(d for d in range(mask.ndim) if d != axis)
             _add(out, c.key, axis, np.nonzero(mask.any(axis=others))[0].tolist())
+    for (mod, attr), labels in graph.width_attrs.items():
+        kept = _kept_width(graph, labels, keep)
+        if kept is not None and kept != labels.shape[1]:
+            out[f"{ATTR}{mod}:{attr}"] = [(-1, [kept])]
     return out
+
+
+def _kept_width(graph: DependencyGraph, labels: torch.Tensor, keep: np.ndarray) -> int | None:
+    """Kept indices of a reshaped dim (``labels``: other positions x that dim), when every index is
+    one unit across all other positions (heads, channels); None when it is not a width dim (the
+    code's head_dim: its indices fall with their head, not one by one)."""
+    atoms = graph.label_atoms(labels)
+    top = atoms.amax(0)
+    low = torch.where(atoms >= 0, atoms, top.expand_as(atoms)).amin(0)
+    if bool((top != low).any()) or bool((top < 0).any()):
+        return None
+    return int(keep[top.numpy()].sum())
+
+
+#: key prefix of a width attribute in a pruning step
+ATTR = "attr:"
 
 
 def _element_axis(mask: np.ndarray) -> int | None:
@@ -124,7 +145,11 @@ def apply_slices(
     owners = _owners(model)
     replaced: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]] = {}
     touched: set[int] = set()
+    modules = dict(model.named_modules())
     for name, entries in slices.items():
+        if name.startswith(ATTR):
+            _set_width_attr(modules, name, entries, undo)
+            continue
         t = tensors.get(name)
         if t is None:
             raise CompressError(f"pruning plan names '{name}', which {type(model).__name__} does not have")
@@ -164,6 +189,16 @@ def apply_slices(
     if optimizer is not None:
         _slice_optimizer(optimizer, replaced, undo)
     return undo
+
+
+def _set_width_attr(
+    modules: Mapping[str, nn.Module], key: str, entries: Sequence[tuple[int, Sequence[int]]], undo: UndoLog
+) -> None:
+    mod_name, _, attr = key[len(ATTR) :].rpartition(":")
+    mod = modules.get(mod_name)
+    if mod is None or type(getattr(mod, attr, None)) is not int or len(entries) != 1 or len(entries[0][1]) != 1:
+        raise CompressError(f"pruning plan sets width attribute '{key}', which the model does not have as an int")
+    undo.setattr(mod, attr, int(entries[0][1][0]))
 
 
 def _restorer(mod: nn.Module, name: str, value: Any) -> Callable[[], None]:

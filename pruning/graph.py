@@ -90,6 +90,9 @@ class DependencyGraph:
         self.output_shapes: list[tuple[int, ...]] = []
         #: per MAC-producing call: (kind, macs, payload) used by the cost model
         self.mac_records: list[tuple[str, int, tuple[object, ...]]] = []
+        #: int attributes a forward reshapes with, that are a channel width: (module, attribute,
+        #: item id of each index of that dim); surgery sets them to the kept count
+        self.width_attrs: dict[tuple[str, str], torch.Tensor] = {}
 
     # ---- building -----------------------------------------------------------------------------
     def coord(
@@ -236,6 +239,10 @@ class DependencyGraph:
             self.groups.append(Group(gi, atoms, coords, mods))
             for a in atoms:
                 self.atoms[a].group = gi
+
+    def item_atom(self, item: int) -> int:
+        """The atom an item ended in (after :meth:`finalize`)."""
+        return int(self._item_atom[item])
 
     def coord_atoms(self, c: Coord) -> np.ndarray:
         """Atom index of every index of coordinate ``c``."""

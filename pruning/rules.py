@@ -8,7 +8,6 @@ UnsupportedModelError, never a guess.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 from pruning.graph import NORM
+from pruning.rules_split import PendingSplit, factor, resolve, splits_outer
 from pruning.trace import iter_tensors
 
 if TYPE_CHECKING:
@@ -216,21 +216,62 @@ def _blocks(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], lis
     return out
 
 
-def _reshape_constraints(tr: Tracer, name: str, lab_in: torch.Tensor, lab_out: torch.Tensor) -> None:
+def _reshape_constraints(
+    tr: Tracer, name: str, lab_in: torch.Tensor, lab_out: torch.Tensor, pending: PendingSplit | None
+) -> PendingSplit | None:
+    """Constraints of a reshape; returns the split of a channel dim it starts, if any."""
+    started = None
     for din, dout in _blocks(tuple(lab_in.shape), tuple(lab_out.shape)):
+        if len(din) > 1 and len(dout) == 1 and pending is not None and not pending.resolved:
+            if any(_varies(tr, lab_in, d) for d in din):
+                resolve(tr, pending, pieces=True)  # a split merged back (channel shuffle)
+            continue
         if len(dout) < 2 or not any(_varies(tr, lab_in, d) for d in din):
             continue
         if len(din) > 1:
             # a many-to-many reshape of channels has no index mapping that pruning could keep
             tr.graph.pin(lab_in, f"'{name}' regrouping channel dims {tr.where()}")
             continue
-        # a channel dim split in (outer, inner...): whole outer rows go together (attention heads),
-        # so the code's fixed inner sizes (head_dim) stay valid
-        rest = [d for d in range(lab_out.dim()) if d not in dout]
-        moved = lab_out.permute(*rest, *dout)
-        inner = math.prod(lab_out.shape[d] for d in dout[1:])
-        rows = moved.reshape(*moved.shape[: len(rest)], lab_out.shape[dout[0]], inner)
-        tr.graph.union_tensors(rows, rows[..., :1].expand_as(rows))
+        # a channel dim split in (outer, inner...): rows of the outer factor (heads) or pieces of it
+        # (q/k/v, shuffle groups) become units, as the ops that follow say
+        started = started or factor(tr, lab_out, dout)
+    return started
+
+
+def _shape_arg(args: tuple[Any, ...]) -> list[Any]:
+    rest = list(args[1:])
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+        return list(rest[0])
+    return rest
+
+
+def _width_attributes(tr: Tracer, name: str, args: tuple[Any, ...], lab_out: torch.Tensor) -> None:
+    """Record module int attributes that a reshape passes as the size of a channel dim.
+
+    ``x.reshape(n, self.hidden_dim, -1)`` or ``view(b, n, self.num_heads, self.head_dim)``: the
+    pruned model must reshape with the new width, so surgery updates the attribute (found by value
+    on the modules whose forward is running, innermost first). A value no module holds came from a
+    shape (dynamic, nothing to do) or a literal (the cut's check then names the failing group).
+    """
+    shape = _shape_arg(args)
+    if len(shape) != lab_out.dim():
+        return
+    for d, size in enumerate(shape):
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 1 or not _varies(tr, lab_out, d):
+            continue
+        for mod_name, mod in reversed(tr.stack):
+            hits = [k for k, v in vars(mod).items() if type(v) is int and v == size and not k.startswith("_")]
+            if not hits:
+                continue
+            fixed = [k for k in hits if any(type(s) is int and s == size for j, s in enumerate(shape) if j != d)]
+            if len(hits) > 1 or fixed:
+                # two attributes (or two dims) of that value: which one is the width is not knowable;
+                # if the code needs one, the cut's check finds the group that breaks and pins it
+                log.debug("'%s' %s: width %d matches %s of '%s'; not followed", name, tr.where(), size, hits, mod_name)
+            else:
+                # which dims are channel units is known once the trace ends (slices_from_keep)
+                tr.graph.width_attrs[(mod_name, hits[0])] = lab_out.movedim(d, -1).reshape(-1, lab_out.shape[d])
+            break
 
 
 def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -240,8 +281,15 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
         raise tr.unsupported(name, "could not replay it on channel labels")
     x = next(iter_tensors(args))
     lab_in = tr.labels_or_blank(x)
+    pending = tr.pending.get(id(x))
+    if pending is not None and not pending.resolved and name in SPLIT | SELECT and splits_outer(tr, pending, labs):
+        resolve(tr, pending, pieces=True)  # q, k, v = qkv.unbind(0) / qkv[0]
+    if pending is not None and pending.resolved:
+        pending = None
     if name in RESHAPE:
-        _reshape_constraints(tr, name, lab_in, labs[0])
+        pending = _reshape_constraints(tr, name, lab_in, labs[0], pending) or pending
+        if name in ("view", "reshape"):
+            _width_attributes(tr, name, args, labs[0])
     elif name in SPLIT and len(labs) > 1:
         same = all(tuple(lab.shape) == tuple(labs[0].shape) for lab in labs)
         sizes_fixed = name in ("split", "split_with_sizes") or (
@@ -272,6 +320,8 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
         if tuple(t.shape) != tuple(lab.shape):
             raise tr.unsupported(name, "could not replay it on channel labels")
         tr.set_labels(t, lab)
+        if pending is not None:
+            tr.pending[id(t)] = pending
 
 
 def _dims(arg: Any, ndim: int) -> tuple[int, ...] | None:
@@ -374,6 +424,7 @@ def handle(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
 
     module_rule = MODULE_OPS.get(name)
     if module_rule is not None:
+        settle(tr, args, kwargs)
         module_rule(tr, name, func, args, kwargs, out)
         return
     if name == "setitem":
@@ -386,7 +437,18 @@ def handle(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
     rule = _RULES.get(name)
     if rule is None:
         raise tr.unsupported(name)
+    if rule is not layout:
+        settle(tr, args, kwargs)
     rule(tr, name, func, args, kwargs, out)
+
+
+def settle(tr: Tracer, args: Any, kwargs: Any) -> None:
+    """A split channel dim reaching a computing op: its outer rows are the units (heads)."""
+    if tr.pending:
+        for t in iter_tensors((args, kwargs)):
+            p = tr.pending.get(id(t))
+            if p is not None:
+                resolve(tr, p, pieces=False)
 
 
 def leaf_rule(mod: nn.Module) -> Callable[..., None] | None:

@@ -22,6 +22,7 @@ from compress.batching import call_model
 from compress.errors import UnsupportedModelError
 from pruning.graph import ELEMENT, DependencyGraph
 from pruning.observe import ObserverMode
+from pruning.rules_split import PendingSplit, resolve
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class Tracer(ObserverMode):
         self.stack: list[tuple[str, nn.Module]] = []
         self.leaf_depth = 0
         self.calls: dict[str, int] = {}
+        #: tensor id -> the channel split it carries, while the unit is undecided (rules_split)
+        self.pending: dict[int, PendingSplit] = {}
         from pruning import rules
 
         self._rules = rules
@@ -183,6 +186,8 @@ def trace_graph(model: nn.Module, example_inputs: Any) -> DependencyGraph:
         for h in handles:
             h.remove()
         model.train(was_training)
+    for p in tracer.pending.values():
+        resolve(tracer, p, pieces=False)
     outs = list(iter_tensors(out))
     if not outs:
         raise UnsupportedModelError(f"{type(model).__name__} returned no tensor to trace")

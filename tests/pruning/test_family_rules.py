@@ -1,0 +1,73 @@
+"""General rules found on model families from outside the project, each on a minimal module that
+reproduces the pattern: width attributes a forward reshapes with, fused qkv split into q/k/v
+then heads, indexed per-head bias tables, einsum, channels-last padding, channel shuffle."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from pruning_blocks import prune_with_graph, run, zeroed_copy
+from torch import nn
+
+from pruning.plan import PruningPlan
+
+
+class FusedBlock(nn.Module):
+    """timm/torchvision attention: one qkv Linear, reshape(B, N, 3, heads, head_dim), unbind(0)."""
+
+    def __init__(self, d: int, heads: int, index: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.index = heads, d // heads, index
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = (qkv[0], qkv[1], qkv[2]) if self.index else qkv.unbind(0)
+        a = torch.softmax(q @ k.transpose(-2, -1) * self.head_dim**-0.5, dim=-1) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(b, n, -1))
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class PatchViT(nn.Module):
+    """torchvision's ViT input: ``conv(x).reshape(n, self.hidden_dim, -1)``; no LayerNorm, so the
+    pruned model is exactly the original with the removed channels zeroed."""
+
+    def __init__(self, d: int = 48, heads: int = 6, index: bool = False) -> None:
+        super().__init__()
+        self.hidden_dim = d
+        self.conv_proj = nn.Conv2d(3, d, 4, 4)
+        self.cls = nn.Parameter(torch.randn(1, 1, d))
+        self.blocks = nn.Sequential(FusedBlock(d, heads, index), FusedBlock(d, heads, index))
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        x = self.conv_proj(x).reshape(n, self.hidden_dim, -1).permute(0, 2, 1)
+        x = torch.cat([self.cls.expand(n, -1, -1), x], 1)
+        return self.head(self.blocks(x)[:, 0])
+
+
+def _check_exact(model: nn.Module, x: torch.Tensor, ratio: float = 0.5) -> tuple[nn.Module, dict]:
+    reference = copy.deepcopy(model)
+    graph, keep, slices = prune_with_graph(model, x, ratio)
+    torch.testing.assert_close(run(model, x), run(zeroed_copy(reference, graph, keep), x), atol=1e-5, rtol=1e-4)
+    return reference, slices
+
+
+def test_width_attribute_and_fused_qkv_heads() -> None:
+    for index in (False, True):
+        model = PatchViT(index=index).eval()
+        x = torch.randn(2, 3, 16, 16)
+        fresh, slices = _check_exact(model, x)
+        assert model.hidden_dim == 24 and model.conv_proj.out_channels == 24
+        for blk in model.blocks:
+            # heads are the unit, the same head index in q, k and v: 6 -> 3 heads of 8
+            assert blk.num_heads == 3 and blk.head_dim == 8 and blk.qkv.out_features == 72
+        # the plan carries the attribute values too: a replay on a fresh model runs
+        PruningPlan.from_dict({**PruningPlan(steps=[slices]).to_dict()}).apply(fresh)
+        fresh.load_state_dict(model.state_dict(), strict=True)
+        torch.testing.assert_close(run(fresh, x), run(model, x), atol=0, rtol=0)
