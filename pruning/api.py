@@ -69,6 +69,8 @@ class PruneResult:
     macs_before: int
     macs_after: int
     groups: list[dict[str, Any]] = field(default_factory=list)
+    #: groups kept whole because cutting them broke the model: modules, units, reason
+    pinned: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def params_ratio(self) -> float:
@@ -169,6 +171,9 @@ class Pruner:
         self.round_to = round_to
         self.options = options or PruneOptions()
         self.where = where
+        #: groups the last cut left whole because cutting them broke the model (modules, reason)
+        self.pinned: list[dict[str, Any]] = []
+        self._last_slices: dict[str, list[tuple[int, list[int]]]] = {}
 
     def trace(self, model: nn.Module, example_inputs: Any) -> DependencyGraph:
         graph = trace_graph(model, example_inputs)
@@ -210,28 +215,67 @@ class Pruner:
         *,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> dict[str, list[tuple[int, list[int]]]]:
-        """Apply the cut; restore the model and raise if the result does not run with the same outputs."""
+        """Apply the cut; a model that then fails to run (or changes its output shapes) is restored.
+
+        When the whole cut fails, each group's part is tried alone: the groups whose cut breaks the
+        model (code that hard-codes their width somewhere the trace cannot see) keep all their units
+        and are listed in :attr:`pinned` with the error; the rest is cut. Only when no group alone
+        is at fault is the model refused.
+        """
+        self.pinned = []
+        failure = self._try(model, graph, keep, example_inputs, optimizer=optimizer, commit=True)
+        if failure is None:
+            return self._last_slices
+        keep = keep.copy()
+        for g in graph.groups:
+            removed = [a for a in g.atoms if not keep[a]]
+            if not removed:
+                continue
+            alone = np.ones_like(keep)
+            alone[removed] = False
+            why = self._try(model, graph, alone, example_inputs, optimizer=None, commit=False)
+            if why is not None:
+                keep[removed] = True
+                self.pinned.append({"modules": ", ".join(g.modules[:4]), "units": len(g.atoms), "reason": why})
+                log.warning("%s: group of %s kept whole: cutting it alone breaks the model (%s)", self.where, ", ".join(g.modules[:3]), why)
+        if not self.pinned:
+            raise UnsupportedModelError(f"{self.where}: the pruned {type(model).__name__} {failure}; no group alone is at fault. Model restored.")
+        again = self._try(model, graph, keep, example_inputs, optimizer=optimizer, commit=True)
+        if again is not None:
+            raise UnsupportedModelError(f"{self.where}: the pruned {type(model).__name__} {again}. Model restored.")
+        return self._last_slices
+
+    def _try(
+        self,
+        model: nn.Module,
+        graph: DependencyGraph,
+        keep: np.ndarray,
+        example_inputs: Any,
+        *,
+        optimizer: torch.optim.Optimizer | None,
+        commit: bool,
+    ) -> str | None:
+        """Cut, run once; restore and say why when it fails; restore anyway unless ``commit``."""
         slices = slices_from_keep(graph, keep)
         undo = apply_slices(model, slices, optimizer=optimizer)
+        why: str | None = None
+        was_training = model.training
         try:
-            was_training = model.training
             model.eval()
             with torch.no_grad():
                 out = call_model(model, example_inputs)
-            model.train(was_training)
             shapes = [tuple(t.shape) for t in iter_tensors(out)]
-        except Exception as exc:
+            if shapes != graph.output_shapes:
+                why = f"changes the output shapes {graph.output_shapes} -> {shapes}"
+        except Exception as exc:  # any failure of the user's forward: the model is restored below
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            why = f"no longer runs ({type(exc).__name__}: {first})"
+        finally:
+            model.train(was_training)
+        if why is not None or not commit:
             undo.undo()
-            raise UnsupportedModelError(
-                f"{self.where}: the pruned {type(model).__name__} no longer runs ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); a module hard-codes a channel count. Model restored."
-            ) from exc
-        if shapes != graph.output_shapes:
-            undo.undo()
-            raise UnsupportedModelError(
-                f"{self.where}: pruning changed the output shapes {graph.output_shapes} -> {shapes}; model restored"
-            )
-        return slices
+        self._last_slices = slices
+        return why
 
 
 def prune(
@@ -282,8 +326,11 @@ def prune(
         macs_before,
         count_macs(model, example_inputs),
         graph.describe(),
+        list(pruner.pinned),
     )
-    plan.summary = result.metrics()
+    plan.summary = dict[str, Any](result.metrics())
+    if pruner.pinned:
+        plan.summary["pinned"] = pruner.pinned
     log.info(
         "pruned %s: params %d -> %d, MACs %d -> %d",
         type(model).__name__,

@@ -282,8 +282,10 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
     x = next(iter_tensors(args))
     lab_in = tr.labels_or_blank(x)
     pending = tr.pending.get(id(x))
-    if pending is not None and not pending.resolved and name in SPLIT | SELECT and splits_outer(tr, pending, labs):
-        resolve(tr, pending, pieces=True)  # q, k, v = qkv.unbind(0) / qkv[0]
+    if pending is not None and not pending.resolved and name in SPLIT | SELECT:
+        # q, k, v = qkv.unbind(0) / qkv[0] take pieces; a split inside the rows (LeViT's
+        # split([key_dim, key_dim, d], dim=3), RoPE's x[..., : hd // 2]) says the rows are the units
+        resolve(tr, pending, pieces=splits_outer(tr, pending, labs))
     if pending is not None and pending.resolved:
         pending = None
     if name in RESHAPE:
@@ -310,10 +312,17 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
             if any(_varies(tr, lab_in, d) for d in dims):
                 tr.graph.pin(lab_in, f"'{name}' into unequal channel pieces {tr.where()}")
     elif name in SELECT:
+        tensor_index = any(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in iter_tensors(args[1:]))
+        idims = _indexed_dims(name, args, kwargs, lab_in.dim()) if tensor_index else []
+        if idims and tr.is_param(x):
+            # a table indexed by positions (relative-position bias[index]): what the index picks is
+            # a position, the other dims (heads) stay units
+            for d in idims:
+                tr.graph.union_tensors(lab_in, lab_in.narrow(d, 0, 1).expand_as(lab_in))
         r_in = set(torch.unique(tr.graph.roots(lab_in)).tolist()) - {-1}
         r_out = set(torch.unique(tr.graph.roots(labs[0])).tolist()) - {-1}
-        tensor_index = any(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in iter_tensors(args[1:]))
-        if r_in - r_out or (tensor_index and len(r_in) > 1):
+        indexes_channels = tensor_index and (idims is None or any(_varies(tr, lab_in, d) for d in idims)) and len(r_in) > 1
+        if r_in - r_out or indexes_channels:
             # a fixed index/slice into channels would select other channels after pruning
             tr.graph.pin(lab_in, f"'{name}' selecting channels {tr.where()}")
     for t, lab in zip(outs, labs):
@@ -322,6 +331,22 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
         tr.set_labels(t, lab)
         if pending is not None:
             tr.pending[id(t)] = pending
+
+
+def _indexed_dims(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> list[int] | None:
+    """Dims an integer tensor indexes (``t[idx]``, ``t[:, idx]``, ``index_select``); None if unclear."""
+    if name == "index_select":
+        return [int(_arg(args, kwargs, 1, "dim")) % ndim]
+    if name != "getitem" or len(args) < 2:
+        return None
+    key = args[1] if isinstance(args[1], tuple) else (args[1],)
+    out: list[int] = []
+    for pos, k in enumerate(key):
+        if k is Ellipsis or k is None or (isinstance(k, torch.Tensor) and k.dtype == torch.bool):
+            return None
+        if isinstance(k, torch.Tensor):
+            out.append(pos)
+    return out
 
 
 def _dims(arg: Any, ndim: int) -> tuple[int, ...] | None:
@@ -373,6 +398,22 @@ def spatial(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dic
     tr.set_labels(y, res.expand(y.shape))
 
 
+def pad(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """``F.pad`` pads the last ``len(pad) // 2`` dims, whatever the layout (Swin pads (B, H, W, C) with
+    (0, 0, 0, pad_r, 0, pad_b)): only dims it actually pads must not hold channels."""
+    x = args[0] if args else kwargs["input"]
+    lab = tr.labels(x)
+    widths = _arg(args, kwargs, 1, "pad")
+    if lab is None or not isinstance(out, torch.Tensor):
+        return
+    padded = [x.dim() - 1 - i // 2 for i, w in enumerate(widths) if w != 0]
+    padded = sorted({d for d in padded if d >= 0})
+    res = _const_along(lab, tuple(padded))
+    if bool((res < 0).any() & (lab >= 0).any()):
+        tr.graph.pin(lab, f"'{name}' over channel-varying dims {tr.where()}")
+    tr.set_labels(out, res.expand(out.shape))
+
+
 def setitem(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     target, value = args[0], args[2] if len(args) > 2 else None
     lab = tr.labels(target)
@@ -406,6 +447,7 @@ def _generic_rules() -> dict[str, Rule]:
     table.update(dict.fromkeys(RESHAPE | LAYOUT | SPLIT | SELECT, layout))
     table.update(dict.fromkeys(REDUCE, reduce))
     table.update(dict.fromkeys(SPATIAL, spatial))
+    table["pad"] = pad
     table.update(dict.fromkeys(NO_LABELS, no_labels))
     table.update(dict.fromkeys(ARG, arg_op))
     table.update(ra.RULES)

@@ -89,7 +89,12 @@ def sdpa(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[s
     scores = matmul_labels(tr, ql, kl.transpose(-2, -1), name)
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
     if scores is not None and isinstance(mask, torch.Tensor):
-        _pin_if_shaped(tr, scores, mask, name)
+        mlab = tr.labels(mask) if mask.is_floating_point() else None
+        if mlab is not None:
+            # a learned additive bias per head (T5's relative position bias): its heads are these heads
+            tr.graph.union_tensors(scores, mlab.broadcast_to(scores.shape))
+        else:
+            _pin_if_shaped(tr, scores, mask, name)
     res = matmul_labels(tr, scores, vl, name) if scores is not None else None
     if res is not None:
         tr.set_labels(out, res.reshape(out.shape))

@@ -178,6 +178,9 @@ def trace_graph(model: nn.Module, example_inputs: Any) -> DependencyGraph:
     tracer = Tracer(model, graph)
     handles = _hooks(tracer, model)
     was_training = model.training
+    # train() then eval(): modules that cache derived tensors in eval mode (LeViT's attention-bias
+    # cache) drop them on train(), so the trace sees them computed from their parameters
+    model.train()
     model.eval()
     try:
         with tracer:

@@ -71,3 +71,80 @@ def test_width_attribute_and_fused_qkv_heads() -> None:
         PruningPlan.from_dict({**PruningPlan(steps=[slices]).to_dict()}).apply(fresh)
         fresh.load_state_dict(model.state_dict(), strict=True)
         torch.testing.assert_close(run(fresh, x), run(model, x), atol=0, rtol=0)
+
+
+class WindowAttention(nn.Module):
+    """Swin-style block on channels-last (B, H, W, C): pad of the last three dims, window partition,
+    a per-head relative-position bias table indexed by a buffer, added to the scores."""
+
+    def __init__(self, d: int = 24, heads: int = 4, window: int = 3) -> None:
+        super().__init__()
+        self.heads, self.window = heads, window
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.table = nn.Parameter(torch.randn((2 * window - 1) ** 2, heads))
+        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + window - 1
+        self.register_buffer("index", rel[..., 0] * (2 * window - 1) + rel[..., 1], persistent=False)
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        ws = self.window
+        pad_b, pad_r = (ws - h % ws) % ws, (ws - w % ws) % ws
+        y = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
+        hp, wp = y.shape[1], y.shape[2]
+        win = y.view(b, hp // ws, ws, wp // ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, ws * ws, c)
+        n = win.shape[1]
+        q, k, v = self.qkv(win).reshape(-1, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.index.view(-1)].view(n, n, -1).permute(2, 0, 1)
+        attn = torch.softmax(q @ k.transpose(-2, -1) + bias.unsqueeze(0), dim=-1)
+        out = self.proj((attn @ v).transpose(1, 2).reshape(-1, n, c))
+        out = out.view(b, hp // ws, wp // ws, ws, ws, c).permute(0, 1, 3, 2, 4, 5).reshape(b, hp, wp, c)
+        x = x + out[:, :h, :w, :].contiguous()
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class WindowNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 24, 2, 2)
+        self.blocks = nn.Sequential(WindowAttention(), WindowAttention())
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.blocks(self.stem(x).permute(0, 2, 3, 1))
+        return self.head(y.mean((1, 2)))
+
+
+def test_channels_last_window_attention_prunes_stage_width_and_heads() -> None:
+    model = WindowNet().eval()
+    x = torch.randn(2, 3, 16, 16)  # 8x8 tokens, window 3: padded to 9x9
+    _check_exact(model, x)
+    assert model.stem.out_channels == 12  # the stage width: padding the spatial dims pins no channel
+    for blk in model.blocks:
+        # 4 -> 2 heads: the bias table keeps the columns of the kept heads
+        assert blk.heads == 2 and blk.qkv.out_features == 3 * 12 and blk.table.shape == (25, 2)
+
+
+class BiasedSdpa(nn.Module):
+    """T5's relative position bias: an embedding of buckets per head, passed to SDPA as attn_mask."""
+
+    def __init__(self, d: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.bias = nn.Embedding(8, heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (f(x).view(b, n, -1, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        pos = torch.arange(n)
+        bucket = (pos[None, :] - pos[:, None]).clamp(-4, 3) + 4
+        mask = self.bias(bucket).permute(2, 0, 1).unsqueeze(0)
+        return x + self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, n, -1))
+
+
+def test_sdpa_bias_mask_follows_heads() -> None:
+    model = BiasedSdpa().eval()
+    _check_exact(model, torch.randn(2, 6, 16))
+    assert model.q.out_features == 8 and model.bias.embedding_dim == 2
