@@ -234,16 +234,41 @@ class Pruner:
             alone = np.ones_like(keep)
             alone[removed] = False
             why = self._try(model, graph, alone, example_inputs, optimizer=None, commit=False)
+            if why is not None and self._other_width_attrs(model, graph, alone, example_inputs):
+                why = None
             if why is not None:
                 keep[removed] = True
                 self.pinned.append({"modules": ", ".join(g.modules[:4]), "units": len(g.atoms), "reason": why})
                 log.warning("%s: group of %s kept whole: cutting it alone breaks the model (%s)", self.where, ", ".join(g.modules[:3]), why)
-        if not self.pinned:
-            raise UnsupportedModelError(f"{self.where}: the pruned {type(model).__name__} {failure}; no group alone is at fault. Model restored.")
         again = self._try(model, graph, keep, example_inputs, optimizer=optimizer, commit=True)
         if again is not None:
-            raise UnsupportedModelError(f"{self.where}: the pruned {type(model).__name__} {again}. Model restored.")
+            culprit = "" if self.pinned else "; no group alone is at fault"
+            raise UnsupportedModelError(f"{self.where}: the pruned {type(model).__name__} {again}{culprit}. Model restored.")
         return self._last_slices
+
+    def _other_width_attrs(self, model: nn.Module, graph: DependencyGraph, keep: np.ndarray, example_inputs: Any) -> bool:
+        """Try the other readings of the width attributes this cut changes until the cut runs: another
+        attribute of the same value (one module), or none (the value came from elsewhere and only
+        matched). Every combination, up to 64 tries."""
+        import itertools
+
+        removed = ~keep
+        open_ = [
+            i for i, (cands, labels) in enumerate(graph.width_attrs)
+            if bool(removed[graph.label_atoms(labels).clamp(min=0).numpy()].any())
+        ]
+        if not open_:
+            return False
+        before = {i: graph.width_choice.get(i, 0) for i in open_}
+        combos = itertools.product(*[range(len(graph.width_attrs[i][0]) + 1) for i in open_])
+        for n, combo in enumerate(combos):
+            if n >= 64:
+                break
+            graph.width_choice.update(zip(open_, combo))
+            if self._try(model, graph, keep, example_inputs, optimizer=None, commit=False) is None:
+                return True
+        graph.width_choice.update(before)
+        return False
 
     def _try(
         self,
@@ -261,6 +286,7 @@ class Pruner:
         why: str | None = None
         was_training = model.training
         try:
+            model.train()  # drops eval-mode caches of derived tensors (LeViT's biases): they hold old widths
             model.eval()
             with torch.no_grad():
                 out = call_model(model, example_inputs)
@@ -271,9 +297,12 @@ class Pruner:
             first = str(exc).splitlines()[0] if str(exc) else ""
             why = f"no longer runs ({type(exc).__name__}: {first})"
         finally:
+            model.train()
             model.train(was_training)
         if why is not None or not commit:
             undo.undo()
+            model.train()
+            model.train(was_training)
         self._last_slices = slices
         return why
 

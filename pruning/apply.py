@@ -45,7 +45,11 @@ def slices_from_keep(graph: DependencyGraph, keep: np.ndarray) -> Slices:
                 )
             others = tuple(d for d in range(mask.ndim) if d != axis)
             _add(out, c.key, axis, np.nonzero(mask.any(axis=others))[0].tolist())
-    for (mod, attr), labels in graph.width_attrs.items():
+    for i, (candidates, labels) in enumerate(graph.width_attrs):
+        choice = graph.width_choice.get(i, 0)
+        if choice >= len(candidates):
+            continue  # the cut found that no attribute holds this width
+        mod, attr = candidates[choice]
         kept = _kept_width(graph, labels, keep)
         if kept is not None and kept != labels.shape[1]:
             out[f"{ATTR}{mod}:{attr}"] = [(-1, [kept])]

@@ -90,9 +90,12 @@ class DependencyGraph:
         self.output_shapes: list[tuple[int, ...]] = []
         #: per MAC-producing call: (kind, macs, payload) used by the cost model
         self.mac_records: list[tuple[str, int, tuple[object, ...]]] = []
-        #: int attributes a forward reshapes with, that are a channel width: (module, attribute,
-        #: item id of each index of that dim); surgery sets them to the kept count
-        self.width_attrs: dict[tuple[str, str], torch.Tensor] = {}
+        #: int attributes a forward reshapes or splits with, that may be a channel width: per call,
+        #: the candidate (module, attribute) pairs holding that value and the item ids of that dim
+        #: (positions x indices); surgery sets candidate ``width_choice[i]`` (default 0) to the
+        #: kept count when every index of the dim is one unit
+        self.width_attrs: list[tuple[list[tuple[str, str]], torch.Tensor]] = []
+        self.width_choice: dict[int, int] = {}
 
     # ---- building -----------------------------------------------------------------------------
     def coord(

@@ -259,19 +259,26 @@ def _width_attributes(tr: Tracer, name: str, args: tuple[Any, ...], lab_out: tor
     for d, size in enumerate(shape):
         if not isinstance(size, int) or isinstance(size, bool) or size <= 1 or not _varies(tr, lab_out, d):
             continue
-        for mod_name, mod in reversed(tr.stack):
-            hits = [k for k, v in vars(mod).items() if type(v) is int and v == size and not k.startswith("_")]
-            if not hits:
-                continue
-            fixed = [k for k in hits if any(type(s) is int and s == size for j, s in enumerate(shape) if j != d)]
-            if len(hits) > 1 or fixed:
-                # two attributes (or two dims) of that value: which one is the width is not knowable;
-                # if the code needs one, the cut's check finds the group that breaks and pins it
-                log.debug("'%s' %s: width %d matches %s of '%s'; not followed", name, tr.where(), size, hits, mod_name)
-            else:
-                # which dims are channel units is known once the trace ends (slices_from_keep)
-                tr.graph.width_attrs[(mod_name, hits[0])] = lab_out.movedim(d, -1).reshape(-1, lab_out.shape[d])
-            break
+        if any(type(s) is int and s == size and _varies(tr, lab_out, j) for j, s in enumerate(shape) if j != d):
+            continue  # two channel dims of that value: which one an attribute sizes is not knowable
+        held = _attribute_holding(tr, size)
+        if held:
+            # which dims are channel units is known once the trace ends (slices_from_keep)
+            tr.graph.width_attrs.append((held, lab_out.movedim(d, -1).reshape(-1, lab_out.shape[d])))
+
+
+def _attribute_holding(tr: Tracer, size: int) -> list[tuple[str, str]]:
+    """The int attributes of value ``size`` on the innermost running module that has any.
+
+    One module may hold several (GPT-2's ``split_size == embed_dim``, Conv1D's ``nf == nx``):
+    which one the code used is not knowable from values, so the first is taken and the cut tries
+    the others when the pruned model does not run.
+    """
+    for mod_name, mod in reversed(tr.stack):
+        hits = [k for k, v in vars(mod).items() if type(v) is int and v == size and not k.startswith("_")]
+        if hits:
+            return [(mod_name, k) for k in hits]
+    return []
 
 
 def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -297,9 +304,16 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
         sizes_fixed = name in ("split", "split_with_sizes") or (
             name == "tensor_split" and not isinstance(_arg(args, kwargs, 1, "indices_or_sections"), int)
         )
-        if sizes_fixed:
+        size = _arg(args, kwargs, 1, "split_size_or_sections")
+        dims = [d for d in range(lab_in.dim()) if any(lab.dim() == lab_in.dim() and lab.shape[d] != lab_in.shape[d] for lab in labs)]
+        held = _attribute_holding(tr, size) if sizes_fixed and same and type(size) is int and len(dims) == 1 else []
+        if held:
+            # split(self.split_size) (GPT-2's fused qkv): equal pieces whose size follows the cut
+            for lab in labs[1:]:
+                tr.graph.union_tensors(labs[0], lab)
+            tr.graph.width_attrs.append((held, labs[0].movedim(dims[0], -1).reshape(-1, labs[0].shape[dims[0]])))
+        elif sizes_fixed:
             # split(x, 12) keeps cutting at 12 after pruning: channels of a split dim stay
-            dims = [d for d in range(lab_in.dim()) if any(lab.dim() == lab_in.dim() and lab.shape[d] != lab_in.shape[d] for lab in labs)]
             if any(_varies(tr, lab_in, d) for d in dims):
                 tr.graph.pin(lab_in, f"'{name}' at fixed sizes {tr.where()}")
         elif same:

@@ -148,3 +148,28 @@ def test_sdpa_bias_mask_follows_heads() -> None:
     model = BiasedSdpa().eval()
     _check_exact(model, torch.randn(2, 6, 16))
     assert model.q.out_features == 8 and model.bias.embedding_dim == 2
+
+
+class EinsumAttention(nn.Module):
+    """Attention written with einsum: heads from a view, scores and context by einsum, a summed
+    letter (``...c,...c->...``) and an implicit output."""
+
+    def __init__(self, d: int = 24, heads: int = 4) -> None:
+        super().__init__()
+        self.hd = d // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.gate = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (f(x).view(b, n, -1, self.hd) for f in (self.q, self.k, self.v))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * self.hd**-0.5
+        ctx = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), v).reshape(b, n, -1)
+        g = torch.einsum("...c,...c->...", self.gate(x), x).unsqueeze(-1)  # one scalar per token
+        return x + self.o(ctx) * torch.sigmoid(g)
+
+
+def test_einsum_attention_prunes_heads() -> None:
+    model = EinsumAttention().eval()
+    _check_exact(model, torch.randn(2, 5, 24))
+    assert model.q.out_features == 12 and model.o.in_features == 12
