@@ -173,3 +173,51 @@ def test_einsum_attention_prunes_heads() -> None:
     model = EinsumAttention().eval()
     _check_exact(model, torch.randn(2, 5, 24))
     assert model.q.out_features == 12 and model.o.in_features == 12
+
+
+def _shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
+    b, c, h, w = x.shape
+    return x.view(b, groups, c // groups, h, w).transpose(1, 2).contiguous().view(b, c, h, w)
+
+
+class ShuffleUnit(nn.Module):
+    """ShuffleNetV2's stride-1 unit: chunk in two, one branch convolved, concat, channel shuffle."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        h = c // 2
+        self.branch = nn.Sequential(
+            nn.Conv2d(h, h, 1), nn.BatchNorm2d(h), nn.ReLU(),
+            nn.Conv2d(h, h, 3, padding=1, groups=h), nn.BatchNorm2d(h),
+            nn.Conv2d(h, h, 1), nn.BatchNorm2d(h), nn.ReLU(),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, dim=1)
+        return _shuffle(torch.cat([a, self.branch(b)], 1), 2)
+
+
+class ShuffleNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.units = nn.Sequential(ShuffleUnit(16), ShuffleUnit(16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.units(self.stem(x)).mean((2, 3)))
+
+
+def test_channel_shuffle_ties_local_indices_across_groups() -> None:
+    model = ShuffleNet().eval()
+    x = torch.randn(2, 3, 8, 8)
+    from pruning.api import Pruner
+
+    graph = Pruner().trace(model, x)
+    sizes = sorted(len(g.atoms) for g in graph.prunable_groups())
+    # the shuffled stream is not one unit per branch: each unit is one local index of both groups
+    assert max(sizes) >= 4, sizes
+    _check_exact(model, x)
+    assert model.stem[0].out_channels < 16 and model.stem[0].out_channels % 2 == 0
+    for unit in model.units:
+        assert all(m.weight.shape[0] > 0 for m in unit.branch if isinstance(m, nn.Conv2d))
