@@ -37,6 +37,9 @@ class PruneOptions(BaseModel):
     ``overrides`` maps module patterns to their own ratio. ``taylor_batches`` is how many batches
     taylor importance reads. ``bn_recalibration_batches`` re-estimates BatchNorm statistics on that
     many batches of ``data`` after the cut (0: off; nothing happens without data).
+    ``grouped_conv``: ``groups`` removes whole groups of grouped convs (RegNet, ResNeXt); ``width``
+    keeps the group count and narrows every group alike, which keeps more of the network where the
+    runtime runs any group width (ONNX Runtime and PyTorch do).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -48,6 +51,7 @@ class PruneOptions(BaseModel):
     taylor_batches: int = Field(4, ge=1)
     bn_recalibration_batches: int = Field(8, ge=0)
     seed: int = 0
+    grouped_conv: Literal["groups", "width"] = "groups"
 
     @field_validator("overrides")
     @classmethod
@@ -176,7 +180,7 @@ class Pruner:
         self._last_slices: dict[str, list[tuple[int, list[int]]]] = {}
 
     def trace(self, model: nn.Module, example_inputs: Any) -> DependencyGraph:
-        graph = trace_graph(model, example_inputs)
+        graph = trace_graph(model, example_inputs, grouped_conv=self.options.grouped_conv)
         graph.finalize(ignore_modules=_modules_of(model, self.ignore, f"{self.where}: ignore"))
         return graph
 

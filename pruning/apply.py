@@ -45,6 +45,8 @@ def slices_from_keep(graph: DependencyGraph, keep: np.ndarray) -> Slices:
                 )
             others = tuple(d for d in range(mask.ndim) if d != axis)
             _add(out, c.key, axis, np.nonzero(mask.any(axis=others))[0].tolist())
+    for mod, groups in graph.group_width_convs.items():
+        out[f"{ATTR}{mod}:groups"] = [(-1, [groups])]  # the count stays; fix_module reads it
     for i, (candidates, labels) in enumerate(graph.width_attrs):
         choice = graph.width_choice.get(i, 0)
         if choice >= len(candidates):
@@ -150,9 +152,9 @@ def apply_slices(
     replaced: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]] = {}
     touched: set[int] = set()
     modules = dict(model.named_modules())
+    attrs = {k: v for k, v in slices.items() if k.startswith(ATTR)}
     for name, entries in slices.items():
         if name.startswith(ATTR):
-            _set_width_attr(modules, name, entries, undo)
             continue
         t = tensors.get(name)
         if t is None:
@@ -184,6 +186,11 @@ def apply_slices(
                 fixed = fix_module(child, undo)
                 if fixed is not child:
                     undo.setattr(parent, cname, fixed)
+    for name, entries in attrs.items():
+        _set_width_attr(modules, name, entries, undo)
+        mod = modules[name[len(ATTR) :].rpartition(":")[0]]
+        if isinstance(mod, nn.modules.conv._ConvNd) and not mod.transposed:
+            undo.setattr(mod, "in_channels", mod.weight.shape[1] * mod.groups)  # groups set after fix_module
     for mod in model.modules():
         before = _attrs_snapshot(mod)
         sync_attention_attrs(mod)

@@ -96,6 +96,10 @@ class DependencyGraph:
         #: kept count when every index of the dim is one unit
         self.width_attrs: list[tuple[list[tuple[str, str]], torch.Tensor]] = []
         self.width_choice: dict[int, int] = {}
+        #: how grouped convs prune: "groups" (whole groups) or "width" (every group narrower)
+        self.grouped_conv = "groups"
+        #: grouped convs pruned by width: module -> group count (kept, written to the plan)
+        self.group_width_convs: dict[str, int] = {}
 
     # ---- building -----------------------------------------------------------------------------
     def coord(

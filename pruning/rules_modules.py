@@ -42,6 +42,12 @@ def conv(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[s
         wout = g.coord(wn, 0, cout, OUT, mod)
         if groups == 1:
             ins = g.item_labels(g.coord(wn, 1, cin, IN, mod))
+        elif g.grouped_conv == "width" and ipg > 1:
+            # every group loses the same local input and output indices: groups stay, narrower
+            ins = g.item_labels(g.coord(wn, 1, ipg, IN, mod)).repeat(groups)
+            outs = g.item_labels(wout).view(groups, cout // groups)
+            g.union_tensors(outs, outs[:1].expand_as(outs))
+            g.group_width_convs[mod] = groups
         else:
             # a conv group is kept or removed whole: its inputs and outputs form one atom
             ins = g.item_labels(g.coord(mod + "#in", None, cin, VIRTUAL, mod))

@@ -169,12 +169,15 @@ def _hooks(tracer: Tracer, model: nn.Module) -> list[torch.utils.hooks.Removable
     return handles
 
 
-def trace_graph(model: nn.Module, example_inputs: Any) -> DependencyGraph:
+def trace_graph(model: nn.Module, example_inputs: Any, *, grouped_conv: str = "groups") -> DependencyGraph:
     """Run ``model`` once on ``example_inputs`` and return its (unfinalized) dependency graph.
 
     The model runs in eval mode (restored after) so that tracing changes no statistics.
+    ``grouped_conv``: ``groups`` removes whole groups of a grouped conv; ``width`` narrows every
+    group alike (the group count stays; depthwise convs prune by channel either way).
     """
     graph = DependencyGraph()
+    graph.grouped_conv = grouped_conv
     tracer = Tracer(model, graph)
     handles = _hooks(tracer, model)
     was_training = model.training

@@ -221,3 +221,38 @@ def test_channel_shuffle_ties_local_indices_across_groups() -> None:
     assert model.stem[0].out_channels < 16 and model.stem[0].out_channels % 2 == 0
     for unit in model.units:
         assert all(m.weight.shape[0] > 0 for m in unit.branch if isinstance(m, nn.Conv2d))
+
+
+class GroupedBottleneck(nn.Module):
+    """RegNet/ResNeXt bottleneck: 1x1, grouped 3x3 (4 groups of 4), 1x1, residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.a = nn.Sequential(nn.Conv2d(8, 16, 1), nn.BatchNorm2d(16), nn.ReLU())
+        self.b = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, groups=4), nn.BatchNorm2d(16), nn.ReLU())
+        self.c = nn.Conv2d(16, 8, 1)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        return self.head((y + self.c(self.b(self.a(y)))).mean((2, 3)))
+
+
+def test_grouped_conv_width_mode_keeps_groups() -> None:
+    from pruning.api import PruneOptions
+
+    x = torch.randn(2, 3, 8, 8)
+    whole = GroupedBottleneck().eval()
+    prune_with_graph(whole, x, 0.5)
+    assert whole.b[0].groups == 2 and whole.b[0].weight.shape == (8, 4, 3, 3)  # default: 2 of 4 groups go
+    model = GroupedBottleneck().eval()
+    reference = copy.deepcopy(model)
+    graph, keep, slices = prune_with_graph(model, x, 0.5, options=PruneOptions(grouped_conv="width"))
+    conv = model.b[0]
+    assert conv.groups == 4 and conv.weight.shape == (8, 2, 3, 3) and conv.in_channels == 8
+    torch.testing.assert_close(run(model, x), run(zeroed_copy(reference, graph, keep), x), atol=1e-5, rtol=1e-4)
+    fresh = GroupedBottleneck().eval()
+    PruningPlan.from_dict(PruningPlan(steps=[slices]).to_dict()).apply(fresh)
+    fresh.load_state_dict(model.state_dict(), strict=True)
+    torch.testing.assert_close(run(fresh, x), run(model, x), atol=0, rtol=0)
