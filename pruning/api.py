@@ -34,8 +34,8 @@ class PruneOptions(BaseModel):
     ``mode``: ``local`` removes the ratio from every coupled group, ``global`` ranks all groups'
     channels against one threshold. ``max_ratio`` caps what any group may lose. ``targets``
     restricts pruning to groups whose producing modules match (e.g. only attention heads);
-    ``overrides`` maps module patterns to their own ratio. ``taylor_batches`` is how many batches
-    taylor importance reads. ``bn_recalibration_batches`` re-estimates BatchNorm statistics on that
+    ``overrides`` maps module patterns to their own ratio. ``taylor_batches`` / ``activation_batches``
+    are how many batches taylor / activation importance read. ``bn_recalibration_batches`` re-estimates BatchNorm statistics on that
     many batches of ``data`` after the cut (0: off; nothing happens without data).
     ``grouped_conv``: ``groups`` removes whole groups of grouped convs (RegNet, ResNeXt); ``width``
     keeps the group count and narrows every group alike, which keeps more of the network where the
@@ -49,6 +49,7 @@ class PruneOptions(BaseModel):
     targets: list[str] = Field(default_factory=lambda: ["*"])
     overrides: dict[str, float] = Field(default_factory=dict)
     taylor_batches: int = Field(4, ge=1)
+    activation_batches: int = Field(8, ge=1)
     bn_recalibration_batches: int = Field(8, ge=0)
     seed: int = 0
     grouped_conv: Literal["groups", "width"] = "groups"
@@ -332,7 +333,8 @@ def prune(
     dependencies. ``ignore`` lists module patterns whose outputs keep every channel (the model's
     outputs always do). ``round_to`` keeps channel counts multiples of N. ``optimizer`` state is
     sliced along with the parameters. ``data`` (batches) feeds ``importance="taylor"`` (with
-    ``loss_fn``, default cross-entropy) and BatchNorm recalibration after the cut.
+    ``loss_fn``, default cross-entropy), ``importance="activation"`` (Minitron: activation
+    magnitudes, inputs only) and BatchNorm recalibration after the cut.
     """
     check_ratio(ratio, target)
     pruner = Pruner(importance=importance, ignore=ignore, round_to=round_to, options=options)
@@ -344,6 +346,13 @@ def prune(
             raise CalibrationError("prune: importance='taylor' needs data (batches of (inputs, targets))")
         device = next(model.parameters()).device
         grads = taylor_grads(model, data, loss_fn=loss_fn, batches=pruner.options.taylor_batches, device=device)
+    elif importance == "activation":
+        if data is None:
+            raise CalibrationError("prune: importance='activation' needs data (calibration batches)")
+        from pruning.activation import activation_stats
+
+        device = next(model.parameters()).device
+        grads = activation_stats(model, data, batches=pruner.options.activation_batches, device=device)
     keep = pruner.select(model, graph, ratio=ratio, target=target, grads=grads)
     slices = pruner.cut(model, graph, keep, example_inputs, optimizer=optimizer)
     if data is not None and pruner.options.bn_recalibration_batches:

@@ -79,3 +79,34 @@ def test_buffer_added_to_channels_is_sliced() -> None:
     graph, keep, _ = prune_with_graph(model, x, 0.5)
     assert model.pos.shape == (1, 5, 8) and model.inp.out_features == 8
     torch.testing.assert_close(run(model, x), run(zeroed_copy(reference, graph, keep), x), atol=1e-5, rtol=1e-4)
+
+
+def test_activation_importance_reads_what_flows_into_the_next_layer() -> None:
+    """Minitron's criterion: an MLP channel whose activation into down_proj is silenced on the
+    calibration data goes first, whatever its weight norms say; heads likewise by o_proj's input."""
+    from pruning.api import PruneOptions, prune
+
+    model = _llm("llama", "sdpa")
+    mlp = model.model.layers[0].mlp
+    with torch.no_grad():
+        mlp.up_proj.weight[:48] *= 1e-4  # channels 0..47 carry almost nothing into down_proj
+        mlp.down_proj.weight[:, :48] *= 50.0  # ... while their down_proj weights are the largest
+    ids = torch.randint(0, 128, (4, 9))
+    data = [{"input_ids": ids[i : i + 2]} for i in (0, 2)]
+    kept = {}
+    for importance in ("activation", "l2"):
+        m = copy.deepcopy(model)
+        prune(m, ids[:2], ratio=0.5, importance=importance, data=data, options=PruneOptions(targets=HEADS_AND_MLP))
+        w = m.model.layers[0].mlp.down_proj.weight  # the kept columns, matched back to the original
+        full = mlp.down_proj.weight
+        kept[importance] = {int(torch.nonzero((full == w[:, j : j + 1]).all(0))[0]) for j in range(w.shape[1])}
+    assert kept["activation"] == set(range(48, 96))
+    assert len(kept["l2"] & set(range(48))) >= 12  # weight magnitude keeps many silenced channels
+
+
+def test_activation_importance_needs_data() -> None:
+    from compress.errors import CalibrationError
+    from pruning.api import prune
+
+    with pytest.raises(CalibrationError, match="activation"):
+        prune(_llm("llama", "sdpa"), torch.randint(0, 128, (2, 5)), ratio=0.5, importance="activation")
