@@ -72,7 +72,10 @@ class PruneSpec(PruneOptions, _PruneWhat):
 
     @property
     def needs(self) -> frozenset[str]:  # type: ignore[override]  # training only when iterative
-        return frozenset({"training"}) if self.iterative else frozenset()
+        needs = {"training"} if self.iterative else set()
+        if self.importance == "activation":
+            needs.add("calibration")  # the runner checks that calibration batches exist
+        return frozenset(needs)
 
     @property
     def iterative(self) -> bool:
