@@ -44,7 +44,8 @@ def corpus(max_chars: int) -> tuple[str, str]:
     """Train and held-out text: stdlib .py files, split by a hash of their relative path (1 in 10 held out)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.glob("*.py"))
-    train, held = [], []
+    train: list[str] = []
+    held: list[str] = []
     for p in files:
         text = p.read_text(errors="ignore")
         bucket = int(hashlib.sha1(p.name.encode()).hexdigest(), 16) % 10

@@ -153,12 +153,12 @@ def tp_prune(model: nn.Module, x: Any, ratio: float) -> None:
     import torch_pruning as tp
 
     heads: dict[nn.Module, int] = {}
-    owners = []
+    owners: list[tuple[nn.Module, nn.Linear]] = []
     for m in model.modules():
         count = next((getattr(m, a) for a in _HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
         for names_ in _QKV:
-            lins = [getattr(m, n, None) for n in names_]
-            if count and all(isinstance(lin, nn.Linear) for lin in lins):
+            lins = [lin for lin in (getattr(m, n, None) for n in names_) if isinstance(lin, nn.Linear)]
+            if count and len(lins) == len(names_):
                 heads.update(dict.fromkeys(lins, count))
                 owners.append((m, lins[0]))
     outs = {getattr(model.config, "num_labels", -1), getattr(model.config, "vocab_size", -2)}
@@ -175,7 +175,7 @@ def tp_prune(model: nn.Module, x: Any, ratio: float) -> None:
                 if isinstance(getattr(m, a, None), int):
                     setattr(m, a, q.out_features // hd)
             if isinstance(getattr(m, "all_head_size", None), int):
-                m.all_head_size = q.out_features
+                m.all_head_size = q.out_features  # type: ignore[assignment]
 
 
 # ---- the run ------------------------------------------------------------------------------------
