@@ -1,9 +1,12 @@
 """Structured pruning that physically shrinks a PyTorch model, dependency-aware.
 
 - ``pruning.trace`` / ``pruning.rules*``: the channel dependency graph from one forward pass
-  (a ``__torch_function__`` mode; label tensors replayed through shape ops).
+  (a ``__torch_function__`` mode; label tensors replayed through shape ops; ``rules_split``
+  decides whether a factored channel dim is heads, q/k/v pieces or shuffle groups; width
+  attributes a forward reshapes with are found and follow the cut).
 - ``pruning.graph``: items, atoms (channels or attention heads removed together) and groups.
-- ``pruning.importance`` / ``pruning.select``: l1, l2, bn_scale, taylor, random; local or global,
+- ``pruning.importance`` / ``pruning.select``: l1, l2, bn_scale, taylor, random, activation
+  (Minitron, ``pruning.activation``); local or global,
   caps, overrides, ``round_to``, params/MACs targets with an exact cost model.
 - ``pruning.apply`` / ``pruning.plan``: surgery (weights, norm statistics, optimizer state) and the
   replayable :class:`~pruning.plan.PruningPlan`.

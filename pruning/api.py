@@ -34,9 +34,12 @@ class PruneOptions(BaseModel):
     ``mode``: ``local`` removes the ratio from every coupled group, ``global`` ranks all groups'
     channels against one threshold. ``max_ratio`` caps what any group may lose. ``targets``
     restricts pruning to groups whose producing modules match (e.g. only attention heads);
-    ``overrides`` maps module patterns to their own ratio. ``taylor_batches`` is how many batches
-    taylor importance reads. ``bn_recalibration_batches`` re-estimates BatchNorm statistics on that
+    ``overrides`` maps module patterns to their own ratio. ``taylor_batches`` / ``activation_batches``
+    are how many batches taylor / activation importance read. ``bn_recalibration_batches`` re-estimates BatchNorm statistics on that
     many batches of ``data`` after the cut (0: off; nothing happens without data).
+    ``grouped_conv``: ``groups`` removes whole groups of grouped convs (RegNet, ResNeXt); ``width``
+    keeps the group count and narrows every group alike, which keeps more of the network where the
+    runtime runs any group width (ONNX Runtime and PyTorch do).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -46,8 +49,10 @@ class PruneOptions(BaseModel):
     targets: list[str] = Field(default_factory=lambda: ["*"])
     overrides: dict[str, float] = Field(default_factory=dict)
     taylor_batches: int = Field(4, ge=1)
+    activation_batches: int = Field(8, ge=1)
     bn_recalibration_batches: int = Field(8, ge=0)
     seed: int = 0
+    grouped_conv: Literal["groups", "width"] = "groups"
 
     @field_validator("overrides")
     @classmethod
@@ -69,6 +74,8 @@ class PruneResult:
     macs_before: int
     macs_after: int
     groups: list[dict[str, Any]] = field(default_factory=list)
+    #: groups kept whole because cutting them broke the model: modules, units, reason
+    pinned: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def params_ratio(self) -> float:
@@ -169,9 +176,12 @@ class Pruner:
         self.round_to = round_to
         self.options = options or PruneOptions()
         self.where = where
+        #: groups the last cut left whole because cutting them broke the model (modules, reason)
+        self.pinned: list[dict[str, Any]] = []
+        self._last_slices: dict[str, list[tuple[int, list[int]]]] = {}
 
     def trace(self, model: nn.Module, example_inputs: Any) -> DependencyGraph:
-        graph = trace_graph(model, example_inputs)
+        graph = trace_graph(model, example_inputs, grouped_conv=self.options.grouped_conv)
         graph.finalize(ignore_modules=_modules_of(model, self.ignore, f"{self.where}: ignore"))
         return graph
 
@@ -210,28 +220,96 @@ class Pruner:
         *,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> dict[str, list[tuple[int, list[int]]]]:
-        """Apply the cut; restore the model and raise if the result does not run with the same outputs."""
+        """Apply the cut; a model that then fails to run (or changes its output shapes) is restored.
+
+        When the whole cut fails, each group's part is tried alone: the groups whose cut breaks the
+        model (code that hard-codes their width somewhere the trace cannot see) keep all their units
+        and are listed in :attr:`pinned` with the error; the rest is cut. Only when no group alone
+        is at fault is the model refused.
+        """
+        self.pinned = []
+        failure = self._try(model, graph, keep, example_inputs, optimizer=optimizer, commit=True)
+        if failure is None:
+            return self._last_slices
+        keep = keep.copy()
+        for g in graph.groups:
+            removed = [a for a in g.atoms if not keep[a]]
+            if not removed:
+                continue
+            alone = np.ones_like(keep)
+            alone[removed] = False
+            why = self._try(model, graph, alone, example_inputs, optimizer=None, commit=False)
+            if why is not None and self._other_width_attrs(model, graph, alone, example_inputs):
+                why = None
+            if why is not None:
+                keep[removed] = True
+                self.pinned.append({"modules": ", ".join(g.modules[:4]), "units": len(g.atoms), "reason": why})
+                log.warning("%s: group of %s kept whole: cutting it alone breaks the model (%s)", self.where, ", ".join(g.modules[:3]), why)
+        again = self._try(model, graph, keep, example_inputs, optimizer=optimizer, commit=True)
+        if again is not None:
+            culprit = "" if self.pinned else "; no group alone is at fault"
+            raise UnsupportedModelError(f"{self.where}: the pruned {type(model).__name__} {again}{culprit}. Model restored.")
+        return self._last_slices
+
+    def _other_width_attrs(self, model: nn.Module, graph: DependencyGraph, keep: np.ndarray, example_inputs: Any) -> bool:
+        """Try the other readings of the width attributes this cut changes until the cut runs: another
+        attribute of the same value (one module), or none (the value came from elsewhere and only
+        matched). Every combination, up to 64 tries."""
+        import itertools
+
+        removed = ~keep
+        open_ = [
+            i for i, (cands, labels) in enumerate(graph.width_attrs)
+            if bool(removed[graph.label_atoms(labels).clamp(min=0).numpy()].any())
+        ]
+        if not open_:
+            return False
+        before = {i: graph.width_choice.get(i, 0) for i in open_}
+        combos = itertools.product(*[range(len(graph.width_attrs[i][0]) + 1) for i in open_])
+        for n, combo in enumerate(combos):
+            if n >= 64:
+                break
+            graph.width_choice.update(zip(open_, combo))
+            if self._try(model, graph, keep, example_inputs, optimizer=None, commit=False) is None:
+                return True
+        graph.width_choice.update(before)
+        return False
+
+    def _try(
+        self,
+        model: nn.Module,
+        graph: DependencyGraph,
+        keep: np.ndarray,
+        example_inputs: Any,
+        *,
+        optimizer: torch.optim.Optimizer | None,
+        commit: bool,
+    ) -> str | None:
+        """Cut, run once; restore and say why when it fails; restore anyway unless ``commit``."""
         slices = slices_from_keep(graph, keep)
         undo = apply_slices(model, slices, optimizer=optimizer)
+        why: str | None = None
+        was_training = model.training
         try:
-            was_training = model.training
+            model.train()  # drops eval-mode caches of derived tensors (LeViT's biases): they hold old widths
             model.eval()
             with torch.no_grad():
                 out = call_model(model, example_inputs)
-            model.train(was_training)
             shapes = [tuple(t.shape) for t in iter_tensors(out)]
-        except Exception as exc:
+            if shapes != graph.output_shapes:
+                why = f"changes the output shapes {graph.output_shapes} -> {shapes}"
+        except Exception as exc:  # any failure of the user's forward: the model is restored below
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            why = f"no longer runs ({type(exc).__name__}: {first})"
+        finally:
+            model.train()
+            model.train(was_training)
+        if why is not None or not commit:
             undo.undo()
-            raise UnsupportedModelError(
-                f"{self.where}: the pruned {type(model).__name__} no longer runs ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); a module hard-codes a channel count. Model restored."
-            ) from exc
-        if shapes != graph.output_shapes:
-            undo.undo()
-            raise UnsupportedModelError(
-                f"{self.where}: pruning changed the output shapes {graph.output_shapes} -> {shapes}; model restored"
-            )
-        return slices
+            model.train()
+            model.train(was_training)
+        self._last_slices = slices
+        return why
 
 
 def prune(
@@ -255,7 +333,8 @@ def prune(
     dependencies. ``ignore`` lists module patterns whose outputs keep every channel (the model's
     outputs always do). ``round_to`` keeps channel counts multiples of N. ``optimizer`` state is
     sliced along with the parameters. ``data`` (batches) feeds ``importance="taylor"`` (with
-    ``loss_fn``, default cross-entropy) and BatchNorm recalibration after the cut.
+    ``loss_fn``, default cross-entropy), ``importance="activation"`` (Minitron: activation
+    magnitudes, inputs only) and BatchNorm recalibration after the cut.
     """
     check_ratio(ratio, target)
     pruner = Pruner(importance=importance, ignore=ignore, round_to=round_to, options=options)
@@ -267,6 +346,13 @@ def prune(
             raise CalibrationError("prune: importance='taylor' needs data (batches of (inputs, targets))")
         device = next(model.parameters()).device
         grads = taylor_grads(model, data, loss_fn=loss_fn, batches=pruner.options.taylor_batches, device=device)
+    elif importance == "activation":
+        if data is None:
+            raise CalibrationError("prune: importance='activation' needs data (calibration batches)")
+        from pruning.activation import activation_stats
+
+        device = next(model.parameters()).device
+        grads = activation_stats(model, data, batches=pruner.options.activation_batches, device=device)
     keep = pruner.select(model, graph, ratio=ratio, target=target, grads=grads)
     slices = pruner.cut(model, graph, keep, example_inputs, optimizer=optimizer)
     if data is not None and pruner.options.bn_recalibration_batches:
@@ -282,8 +368,11 @@ def prune(
         macs_before,
         count_macs(model, example_inputs),
         graph.describe(),
+        list(pruner.pinned),
     )
-    plan.summary = result.metrics()
+    plan.summary = dict[str, Any](result.metrics())
+    if pruner.pinned:
+        plan.summary["pinned"] = pruner.pinned
     log.info(
         "pruned %s: params %d -> %d, MACs %d -> %d",
         type(model).__name__,

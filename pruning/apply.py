@@ -1,7 +1,8 @@
 """Physical surgery: slice parameters, buffers and optimizer state, then fix module attributes.
 
 A pruning step is a mapping ``tensor name -> [(axis, kept indices), ...]`` (what a PruningPlan
-stores). :func:`apply_slices` is the one code path for pruning and for replaying a plan, so a
+stores); a key ``attr:<module>:<attribute>`` holding ``[(-1, [value])]`` sets an int width
+attribute that the module's forward reshapes with (``self.hidden_dim``, ``self.n_heads``). :func:`apply_slices` is the one code path for pruning and for replaying a plan, so a
 replay rebuilds exactly the architecture the pruning produced. Changes are logged so that a
 model that fails its check after surgery is restored, never left half-pruned.
 """
@@ -44,7 +45,33 @@ def slices_from_keep(graph: DependencyGraph, keep: np.ndarray) -> Slices:
                 )
             others = tuple(d for d in range(mask.ndim) if d != axis)
             _add(out, c.key, axis, np.nonzero(mask.any(axis=others))[0].tolist())
+    for mod, groups in graph.group_width_convs.items():
+        out[f"{ATTR}{mod}:groups"] = [(-1, [groups])]  # the count stays; fix_module reads it
+    for i, (candidates, labels) in enumerate(graph.width_attrs):
+        choice = graph.width_choice.get(i, 0)
+        if choice >= len(candidates):
+            continue  # the cut found that no attribute holds this width
+        mod, attr = candidates[choice]
+        kept = _kept_width(graph, labels, keep)
+        if kept is not None and kept != labels.shape[1]:
+            out[f"{ATTR}{mod}:{attr}"] = [(-1, [kept])]
     return out
+
+
+def _kept_width(graph: DependencyGraph, labels: torch.Tensor, keep: np.ndarray) -> int | None:
+    """Kept indices of a reshaped dim (``labels``: other positions x that dim), when every index is
+    one unit across all other positions (heads, channels); None when it is not a width dim (the
+    code's head_dim: its indices fall with their head, not one by one)."""
+    atoms = graph.label_atoms(labels)
+    top = atoms.amax(0)
+    low = torch.where(atoms >= 0, atoms, top.expand_as(atoms)).amin(0)
+    if bool((top != low).any()) or bool((top < 0).any()):
+        return None
+    return int(keep[top.numpy()].sum())
+
+
+#: key prefix of a width attribute in a pruning step
+ATTR = "attr:"
 
 
 def _element_axis(mask: np.ndarray) -> int | None:
@@ -124,7 +151,11 @@ def apply_slices(
     owners = _owners(model)
     replaced: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[int, torch.Tensor]]]] = {}
     touched: set[int] = set()
+    modules = dict(model.named_modules())
+    attrs = {k: v for k, v in slices.items() if k.startswith(ATTR)}
     for name, entries in slices.items():
+        if name.startswith(ATTR):
+            continue
         t = tensors.get(name)
         if t is None:
             raise CompressError(f"pruning plan names '{name}', which {type(model).__name__} does not have")
@@ -155,6 +186,11 @@ def apply_slices(
                 fixed = fix_module(child, undo)
                 if fixed is not child:
                     undo.setattr(parent, cname, fixed)
+    for name, entries in attrs.items():
+        _set_width_attr(modules, name, entries, undo)
+        mod = modules[name[len(ATTR) :].rpartition(":")[0]]
+        if isinstance(mod, nn.modules.conv._ConvNd) and not mod.transposed:
+            undo.setattr(mod, "in_channels", mod.weight.shape[1] * mod.groups)  # groups set after fix_module
     for mod in model.modules():
         before = _attrs_snapshot(mod)
         sync_attention_attrs(mod)
@@ -164,6 +200,16 @@ def apply_slices(
     if optimizer is not None:
         _slice_optimizer(optimizer, replaced, undo)
     return undo
+
+
+def _set_width_attr(
+    modules: Mapping[str, nn.Module], key: str, entries: Sequence[tuple[int, Sequence[int]]], undo: UndoLog
+) -> None:
+    mod_name, _, attr = key[len(ATTR) :].rpartition(":")
+    mod = modules.get(mod_name)
+    if mod is None or type(getattr(mod, attr, None)) is not int or len(entries) != 1 or len(entries[0][1]) != 1:
+        raise CompressError(f"pruning plan sets width attribute '{key}', which the model does not have as an int")
+    undo.setattr(mod, attr, int(entries[0][1][0]))
 
 
 def _restorer(mod: nn.Module, name: str, value: Any) -> Callable[[], None]:

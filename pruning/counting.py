@@ -41,6 +41,8 @@ def _macs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) ->
     if name == "linear":
         w = args[1] if len(args) > 1 else kwargs["weight"]
         return int(out.numel() * w.shape[1])
+    if name == "addmm":
+        return int(out.numel() * args[1].shape[-1])
     if name in ("matmul", "mm", "bmm", "__matmul__", "__rmatmul__"):
         a, b = (args[1], args[0]) if name == "__rmatmul__" else (args[0], args[1])
         if a.dim() < 2 or b.dim() < 2:

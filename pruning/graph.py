@@ -90,6 +90,16 @@ class DependencyGraph:
         self.output_shapes: list[tuple[int, ...]] = []
         #: per MAC-producing call: (kind, macs, payload) used by the cost model
         self.mac_records: list[tuple[str, int, tuple[object, ...]]] = []
+        #: int attributes a forward reshapes or splits with, that may be a channel width: per call,
+        #: the candidate (module, attribute) pairs holding that value and the item ids of that dim
+        #: (positions x indices); surgery sets candidate ``width_choice[i]`` (default 0) to the
+        #: kept count when every index of the dim is one unit
+        self.width_attrs: list[tuple[list[tuple[str, str]], torch.Tensor]] = []
+        self.width_choice: dict[int, int] = {}
+        #: how grouped convs prune: "groups" (whole groups) or "width" (every group narrower)
+        self.grouped_conv = "groups"
+        #: grouped convs pruned by width: module -> group count (kept, written to the plan)
+        self.group_width_convs: dict[str, int] = {}
 
     # ---- building -----------------------------------------------------------------------------
     def coord(
@@ -236,6 +246,10 @@ class DependencyGraph:
             self.groups.append(Group(gi, atoms, coords, mods))
             for a in atoms:
                 self.atoms[a].group = gi
+
+    def item_atom(self, item: int) -> int:
+        """The atom an item ended in (after :meth:`finalize`)."""
+        return int(self._item_atom[item])
 
     def coord_atoms(self, c: Coord) -> np.ndarray:
         """Atom index of every index of coordinate ``c``."""

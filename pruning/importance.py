@@ -26,6 +26,7 @@ IMPORTANCE.add("l2", "L2 norm of the group's weight slices")
 IMPORTANCE.add("bn_scale", "|gamma| of the group's norm layers (network slimming)")
 IMPORTANCE.add("taylor", "|sum w * dL/dw| over the group's weights (first-order Taylor)")
 IMPORTANCE.add("random", "uniform random scores (a baseline)")
+IMPORTANCE.add("activation", "activation magnitude into the next layers on calibration data (Minitron)")
 _STATS: dict[str, Criterion] = {}
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
 
@@ -53,6 +54,13 @@ def _l2(w: torch.Tensor, axis: int, grad: torch.Tensor | None) -> torch.Tensor:
     return _reduce_others(w.pow(2), axis)  # square root taken per atom, after summing
 
 
+@_stat("activation")
+def _activation(w: torch.Tensor, axis: int, stat: torch.Tensor | None) -> torch.Tensor:
+    if stat is None or stat.dim() != 1 or stat.numel() != w.shape[axis]:
+        return torch.full((w.shape[axis],), float("nan"))  # not an input axis with a statistic
+    return stat.to(w.device, torch.float32)
+
+
 @_stat("taylor")
 def _taylor(w: torch.Tensor, axis: int, grad: torch.Tensor | None) -> torch.Tensor:
     if grad is None:
@@ -70,7 +78,11 @@ def atom_scores(
     grads: Mapping[str, torch.Tensor] | None = None,
     seed: int = 0,
 ) -> np.ndarray:
-    """One score per atom (higher = more important), normalized to mean 1 within each group."""
+    """One score per atom (higher = more important), normalized to mean 1 within each group.
+
+    ``grads``: gradients by parameter name for ``taylor``; for ``activation``, the per-input-channel
+    statistics of :func:`pruning.activation.activation_stats` by weight name.
+    """
     IMPORTANCE.get(criterion)  # validates the name with a did-you-mean message
     n = len(graph.atoms)
     if criterion == "random":
@@ -80,6 +92,13 @@ def atom_scores(
         modules = dict(model.named_modules())
         weight_score = _accumulate(graph, tensors, modules, "l1" if criterion == "bn_scale" else criterion, grads, False)
         raw = weight_score
+        if criterion == "activation":
+            # groups no hooked layer consumes (no statistic) fall back to weight magnitude
+            fallback = _accumulate(graph, tensors, modules, "l2", None, False)
+            for gr in graph.groups:
+                idx = np.asarray(gr.atoms)
+                if not np.any(np.isfinite(raw[idx])):
+                    raw[idx] = fallback[idx]
         if criterion == "bn_scale":
             norm_score = _accumulate(graph, tensors, modules, "l1", None, True)
             # groups without a norm layer fall back to weight magnitude
@@ -120,9 +139,13 @@ def _accumulate(
                 continue
         elif not ((OUT in c.roles or IN in c.roles) and t.dim() >= 2):
             continue
+        elif criterion == "activation" and IN not in c.roles:
+            continue  # activations are read where channels are consumed
         with torch.no_grad():
             stat = fn(t.detach().float(), c.axis, None if grads is None else grads.get(c.key))
         per_index = stat.double().cpu().numpy()
+        if np.isnan(per_index).all():
+            continue
         atoms = graph.coord_atoms(c)
         per_atom = np.bincount(atoms, weights=per_index, minlength=n)
         if criterion == "l2":

@@ -3,7 +3,7 @@ with an optional sparsity-inducing phase (BN L1 or group lasso) before the first
 
     - type: prune
       ratio: 0.5            # or target: {macs: 0.5}
-      importance: l2        # l1 | l2 | bn_scale | taylor | random
+      importance: l2        # l1 | l2 | bn_scale | taylor | random | activation
       steps: 4              # > 1: iterative; needs a training stage
       interval_epochs: 1
       schedule: agp         # cumulative ratio 1 - (1 - k/N)^3 (Zhu & Gupta) or linear
@@ -50,7 +50,7 @@ class _PruneWhat(ModifierSpec):
     type: Literal["prune"] = "prune"
     ratio: float | None = None
     target: dict[str, float] | None = None
-    importance: Literal["l1", "l2", "bn_scale", "taylor", "random"] = "l2"
+    importance: Literal["l1", "l2", "bn_scale", "taylor", "random", "activation"] = "l2"
     ignore: list[str] = Field(default_factory=list)
     round_to: int = Field(1, ge=1)
 
@@ -72,7 +72,10 @@ class PruneSpec(PruneOptions, _PruneWhat):
 
     @property
     def needs(self) -> frozenset[str]:  # type: ignore[override]  # training only when iterative
-        return frozenset({"training"}) if self.iterative else frozenset()
+        needs = {"training"} if self.iterative else set()
+        if self.importance == "activation":
+            needs.add("calibration")  # the runner checks that calibration batches exist
+        return frozenset(needs)
 
     @property
     def iterative(self) -> bool:
@@ -195,6 +198,13 @@ class PruneModifier(Modifier[PruneSpec]):
             if data is None:
                 raise CalibrationError(f"{self.where}: taylor importance needs training or calibration data")
             grads = taylor_grads(model, data, loss_fn=state.loss_fn, batches=s.taylor_batches, device=state.device)
+        elif s.importance == "activation":
+            from pruning.activation import activation_stats
+
+            data = state.calibration_data or state.train_data
+            if data is None:
+                raise CalibrationError(f"{self.where}: activation importance needs calibration or training data")
+            grads = activation_stats(model, data, batches=s.activation_batches, device=state.device)
         if s.ratio is not None and s.mode == "local":
             # cumulative ratios against each group's size before the first step (no compounding floors)
             base = {}

@@ -8,7 +8,6 @@ UnsupportedModelError, never a guess.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 from pruning.graph import NORM
+from pruning.rules_split import PendingSplit, factor, resolve, splits_outer
 from pruning.trace import iter_tensors
 
 if TYPE_CHECKING:
@@ -154,14 +154,15 @@ def elementwise(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs:
     shape = tuple(out.shape)
     labs: list[torch.Tensor] = []
     consts: list[torch.Tensor] = []
-    for t in iter_tensors((args, kwargs)):
-        lab = tr.labels(t)
+    tensors = list(iter_tensors((args, kwargs)))
+    if not any(tr.labels(t) is not None for t in tensors):
+        return
+    for t in tensors:
+        lab = tr.labels(t, buffers=True)
         if lab is None:
             consts.append(t)
         else:
             labs.append(lab.broadcast_to(shape))
-    if not labs:
-        return
     for other in labs[1:]:
         tr.graph.union_tensors(labs[0], other)
     res = labs[0]
@@ -215,21 +216,69 @@ def _blocks(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], lis
     return out
 
 
-def _reshape_constraints(tr: Tracer, name: str, lab_in: torch.Tensor, lab_out: torch.Tensor) -> None:
+def _reshape_constraints(
+    tr: Tracer, name: str, lab_in: torch.Tensor, lab_out: torch.Tensor, pending: PendingSplit | None
+) -> PendingSplit | None:
+    """Constraints of a reshape; returns the split of a channel dim it starts, if any."""
+    started = None
     for din, dout in _blocks(tuple(lab_in.shape), tuple(lab_out.shape)):
+        if len(din) > 1 and len(dout) == 1 and pending is not None and not pending.resolved:
+            if any(_varies(tr, lab_in, d) for d in din):
+                resolve(tr, pending, pieces=True)  # a split merged back (channel shuffle)
+            continue
         if len(dout) < 2 or not any(_varies(tr, lab_in, d) for d in din):
             continue
         if len(din) > 1:
             # a many-to-many reshape of channels has no index mapping that pruning could keep
             tr.graph.pin(lab_in, f"'{name}' regrouping channel dims {tr.where()}")
             continue
-        # a channel dim split in (outer, inner...): whole outer rows go together (attention heads),
-        # so the code's fixed inner sizes (head_dim) stay valid
-        rest = [d for d in range(lab_out.dim()) if d not in dout]
-        moved = lab_out.permute(*rest, *dout)
-        inner = math.prod(lab_out.shape[d] for d in dout[1:])
-        rows = moved.reshape(*moved.shape[: len(rest)], lab_out.shape[dout[0]], inner)
-        tr.graph.union_tensors(rows, rows[..., :1].expand_as(rows))
+        # a channel dim split in (outer, inner...): rows of the outer factor (heads) or pieces of it
+        # (q/k/v, shuffle groups) become units, as the ops that follow say
+        started = started or factor(tr, lab_out, dout)
+    return started
+
+
+def _shape_arg(args: tuple[Any, ...]) -> list[Any]:
+    rest = list(args[1:])
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+        return list(rest[0])
+    return rest
+
+
+def _width_attributes(tr: Tracer, name: str, args: tuple[Any, ...], lab_out: torch.Tensor) -> None:
+    """Record module int attributes that a reshape passes as the size of a channel dim.
+
+    ``x.reshape(n, self.hidden_dim, -1)`` or ``view(b, n, self.num_heads, self.head_dim)``: the
+    pruned model must reshape with the new width, so surgery updates the attribute (found by value
+    on the modules whose forward is running, innermost first). A value no module holds came from a
+    shape (dynamic, nothing to do) or a literal (the cut's check then names the failing group).
+    """
+    shape = _shape_arg(args)
+    if len(shape) != lab_out.dim():
+        return
+    for d, size in enumerate(shape):
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 1 or not _varies(tr, lab_out, d):
+            continue
+        if any(type(s) is int and s == size and _varies(tr, lab_out, j) for j, s in enumerate(shape) if j != d):
+            continue  # two channel dims of that value: which one an attribute sizes is not knowable
+        held = _attribute_holding(tr, size)
+        if held:
+            # which dims are channel units is known once the trace ends (slices_from_keep)
+            tr.graph.width_attrs.append((held, lab_out.movedim(d, -1).reshape(-1, lab_out.shape[d])))
+
+
+def _attribute_holding(tr: Tracer, size: int) -> list[tuple[str, str]]:
+    """The int attributes of value ``size`` on the innermost running module that has any.
+
+    One module may hold several (GPT-2's ``split_size == embed_dim``, Conv1D's ``nf == nx``):
+    which one the code used is not knowable from values, so the first is taken and the cut tries
+    the others when the pruned model does not run.
+    """
+    for mod_name, mod in reversed(tr.stack):
+        hits = [k for k, v in vars(mod).items() if type(v) is int and v == size and not k.startswith("_")]
+        if hits:
+            return [(mod_name, k) for k in hits]
+    return []
 
 
 def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -239,16 +288,32 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
         raise tr.unsupported(name, "could not replay it on channel labels")
     x = next(iter_tensors(args))
     lab_in = tr.labels_or_blank(x)
+    pending = tr.pending.get(id(x))
+    if pending is not None and not pending.resolved and name in SPLIT | SELECT:
+        # q, k, v = qkv.unbind(0) / qkv[0] take pieces; a split inside the rows (LeViT's
+        # split([key_dim, key_dim, d], dim=3), RoPE's x[..., : hd // 2]) says the rows are the units
+        resolve(tr, pending, pieces=splits_outer(tr, pending, labs))
+    if pending is not None and pending.resolved:
+        pending = None
     if name in RESHAPE:
-        _reshape_constraints(tr, name, lab_in, labs[0])
+        pending = _reshape_constraints(tr, name, lab_in, labs[0], pending) or pending
+        if name in ("view", "reshape"):
+            _width_attributes(tr, name, args, labs[0])
     elif name in SPLIT and len(labs) > 1:
         same = all(tuple(lab.shape) == tuple(labs[0].shape) for lab in labs)
         sizes_fixed = name in ("split", "split_with_sizes") or (
             name == "tensor_split" and not isinstance(_arg(args, kwargs, 1, "indices_or_sections"), int)
         )
-        if sizes_fixed:
+        size = _arg(args, kwargs, 1, "split_size_or_sections")
+        dims = [d for d in range(lab_in.dim()) if any(lab.dim() == lab_in.dim() and lab.shape[d] != lab_in.shape[d] for lab in labs)]
+        held = _attribute_holding(tr, size) if sizes_fixed and same and type(size) is int and len(dims) == 1 else []
+        if held:
+            # split(self.split_size) (GPT-2's fused qkv): equal pieces whose size follows the cut
+            for lab in labs[1:]:
+                tr.graph.union_tensors(labs[0], lab)
+            tr.graph.width_attrs.append((held, labs[0].movedim(dims[0], -1).reshape(-1, labs[0].shape[dims[0]])))
+        elif sizes_fixed:
             # split(x, 12) keeps cutting at 12 after pruning: channels of a split dim stay
-            dims = [d for d in range(lab_in.dim()) if any(lab.dim() == lab_in.dim() and lab.shape[d] != lab_in.shape[d] for lab in labs)]
             if any(_varies(tr, lab_in, d) for d in dims):
                 tr.graph.pin(lab_in, f"'{name}' at fixed sizes {tr.where()}")
         elif same:
@@ -261,16 +326,41 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
             if any(_varies(tr, lab_in, d) for d in dims):
                 tr.graph.pin(lab_in, f"'{name}' into unequal channel pieces {tr.where()}")
     elif name in SELECT:
+        tensor_index = any(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in iter_tensors(args[1:]))
+        idims = _indexed_dims(name, args, kwargs, lab_in.dim()) if tensor_index else []
+        if idims and tr.is_param(x):
+            # a table indexed by positions (relative-position bias[index]): what the index picks is
+            # a position, the other dims (heads) stay units
+            for d in idims:
+                tr.graph.union_tensors(lab_in, lab_in.narrow(d, 0, 1).expand_as(lab_in))
         r_in = set(torch.unique(tr.graph.roots(lab_in)).tolist()) - {-1}
         r_out = set(torch.unique(tr.graph.roots(labs[0])).tolist()) - {-1}
-        tensor_index = any(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in iter_tensors(args[1:]))
-        if r_in - r_out or (tensor_index and len(r_in) > 1):
+        indexes_channels = tensor_index and (idims is None or any(_varies(tr, lab_in, d) for d in idims)) and len(r_in) > 1
+        if r_in - r_out or indexes_channels:
             # a fixed index/slice into channels would select other channels after pruning
             tr.graph.pin(lab_in, f"'{name}' selecting channels {tr.where()}")
     for t, lab in zip(outs, labs):
         if tuple(t.shape) != tuple(lab.shape):
             raise tr.unsupported(name, "could not replay it on channel labels")
         tr.set_labels(t, lab)
+        if pending is not None:
+            tr.pending[id(t)] = pending
+
+
+def _indexed_dims(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> list[int] | None:
+    """Dims an integer tensor indexes (``t[idx]``, ``t[:, idx]``, ``index_select``); None if unclear."""
+    if name == "index_select":
+        return [int(_arg(args, kwargs, 1, "dim")) % ndim]
+    if name != "getitem" or len(args) < 2:
+        return None
+    key = args[1] if isinstance(args[1], tuple) else (args[1],)
+    out: list[int] = []
+    for pos, k in enumerate(key):
+        if k is Ellipsis or k is None or (isinstance(k, torch.Tensor) and k.dtype == torch.bool):
+            return None
+        if isinstance(k, torch.Tensor):
+            out.append(pos)
+    return out
 
 
 def _dims(arg: Any, ndim: int) -> tuple[int, ...] | None:
@@ -322,6 +412,22 @@ def spatial(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dic
     tr.set_labels(y, res.expand(y.shape))
 
 
+def pad(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """``F.pad`` pads the last ``len(pad) // 2`` dims, whatever the layout (Swin pads (B, H, W, C) with
+    (0, 0, 0, pad_r, 0, pad_b)): only dims it actually pads must not hold channels."""
+    x = args[0] if args else kwargs["input"]
+    lab = tr.labels(x)
+    widths = _arg(args, kwargs, 1, "pad")
+    if lab is None or not isinstance(out, torch.Tensor):
+        return
+    padded = [x.dim() - 1 - i // 2 for i, w in enumerate(widths) if w != 0]
+    padded = sorted({d for d in padded if d >= 0})
+    res = _const_along(lab, tuple(padded))
+    if bool((res < 0).any() & (lab >= 0).any()):
+        tr.graph.pin(lab, f"'{name}' over channel-varying dims {tr.where()}")
+    tr.set_labels(out, res.expand(out.shape))
+
+
 def setitem(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     target, value = args[0], args[2] if len(args) > 2 else None
     lab = tr.labels(target)
@@ -355,6 +461,7 @@ def _generic_rules() -> dict[str, Rule]:
     table.update(dict.fromkeys(RESHAPE | LAYOUT | SPLIT | SELECT, layout))
     table.update(dict.fromkeys(REDUCE, reduce))
     table.update(dict.fromkeys(SPATIAL, spatial))
+    table["pad"] = pad
     table.update(dict.fromkeys(NO_LABELS, no_labels))
     table.update(dict.fromkeys(ARG, arg_op))
     table.update(ra.RULES)
@@ -373,6 +480,7 @@ def handle(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
 
     module_rule = MODULE_OPS.get(name)
     if module_rule is not None:
+        settle(tr, args, kwargs)
         module_rule(tr, name, func, args, kwargs, out)
         return
     if name == "setitem":
@@ -385,7 +493,18 @@ def handle(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
     rule = _RULES.get(name)
     if rule is None:
         raise tr.unsupported(name)
+    if rule is not layout:
+        settle(tr, args, kwargs)
     rule(tr, name, func, args, kwargs, out)
+
+
+def settle(tr: Tracer, args: Any, kwargs: Any) -> None:
+    """A split channel dim reaching a computing op: its outer rows are the units (heads)."""
+    if tr.pending:
+        for t in iter_tensors((args, kwargs)):
+            p = tr.pending.get(id(t))
+            if p is not None:
+                resolve(tr, p, pieces=False)
 
 
 def leaf_rule(mod: nn.Module) -> Callable[..., None] | None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from pruning.attention import PrunedMultiheadAttention
 from pruning.graph import IN, OUT
-from pruning.rules import _along, _couple, _norm_items, _pin_if_shaped, _varies
+from pruning.rules import _along, _const_along, _couple, _norm_items, _pin_if_shaped, _varies
 
 if TYPE_CHECKING:
     from pruning.trace import Tracer
@@ -36,6 +37,11 @@ def matmul_labels(tr: Tracer, a: torch.Tensor, b: torch.Tensor, op: str) -> torc
     A = a.broadcast_to((*batch, *a.shape[-2:]))
     B = b.broadcast_to((*batch, *b.shape[-2:]))
     g = tr.graph
+    # channels contracted against a tensor without channels (an input, a constant) cannot shrink
+    if bool((B < 0).all()) and _varies(tr, A, -1):
+        g.pin(A, f"'{op}' contracting channels with a fixed tensor {tr.where()}")
+    if bool((A < 0).all()) and _varies(tr, B, -2):
+        g.pin(B, f"'{op}' contracting channels with a fixed tensor {tr.where()}")
     g.union_tensors(A, A[..., :1, :].expand_as(A))
     g.union_tensors(B, B[..., :, :1].expand_as(B))
     g.union_tensors(A[..., 0, :], B[..., :, 0])
@@ -66,6 +72,11 @@ def matmul(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
     a, b = (args[1], args[0]) if name == "__rmatmul__" else (args[0], args[1])
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise tr.unsupported(name, "non-tensor operand")
+    if tr.is_param(b) and b.dim() == 2 and not tr.is_param(a) and a.dim() >= 1:
+        from pruning.rules_modules import linear_t
+
+        linear_t(tr, name, a, b, None, out)  # x @ W: a Linear stored transposed
+        return
     if tr.is_param(a) or tr.is_param(b):
         # x @ W with a bare weight: its rows and columns would both need slicing; keep the channels
         for t in (a, b):
@@ -80,16 +91,104 @@ def matmul(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
 
 def sdpa(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     q, k, v = (args[i] if len(args) > i else kwargs[n] for i, n in enumerate(("query", "key", "value")))
-    if kwargs.get("enable_gqa"):
-        raise tr.unsupported(name, "grouped-query attention (enable_gqa) is not supported")
     ql, kl, vl = (tr.labels_or_blank(t) for t in (q, k, v))
+    if kwargs.get("enable_gqa") and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        # grouped-query attention: query head h reads key/value head h // n_rep, exactly as if the
+        # code had repeated k and v itself (transformers' repeat_kv); the labels say so
+        n_rep = q.shape[-3] // k.shape[-3]
+        kl, vl = (lab.repeat_interleave(n_rep, dim=-3) for lab in (kl, vl))
     scores = matmul_labels(tr, ql, kl.transpose(-2, -1), name)
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
     if scores is not None and isinstance(mask, torch.Tensor):
-        _pin_if_shaped(tr, scores, mask, name)
+        mlab = tr.labels(mask) if mask.is_floating_point() else None
+        if mlab is not None:
+            # a learned additive bias per head (T5's relative position bias): its heads are these heads
+            tr.graph.union_tensors(scores, mlab.broadcast_to(scores.shape))
+        else:
+            _pin_if_shaped(tr, scores, mask, name)
     res = matmul_labels(tr, scores, vl, name) if scores is not None else None
     if res is not None:
         tr.set_labels(out, res.reshape(out.shape))
+
+
+def _einsum_spec(eq: str, ndims: list[int]) -> tuple[list[str], str] | None:
+    """Operand and output subscripts with ``...`` spelled out; None for diagonals or bad input."""
+    eq = eq.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    ins = lhs.split(",")
+    if len(ins) != len(ndims):
+        return None
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    width = max((n - len(t.replace("...", "")) for t, n in zip(ins, ndims) if "..." in t), default=0)
+    ell = "".join(spare[:width])
+    out_ins = []
+    for t, n in zip(ins, ndims):
+        if "..." in t:
+            t = t.replace("...", ell[width - (n - len(t.replace("...", ""))) :])
+        if len(t) != n or len(set(t)) != len(t):
+            return None
+        out_ins.append(t)
+    if not arrow:
+        counts = {c: sum(t.count(c) for t in out_ins) for c in set("".join(out_ins))}
+        rhs = ell + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ell))
+    rhs = rhs.replace("...", ell)
+    return out_ins, rhs
+
+
+def einsum(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """``einsum`` with one or two operands, as a permute/reduce or a batched matmul of the labels."""
+    eq = args[0]
+    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
+    spec = _einsum_spec(eq, [o.dim() for o in ops]) if isinstance(eq, str) else None
+    if spec is None or len(ops) > 2 or not isinstance(out, torch.Tensor):
+        raise tr.unsupported(name, f"equation {eq!r} (diagonals, or more than two operands)")
+    ins, rhs = spec
+    if any(tr.is_param(o) for o in ops):
+        for o in ops:  # a bare weight's rows and columns would both need slicing; keep the channels
+            lab = tr.labels(o, bare=False)
+            if lab is not None:
+                tr.graph.pin(lab, f"'{name}' with a bare weight {tr.where()}")
+        return
+    labs = [tr.labels_or_blank(o) for o in ops]
+    sizes = {c: n for t, o in zip(ins, ops) for c, n in zip(t, o.shape)}
+    if len(ops) == 1:
+        t, lab = ins[0], labs[0]
+        gone = tuple(i for i, c in enumerate(t) if c not in rhs)
+        red = _const_along(lab, gone, keepdim=False)
+        kept = [c for c in t if c in rhs]
+        tr.set_labels(out, red.permute(*[kept.index(c) for c in rhs]))
+        return
+    (ta, tb), (la, lb) = ins, labs
+    # letters summed inside one operand only reduce it first
+    la, ta = _einsum_reduce(la, ta, tb + rhs)
+    lb, tb = _einsum_reduce(lb, tb, ta + rhs)
+    batch = [c for c in ta if c in tb and c in rhs]
+    ka = [c for c in ta if c in tb and c not in rhs]
+    ma, nb = [c for c in ta if c not in tb], [c for c in tb if c not in ta]
+
+    def arrange(lab: torch.Tensor, t: str, first: list[str], second: list[str]) -> torch.Tensor:
+        def size(c: str) -> int:
+            return lab.shape[t.index(c)] if c in t else 1
+
+        moved = lab.permute(*[t.index(c) for c in batch + first + second])
+        dims = [size(c) for c in batch] + [math.prod(size(c) for c in first), math.prod(size(c) for c in second)]
+        return moved.reshape(dims)
+
+    A = arrange(la, ta, ma, ka)
+    B = arrange(lb, tb, ka, nb)
+    res = matmul_labels(tr, A, B, name)
+    if res is None:
+        return
+    full = res.reshape(*[res.shape[i] for i in range(len(batch))], *[sizes[c] for c in ma], *[sizes[c] for c in nb])
+    order = batch + ma + nb
+    tr.set_labels(out, full.permute(*[order.index(c) for c in rhs]).broadcast_to(out.shape))
+
+
+def _einsum_reduce(lab: torch.Tensor, t: str, others: str) -> tuple[torch.Tensor, str]:
+    gone = tuple(i for i, c in enumerate(t) if c not in others)
+    if not gone:
+        return lab, t
+    return _const_along(lab, gone, keepdim=False), "".join(c for c in t if c in others)
 
 
 def unsupported_matmul(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
@@ -102,7 +201,8 @@ RULES = {
     "bmm": matmul,
     "__rmatmul__": matmul,
     "scaled_dot_product_attention": sdpa,
-    **dict.fromkeys(("einsum", "baddbmm", "addmm", "addbmm", "addmv", "mv", "dot", "bilinear", "tensordot"), unsupported_matmul),
+    "einsum": einsum,
+    **dict.fromkeys(("baddbmm", "addbmm", "addmv", "mv", "dot", "bilinear", "tensordot"), unsupported_matmul),
 }
 
 

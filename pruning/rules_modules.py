@@ -42,6 +42,12 @@ def conv(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[s
         wout = g.coord(wn, 0, cout, OUT, mod)
         if groups == 1:
             ins = g.item_labels(g.coord(wn, 1, cin, IN, mod))
+        elif g.grouped_conv == "width" and ipg > 1:
+            # every group loses the same local input and output indices: groups stay, narrower
+            ins = g.item_labels(g.coord(wn, 1, ipg, IN, mod)).repeat(groups)
+            outs = g.item_labels(wout).view(groups, cout // groups)
+            g.union_tensors(outs, outs[:1].expand_as(outs))
+            g.group_width_convs[mod] = groups
         else:
             # a conv group is kept or removed whole: its inputs and outputs form one atom
             ins = g.item_labels(g.coord(mod + "#in", None, cin, VIRTUAL, mod))
@@ -76,6 +82,31 @@ def linear(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
     _couple(tr, tr.labels(x), -1, g.item_labels(g.coord(wn, 1, nin, IN, mod)))
     tr.set_labels(out, _along(out_items, -1, tuple(out.shape)))
     g.mac_records.append(("weight", int(out.numel() * nin), (wn,)))
+
+
+def linear_t(tr: Tracer, name: str, x: Any, w: torch.Tensor, b: Any, out: Any) -> None:
+    """``x @ W`` / ``addmm(b, x, W)`` with a bare (in, out) weight: a Linear stored transposed
+    (transformers' Conv1D in GPT-2)."""
+    wn = str(tr.param_name(w))
+    mod = wn.rsplit(".", 1)[0]
+    g = tr.graph
+    nin, nout = w.shape
+    out_items = g.item_labels(g.coord(wn, 1, nout, OUT, mod))
+    bias_items = _norm_items(tr, [b], nout, mod)
+    if bias_items is not None:
+        g.union_tensors(out_items, bias_items)
+    _couple(tr, tr.labels(x), -1, g.item_labels(g.coord(wn, 0, nin, IN, mod)))
+    tr.set_labels(out, _along(out_items, -1, tuple(out.shape)))
+    g.mac_records.append(("weight", int(out.numel() * nin), (wn,)))
+
+
+def addmm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    b, x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "mat1"), _arg(args, kwargs, 2, "mat2")
+    if tr.is_param(w) and w.dim() == 2 and not tr.is_param(x) and (not isinstance(b, torch.Tensor) or b.dim() <= 1):
+        linear_t(tr, name, x, w, b, out)
+        return
+    if any(tr.labels(t) is not None for t in iter_tensors(args)):
+        raise tr.unsupported(name, "only addmm(bias, x, weight) with a weight parameter is supported")
 
 
 def _passthrough_norm(tr: Tracer, x: torch.Tensor, out: torch.Tensor, dim: int, items: torch.Tensor | None) -> None:
@@ -158,6 +189,7 @@ def mha_functional(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwar
 MODULE_OPS: dict[str, Rule] = {
     **dict.fromkeys(("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"), conv),
     "linear": linear,
+    "addmm": addmm,
     "batch_norm": batch_norm,
     "instance_norm": batch_norm,
     "layer_norm": layer_norm,

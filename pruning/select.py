@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pruning.graph import ELEMENT, DependencyGraph, Group
+from pruning.graph import ELEMENT, OUT, DependencyGraph, Group
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -93,7 +93,21 @@ def choose(
             continue
         order = sorted(prunable, key=lambda a: (scores[a], a))
         keep[np.asarray(order[:n_remove])] = False
+    _keep_every_layer(graph, scores, keep, rules)
     return keep
+
+
+def _keep_every_layer(graph: DependencyGraph, scores: np.ndarray, keep: np.ndarray, rules: SelectionRules) -> None:
+    """No producing tensor may lose all its outputs (a weight of shape [0, ...]): when a unit spans a
+    whole layer's output (a shuffled branch, a tiny layer), its best ``round_to`` units stay."""
+    for c in graph.coords:
+        if OUT not in c.roles or c.axis is None:
+            continue
+        atoms = np.unique(graph.coord_atoms(c))
+        if keep[atoms].any():
+            continue
+        best = sorted(atoms.tolist(), key=lambda a: (-scores[a], a))[: max(1, rules.round_to)]
+        keep[np.asarray(best)] = True
 
 
 def _global_budget(

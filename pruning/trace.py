@@ -22,6 +22,7 @@ from compress.batching import call_model
 from compress.errors import UnsupportedModelError
 from pruning.graph import ELEMENT, DependencyGraph
 from pruning.observe import ObserverMode
+from pruning.rules_split import PendingSplit, resolve
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,10 @@ class Tracer(ObserverMode):
         self.model = model
         self.graph = graph
         self.names: dict[int, str] = {}
+        self._param_ids: set[int] = set()
         for n, p in model.named_parameters(remove_duplicate=False):
             self.names.setdefault(id(p), n)
+            self._param_ids.add(id(p))
         for n, b in model.named_buffers(remove_duplicate=False):
             self.names.setdefault(id(b), n)
         self._labels: dict[int, torch.Tensor] = {}
@@ -72,6 +75,8 @@ class Tracer(ObserverMode):
         self.stack: list[tuple[str, nn.Module]] = []
         self.leaf_depth = 0
         self.calls: dict[str, int] = {}
+        #: tensor id -> the channel split it carries, while the unit is undecided (rules_split)
+        self.pending: dict[int, PendingSplit] = {}
         from pruning import rules
 
         self._rules = rules
@@ -83,15 +88,21 @@ class Tracer(ObserverMode):
         self._labels[id(t)] = labels
         self._alive.append(t)
 
-    def labels(self, t: torch.Tensor, *, bare: bool = True) -> torch.Tensor | None:
-        """Labels of ``t``; a model parameter used directly gets one item per element."""
+    def labels(self, t: torch.Tensor, *, bare: bool = True, buffers: bool = False) -> torch.Tensor | None:
+        """Labels of ``t``; a model parameter used directly gets one item per element.
+
+        A buffer is a constant (RoPE's ``inv_freq``, a fixed sin-cos table): what is computed from
+        it carries no channel identity, else its elements would tie every channel they meet into
+        one unit. Only an op that combines a buffer itself with channels (``x + pos_buffer``) asks
+        for its elements (``buffers=True``), so that they are sliced with those channels.
+        """
         got = self._labels.get(id(t))
         if got is not None:
             return got
         if not bare or not t.is_floating_point():
             return None
         name = self.names.get(id(t))
-        if name is None:
+        if name is None or (not buffers and id(t) not in self._param_ids):
             return None
         mod = name.rsplit(".", 1)[0] if "." in name else ""
         c = self.graph.coord(name, None, t.numel(), ELEMENT, mod, tuple(t.shape))
@@ -158,15 +169,21 @@ def _hooks(tracer: Tracer, model: nn.Module) -> list[torch.utils.hooks.Removable
     return handles
 
 
-def trace_graph(model: nn.Module, example_inputs: Any) -> DependencyGraph:
+def trace_graph(model: nn.Module, example_inputs: Any, *, grouped_conv: str = "groups") -> DependencyGraph:
     """Run ``model`` once on ``example_inputs`` and return its (unfinalized) dependency graph.
 
     The model runs in eval mode (restored after) so that tracing changes no statistics.
+    ``grouped_conv``: ``groups`` removes whole groups of a grouped conv; ``width`` narrows every
+    group alike (the group count stays; depthwise convs prune by channel either way).
     """
     graph = DependencyGraph()
+    graph.grouped_conv = grouped_conv
     tracer = Tracer(model, graph)
     handles = _hooks(tracer, model)
     was_training = model.training
+    # train() then eval(): modules that cache derived tensors in eval mode (LeViT's attention-bias
+    # cache) drop them on train(), so the trace sees them computed from their parameters
+    model.train()
     model.eval()
     try:
         with tracer:
@@ -175,6 +192,8 @@ def trace_graph(model: nn.Module, example_inputs: Any) -> DependencyGraph:
         for h in handles:
             h.remove()
         model.train(was_training)
+    for p in tracer.pending.values():
+        resolve(tracer, p, pieces=False)
     outs = list(iter_tensors(out))
     if not outs:
         raise UnsupportedModelError(f"{type(model).__name__} returned no tensor to trace")

@@ -68,7 +68,7 @@ def test_tracing_under_no_grad_gives_the_same_result(context: type) -> None:
     torch.testing.assert_close(run(a, x), run(b, x))
 
 
-class EinsumNet(nn.Module):
+class TensordotNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(8, 16)
@@ -76,34 +76,64 @@ class EinsumNet(nn.Module):
         self.head = nn.Linear(16, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.einsum("bc,cd->bd", self.proj(x), self.mix))
+        return self.head(torch.tensordot(self.proj(x), self.mix, dims=1))
 
 
 def test_unsupported_op_names_op_and_module() -> None:
-    model = EinsumNet()
-    with pytest.raises(UnsupportedModelError, match=r"op 'einsum' in .*EinsumNet"):
+    model = TensordotNet()
+    with pytest.raises(UnsupportedModelError, match=r"op 'tensordot' in .*TensordotNet"):
         prune(model, torch.randn(3, 8), ratio=0.5)
 
 
 class HardCoded(nn.Module):
-    """Reshapes with a literal channel count: no trace can know the 16 is a channel count."""
+    """Reshapes with a literal channel count: no trace can know the 16 is a channel count. The MLP
+    beside it has no such problem."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(3, 16, 3, padding=1)
         self.head = nn.Linear(16 * 64, 2)
+        self.fc1, self.fc2 = nn.Linear(3, 12), nn.Linear(12, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(F.relu(self.conv(x)).reshape(x.shape[0], 16 * 64))
+        y = self.head(F.relu(self.conv(x)).reshape(x.shape[0], 16 * 64))
+        return y + self.fc2(F.relu(self.fc1(x.mean((2, 3)))))
 
 
-def test_hard_coded_channel_count_is_caught_and_model_restored() -> None:
+def test_hard_coded_channel_count_pins_only_that_group() -> None:
     model = HardCoded().eval()
     x = torch.randn(2, 3, 8, 8)
-    y = run(model, x)
-    with pytest.raises(UnsupportedModelError, match=r"no longer runs.*Model restored"):
-        prune(model, x, ratio=0.5)
+    result = prune(model, x, ratio=0.5)
+    # the conv's cut alone breaks the forward: it keeps its channels, named with the error
     assert model.conv.out_channels == 16 and model.conv.weight.shape[0] == 16
+    (pinned,) = result.pinned
+    assert pinned["modules"] == "conv" and "no longer runs" in pinned["reason"]
+    assert result.plan.summary["pinned"] == result.pinned
+    # the rest is pruned
+    assert model.fc1.out_features == 6 and model.fc2.in_features == 6
+
+
+def test_model_refused_and_restored_when_no_group_alone_breaks_it() -> None:
+    class Pair(nn.Module):
+        """Code that needs 12 features in total: either branch may be cut, not both."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(4, 8)
+            self.head_a, self.head_b = nn.Linear(8, 2), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            ha, hb = self.a(x), self.b(x)
+            if ha.shape[-1] + hb.shape[-1] < 12:
+                raise ValueError("needs at least 12 features")
+            return self.head_a(ha) + self.head_b(hb)
+
+    model = Pair().eval()
+    x = torch.randn(2, 4)
+    y = run(model, x)
+    with pytest.raises(UnsupportedModelError, match=r"no group alone is at fault\. Model restored"):
+        prune(model, x, ratio=0.5)
+    assert model.a.out_features == 8 and model.b.out_features == 8
     torch.testing.assert_close(run(model, x), y, atol=0, rtol=0)
 
 
