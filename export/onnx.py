@@ -25,6 +25,7 @@ from torch import nn
 
 from compress.batching import call_model
 from compress.errors import ExportError
+from compress.io import umask_mode
 from export import edge, qdq
 
 log = logging.getLogger(__name__)
@@ -390,6 +391,9 @@ def _atomic_save(proto: onnx.ModelProto, path: Path) -> None:
             os.replace(tmp_data, path.parent / data_name)
         else:
             onnx.save_model(proto, tmp)
+        os.chmod(tmp, umask_mode())  # mkstemp makes it 0600; the file gets the mode open() would give
+        if external:
+            os.chmod(path.parent / data_name, umask_mode())
         os.replace(tmp, path)
     except OSError as exc:
         raise ExportError(f"cannot write '{path}': {exc.strerror or exc}") from None

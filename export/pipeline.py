@@ -71,15 +71,6 @@ def _kept_float(model: nn.Module) -> dict[str, str]:
     return dict(getattr(placement, "floats", {}))
 
 
-def _umask_mode(path: Path) -> None:
-    """The exported file gets the mode open() would give it (the ONNX writer's temp file is 0600)."""
-    from compress.io import umask_mode
-
-    for p in (path, path.with_name(path.name + ".data")):
-        if p.exists():
-            p.chmod(umask_mode())
-
-
 def _export_one(
     model: nn.Module, example_inputs: Any, spec: ExportSpec, path: Path, *, role: Role, fp16: bool,
     metadata: Mapping[str, str] | None, quantized: bool,
@@ -90,7 +81,6 @@ def _export_one(
         activation_dtype=spec.activation_dtype, reduce_range=spec.reduce_range, fp16=fp16,
         simplify=spec.simplify, metadata=props,
     )
-    _umask_mode(path)
     rec = describe_onnx(path, role=role)
     if quantized:
         rec.kept_float = _kept_float(model)

@@ -161,13 +161,13 @@ def _fake_quantizer_cls() -> type | None:
 
 
 def iter_quantizers(model: nn.Module) -> Iterator[tuple[str, Any]]:
-    """``(qualified name, FakeQuantizer)`` for every fake-quantizer in ``model``."""
-    cls = _fake_quantizer_cls()
-    if cls is None:
-        return
-    for name, m in model.named_modules():
-        if isinstance(m, cls):
-            yield name, m
+    """``quantization.preparation.quantizers`` when the quantization package is there, else nothing
+    (it is optional for fp32 export)."""
+    try:
+        from quantization.preparation import quantizers
+    except ImportError:
+        return iter(())
+    return quantizers(model)
 
 
 def is_quantized(model: nn.Module) -> bool:

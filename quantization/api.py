@@ -66,22 +66,32 @@ def quantize(
     if forward_loop is None and needs_data:
         raise CalibrationError("quantize: this scheme and params need calibration data; pass forward_loop")
     loop = as_forward_loop(forward_loop, max_batches=p.max_batches) if forward_loop is not None else None
+    post_training_quantize(model, scheme, loop, targets=targets, ignore=ignore, params=p)
+    return model
+
+
+def post_training_quantize(
+    model: nn.Module,
+    scheme: QuantScheme,
+    loop: ForwardLoop | None,
+    *,
+    targets: Sequence[str],
+    ignore: Sequence[str],
+    params: QuantizeParams,
+    where: str = "quantize",
+) -> dict[str, nn.Module]:
+    """The PTQ steps shared by :func:`quantize` and the ``ptq`` modifier: trace the first batch and
+    prepare, SmoothQuant, calibrate, bias correction; returns the swapped layers by name."""
+    p = params
     example = capture_first_call(model, loop) if loop is not None and scheme.static_activations else None
-    prepare(
-        model,
-        scheme,
-        targets=targets,
-        ignore=ignore,
-        first_last=p.first_last,
-        bn=p.bn,
-        quantize_ops=p.quantize_ops,
-        target=p.target,
-        example_inputs=example,
+    swapped = prepare(
+        model, scheme, targets=targets, ignore=ignore, first_last=p.first_last, bn=p.bn,
+        quantize_ops=p.quantize_ops, target=p.target, example_inputs=example, where=where,
     )
     if loop is not None:
         if p.smoothquant is not None:
             smooth_quant(model, loop, alpha=p.smoothquant)
-        calibrate(model, loop)
+        calibrate(model, loop, where=where)
         if p.bias_correction:
             bias_correction(model, loop)
-    return model
+    return swapped

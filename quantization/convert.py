@@ -28,6 +28,7 @@ from quantization.int4 import is_int4_weight_only
 from quantization.int8 import Int8Conv2d, Int8Linear
 from quantization.kernels import require_triton
 from quantization.modules import QUANT_TYPES, QuantConv1d, QuantConv2d, QuantLinear
+from quantization.preparation import unwrap
 from quantization.w4a16 import W4A16Linear
 
 log = logging.getLogger(__name__)
@@ -49,13 +50,6 @@ class LayerConversion:
     @property
     def converted(self) -> bool:
         return self.int8_type is not None
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    inner = getattr(model, "module", None)
-    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) and isinstance(inner, nn.Module):
-        return inner
-    return model
 
 
 def _activation_of(mod: nn.Module) -> str | None:
@@ -133,7 +127,7 @@ def convert_with_report(
     require_triton(f"convert(backend='{backend}')")
     if not inplace:
         model = copy.deepcopy(model)
-    root = _unwrap(model)
+    root = unwrap(model)
     layers = {n: m for n, m in root.named_modules() if isinstance(m, QUANT_TYPES)}
     if not layers:
         raise UnsupportedModelError("convert: the model has no quantized modules; quantize (PTQ or QAT) it first")

@@ -12,8 +12,8 @@ from torch import nn
 
 from compress.errors import CalibrationError
 from compress.modifier import Modifier, ModifierSpec, State, register_modifier
+from quantization.api import QuantizeParams, post_training_quantize
 from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
-from quantization.correction import bias_correction
 from quantization.fake_quant import FakeQuantizer
 from quantization.graph_prepare import capture_first_call
 from quantization.modules import QuantConv1d, QuantConv2d
@@ -27,7 +27,7 @@ from quantization.preparation import (
 )
 from quantization.profiles import Target
 from quantization.sensitivity import accuracy_control, layer_sensitivity, plot_sensitivity
-from quantization.smoothquant import SmoothQuantField, smooth_quant
+from quantization.smoothquant import SmoothQuantField
 from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
 
 log = logging.getLogger(__name__)
@@ -148,23 +148,10 @@ class PTQModifier(Modifier[PTQSpec]):
             if state.evaluate is None:
                 raise CalibrationError(f"{self.where}: sensitivity/max_accuracy_drop need an evaluate function")
             float_metric = state.evaluate(model)
-        swapped = prepare(
-            model,
-            scheme,
-            targets=s.targets,
-            ignore=s.ignore,
-            first_last=s.first_last,
-            bn=s.bn,
-            quantize_ops=s.quantize_ops,
-            target=s.target,
-            example_inputs=capture_first_call(model, loop) if scheme.static_activations else None,
-            where=self.where,
-        )
-        if s.smoothquant is not None:
-            smooth_quant(model, loop, alpha=s.smoothquant)
-        calibrate(model, loop, where=self.where)
-        if s.bias_correction:
-            bias_correction(model, loop)
+        params = QuantizeParams(first_last=s.first_last, bn=s.bn, quantize_ops=s.quantize_ops, target=s.target,
+                                smoothquant=s.smoothquant, bias_correction=s.bias_correction)
+        swapped = post_training_quantize(model, scheme, loop, targets=s.targets, ignore=s.ignore, params=params,
+                                         where=self.where)
         state.metrics["quantized_modules"] = len(swapped)
         self._sensitivity(state, float_metric)
 

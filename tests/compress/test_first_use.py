@@ -69,6 +69,19 @@ def test_atomic_writes_respect_the_umask(tmp_path: Path) -> None:
     assert mode == {"a.txt": 0o644, "b.txt": 0o644, "c.txt": 0o600}
 
 
+def test_direct_onnx_export_respects_the_umask(tmp_path: Path) -> None:
+    import torch
+
+    from export.onnx import export_onnx
+
+    old = os.umask(0o022)
+    try:
+        path = export_onnx(torch.nn.Linear(4, 2), torch.randn(2, 4), tmp_path / "m.onnx")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
 # ---- item 7: error paths -------------------------------------------------------------------------
 
 
