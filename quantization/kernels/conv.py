@@ -28,26 +28,26 @@ from quantization.kernels.gemm import (
     INTERPRET_CONFIG,
     INTERPRETED,
     GemmConfig,
-    _cfg,
     epilogue,
     grouped_tile,
     int8_gemm,
     m_bucket,
+    tile_config,
 )
 
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 
 CONV_CONFIGS = [
-    _cfg(128, 128, 64, 4, 4),
-    _cfg(128, 128, 64, 3, 8),
-    _cfg(128, 256, 64, 3, 8),
-    _cfg(256, 128, 64, 3, 8),
-    _cfg(128, 64, 64, 4, 4),
-    _cfg(64, 128, 64, 4, 4),
-    _cfg(64, 64, 64, 4, 4),
-    _cfg(128, 128, 128, 3, 8),
-    _cfg(128, 64, 32, 4, 4),
-    _cfg(64, 64, 32, 4, 4),
+    tile_config(128, 128, 64, 4, 4),
+    tile_config(128, 128, 64, 3, 8),
+    tile_config(128, 256, 64, 3, 8),
+    tile_config(256, 128, 64, 3, 8),
+    tile_config(128, 64, 64, 4, 4),
+    tile_config(64, 128, 64, 4, 4),
+    tile_config(64, 64, 64, 4, 4),
+    tile_config(128, 128, 128, 3, 8),
+    tile_config(128, 64, 32, 4, 4),
+    tile_config(64, 64, 32, 4, 4),
 ]
 
 

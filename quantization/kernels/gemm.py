@@ -51,7 +51,7 @@ class GemmConfig:
 INTERPRET_CONFIG = GemmConfig(64, 64, 64)
 
 
-def _cfg(bm: int, bn: int, bk: int, stages: int, warps: int, group: int = 8) -> triton.Config:
+def tile_config(bm: int, bn: int, bk: int, stages: int, warps: int, group: int = 8) -> triton.Config:
     return triton.Config(
         {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group}, num_stages=stages, num_warps=warps
     )
@@ -59,34 +59,34 @@ def _cfg(bm: int, bn: int, bk: int, stages: int, warps: int, group: int = 8) -> 
 
 # Hopper (sm90): 228 KB shared memory, so 128x256 tiles with 128-byte K-tiles fit 3 stages.
 HOPPER_CONFIGS = [
-    _cfg(128, 256, 128, 3, 8),
-    _cfg(256, 128, 128, 3, 8),
-    _cfg(128, 128, 128, 4, 8),
-    _cfg(128, 128, 128, 4, 4),
-    _cfg(128, 256, 64, 4, 8),
-    _cfg(128, 128, 64, 4, 4),
-    _cfg(64, 128, 128, 4, 4),
-    _cfg(128, 64, 128, 4, 4),
-    _cfg(64, 64, 128, 4, 4),
-    _cfg(64, 128, 256, 3, 4),
-    _cfg(32, 128, 128, 4, 4),
-    _cfg(32, 64, 256, 4, 4),
-    _cfg(16, 128, 128, 4, 4),
-    _cfg(16, 64, 256, 4, 4),
+    tile_config(128, 256, 128, 3, 8),
+    tile_config(256, 128, 128, 3, 8),
+    tile_config(128, 128, 128, 4, 8),
+    tile_config(128, 128, 128, 4, 4),
+    tile_config(128, 256, 64, 4, 8),
+    tile_config(128, 128, 64, 4, 4),
+    tile_config(64, 128, 128, 4, 4),
+    tile_config(128, 64, 128, 4, 4),
+    tile_config(64, 64, 128, 4, 4),
+    tile_config(64, 128, 256, 3, 4),
+    tile_config(32, 128, 128, 4, 4),
+    tile_config(32, 64, 256, 4, 4),
+    tile_config(16, 128, 128, 4, 4),
+    tile_config(16, 64, 256, 4, 4),
 ]
 # Ampere (sm80/86/89): 100-164 KB shared memory; K-tiles of 64-128 bytes, 3-5 stages.
 AMPERE_CONFIGS = [
-    _cfg(128, 256, 64, 3, 8),
-    _cfg(256, 128, 64, 3, 8),
-    _cfg(128, 128, 128, 3, 8),
-    _cfg(128, 128, 64, 4, 4),
-    _cfg(128, 64, 64, 4, 4),
-    _cfg(64, 128, 64, 4, 4),
-    _cfg(64, 64, 128, 4, 4),
-    _cfg(32, 128, 128, 4, 4),
-    _cfg(32, 64, 128, 4, 4),
-    _cfg(16, 128, 128, 4, 4),
-    _cfg(16, 64, 128, 5, 4),
+    tile_config(128, 256, 64, 3, 8),
+    tile_config(256, 128, 64, 3, 8),
+    tile_config(128, 128, 128, 3, 8),
+    tile_config(128, 128, 64, 4, 4),
+    tile_config(128, 64, 64, 4, 4),
+    tile_config(64, 128, 64, 4, 4),
+    tile_config(64, 64, 128, 4, 4),
+    tile_config(32, 128, 128, 4, 4),
+    tile_config(32, 64, 128, 4, 4),
+    tile_config(16, 128, 128, 4, 4),
+    tile_config(16, 64, 128, 5, 4),
 ]
 
 

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from compress.errors import CompressError
 from quantization.kernels import ACTIVATIONS, check_device, interpret_mode
-from quantization.kernels.gemm import GemmConfig, grouped_tile, m_bucket
+from quantization.kernels.gemm import GemmConfig, grouped_tile, m_bucket, tile_config
 
 INTERPRETED = interpret_mode()
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -41,31 +41,25 @@ _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INTERPRET_CONFIG = GemmConfig(16, 32, 32)
 
 
-def _cfg(bm: int, bn: int, bk: int, stages: int, warps: int, group: int = 8) -> triton.Config:
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group}, num_stages=stages, num_warps=warps
-    )
-
-
 # Decode: 16-row tiles; N-tiles narrow enough that a 4096-wide layer launches >= 128 programs.
 DECODE_CONFIGS = [
-    _cfg(16, 32, 128, 4, 4),
-    _cfg(16, 32, 256, 3, 4),
-    _cfg(16, 64, 128, 4, 4),
-    _cfg(16, 64, 256, 3, 4),
-    _cfg(16, 128, 128, 3, 4),
-    _cfg(16, 16, 256, 4, 2),
-    _cfg(32, 64, 128, 3, 4),
+    tile_config(16, 32, 128, 4, 4),
+    tile_config(16, 32, 256, 3, 4),
+    tile_config(16, 64, 128, 4, 4),
+    tile_config(16, 64, 256, 3, 4),
+    tile_config(16, 128, 128, 3, 4),
+    tile_config(16, 16, 256, 4, 2),
+    tile_config(32, 64, 128, 3, 4),
 ]
 # Prefill: tensor-core GEMM tiles; K-tiles of 64 or 128 keep one scale row per tile at g128.
 PREFILL_CONFIGS = [
-    _cfg(128, 128, 64, 4, 8),
-    _cfg(128, 256, 64, 3, 8),
-    _cfg(128, 128, 128, 3, 8),
-    _cfg(64, 128, 64, 4, 4),
-    _cfg(64, 256, 64, 3, 8),
-    _cfg(128, 64, 64, 4, 4),
-    _cfg(64, 64, 128, 4, 4),
+    tile_config(128, 128, 64, 4, 8),
+    tile_config(128, 256, 64, 3, 8),
+    tile_config(128, 128, 128, 3, 8),
+    tile_config(64, 128, 64, 4, 4),
+    tile_config(64, 256, 64, 3, 8),
+    tile_config(128, 64, 64, 4, 4),
+    tile_config(64, 64, 128, 4, 4),
 ]
 
 
