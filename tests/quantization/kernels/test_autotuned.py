@@ -34,7 +34,7 @@ def interpret_only() -> None:
 @pytest.mark.parametrize("m", [1, 40])
 def test_autotuned_gemm_path(m: int, interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
     gemm = load("gemm")
-    configs = [gemm._cfg(16, 32, 32, 1, 4, group=2), gemm._cfg(32, 16, 64, 1, 4, group=2)]
+    configs = [gemm.tile_config(16, 32, 32, 1, 4, group=2), gemm.tile_config(32, 16, 64, 1, 4, group=2)]
     tuned = gemm.tuned_gemm(configs, do_bench=_fake_bench({0: 2.0, 1: 1.0}))
     monkeypatch.setattr(gemm, "_gemm_tuned", tuned)
     g = torch.Generator().manual_seed(m)
@@ -51,7 +51,7 @@ def test_autotuned_gemm_path(m: int, interpret_only: None, monkeypatch: pytest.M
 
 def test_autotuned_conv_path(interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
     conv = load("conv")
-    configs = [conv._cfg(32, 16, 32, 1, 4, group=2), conv._cfg(16, 32, 32, 1, 4, group=2)]
+    configs = [conv.tile_config(32, 16, 32, 1, 4, group=2), conv.tile_config(16, 32, 32, 1, 4, group=2)]
     monkeypatch.setattr(conv, "_conv_tuned", conv.tuned_conv(configs, do_bench=_fake_bench({})))
     g = torch.Generator().manual_seed(5)
     x = torch.randint(-128, 128, (1, 6, 7, 5), generator=g, dtype=torch.int8)
@@ -69,7 +69,7 @@ def test_autotuned_w4a16_path(m: int, interpret_only: None, monkeypatch: pytest.
 
     w4 = load("w4a16")
     # a 32-deep tile inside the 32-wide groups (one scale row per tile) and a 64-deep one across two
-    configs = [w4._cfg(16, 32, 32, 1, 4, group=2), w4._cfg(16, 16, 64, 1, 4, group=2), w4._cfg(64, 32, 32, 1, 4)]
+    configs = [w4.tile_config(16, 32, 32, 1, 4, group=2), w4.tile_config(16, 16, 64, 1, 4, group=2), w4.tile_config(64, 32, 32, 1, 4)]
     tuned = w4.tuned_w4a16(configs, do_bench=_fake_bench({0: 2.0}))
     monkeypatch.setattr(w4, "_w4a16_tuned", tuned)
     g = torch.Generator().manual_seed(m)
