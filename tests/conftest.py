@@ -7,10 +7,17 @@ cores (small MLP steps measured 50x slower). Subprocess tests set OMP_NUM_THREAD
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+# Triton picks interpreter or compiler when it first jit-decorates the kernels, i.e. when any module
+# importing them loads (quantization.convert does, at collection of tests far from the kernel tests):
+# set it for the whole session, before anything is collected, and never on a CUDA machine.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True, scope="session")

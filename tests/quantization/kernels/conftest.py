@@ -1,7 +1,7 @@
 """Kernel tests run on CUDA when present, else on CPU under the Triton interpreter.
 
 The interpreter is chosen when Triton jit-decorates the kernels, i.e. on the kernels' first import,
-so TRITON_INTERPRET is set here, before any test module loads them, and never on a CUDA machine.
+so tests/conftest.py sets TRITON_INTERPRET for the whole session (never on a CUDA machine).
 """
 
 from __future__ import annotations
@@ -11,9 +11,6 @@ import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
