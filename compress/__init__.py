@@ -32,6 +32,7 @@ _EXPORTS: dict[str, str] = {
     "ValidationFailed": "compress.errors",
     # quantization
     "quantize": "quantization.api",
+    "QuantizeParams": "quantization.api",
     "gptq": "quantization.weight_only",
     "awq": "quantization.weight_only",
     "GPTQParams": "quantization.gptq",
