@@ -112,10 +112,6 @@ class Operand:
     shape: tuple[int, ...] = ()
     floating: bool = True
 
-    @property
-    def activation(self) -> bool:
-        return self.source in ("op", "input")
-
 
 @dataclass
 class OpNode:
@@ -145,9 +141,6 @@ class OpGraph:
                 if o.source == "op" and o.producer == producer and o.index == index:
                     out.append((n, o))
         return out
-
-    def producer_of(self, o: Operand) -> OpNode | None:
-        return self.nodes.get(o.producer) if o.source == "op" and o.producer is not None else None
 
 
 # ---- scope and keys: shared by tracing and the quantizing mode ----------------------------------------

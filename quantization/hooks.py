@@ -154,7 +154,6 @@ class QuantizeMode(TorchFunctionMode):
         self.entries = graph.placement.entries
         self.quantizers: dict[str, nn.Module] = dict(graph.quantizers.items())
         self.cache: dict[tuple[int, str], tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
-        self.hits: set[str] = set()
 
     def quantizer(self, qid: str) -> Callable[[torch.Tensor], torch.Tensor]:
         q = self.quantizers.get(qid)
@@ -189,7 +188,6 @@ class QuantizeMode(TorchFunctionMode):
         entry = self.entries.get(key)
         if entry is None:
             return func(*args, **kwargs)
-        self.hits.add(key)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         for pos, qid in entry.items():
             if pos.isdigit() and int(pos) < len(leaves):

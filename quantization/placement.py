@@ -48,7 +48,6 @@ class Placement:
     entries: dict[str, dict[str, str]] = field(default_factory=dict)
     weights: dict[str, WeightUse] = field(default_factory=dict)
     floats: dict[str, str] = field(default_factory=dict)
-    shared_ops: dict[str, list[str]] = field(default_factory=dict)
 
     def to_data(self) -> dict[str, Any]:
         """A plain dict (torch.load(weights_only=True) and JSON can hold it)."""
