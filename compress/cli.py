@@ -193,21 +193,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
         print(inspect_onnx(path))
     elif path.suffix in (".pt", ".pth"):
-        import pickle
+        from compress.state import safe_torch_load
 
-        import torch
-
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            # torch's own message is six lines with terminal colour codes; say what it means
-            raise RecipeError(
-                f"{path}: holds pickled Python objects, not only tensors (e.g. a module saved with "
-                "torch.save(model)); compress reads checkpoints with weights_only=True and runs no code from a file"
-            ) from None
-        except Exception as exc:  # a corrupt or foreign file is the user's input
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise RecipeError(f"{path}: not a loadable checkpoint ({type(exc).__name__}: {first})") from None
+        state = safe_torch_load(path)
         sd = state.get("model", state) if isinstance(state, dict) else {}
         total = sum(t.numel() for t in sd.values() if hasattr(t, "numel"))
         print(f"{path}: {len(sd)} tensors, {total:,} values" + (f", epoch {state['epoch']}" if "epoch" in state else ""))

@@ -68,18 +68,25 @@ def save_compressed(path: Path, model: nn.Module, modifiers: Sequence[Any]) -> N
     os.replace(tmp, path)
 
 
-def load_state_file(path: Path) -> dict[str, Any]:
-    """``torch.load(path, weights_only=True)``; a file that needs code to load is refused."""
+def safe_torch_load(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` with one-line errors: a file that needs code to load
+    (a pickled module) is refused, a truncated or foreign one named."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
+        # torch's own message is six lines with terminal colour codes; say what it means
         raise RecipeError(
-            f"{path}: holds pickled Python objects, not only tensors; compress loads state with "
-            "weights_only=True and will not run code from a file (rerun the recipe to get a data-only state)"
+            f"{path}: holds pickled Python objects, not only tensors (e.g. a module saved with torch.save(model)); "
+            "compress loads state with weights_only=True and will not run code from a file"
         ) from None
     except Exception as exc:  # a truncated or foreign file is the user's input
         first = (str(exc).strip().splitlines() or [""])[0]
         raise RecipeError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {first})") from None
+
+
+def load_state_file(path: Path) -> dict[str, Any]:
+    """A compress checkpoint (a dict with a ``model`` state_dict), loaded with :func:`safe_torch_load`."""
+    data = safe_torch_load(path)
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         raise RecipeError(f"{path}: not a compress checkpoint (a dict with a 'model' state_dict)")
     return data

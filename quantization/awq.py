@@ -52,13 +52,8 @@ log = logging.getLogger(__name__)
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-class AWQParams(BaseModel):
-    """AWQ's knobs: ``grid`` alphas in [0, 1) for the scale search, ``duo_scaling`` (weight term in
-    the scales), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
-    skipping Linears matching ``clip_ignore``; ``sample_tokens`` / ``clip_tokens`` calibration rows
-    sampled for the two searches (bounded cost and memory)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class AWQFields(BaseModel):
+    """The AWQ knobs, declared once: AWQParams (API) and the ``awq`` recipe spec share them."""
 
     grid: int = Field(20, ge=1)
     duo_scaling: bool = True
@@ -68,6 +63,15 @@ class AWQParams(BaseModel):
     clip_ignore: list[str] = Field(default_factory=lambda: ["*q_proj", "*k_proj"])
     sample_tokens: int = Field(2048, ge=16)
     clip_tokens: int = Field(512, ge=16)
+
+
+class AWQParams(AWQFields):
+    """AWQ's knobs: ``grid`` alphas in [0, 1) for the scale search, ``duo_scaling`` (weight term in
+    the scales), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
+    skipping Linears matching ``clip_ignore``; ``sample_tokens`` / ``clip_tokens`` calibration rows
+    sampled for the two searches (bounded cost and memory)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 @dataclass

@@ -34,16 +34,20 @@ from quantization.spec import QuantSpec
 log = logging.getLogger(__name__)
 
 
-class GPTQParams(BaseModel):
+class GPTQFields(BaseModel):
+    """The GPTQ knobs, declared once: GPTQParams (API) and the ``gptq`` recipe spec share them."""
+
+    block_size: int = Field(128, ge=1)
+    dampening: float = Field(0.01, gt=0, le=1)
+    act_order: bool = False
+
+
+class GPTQParams(GPTQFields):
     """GPTQ's knobs: ``block_size`` columns per lazy-batch block, ``dampening`` (fraction of the mean
     Hessian diagonal added to it), ``act_order`` (round columns in decreasing Hessian-diagonal
     order, with static groups)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-    block_size: int = Field(128, ge=1)
-    dampening: float = Field(0.01, gt=0, le=1)
-    act_order: bool = False
 
 
 class HessianAccumulator:

@@ -14,8 +14,8 @@ from torch import nn
 
 from compress.errors import CalibrationError
 from compress.modifier import Modifier, ModifierSpec, State, register_modifier
-from quantization.awq import AWQParams, awq_layer
-from quantization.gptq import GPTQParams
+from quantization.awq import AWQFields, AWQParams, awq_layer
+from quantization.gptq import GPTQFields, GPTQParams
 from quantization.preparation import plan_targets
 from quantization.sequential import linearize_conv1d, sequential_quantize
 from quantization.spec import QuantScheme, resolve_scheme
@@ -46,33 +46,22 @@ class _WeightOnlySpec(ModifierSpec):
         return resolve_scheme(self.scheme)
 
 
-class GPTQSpec(_WeightOnlySpec):
+class GPTQSpec(_WeightOnlySpec, GPTQFields):
     """GPTQ: ``block_size``, ``dampening`` (fraction of the mean Hessian diagonal) and
     ``act_order`` (columns in decreasing Hessian-diagonal order, static groups)."""
 
     type: Literal["gptq"] = "gptq"
-    block_size: int = Field(128, ge=1)
-    dampening: float = Field(0.01, gt=0, le=1)
-    act_order: bool = False
 
     def params(self) -> GPTQParams:
-        return GPTQParams(block_size=self.block_size, dampening=self.dampening, act_order=self.act_order)
+        return GPTQParams.model_validate(self.model_dump(include=set(GPTQParams.model_fields)))
 
 
-class AWQSpec(_WeightOnlySpec):
+class AWQSpec(_WeightOnlySpec, AWQFields):
     """AWQ: scale search over ``grid`` alphas (``duo_scaling``: with the weight term), then a
     clipping search (``clip``) over ``clip_grid`` steps down to ``1 - max_shrink`` of each group's
     range, skipping ``clip_ignore``; ``sample_tokens``/``clip_tokens`` bound the searches' cost."""
 
     type: Literal["awq"] = "awq"
-    grid: int = Field(20, ge=1)
-    duo_scaling: bool = True
-    clip: bool = True
-    clip_grid: int = Field(20, ge=1)
-    max_shrink: float = Field(0.5, ge=0, lt=1)
-    clip_ignore: list[str] = Field(default_factory=lambda: ["*q_proj", "*k_proj"])
-    sample_tokens: int = Field(2048, ge=16)
-    clip_tokens: int = Field(512, ge=16)
 
     def params(self) -> AWQParams:
         return AWQParams.model_validate(self.model_dump(include=set(AWQParams.model_fields)))
