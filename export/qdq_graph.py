@@ -395,6 +395,66 @@ def float_weights_for_float_layers(g: _Graph) -> int:
     return done
 
 
+def _zero_pad_spatial(g: _Graph, pad: onnx.NodeProto) -> list[int] | None:
+    """Spatial begin/end pads of a constant-zero Pad that leaves batch and channel alone, else None."""
+    if pad.op_type != "Pad" or len(pad.input) > 3 or any(
+        a.name == "mode" and helper.get_attribute_value(a) not in (b"constant", "constant") for a in pad.attribute
+    ):
+        return None
+    if len(pad.input) < 2 or pad.input[1] not in g.init:
+        return None
+    value = pad.input[2] if len(pad.input) == 3 else ""
+    if value and (value not in g.init or np.any(g.array(value) != 0)):
+        return None
+    pads = [int(v) for v in g.array(pad.input[1]).reshape(-1)]
+    rank = len(pads) // 2
+    begin, end = pads[:rank], pads[rank:]
+    if rank < 3 or begin[:2] != [0, 0] or end[:2] != [0, 0] or min(pads) < 0:
+        return None
+    return begin[2:] + end[2:]
+
+
+def pads_into_convs(g: _Graph) -> int:
+    """``DQ(q) -> Pad(0) -> Q -> DQ -> Conv`` (explicit "same" padding, as TF-ported models write it)
+    -> ``DQ(q) -> Conv(pads += p)``. ORT runs a Pad between Q/DQ pairs in float and cannot fuse the
+    conv; a quantized zero is the zero point, so padding inside QLinearConv gives the same values."""
+    done = 0
+    touched: list[onnx.NodeProto] = []
+    for pad in list(g.g.node):
+        extra = _zero_pad_spatial(g, pad)
+        dq_a = g.producer.get(pad.input[0]) if extra is not None else None
+        if extra is None or dq_a is None or dq_a.op_type != "DequantizeLinear":
+            continue
+        for q in list(g.consumers.get(pad.output[0], [])):
+            if q.op_type != "QuantizeLinear" or not _same_params(g, q, dq_a):
+                continue
+            for dq_b in list(g.consumers.get(q.output[0], [])):
+                if dq_b.op_type != "DequantizeLinear" or not _same_params(g, dq_b, dq_a):
+                    continue
+                for conv in list(g.consumers.get(dq_b.output[0], [])):
+                    attrs = {a.name: helper.get_attribute_value(a) for a in conv.attribute}
+                    if conv.op_type != "Conv" or conv.input[0] != dq_b.output[0] or attrs.get("auto_pad", b"NOTSET") not in (
+                        b"NOTSET", "NOTSET"
+                    ):
+                        continue
+                    old = list(attrs.get("pads", [0] * len(extra)))
+                    if len(old) != len(extra):
+                        continue
+                    for a in list(conv.attribute):
+                        if a.name == "pads":
+                            conv.attribute.remove(a)
+                    conv.attribute.append(helper.make_attribute("pads", [a + b for a, b in zip(old, extra, strict=True)]))
+                    conv.input[0] = dq_a.output[0]
+                    touched += [pad, q, dq_b]
+                    done += 1
+        g.refresh()
+    for n in reversed(touched):  # readers before producers: a DQ, then its Q, then the Pad
+        if n in g.g.node and not any(g.consumers.get(o) or o in g.outputs for o in n.output):
+            g.g.node.remove(n)
+            g.refresh()
+    return done
+
+
 def remove_unused_initializers(g: _Graph) -> int:
     used = {i for n in g.g.node for i in n.input} | g.outputs
     dead = [i for i in g.g.initializer if i.name not in used]
@@ -419,6 +479,7 @@ def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False,
         "int4_weights": pack_int4(g),
         "redundant_pairs": merge_duplicate_pairs(g),
         "bias_gemms": matmul_bias_to_gemm(g),
+        "pads_into_convs": pads_into_convs(g),
         # weight-only models (no activation Q) keep int8 weights: their point is the file size
         "float_weights": float_weights_for_float_layers(g)
         if ort_float_weights and any(n.op_type == "QuantizeLinear" for n in g.g.node) else 0,

@@ -91,6 +91,37 @@ def test_onnxruntime_profile_runs_every_conv_and_add_in_integers(tmp_path: Path)
     assert _sqnr(fake, _ort(path, x)) > 35.0  # the runtime computes what the fake-quant model does
 
 
+class SamePadded(nn.Module):
+    """TF-ported "same" padding (HF MobileNetV2/EfficientNet style): ``F.pad`` then an unpadded conv."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, stride=2)
+        self.dw = nn.Conv2d(c, c, 3, groups=c)
+        self.pw = nn.Conv2d(c, c, 1)
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu6(self.stem(F.pad(x, (0, 1, 0, 1))))
+        y = F.relu6(self.dw(F.pad(y, (1, 1, 1, 1))))
+        return self.fc(self.pw(y).mean((2, 3)))
+
+
+def test_zero_pads_fold_into_the_integer_conv(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = SamePadded().eval()
+    x = _images(1, seed=5)[0]
+    q = quantize(m, SEVEN_BIT, _images())
+    path = export_onnx(q, x, tmp_path / "m.int8.onnx")
+    ops = [n.op_type for n in onnx.load(path).graph.node]
+    assert "Pad" not in ops, ops  # a Pad between Q/DQ pairs runs in float and blocks QLinearConv
+    cov = ort_coverage(path)
+    assert cov.float_nodes == [] and cov.integer_ops.get("QLinearConv") == 3, (cov.integer_ops, cov.float_nodes)
+    with torch.no_grad():
+        fake = q(x)
+    assert _sqnr(fake, _ort(path, x)) > 35.0
+
+
 def test_one_quantizer_per_tensor_and_shared_concat_scale() -> None:
     q = quantize(_residual(), "w8a8", _images())
     pl = q.quantizer_graph.placement
