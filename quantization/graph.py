@@ -57,8 +57,9 @@ _kinds("batch_norm", "batch_norm")
 _kinds("layer_norm", "layer_norm", "group_norm", "rms_norm")
 _kinds("embedding", "embedding")
 _kinds("softmax", "softmax", "log_softmax")
-_kinds("sigmoid", "sigmoid", "hardsigmoid")
-_kinds("act", "gelu", "silu", "hardswish", "tanh", "leaky_relu", "elu", "mish", "softplus", "erf")
+_kinds("sigmoid", "sigmoid")  # QLinearSigmoid; hardsigmoid has no integer kernel in ORT
+_kinds("silu", "silu")
+_kinds("act", "hardsigmoid", "gelu", "hardswish", "tanh", "leaky_relu", "elu", "mish", "softplus", "erf")
 _kinds("reshape", "reshape", "view", "flatten", "transpose", "permute", "contiguous", "squeeze", "unsqueeze",
        "__getitem__", "split", "chunk", "unbind", "expand", "narrow", "movedim", "t", "view_as", "reshape_as",
        "flatten", "unflatten", "repeat_interleave", "expand_as", "pixel_shuffle", "pixel_unshuffle",

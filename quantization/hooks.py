@@ -195,6 +195,8 @@ class QuantizeMode(TorchFunctionMode):
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         if "q" in entry:  # attention, decomposed with its own quantizers inside
             return self._attention(entry, args, kwargs)
+        if "g" in entry:  # SiLU as x * q(sigmoid(x)): what ORT runs as QLinearSigmoid + QLinearMul
+            return args[0] * self.apply(entry["g"], torch.sigmoid(args[0]))
         return func(*args, **kwargs)
 
     def _attention(self, entry: dict[str, str], args: Any, kwargs: dict[str, Any]) -> torch.Tensor:

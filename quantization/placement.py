@@ -272,6 +272,23 @@ def place(
                 quantized.add(t)
                 changed = True
 
+    # elementwise ops whose inputs are all quantized by now run as integer kernels too (a chain
+    # extends one op at a time, in graph order); their output gets a quantizer
+    for n in nodes:
+        if n.kind not in profile.extend or not targeted(n.scope) or not quantize_ops:
+            continue
+        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+        arity = 2 if n.kind == "mul" else 1
+        out = f"{n.key}/0"
+        if len(n.operands) != arity or len(acts) != arity or not consumers.get(out):
+            continue
+        if any(_tid(o) not in quantized for o in acts):
+            continue
+        groups.add(out)
+        quantized.add(out)
+        if n.kind == "silu":
+            pl.entries.setdefault(n.key, {})["g"] = _new_internal(pl, f"{n.key}.g")
+
     ids: dict[str, str] = {}
     for t in sorted(quantized, key=_order(nodes)):
         root = groups.find(t)

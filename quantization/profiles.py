@@ -13,7 +13,9 @@ profile says, per op kind (see quantization/graph.py):
 
 ``fold``: activations that fold into the producer's output quantizer (ORT drops a Relu/Clip whose
 Q clamps the same range); ``pass_through``: ops after which a tensor keeps its quantizer (the
-runtime drops DQ -> op -> Q with equal scales around them).
+runtime drops DQ -> op -> Q with equal scales around them); ``extend``: elementwise ops with an
+integer kernel that pays off only when their inputs are quantized anyway (between two integer
+convs): they get an output quantizer then, and SiLU runs as ``x * sigmoid(x)`` with one on the gate.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class RuntimeProfile:
     rules: Mapping[str, OpRule]
     fold: frozenset[str] = frozenset()
     pass_through: frozenset[str] = frozenset()
+    extend: frozenset[str] = frozenset()
     description: str = ""
 
 
@@ -60,8 +63,10 @@ ONNXRUNTIME = RuntimeProfile(
     },
     fold=frozenset({"relu", "relu6"}),
     pass_through=frozenset({"reshape", "max_pool", "dropout", "pad"}),
+    extend=frozenset({"silu", "sigmoid", "mul"}),  # QLinearSigmoid, QLinearMul
     description="ONNX Runtime CPU QDQ fusion (QLinearConv, QLinearMatMul/MatMulIntegerToFloat, QGemm, "
-    "QLinearAdd, QLinearConcat, QLinearAveragePool); Relu/Clip fold into the Q before them",
+    "QLinearAdd, QLinearConcat, QLinearAveragePool; QLinearSigmoid/QLinearMul between quantized "
+    "tensors); Relu/Clip fold into the Q before them",
 )
 
 TENSORRT = RuntimeProfile(

@@ -122,6 +122,45 @@ def test_zero_pads_fold_into_the_integer_conv(tmp_path: Path) -> None:
     assert _sqnr(fake, _ort(path, x)) > 35.0
 
 
+class SiluSE(nn.Module):
+    """EfficientNet/MobileViT patterns: conv -> SiLU, a squeeze-excitation gate (mean -> conv -> ReLU
+    -> conv -> sigmoid -> mul), then a conv."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.act = nn.SiLU()
+        self.se1 = nn.Conv2d(c, 4, 1)
+        self.se2 = nn.Conv2d(4, c, 1)
+        self.out = nn.Conv2d(c, c, 3, padding=1)
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.stem(x))
+        gate = torch.sigmoid(self.se2(F.relu(self.se1(y.mean((2, 3), keepdim=True)))))
+        y = self.out(y * gate)
+        return self.fc(F.silu(y).mean((2, 3)))
+
+
+def test_silu_and_gates_between_integer_convs_stay_integer(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = SiluSE().eval()
+    x = _images(1, seed=5)[0]
+    ref = m(x)
+    q = quantize(m, SEVEN_BIT, _images())
+    path = export_onnx(q, x, tmp_path / "m.int8.onnx")
+    cov = ort_coverage(path)
+    assert cov.float_nodes == [], cov.float_nodes
+    # both SiLUs (their inputs are conv outputs, quantized anyway) and the SE gate
+    assert cov.integer_ops.get("QLinearSigmoid") == 3 and cov.integer_ops.get("QLinearMul") == 3, cov.integer_ops
+    with torch.no_grad():
+        fake = q(x)
+    assert _sqnr(ref, fake) > 25.0
+    assert _sqnr(fake, _ort(path, x)) > 35.0
+    tq = quantize(SiluSE().eval(), "w8a8", _images(), params=QuantizeParams(target="tensorrt"))
+    assert not any("g" in e for e in graph_of(tq).placement.entries.values())  # ORT-only rule
+
+
 def test_one_quantizer_per_tensor_and_shared_concat_scale() -> None:
     q = quantize(_residual(), "w8a8", _images())
     pl = q.quantizer_graph.placement
