@@ -277,6 +277,39 @@ def matmul_bias_to_gemm(g: _Graph) -> int:
     return done
 
 
+def _fit_bias_in_int32(g: _Graph, n: onnx.NodeProto, dqw: onnx.NodeProto, bias: np.ndarray, sx: float) -> bool:
+    """An int32 bias code is ``bias / (s_x * s_w)``: a channel with near-zero weights (tiny ``s_w``)
+    behind a tiny activation scale overflows it and would silently lose its bias. Raise those
+    channels' weight scales until the bias fits (their weights are ~0, so the codes barely move), as
+    ORT's own quantizer does. False when the weight cannot be edited: the bias then stays float."""
+    limit = float(2**31 - 1)
+    sw = g.array(dqw.input[1]).astype(np.float64)
+    need = np.abs(bias.astype(np.float64)) / (sx * limit) * 1.001
+    if sw.ndim == 0:
+        need = np.asarray(need.max() if need.size else 0.0)
+    if not np.any(sw < need):
+        return True
+    if dqw.input[0] not in g.init or len(g.consumers.get(dqw.output[0], [])) != 1 or sw.shape != need.shape:
+        log.warning("%s: its bias does not fit int32 codes at these scales; it stays float", n.name)
+        return False
+    codes = g.array(dqw.input[0])
+    zp = g.array(dqw.input[2]).astype(np.float64) if len(dqw.input) > 2 and dqw.input[2] else np.zeros_like(sw)
+    new_sw = np.maximum(sw, need)
+    shape = [1] * codes.ndim
+    if sw.ndim:
+        shape[_axis(dqw) % codes.ndim] = -1
+    info = np.iinfo(codes.dtype)
+    requant = np.rint((codes - zp.reshape(shape)) * (sw / new_sw).reshape(shape)) + zp.reshape(shape)
+    raised = int(np.sum(sw < need))
+    cn, sn = g.unique(f"{dqw.input[0]}_fit"), g.unique(f"{dqw.input[1]}_fit")
+    g.set_init(cn, np.clip(requant, info.min, info.max).astype(codes.dtype))
+    g.set_init(sn, new_sw.astype(g.array(dqw.input[1]).dtype))
+    dqw.input[0], dqw.input[1] = cn, sn
+    g.refresh()
+    log.warning("%s: raised the weight scale of %d channel(s) so the bias fits int32 codes", n.name, raised)
+    return True
+
+
 def quantize_biases(g: _Graph) -> int:
     """Float bias of a Conv/Gemm whose input and weight come from DequantizeLinear -> int32 codes with
     scale ``s_x * s_w`` and a DequantizeLinear (what ORT's QDQ selectors need to fuse the op)."""
@@ -295,6 +328,9 @@ def quantize_biases(g: _Graph) -> int:
         sx, sw = g.array(dqx.input[1]), g.array(dqw.input[1])
         if sx.ndim != 0:
             continue
+        if not _fit_bias_in_int32(g, n, dqw, bias, float(sx)):
+            continue
+        sw = g.array(dqw.input[1])
         scale = (sx.astype(np.float64) * sw.astype(np.float64)).astype(np.float32)
         scale = np.broadcast_to(scale, bias.shape).copy() if scale.ndim else scale
         safe = np.where(scale == 0, 1.0, scale)

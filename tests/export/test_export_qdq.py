@@ -263,3 +263,24 @@ def test_int4_group_weights_run_as_matmulnbits(tmp_path: Path) -> None:
     np.testing.assert_allclose(exact, model(x).detach().numpy(), atol=1e-5, rtol=0)
     with pytest.raises(ExportError, match="opset >= 21"):
         export_onnx(model, x, tmp_path / "old.onnx", opset=20)
+
+
+def test_bias_that_overflows_int32_keeps_its_value(tmp_path: Path) -> None:
+    """A channel with zero weights behind a tiny activation scale: ``bias / (s_x * s_w)`` is far past
+    int32. The export raises that channel's weight scale; the bias must survive into ORT."""
+    from quantization import quantize
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+    with torch.no_grad():
+        conv.weight[1].zero_()
+        conv.bias.copy_(torch.tensor([0.1, 0.5, -0.2, 0.3]))
+    model = torch.nn.Sequential(conv, torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1)).eval()
+    calib = [torch.randn(2, 3, 8, 8) * 1e-9 for _ in range(2)]
+    q = quantize(model, {"preset": "w8a8", "weights": {"reduce_range": True}}, calib)
+    path = export_onnx(q, calib[0], tmp_path / "m.int8.onnx")
+    out = _run(path, {"input": calib[0].numpy()})
+    with torch.no_grad():
+        ref = q(calib[0]).numpy()
+    assert np.allclose(out, ref, atol=0.02 * np.abs(ref).max()), (out.mean((0, 2, 3)), ref.mean((0, 2, 3)))
+    assert integer_kernel_count(path)[1].get("QLinearConv") == 1  # the second conv is the model output
