@@ -96,6 +96,7 @@ class State:
     original_model: nn.Module | None = None
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     evaluate: Callable[[nn.Module], float] | None = None
+    higher_is_better: bool = True  # of evaluate's metric (perplexity: False); a drop is a worsening
     metrics: dict[str, Any] = field(default_factory=dict)
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     out_dir: Path | None = None

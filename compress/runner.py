@@ -67,7 +67,8 @@ class _Run:
         self.metric = recipe.train.metric
         from compress.metrics import make_metric
 
-        make_metric(self.metric, where=recipe.where("train.metric"))  # unknown metric: fail before any work
+        # an unknown metric fails here, before any work
+        self.higher_is_better = make_metric(self.metric, where=recipe.where("train.metric")).higher_is_better
         self.reference: nn.Module | None = None
         self.report: Report | None = None  # the run's report as far as it got (written on a failure too)
 
@@ -288,7 +289,8 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
     )
     session = Session(
         r, model, steps_per_epoch=len(run.train_loader), calibration_data=calibration, train_data=run.train_loader,
-        example_inputs=_to(run.data.example_inputs, run.device), evaluate=run.evaluate, device=run.device,
+        example_inputs=_to(run.data.example_inputs, run.device), evaluate=run.evaluate,
+        higher_is_better=run.higher_is_better, device=run.device,
         out_dir=out / "artifacts" if main else None,
     )
     stage_t = [time.perf_counter()]
@@ -354,7 +356,9 @@ def _rel(path: Path, root: Path) -> Path:
 
 def check_thresholds(recipe: Recipe, report: Report) -> list[ThresholdRecord]:
     """The recipe's validate.thresholds against what the run measured (export.validate.check_thresholds)."""
+    from compress.metrics import make_metric
     from export.validate import check_thresholds as check
 
     return check(recipe.validate_.thresholds, report.validation, exports=report.exports,
-                 baseline_accuracy=report.baseline.accuracy, final_accuracy=report.final.accuracy)
+                 baseline_accuracy=report.baseline.accuracy, final_accuracy=report.final.accuracy,
+                 higher_is_better=make_metric(recipe.train.metric).higher_is_better)

@@ -289,6 +289,7 @@ def check_thresholds(
     exports: Sequence[ExportRecord] = (),
     baseline_accuracy: float | None = None,
     final_accuracy: float | None = None,
+    higher_is_better: bool = True,
 ) -> list[ThresholdRecord]:
     """The one threshold check: every limit set in ``thresholds`` against the measured records.
 
@@ -296,8 +297,10 @@ def check_thresholds(
     ``where`` names its runtime. Accuracy drop is the fp32 baseline's accuracy (``baseline_accuracy``,
     else the runtime's baseline record, else the record's PyTorch reference) minus the runtime's; with
     no runtime record it falls back to the PyTorch ``final_accuracy``. Speedup is a runtime's best
-    over the timed batch sizes. A limit that nothing measured is missed, not passed.
+    over the timed batch sizes. A limit that nothing measured is missed, not passed. A drop is a
+    worsening: with ``higher_is_better=False`` (perplexity) it is the rise of the metric.
     """
+    sign = 1.0 if higher_is_better else -1.0
     finals = [r for r in records if r.role == "final" and not any(n.startswith("skipped") for n in r.notes)]
     base = {r.runtime: r for r in records if r.role == "baseline"}
     out: list[ThresholdRecord] = []
@@ -318,9 +321,9 @@ def check_thresholds(
             ref = baseline_accuracy
             if ref is None:
                 ref = base[r.runtime].accuracy if r.runtime in base else r.reference_accuracy
-            drops.append((r.runtime, None if ref is None or r.accuracy is None else ref - r.accuracy))
+            drops.append((r.runtime, None if ref is None or r.accuracy is None else sign * (ref - r.accuracy)))
         if not any(d is not None for _, d in drops) and baseline_accuracy is not None and final_accuracy is not None:
-            drops = [("pytorch", baseline_accuracy - final_accuracy)]
+            drops = [("pytorch", sign * (baseline_accuracy - final_accuracy))]
         worst("max_accuracy_drop", th.max_accuracy_drop, drops, upper=True)
     if th.min_speedup is not None:
         best = [(r.runtime, max((s for s in (r.speedup or {}).values() if s is not None), default=None)) for r in finals]

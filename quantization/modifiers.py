@@ -166,6 +166,7 @@ class PTQModifier(Modifier[PTQSpec]):
             evaluate=state.evaluate if by_metric else None,
             data=None if by_metric else state.calibration_data,
             max_batches=s.num_batches or 8,
+            higher_is_better=state.higher_is_better,
         )
         if s.sensitivity != "none":
             state.tables["quantization_sensitivity"] = rows
@@ -181,12 +182,14 @@ class PTQModifier(Modifier[PTQSpec]):
                 max_drop=s.max_accuracy_drop,
                 ranking=ranking,
                 float_metric=float_metric,
+                higher_is_better=state.higher_is_better,
             )
             state.metrics.update(
                 float_metric=float_metric,
                 quantized_metric=metric,
                 float_layers=len(reverted),
-                met_budget=float_metric - metric <= s.max_accuracy_drop,
+                met_budget=(float_metric - metric if state.higher_is_better else metric - float_metric)
+                <= s.max_accuracy_drop,
             )
             state.tables["quantization_kept_float"] = [{"layer": n} for n in reverted]
 

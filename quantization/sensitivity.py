@@ -72,11 +72,12 @@ def layer_sensitivity(
     evaluate: Evaluate | None = None,
     data: Iterable[Any] | None = None,
     max_batches: int = 8,
+    higher_is_better: bool = True,
 ) -> list[dict[str, Any]]:
     """One row per quantized module, most sensitive first.
 
     With ``evaluate`` a row holds the metric with only that module quantized and its ``drop`` from
-    the float metric; otherwise ``data`` is needed and a row holds the output ``sqnr_db``.
+    the float metric (a worsening: a rise for ``higher_is_better=False`` metrics); otherwise ``data`` is needed and a row holds the output ``sqnr_db``.
     The model must be calibrated; quantizer states are restored afterwards.
     """
     if evaluate is None and data is None:
@@ -94,7 +95,7 @@ def layer_sensitivity(
             row: dict[str, Any] = {"layer": name, "type": type(mod).__name__}
             if evaluate is not None:
                 value = evaluate(model)
-                row.update(metric=value, drop=cast(float, base) - value)
+                row.update(metric=value, drop=_worsening(cast(float, base), value, higher_is_better))
             else:
                 row["sqnr_db"] = output_sqnr(model, cast(Iterable[Any], data), max_batches=max_batches)
             rows.append(row)
@@ -135,20 +136,26 @@ def revert_to_float(model: nn.Module, name: str) -> None:
     root.set_submodule(name, cast(Any, mod).to_float())
 
 
+def _worsening(reference: float, value: float, higher_is_better: bool) -> float:
+    return reference - value if higher_is_better else value - reference
+
+
 def accuracy_control(
-    model: nn.Module, *, evaluate: Evaluate, max_drop: float, ranking: list[str], float_metric: float
+    model: nn.Module, *, evaluate: Evaluate, max_drop: float, ranking: list[str], float_metric: float,
+    higher_is_better: bool = True,
 ) -> tuple[list[str], float]:
-    """Revert the layers of ``ranking`` (most sensitive first) to float until
-    ``float_metric - metric <= max_drop``; returns the reverted layers and the final metric."""
+    """Revert the layers of ``ranking`` (most sensitive first) to float until the metric's worsening
+    from ``float_metric`` is at most ``max_drop``; returns the reverted layers and the final metric."""
     metric = evaluate(model)
     reverted: list[str] = []
     for name in ranking:
-        if float_metric - metric <= max_drop:
+        if _worsening(float_metric, metric, higher_is_better) <= max_drop:
             break
         revert_to_float(model, name)
         reverted.append(name)
         metric = evaluate(model)
         log.info("accuracy control: %s kept in float, metric %.4f", name, metric)
-    if float_metric - metric > max_drop:
-        log.warning("accuracy control: drop %.4f still above %.4f with every layer tried", float_metric - metric, max_drop)
+    if _worsening(float_metric, metric, higher_is_better) > max_drop:
+        log.warning("accuracy control: drop %.4f still above %.4f with every layer tried",
+                    _worsening(float_metric, metric, higher_is_better), max_drop)
     return reverted, metric

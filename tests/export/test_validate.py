@@ -74,6 +74,17 @@ def test_check_thresholds_takes_the_worst_runtime(records: Any) -> None:
     assert t.value == pytest.approx(1.0 - min(r.accuracy for r in finals)) and not t.passed
 
 
+def test_a_drop_in_perplexity_is_its_rise() -> None:
+    """Lower-is-better metrics: a rise of 5 on a budget of 1 fails, a fall passes."""
+    th = Thresholds(max_accuracy_drop=1.0)
+    worse = check_thresholds(th, [], baseline_accuracy=100.0, final_accuracy=105.0, higher_is_better=False)[0]
+    assert worse.value == pytest.approx(5.0) and not worse.passed
+    better = check_thresholds(th, [], baseline_accuracy=100.0, final_accuracy=99.0, higher_is_better=False)[0]
+    assert better.value == pytest.approx(-1.0) and better.passed
+    # the same figures read as an accuracy: 105 is a gain
+    assert check_thresholds(th, [], baseline_accuracy=100.0, final_accuracy=105.0)[0].passed
+
+
 def test_one_shot_validate_with_onnx_reference(int8_path: Path, fp32_path: Path) -> None:
     recs = validate(int8_path, reference=fp32_path, data="digits", batch_sizes=[2], warmup=0, runs=2, eval_samples=64)
     assert [r.role for r in recs] == ["final", "baseline"]

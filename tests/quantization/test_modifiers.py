@@ -190,3 +190,25 @@ def test_accuracy_aware_ptq_keeps_sensitive_layers_float(tmp_path: Any) -> None:
     for name in kept:
         assert type(s.model.get_submodule(name)) in (nn.Conv2d, nn.Linear)
     assert res.artifacts and res.artifacts[0].endswith(".png")
+
+
+def test_accuracy_aware_ptq_reads_a_lower_is_better_metric_the_right_way(tmp_path: Any) -> None:
+    """An error rate (perplexity-like: lower is better) under the same zero budget: the modifier must
+    see quantization's rise as the drop and keep layers float until the error is back down."""
+    m = _trained()
+    data = _task(seed=1)
+
+    def error(model: nn.Module) -> float:
+        return 1.0 - _accuracy(model, data)
+
+    float_err = error(copy.deepcopy(m))
+    # 3-bit per-tensor weights: enough damage that the quantized error is above the float one
+    recipe = _recipe([{"type": "ptq", "scheme": {"weights": {"bits": 3, "granularity": "tensor"}, "inputs": None},
+                       "sensitivity": "metric", "max_accuracy_drop": 0.0}])
+    with Session(recipe, m, calibration_data=data, evaluate=error, higher_is_better=False, out_dir=tmp_path) as s:
+        pass
+    res = s.results[0]
+    rows = res.tables["quantization_sensitivity"]
+    assert rows[0]["drop"] >= rows[-1]["drop"]
+    assert res.metrics["quantized_metric"] <= float_err and res.metrics["met_budget"]
+    assert res.tables["quantization_kept_float"]
