@@ -63,7 +63,7 @@ def _vision(cls_name: str, cfg_name: str, size: int, **cfg: Any) -> Callable[[in
     return build
 
 
-def _text(cls_name: str, cfg_name: str, vocab: int = 256, **cfg: Any) -> Callable[[int], SuiteModel]:
+def _text(cls_name: str, cfg_name: str, vocab: int = 256, seq: int = 32, **cfg: Any) -> Callable[[int], SuiteModel]:
     def build(seed: int = 0) -> SuiteModel:
         import transformers
 
@@ -72,7 +72,7 @@ def _text(cls_name: str, cfg_name: str, vocab: int = 256, **cfg: Any) -> Callabl
         if hasattr(config, "use_cache"):
             config.use_cache = False
         model = getattr(transformers, cls_name)(config).eval()
-        data = _tokens(4, 4, 32, vocab, seed + 1)
+        data = _tokens(4, 4, seq, vocab, seed + 1)
         return SuiteModel(cls_name, model, {"input_ids": data[0]["input_ids"][:2]}, data, "text")
 
     return build
@@ -102,4 +102,34 @@ SUITE: dict[str, Callable[[int], SuiteModel]] = {
                    num_attention_heads=4, num_key_value_heads=2),
     "qwen2": _text("Qwen2ForCausalLM", "Qwen2Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2),
+}
+
+#: The same architectures at the widths of their published base configs (ResNet-18, ConvNeXt-T,
+#: MobileNetV2 1.0, RegNetY-800MF, ViT-S/16, Swin-T, MobileViT-S, LeViT-128S, BERT-base, GPT-2 small,
+#: Llama/Qwen2 at 1024/896 wide), fewer blocks so a CPU benchmark stays minutes long: per-layer costs
+#: and so int8/fp32 speed ratios depend on width and resolution, not on depth. The small suite above
+#: is all Q/DQ overhead (32-128 channels at 64 px) and says little about serving speed.
+SERVING: dict[str, Callable[[int], SuiteModel]] = {
+    "resnet": _vision("ResNetForImageClassification", "ResNetConfig", 112, embedding_size=64, layer_type="basic",
+                      hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2], num_labels=1000),
+    "convnext": _vision("ConvNextForImageClassification", "ConvNextConfig", 112, hidden_sizes=[96, 192, 384, 768],
+                        depths=[1, 1, 3, 1], num_labels=1000),
+    "mobilenetv2": _vision("MobileNetV2ForImageClassification", "MobileNetV2Config", 112, depth_multiplier=1.0,
+                           num_labels=1000),
+    "regnet": _vision("RegNetForImageClassification", "RegNetConfig", 112, embedding_size=32,
+                      hidden_sizes=[64, 144, 320, 784], depths=[1, 3, 4, 2], groups_width=16, num_labels=1000),
+    "vit": _vision("ViTForImageClassification", "ViTConfig", 160, image_size=160, patch_size=16, hidden_size=384,
+                   num_hidden_layers=4, num_attention_heads=6, intermediate_size=1536, num_labels=1000),
+    "swin": _vision("SwinForImageClassification", "SwinConfig", 112, image_size=112, patch_size=4, embed_dim=96,
+                    depths=[2, 2, 2], num_heads=[3, 6, 12], window_size=7, num_labels=1000),
+    "mobilevit": _vision("MobileViTForImageClassification", "MobileViTConfig", 128, image_size=128, num_labels=1000),
+    "levit": _vision("LevitForImageClassification", "LevitConfig", 112, image_size=112, hidden_sizes=[128, 256, 384],
+                     num_attention_heads=[4, 6, 8], depths=[2, 3, 4], key_dim=[16, 16, 16], num_labels=1000),
+    "bert": _text("BertModel", "BertConfig", vocab=8192, seq=128, hidden_size=768, num_hidden_layers=4,
+                  num_attention_heads=12, intermediate_size=3072),
+    "gpt2": _text("GPT2LMHeadModel", "GPT2Config", vocab=8192, seq=128, n_embd=768, n_layer=4, n_head=12),
+    "llama": _text("LlamaForCausalLM", "LlamaConfig", vocab=8192, seq=128, hidden_size=1024, intermediate_size=2816,
+                   num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4),
+    "qwen2": _text("Qwen2ForCausalLM", "Qwen2Config", vocab=8192, seq=128, hidden_size=896, intermediate_size=4864,
+                   num_hidden_layers=4, num_attention_heads=14, num_key_value_heads=2),
 }

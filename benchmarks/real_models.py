@@ -11,8 +11,10 @@ same calibration batches; then, side by side in one run:
   medians after warm-up) and the speedups over fp32;
 - file size over the fp32 file.
 
-``python -m benchmarks.real_models [--models resnet bert ...] [--rounds N]`` writes
-benchmarks/results/real_models.json and the "Real models" section of benchmarks/RESULTS.md.
+``python -m benchmarks.real_models [--size small|serving] [--models resnet bert ...] [--rounds N]``
+writes benchmarks/results/real_models[_serving].json and its section of benchmarks/RESULTS.md.
+``small`` is the test suite's configs (coverage and fidelity); ``serving`` the same architectures at
+their published widths (speed: the small ones are all Q/DQ overhead).
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.hf_suite import SUITE, SuiteModel
+from benchmarks.hf_suite import SERVING, SUITE, SuiteModel
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-JSON_OUT = Path(__file__).parent / "results" / "real_models.json"
-SECTION = "## Real models: quantizer placement vs ORT quantize_static"
+JSON_OUT = {"small": Path(__file__).parent / "results" / "real_models.json",
+            "serving": Path(__file__).parent / "results" / "real_models_serving.json"}
+SECTION = {"small": "## Real models: quantizer placement vs ORT quantize_static",
+           "serving": "## Real models at serving width: int8 speed vs ORT quantize_static"}
+SUITES = {"small": SUITE, "serving": SERVING}
 
 
 def _feeds(sess: Any, x: Any) -> dict[str, np.ndarray]:
@@ -78,8 +83,8 @@ def _ort_static(fp32: Path, out: Path, calib: list[Any]) -> None:
 def _serving_input(sm: SuiteModel) -> Any:
     g = torch.Generator().manual_seed(99)
     if sm.kind == "text":
-        ids = sm.example["input_ids"]
-        return {"input_ids": torch.randint(0, 200, (8, 64), generator=g)} if ids is not None else None
+        seq = max(64, sm.calibration[0]["input_ids"].shape[1])
+        return {"input_ids": torch.randint(0, 200, (8, seq), generator=g)}
     x = sm.calibration[0]
     return torch.randn(32, *x.shape[1:], generator=g)
 
@@ -99,12 +104,13 @@ def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int) -> dict[str,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def run_one(name: str, *, rounds: int, threads: int) -> dict[str, Any]:
+def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dict[str, Any]:
     import compress
     from export.onnx import export_onnx
     from export.runtimes import ort_coverage
 
-    sm = SUITE[name](0)
+    suite = SUITES[size]
+    sm = suite[name](0)
     fp = copy.deepcopy(sm.model)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -117,7 +123,7 @@ def run_one(name: str, *, rounds: int, threads: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         _ort_static(f32, theirs, sm.calibration)
         t_ort = time.perf_counter() - t0
-        held = SUITE[name](7).calibration[:2]  # other inputs, same shapes
+        held = suite[name](7).calibration[:2]  # other inputs, same shapes
         sessions = {k: _session(p, threads) for k, p in (("fp32", f32), ("compress", ours), ("ort", theirs))}
         sq: dict[str, list[float]] = {"compress": [], "ort": []}
         for x in held:
@@ -125,8 +131,8 @@ def run_one(name: str, *, rounds: int, threads: int) -> dict[str, Any]:
             for k in sq:
                 sq[k].append(_sqnr(ref, sessions[k].run(None, _feeds(sessions[k], x))[0]))
         cov = {"compress": ort_coverage(ours), "ort": ort_coverage(theirs)}
-        lat = _time(sessions, _serving_input(sm), rounds, reps=3)
-        size = {k: p.stat().st_size for k, p in (("fp32", f32), ("compress", ours), ("ort", theirs))}
+        lat = _time(sessions, _serving_input(sm), rounds, reps=3 if size == "small" else 1)
+        nbytes = {k: p.stat().st_size for k, p in (("fp32", f32), ("compress", ours), ("ort", theirs))}
     placement = q.quantizer_graph.placement
     return {
         "model": name,
@@ -138,7 +144,7 @@ def run_one(name: str, *, rounds: int, threads: int) -> dict[str, Any]:
         "sqnr_db": {k: round(statistics.mean(v), 2) for k, v in sq.items()},
         "latency_ms": {k: round(v, 3) for k, v in lat.items()},
         "speedup": {k: round(lat["fp32"] / lat[k], 3) for k in ("compress", "ort")},
-        "size_ratio": {k: round(size[k] / size["fp32"], 3) for k in ("compress", "ort")},
+        "size_ratio": {k: round(nbytes[k] / nbytes["fp32"], 3) for k in ("compress", "ort")},
         "quantize_s": {"compress": round(t_quant, 2), "ort": round(t_ort, 2)},
     }
 
@@ -154,10 +160,13 @@ def _machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, load average {load:.1f} at the start"
 
 
-def write_results(rows: list[dict[str, Any]], machine: str, threads: int) -> None:
-    lines = [SECTION, "",
-             f"`python -m benchmarks.real_models` on {machine}; ORT {threads} thread(s); serving batch: 32 images "
-             "or 8 x 64 tokens; latency = interleaved medians after warm-up. Coverage = integer kernels / (integer + "
+def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: str = "small") -> None:
+    what = ("the test suite's small configs (benchmarks/hf_suite.py SUITE)" if size == "small" else
+            "published base widths with fewer blocks (benchmarks/hf_suite.py SERVING)")
+    lines = [SECTION[size], "",
+             f"`python -m benchmarks.real_models --size {size}` on {machine}; {what}; ORT {threads} thread(s); "
+             "serving batch: 32 images or 8 sequences of max(64, calibration length) tokens; latency = "
+             "interleaved medians after warm-up. Coverage = integer kernels / (integer + "
              "float Conv/MatMul/Gemm/Add) in ORT's optimized graph. SQNR of each int8 model's ORT output to the "
              "fp32 model's ORT output on held-out inputs. Random-weight models from transformers configs "
              "(benchmarks/hf_suite.py).", "",
@@ -181,8 +190,8 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int) -> Non
     if floats:
         lines += ["", "Left float by compress's placement, with its reason:", *floats]
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if SECTION in text:
-        head, _, rest = text.partition(SECTION)
+    if SECTION[size] in text:
+        head, _, rest = text.partition(SECTION[size])
         nxt = rest.find("\n## ")
         text = head + "\n".join(lines) + ("\n" + rest[nxt + 1:] if nxt >= 0 else "\n")
     else:
@@ -192,23 +201,25 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int) -> Non
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="*", default=list(SUITE))
+    ap.add_argument("--size", choices=sorted(SUITES), default="small")
+    ap.add_argument("--models", nargs="*", default=None)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     machine = _machine()
     rows = []
-    for name in args.models:
+    for name in args.models or list(SUITES[args.size]):
         try:
-            row = run_one(name, rounds=args.rounds, threads=args.threads)
+            row = run_one(name, rounds=args.rounds, threads=args.threads, size=args.size)
         except Exception as exc:  # one model's failure is a result, not the end of the run
             row = {"model": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         print(json.dumps({k: v for k, v in row.items() if k not in ("float_nodes",)}), flush=True)
         rows.append(row)
-    JSON_OUT.parent.mkdir(exist_ok=True)
-    JSON_OUT.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
-    write_results(rows, machine, args.threads)
+    out = JSON_OUT[args.size]
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    write_results(rows, machine, args.threads, args.size)
 
 
 if __name__ == "__main__":
