@@ -4,6 +4,7 @@ initializers (and, opt-in, int8 embedding tables)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
@@ -99,6 +100,84 @@ def fold_weight_transposes(g: _Graph) -> int:
             _set_axis(dq, perm.index(ax))
         dq.output[0] = t.output[0]
         g.g.node.remove(t)
+        g.refresh()
+        done += 1
+    return done
+
+
+def _attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def _constant_pieces(g: _Graph, node: onnx.NodeProto, shape: tuple[int, ...]) -> list[tuple[int, slice]] | None:
+    """For a Split or Slice with constant parameters on a tensor of ``shape``: ``(axis, slice)`` of
+    each output (None when not constant or not along one axis)."""
+    dim = len(shape)
+    if node.op_type == "Split":
+        axis = int(_attr(node, "axis", 0)) % dim  # type: ignore[call-overload]
+        if len(node.input) > 1 and node.input[1]:
+            if node.input[1] not in g.init:
+                return None
+            sizes = [int(v) for v in g.array(node.input[1])]
+        else:  # equal parts, the last one smaller (ONNX Split's num_outputs)
+            parts = int(_attr(node, "num_outputs", len(node.output)))  # type: ignore[call-overload]
+            step = -(-shape[axis] // parts)
+            sizes = [min(step, shape[axis] - k * step) for k in range(parts)]
+        starts = np.cumsum([0, *sizes])
+        return [(axis, slice(int(a), int(b))) for a, b in itertools.pairwise(starts)]
+    if node.op_type == "Slice":
+        args = [node.input[i] if len(node.input) > i else "" for i in range(1, 5)]
+        if any(a and a not in g.init for a in args) or not args[0] or not args[1]:
+            return None
+        starts, ends = g.array(args[0]), g.array(args[1])
+        axes = g.array(args[2]) if args[2] else np.arange(len(starts))
+        steps = g.array(args[3]) if args[3] else np.ones(len(starts), dtype=np.int64)
+        if len(starts) != 1:
+            return None
+        return [(int(axes[0]) % dim, slice(int(starts[0]), int(ends[0]), int(steps[0])))]
+    return None
+
+
+def fold_weight_slices(g: _Graph) -> int:
+    """``DQ(W) -> Split/Slice -> op`` becomes ``DQ(W piece) -> op`` (per-channel scales cut along
+    with the rows), and a Split/Slice of a float initializer becomes initializers: a weight sliced
+    from a packed parameter (cross-attention's ``in_proj_weight.split``) then reaches its MatMul from
+    a DequantizeLinear, and its bias is a constant, which is what ORT needs to fuse them."""
+    done = 0
+    for node in list(g.g.node):
+        src = node.input[0] if node.op_type in ("Split", "Slice") and node.input else ""
+        dq = g.producer.get(src)
+        is_dq = dq is not None and dq.op_type == "DequantizeLinear" and all(i in g.init for i in dq.input if i)
+        if not (is_dq or src in g.init) or any(o in g.outputs for o in node.output):
+            continue
+        data = g.array(dq.input[0] if is_dq else src)  # type: ignore[union-attr]
+        pieces = _constant_pieces(g, node, data.shape)
+        if pieces is None or len(pieces) != len(node.output):
+            continue
+        new: list[onnx.NodeProto] = []
+        for out, (axis, cut) in zip(node.output, pieces):
+            index = tuple(cut if d == axis else slice(None) for d in range(data.ndim))
+            if not is_dq:
+                g.set_init(out, np.ascontiguousarray(data[index]))
+                continue
+            assert dq is not None
+            names = [g.unique(f"{out}_{s}") for s in ("codes", "scale", "zero_point")]
+            g.set_init(names[0], np.ascontiguousarray(data[index]))
+            dq_axis = _axis(dq) % data.ndim
+            for k, name in zip((1, 2), names[1:]):
+                if len(dq.input) <= k or not dq.input[k]:
+                    continue
+                arr = g.array(dq.input[k])
+                g.set_init(name, np.ascontiguousarray(arr[cut]) if arr.ndim == 1 and dq_axis == axis else arr)
+            attrs = {a.name: helper.get_attribute_value(a) for a in dq.attribute}
+            inputs = names[: len([i for i in dq.input if i])]
+            new.append(helper.make_node("DequantizeLinear", inputs, [out], name=g.unique(f"{out}_dq"), **attrs))
+        idx = list(g.g.node).index(node)
+        g.g.node.remove(node)
+        for k, n in enumerate(new):
+            g.g.node.insert(idx + k, n)
+        if is_dq and dq is not None and not any(src in n.input for n in g.g.node):
+            g.g.node.remove(dq)
         g.refresh()
         done += 1
     return done
@@ -510,6 +589,7 @@ def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False,
     stats = {
         "int8_embedding_tables": quantize_embedding_tables(g) if quantize_embeddings else 0,
         "unused_initializers": remove_unused_initializers(g),
+        "weight_slices": fold_weight_slices(g),
         "blocked_gemms": blocked_gemm_to_matmul(g),
         "weight_transposes": fold_weight_transposes(g),
         "int4_weights": pack_int4(g),

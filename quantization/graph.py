@@ -26,6 +26,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from quantization import attention
+
 # ---- op kinds ---------------------------------------------------------------------------------------
 # The name of the function or method decides the kind; ``None`` kinds are not recorded as ops.
 _KIND_BY_NAME: dict[str, str] = {}
@@ -45,7 +47,7 @@ _kinds("add", "add", "__add__", "__radd__", "__iadd__", "add_")
 _kinds("sub", "sub", "__sub__", "__rsub__", "__isub__", "sub_")
 _kinds("mul", "mul", "__mul__", "__rmul__", "__imul__", "mul_")
 _kinds("cat", "cat", "concat", "concatenate")
-_kinds("sdpa", "scaled_dot_product_attention")
+_kinds("sdpa", "scaled_dot_product_attention", "attention_with_weights")
 _kinds("mha", "multi_head_attention_forward")
 _kinds("relu", "relu", "relu_")
 _kinds("relu6", "relu6", "hardtanh", "hardtanh_", "clamp", "clip", "clamp_", "clamp_min")
@@ -243,6 +245,10 @@ class GraphTracer(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.scopes.in_quantizer():
             return func(*args, **kwargs)
+        run = attention.redirect(func, args, kwargs)
+        if run is not None:  # nn.MultiheadAttention: its decomposition's calls are the ops
+            with self:
+                return run()
         kind = call_kind(func)
         key, scope = self.scopes.key(kind)
         leaves = tensor_leaves(args, kwargs)
@@ -272,6 +278,9 @@ def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         lo = kwargs.get("min", kwargs.get("min_val", args[1] if len(args) > 1 else None))
         hi = kwargs.get("max", kwargs.get("max_val", args[2] if len(args) > 2 else None))
         return {"min": lo if isinstance(lo, (int, float)) else None, "max": hi if isinstance(hi, (int, float)) else None}
+    if kind == "mha":  # not decomposed (see quantization/attention.py): say why
+        a = attention.bind_mha(args, kwargs)
+        return {"reason": attention.mha_unsupported(a["query"], a["key"], a["value"]) or "nn.MultiheadAttention left whole"}
     if kind == "avg_pool":
         size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
         return {"output_size": size}

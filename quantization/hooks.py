@@ -10,24 +10,24 @@ once per forward (a small identity cache), so export traces one Q/DQ pair per te
 
 Attention through ``F.scaled_dot_product_attention`` runs decomposed (``q @ k^T * scale``, mask,
 softmax, ``@ v``) with quantizers on q, k, the probabilities and v, which is the graph the ONNX
-exporter writes for it anyway.
+exporter writes for it anyway; ``nn.MultiheadAttention`` runs as its projections and SDPA
+(quantization/attention.py), so its packed weights and matmuls are placed like any others.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from compress.errors import CalibrationError
+from quantization.attention import attention_with_weights, decomposed_attention, redirect
 from quantization.fake_quant import FakeQuantizer
 from quantization.graph import ScopeTracker, call_kind
 from quantization.placement import Placement
@@ -184,6 +184,10 @@ class QuantizeMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.scopes.in_quantizer():
             return func(*args, **kwargs)
+        run = redirect(func, args, kwargs)
+        if run is not None:  # the same decomposition the tracer saw, under this mode
+            with self:
+                return run()
         key, _ = self.scopes.key(call_kind(func))
         entry = self.entries.get(key)
         if entry is None:
@@ -194,52 +198,22 @@ class QuantizeMode(TorchFunctionMode):
                 leaves[int(pos)] = self.apply(qid, leaves[int(pos)])
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         if "q" in entry:  # attention, decomposed with its own quantizers inside
-            return self._attention(entry, args, kwargs)
+            return self._attention(func, entry, args, kwargs)
         if "g" in entry:  # SiLU as x * q(sigmoid(x)): what ORT runs as QLinearSigmoid + QLinearMul
             return args[0] * self.apply(entry["g"], torch.sigmoid(args[0]))
         return func(*args, **kwargs)
 
-    def _attention(self, entry: dict[str, str], args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
-        return decomposed_attention(*args, **kwargs, quant=lambda role, t: self.apply(entry[role], t))
+    def _attention(self, func: Any, entry: dict[str, str], args: Any, kwargs: dict[str, Any]) -> Any:
+        def quant(role: str, t: torch.Tensor) -> torch.Tensor:
+            return self.apply(entry[role], t)
+
+        if func is attention_with_weights:
+            return decomposed_attention(*args, **kwargs, quant=quant, return_probs=True)
+        return decomposed_attention(*args, **kwargs, quant=quant)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-def decomposed_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    *,
-    quant: Callable[[str, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` written out, with ``quant(role, tensor)`` on q, k^T, the
-    softmax output and v (the inputs of the two matmuls)."""
-    n_q, n_kv = query.size(-3) if query.dim() >= 3 else 1, key.size(-3) if key.dim() >= 3 else 1
-    if enable_gqa and n_q != n_kv:
-        key = key.repeat_interleave(n_q // n_kv, dim=-3)
-        value = value.repeat_interleave(n_q // n_kv, dim=-3)
-    s = scale if scale is not None else 1.0 / math.sqrt(query.size(-1))
-    scores = torch.matmul(quant("q", query), quant("k", key.transpose(-2, -1))) * s
-    L, S = query.size(-2), key.size(-2)
-    if is_causal:
-        keep = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores = scores + attn_mask
-    probs = torch.softmax(scores, dim=-1)
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, p=dropout_p, training=True)
-    return torch.matmul(quant("p", probs), quant("v", value))
 
 
 def _weight_spec(graph: QuantizerGraph, axis: int) -> QuantSpec | None:

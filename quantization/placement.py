@@ -10,8 +10,11 @@ Input: the OpGraph of one forward pass (quantization/graph.py) and a RuntimeProf
   quantizer; attention (SDPA) calls get quantizers inside the decomposed attention (``q``, ``k``,
   ``v`` and the softmax output ``p``);
 - ``weights``: weights used functionally (a parameter passed to ``F.linear``/``addmm``/``@`` outside
-  a swapped layer's own forward: GPT-2's Conv1D, a helper that calls ``F.linear(x, self.qkv.weight)``)
-  get a weight quantizer at that call;
+  a swapped layer's own forward: GPT-2's Conv1D, a helper that calls ``F.linear(x, self.qkv.weight)``,
+  nn.MultiheadAttention's packed ``in_proj_weight``) get a weight quantizer at that call; a weight
+  that is a slice of a parameter (``w.split``/``chunk``, as cross-attention slices the packed
+  projection) gets one on the whole parameter, at the slicing call, so its per-channel scales
+  slice along with it;
 - ``floats``: every weighted op, add and attention left in float, with the reason.
 """
 
@@ -86,6 +89,29 @@ def weighted_operands(node: OpNode) -> tuple[Operand, Operand, int] | None:
     return None
 
 
+#: ops that cut a tensor into pieces of the same rank (a weight sliced from a packed parameter)
+_SLICING = frozenset({"split", "chunk", "narrow", "split_with_sizes", "tensor_split"})
+
+
+def sliced_weight(node: OpNode, producers: dict[str, OpNode]) -> tuple[Operand, OpNode, Operand, int] | None:
+    """``(data, slicing op, parameter operand, axis)`` of a weighted op call whose weight is a slice
+    of a model parameter, cut by one split/chunk/narrow call that keeps the rank."""
+    ops = {o.position: o for o in node.operands}
+    if node.kind not in _WEIGHTED_POS:
+        return None
+    d, w, axis = _WEIGHTED_POS[node.kind]
+    data, weight = ops.get(d), ops.get(w)
+    if data is None or weight is None or weight.source != "op":
+        return None
+    cut = producers.get(str(weight.producer))
+    if cut is None or cut.kind != "reshape" or cut.func not in _SLICING or not cut.operands:
+        return None
+    param = cut.operands[0]
+    if param.source != "param" or param.position != 0 or any(len(s) != len(param.shape) for s in cut.out_shapes):
+        return None
+    return data, cut, param, axis
+
+
 class _Groups:
     """Union-find over tensor ids."""
 
@@ -140,7 +166,9 @@ def place(
             if t is not None:
                 consumers.setdefault(t, []).append((n, o))
     producers = {n.key: n for n in nodes}
-    weighted_keys = {n.key for n in nodes if weighted_operands(n) is not None}
+    sliced = {n.key: sw for n in nodes if (sw := sliced_weight(n, producers)) is not None}
+    weighted_keys = {n.key for n in nodes if weighted_operands(n) is not None} | set(sliced)
+    slice_qids: dict[str, str] = {}  # slicing op -> the quantizer of the whole parameter it cuts
     groups = _Groups()
     quantized: set[str] = set()
     requested_out: list[str] = []
@@ -156,6 +184,9 @@ def place(
     for n in nodes:
         rule = profile.rules.get(n.kind)
         w = weighted_operands(n)
+        cut = sliced.get(n.key)
+        if cut is not None:
+            w = cut[0], cut[2], cut[3]
         if w is not None:
             data, weight, axis = w
             layer = weight.name.rsplit(".", 1)[0] if weight.name and "." in weight.name else ""
@@ -168,7 +199,13 @@ def place(
             if not data.floating or data.source not in ("op", "input"):
                 pl.floats[n.key] = "its input is not a floating activation"
                 continue
-            if n.scope != layer or layer not in swapped:
+            if cut is not None:
+                # the quantizer runs on the whole parameter, where the slicing op reads it
+                if cut[1].key not in slice_qids:
+                    slice_qids[cut[1].key] = qid = f"w{len(pl.weights)}"
+                    pl.weights[qid] = WeightUse(weight.name or "", axis, layer if layer in swapped else None)
+                    pl.entries.setdefault(cut[1].key, {})[str(weight.position)] = qid
+            elif n.scope != layer or layer not in swapped:
                 module = layer if layer in swapped else None
                 qid = f"w{len(pl.weights)}"
                 pl.weights[qid] = WeightUse(weight.name or "", axis, module)
@@ -176,6 +213,9 @@ def place(
             quantize(data)
             if rule is not None and rule.output:
                 requested_out.append(n.key)
+            continue
+        if n.kind == "mha":  # an nn.MultiheadAttention call the modes did not decompose
+            pl.floats[n.key] = str(n.attrs.get("reason", "nn.MultiheadAttention left whole"))
             continue
         if rule is None or not quantize_ops:
             if rule is not None and n.kind in ("add", "sdpa") and n.scope not in swapped:
@@ -300,9 +340,9 @@ def place(
             pl.entries.setdefault(n.key, {}).setdefault(str(o.position), qid)
     for n in nodes:  # report weighted ops whose input ended up unquantized
         if n.key in weighted_keys and n.key not in pl.floats:
-            w = weighted_operands(n)
-            assert w is not None
-            t = _tid(w[0])
+            cut = sliced.get(n.key)
+            data_op = cut[0] if cut is not None else weighted_operands(n)[0]  # type: ignore[index]
+            t = _tid(data_op)
             if t is None or t not in quantized:
                 pl.floats[n.key] = "its input is not quantized"
     return pl
