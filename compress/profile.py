@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from compress.batching import batch_size_of, call_model
 
@@ -48,44 +52,98 @@ def deployed_size_bytes(model: nn.Module) -> int:
     return round(total)
 
 
+class _MacCounter(TorchFunctionMode):
+    """Adds up the multiply-accumulates of every conv, linear, matmul and attention call it sees
+    (functional ones and operators included: ``@``, ``F.linear``, ``F.scaled_dot_product_attention``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.macs = 0
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)  # runs with this mode off: calls inside it are not counted twice
+        name = getattr(func, "__name__", "")
+        if name in _MAC_OPS:
+            # an unusual call signature is not a MAC op we count
+            with contextlib.suppress(IndexError, KeyError, TypeError, AttributeError, RuntimeError):
+                self.macs += _macs(name, args, kwargs, out)
+        return out
+
+
+_MAC_OPS = frozenset({
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "linear", "addmm",
+    "matmul", "mm", "bmm", "baddbmm", "__matmul__", "__rmatmul__", "einsum", "scaled_dot_product_attention",
+    "multi_head_attention_forward",
+})
+
+
+def _macs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    if name in ("conv1d", "conv2d", "conv3d"):
+        w = args[1] if len(args) > 1 else kwargs["weight"]
+        return int(out.numel() * w[0].numel())
+    if name.startswith("conv_transpose"):
+        x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+        return int(x.numel() * w[0].numel())
+    if name == "linear":
+        w = args[1] if len(args) > 1 else kwargs["weight"]
+        return int(out.numel() * w.shape[1])
+    if name == "addmm":
+        return int(out.numel() * args[1].shape[-1])
+    if name == "baddbmm":
+        return int(out.numel() * args[1].shape[-1])
+    if name in ("matmul", "mm", "bmm", "__matmul__", "__rmatmul__"):
+        a, b = (args[1], args[0]) if name == "__rmatmul__" else (args[0], args[1])
+        if a.dim() < 2 or b.dim() < 2:
+            return int(a.numel() if a.dim() == 1 else b.numel())
+        return int(out.numel() * a.shape[-1])
+    if name == "einsum":  # every index of the operands is summed or kept: the product of all sizes
+        equation = args[0]
+        operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        if "." in equation:
+            return 0  # broadcast dims (...) have no letter to size them by
+        sizes: dict[str, int] = {}
+        for spec, t in zip(equation.split("->")[0].split(","), operands, strict=False):
+            for ch, n in zip(spec.strip(), t.shape, strict=False):
+                sizes[ch] = int(n)
+        return math.prod(sizes.values())
+    if name == "scaled_dot_product_attention":
+        q, k, v = args[:3]
+        batch = math.prod(q.shape[:-2])
+        return int(batch * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1]))
+    if name == "multi_head_attention_forward":
+        return _mha_macs(args, kwargs)
+    return 0
+
+
+def _mha_macs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """In-projections, the two attention products and the out-projection of one
+    ``F.multi_head_attention_forward`` call (inputs sequence-first or unbatched)."""
+    names = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight")
+    a = dict(zip(names, args, strict=False)) | kwargs
+    q, k, v = a["query"], a["key"], a["value"]
+    e = int(a["embed_dim_to_check"])
+    w_out = args[11] if len(args) > 11 else kwargs["out_proj_weight"]
+    tq, tk = q.numel() // q.shape[-1], k.numel() // k.shape[-1]
+    batch = q.shape[1] if q.dim() == 3 else 1
+    proj = tq * q.shape[-1] * e + tk * k.shape[-1] * e + tk * v.shape[-1] * e
+    attention = 2 * (tq // batch) * (tk // batch) * batch * e
+    return int(proj + attention + tq * e * w_out.shape[0])
+
+
 @torch.no_grad()
 def count_macs(model: nn.Module, example_inputs: Any) -> int:
-    """Multiply-accumulates of one forward pass per sample, from Conv/Linear/matmul shapes.
-
-    Counted by forward hooks on the modules that hold the arithmetic (conv, linear, attention
-    matmul modules); elementwise ops and norms are left out, as in the usual MACs convention.
-    """
-    total = 0
-
-    def hook(m: nn.Module, inp: Any, out: Any) -> None:
-        nonlocal total
-        if isinstance(m, nn.modules.conv._ConvNd):
-            total += out.numel() * (m.in_channels // m.groups) * int(torch.tensor(m.kernel_size).prod())
-        elif isinstance(m, nn.Linear):
-            total += out.numel() * m.in_features
-        elif isinstance(m, nn.MultiheadAttention):
-            # its projections run inside F.multi_head_attention_forward, not as submodule calls
-            q = inp[0]
-            tokens, e = q.numel() // q.shape[-1], m.embed_dim
-            seq = q.shape[1] if m.batch_first else q.shape[0]
-            total += 4 * tokens * e * e + 2 * tokens * seq * e
-        else:  # MatMul modules: (..., n, k) @ (..., k, m)
-            total += out.numel() * int(inp[0].shape[-1])
-
-    handles = [
-        mod.register_forward_hook(hook)
-        for mod in model.modules()
-        if isinstance(mod, (nn.modules.conv._ConvNd, nn.Linear, nn.MultiheadAttention))
-        or type(mod).__name__ in ("MatMul", "QuantMatMul")
-    ]
+    """Multiply-accumulates of one forward pass per sample: every conv, linear, matmul (``@``,
+    ``bmm``, ``einsum``) and attention call (SDPA, ``nn.MultiheadAttention``), seen by a torch-function
+    mode, so models written with plain tensor ops count fully; elementwise ops and norms are left
+    out, as in the usual MACs convention."""
+    counter = _MacCounter()
     was = model.training
     model.eval()
     try:
-        call_model(model, example_inputs)
+        with counter:
+            call_model(model, example_inputs)
     finally:
         model.train(was)
-        for h in handles:
-            h.remove()
     n = batch_size_of(example_inputs)
-    return total // max(n, 1)
-
+    return counter.macs // max(n, 1)

@@ -1,4 +1,4 @@
-"""Models: the zoo (resnet, mobilenetv2, vit, mlp), graph-visible ops and ``load_model``."""
+"""Models: the zoo (resnet, mobilenetv2, vit, mlp) and ``load_model``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from compress.models.hf import MINILM, load_hf_model, load_tokenizer, minilm_dir
 from compress.models.loading import apply_pruning_plan, check_state_dict, load_checkpoint, load_model
 from compress.models.mlp import MLP
 from compress.models.mobilenetv2 import MobileNetV2
-from compress.models.ops import Add, Concat, MatMul
 from compress.models.resnet import ResNet
 from compress.models.vit import Attention, ViT
 from compress.models.zoo import ZOO, build_zoo_model, zoo_kwargs
@@ -15,10 +14,7 @@ __all__ = [
     "MINILM",
     "MLP",
     "ZOO",
-    "Add",
     "Attention",
-    "Concat",
-    "MatMul",
     "MobileNetV2",
     "ResNet",
     "ViT",

@@ -9,8 +9,6 @@ from typing import Literal
 import torch
 from torch import nn
 
-from compress.models.ops import Add
-
 # (expansion t, output channels c, repeats n, first stride s), as in table 2 of the paper
 STANDARD: tuple[tuple[int, int, int, int], ...] = (
     (1, 16, 1, 1),
@@ -61,11 +59,10 @@ class InvertedResidual(nn.Module):
         layers += [nn.Conv2d(hidden, c_out, 1, bias=False), nn.BatchNorm2d(c_out)]
         self.conv = nn.Sequential(*layers)
         self.use_residual = stride == 1 and c_in == c_out
-        self.add = Add() if self.use_residual else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.conv(x)
-        return self.add(out, x) if self.add is not None else out
+        return out + x if self.use_residual else out
 
 
 class MobileNetV2(nn.Module):

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compress.models.ops import Add
-
 
 class BasicBlock(nn.Module):
     """conv3x3-bn-relu-conv3x3-bn, plus a shortcut (1x1 conv + bn when the shape changes), then relu."""
@@ -26,13 +24,12 @@ class BasicBlock(nn.Module):
             )
         else:
             self.shortcut = nn.Identity()
-        self.add = Add()
         self.relu2 = nn.ReLU(inplace=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu1(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        return self.relu2(self.add(out, self.shortcut(x)))
+        return self.relu2(out + self.shortcut(x))
 
 
 class ResNet(nn.Module):

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
-from compress.models.ops import Add, Concat, MatMul
 
 
 class Attention(nn.Module):
@@ -30,9 +29,7 @@ class Attention(nn.Module):
         self.q = nn.Linear(dim, dim)
         self.k = nn.Linear(dim, dim)
         self.v = nn.Linear(dim, dim)
-        self.scores = MatMul()  # q @ k^T
         self.softmax = nn.Softmax(dim=-1)
-        self.context = MatMul()  # attn @ v
         self.proj = nn.Linear(dim, dim)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
@@ -44,8 +41,8 @@ class Attention(nn.Module):
         q = self._heads(self.q(x)) * self.head_dim**-0.5
         k = self._heads(self.k(x))
         v = self._heads(self.v(x))
-        attn = self.softmax(self.scores(q, k.transpose(-2, -1)))
-        out = self.context(attn, v).transpose(1, 2).reshape(b, n, -1)
+        attn = self.softmax(q @ k.transpose(-2, -1))
+        out = (attn @ v).transpose(1, 2).reshape(b, n, -1)
         return self.proj(out)
 
 
@@ -80,20 +77,18 @@ class EncoderBlock(nn.Module):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn: nn.Module = Attention(dim, heads) if attn == "native" else NativeAttention(dim, heads)
-        self.add1 = Add()
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, mlp_hidden)
-        self.add2 = Add()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.add1(x, self.attn(self.norm1(x)))
-        return self.add2(x, self.mlp(self.norm2(x)))
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
 
 
 class ViT(nn.Module):
     """Vision Transformer classifier for ``image_size`` x ``image_size`` inputs cut into ``patch`` tiles.
 
-    ``attn="native"`` uses this package's attention (q/k/v Linears, MatMul ops), ``attn="mha"``
+    ``attn="native"`` uses this package's attention (q/k/v Linears, ``@``), ``attn="mha"``
     torch's ``nn.MultiheadAttention``. The zoo builds it by name (``vit``).
     """
 
@@ -123,8 +118,6 @@ class ViT(nn.Module):
         self.patch_embed = nn.Conv2d(in_channels, dim, patch, stride=patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, dim))
-        self.cat = Concat(dim=1)
-        self.add_pos = Add()
         hidden = max(1, round(dim * mlp_ratio))
         self.blocks = nn.Sequential(*(EncoderBlock(dim, heads, hidden, attn) for _ in range(depth)))
         self.norm = nn.LayerNorm(dim)
@@ -144,7 +137,7 @@ class ViT(nn.Module):
                 f"{x.shape[-2]}x{x.shape[-1]}; build it with image_size={x.shape[-1]}"
             )
         x = self.patch_embed(x).flatten(2).transpose(1, 2)  # (b, patches, dim)
-        x = self.cat(self.cls_token.expand(x.shape[0], -1, -1), x)
-        x = self.blocks(self.add_pos(x, self.pos_embed))
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.blocks(x + self.pos_embed)
         return self.head(self.norm(x)[:, 0])
 

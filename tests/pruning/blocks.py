@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.models.ops import Add, Concat, MatMul
 from pruning.api import Pruner
 from pruning.graph import ELEMENT, DependencyGraph
 
@@ -21,12 +20,11 @@ class Residual(nn.Module):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
         self.b1 = nn.Sequential(nn.Conv2d(16, 24, 3, padding=1), nn.BatchNorm2d(24), nn.ReLU(), nn.Conv2d(24, 16, 3, padding=1), nn.BatchNorm2d(16))
-        self.add = Add()
         self.head = nn.Linear(16, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
-        x = F.relu(self.add(x, self.b1(x)))
+        x = F.relu(x + self.b1(x))
         return self.head(x.mean((2, 3)))
 
 
@@ -35,13 +33,12 @@ class ConcatNet(nn.Module):
         super().__init__()
         self.a = nn.Conv2d(3, 8, 3, padding=1)
         self.b = nn.Conv2d(3, 12, 1)
-        self.cat = Concat(1)
         self.bn = nn.BatchNorm2d(20)
         self.c = nn.Conv2d(20, 16, 3, padding=1)
         self.head = nn.Linear(16 * 4 * 4, 5)  # flatten into Linear: channel x spatial
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.bn(self.cat(self.a(x), self.b(x))))
+        x = F.relu(self.bn(torch.cat([self.a(x), self.b(x)], 1)))
         x = F.max_pool2d(F.relu(self.c(x)), 2)
         return self.head(torch.flatten(x, 1))
 
@@ -85,13 +82,12 @@ class GroupedNet(nn.Module):
 
 
 class HeadAttention(nn.Module):
-    """q/k/v Linears, heads by view(-1, head_dim), matmuls via MatMul modules; a fixed hidden size."""
+    """q/k/v Linears, heads by view(-1, head_dim), ``@`` matmuls; a fixed hidden size."""
 
     def __init__(self, dim: int = 32, heads: int = 4) -> None:
         super().__init__()
         self.num_heads, self.head_dim = heads, dim // heads
         self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.scores, self.context = MatMul(), MatMul()
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,8 +97,8 @@ class HeadAttention(nn.Module):
             return t.view(b, n, -1, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
-        attn = torch.softmax(self.scores(q, k.transpose(-2, -1)) * self.head_dim**-0.5, dim=-1)
-        return self.proj(self.context(attn, v).transpose(1, 2).reshape(b, n, -1))
+        attn = torch.softmax((q @ k.transpose(-2, -1)) * self.head_dim**-0.5, dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, -1))
 
 
 class AttnNet(nn.Module):
