@@ -57,8 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
     v.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    i = sub.add_parser("inspect", help="describe a recipe, an ONNX model or a checkpoint")
-    i.add_argument("path", help="recipe .yaml, model .onnx, or checkpoint .pt")
+    i = sub.add_parser("inspect", help="describe a recipe, an ONNX model, a checkpoint or a run folder")
+    i.add_argument("path", help="recipe .yaml, model .onnx (integer coverage: what ORT still runs in float), "
+                   "checkpoint .pt, or a run folder (its exports' coverage)")
     i.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     r = sub.add_parser("recipes", help="list the shipped recipes")
@@ -181,7 +182,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         from compress.recipe import resolve_recipe_path
 
         path = resolve_recipe_path(args.path)
-    if path.suffix in (".yaml", ".yml"):
+    if path.is_dir():
+        from export.inspect import inspect_run
+
+        print(inspect_run(path))
+    elif path.suffix in (".yaml", ".yml"):
         from compress.recipe import load_recipe
         from compress.runner import plan
 
@@ -202,7 +207,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         for k, t in list(sd.items())[:40]:
             print(f"  {k}: {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
     else:
-        raise RecipeError(f"{path}: cannot inspect '{path.suffix}' files (recipe .yaml, model .onnx, checkpoint .pt)")
+        raise RecipeError(
+            f"{path}: cannot inspect '{path.suffix}' files (recipe .yaml, model .onnx, checkpoint .pt, run folder)"
+        )
     return 0
 
 
