@@ -122,7 +122,25 @@ def restore_compressed(build_float: Callable[[], nn.Module], path: Path) -> nn.M
             f"{path}: the state does not fit the rebuilt model (missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}); was the recipe's model changed after the run?"
         )
+    _check_placement(model, path)
     return model.eval()
+
+
+def _check_placement(model: nn.Module, path: Path) -> None:
+    """Every module a restored quantizer placement names must exist: a placement saved against other
+    module code (the zoo's former Add/MatMul modules) would otherwise silently quantize nothing there."""
+    from quantization.hooks import graph_of
+
+    graph = graph_of(model)
+    if graph is None or graph.pending:
+        return
+    names = {n for n, _ in model.named_modules()}
+    stale = sorted({k.rpartition(":")[0] for k in graph.placement.entries} - names)
+    if stale:
+        raise RecipeError(
+            f"{path}: its quantizer placement names modules the model does not have ({', '.join(stale[:5])}); "
+            "it was saved with other model code: rerun the recipe"
+        )
 
 
 def _prepare_quantizers(model: nn.Module, q: dict[str, Any], *, where: str) -> None:

@@ -54,6 +54,20 @@ def test_final_state_restores_the_pruned_quantized_model(run_dir: Path) -> None:
     assert not (run_dir / "checkpoints" / "final_model.pt").exists()
 
 
+def test_a_placement_naming_missing_modules_is_refused(run_dir: Path, tmp_path: Path) -> None:
+    """A final.pt saved when the zoo's residual add was a module (``layer1.0.add``): its placement
+    keys would silently match nothing, so restoring it is an error that says so."""
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    data = torch.load(run_dir / "checkpoints" / "final.pt", weights_only=True)
+    extra = data["model"]["quantizer_graph._extra_state"]
+    entries = extra["placement"]["entries"]
+    key = next(k for k in entries if k.startswith("layer1.0:add#"))
+    entries["layer1.0.add:add#0"] = entries.pop(key)
+    torch.save(data, tmp_path / "old.pt")
+    with pytest.raises(RecipeError, match=r"placement names modules the model does not have \(layer1.0.add\)"):
+        restore_compressed(lambda: load_model(recipe.model), tmp_path / "old.pt")
+
+
 class _Payload:
     """Unpickling this runs code: it creates a marker file."""
 
