@@ -53,12 +53,17 @@ def decomposed_attention(
     if is_causal:
         keep = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
+    dead: torch.Tensor | None = None  # query rows that may see no key at all (padding)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
+            dead = ~attn_mask.any(dim=-1, keepdim=True)
         else:
             scores = scores + attn_mask
+            dead = torch.isneginf(attn_mask).all(dim=-1, keepdim=True)
     probs = torch.softmax(scores, dim=-1)
+    if dead is not None:  # softmax of an all -inf row is NaN; SDPA gives such a row zeros
+        probs = probs.masked_fill(dead, 0.0)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     out = torch.matmul(quant("p", probs), quant("v", value))

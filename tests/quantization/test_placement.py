@@ -268,7 +268,11 @@ def test_decomposed_attention_matches_sdpa(gqa: bool) -> None:
     kv_heads = 2 if gqa else 4
     k, v = torch.randn(2, kv_heads, 7, 8, generator=g), torch.randn(2, kv_heads, 7, 8, generator=g)
     mask = torch.randn(2, 1, 7, 7, generator=g)
-    for kw in ({"is_causal": True}, {"attn_mask": mask}, {"attn_mask": mask > 0}, {"scale": 0.3}):
+    padded = mask > 0
+    padded[0, :, 2] = False  # a query row that sees no key (padding): SDPA gives zeros, not NaN
+    neg_inf = torch.zeros(2, 1, 7, 7).masked_fill(~padded, float("-inf"))
+    for kw in ({"is_causal": True}, {"attn_mask": mask}, {"attn_mask": padded}, {"attn_mask": neg_inf},
+               {"scale": 0.3}):
         ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kw)  # type: ignore[arg-type]
         out = decomposed_attention(q, k, v, enable_gqa=gqa, quant=lambda _, t: t, **kw)  # type: ignore[arg-type]
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
