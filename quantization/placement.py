@@ -213,6 +213,10 @@ def place(
             quantize(data)
             if rule is not None and rule.output:
                 requested_out.append(n.key)
+            elif rule is not None and rule.fold_output:
+                out, cons = f"{n.key}/0", consumers.get(f"{n.key}/0", [])
+                if len(cons) == 1 and _foldable(cons[0][0], profile) and out not in _outputs(graph):
+                    requested_out.append(n.key)
             continue
         if n.kind == "mha":  # an nn.MultiheadAttention call the modes did not decompose
             pl.floats[n.key] = str(n.attrs.get("reason", "nn.MultiheadAttention left whole"))

@@ -9,7 +9,9 @@ profile says, per op kind (see quantization/graph.py):
   explicit-quantization rules ask) or ``"none"``;
 - ``output``: the runtime fuses the op only when its output goes to a quantizer (ORT's QDQ
   selectors: QLinearConv, QLinearAdd, QLinearConcat, QLinearAveragePool);
-- ``shared``: inputs and output share one scale (concat needs no requantization then).
+- ``shared``: inputs and output share one scale (concat needs no requantization then);
+- ``fold_output``: when a foldable activation follows, quantize after it even if no reader asks
+  (ORT fuses a Gemm and its Relu into a float FusedGemm before its QDQ fusion otherwise).
 
 ``fold``: activations that fold into the producer's output quantizer (ORT drops a Relu/Clip whose
 Q clamps the same range); ``pass_through``: ops after which a tensor keeps its quantizer (the
@@ -36,6 +38,7 @@ class OpRule:
     inputs: Inputs = "all"
     output: bool = False
     shared: bool = False
+    fold_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,8 @@ ONNXRUNTIME = RuntimeProfile(
     name="onnxruntime",
     rules={
         **_WEIGHTED,
+        "linear": OpRule(fold_output=True),
+        "addmm": OpRule(fold_output=True),
         "conv": OpRule(output=True),  # QLinearConv needs its output to go to a single Q
         "add": OpRule(output=True),  # QLinearAdd
         "cat": OpRule(output=True),  # QLinearConcat requantizes each input: no scale needs sharing

@@ -161,6 +161,18 @@ def test_silu_and_gates_between_integer_convs_stay_integer(tmp_path: Path) -> No
     assert not any("g" in e for e in graph_of(tq).placement.entries.values())  # ORT-only rule
 
 
+def test_linear_relu_before_a_float_layer_stays_integer(tmp_path: Path) -> None:
+    """ORT fuses a 2-D Gemm and its Relu into a float FusedGemm unless a Q follows the Relu: the
+    layer before a float last layer must still run as QGemm."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
+    data = [torch.randn(8, 16) for _ in range(3)]
+    q = quantize(m, "w8a8", data, params=QuantizeParams(first_last="float"))
+    assert set(q.quantizer_graph.placement.floats) == {"0:linear#0", "4:linear#0"}
+    cov = ort_coverage(export_onnx(q, data[0], tmp_path / "m.int8.onnx"))
+    assert cov.integer_ops == {"QGemm": 1} and len(cov.float_nodes) == 2, (cov.integer_ops, cov.float_nodes)
+
+
 def test_one_quantizer_per_tensor_and_shared_concat_scale() -> None:
     q = quantize(_residual(), "w8a8", _images())
     pl = q.quantizer_graph.placement
