@@ -160,6 +160,11 @@ def _prepare_quantizers(model: nn.Module, q: dict[str, Any], *, where: str) -> N
     bn = getattr(spec, "bn", "fold")  # QAT trains BN folded-in and folds it at its end
     prepare(model, scheme, targets=spec.targets, ignore=[*spec.ignore, *reverted],  # type: ignore[attr-defined]
             first_last=spec.first_last, bn=bn, quantize_ops=spec.quantize_ops, where=where)  # type: ignore[attr-defined]
+    kv_cache = getattr(spec, "kv_cache", None)
+    if kv_cache is not None:  # the KV quantizers the run attached (their per-head scales are in the state)
+        from quantization.kv_cache import attach_kv_quantization
+
+        attach_kv_quantization(model, kv_cache)
     flags = q["quantizers"]
     for name, fq in quantizers(model):
         fq.observing = False

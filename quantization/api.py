@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
@@ -13,6 +14,7 @@ from compress.errors import CalibrationError
 from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
 from quantization.correction import bias_correction
 from quantization.graph_prepare import capture_first_call
+from quantization.kv_cache import KVCache, attach_kv_quantization, check_kv_calls, kv_quantizers
 from quantization.preparation import BnMode, FirstLast, prepare
 from quantization.profiles import Target
 from quantization.smoothquant import SmoothQuantField, smooth_quant
@@ -31,6 +33,8 @@ class QuantizeParams(BaseModel):
     ``max_batches``: cap on calibration batches when ``forward_loop`` is an iterable.
     ``target``: the runtime whose fusion rules place the activation quantizers (onnxruntime,
     tensorrt, openvino).
+    ``kv_cache``: int8 keys and values entering attention (decoder LLMs; quantization/kv_cache.py):
+    ``per_token`` (a scale per head and token, at run time) or ``per_head`` (static, calibrated).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -42,6 +46,7 @@ class QuantizeParams(BaseModel):
     bias_correction: bool = False
     max_batches: int | None = Field(None, ge=1)
     target: Target = "onnxruntime"
+    kv_cache: KVCache | None = None
 
 
 def quantize(
@@ -62,7 +67,8 @@ def quantize(
     """
     scheme = resolve_scheme(scheme)
     p = params or QuantizeParams()
-    needs_data = scheme.static_activations or p.smoothquant is not None or p.bias_correction
+    needs_data = (scheme.static_activations or p.smoothquant is not None or p.bias_correction
+                  or p.kv_cache == "per_head")
     if forward_loop is None and needs_data:
         raise CalibrationError("quantize: this scheme and params need calibration data; pass forward_loop")
     loop = as_forward_loop(forward_loop, max_batches=p.max_batches) if forward_loop is not None else None
@@ -88,10 +94,17 @@ def post_training_quantize(
         model, scheme, targets=targets, ignore=ignore, first_last=p.first_last, bn=p.bn,
         quantize_ops=p.quantize_ops, target=p.target, example_inputs=example, where=where,
     )
+    if p.kv_cache is not None:
+        attach_kv_quantization(model, p.kv_cache)
     if loop is not None:
         if p.smoothquant is not None:
             smooth_quant(model, loop, alpha=p.smoothquant)
         calibrate(model, loop, where=where)
         if p.bias_correction:
             bias_correction(model, loop)
+        if p.kv_cache is not None:
+            if all(k.calls == 0 for k in kv_quantizers(model).values()):
+                with torch.no_grad():
+                    loop(model)  # nothing above ran the model (dynamic scheme): check the hooks see attention
+            check_kv_calls(model)
     return swapped

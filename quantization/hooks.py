@@ -313,6 +313,16 @@ def set_smoothing(root: nn.Module, names: list[str], pre_scale: torch.Tensor | N
     graph.placement.activations[qid] = [f"{n} input, smoothed" for n in names]
     for k in keys:
         graph.placement.entries[k]["0"] = qid
+    # pass-through ops before the layers (an attention output's transpose/reshape) share the old
+    # quantizer only to hand it to the layers: left in place they would quantize the unsmoothed
+    # tensor first, with the outlier range smoothing removes
+    real = {v for key, e in graph.placement.entries.items() if ":reshape#" not in key for v in e.values()}
+    for key in [k for k, e in graph.placement.entries.items() if ":reshape#" in k]:
+        entry = graph.placement.entries[key]
+        for pos in [p for p, v in entry.items() if v in current and v not in real]:
+            del entry[pos]
+        if not entry:
+            del graph.placement.entries[key]
     used = {v for e in graph.placement.entries.values() for v in e.values()}
     for old in current:  # a quantizer only these layers read is replaced, not left unobserved
         if old is not None and old not in used and old in graph.quantizers:

@@ -16,6 +16,7 @@ from quantization.api import QuantizeParams, post_training_quantize
 from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
 from quantization.fake_quant import FakeQuantizer
 from quantization.graph_prepare import capture_first_call
+from quantization.kv_cache import KVCache
 from quantization.modules import QuantConv1d, QuantConv2d
 from quantization.preparation import (
     FirstLast,
@@ -71,7 +72,8 @@ class PTQSpec(_QuantSpecBase):
     """Post-training quantization: prepare, calibrate over ``num_batches`` calibration batches.
 
     ``smoothquant`` (alpha) smooths Linear inputs first; ``bias_correction`` fixes the output mean
-    shift of weight rounding; ``sensitivity`` ("metric" or "sqnr") adds a per-layer table and plot;
+    shift of weight rounding; ``kv_cache`` (per_token / per_head) quantizes a decoder's keys and
+    values entering attention to int8; ``sensitivity`` ("metric" or "sqnr") adds a per-layer table and plot;
     ``max_accuracy_drop`` (metric units, e.g. 0.005 = half a point of accuracy) keeps the most
     sensitive layers in float until the drop fits.
     """
@@ -83,6 +85,7 @@ class PTQSpec(_QuantSpecBase):
     bn: Literal["fold", "keep"] = "fold"
     smoothquant: SmoothQuantField = None
     bias_correction: bool = False
+    kv_cache: KVCache | None = None
     sensitivity: Literal["none", "metric", "sqnr"] = "none"
     max_accuracy_drop: float | None = Field(None, ge=0)
 
@@ -149,7 +152,7 @@ class PTQModifier(Modifier[PTQSpec]):
                 raise CalibrationError(f"{self.where}: sensitivity/max_accuracy_drop need an evaluate function")
             float_metric = state.evaluate(model)
         params = QuantizeParams(first_last=s.first_last, bn=s.bn, quantize_ops=s.quantize_ops, target=s.target,
-                                smoothquant=s.smoothquant, bias_correction=s.bias_correction)
+                                smoothquant=s.smoothquant, bias_correction=s.bias_correction, kv_cache=s.kv_cache)
         swapped = post_training_quantize(model, scheme, loop, targets=s.targets, ignore=s.ignore, params=params,
                                          where=self.where)
         state.metrics["quantized_modules"] = len(swapped)

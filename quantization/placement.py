@@ -229,7 +229,8 @@ def place(
             if n.kind in ("add", "sdpa", "matmul", "cat"):
                 pl.floats[n.key] = "excluded by targets/ignore"
             continue
-        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+        # an empty operand carries no values (a KV cache's empty past, concatenated on the first step)
+        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating and 0 not in o.shape]
         if n.kind == "sdpa":
             if len(n.operands) >= 3 and all(o.floating for o in n.operands[:3]):
                 pl.entries.setdefault(n.key, {}).update(

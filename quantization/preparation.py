@@ -29,6 +29,7 @@ from quantization.graph_prepare import (
     targeted_fn,
 )
 from quantization.hooks import detach, graph_of, unsmooth
+from quantization.kv_cache import remove_kv_quantization
 from quantization.modules import QUANT_LAYERS, QUANT_TYPES, QuantConv1d, QuantConv2d
 from quantization.profiles import Target, get_profile
 from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
@@ -204,12 +205,13 @@ def calibrate_weight(mod: nn.Module) -> None:
 def strip(model: nn.Module) -> nn.Module:
     """Swap every quantized module back to its float module (in place); returns ``model``.
 
-    BatchNorm held by a QuantConv is folded into it and SmoothQuant factors are folded back into
-    the weight, so the float model computes what the prepared model computes with quantizers off.
+    BatchNorm held by a QuantConv is folded into it, SmoothQuant factors are folded back into
+    the weight and KV-cache quantizers are removed, so the float model computes what the prepared model computes with quantizers off.
     """
     root = unwrap(model)
     unsmooth(root)
     detach(root)
+    remove_kv_quantization(root)
     for name, mod in list(root.named_modules()):
         if isinstance(mod, QUANT_TYPES):
             root.set_submodule(name, cast(Any, mod).to_float())

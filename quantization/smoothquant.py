@@ -12,6 +12,15 @@ hurt), so ``alpha="auto"`` picks it per layer: each candidate, and no smoothing 
 by the squared error of the layer's quantized output against its float output on a bounded
 reservoir sample of the layer's calibration inputs (ranges fitted on one half, error measured on
 the other), and the best one is kept.
+
+Where the smoothed tensor is made by a module that nothing else reads (a decoder's pre-attention and
+pre-MLP RMSNorm before q/k/v and gate/up) or by an elementwise product with a sibling Linear
+(SwiGLU's ``act(gate) * up`` before down_proj), ``1/s`` is folded into that producer's weight
+instead (the norm's weight, up_proj's output rows): no Mul is left in the model or its export. The
+fold is found in the running model and proved numerically, as AWQ does (quantization/awq.py): a
+random factor folded into the candidate must leave the model's outputs unchanged. Elsewhere (a
+post-LN encoder, whose LayerNorm output also feeds the residual) the factor stays a
+``pre_quant_scale``.
 """
 
 from __future__ import annotations
@@ -22,11 +31,13 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import Field
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from compress.errors import CalibrationError
 from quantization.calibration import ForwardLoop, as_forward_loop, float_mode
 from quantization.fake_quant import FakeQuantizer
-from quantization.graph_prepare import ensure_placed
+from quantization.graph import tensor_leaves
+from quantization.graph_prepare import capture_first_call, ensure_placed
 from quantization.hooks import input_quantizer, set_smoothing
 from quantization.modules import QuantLinear
 from quantization.preparation import calibrate_weight, quant_modules, unwrap
@@ -78,7 +89,9 @@ def smooth_quant(
     sample_rows: int = 512,
 ) -> dict[str, torch.Tensor]:
     """Smooth every QuantLinear that quantizes its input; returns the factors ``s`` by layer name
-    (all ones where ``alpha="auto"`` chose no smoothing).
+    (all ones where ``alpha="auto"`` chose no smoothing). ``1/s`` is folded into the tensor's
+    producer where that is exact (see the module docstring), else kept as the input quantizer's
+    ``pre_quant_scale``.
 
     Runs ``forward_loop`` once in float to record per-feature activation maxima (O(features)
     memory; with ``"auto"`` also ``sample_rows`` input rows per group), then rescales weights in
@@ -126,6 +139,8 @@ def smooth_quant(
     groups: dict[tuple[Any, ...], list[str]] = {}
     for name in layers:
         groups.setdefault(first_input[name], []).append(name)
+    call = capture_first_call(root, loop)
+    producers = find_producers(root, list(groups.values()), *_first_sample(call.args, call.kwargs)) if call else {}
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     scales: dict[str, torch.Tensor] = {}
     chosen: list[float | None] = []
@@ -158,10 +173,20 @@ def smooth_quant(
                 s = _factors(a, w, float(alpha), min_scale)
             for mod, r in zip(mods, raw):
                 mod.weight.copy_(r * s.to(r.dtype))
-        set_smoothing(root, names, None if torch.all(s == 1) else (1.0 / s).to(mods[0].weight.device))
+            producer = producers.get(names[0])
+            if producer is not None and not torch.all(s == 1):
+                divide_output_channels(root.get_submodule(producer), s)
+        if producer is not None:
+            set_smoothing(root, names, None)
+        else:
+            set_smoothing(root, names, None if torch.all(s == 1) else (1.0 / s).to(mods[0].weight.device))
         for name, mod in zip(names, mods):
             calibrate_weight(mod)
             scales[name] = s
+    into = {str(p).rsplit(".", 1)[-1] for n in groups.values() if (p := producers.get(n[0])) is not None}
+    folded = sum(1 for names in groups.values() if producers.get(names[0]) is not None)
+    log.info("smoothquant: %d of %d input groups folded into their producer (%s), %d as a Mul before the quantizer",
+             folded, len(groups), ", ".join(sorted(into)), len(groups) - folded)
     if auto:
         picked = [v for v in chosen if v is not None]
         log.info(
@@ -171,6 +196,112 @@ def smooth_quant(
     else:
         log.info("smoothquant: alpha=%.2f on %d Linear layers in %d input groups", float(alpha), len(scales), len(groups))
     return scales
+
+
+def divide_output_channels(mod: nn.Module, s: torch.Tensor) -> None:
+    """Divide ``mod``'s output channel ``j`` by ``s[j]``: a norm's weight (and bias), a Linear's
+    weight rows (and bias)."""
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise CalibrationError(f"smoothquant: {type(mod).__name__} has no weight to fold a scale into")
+    with torch.no_grad():
+        w.div_(s.to(w.device, w.dtype).unsqueeze(1) if w.dim() == 2 else s.to(w.device, w.dtype))
+        b = getattr(mod, "bias", None)
+        if isinstance(b, torch.Tensor):
+            b.div_(s.to(b.device, b.dtype))
+
+
+def _first_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call cut to its first sample when every tensor in it has the same leading (batch) size:
+    the fold proofs run one forward per candidate, and one sample proves a fold as well as many."""
+    sizes = {t.shape[0] if t.dim() else -1 for _, t in tensor_leaves(args, kwargs)}
+    if len(sizes) != 1 or next(iter(sizes)) <= 1:
+        return args, kwargs
+    cut: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map(
+        lambda t: t[:1] if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    return cut
+
+
+def _outputs(out: Any) -> torch.Tensor:
+    leaves = [t.detach().float().reshape(-1) for _, t in tensor_leaves(out, {}) if t.is_floating_point()]
+    return torch.cat(leaves) if leaves else torch.zeros(0)
+
+
+@torch.no_grad()
+def find_producers(
+    root: nn.Module, groups: list[list[str]], args: tuple[Any, ...], kwargs: dict[str, Any], *, tol: float = 1e-3
+) -> dict[str, str | None]:
+    """For each group of Linears reading one tensor: the module whose output channels can absorb
+    ``1/s`` exactly (by consumer name; None where no fold is exact).
+
+    Candidates: the module with weights that produced the tensor; when no module did (an
+    elementwise product), Linears of the same parent module with as many outputs as the tensor
+    has features. Each candidate is proved on ``(args, kwargs)``: random factors in [0.5, 2]
+    folded into it (and multiplied into the group's weights) must leave every output of ``root``
+    unchanged to ``tol``, relative; the model is restored after every trial."""
+    mods = dict(root.named_modules())
+    consumers = {n for g in groups for n in g}
+    reads: dict[str, torch.Tensor] = {}
+    produced: dict[int, tuple[str, torch.Tensor]] = {}
+    handles = []
+    for name, mod in mods.items():
+        if name in consumers:
+            handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: reads.setdefault(n, a[0])))
+        if name and any(True for _ in mod.parameters(recurse=False)) and name not in consumers:
+
+            def post(m: nn.Module, a: Any, out: Any, n: str = name) -> None:
+                if isinstance(out, torch.Tensor):
+                    produced.setdefault(id(out), (n, out))  # kept alive: ids stay unique
+
+            handles.append(mod.register_forward_hook(post))
+    try:
+        with float_mode(root):
+            ref = _outputs(root(*args, **kwargs))
+    finally:
+        for h in handles:
+            h.remove()
+    found: dict[str, str | None] = {}
+    for group in groups:
+        x = reads.get(group[0])
+        producer = None
+        if x is not None:
+            width = x.shape[-1]
+            hit = produced.get(id(x))
+            if hit is not None:
+                cands = [hit[0]]
+            else:
+                parent = group[0].rpartition(".")[0]
+                cands = [n for n, m in mods.items() if isinstance(m, nn.Linear) and n.rpartition(".")[0] == parent
+                         and n not in group and m.out_features == width]
+            producer = next((c for c in cands if _fold_is_exact(root, c, group, width, args, kwargs, ref, tol)), None)
+        for n in group:
+            found[n] = producer
+    return found
+
+
+def _fold_is_exact(root: nn.Module, producer: str, group: list[str], width: int, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], ref: torch.Tensor, tol: float) -> bool:
+    p = root.get_submodule(producer)
+    w = getattr(p, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.shape[0] != width or (w.dim() != 2 and tuple(w.shape) != (width,)):
+        return False
+    touched = [p, *(root.get_submodule(n) for n in group)]
+    saved = [{k: v.detach().clone() for k, v in m.named_parameters(recurse=False)} for m in touched]
+    s = torch.empty(width).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
+    try:
+        divide_output_channels(p, s)
+        for n in group:
+            cw = root.get_submodule(n).weight
+            assert isinstance(cw, torch.Tensor)  # the groups are QuantLinears
+            cw.mul_(s.to(cw.device, cw.dtype))
+        with float_mode(root):
+            out = _outputs(root(*args, **kwargs))
+        err = float((out - ref).norm() / ref.norm().clamp_min(1e-12)) if out.shape == ref.shape else float("inf")
+    finally:
+        for m, params in zip(touched, saved):
+            for k, v in params.items():
+                getattr(m, k).copy_(v)
+    return err < tol
 
 
 def _factors(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float, min_scale: float) -> torch.Tensor:
