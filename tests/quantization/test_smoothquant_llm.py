@@ -1,0 +1,106 @@
+"""SmoothQuant on decoder LLMs: 1/s folded into input_layernorm (q/k/v), post_attention_layernorm
+(gate/up) and up_proj (down_proj), found and proved in the running model; calibration with a KV
+cache; a smoothed o_proj quantized once."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from quantization import QuantizeParams, input_quantizer, quantize, set_quantizers, strip  # noqa: E402
+from quantization.hooks import graph_of  # noqa: E402
+from quantization.smoothquant import find_producers  # noqa: E402
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "vocab_size": 256}
+
+
+def _llm(kind: str = "llama", kv_heads: int = 2, outliers: bool = True) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "llama":
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, num_key_value_heads=kv_heads))
+    else:
+        m = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, num_key_value_heads=kv_heads))
+    if outliers:  # a few large channels in the norms' outputs, as trained LLMs have
+        with torch.no_grad():
+            for layer in m.model.layers:
+                layer.input_layernorm.weight[:3] = 60.0
+                layer.post_attention_layernorm.weight[5:7] = 25.0
+    return m.eval()
+
+
+def _data(n: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, SMALL["vocab_size"], (2, 16), generator=g) for _ in range(n)]
+
+
+def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean()))
+
+
+def _output_of(model: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    out: list[torch.Tensor] = []
+    h = model.get_submodule(name).register_forward_hook(lambda m, a, o: out.append(o))
+    try:
+        model(input_ids=x)
+    finally:
+        h.remove()
+    return out[0]
+
+
+@pytest.mark.parametrize(("kind", "kv_heads", "o_proj"), [("llama", 2, None), ("llama", 4, "self_attn.v_proj"),
+                                                         ("qwen2", 2, None)], ids=["llama-gqa", "llama-mha", "qwen2"])
+def test_fold_targets_are_found_in_the_running_model(kind: str, kv_heads: int, o_proj: str | None) -> None:
+    m = _llm(kind, kv_heads)
+    groups = [[f"model.layers.0.self_attn.{p}_proj" for p in "qkv"], ["model.layers.0.self_attn.o_proj"],
+              ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], ["model.layers.0.mlp.down_proj"]]
+    found = find_producers(m, groups, (), {"input_ids": _data(1)[0]})
+    got = {g[0].removeprefix("model.layers.0."): (p.removeprefix("model.layers.0.") if p else None)
+           for g in groups for p in [found[g[0]]]}
+    # v_proj -> o_proj only without GQA (with it, o_proj's channels are not v's)
+    assert got == {"self_attn.q_proj": "input_layernorm", "self_attn.o_proj": o_proj,
+                   "mlp.gate_proj": "post_attention_layernorm", "mlp.down_proj": "mlp.up_proj"}
+
+
+def test_smoothquant_folds_into_the_decoder_and_keeps_its_float_function() -> None:
+    m = _llm()
+    x = (_data(1)[0] + 3) % SMALL["vocab_size"]
+    with torch.no_grad():
+        ref = m(input_ids=x).logits
+        plain = quantize(copy.deepcopy(m), "w8a8", _data(), ignore=["lm_head"], params=QuantizeParams(quantize_ops=False))
+        sq = quantize(copy.deepcopy(m), "w8a8", _data(), ignore=["lm_head"],
+                      params=QuantizeParams(quantize_ops=False, smoothquant=0.5))
+        # q_proj of the first layer reads the outlier channels (and no upstream quantization error)
+        q_ref, q_plain, q_sq = (_output_of(mod, "model.layers.0.self_attn.q_proj", x) for mod in (m, plain, sq))
+        assert _sqnr(q_ref, q_sq) > _sqnr(q_ref, q_plain) + 2.0
+        layer = sq.model.layers[0]
+        # folded: the norms and up_proj carry 1/s, the quantizers of q/k/v, gate/up and down no Mul
+        assert not torch.equal(layer.input_layernorm.weight, m.model.layers[0].input_layernorm.weight)
+        assert not torch.equal(layer.mlp.up_proj.weight, m.model.layers[0].mlp.up_proj.weight)
+        for name in ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.down_proj"):
+            iq = input_quantizer(sq, f"model.layers.0.{name}")
+            assert iq is not None and iq.pre_quant_scale is None, name
+        o = input_quantizer(sq, "model.layers.0.self_attn.o_proj")  # GQA: no exact fold, a Mul
+        assert o is not None and o.pre_quant_scale is not None
+        # o_proj's input is quantized once: its reshapes no longer quantize the unsmoothed tensor first
+        entries = graph_of(sq).placement.entries  # type: ignore[union-attr]
+        assert not [k for k in entries if ":reshape#" in k]
+        set_quantizers(sq, enabled=False)
+        torch.testing.assert_close(sq(input_ids=x).logits, ref, atol=1e-4, rtol=1e-4)
+        strip(sq)
+        torch.testing.assert_close(sq(input_ids=x).logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_static_w8a8_calibrates_with_the_kv_cache_on() -> None:
+    # transformers concatenates an empty past on the first step: no quantizer may sit on it
+    m = _llm(outliers=False)
+    assert m.config.use_cache
+    q = quantize(copy.deepcopy(m), "w8a8", _data(), ignore=["lm_head"], params=QuantizeParams(smoothquant="auto"))
+    x = _data(1)[0]
+    with torch.no_grad():
+        assert _sqnr(m(input_ids=x).logits, q(input_ids=x).logits) > 15.0
