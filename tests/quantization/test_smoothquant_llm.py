@@ -5,6 +5,7 @@ cache; a smoothed o_proj quantized once."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n
          "vocab_size": 256}
 
 
-def _llm(kind: str = "llama", kv_heads: int = 2, outliers: bool = True) -> nn.Module:
+def _llm(kind: str = "llama", kv_heads: int = 2, outliers: bool = True) -> Any:
     torch.manual_seed(0)
     if kind == "llama":
         m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, num_key_value_heads=kv_heads))
