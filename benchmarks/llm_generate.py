@@ -13,8 +13,12 @@ int4 = round-to-nearest ``w4_weight_only_g128`` on every Linear but lm_head, exp
 :func:`export.llm_onnx.export_llm_onnx` as MatMulNBits, at accuracy_level 0 (float32 compute) and 4
 (ORT quantizes activations to int8 inside the op). Variants run interleaved in each repeat (same
 machine state), one ORT intra-op thread each; prefill = one call on the prompt with an empty cache,
-decode = per-token time of the following greedy steps. Medians over repeats. W8A8 (QDQ) is not in
-this run: the activation-quantizer placement it needs for LLMs is not on main yet.
+decode = per-token time of the following greedy steps. Medians over repeats.
+W8A8 (``weights="w8a8"``, export/llm_w8a8.py), every Linear but lm_head, SmoothQuant alpha auto
+calibrated on stdlib windows (random ids for a random-init model): *static* = the
+llm_smoothquant_w8a8 recipe's scheme (per-tensor uint8 inputs, 7-bit int8 weight codes; QDQ that
+ORT fuses into MatMulIntegerToFloat), *dynamic* = ``w8a8_dynamic`` (per-token int8 inputs computed
+in the graph, MatMulInteger).
 """
 
 from __future__ import annotations
@@ -76,6 +80,19 @@ def prompt_ids(tok: Any, vocab: int, length: int, count: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, vocab, (count, length), dtype=np.int64)
 
 
+def calibration_windows(tok: Any, model_dir: Path, vocab: int, count: int = 32) -> list[torch.Tensor]:
+    """Calibration batches for the W8A8 variants: stdlib windows from the LM data's calibration files
+    when the reference tokenizer is there, random ids otherwise."""
+    if tok is not None:
+        from compress.data.lm import text_lm
+
+        ds: Any = text_lm(seed=0, tokenizer=str(model_dir), seq_len=128, samples=count).calibration
+        w = ds.windows[:count]
+    else:
+        w = torch.randint(0, vocab, (count, 128), generator=torch.Generator().manual_seed(0))
+    return [w[i : i + 8] for i in range(0, len(w), 8)]
+
+
 def agreement(got: torch.Tensor, ref: torch.Tensor, start: int) -> dict[str, int]:
     """How many prompts continue identically, and how many generated tokens agree position by position."""
     g, r = got[:, start:], ref[:, start:]
@@ -121,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompt_ids(tok, int(model.config.vocab_size), length, args.prompts)
     ids = prompts[:1]  # timed prompt
     fq = compress.quantize(copy.deepcopy(model), "w4_weight_only_g128", ignore=["lm_head"])
+    calib = calibration_windows(tok, args.model, int(model.config.vocab_size))
+    w8_static = compress.quantize(copy.deepcopy(model), {"preset": "w8a8", "weights": {"reduce_range": True}}, calib,
+                                  ignore=["lm_head"], params=compress.QuantizeParams(quantize_ops=False,
+                                                                                     smoothquant="auto"))
+    w8_dynamic = compress.quantize(copy.deepcopy(model), "w8a8_dynamic", calib, ignore=["lm_head"],
+                                   params=compress.QuantizeParams(smoothquant="auto"))
 
     def hf_greedy(m: Any) -> torch.Tensor:
         with torch.no_grad():
@@ -128,20 +151,24 @@ def main(argv: list[str] | None = None) -> int:
             return m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new,
                               min_new_tokens=args.new, do_sample=False, pad_token_id=0)
 
-    hf = {"float": hf_greedy(model), "fake-quant": hf_greedy(fq)}
+    hf = {"float": hf_greedy(model), "int4": hf_greedy(fq), "w8a8 static": hf_greedy(w8_static),
+          "w8a8 dynamic": hf_greedy(w8_dynamic)}
+    reference_of = {"fp32": "float", "int4 (acc 0)": "int4", "int4 (acc 4)": "int4", "W8A8 static (QDQ)": "w8a8 static",
+                    "W8A8 dynamic per-token": "w8a8 dynamic"}
     tmp = Path(tempfile.mkdtemp(prefix="llm_generate_"))
     files = {
         "fp32": export_llm_onnx(model, tmp / "fp32.onnx", weights="fp32"),
         "int4 (acc 0)": export_llm_onnx(fq, tmp / "int4_acc0.onnx", weights="int4", accuracy_level=0),
         "int4 (acc 4)": export_llm_onnx(fq, tmp / "int4_acc4.onnx", weights="int4", accuracy_level=4),
+        "W8A8 static (QDQ)": export_llm_onnx(w8_static, tmp / "w8a8_static.onnx", weights="w8a8"),
+        "W8A8 dynamic per-token": export_llm_onnx(w8_dynamic, tmp / "w8a8_dynamic.onnx", weights="w8a8"),
     }
     gens = {name: OrtGenerator(path, threads=args.threads) for name, path in files.items()}
     for gen in gens.values():  # warm-up: first runs allocate and pick kernels
         time_variant(gen, ids, 4)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in gens}
     agree = {
-        name: agreement(generate_ort(gen, prompts, max_new_tokens=args.new), hf["float" if name == "fp32" else "fake-quant"],
-                        prompts.shape[1])
+        name: agreement(generate_ort(gen, prompts, max_new_tokens=args.new), hf[reference_of[name]], prompts.shape[1])
         for name, gen in gens.items()
     }
     load_before = os.getloadavg()[0]
@@ -168,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                  row["tokens_per_s"])
     emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     float_params = emb.numel() + (0 if head.data_ptr() == emb.data_ptr() else head.numel())  # tied: stored once
-    data = {"size": args.size, "fake_quant_vs_float": agreement(hf["fake-quant"], hf["float"], prompts.shape[1]), "float_mb": float_params * 4 / 2**20, "model": what, "prompt": int(ids.shape[1]), "prompts": int(prompts.shape[0]), "new": args.new, "repeats": args.repeats,
+    vs_float = {k: agreement(v, hf["float"], prompts.shape[1]) for k, v in hf.items() if k != "float"}
+    data = {"size": args.size, "fake_quant_vs_float": vs_float, "float_mb": float_params * 4 / 2**20, "model": what, "prompt": int(ids.shape[1]), "prompts": int(prompts.shape[0]), "new": args.new, "repeats": args.repeats,
             "threads": args.threads, "load": [load_before, load_after], "rows": rows}
     from benchmarks._results import RESULTS_DIR, write_section
 
@@ -183,7 +211,10 @@ def _markdown(d: dict[str, Any]) -> str:
         "",
         f"`python -m benchmarks.llm_generate`: {d['model']}. Prompt {d['prompt']} tokens, {d['new']} greedy tokens, "
         f"{d['threads']} ORT thread(s), {d['repeats']} interleaved repeats (medians). int4 = RTN w4 g128 "
-        "(lm_head float) as MatMulNBits; the embeddings and lm_head, float32 in every file, are "
+        "(lm_head float) as MatMulNBits; W8A8 static = the llm_smoothquant_w8a8 recipe's scheme (SmoothQuant auto, "
+        "per-tensor uint8 inputs, 7-bit int8 weights) as QDQ, which ORT fuses into MatMulIntegerToFloat; W8A8 "
+        "dynamic = per-token int8 inputs quantized in the graph + MatMulInteger (SmoothQuant auto); the embeddings "
+        "and lm_head, float32 in every file, are "
         f"{d['float_mb']:.2f} MB of it. "
         "Load average {:.1f} -> {:.1f} (2 cores shared with other work: absolute times and ratios move "
         "between runs).".format(*d["load"]),
@@ -203,17 +234,16 @@ def _markdown(d: dict[str, Any]) -> str:
             f"{a['tokens_equal']}/{a['tokens']} |"
         )
     fq = d["fake_quant_vs_float"]
+    scale = "; ".join(f"{k} {v['prompts_identical']}/{v['prompts']} and {v['tokens_equal']}/{v['tokens']}"
+                      for k, v in fq.items())
     lines += [
         "",
         f"Greedy = PyTorch: ORT's greedy continuation of {d['prompts']} prompts ({d['prompt']} tokens each; windows of "
         "the README when the reference tokenizer is there, which the model never saw) against transformers' "
-        "generate on the same weights: the float model for fp32, the fake-quant model for int4 (identical "
-        "continuations, and tokens equal position by position). For scale, the fake-quant model itself keeps "
-        f"{fq['prompts_identical']}/{fq['prompts']} continuations and {fq['tokens_equal']}/{fq['tokens']} tokens of the "
-        "float model's.",
+        "generate on the same weights: the float model for fp32, each fake-quant model for its file (identical "
+        "continuations, and tokens equal position by position). For scale, the fake-quant models themselves keep "
+        f"these continuations and tokens of the float model's: {scale}.",
     ]
-    lines += ["", "W8A8 (QDQ) generation is not measured: the activation-quantizer placement it needs for LLMs is not on "
-              "main yet (issue 13, left)."]
     return "\n".join(lines)
 
 
