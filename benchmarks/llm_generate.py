@@ -17,8 +17,8 @@ decode = per-token time of the following greedy steps. Medians over repeats.
 W8A8 (``weights="w8a8"``, export/llm_w8a8.py), every Linear but lm_head, SmoothQuant alpha auto
 calibrated on stdlib windows (random ids for a random-init model): *static* = the
 llm_smoothquant_w8a8 recipe's scheme (per-tensor uint8 inputs, 7-bit int8 weight codes; QDQ that
-ORT fuses into MatMulIntegerToFloat), *dynamic* = ``w8a8_dynamic`` (per-token int8 inputs computed
-in the graph, MatMulInteger).
+ORT fuses into MatMulIntegerToFloat), *dynamic* = ``w8a8_dynamic`` with 7-bit weight codes too
+(per-token int8 inputs computed in the graph, entering MatMulInteger as uint8: the u8s8 kernel).
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     w8_static = compress.quantize(copy.deepcopy(model), {"preset": "w8a8", "weights": {"reduce_range": True}}, calib,
                                   ignore=["lm_head"], params=compress.QuantizeParams(quantize_ops=False,
                                                                                      smoothquant="auto"))
-    w8_dynamic = compress.quantize(copy.deepcopy(model), "w8a8_dynamic", calib, ignore=["lm_head"],
+    w8_dynamic = compress.quantize(copy.deepcopy(model), {"preset": "w8a8_dynamic", "weights": {"reduce_range": True}},
+                                   calib, ignore=["lm_head"],
                                    params=compress.QuantizeParams(smoothquant="auto"))
 
     def hf_greedy(m: Any) -> torch.Tensor:
@@ -213,7 +214,7 @@ def _markdown(d: dict[str, Any]) -> str:
         f"{d['threads']} ORT thread(s), {d['repeats']} interleaved repeats (medians). int4 = RTN w4 g128 "
         "(lm_head float) as MatMulNBits; W8A8 static = the llm_smoothquant_w8a8 recipe's scheme (SmoothQuant auto, "
         "per-tensor uint8 inputs, 7-bit int8 weights) as QDQ, which ORT fuses into MatMulIntegerToFloat; W8A8 "
-        "dynamic = per-token int8 inputs quantized in the graph + MatMulInteger (SmoothQuant auto); the embeddings "
+        "dynamic = per-token inputs quantized in the graph + MatMulInteger u8s8 (SmoothQuant auto, 7-bit weights); the embeddings "
         "and lm_head, float32 in every file, are "
         f"{d['float_mb']:.2f} MB of it. "
         "Load average {:.1f} -> {:.1f} (2 cores shared with other work: absolute times and ratios move "

@@ -15,9 +15,11 @@ and exports (TorchScript, ``autograd.Function.symbolic``) as the ONNX ops that O
   share an input (q/k/v, gate/up) in float.
 - per-token dynamic activations (``w8a8_dynamic``): the scale of each token row is computed in the
   graph as the fake quantizer does (``max|x| / 127``, at least float32 eps; ``x * (1/scale)``
-  rounded half to even, clipped to [-128, 127]), the codes go through ``MatMulInteger`` (int8 x
-  int8 -> int32, exact) against the int8 weight codes, and the int32 result is scaled by the row
-  scale times the per-channel weight scale. ``DynamicQuantizeLinear`` is not used: it computes one
+  rounded half to even, clipped to [-128, 127]), the codes go through ``MatMulInteger`` against
+  the int8 weight codes, and the int32 result is scaled by the row scale times the per-channel
+  weight scale. With 7-bit weight codes (``reduce_range``) the activation codes enter as uint8
+  (``q + 128``, zero point 128): ORT's fast u8s8 kernel, exact for such weights; with full 8-bit
+  weights as int8 (s8s8: exact, but several times slower on CPUs without VNNI). ``DynamicQuantizeLinear`` is not used: it computes one
   uint8 scale per tensor, not per token.
 
 Only Linear inputs may be quantized (``quantize_ops: false`` or a dynamic scheme): the generation
@@ -67,10 +69,14 @@ class _WeightDQFn(torch.autograd.Function):
 
 
 class _DynamicMatMulFn(torch.autograd.Function):
-    """Per-token int8 quantization of ``x`` and an int8 x int8 matmul, scaled back to float."""
+    """Per-token int8 quantization of ``x`` and an integer matmul, scaled back to float.
+
+    ``unsigned``: the codes enter MatMulInteger as uint8 (``q + 128``, zero point 128), ORT's fast
+    u8s8 path; exact only when the weight codes are 7-bit (its int16 pair sums), so it is used for
+    reduce_range weights, and the s8s8 path (exact, slower on CPUs without VNNI) otherwise."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, codes: torch.Tensor, w_scale: torch.Tensor, unsigned: bool) -> torch.Tensor:
         scale = torch.clamp(x.abs().amax(dim=-1, keepdim=True) / 127.0, min=torch.finfo(torch.float32).eps)
         q = torch.clamp(torch.round(x * (1.0 / scale)), -128, 127)
         # integer products summed exactly in float64 (|sum| < 2^31), as MatMulInteger's int32 does
@@ -78,7 +84,7 @@ class _DynamicMatMulFn(torch.autograd.Function):
         return acc * scale * w_scale
 
     @staticmethod
-    def symbolic(g: Any, x: Any, codes: Any, w_scale: Any) -> Any:
+    def symbolic(g: Any, x: Any, codes: Any, w_scale: Any, unsigned: bool) -> Any:
         amax = g.op("ReduceMax", g.op("Abs", x), axes_i=[-1], keepdims_i=1)
         c127 = g.op("Constant", value_t=torch.tensor(127.0))
         eps = g.op("Constant", value_t=torch.tensor(torch.finfo(torch.float32).eps))
@@ -86,7 +92,12 @@ class _DynamicMatMulFn(torch.autograd.Function):
         lo = g.op("Constant", value_t=torch.tensor(-128.0))
         hi = g.op("Constant", value_t=torch.tensor(127.0))
         q = g.op("Clip", g.op("Round", g.op("Mul", x, g.op("Reciprocal", scale))), lo, hi)
-        acc = g.op("MatMulInteger", g.op("Cast", q, to_i=3), codes)  # 3 = INT8
+        if unsigned:
+            shifted = g.op("Add", q, g.op("Constant", value_t=torch.tensor(128.0)))
+            zp = g.op("Constant", value_t=torch.tensor(128, dtype=torch.uint8))
+            acc = g.op("MatMulInteger", g.op("Cast", shifted, to_i=2), codes, zp)  # 2 = UINT8
+        else:
+            acc = g.op("MatMulInteger", g.op("Cast", q, to_i=3), codes)  # 3 = INT8
         return g.op("Mul", g.op("Mul", g.op("Cast", acc, to_i=1), scale), w_scale)  # 1 = FLOAT
 
 
@@ -183,6 +194,7 @@ class W8A8DynamicLinear(nn.Module):
         codes, w_scale = _weight_codes(mod, where)
         self.register_buffer("codes", codes)
         self.register_buffer("w_scale", w_scale)
+        self.unsigned = bool(codes.min() >= -64 and codes.max() <= 63)  # 7-bit codes: u8s8 cannot overflow
         pre = input_quantizer.pre_quant_scale
         self.register_buffer("pre_scale", None if pre is None else pre.detach().float().clone())
         b = getattr(mod, "bias", None)
@@ -191,7 +203,7 @@ class W8A8DynamicLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_scale is not None:
             x = x * self.pre_scale
-        y = _DynamicMatMulFn.apply(x, self.codes, self.w_scale)
+        y = _DynamicMatMulFn.apply(x, self.codes, self.w_scale, self.unsigned)
         return y + self.bias if self.bias is not None else y
 
 

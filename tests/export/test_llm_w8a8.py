@@ -1,6 +1,6 @@
 """W8A8 LLM generation export: ORT's greedy tokens equal the PyTorch fake-quant model's (transformers'
-generate) for static per-tensor (QDQ -> MatMulIntegerToFloat) and per-token dynamic (MatMulInteger)
-activations; what the hand-written generation graph cannot carry is refused."""
+generate) for static per-tensor (QDQ -> MatMulIntegerToFloat) and per-token dynamic (MatMulInteger,
+s8s8 or u8s8) activations; what the hand-written generation graph cannot carry is refused."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ def _ops(path: Path) -> dict[str, int]:
     [
         ("llama", STATIC, {"quantize_ops": False, "smoothquant": "auto"}, "QuantizeLinear"),
         ("qwen2", "w8a8_dynamic", {"smoothquant": 0.5}, "MatMulInteger"),
+        ("llama", {"preset": "w8a8_dynamic", "weights": {"reduce_range": True}}, {}, "MatMulInteger"),
     ],
-    ids=["llama-static-smoothquant", "qwen2-dynamic-per-token"],
+    ids=["llama-static-smoothquant", "qwen2-dynamic-per-token-s8s8", "llama-dynamic-per-token-u8s8"],
 )
 def test_ort_greedy_tokens_match_the_fake_quant_model(kind: str, scheme: Any, params: dict[str, Any],
                                                         integer_op: str, tmp_path: Path) -> None:
@@ -57,6 +58,9 @@ def test_ort_greedy_tokens_match_the_fake_quant_model(kind: str, scheme: Any, pa
     # static: one Q/DQ pair per quantized tensor (q/k/v share one, gate/up one): 4 per layer;
     # dynamic: one MatMulInteger per Linear; both store the 14 weights as int8
     assert ops.get(integer_op) == (8 if integer_op == "QuantizeLinear" else 14)
+    if integer_op == "MatMulInteger":  # uint8 codes with zero point 128 (fast u8s8) only for 7-bit weights
+        zp_inputs = {len(n.input) for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulInteger"}
+        assert zp_inputs == ({3} if isinstance(scheme, dict) else {2})
     int8 = [i for i in onnx.load(str(path)).graph.initializer if i.data_type == onnx.TensorProto.INT8 and i.dims
             and len(i.dims) == 2]
     assert len(int8) == 14
