@@ -55,6 +55,28 @@ def _windows(ds: Any) -> torch.Tensor:
     return ds.windows if hasattr(ds, "windows") else torch.stack([ds[i][0]["input_ids"] for i in range(len(ds))])
 
 
+def lm_arguments(p: argparse.ArgumentParser, *, calib: int) -> None:
+    """The model/data/thread options every reference-LLM benchmark takes."""
+    p.add_argument("--model", default="runs/reference_llm")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--calib", type=int, default=calib, help="calibration windows")
+    p.add_argument("--eval", type=int, default=128, help="held-out eval windows")
+    p.add_argument("--calib-batch", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running")
+
+
+def lm_windows(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sets logging and threads from ``args``; the calibration and held-out eval token windows."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("quantization").setLevel(logging.WARNING)
+    torch.set_num_threads(args.threads)
+    from compress.data.lm import text_lm
+
+    splits = text_lm(seed=0, tokenizer=args.model, seq_len=args.seq_len, samples=max(args.calib, args.eval))
+    return _windows(splits.calibration)[: args.calib], _windows(splits.eval)[: args.eval]
+
+
 def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib_batch: int,
               schemes: list[str]) -> list[dict[str, Any]]:
     import compress
@@ -197,27 +219,14 @@ def _w3_rtn_cost(rows: list[dict[str, Any]]) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="runs/reference_llm")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--calib", type=int, default=128, help="calibration windows")
-    p.add_argument("--eval", type=int, default=128, help="held-out eval windows")
-    p.add_argument("--calib-batch", type=int, default=16)
+    lm_arguments(p, calib=128)
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     p.add_argument("--add", action="store_true", help="run --schemes and merge them into the last run's rows")
     p.add_argument("--no-ort", action="store_true")
     p.add_argument("--ort-only", action="store_true", help="rerun ORT's rows, keep the last run's PyTorch rows")
     p.add_argument("--report-only", action="store_true", help="rewrite the RESULTS.md section from the last run's rows")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("quantization").setLevel(logging.WARNING)
-    torch.set_num_threads(args.threads)
-    from compress.data.lm import text_lm
-
-    splits = text_lm(seed=0, tokenizer=args.model, seq_len=args.seq_len, samples=max(args.calib, args.eval))
-    calib = _windows(splits.calibration)[: args.calib]
-    evalw = _windows(splits.eval)[: args.eval]
+    calib, evalw = lm_windows(args)
     if args.ort_only or args.report_only:  # reuse the last run's rows (same args): rerun ORT's part / nothing
         from benchmarks._results import RESULTS_DIR
 

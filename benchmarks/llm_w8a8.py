@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks._results import table, write_section
-from benchmarks.llm_quant import _windows, perplexity
+from benchmarks.llm_quant import lm_arguments, lm_windows, perplexity
 
 log = logging.getLogger("benchmarks.llm_w8a8")
 
@@ -74,22 +74,9 @@ def run(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib_batch
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="runs/reference_llm")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--calib", type=int, default=64, help="calibration windows")
-    p.add_argument("--eval", type=int, default=128, help="held-out eval windows")
-    p.add_argument("--calib-batch", type=int, default=16)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running")
+    lm_arguments(p, calib=64)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("quantization").setLevel(logging.WARNING)
-    torch.set_num_threads(args.threads)
-    from compress.data.lm import text_lm
-
-    splits = text_lm(seed=0, tokenizer=args.model, seq_len=args.seq_len, samples=max(args.calib, args.eval))
-    calib = _windows(splits.calibration)[: args.calib]
-    evalw = _windows(splits.eval)[: args.eval]
+    calib, evalw = lm_windows(args)
     rows = run(args.model, calib, evalw, calib_batch=args.calib_batch)
     base = rows[0]["perplexity"]
     summary = [{"config": r["config"], "perplexity": f"{r['perplexity']:.3f}",
