@@ -1,6 +1,7 @@
 """Graph passes over a QDQ ONNX model so that ONNX Runtime fuses it into integer kernels: weights in
 the layout their consumer reads, int32 biases, no duplicate or re-quantizing Q/DQ pairs, no dead
-initializers (and, opt-in, int8 embedding tables)."""
+initializers, int8 embedding tables gathered row by row (and, opt-in, int8 rows for the float tables
+of Gathers)."""
 
 from __future__ import annotations
 
@@ -469,6 +470,54 @@ def quantize_embedding_tables(g: _Graph, *, min_numel: int = 1 << 16) -> int:
     return done
 
 
+def gather_int8_tables(g: _Graph) -> int:
+    """``Gather(DequantizeLinear(int8 table, per-row scale), ids)`` (an embedding quantized by the
+    placement) -> ``Gather(codes, ids) -> Cast -> Mul(Gather(row scales, ids))``: the same values,
+    computed for the looked-up rows only (a DequantizeLinear of the whole table would run on every
+    call: ORT does not constant-fold it). A table whose codes another DequantizeLinear also reads
+    (a tied lm_head) gets its own copy of the codes, so that layer's weight can still be laid out
+    for its MatMul."""
+    done = 0
+    for n in list(g.g.node):
+        if n.op_type != "Gather" or any(a.name == "axis" and helper.get_attribute_value(a) != 0 for a in n.attribute):
+            continue
+        dq = g.producer.get(n.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or not all(i in g.init for i in dq.input if i):
+            continue
+        codes, scale = g.array(dq.input[0]), g.array(dq.input[1])
+        zp = g.array(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else np.zeros_like(scale, dtype=np.int8)
+        if codes.dtype != np.int8 or codes.ndim != 2 or scale.shape != (codes.shape[0],) or _axis(dq) % 2 != 0:
+            continue
+        if np.any(zp != 0) or n.input[1] in g.init:
+            continue
+        table = dq.input[0]
+        others = [c for c in g.consumers.get(table, []) if c is not dq] + [
+            c for c in g.consumers.get(dq.output[0], []) if c is not n]
+        if others:
+            table = g.unique(f"{dq.input[0]}_gather")
+            g.set_init(table, codes)
+        sn = g.unique(f"{dq.input[0]}_row_scale")
+        g.set_init(sn, scale.astype(np.float32)[:, None].copy())
+        out = n.output[0]
+        gq, gc, gs = (g.unique(f"{out}_{s}") for s in ("codes", "float", "scale"))
+        idx = list(g.g.node).index(n)
+        new = [
+            helper.make_node("Gather", [table, n.input[1]], [gq], name=g.unique(f"{n.name}_int8"), axis=0),
+            helper.make_node("Cast", [gq], [gc], name=g.unique(f"{n.name}_cast"), to=onnx.TensorProto.FLOAT),
+            helper.make_node("Gather", [sn, n.input[1]], [gs], name=g.unique(f"{n.name}_scale"), axis=0),
+            helper.make_node("Mul", [gc, gs], [out], name=g.unique(f"{n.name}_dequant")),
+        ]
+        g.g.node.remove(n)
+        for k, node in enumerate(new):
+            g.g.node.insert(idx + k, node)
+        g.refresh()
+        if not g.consumers.get(dq.output[0]) and dq.output[0] not in g.outputs:
+            g.g.node.remove(dq)
+            g.refresh()
+        done += 1
+    return done
+
+
 def float_weights_for_float_layers(g: _Graph) -> int:
     """A Conv/Gemm/MatMul that ORT will not fuse into an integer kernel keeps its fast float kernel:
     its weight becomes the dequantized float initializer instead of a DequantizeLinear, which ORT's
@@ -570,6 +619,49 @@ def pads_into_convs(g: _Graph) -> int:
     return done
 
 
+def _constant(g: _Graph, name: str) -> np.ndarray | None:
+    """The value of an initializer or of a Constant node's output (None for a computed tensor)."""
+    if name in g.init:
+        return g.array(name)
+    node = g.producer.get(name)
+    if node is not None and node.op_type == "Constant":
+        for a in node.attribute:
+            if a.name == "value":
+                return numpy_helper.to_array(a.t)
+    return None
+
+
+def fold_constant_quantize(g: _Graph) -> int:
+    """``QuantizeLinear(constant)`` -> its integer codes as an initializer: a constant operand placed
+    with a quantizer of its own (a position embedding, ``eps`` of ``var + eps``, an attention bias) is
+    stored as uint8/int8 codes + DequantizeLinear, the form ORT fuses into QLinearAdd, never as a float
+    copy. Codes follow ONNX's QuantizeLinear: round half to even, add the zero point, saturate."""
+    done = 0
+    for q in list(g.g.node):
+        if q.op_type != "QuantizeLinear" or len(q.input) < 3 or q.output[0] in g.outputs:
+            continue
+        x, scale, zp = (_constant(g, i) for i in q.input[:3])
+        if x is None or scale is None or zp is None or x.dtype != np.float32:
+            continue
+        if scale.ndim:
+            shape = [1] * x.ndim
+            shape[_axis(q) % x.ndim] = -1
+            scale, zp = scale.reshape(shape), zp.reshape(shape)
+        info = np.iinfo(zp.dtype)
+        codes = np.clip(np.rint(x / scale.astype(np.float32)) + zp.astype(np.float32), info.min, info.max)
+        out = q.output[0]
+        g.g.node.remove(q)
+        g.set_init(out, codes.astype(zp.dtype))
+        g.refresh()
+        done += 1
+    if done:  # Constant nodes nothing reads any more
+        for n in [n for n in g.g.node if n.op_type == "Constant" and not g.consumers.get(n.output[0])]:
+            if n.output[0] not in g.outputs:
+                g.g.node.remove(n)
+        g.refresh()
+    return done
+
+
 def remove_unused_initializers(g: _Graph) -> int:
     used = {i for n in g.g.node for i in n.input} | g.outputs
     dead = [i for i in g.g.initializer if i.name not in used]
@@ -588,6 +680,8 @@ def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False,
     g = _Graph(model.graph)
     stats = {
         "int8_embedding_tables": quantize_embedding_tables(g) if quantize_embeddings else 0,
+        "int8_gathers": gather_int8_tables(g),
+        "constant_codes": fold_constant_quantize(g),
         "unused_initializers": remove_unused_initializers(g),
         "weight_slices": fold_weight_slices(g),
         "blocked_gemms": blocked_gemm_to_matmul(g),

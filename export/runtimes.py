@@ -216,12 +216,23 @@ class Coverage:
         return self.integer / total if total else 1.0
 
 
+_INT_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT8, onnx.TensorProto.UINT8,
+                        onnx.TensorProto.INT16, onnx.TensorProto.UINT16, onnx.TensorProto.BOOL})
+
+
 def ort_coverage(path: Path) -> Coverage:
     """The integer kernels of ORT's optimized CPU graph, and the float Conv/MatMul/Gemm/Add nodes
-    left in it (``OpType:node_name``)."""
+    left in it (``OpType:node_name``). Adds on integer tensors (shape arithmetic such as
+    ``seq_len + 1``, typed in the graph ORT saves) are not float compute and are not counted."""
     g = ort_optimized_graph(path).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*g.value_info, *g.output, *g.input]}
+    types.update({i.name: i.data_type for i in g.initializer})
+
+    def integer(n: onnx.NodeProto) -> bool:  # Add's inputs and output share one type
+        return any(types.get(t) in _INT_TYPES for t in [*n.output, *n.input])
+
     ints = Counter(n.op_type for n in g.node if is_integer_kernel(n.op_type))
-    floats = [f"{n.op_type}:{n.name}" for n in g.node if n.op_type in FLOAT_COMPUTE_OPS]
+    floats = [f"{n.op_type}:{n.name}" for n in g.node if n.op_type in FLOAT_COMPUTE_OPS and not integer(n)]
     return Coverage(dict(sorted(ints.items())), floats)
 
 

@@ -35,6 +35,8 @@ class QuantizeParams(BaseModel):
     tensorrt, openvino).
     ``kv_cache``: int8 keys and values entering attention (decoder LLMs; quantization/kv_cache.py):
     ``per_token`` (a scale per head and token, at run time) or ``per_head`` (static, calibrated).
+    ``quantize_embeddings``: store embedding tables as int8 rows (static schemes; a table whose int8
+    form loses fidelity stays float, named in ``placement.floats``); False keeps them all float.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -47,6 +49,7 @@ class QuantizeParams(BaseModel):
     max_batches: int | None = Field(None, ge=1)
     target: Target = "onnxruntime"
     kv_cache: KVCache | None = None
+    quantize_embeddings: bool = True
 
 
 def quantize(
@@ -92,7 +95,8 @@ def post_training_quantize(
     example = capture_first_call(model, loop) if loop is not None and scheme.static_activations else None
     swapped = prepare(
         model, scheme, targets=targets, ignore=ignore, first_last=p.first_last, bn=p.bn,
-        quantize_ops=p.quantize_ops, target=p.target, example_inputs=example, where=where,
+        quantize_ops=p.quantize_ops, target=p.target, quantize_embeddings=p.quantize_embeddings,
+        example_inputs=example, where=where,
     )
     if p.kv_cache is not None:
         attach_kv_quantization(model, p.kv_cache)

@@ -41,7 +41,9 @@ def decomposed_attention(
     return_probs: bool = False,
 ) -> Any:
     """``F.scaled_dot_product_attention`` written out, with ``quant(role, tensor)`` on q, k^T, the
-    softmax output and v (the inputs of the two matmuls). ``return_probs``: also return the
+    softmax output and v (the inputs of the two matmuls) and, for a float mask, on the scores, the
+    mask and their sum (roles ``scores``, ``mask``, ``biased``; ``quant`` passes through a role it
+    was not given a quantizer for). ``return_probs``: also return the
     probabilities (after dropout), as ``(output, probs)``."""
     n_q, n_kv = query.size(-3) if query.dim() >= 3 else 1, key.size(-3) if key.dim() >= 3 else 1
     if enable_gqa and n_q != n_kv:
@@ -58,8 +60,8 @@ def decomposed_attention(
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
             dead = ~attn_mask.any(dim=-1, keepdim=True)
-        else:
-            scores = scores + attn_mask
+        else:  # the scores plus a bias or mask: quantized as one add where the runtime fuses it
+            scores = quant("biased", quant("scores", scores) + quant("mask", attn_mask))
             dead = torch.isneginf(attn_mask).all(dim=-1, keepdim=True)
     probs = torch.softmax(scores, dim=-1)
     if dead is not None:  # softmax of an all -inf row is NaN; SDPA gives such a row zeros

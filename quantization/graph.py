@@ -15,6 +15,7 @@ the same call in calibration, QAT, export and conversion, as long as the forward
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -103,8 +104,10 @@ class Operand:
     """A tensor argument of an op: its flat position among the op's tensor leaves and its source.
 
     ``source``: "op" (``producer`` = the key of the op that made it, ``index`` = which output),
-    "input" (a model input), "param" (``name`` = a parameter or buffer of the model) or "const"
-    (made outside any recorded op: constants, masks built by untraced code).
+    "input" (a model input), "param" (``name`` = a parameter or buffer of the model), "const"
+    (made outside any recorded op: constants, masks built by untraced code) or "scalar" (a Python
+    number operand of an add, ``var + eps``, ``1.0 + tanh(x)``: the exported graph holds it as a
+    constant tensor, and a runtime may want it quantized like one).
     """
 
     position: int
@@ -257,6 +260,9 @@ class GraphTracer(TorchFunctionMode):
         if not outs:  # size(), dim(), item(): no tensor flows on from here
             return out
         operands = [self._source(p, t) for p, t in leaves]
+        if kind in _SCALAR_OPERAND_KINDS and "alpha" not in kwargs:
+            operands += [Operand(p, "scalar") for p, v in enumerate(args) if _is_number(v)]
+            operands.sort(key=lambda o: o.position)
         node = OpNode(key, kind, getattr(func, "__name__", str(func)), scope, operands, len(outs),
                       [tuple(t.shape) for t in outs], _attrs(kind, args, kwargs))
         self.graph.nodes[key] = node
@@ -272,8 +278,42 @@ class GraphTracer(TorchFunctionMode):
                     self.graph.outputs.add(hit[1])
 
 
+#: op kinds whose Python number operands are recorded (as "scalar" operands)
+_SCALAR_OPERAND_KINDS = frozenset({"add"})
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _amax(v: Any) -> float:
+    if isinstance(v, torch.Tensor):
+        return float(v.detach().abs().amax()) if v.is_floating_point() and v.numel() else 0.0
+    return abs(float(v)) if _is_number(v) else 0.0
+
+
+def _sdpa_ranges(args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The largest |score| (``q @ k^T * scale``) and |mask| of an attention call with a float mask:
+    placement quantizes the mask add only where one 8-bit scale serves both."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    a = dict(zip(names, args, strict=False)) | kwargs
+    q, k, mask = a.get("query"), a.get("key"), a.get("attn_mask")
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or not isinstance(q, torch.Tensor):
+        return {}
+    assert isinstance(k, torch.Tensor)
+    if q.dim() >= 3 and k.dim() >= 3 and q.size(-3) != k.size(-3):
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+    scale = a.get("scale") or 1.0 / math.sqrt(q.size(-1))
+    return {"amax": {"scores": _amax(torch.matmul(q, k.transpose(-2, -1)) * scale), "mask": _amax(mask)}}
+
+
 def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The few non-tensor arguments placement reads (clamp bounds, pooling output size)."""
+    """The few non-tensor arguments placement reads (clamp bounds, pooling output size) and, for adds
+    and attention masks, the largest magnitude of each operand in the traced call."""
+    if kind == "add":
+        return {"amax": [_amax(v) for v in args]}
+    if kind == "sdpa":
+        return _sdpa_ranges(args, kwargs)
     if kind == "relu6":
         lo = kwargs.get("min", kwargs.get("min_val", args[1] if len(args) > 1 else None))
         hi = kwargs.get("max", kwargs.get("max_val", args[2] if len(args) > 2 else None))

@@ -42,6 +42,14 @@ class GraphConfig:
     weight_spec: QuantSpec | None
     swapped: set[str] = field(default_factory=set)
     skip_layers: set[str] = field(default_factory=set)
+    quantize_embeddings: bool = True
+
+
+#: an embedding table is stored int8 only when its dequantized form is this close to the float table
+#: (SQNR, dB): Gaussian-like tables measure 38-45 dB per-row (MiniLM's word and position tables 42.8
+#: and 38.9, the reference LLM's 43.7); rows with a few outliers fall below it (MiniLM's 2-row
+#: token-type table, 29.3 dB), and storing a tiny table in int8 saves nothing worth that noise
+TABLE_MIN_SQNR_DB = 30.0
 
 
 def example_args(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -148,10 +156,12 @@ def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kw
     placement = place(
         graph, get_profile(config.target), targeted=targeted_fn(model, config.targets, config.ignore),
         swapped=config.swapped, skip_layers=config.skip_layers, quantize_ops=config.quantize_ops,
+        embeddings=config.quantize_embeddings, tied=tied_weights(model, config.swapped),
     )
     qg.placement, qg.pending = placement, False
     build_quantizers(qg)
     calibrate_weights(qg, model)
+    keep_lossy_tables_float(qg, model)
     device = next((t.device for _, t in tensor_leaves(args, kwargs)), None)
     if device is not None:
         qg.to(device)
@@ -160,6 +170,60 @@ def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kw
         len(placement.activations), len(placement.entries), config.target, len(placement.weights), len(placement.floats),
     )
     return placement
+
+
+def tied_weights(model: nn.Module, swapped: set[str]) -> dict[str, str]:
+    """``{parameter name: swapped layer}`` for parameters that are also a swapped layer's weight
+    under another name (GPT-2's lm_head shares the token embedding): the name is the one the graph
+    sees (``named_parameters`` keeps the first of tied names)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, str] = {}
+    for layer in sorted(swapped):
+        w = getattr(model.get_submodule(layer), "weight", None)
+        q = getattr(model.get_submodule(layer), "weight_quantizer", None)
+        name = names.get(id(w))
+        spec = getattr(q, "spec", None)
+        # the layer's quantizer serves the table only when it is per output row (axis 0), 8-bit
+        if name is None or name == f"{layer}.weight" or spec is None:
+            continue
+        if spec.granularity == "channel" and spec.axis == 0 and spec.bits == 8 and not spec.dynamic:
+            out[name] = layer
+    return out
+
+
+def _sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    noise = (ref.double() - approx.double()).pow(2).sum()
+    signal = ref.double().pow(2).sum()
+    return float("inf") if noise == 0 else float(10 * torch.log10(signal / noise))
+
+
+def keep_lossy_tables_float(qg: QuantizerGraph, model: nn.Module, min_db: float = TABLE_MIN_SQNR_DB) -> None:
+    """Embedding tables whose int8 form is less than ``min_db`` SQNR from the float table stay float:
+    their quantizer leaves the placement and ``floats`` names the measured reason."""
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    pl = qg.placement
+    for qid, use in list(pl.weights.items()):
+        w = tensors.get(use.param)
+        if not use.table or w is None:
+            continue
+        q = qg.quantizers[qid] if qid in qg.quantizers else (
+            getattr(model.get_submodule(use.module), "weight_quantizer", None) if use.module else None)
+        if not isinstance(q, nn.Module):
+            continue
+        with torch.no_grad():
+            db = _sqnr_db(w.detach(), q(w.detach()))
+        if db >= min_db:
+            continue
+        del pl.weights[qid]
+        if qid in qg.quantizers:
+            del qg.quantizers[qid]
+        for key, entry in pl.entries.items():
+            if entry.get("1") == qid:
+                del entry["1"]
+                pl.floats[key] = f"embedding table kept float: int8 per-row SQNR {db:.1f} dB < {min_db:.0f} dB"
+        log.info("embedding table %s kept float (int8 SQNR %.1f dB)", use.param, db)
+    for key in [k for k, e in pl.entries.items() if not e]:
+        del pl.entries[key]
 
 
 class _Captured(Exception):

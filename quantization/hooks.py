@@ -30,7 +30,7 @@ from compress.errors import CalibrationError
 from quantization.attention import attention_with_weights, decomposed_attention, redirect
 from quantization.fake_quant import FakeQuantizer
 from quantization.graph import ScopeTracker, call_kind
-from quantization.placement import Placement
+from quantization.placement import CONSTANT_PREFIX, Placement
 from quantization.spec import QuantSpec
 
 ATTR = "quantizer_graph"
@@ -195,7 +195,10 @@ class QuantizeMode(TorchFunctionMode):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         for pos, qid in entry.items():
             if pos.isdigit() and int(pos) < len(leaves):
-                leaves[int(pos)] = self.apply(qid, leaves[int(pos)])
+                leaf = leaves[int(pos)]
+                if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+                    leaf = _as_tensor(leaf, leaves)  # a number operand quantized as the constant it exports as
+                leaves[int(pos)] = self.apply(qid, leaf)
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         if "q" in entry:  # attention, decomposed with its own quantizers inside
             return self._attention(func, entry, args, kwargs)
@@ -205,7 +208,7 @@ class QuantizeMode(TorchFunctionMode):
 
     def _attention(self, func: Any, entry: dict[str, str], args: Any, kwargs: dict[str, Any]) -> Any:
         def quant(role: str, t: torch.Tensor) -> torch.Tensor:
-            return self.apply(entry[role], t)
+            return self.apply(entry[role], t) if role in entry else t
 
         if func is attention_with_weights:
             return decomposed_attention(*args, **kwargs, quant=quant, return_probs=True)
@@ -214,6 +217,17 @@ class QuantizeMode(TorchFunctionMode):
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _as_tensor(value: float, leaves: list[Any]) -> Any:
+    """A Python number as a 0-d tensor of the op's floating tensor operand (unchanged without one)."""
+    ref = next((t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+    return value if ref is None else torch.tensor(value, dtype=ref.dtype, device=ref.device)
+
+
+#: embedding tables: int8, symmetric, one scale per row (a looked-up vector keeps its own range);
+#: what ORT's Gather runs on int8 codes with a gathered per-row scale (export/qdq_graph.py)
+TABLE_SPEC = QuantSpec(granularity="channel", axis=0)
 
 
 def _weight_spec(graph: QuantizerGraph, axis: int) -> QuantSpec | None:
@@ -232,11 +246,14 @@ def build_quantizers(graph: QuantizerGraph) -> None:
     per functionally used weight that no swapped layer owns."""
     for qid in graph.placement.activations:
         if qid not in graph.quantizers:
-            graph.quantizers[qid] = FakeQuantizer(graph.activation_spec, role="input", name=f"{ATTR}.quantizers.{qid}")
+            spec = graph.activation_spec
+            if qid.startswith(CONSTANT_PREFIX):  # a constant's range is known exactly: clipping it only biases
+                spec = spec.with_(observer="minmax", observer_params={})
+            graph.quantizers[qid] = FakeQuantizer(spec, role="input", name=f"{ATTR}.quantizers.{qid}")
     for qid, use in graph.placement.weights.items():
-        spec = _weight_spec(graph, use.axis)
-        if use.module is None and spec is not None and qid not in graph.quantizers:
-            graph.quantizers[qid] = FakeQuantizer(spec, role="weight", name=f"{ATTR}.quantizers.{qid}")
+        wspec = TABLE_SPEC if use.table else _weight_spec(graph, use.axis)
+        if use.module is None and wspec is not None and qid not in graph.quantizers:
+            graph.quantizers[qid] = FakeQuantizer(wspec, role="weight", name=f"{ATTR}.quantizers.{qid}")
 
 
 def calibrate_weights(graph: QuantizerGraph, root: nn.Module) -> None:

@@ -45,6 +45,7 @@ class _QuantSpecBase(ModifierSpec):
     first_last: FirstLast = "quantize"
     quantize_ops: bool = True
     target: Target = "onnxruntime"
+    quantize_embeddings: bool = True
     observer: str | None = None
     observer_params: dict[str, Any] = Field(default_factory=dict)
     weight_observer: str | None = None
@@ -152,7 +153,8 @@ class PTQModifier(Modifier[PTQSpec]):
                 raise CalibrationError(f"{self.where}: sensitivity/max_accuracy_drop need an evaluate function")
             float_metric = state.evaluate(model)
         params = QuantizeParams(first_last=s.first_last, bn=s.bn, quantize_ops=s.quantize_ops, target=s.target,
-                                smoothquant=s.smoothquant, bias_correction=s.bias_correction, kv_cache=s.kv_cache)
+                                quantize_embeddings=s.quantize_embeddings, smoothquant=s.smoothquant,
+                                bias_correction=s.bias_correction, kv_cache=s.kv_cache)
         swapped = post_training_quantize(model, scheme, loop, targets=s.targets, ignore=s.ignore, params=params,
                                          where=self.where)
         state.metrics["quantized_modules"] = len(swapped)
@@ -226,6 +228,7 @@ class QATModifier(Modifier[QATSpec]):
             bn="qat",
             quantize_ops=s.quantize_ops,
             target=s.target,
+            quantize_embeddings=s.quantize_embeddings,
             example_inputs=capture_first_call(model, loop) if scheme.static_activations else None,
             where=self.where,
         )

@@ -15,7 +15,11 @@ Input: the OpGraph of one forward pass (quantization/graph.py) and a RuntimeProf
   that is a slice of a parameter (``w.split``/``chunk``, as cross-attention slices the packed
   projection) gets one on the whole parameter, at the slicing call, so its per-channel scales
   slice along with it;
-- ``floats``: every weighted op, add and attention left in float, with the reason.
+- ``floats``: every weighted op, add and attention left in float, with the reason;
+- embedding tables (``F.embedding`` of a 2-D parameter, with ``embeddings``) get a per-row int8
+  weight quantizer (``WeightUse.table``), the table tied to a swapped layer's weight (GPT-2's
+  lm_head) that layer's own, so both read the same codes; graph_prepare keeps a table float when
+  its int8 form would cost fidelity.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ _WEIGHTED_POS: dict[str, tuple[int, int, int]] = {"linear": (0, 1, 0), "conv": (
 class WeightUse:
     """A parameter quantized where it is used functionally: ``param`` names it in the model;
     ``axis`` is its per-output-channel axis in that use; ``module`` is the swapped layer whose own
-    weight quantizer applies (None: the placement owns a quantizer for it)."""
+    weight quantizer applies (None: the placement owns a quantizer for it); ``table``: an embedding
+    table read by ``F.embedding`` (int8, one scale per row)."""
 
     param: str
     axis: int
     module: str | None = None
+    table: bool = False
 
 
 @dataclass
@@ -58,7 +64,7 @@ class Placement:
             "target": self.target,
             "activations": {k: list(v) for k, v in self.activations.items()},
             "entries": {k: dict(v) for k, v in self.entries.items()},
-            "weights": {k: [w.param, w.axis, w.module] for k, w in self.weights.items()},
+            "weights": {k: [w.param, w.axis, w.module, w.table] for k, w in self.weights.items()},
             "floats": dict(self.floats),
         }
 
@@ -68,7 +74,8 @@ class Placement:
             target=str(data["target"]),
             activations={k: list(v) for k, v in data["activations"].items()},
             entries={k: dict(v) for k, v in data["entries"].items()},
-            weights={k: WeightUse(v[0], int(v[1]), v[2]) for k, v in data["weights"].items()},
+            weights={k: WeightUse(v[0], int(v[1]), v[2], bool(v[3]) if len(v) > 3 else False)
+                     for k, v in data["weights"].items()},
             floats=dict(data.get("floats", {})),
         )
 
@@ -150,12 +157,16 @@ def place(
     swapped: set[str],
     skip_layers: set[str] = frozenset(),  # type: ignore[assignment]
     quantize_ops: bool = True,
+    embeddings: bool = True,
+    tied: dict[str, str] | None = None,
 ) -> Placement:
     """Place quantizers on ``graph`` for ``profile``.
 
     ``targeted(scope)``: whether ops running in that module are to be quantized (targets/ignore);
     ``swapped``: names of layers swapped for quantized modules (they quantize their own weight);
-    ``skip_layers``: layers kept float on purpose (first/last policy), not quantized at all.
+    ``skip_layers``: layers kept float on purpose (first/last policy), not quantized at all;
+    ``embeddings``: give embedding tables int8 weight quantizers; ``tied``: parameter name -> the
+    swapped layer whose weight it also is (a tied embedding reads that layer's quantized weight).
     """
     pl = Placement(target=profile.name)
     nodes = list(graph.nodes.values())
@@ -173,6 +184,16 @@ def place(
     quantized: set[str] = set()
     requested_out: list[str] = []
 
+    by_param: dict[str, str] = {}
+
+    def constant_quantizer(n: OpNode, o: Operand) -> str:
+        """One quantizer per parameter (shared by its readers), else one per operand."""
+        if o.source == "param" and o.name:
+            if o.name not in by_param:
+                by_param[o.name] = _new_constant(pl, f"param {o.name}")
+            return by_param[o.name]
+        return _new_constant(pl, f"{n.key} operand {o.position} ({o.source})")
+
     def quantize(o: Operand) -> bool:
         t = _tid(o)
         if t is None or not o.floating:
@@ -182,6 +203,19 @@ def place(
         return True
 
     for n in nodes:
+        if n.kind == "embedding":
+            table = next((o for o in n.operands if o.position == 1), None)
+            if table is not None and table.source == "param" and table.floating and len(table.shape) == 2:
+                if not embeddings:
+                    pl.floats[n.key] = "embedding table kept float (quantize_embeddings: false)"
+                    continue
+                if not targeted(n.scope):
+                    pl.floats[n.key] = "excluded by targets/ignore"
+                    continue
+                qid = f"w{len(pl.weights)}"
+                pl.weights[qid] = WeightUse(table.name or "", 0, (tied or {}).get(table.name or ""), table=True)
+                pl.entries.setdefault(n.key, {})["1"] = qid
+            continue
         rule = profile.rules.get(n.kind)
         w = weighted_operands(n)
         cut = sliced.get(n.key)
@@ -233,9 +267,17 @@ def place(
         acts = [o for o in n.operands if o.source in ("op", "input") and o.floating and 0 not in o.shape]
         if n.kind == "sdpa":
             if len(n.operands) >= 3 and all(o.floating for o in n.operands[:3]):
-                pl.entries.setdefault(n.key, {}).update(
-                    {p: _new_internal(pl, f"{n.key}.{p}") for p in ("q", "k", "v", "p")}
-                )
+                roles = ["q", "k", "v", "p"]
+                ranges = n.attrs.get("amax", {})
+                add_rule = profile.rules.get("add")
+                if ranges and add_rule is not None and add_rule.constants:
+                    # a float mask or bias is added to the scores: quantized as an add the runtime fuses
+                    lopsided = _lopsided([ranges["scores"], ranges["mask"]])
+                    if lopsided:
+                        pl.floats[f"{n.key}.mask"] = lopsided
+                    else:
+                        roles += ["scores", "mask", "biased"]
+                pl.entries.setdefault(n.key, {}).update({p: _new_internal(pl, f"{n.key}.{p}") for p in roles})
             else:
                 pl.floats[n.key] = "attention inputs are not floating tensors"
             continue
@@ -247,7 +289,16 @@ def place(
             out_shape = n.out_shapes[0] if n.out_shapes else ()
             same = [o for o in acts if o.shape == out_shape]
             if len(n.operands) != 2 or len(same) != 2:
-                if acts and n.scope not in swapped:
+                lopsided = _lopsided(n.attrs.get("amax", []))
+                if rule.constants and lopsided and len(n.operands) == 2 and acts:
+                    pl.floats[n.key] = lopsided
+                elif rule.constants and len(n.operands) == 2 and acts and all(o.floating for o in n.operands):
+                    for o in n.operands:
+                        if not quantize(o):  # a parameter, buffer, constant or number: a quantizer of its own
+                            pl.entries.setdefault(n.key, {})[str(o.position)] = constant_quantizer(n, o)
+                    if rule.output:
+                        requested_out.append(n.key)
+                elif acts and n.scope not in swapped:
                     pl.floats[n.key] = "one operand is a constant or broadcast (bias, mask, scale)"
                 continue
             if rule.inputs == "residual":
@@ -351,6 +402,35 @@ def place(
             if t is None or t not in quantized:
                 pl.floats[n.key] = "its input is not quantized"
     return pl
+
+
+#: an add whose operands' magnitudes differ by more than this stays float: its output's 8-bit scale
+#: follows the larger one, and the smaller falls within one step and is lost. Masks (-1e4, finfo.min)
+#: and RMSNorm's ``var + eps`` (eps 1e-6: a token whose variance rounds to zero gets rsqrt(0)) are the
+#: cases; position embeddings, biases and GELU's ``1 + tanh`` are well inside it.
+MAX_OPERAND_RATIO = 256.0
+
+
+def _lopsided(amax: list[float]) -> str | None:
+    """The reason to keep an add float when one operand dwarfs the other (see MAX_OPERAND_RATIO)."""
+    vals = [a for a in amax if a > 0]
+    if len(vals) < 2:
+        return None
+    ratio = max(vals) / min(vals)
+    if ratio <= MAX_OPERAND_RATIO:
+        return None
+    return (f"one operand is {ratio:.0e}x the other in magnitude (a mask or an epsilon): one 8-bit scale "
+            "for the sum would round the smaller away")
+
+
+#: quantizer ids of constant operands (see ``constant_spec``): calibrated from their value
+CONSTANT_PREFIX = "c"
+
+
+def _new_constant(pl: Placement, label: str) -> str:
+    qid = f"{CONSTANT_PREFIX}{sum(k.startswith(CONSTANT_PREFIX) for k in pl.activations)}"
+    pl.activations[qid] = [label]
+    return qid
 
 
 def _new_internal(pl: Placement, label: str) -> str:

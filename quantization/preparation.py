@@ -101,6 +101,7 @@ def prepare(
     bn: BnMode = "fold",
     quantize_ops: bool = True,
     target: Target = "onnxruntime",
+    quantize_embeddings: bool = True,
     example_inputs: Any = None,
     where: str = "quantize",
 ) -> dict[str, nn.Module]:
@@ -117,6 +118,8 @@ def prepare(
     and weighted ops, functional ones included. ``example_inputs`` (a tensor, tuple or dict) is
     traced now; without it, the first forward pass is (``first_last`` then goes by registration
     order instead of data flow, and BatchNorm pairs only by nn.Sequential adjacency).
+    ``quantize_embeddings``: embedding tables get int8 per-row weights (the static-activation path),
+    unless that costs fidelity (graph_prepare.TABLE_MIN_SQNR_DB).
     """
     scheme = resolve_scheme(scheme)
     model = unwrap(model)
@@ -165,7 +168,7 @@ def prepare(
         config = GraphConfig(
             target=target, targets=list(targets), ignore=list(ignore), quantize_ops=quantize_ops,
             activation_spec=scheme.inputs.with_(granularity="tensor", axis=0), weight_spec=scheme.weights,
-            swapped=set(swapped), skip_layers=skip,
+            swapped=set(swapped), skip_layers=skip, quantize_embeddings=quantize_embeddings,
         )
         new_graph(model, config)
         if call is not None:

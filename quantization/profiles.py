@@ -11,7 +11,12 @@ profile says, per op kind (see quantization/graph.py):
   selectors: QLinearConv, QLinearAdd, QLinearConcat, QLinearAveragePool);
 - ``shared``: inputs and output share one scale (concat needs no requantization then);
 - ``fold_output``: when a foldable activation follows, quantize after it even if no reader asks
-  (ORT fuses a Gemm and its Relu into a float FusedGemm before its QDQ fusion otherwise).
+  (ORT fuses a Gemm and its Relu into a float FusedGemm before its QDQ fusion otherwise);
+- ``constants``: the op fuses also when an operand is a constant (a parameter or buffer, a Python
+  number, a tensor made outside the traced ops) or an activation broadcast against the other
+  (position embeddings, ``var + eps``, GELU's ``1 + tanh``, attention biases): every floating operand
+  gets a per-tensor quantizer, a constant its own, calibrated from its value (ORT's QLinearAdd takes
+  a quantized initializer and broadcasts).
 
 ``fold``: activations that fold into the producer's output quantizer (ORT drops a Relu/Clip whose
 Q clamps the same range); ``pass_through``: ops after which a tensor keeps its quantizer (the
@@ -39,6 +44,7 @@ class OpRule:
     output: bool = False
     shared: bool = False
     fold_output: bool = False
+    constants: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ ONNXRUNTIME = RuntimeProfile(
         "linear": OpRule(fold_output=True),
         "addmm": OpRule(fold_output=True),
         "conv": OpRule(output=True),  # QLinearConv needs its output to go to a single Q
-        "add": OpRule(output=True),  # QLinearAdd
+        "add": OpRule(output=True, constants=True),  # QLinearAdd, also with a constant or broadcast operand
         "cat": OpRule(output=True),  # QLinearConcat requantizes each input: no scale needs sharing
         "avg_pool": OpRule(output=True),  # QLinearAveragePool / QLinearGlobalAveragePool
     },
