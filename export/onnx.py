@@ -54,9 +54,11 @@ def export_onnx(
 
     ``example_inputs``: a tensor, a tuple of tensors, or a dict of keyword tensors (HF models).
     A model holding enabled fake-quantizers exports as QDQ int8 (weights stored as int8,
-    ``activation_dtype`` activations, 7-bit weights with ``reduce_range``; large Gather tables such
-    as token embeddings as per-row int8 with ``quantize_embeddings``: MiniLM's file drops from 0.65x to 0.25x
-    of fp32, at a cost in fidelity, so it is opt-in). ``dynamic_batch`` makes
+    ``activation_dtype`` activations, 7-bit weights with ``reduce_range``; embedding tables the
+    quantization placed int8 rows on (the default of static schemes, fidelity-checked there) as int8
+    rows; ``quantize_embeddings`` also stores the large float Gather tables left unquantized
+    (targets that excluded them, ``quantize_embeddings=False`` at quantization time) as per-row int8,
+    unchecked: MiniLM's file drops from 0.65x to 0.25x of fp32). ``dynamic_batch`` makes
     dim 0 of every input symbolic (and dim 1 of integer 2-D inputs: token sequences); otherwise all
     shapes are those of the example. ``fp16`` stores the float parts in half precision with float32
     inputs and outputs; ``simplify`` runs onnxscript's optimizer (constant folding, dead code).

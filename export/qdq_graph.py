@@ -415,11 +415,11 @@ def quantize_biases(g: _Graph) -> int:
         scale = np.broadcast_to(scale, bias.shape).copy() if scale.ndim else scale
         safe = np.where(scale == 0, 1.0, scale)
         codes = np.clip(np.rint(bias / safe), -(2**31), 2**31 - 1).astype(np.int32)
-        qn, sn, zn, on = (g.unique(f"{n.input[2]}_{s}") for s in ("quantized", "scale", "zero_point", "dq"))
+        qn, sn, on = (g.unique(f"{n.input[2]}_{s}") for s in ("quantized", "scale", "dq"))
         g.set_init(qn, codes)
         g.set_init(sn, scale)
-        g.set_init(zn, np.zeros(scale.shape, dtype=np.int32))
-        dq = helper.make_node("DequantizeLinear", [qn, sn, zn], [on], name=g.unique(f"{n.name}_bias_dq"), axis=0)
+        # no zero point: it is 0 (int32 codes' default), and a per-channel one would store 4 bytes more per bias
+        dq = helper.make_node("DequantizeLinear", [qn, sn], [on], name=g.unique(f"{n.name}_bias_dq"), axis=0)
         idx = list(g.g.node).index(n)
         g.g.node.insert(idx, dq)
         old = n.input[2]
