@@ -289,6 +289,8 @@ def place(
             out_shape = n.out_shapes[0] if n.out_shapes else ()
             same = [o for o in acts if o.shape == out_shape]
             if len(n.operands) != 2 or len(same) != 2:
+                if n.scope in swapped:  # a quantized layer's own arithmetic (a QAT conv's BatchNorm bias)
+                    continue
                 lopsided = _lopsided(n.attrs.get("amax", []))
                 if rule.constants and lopsided and len(n.operands) == 2 and acts:
                     pl.floats[n.key] = lopsided
@@ -298,7 +300,7 @@ def place(
                             pl.entries.setdefault(n.key, {})[str(o.position)] = constant_quantizer(n, o)
                     if rule.output:
                         requested_out.append(n.key)
-                elif acts and n.scope not in swapped:
+                elif acts:
                     pl.floats[n.key] = "one operand is a constant or broadcast (bias, mask, scale)"
                 continue
             if rule.inputs == "residual":
