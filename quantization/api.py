@@ -36,7 +36,8 @@ class QuantizeParams(BaseModel):
     ``kv_cache``: int8 keys and values entering attention (decoder LLMs; quantization/kv_cache.py):
     ``per_token`` (a scale per head and token, at run time) or ``per_head`` (static, calibrated).
     ``quantize_embeddings``: store embedding tables as int8 rows (static schemes; a table whose int8
-    form loses fidelity stays float, named in ``placement.floats``); False keeps them all float.
+    form loses fidelity stays float, named in ``placement.floats``; ``quantize_ops=False``, the
+    layers-only mode, keeps them float too); False keeps them all float.
     """
 
     model_config = ConfigDict(extra="forbid")

@@ -209,6 +209,9 @@ def place(
                 if not embeddings:
                     pl.floats[n.key] = "embedding table kept float (quantize_embeddings: false)"
                     continue
+                if not quantize_ops:  # the Linear-layers-only mode (what the W8A8 LLM export runs)
+                    pl.floats[n.key] = "embedding table kept float (quantize_ops: false quantizes layers only)"
+                    continue
                 if not targeted(n.scope):
                     pl.floats[n.key] = "excluded by targets/ignore"
                     continue

@@ -175,6 +175,11 @@ def test_embeddings_opt_out(target: str) -> None:
     pl = q.quantizer_graph.placement
     assert not any(u.table for u in pl.weights.values())
     assert pl.floats["wte:embedding#0"] == "embedding table kept float (quantize_embeddings: false)"
+    # the layers-only mode (quantize_ops: false, what the W8A8 LLM export runs) keeps tables float too
+    torch.manual_seed(0)
+    lo = quantize(TiedLM().eval(), "w8a8", _ids(2, 1), params=QuantizeParams(quantize_ops=False, target=target))
+    assert not any(u.table for u in lo.quantizer_graph.placement.weights.values())
+    assert "quantize_ops: false" in lo.quantizer_graph.placement.floats["wte:embedding#0"]
 
 
 class SinkNorm(nn.Module):
