@@ -292,6 +292,12 @@ def _amax(v: Any) -> float:
     return abs(float(v)) if _is_number(v) else 0.0
 
 
+def _rms(v: Any) -> float:
+    if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+        return float(v.detach().float().pow(2).mean().sqrt())
+    return 0.0
+
+
 def _sdpa_ranges(args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The largest |score| (``q @ k^T * scale``) and |mask| of an attention call with a float mask:
     placement quantizes the mask add only where one 8-bit scale serves both."""
@@ -311,7 +317,7 @@ def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The few non-tensor arguments placement reads (clamp bounds, pooling output size) and, for adds
     and attention masks, the largest magnitude of each operand in the traced call."""
     if kind == "add":
-        return {"amax": [_amax(v) for v in args]}
+        return {"amax": [_amax(v) for v in args], "rms": [_rms(v) for v in args]}
     if kind == "sdpa":
         return _sdpa_ranges(args, kwargs)
     if kind == "relu6":

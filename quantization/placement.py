@@ -24,6 +24,7 @@ Input: the OpGraph of one forward pass (quantization/graph.py) and a RuntimeProf
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -306,6 +307,11 @@ def place(
                 elif acts:
                     pl.floats[n.key] = "one operand is a constant or broadcast (bias, mask, scale)"
                 continue
+            outlier = _outlier_operand(n.attrs)
+            if outlier is not None and rule.output:
+                # a fused integer add needs 8-bit inputs and output: keep the whole add float instead
+                pl.floats[n.key] = outlier
+                continue
             if rule.inputs == "residual":
                 skip = [o for o in same if o.producer not in weighted_keys]
                 chosen = skip if len(skip) == 1 else same
@@ -414,6 +420,22 @@ def place(
 #: and RMSNorm's ``var + eps`` (eps 1e-6: a token whose variance rounds to zero gets rsqrt(0)) are the
 #: cases; position embeddings, biases and GELU's ``1 + tanh`` are well inside it.
 MAX_OPERAND_RATIO = 256.0
+
+
+#: a tensor whose largest magnitude is this many times its RMS loses too much to one 8-bit scale:
+#: per-tensor uint8 SQNR is about 52.9 - 20 log10(amax / rms) dB, so 32x is about 23 dB (the
+#: outlier channels of BERT-style FFN outputs; Gaussian-like activations sit near 4-6x)
+MAX_PEAK_TO_RMS = 32.0
+
+
+def _outlier_operand(attrs: dict[str, Any]) -> str | None:
+    """The reason to keep a residual add float when an operand has outliers one scale cannot hold."""
+    worst = max((a / r for a, r in zip(attrs.get("amax", []), attrs.get("rms", []), strict=False) if r > 0),
+                default=0.0)
+    if worst <= MAX_PEAK_TO_RMS:
+        return None
+    return (f"an operand peaks at {worst:.0f}x its RMS (outlier channels): one 8-bit scale would cost about "
+            f"{52.9 - 20 * math.log10(worst):.0f} dB, so the add and its inputs stay float")
 
 
 def _lopsided(amax: list[float]) -> str | None:

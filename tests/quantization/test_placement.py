@@ -343,3 +343,33 @@ def test_trace_keys_are_stable_and_scoped() -> None:
     assert list(g1.nodes) == list(g2.nodes)
     assert "stem:conv#0" in g1.nodes and ":add#0" in g1.nodes and ":iadd" not in "".join(g1.nodes)
     assert g1.nodes[":add#1"].func in ("__iadd__", "add_")  # `out += y` is an add like any other
+
+
+class OutlierResidual(nn.Module):
+    """A residual add then a norm (post-LN transformer block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.layer_norm(x + self.fc(x), (32,)))
+
+
+@pytest.mark.parametrize("spike", [0.0, 1000.0])
+def test_residual_add_with_outlier_activations_stays_float(spike: float) -> None:
+    """One huge activation among 2048 (BERT-style outlier): a single 8-bit scale for the add would
+    flatten the rest, so the add stays float with the measured reason; ordinary data is quantized."""
+    torch.manual_seed(0)
+    m = OutlierResidual().eval()
+    data = [torch.randn(64, 32) for _ in range(3)]
+    data[0][5, 3] = spike or data[0][5, 3]
+    q = quantize(m, "w8a8", data)
+    floats = graph_of(q).placement.floats
+    if spike:
+        assert list(floats) == [":add#0"] and "its RMS" in floats[":add#0"], floats
+        quantized = [t for ts in graph_of(q).placement.activations.values() for t in ts]
+        assert ":add#0/0" not in quantized and "fc:linear#0/0" not in quantized, quantized
+    else:
+        assert not floats, floats
