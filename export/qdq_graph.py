@@ -431,6 +431,22 @@ def quantize_biases(g: _Graph) -> int:
     return done
 
 
+def _gather_rows(g: _Graph, n: onnx.NodeProto, codes: str, row_scale: str) -> None:
+    """Replace the Gather ``n`` by ``Gather(codes) -> Cast -> Mul(Gather(row_scale))`` (same output)."""
+    out = n.output[0]
+    gq, gc, gs = (g.unique(f"{out}_{s}") for s in ("codes", "float", "scale"))
+    idx = list(g.g.node).index(n)
+    new = [
+        helper.make_node("Gather", [codes, n.input[1]], [gq], name=g.unique(f"{n.name}_int8"), axis=0),
+        helper.make_node("Cast", [gq], [gc], name=g.unique(f"{n.name}_cast"), to=onnx.TensorProto.FLOAT),
+        helper.make_node("Gather", [row_scale, n.input[1]], [gs], name=g.unique(f"{n.name}_scale"), axis=0),
+        helper.make_node("Mul", [gc, gs], [out], name=g.unique(f"{n.name}_dequant")),
+    ]
+    g.g.node.remove(n)
+    for k, node in enumerate(new):
+        g.g.node.insert(idx + k, node)
+
+
 def quantize_embedding_tables(g: _Graph, *, min_numel: int = 1 << 16) -> int:
     """Large float tables read by Gather (token embeddings) -> int8 rows with one fp32 scale per row:
     ``Gather(codes) -> Cast -> Mul(Gather(scales))``. The table is most of a small transformer's file;
@@ -452,18 +468,7 @@ def quantize_embedding_tables(g: _Graph, *, min_numel: int = 1 << 16) -> int:
         cn, sn = g.unique(f"{n.input[0]}_int8"), g.unique(f"{n.input[0]}_row_scale")
         g.set_init(cn, codes)
         g.set_init(sn, scale[:, None].copy())
-        out = n.output[0]
-        gq, gc, gs = (g.unique(f"{out}_{s}") for s in ("codes", "float", "scale"))
-        idx = list(g.g.node).index(n)
-        new = [
-            helper.make_node("Gather", [cn, n.input[1]], [gq], name=g.unique(f"{n.name}_int8"), axis=0),
-            helper.make_node("Cast", [gq], [gc], name=g.unique(f"{n.name}_cast"), to=onnx.TensorProto.FLOAT),
-            helper.make_node("Gather", [sn, n.input[1]], [gs], name=g.unique(f"{n.name}_scale"), axis=0),
-            helper.make_node("Mul", [gc, gs], [out], name=g.unique(f"{n.name}_dequant")),
-        ]
-        g.g.node.remove(n)
-        for k, node in enumerate(new):
-            g.g.node.insert(idx + k, node)
+        _gather_rows(g, n, cn, sn)
         g.g.initializer.remove(g.init[n.input[0]])
         g.refresh()
         done += 1
@@ -498,18 +503,7 @@ def gather_int8_tables(g: _Graph) -> int:
             g.set_init(table, codes)
         sn = g.unique(f"{dq.input[0]}_row_scale")
         g.set_init(sn, scale.astype(np.float32)[:, None].copy())
-        out = n.output[0]
-        gq, gc, gs = (g.unique(f"{out}_{s}") for s in ("codes", "float", "scale"))
-        idx = list(g.g.node).index(n)
-        new = [
-            helper.make_node("Gather", [table, n.input[1]], [gq], name=g.unique(f"{n.name}_int8"), axis=0),
-            helper.make_node("Cast", [gq], [gc], name=g.unique(f"{n.name}_cast"), to=onnx.TensorProto.FLOAT),
-            helper.make_node("Gather", [sn, n.input[1]], [gs], name=g.unique(f"{n.name}_scale"), axis=0),
-            helper.make_node("Mul", [gc, gs], [out], name=g.unique(f"{n.name}_dequant")),
-        ]
-        g.g.node.remove(n)
-        for k, node in enumerate(new):
-            g.g.node.insert(idx + k, node)
+        _gather_rows(g, n, table, sn)
         g.refresh()
         if not g.consumers.get(dq.output[0]) and dq.output[0] not in g.outputs:
             g.g.node.remove(dq)
