@@ -1,4 +1,4 @@
-"""BatchNorm folding: find each conv whose only consumer is a BatchNorm, and merge the two."""
+"""BatchNorm folding: find each conv (or Linear) whose only consumer is a BatchNorm, and merge the two."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def find_conv_bn_pairs(model: nn.Module) -> dict[str, str]:
         return _pairs_fx(model)
     except Exception as exc:  # fx fails on data-dependent control flow; fall back, don't fail
         log.debug("fx tracing failed (%s); pairing conv/bn by Sequential adjacency", exc)
-        return sequential_pairs(model, _compatible)
+        return sequential_pairs(model, _conv_compatible)
 
 
 def _pairs_fx(model: nn.Module) -> dict[str, str]:
@@ -61,17 +61,24 @@ def sequential_pairs(model: nn.Module, match: Callable[[nn.Module, nn.Module], b
 
 
 def _compatible(conv: nn.Module, bn: nn.Module) -> bool:
+    """``bn`` normalizes ``conv``'s output channels (or a Linear's output features) with running stats."""
+    width = conv.out_channels if isinstance(conv, _CONVS) else conv.out_features if isinstance(conv, nn.Linear) else None
     return (
-        isinstance(conv, _CONVS)
+        width is not None
         and isinstance(bn, _BNS)
-        and bn.num_features == conv.out_channels
+        and bn.num_features == width
         and bn.track_running_stats
         and bn.running_mean is not None
     )
 
 
-def fold_bn_into_conv(conv: nn.Conv1d | nn.Conv2d, bn: nn.BatchNorm1d | nn.BatchNorm2d) -> None:
-    """Merge ``bn`` (its running statistics) into ``conv``'s weight and bias, in place."""
+def _conv_compatible(conv: nn.Module, bn: nn.Module) -> bool:
+    # without a graph a Linear's input rank is unknown: BatchNorm1d on (N, L, C) normalizes L, not C
+    return isinstance(conv, _CONVS) and _compatible(conv, bn)
+
+
+def fold_bn_into_conv(conv: nn.Conv1d | nn.Conv2d | nn.Linear, bn: nn.BatchNorm1d | nn.BatchNorm2d) -> None:
+    """Merge ``bn`` (its running statistics) into ``conv``'s (or a Linear's) weight and bias, in place."""
     assert bn.running_mean is not None and bn.running_var is not None
     with torch.no_grad():
         std = torch.sqrt(bn.running_var + bn.eps)

@@ -21,7 +21,7 @@ from torch import nn
 
 from compress.errors import CalibrationError, CompressError
 from compress.targets import pattern_matches
-from quantization.graph import OpGraph, tensor_leaves, trace_graph
+from quantization.graph import OpGraph, OpNode, tensor_leaves, trace_graph
 from quantization.hooks import QuantizerGraph, attach, build_quantizers, calibrate_weights, graph_of
 from quantization.placement import Placement, place, weighted_operands
 from quantization.profiles import get_profile
@@ -87,20 +87,54 @@ def targeted_fn(model: nn.Module, targets: Sequence[str], ignore: Sequence[str])
     return fn
 
 
+#: reshapes that keep row-major order: one that keeps the last dimension's size keeps every
+#: element's index in it (flat index mod C), so a BatchNorm over that dimension still sees channels
+_ROW_MAJOR = frozenset({"reshape", "view", "flatten", "reshape_as", "view_as", "contiguous"})
+
+
+#: calls that read only the shape (or dtype) of their second tensor: ``y.reshape_as(x)`` leaves x free
+_SHAPE_ONLY = frozenset({"reshape_as", "view_as", "expand_as", "type_as"})
+
+
+def _value_readers(graph: OpGraph, key: str) -> int:
+    return sum(1 for c, o in graph.consumers(key) if not (c.func in _SHAPE_ONLY and o.position == 1))
+
+
+def _bn_producer(graph: OpGraph, bn: OpNode) -> OpNode | None:
+    """The weighted op whose output only ``bn`` reads: directly (conv -> BatchNorm), or for a Linear
+    through row-major reshapes that keep its feature dimension last, into a BatchNorm over 2-D
+    ``(tokens, features)`` input (LeViT's Linear -> flatten -> BatchNorm1d)."""
+    if not bn.operands or bn.operands[0].source != "op":
+        return None
+    shape = bn.operands[0].shape
+    prod = graph.nodes.get(str(bn.operands[0].producer))
+    while prod is not None and prod.kind == "reshape" and len(shape) == 2:
+        if (prod.func not in _ROW_MAJOR or _value_readers(graph, prod.key) != 1 or not prod.operands
+                or prod.operands[0].source != "op" or prod.out_shapes[0][-1:] != shape[-1:]):
+            return None
+        prod = graph.nodes.get(str(prod.operands[0].producer))
+    if prod is None or _value_readers(graph, prod.key) != 1:
+        return None
+    if prod.kind == "conv":
+        return prod
+    if prod.kind == "linear" and len(shape) == 2 and prod.out_shapes[0][-1:] == shape[-1:]:
+        return prod
+    return None
+
+
 def bn_pairs_from_graph(model: nn.Module, graph: OpGraph) -> dict[str, str]:
-    """``{conv: bn}`` for every conv call whose output only a BatchNorm module reads (any module
-    structure: the graph shows the data flow that nn.Sequential adjacency guesses)."""
+    """``{layer: bn}`` for every conv (or Linear, see :func:`_bn_producer`) call whose output only a
+    BatchNorm module reads (any module structure: the graph shows the data flow that nn.Sequential
+    adjacency guesses)."""
     from quantization.bn import _compatible
 
     mods = dict(model.named_modules())
     pairs: dict[str, str] = {}
     for n in graph.nodes.values():
-        if n.kind != "batch_norm" or not n.operands or n.operands[0].source != "op":
+        if n.kind != "batch_norm":
             continue
-        prod = graph.nodes.get(str(n.operands[0].producer))
-        if prod is None or prod.kind != "conv" or len(graph.consumers(prod.key)) != 1:
-            continue
-        w = weighted_operands(prod)
+        prod = _bn_producer(graph, n)
+        w = weighted_operands(prod) if prod is not None else None
         if w is None or not w[1].name:
             continue
         conv_name = w[1].name.rsplit(".", 1)[0]

@@ -240,3 +240,40 @@ def test_end_to_end_sqnr_floor(scheme: str, floor: float) -> None:
     ref = m(x)
     q = quantize(copy.deepcopy(m), scheme, _data())
     assert _sqnr(ref, q(x)) > floor
+
+
+class LinearBN(nn.Module):
+    """LeViT's MLPLayerWithBN: Linear, flatten tokens, BatchNorm1d over the features, reshape back;
+    and a BatchNorm1d over dim 1 of a (N, L, C) Linear output, which normalizes L, not features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 24, bias=False)
+        self.bn = nn.BatchNorm1d(24)
+        self.other = nn.Linear(16, 5)
+        self.bn_l = nn.BatchNorm1d(5)  # L == 5 == out_features: only the shape says it is not foldable
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        y = self.bn(y.flatten(0, 1)).reshape_as(y)
+        return y.sum(-1, keepdim=True) + self.bn_l(self.other(x)).mean(-1, keepdim=True)
+
+
+def test_linear_then_batchnorm_over_features_folds_exactly() -> None:
+    torch.manual_seed(0)
+    m = LinearBN()
+    with torch.no_grad():
+        for bn in (m.bn, m.bn_l):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+    m.eval()
+    x = torch.randn(4, 5, 16)
+    ref = m(x)
+    q = copy.deepcopy(m)
+    prepare(q, "w8a8", bn="fold", example_inputs=x)
+    assert isinstance(q.bn, nn.Identity) and q.lin.bias is not None
+    assert isinstance(q.bn_l, nn.BatchNorm1d)  # over L: folding it into `other` would be wrong
+    for _, fq in quantizers(q):
+        fq.enabled = False
+    torch.testing.assert_close(q(x), ref, atol=1e-5, rtol=1e-5)
