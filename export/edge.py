@@ -50,28 +50,60 @@ def _to_float(out: Any) -> Any:
     return out
 
 
-_KEEP_OPS = {"DequantizeLinear", "QuantizeLinear"}
+def _constant_dequantizes(proto: onnx.ModelProto) -> int:
+    """DequantizeLinear nodes reading stored codes (initializers or Constant nodes): the ones
+    constant folding would turn back into float tensors."""
+    consts = {i.name for i in proto.graph.initializer}
+    consts.update(o for n in proto.graph.node if n.op_type == "Constant" for o in n.output)
+    return sum(1 for n in proto.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in consts)
 
 
 def simplify(proto: onnx.ModelProto) -> onnx.ModelProto:
     """Constant folding and dead-code removal with onnxscript's optimizer, keeping every
-    QuantizeLinear/DequantizeLinear (folding a weight's DequantizeLinear would store it as float)."""
+    DequantizeLinear of stored codes (folding a weight's DequantizeLinear would store it as float).
+    An activation's Q/DQ pair whose only reader was a shape computation may go with it."""
     import onnxscript.optimizer
+    from onnxscript import ir
 
-    before = {n.op_type: 0 for n in proto.graph.node if n.op_type in _KEEP_OPS}
-    for n in proto.graph.node:
-        if n.op_type in before:
-            before[n.op_type] += 1
+    before = _constant_dequantizes(proto)
     try:
-        out = onnxscript.optimizer.optimize(proto)
+        model = ir.from_proto(proto)  # a copy: the fallback below stays intact
+        onnxscript.optimizer.optimize_ir(model)
+        _register_orphan_constants(model.graph)
+        out = ir.to_proto(model)
     except Exception as exc:  # the optimizer is best effort: an unoptimized model is still correct
         log.warning("graph simplification skipped: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return proto
-    after = {k: sum(1 for n in out.graph.node if n.op_type == k) for k in before}
-    if any(after[k] < v for k, v in before.items() if k == "DequantizeLinear"):
+    if _constant_dequantizes(out) < before:
         log.warning("graph simplification folded DequantizeLinear nodes; keeping the unsimplified graph")
         return proto
+    dangling = _dangling_input(out)
+    if dangling is not None:
+        log.warning("graph simplification left input %r unproduced; keeping the unsimplified graph", dangling)
+        return proto
+    del out.graph.value_info[:]  # the optimizer's inferred shapes: every runtime infers its own
     return out
+
+
+def _register_orphan_constants(graph: Any) -> None:
+    # onnxscript 0.7 can fold a shape into a constant value that a node reads but that is neither
+    # produced nor registered as an initializer (seen on LeViT's reshape_as chains)
+    for node in graph:
+        for v in node.inputs:
+            if v is not None and v.producer() is None and v.const_value is not None and v not in graph.inputs \
+                    and v.name not in graph.initializers:
+                graph.register_initializer(v)
+
+
+def _dangling_input(proto: onnx.ModelProto) -> str | None:
+    """The first node input that no earlier node, graph input or initializer provides."""
+    seen = {i.name for i in proto.graph.input} | {i.name for i in proto.graph.initializer}
+    for n in proto.graph.node:
+        for name in n.input:
+            if name and name not in seen:
+                return name
+        seen.update(n.output)
+    return None
 
 
 def set_metadata(proto: onnx.ModelProto, props: Mapping[str, str]) -> None:
