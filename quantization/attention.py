@@ -52,23 +52,32 @@ def decomposed_attention(
     s = scale if scale is not None else 1.0 / math.sqrt(query.size(-1))
     scores = torch.matmul(quant("q", query), quant("k", key.transpose(-2, -1))) * s
     L, S = query.size(-2), key.size(-2)
+    # a bool mask fills with the lowest finite value, not -inf: a query row that sees no key then
+    # gets finite (uniform) probabilities, which observers can calibrate on, and is zeroed on the
+    # output, [.., L, Ev] (cheaper than zeroing the [.., L, S] probabilities)
+    low = torch.finfo(scores.dtype).min
     if is_causal:
         keep = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
+        scores = scores.masked_fill(~keep, low)
     dead: torch.Tensor | None = None  # query rows that may see no key at all (padding)
+    dead_probs: torch.Tensor | None = None  # the same, where the probabilities themselves are NaN
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
+            scores = scores.masked_fill(~attn_mask, low)
             dead = ~attn_mask.any(dim=-1, keepdim=True)
         else:  # the scores plus a bias or mask: quantized as one add where the runtime fuses it
             scores = quant("biased", quant("scores", scores) + quant("mask", attn_mask))
-            dead = torch.isneginf(attn_mask).all(dim=-1, keepdim=True)
+            dead_probs = torch.isneginf(attn_mask).all(dim=-1, keepdim=True)
     probs = torch.softmax(scores, dim=-1)
-    if dead is not None:  # softmax of an all -inf row is NaN; SDPA gives such a row zeros
-        probs = probs.masked_fill(dead, 0.0)
+    if dead_probs is not None:  # softmax of an all -inf row is NaN; SDPA gives such a row zeros
+        probs = probs.masked_fill(dead_probs, 0.0)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)
     out = torch.matmul(quant("p", probs), quant("v", value))
+    if dead is not None:
+        out = out.masked_fill(dead, 0.0)
+        if return_probs:
+            probs = probs.masked_fill(dead, 0.0)
     return (out, probs) if return_probs else out
 
 
