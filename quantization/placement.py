@@ -171,6 +171,13 @@ def place(
     """
     pl = Placement(target=profile.name)
     nodes = list(graph.nodes.values())
+    inside: set[str] = set()
+    for scope, keys in activation_regions(graph).items():
+        inside.update(keys)
+        pl.floats[f"{scope}:activation"] = (
+            f"activation written as {len(keys)} elementwise ops: kept float as one piece, which the runtime "
+            "fuses (ORT: FastGelu, QuickGelu, ...) and runs faster than one integer op per step"
+        )
     consumers: dict[str, list[tuple[OpNode, Operand]]] = {}
     for n in nodes:
         for o in n.operands:
@@ -204,6 +211,8 @@ def place(
         return True
 
     for n in nodes:
+        if n.key in inside:
+            continue
         if n.kind == "embedding":
             table = next((o for o in n.operands if o.position == 1), None)
             if table is not None and table.source == "param" and table.floating and len(table.shape) == 2:
@@ -349,7 +358,8 @@ def place(
                 t = f"{inner[-1].key}/0"
         while True:
             cons = consumers.get(t, [])
-            if len(cons) == 1 and _foldable(cons[0][0], profile) and t not in _outputs(graph):
+            if len(cons) == 1 and _foldable(cons[0][0], profile) and t not in _outputs(graph) \
+                    and cons[0][0].key not in inside:
                 t = f"{cons[0][0].key}/0"
                 continue
             break
@@ -382,7 +392,7 @@ def place(
     # elementwise ops whose inputs are all quantized by now run as integer kernels too (a chain
     # extends one op at a time, in graph order); their output gets a quantizer
     for n in nodes:
-        if n.kind not in profile.extend or not targeted(n.scope) or not quantize_ops:
+        if n.kind not in profile.extend or not targeted(n.scope) or not quantize_ops or n.key in inside:
             continue
         acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
         arity = 2 if n.kind == "mul" else 1
@@ -413,6 +423,54 @@ def place(
             if t is None or t not in quantized:
                 pl.floats[n.key] = "its input is not quantized"
     return pl
+
+
+#: elementwise calls besides the recorded elementwise kinds (names as the tracer records them)
+_ELEMENTWISE_KINDS = frozenset({"add", "sub", "mul", "act", "silu", "sigmoid", "relu", "relu6"})
+_ELEMENTWISE_CALLS = frozenset({
+    "~pow", "~__pow__", "~__rpow__", "~div", "~__truediv__", "~__rtruediv__", "~true_divide", "~exp", "~neg",
+    "~__neg__", "~abs", "~sqrt", "~rsqrt", "~reciprocal", "~log", "~log1p", "~expm1", "~square",
+})
+
+
+def activation_regions(graph: OpGraph) -> dict[str, list[str]]:
+    """``{module scope: op keys}`` for every parameterless module that computes an activation
+    function from elementwise calls (GPT-2's tanh GELU, CLIP's QuickGELU, Mish): at least two ops,
+    one tensor in, one tensor out, every intermediate of the input's shape. Quantizing each step
+    costs a Q/DQ or an integer kernel per op and stops the runtime from fusing the function into one
+    float kernel; outermost qualifying module wins."""
+    by_scope: dict[str, list[OpNode]] = {}
+    for n in graph.nodes.values():
+        parts = n.scope.split(".") if n.scope else []
+        for i in range(1, len(parts) + 1):
+            by_scope.setdefault(".".join(parts[:i]), []).append(n)
+    outputs = _outputs(graph)
+    readers: dict[str, set[str]] = {}
+    for n in graph.nodes.values():
+        for o in n.operands:
+            t = _tid(o)
+            if t is not None:
+                readers.setdefault(t, set()).add(n.key)
+    found: dict[str, list[str]] = {}
+    for scope in sorted(by_scope, key=lambda s: s.count(".")):
+        if any(scope.startswith(f"{f}.") for f in found):
+            continue
+        ops = by_scope[scope]
+        keys = {n.key for n in ops}
+        if len(ops) < 2 or any(n.kind not in _ELEMENTWISE_KINDS and n.kind not in _ELEMENTWISE_CALLS for n in ops):
+            continue
+        if any(o.source == "param" for n in ops for o in n.operands):
+            continue
+        ins = {t for n in ops for o in n.operands if (t := _tid(o)) is not None and t.split("/")[0] not in keys}
+        outs = {f"{n.key}/{i}" for n in ops for i in range(n.n_outputs)}
+        leaving = {t for t in outs if t in outputs or readers.get(t, set()) - keys}
+        if len(ins) != 1 or len(leaving) != 1:
+            continue
+        shape = next(o.shape for n in ops for o in n.operands if _tid(o) in ins)
+        if any(n.out_shapes[:1] != [shape] for n in ops):
+            continue
+        found[scope] = [n.key for n in ops]
+    return found
 
 
 #: an add whose operands' magnitudes differ by more than this stays float: its output's 8-bit scale

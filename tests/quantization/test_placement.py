@@ -15,7 +15,7 @@ from torch import nn
 
 from compress.errors import CompressError
 from export.onnx import export_onnx
-from export.runtimes import ort_coverage
+from export.runtimes import ort_coverage, ort_optimized_graph
 from quantization import QuantizeParams, prepare, quantize, strip
 from quantization.graph import trace_graph
 from quantization.hooks import decomposed_attention, graph_of
@@ -373,3 +373,30 @@ def test_residual_add_with_outlier_activations_stays_float(spike: float) -> None
         assert ":add#0/0" not in quantized and "fc:linear#0/0" not in quantized, quantized
     else:
         assert not floats, floats
+
+
+class TanhGelu(nn.Module):
+    """GPT-2's gelu_new, written in elementwise ops (as transformers writes it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def test_activation_written_in_elementwise_ops_stays_one_float_piece(tmp_path: Path) -> None:
+    """Quantizing each step of a written-out GELU costs an op per step and stops ORT fusing it: the
+    module stays float as a whole (named, with the reason), its neighbours stay integer."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), TanhGelu(), nn.Linear(64, 32)).eval()
+    data = [torch.randn(16, 32) for _ in range(3)]
+    q = quantize(copy.deepcopy(m), SEVEN_BIT, data)
+    pl = q.quantizer_graph.placement
+    assert list(pl.floats) == ["1:activation"], pl.floats
+    assert not any(k.startswith("1:") for k in pl.entries), pl.entries  # no quantizer inside it
+    path = export_onnx(q, data[0], tmp_path / "m.int8.onnx")
+    cov = ort_coverage(path)
+    assert cov.float_nodes == [] and cov.integer == 2, (cov.integer_ops, cov.float_nodes)
+    kinds = [n.op_type for n in ort_optimized_graph(path).graph.node]
+    assert "FastGelu" in kinds or "Gelu" in kinds, kinds  # fused into one float kernel
+    with torch.no_grad():
+        assert _sqnr(m(data[0]), q(data[0])) > 30.0
+    assert _sqnr(q(data[0]).detach(), _ort(path, data[0])) > 35.0
