@@ -97,7 +97,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     history: list[dict[str, float]] = []
     t_train = time.perf_counter()
     model.train()
-    running = 0.0
+    running, since = 0.0, 0
     for step in range(args.steps):
         starts = torch.randint(0, n_starts, (args.batch_size,), generator=gen)
         x = torch.stack([train_tokens[s : s + args.seq_len] for s in starts.tolist()])
@@ -110,9 +110,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         running += float(loss.detach())
+        since += 1
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            row = {"step": step + 1, "train_loss": running / args.log_every, "seconds": time.perf_counter() - t_train}
-            running = 0.0
+            # the last row may cover fewer than log_every steps
+            row = {"step": step + 1, "train_loss": running / since, "seconds": time.perf_counter() - t_train}
+            running, since = 0.0, 0
             history.append(row)
             log.info("step %d loss %.3f (%.0f s)", row["step"], row["train_loss"], row["seconds"])
             model.train()
