@@ -9,9 +9,11 @@ lets the salient input channels (large mean ``|x|``) keep more precision after r
 
 ``s = mean|x|^alpha / mean|w_normalized|^(1-alpha)`` (AutoAWQ's duo scaling; ``x`` term only when
 ``duo_scaling`` is off), normalized to a geometric mean of 1; alpha is picked on a grid by the
-group's output error ``||Q(W s)(x / s) - W x||^2`` over sampled calibration tokens, with ``s = 1``
-(plain rounding) always a candidate, so the search never does worse than round-to-nearest on its
-objective. Then each Linear's weights are clipped per group to the range (shrunk by up to
+group's output error over calibration tokens: the output of the innermost module holding the
+group (q/k/v: the attention block, through RoPE and the softmax; gate/up: the MLP; down: itself),
+rerun with ``Q(W s) / s`` in place of ``W``, against its float output (AutoAWQ's
+``module2inspect``), with ``s = 1`` (plain rounding) always a candidate, so the search never does
+worse than round-to-nearest on its objective. Then each Linear's weights are clipped per group to the range (shrunk by up to
 ``max_shrink``) that minimizes its own output error (AutoAWQ's clip search; q/k projections are
 skipped by default, their error is read through a softmax).
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,12 +181,32 @@ def _weight_importance(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return g.reshape(w.shape[0], -1)[:, : w.shape[1]].mean(0)
 
 
-def search_scales(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: QuantSpec, params: AWQParams) -> tuple[torch.Tensor, float, float]:
+#: the squared error of a group's output when its Linears use the given weights (in group order)
+OutputError = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+
+
+def search_scales(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], spec: QuantSpec, params: AWQParams,
+    *, output_error: OutputError | None = None,
+) -> tuple[torch.Tensor, float, float]:
     """Best per-input-channel scales for Linears with weights ``weights`` reading rows ``x``:
-    returns ``(s, alpha, error)`` (alpha -1 means s = 1, plain rounding, was best)."""
-    w = torch.cat([wi.detach().float() for wi in weights], dim=0)
+    returns ``(s, alpha, error)`` (alpha -1 means s = 1, plain rounding, was best).
+    ``output_error(weights)``: the objective, the summed squared error of the group's output with
+    those weights (the inspected module's, see :func:`awq_layer`); default: the Linears' own outputs
+    on ``x``. The error is per output element."""
+    ws = [wi.detach().float() for wi in weights]
+    w = torch.cat(ws, dim=0)
     x = x.float()
-    ref = x @ w.t()
+    rows = [wi.shape[0] for wi in ws]
+    if output_error is None:
+        ref = x @ w.t()
+
+        def output_error(cand: Sequence[torch.Tensor]) -> torch.Tensor:
+            return ((x @ torch.cat(list(cand), dim=0).t() - ref) ** 2).sum()
+
+        n_out = float(ref.numel())
+    else:
+        n_out = float(getattr(output_error, "numel", 1))  # a _ModuleError counts its output elements
     x_mean = x.abs().mean(0).clamp_min(1e-8)
     w_mean = _weight_importance(w, spec).clamp_min(1e-8)
     cands: list[tuple[float, torch.Tensor]] = [(-1.0, torch.ones_like(x_mean))]
@@ -193,11 +215,47 @@ def search_scales(x: torch.Tensor, weights: Sequence[torch.Tensor], spec: QuantS
         s = x_mean.pow(alpha) / w_mean.pow(1 - alpha) if params.duo_scaling else x_mean.pow(alpha)
         s = s.clamp_min(1e-4)
         cands.append((alpha, s / (s.max() * s.min()).sqrt()))
-    errs = torch.stack([((x @ (_rtn(w * s, spec) / s).t() - ref) ** 2).sum() for _, s in cands])
-    n = torch.tensor([float(ref.numel())])
+    errs = torch.stack([
+        output_error(list((_rtn(w * s, spec) / s).split(rows, dim=0))).float().reshape(()) for _, s in cands
+    ])
+    n = torch.tensor([n_out])
     _all_sum(errs, n)  # under DDP every rank picks the same scales, on all ranks' tokens
     k = int(torch.argmin(errs))
     return cands[k][1], cands[k][0], float(errs[k] / n)
+
+
+def _common_scope(names: Sequence[str]) -> str:
+    """The innermost module containing every one of ``names`` ("" is the layer itself)."""
+    parts = [n.split(".") for n in names]
+    common: list[str] = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+class _ModuleError:
+    """``output_error`` on a module's recorded calls: reruns it (quantizers off) with the group's
+    Linears holding candidate weights and sums the squared difference to its float outputs."""
+
+    def __init__(self, module: nn.Module, linears: Sequence[QuantLinear], calls: list[tuple[Any, Any, torch.Tensor]]):
+        self.module, self.linears, self.calls = module, linears, calls
+        self.numel = sum(ref.numel() for _, _, ref in calls)
+
+    def __call__(self, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+        saved = [lin.weight.data for lin in self.linears]
+        total = torch.zeros(())
+        try:
+            for lin, w in zip(self.linears, weights, strict=True):
+                lin.weight.data = w.to(saved[0].dtype)
+            with float_mode(self.module):
+                for a, k, ref in self.calls:
+                    total += ((_primary(self.module(*a, **k)).float() - ref) ** 2).sum()
+        finally:
+            for lin, w in zip(self.linears, saved, strict=True):
+                lin.weight.data = w
+        return total
 
 
 def _all_sum(*tensors: torch.Tensor) -> None:
@@ -255,6 +313,22 @@ def awq_layer(
         linears[n].register_forward_pre_hook(lambda m, a, n=n: inputs[n].append(a[0].detach().reshape(-1, a[0].shape[-1])))
         for n in names
     ]
+    # the group's output is the output of the innermost module holding all its Linears (q/k/v:
+    # the attention; gate/up: the MLP; down: itself), recorded on whole calls up to sample_tokens
+    scopes = {_common_scope(g.consumers) for g in groups if g.producer is not None}
+    recorded: dict[str, list[tuple[Any, Any, torch.Tensor]]] = {sc: [] for sc in scopes}
+    tokens = dict.fromkeys(scopes, 0)
+
+    def record(scope: str) -> Any:
+        def hook(m: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+            y = _primary(out)
+            if tokens[scope] < params.sample_tokens and isinstance(y, torch.Tensor):
+                recorded[scope].append((args, kwargs, y.detach().float()))
+                tokens[scope] += y.numel() // max(y.shape[-1], 1)
+
+        return hook
+
+    handles += [layer.get_submodule(sc).register_forward_hook(record(sc), with_kwargs=True) for sc in scopes]
     try:
         with float_mode(layer):
             for args, kwargs in calls:
@@ -271,12 +345,17 @@ def awq_layer(
             report["groups"].append({"consumers": g.consumers, "producer": None, "alpha": None})
             continue
         x = x_of[g.consumers[0]]
-        s, alpha, err = search_scales(x, [linears[c].weight for c in g.consumers], spec.spec, params)
+        scope = _common_scope(g.consumers)
+        error = _ModuleError(layer.get_submodule(scope), [linears[c] for c in g.consumers], recorded[scope]) \
+            if recorded.get(scope) else None
+        s, alpha, err = search_scales(x, [linears[c].weight for c in g.consumers], spec.spec, params,
+                                      output_error=error)
         if alpha >= 0:
             _fold(layer, g.producer, g.consumers, s)
             for c in g.consumers:
                 scale_of[c] = s
-        report["groups"].append({"consumers": g.consumers, "producer": g.producer, "alpha": alpha, "error": err})
+        report["groups"].append({"consumers": g.consumers, "producer": g.producer, "alpha": alpha, "error": err,
+                                 "inspected": scope or "<layer>"})
     if params.clip:
         for n, lin in linears.items():
             wq = lin.weight_quantizer

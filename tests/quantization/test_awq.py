@@ -145,3 +145,24 @@ def test_awq_then_gptq_keeps_awq_and_rounds_with_gptq() -> None:
     w4 = QuantScheme(weights=QuantSpec(bits=4, granularity="channel"), inputs=None)
     with pytest.raises(CalibrationError, match="another weight spec"):
         compress.gptq(both, data, scheme=w4)
+
+
+def test_scale_search_reads_each_group_at_its_module_output() -> None:
+    """q/k/v are judged on the attention block's output (through RoPE and the softmax), gate/up on
+    the MLP's, down_proj on its own: AutoAWQ's module2inspect, found from the names, not a table."""
+    from quantization.awq import awq_layer
+    from quantization.sequential import sequential_quantize
+
+    reports: list[dict] = []  # type: ignore[type-arg]
+    sequential_quantize(
+        _llama(), _calib(), W3, lambda i, layer, lin, calls: reports.append(awq_layer(layer, lin, calls, AWQParams())),
+        targets=["*"], ignore=["lm_head"], max_batches=None, load=None, release=None, where="test",
+    )
+    got = {tuple(g["consumers"]): g.get("inspected") for g in reports[0]["groups"]}
+    assert got == {
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"): "self_attn",
+        ("self_attn.o_proj",): None,  # GQA: no exact fold, not searched
+        ("mlp.gate_proj", "mlp.up_proj"): "mlp",
+        ("mlp.down_proj",): "mlp.down_proj",
+    }
+    assert all(g["error"] >= 0 for r in reports for g in r["groups"] if g["producer"] is not None)
