@@ -5,6 +5,7 @@ the clip search, and AWQ then GPTQ composed."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -153,7 +154,7 @@ def test_scale_search_reads_each_group_at_its_module_output() -> None:
     from quantization.awq import awq_layer
     from quantization.sequential import sequential_quantize
 
-    reports: list[dict] = []  # type: ignore[type-arg]
+    reports: list[dict[str, Any]] = []
     sequential_quantize(
         _llama(), _calib(), W3, lambda i, layer, lin, calls: reports.append(awq_layer(layer, lin, calls, AWQParams())),
         targets=["*"], ignore=["lm_head"], max_batches=None, load=None, release=None, where="test",
