@@ -3,6 +3,11 @@ SwiGLU, RoPE; every Linear width divisible by 128) on the Python standard librar
 byte-level BPE tokenizer trained on the same train files. ``python -m benchmarks.train_reference_llm
 --out runs/reference_llm``.
 
+Trained far enough that quantization shows: 2000 steps of 16 x 128 tokens (4.1M tokens, two passes
+over the 2.0M-token train split; 0.55 s a step on 2 idle EPYC cores, about 19 min) reach held-out
+perplexity 17.8, and round-to-nearest w3 g128 then costs +4.4% perplexity, w4 +1.0% (230 steps
+reached 115 and moved by 0.35% at w3: methods could not be told apart).
+
 Reproducible: a fixed seed, a fixed step count (not a time budget) and a deterministic file split
 (compress.data.lm.split_files); only the eval files are used for the held-out perplexity it logs.
 The output is a Hugging Face directory (config.json, model.safetensors, tokenizer files and
@@ -154,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=360)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
