@@ -200,7 +200,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         gap = rtn.get(r["scheme"])
         closed = None
-        if gap is not None and r["method"] not in ("RTN", "fp32") and gap > base:
+        if gap is not None and r["method"] not in ("RTN", "fp32") and gap > base and math.isfinite(r["perplexity"]):
             closed = (gap - r["perplexity"]) / (gap - base)
         out.append({
             "scheme": r["scheme"], "method": r["method"], "perplexity": f"{r['perplexity']:.3f}",
