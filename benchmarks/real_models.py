@@ -193,6 +193,10 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
         cov = {k: statistics.median(r["coverage"][k] for r in ok) for k in ("compress", "ort")}
         lines += ["", f"Medians over {len(ok)} models: coverage {cov['compress']:.2f} (compress) vs {cov['ort']:.2f} "
                   f"(ORT); speedup {med['compress']:.2f}x vs {med['ort']:.2f}x."]
+    times = sorted({r.get("measured_at", "") for r in rows} - {""})
+    if len(times) > 1:
+        lines += ["", "Rows measured at different times (load differs between them): " + "; ".join(
+            f"{t}: {', '.join(r['model'] for r in rows if r.get('measured_at') == t)}" for t in times)]
     floats = [f"- {r['model']}: " + "; ".join(f"`{k}`: {v}" for k, v in r["kept_float"].items())
               for r in ok if r["kept_float"]]
     if floats:
@@ -213,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="*", default=None)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--merge", action="store_true",
+                    help="replace --models' rows in the last run's results and keep the others (each row keeps its time)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     machine = _machine()
@@ -222,9 +228,15 @@ def main(argv: list[str] | None = None) -> None:
             row = run_one(name, rounds=args.rounds, threads=args.threads, size=args.size)
         except Exception as exc:  # one model's failure is a result, not the end of the run
             row = {"model": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        row["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         print(json.dumps({k: v for k, v in row.items() if k not in ("float_nodes",)}), flush=True)
         rows.append(row)
     out = JSON_OUT[args.size]
+    if args.merge and out.exists():
+        new = {r["model"]: r for r in rows}
+        old = json.loads(out.read_text())
+        rows = [new.pop(r["model"], r) for r in old["rows"]] + list(new.values())
+        machine = old["machine"] if machine == old["machine"] else f"{old['machine']} (rows rerun: {machine})"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
     write_results(rows, machine, args.threads, args.size)
