@@ -30,6 +30,11 @@ def zero_point_of_symmetric(qmin: int, qmax: int) -> int:
     return 0 if qmin < 0 else (qmax + 1) // 2
 
 
+#: signed symmetric grids with fewer levels than this (4 bits and below) use both ends (see
+#: qparams_from_range); at 8 bits the gain is 1/128 of a step and int8 scales stay amax / 127
+LOW_BIT_LEVELS = 16
+
+
 def qparams_from_range(
     min_val: torch.Tensor, max_val: torch.Tensor, *, qmin: int, qmax: int, symmetric: bool,
     min_scale: float = SCALE_EPS,
@@ -44,8 +49,13 @@ def qparams_from_range(
     max_val = torch.clamp(max_val.float(), min=0.0)
     if symmetric:
         zp = zero_point_of_symmetric(qmin, qmax)
-        amax = torch.maximum(-min_val, max_val)
-        scale = torch.clamp(amax / float(qmax - zp), min=min_scale)
+        if zp == 0 and qmax - qmin < LOW_BIT_LEVELS:
+            # a signed grid of <= 16 levels uses its extra negative level: the smallest scale that
+            # covers both sides (a range led by its negative end gets |min| / 8, not |min| / 7, at 4 bits)
+            scale = torch.maximum(max_val / float(qmax), min_val / float(qmin))
+        else:
+            scale = torch.maximum(-min_val, max_val) / float(qmax - zp)
+        scale = torch.clamp(scale, min=min_scale)
         zero_point = torch.full_like(scale, zp, dtype=torch.int32)
     else:
         scale = torch.clamp((max_val - min_val) / float(qmax - qmin), min=min_scale)

@@ -134,3 +134,19 @@ def test_reduce_range_spec_keeps_int8_codes_in_7_bits() -> None:
     for bad in ({"dtype": "uint8"}, {"bits": 4}, {"narrow_range": True}):
         with pytest.raises(ValueError, match="reduce_range"):
             QuantSpec(reduce_range=True, **bad)  # type: ignore[arg-type]
+
+
+def test_low_bit_symmetric_scale_uses_the_extra_negative_level() -> None:
+    """A 4-bit signed grid is [-8, 7]: a range led by its negative end gets |min| / 8 (a step 1/8
+    finer than |min| / 7, nothing clipped); 8-bit scales stay amax / 127."""
+    from quantization.primitives import qparams_from_range
+
+    mn, mx = torch.tensor([-8.0, -3.0, -7.5]), torch.tensor([3.0, 7.0, 7.0])
+    scale, zp = qparams_from_range(mn, mx, qmin=-8, qmax=7, symmetric=True)
+    # the larger of max / 7 and |min| / 8: both ends covered, nothing clipped
+    torch.testing.assert_close(scale, torch.tensor([1.0, 1.0, 1.0]))
+    assert zp.tolist() == [0, 0, 0]
+    for lo, hi, s in zip(mn, mx, scale, strict=True):
+        assert float(lo / s) >= -8 and float(hi / s) <= 7
+    s8, _ = qparams_from_range(torch.tensor([-8.0]), torch.tensor([3.0]), qmin=-128, qmax=127, symmetric=True)
+    torch.testing.assert_close(s8, torch.tensor([8.0 / 127]))
