@@ -47,9 +47,9 @@ CONFIGS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
 }
 
 
-NOTE = ("The reference model is far from sensitive to quantization (see `llm_quant`: RTN w4 moves it by "
-        "hundredths of a percent), so differences of a few hundredths of a percent here do not rank "
-        "configurations; only differences of a tenth of a percent and more are visible above that.")
+NOTE = ("Perplexity is deterministic for a given model, data and configuration; on the 2000-step reference "
+        "model (RTN w4 costs +1.0%, w3 +4.4%: `llm_quant`) differences of a few hundredths of a percent are "
+        "real but too small to rank configurations on other models by.")
 
 
 def run(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib_batch: int) -> list[dict[str, Any]]:
