@@ -204,7 +204,8 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     if SECTION[size] in text:
         head, _, rest = text.partition(SECTION[size])
-        nxt = rest.find("\n## ")
+        # the section ends at the next heading or at the next marked section's begin comment
+        nxt = min((i for i in (rest.find("\n## "), rest.find("\n<!-- begin:")) if i >= 0), default=-1)
         text = head + "\n".join(lines) + ("\n" + rest[nxt + 1:] if nxt >= 0 else "\n")
     else:
         text = text.rstrip("\n") + "\n\n" + "\n".join(lines) + "\n"
