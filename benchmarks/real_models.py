@@ -193,10 +193,11 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
         cov = {k: statistics.median(r["coverage"][k] for r in ok) for k in ("compress", "ort")}
         lines += ["", f"Medians over {len(ok)} models: coverage {cov['compress']:.2f} (compress) vs {cov['ort']:.2f} "
                   f"(ORT); speedup {med['compress']:.2f}x vs {med['ort']:.2f}x."]
-    times = sorted({r.get("measured_at", "") for r in rows} - {""})
-    if len(times) > 1:
+    stamps = {r.get("measured_at", "the first run (no time kept)") for r in rows}
+    if len(stamps) > 1:
         lines += ["", "Rows measured at different times (load differs between them): " + "; ".join(
-            f"{t}: {', '.join(r['model'] for r in rows if r.get('measured_at') == t)}" for t in times)]
+            f"{t}: {', '.join(r['model'] for r in rows if r.get('measured_at', 'the first run (no time kept)') == t)}"
+            for t in sorted(stamps))]
     floats = [f"- {r['model']}: " + "; ".join(f"`{k}`: {v}" for k, v in r["kept_float"].items())
               for r in ok if r["kept_float"]]
     if floats:
