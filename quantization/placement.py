@@ -425,7 +425,8 @@ def place(
     return pl
 
 
-#: elementwise calls besides the recorded elementwise kinds (names as the tracer records them)
+#: recorded op kinds that are elementwise, and other elementwise calls (named as the tracer records
+#: calls it gives no kind) that may make up an activation function
 _ELEMENTWISE_KINDS = frozenset({"add", "sub", "mul", "act", "silu", "sigmoid", "relu", "relu6"})
 _ELEMENTWISE_CALLS = frozenset({
     "~pow", "~__pow__", "~__rpow__", "~div", "~__truediv__", "~__rtruediv__", "~true_divide", "~exp", "~neg",
