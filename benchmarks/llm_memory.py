@@ -137,7 +137,19 @@ def report(r: dict[str, Any], load: str) -> str:
         + f"\n\nPeak RSS is {ratio:.1%} of the fp32 model size (the issue's bound: below 50%). What it holds: Python,\n"
         "torch and transformers (the RSS after setup, embedding included), one fp32 layer, that layer's Hessians\n"
         "(the largest, down_proj's 5632^2, is 121 MiB) and GPTQ's working copies. Machine load: " + load + "\n"
+        + _creep(r)
     )
+
+
+def _creep(r: dict[str, Any]) -> str:
+    """How the peak RSS moved from the first layer to the last: growth per layer adds up on deeper models."""
+    per = r.get("peak_rss_after_layer_mib") or []
+    if len(per) < 2:
+        return ""
+    grow = per[-1] - per[0]
+    return (f"\nPeak RSS after the first layer {per[0]:.0f} MiB, after the last {per[-1]:.0f} MiB: it grows by "
+            f"{grow:.0f} MiB over {len(per) - 1} more layers ({grow / (len(per) - 1):.0f} MiB a layer), which a deeper "
+            "model would add to.\n")
 
 
 def main(argv: list[str] | None = None) -> None:
