@@ -181,32 +181,29 @@ def _weight_importance(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return g.reshape(w.shape[0], -1)[:, : w.shape[1]].mean(0)
 
 
-#: the squared error of a group's output when its Linears use the given weights (in group order)
-OutputError = Callable[[Sequence[torch.Tensor]], torch.Tensor]
-
 
 def search_scales(
     x: torch.Tensor, weights: Sequence[torch.Tensor], spec: QuantSpec, params: AWQParams,
-    *, output_error: OutputError | None = None,
+    *, output_error: ModuleOutputError | None = None,
 ) -> tuple[torch.Tensor, float, float]:
     """Best per-input-channel scales for Linears with weights ``weights`` reading rows ``x``:
     returns ``(s, alpha, error)`` (alpha -1 means s = 1, plain rounding, was best).
-    ``output_error(weights)``: the objective, the summed squared error of the group's output with
-    those weights (the inspected module's, see :func:`awq_layer`); default: the Linears' own outputs
-    on ``x``. The error is per output element."""
+    ``output_error``: the objective, the group's module rerun on recorded calls (see
+    :func:`awq_layer`); default: the Linears' own outputs on ``x``. The error is per output element."""
     ws = [wi.detach().float() for wi in weights]
     w = torch.cat(ws, dim=0)
     x = x.float()
     rows = [wi.shape[0] for wi in ws]
+    error: Callable[[Sequence[torch.Tensor]], torch.Tensor]
     if output_error is None:
         ref = x @ w.t()
 
-        def output_error(cand: Sequence[torch.Tensor]) -> torch.Tensor:
+        def error(cand: Sequence[torch.Tensor]) -> torch.Tensor:
             return ((x @ torch.cat(list(cand), dim=0).t() - ref) ** 2).sum()
 
         n_out = float(ref.numel())
     else:
-        n_out = float(getattr(output_error, "numel", 1))  # a _ModuleError counts its output elements
+        error, n_out = output_error, float(output_error.numel)
     x_mean = x.abs().mean(0).clamp_min(1e-8)
     w_mean = _weight_importance(w, spec).clamp_min(1e-8)
     cands: list[tuple[float, torch.Tensor]] = [(-1.0, torch.ones_like(x_mean))]
@@ -216,7 +213,7 @@ def search_scales(
         s = s.clamp_min(1e-4)
         cands.append((alpha, s / (s.max() * s.min()).sqrt()))
     errs = torch.stack([
-        output_error(list((_rtn(w * s, spec) / s).split(rows, dim=0))).float().reshape(()) for _, s in cands
+        error(list((_rtn(w * s, spec) / s).split(rows, dim=0))).float().reshape(()) for _, s in cands
     ])
     n = torch.tensor([n_out])
     _all_sum(errs, n)  # under DDP every rank picks the same scales, on all ranks' tokens
@@ -235,8 +232,8 @@ def _common_scope(names: Sequence[str]) -> str:
     return ".".join(common)
 
 
-class _ModuleError:
-    """``output_error`` on a module's recorded calls: reruns it (quantizers off) with the group's
+class ModuleOutputError:
+    """A group's objective on a module's recorded calls: reruns it (quantizers off) with the group's
     Linears holding candidate weights and sums the squared difference to its float outputs."""
 
     def __init__(self, module: nn.Module, linears: Sequence[QuantLinear], calls: list[tuple[Any, Any, torch.Tensor]]):
@@ -346,7 +343,7 @@ def awq_layer(
             continue
         x = x_of[g.consumers[0]]
         scope = _common_scope(g.consumers)
-        error = _ModuleError(layer.get_submodule(scope), [linears[c] for c in g.consumers], recorded[scope]) \
+        error = ModuleOutputError(layer.get_submodule(scope), [linears[c] for c in g.consumers], recorded[scope]) \
             if recorded.get(scope) else None
         s, alpha, err = search_scales(x, [linears[c].weight for c in g.consumers], spec.spec, params,
                                       output_error=error)

@@ -509,7 +509,7 @@ def _lopsided(amax: list[float]) -> str | None:
             "for the sum would round the smaller away")
 
 
-#: quantizer ids of constant operands (see ``constant_spec``): calibrated from their value
+#: quantizer ids of constant operands: calibrated from their value by min/max (hooks.build_quantizers)
 CONSTANT_PREFIX = "c"
 
 
