@@ -167,3 +167,35 @@ def test_scale_search_reads_each_group_at_its_module_output() -> None:
         ("mlp.down_proj",): "mlp.down_proj",
     }
     assert all(g["error"] >= 0 for r in reports for g in r["groups"] if g["producer"] is not None)
+
+
+def test_a_clip_is_kept_only_where_the_inspected_module_agrees() -> None:
+    """The clip search judges each Linear alone; a clip that raises the attention output's error
+    (here q_proj cut to a tenth of its range) is rejected, one that changes nothing is kept."""
+    from quantization.awq import _guard_clips, clip_weight
+    from quantization.sequential import sequential_quantize
+
+    seen: list[set[str]] = []
+
+    def process(i: int, layer: nn.Module, lin: dict[str, QuantLinear], calls: list[Any]) -> None:
+        if i:
+            return
+        groups = find_fold_groups(layer, list(lin), calls[0])
+        recorded: list[tuple[Any, Any, torch.Tensor]] = []
+        h = layer.get_submodule("self_attn").register_forward_hook(
+            lambda m, a, k, out: recorded.append((a, k, out[0].detach().float())), with_kwargs=True)
+        with float_mode(layer), torch.no_grad():
+            for a, k in calls:
+                layer(*a, **k)
+        h.remove()
+        spec = lin["self_attn.q_proj"].weight_quantizer.spec  # type: ignore[union-attr]
+        wq, wv = lin["self_attn.q_proj"].weight.detach(), lin["self_attn.v_proj"].weight.detach()
+        harmful = clip_weight(wq, 0.1 * wq.abs().reshape(wq.shape[0], -1, 32).amax(-1), spec)
+        harmless = clip_weight(wv, wv.abs().reshape(wv.shape[0], -1, 32).amax(-1), spec)
+        assert torch.equal(harmless, wv)
+        seen.append(_guard_clips(layer, groups, lin, {"self_attn.q_proj": harmful, "self_attn.v_proj": harmless},
+                                 {"self_attn": recorded}, {}))
+
+    sequential_quantize(_llama(), _calib(), W3, process, targets=["*"], ignore=["lm_head"], max_batches=None,
+                        load=None, release=None, where="test")
+    assert seen == [{"self_attn.q_proj"}]
