@@ -6,6 +6,7 @@ float must be an op the placement names with a reason."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,65 @@ import torch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs compress[hf]")
 
-from benchmarks.hf_suite import SUITE  # noqa: E402
+from torch import nn  # noqa: E402
+
+from benchmarks.hf_suite import SUITE, SuiteModel, _bn_stats, _text, _vision  # noqa: E402
+
+
+def _trimmed(name: str, trim: Callable[[nn.Module], None]) -> Callable[[int], SuiteModel]:
+    """SUITE[name] with repeated blocks taken out of its module lists (where the Hugging Face config
+    has no depth setting) and BatchNorm statistics measured again on the model that remains."""
+
+    def build(seed: int = 0) -> SuiteModel:
+        sm = SUITE[name](seed)
+        trim(sm.model)
+        for m in sm.model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.reset_running_stats()
+        _bn_stats(sm.model, sm.calibration)
+        return sm
+
+    return build
+
+
+def _one_transformer_layer_per_block(model: nn.Module) -> None:
+    # MobileViT's blocks hold 2, 4 and 3 transformer layers, fixed in the model code
+    for block in model.mobilevit.encoder.layer[2:]:  # type: ignore[union-attr,index]
+        del block.transformer.layer[1:]
+
+
+def _one_residual_block(model: nn.Module) -> None:
+    # MobileNetV2's block table is fixed in the model code: of the 16 blocks after the stem, every one
+    # that changes width or stride stays (so the head sees the same channels), and the first of the
+    # 10 residual ones
+    layers = model.mobilenet_v2.layer  # type: ignore[union-attr]
+    residual = [b for b in layers if b.use_residual]
+    model.mobilenet_v2.layer = nn.ModuleList(b for b in layers if not b.use_residual or b is residual[0])  # type: ignore[union-attr]
+
+
+#: The test's configs: the benchmark's SUITE (benchmarks/real_models.py measures those) at test depth.
+#: Every module and op type of each architecture stays (attention, MLP, norms, embeddings, patch
+#: merging and downsampling, residual adds); what goes is repeats of them, which only made each
+#: export (dynamo tracing and the graph passes cost in proportion to the nodes) take longer:
+#: one transformer layer for the text models and ViT, two LeViT stages (one attention
+#: subsample), MobileViT and MobileNetV2 trimmed as above.
+TEST_SUITE: dict[str, Callable[[int], SuiteModel]] = {
+    **SUITE,
+    "vit": _vision("ViTForImageClassification", "ViTConfig", 32, image_size=32, patch_size=8, hidden_size=64,
+                   num_hidden_layers=1, num_attention_heads=4, intermediate_size=128, num_labels=10),
+    "mobilevit": _trimmed("mobilevit", _one_transformer_layer_per_block),
+    "mobilenetv2": _trimmed("mobilenetv2", _one_residual_block),
+    "levit": _vision("LevitForImageClassification", "LevitConfig", 64, image_size=64, hidden_sizes=[32, 48],
+                     num_attention_heads=[2, 3], depths=[1, 1], key_dim=[8, 8],
+                     down_ops=[["Subsample", 8, 32 // 8, 4, 2, 2]], num_labels=10),
+    "bert": _text("BertModel", "BertConfig", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  intermediate_size=128),
+    "gpt2": _text("GPT2LMHeadModel", "GPT2Config", n_embd=64, n_layer=1, n_head=4),
+    "llama": _text("LlamaForCausalLM", "LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2),
+    "qwen2": _text("Qwen2ForCausalLM", "Qwen2Config", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2),
+}
 
 #: ORT output vs the fake-quant model; the gap that remains is rounding ties and ORT's requantization
 #: of fused outputs. The random-init MobileNetV2 is all quantization noise (its SQNR to fp32 is about
@@ -42,13 +101,13 @@ def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean()))
 
 
-@pytest.mark.parametrize("name", sorted(SUITE))
+@pytest.mark.parametrize("name", sorted(TEST_SUITE))
 def test_real_model_exports_int8_that_ort_runs_in_integers(name: str, tmp_path: Path) -> None:
     import compress
     from export.onnx import export_onnx
     from export.runtimes import ort_coverage
 
-    sm = SUITE[name](0)
+    sm = TEST_SUITE[name](0)
     q = compress.quantize(sm.model, SCHEME, sm.calibration[:2])
     path = export_onnx(q, sm.example, tmp_path / f"{name}.int8.onnx")
     with torch.no_grad():
@@ -75,7 +134,7 @@ def test_qat_trains_real_models_with_placed_quantizers(name: str, tmp_path: Path
     from export.onnx import export_onnx
     from quantization import calibrate, prepare, quantizers
 
-    sm = SUITE[name](0)
+    sm = TEST_SUITE[name](0)
     model = sm.model
     prepare(model, SCHEME, bn="qat", example_inputs=sm.example)
     calibrate(model, sm.calibration[:2])
