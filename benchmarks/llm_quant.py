@@ -81,6 +81,7 @@ def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib
               schemes: list[str]) -> list[dict[str, Any]]:
     import compress
     from compress.models import load_model
+    from quantization.awq import AWQParams
     from quantization.gptq import GPTQParams
 
     fp = load_model({"hf_path": model_dir}).eval()
@@ -96,6 +97,7 @@ def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib
             "RTN": lambda m, s=scheme: compress.quantize(m, s, ignore=["lm_head"]),
             "GPTQ": lambda m, s=scheme: compress.gptq(m, data, scheme=s, params=GPTQParams(act_order=True)),
             "AWQ": lambda m, s=scheme: compress.awq(m, data, scheme=s),
+            "AWQ x-only": lambda m, s=scheme: compress.awq(m, data, scheme=s, params=AWQParams(duo_scaling=False)),
             "AWQ+GPTQ": lambda m, s=scheme: compress.gptq(compress.awq(m, data, scheme=s), data, scheme=s,
                                                           params=GPTQParams(act_order=True)),
         }
@@ -266,7 +268,9 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int, n
         f"held-out perplexity {info['eval_perplexity']:.1f} on {info['eval_tokens']} tokens). Here: perplexity on "
         f"{n_eval} held-out windows of {args.seq_len} tokens, {n_calib} calibration windows. Decoder-layer "
         "Linears quantized (lm_head and embeddings float, for every method). GPTQ with act_order (static groups); "
-        "AWQ with duo scaling, grid 20, clip search. 'RTN gap closed': how much of RTN's perplexity increase over "
+        "AWQ with duo scaling (AutoAWQ's default; 'AWQ x-only': scales from the activations alone), grid 20, "
+        "clip search on every Linear, q/k included, each clip kept only where it lowers its group's module-output "
+        "error. 'RTN gap closed': how much of RTN's perplexity increase over "
         "fp32 the method removes. ORT rows: the same fp32 model exported to ONNX and quantized by "
         "onnxruntime.quantization.matmul_nbits_quantizer (MatMulNBits, symmetric), evaluated in ORT.\n\n"
         + table(summary)
