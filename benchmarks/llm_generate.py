@@ -8,7 +8,9 @@ The model is the team's reference Llama (trained on stdlib text) when ``--model 
 shapes (vocab 4096, hidden 256, 4 layers, 768 MLP, 4 heads / 2 kv heads); the report says which.
 Prompts are windows of this repository's README (held-out text for a model trained on the stdlib),
 capped so that prompt + generated tokens stay inside the model's trained context; ORT's greedy
-continuations of them are compared with transformers' generate on the same weights.
+continuations of them are compared with the PyTorch model's greedy tokens on the same weights
+(export.generation.torch_greedy: KV cache, argmax per step; not ``generate``, whose generation
+config suppresses EOS before a minimum length).
 int4 = round-to-nearest ``w4_weight_only_g128`` on every Linear but lm_head, exported with
 :func:`export.llm_onnx.export_llm_onnx` as MatMulNBits, at accuracy_level 0 (float32 compute) and 4
 (ORT quantizes activations to int8 inside the op). Variants run interleaved in each repeat (same
@@ -130,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import compress
+    from export.generation import torch_greedy
     from export.llm_onnx import OrtGenerator, export_llm_onnx, generate_ort
 
     model, what, tok = load_model(args.size, args.model)
@@ -147,10 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                                    params=compress.QuantizeParams(smoothquant="auto"))
 
     def hf_greedy(m: Any) -> torch.Tensor:
-        with torch.no_grad():
-            x = torch.from_numpy(prompts)
-            return m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new,
-                              min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+        # prompt + the PyTorch model's greedy tokens (KV cache, argmax per step, as generate_ort)
+        return torch.cat([torch.from_numpy(prompts), torch_greedy(m, prompts, args.new)], dim=1)
 
     hf = {"float": hf_greedy(model), "int4": hf_greedy(fq), "w8a8 static": hf_greedy(w8_static),
           "w8a8 dynamic": hf_greedy(w8_dynamic)}
@@ -240,8 +241,8 @@ def _markdown(d: dict[str, Any]) -> str:
     lines += [
         "",
         f"Greedy = PyTorch: ORT's greedy continuation of {d['prompts']} prompts ({d['prompt']} tokens each; windows of "
-        "the README when the reference tokenizer is there, which the model never saw) against transformers' "
-        "generate on the same weights: the float model for fp32, each fake-quant model for its file (identical "
+        "the README when the reference tokenizer is there, which the model never saw) against the PyTorch "
+        "model's greedy tokens (KV cache, argmax per step) on the same weights: the float model for fp32, each fake-quant model for its file (identical "
         "continuations, and tokens equal position by position). For scale, the fake-quant models themselves keep "
         f"these continuations and tokens of the float model's: {scale}.",
     ]

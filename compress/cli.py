@@ -104,6 +104,16 @@ def summary(report: Report, *, out: Path) -> str:
     lines = [f"{name}: baseline {report.metric} {_f(b.accuracy)} -> final {_f(f.accuracy)}; "
              f"params {_n(b.params)} -> {_n(f.params)}; {report.seconds or 0:.1f} s; report: {out / 'report.md'}"]
     for v in report.validation:
+        if v.generation is not None:  # a KV-cache generation file: prefill, decode, greedy tokens
+            g = v.generation
+            lines.append(
+                f"  {v.runtime} {v.role} {v.precision}: prefill {_f(g['prefill_ms'])} ms"
+                + (f" ({_f(g['prefill_speedup'])}x)" if "prefill_speedup" in g else "")
+                + f"; decode {_f(g['decode_ms_per_token'])} ms/token, {g['tokens_per_s']:.0f} tokens/s"
+                + (f" ({_f(g['decode_speedup'])}x)" if "decode_speedup" in g else "")
+                + f"; greedy tokens = PyTorch {_f(v.parity.get('top1_agreement'))}"
+            )
+            continue
         lat = ", ".join(f"b{k} {_f(ms)} ms" for k, ms in v.latency_ms.items())
         spd = ", ".join(f"b{k} {_f(x)}x" for k, x in (v.speedup or {}).items())
         lines.append(f"  {v.runtime} {v.role} {v.precision}: {report.metric} {_f(v.accuracy)}"

@@ -171,7 +171,9 @@ def render_markdown(report: Report, *, plot_name: str | None = None) -> str:
                             ["role", "path", "format", "size_bytes", "integer_nodes"]))
     if r.validation:
         out.append("\n## Validation\n")
+        gen = any(v.generation is not None for v in r.validation)
         out.append(md_table([v.model_dump(mode="json") for v in r.validation],
+                            ["runtime", "role", "precision", "parity", "generation", "size_ratio"] if gen else
                             ["runtime", "role", "precision", "accuracy", "parity", "latency_ms", "speedup", "notes"]))
     if r.thresholds:
         out.append("\n## Thresholds\n")

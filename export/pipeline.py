@@ -33,12 +33,18 @@ def export_model(
 ) -> list[ExportRecord]:
     """Export ``model`` to ``out_dir/NAME.onnx`` (fp32) or ``NAME.int8.onnx`` (QDQ), and with
     ``spec.baseline`` the fp32 ``baseline`` to ``NAME.fp32.onnx``; returns one record per file.
+    With ``spec.generation`` the files are the KV-cache generation ONNX of a decoder LLM instead
+    (:mod:`export.generation`).
 
     A QDQ export that ORT runs without a single integer kernel is an ExportError: it would be an
     int8 file that runs in float.
     """
     if not spec.enabled:
         return []
+    if spec.generation:
+        from export.generation import export_generation
+
+        return export_generation(model, spec, Path(out_dir), name=name, baseline=baseline)
     out_dir = Path(out_dir)
     records: list[ExportRecord] = []
     quantized = is_quantized(model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
@@ -28,6 +28,19 @@ class ExportSpec(_Strict):
     reduce_range: bool = False
     baseline: bool = True
     triton_repository: bool = False
+    #: decoder LLMs: the ONNX that generates with a KV cache (int4 MatMulNBits / W8A8 / fp32 weights,
+    #: export.generation) instead of the single-pass graph; validated as greedy generation
+    generation: bool = False
+    #: MatMulNBits' accuracy_level for int4 generation files: 0 computes in float32 (the fake-quant
+    #: model's numbers), 4 lets ORT's CPU kernel quantize activations to int8 (faster decode)
+    accuracy_level: int = Field(0, ge=0, le=4)
+
+    @model_validator(mode="after")
+    def _generation_formats(self) -> ExportSpec:
+        if self.generation and (self.fp16 or self.triton_repository):
+            raise ValueError("generation files are int4/int8/fp32 ONNX Runtime models: "
+                             "fp16 and triton_repository do not apply to them")
+        return self
 
 
 class Thresholds(_Strict):
@@ -52,5 +65,7 @@ class ValidateSpec(_Strict):
     warmup: int = Field(5, ge=0)
     runs: int = Field(20, ge=1)
     threads: int | None = Field(None, ge=1)
+    #: greedy tokens generated per prompt when validating generation files (export.generation)
+    generate_tokens: int = Field(32, ge=1)
     eval_samples: int | None = Field(None, ge=1)
     thresholds: Thresholds = Field(default_factory=Thresholds)

@@ -50,6 +50,8 @@ def shrink(data: dict[str, Any]) -> dict[str, Any]:
                 teacher["train_epochs"] = min(teacher["train_epochs"], 2)
     val = d.setdefault("validate", {})
     val.update({"runs": 2, "warmup": 1, "batch_sizes": [1, 4]})
+    if "generate_tokens" in val:  # prompts are what the 32-token windows leave
+        val["generate_tokens"] = min(val["generate_tokens"], 8)
     return d
 
 
@@ -87,3 +89,7 @@ def test_recipe_runs_small(name: str, tmp_path: Path, request: pytest.FixtureReq
             assert (tmp_path / name / e.path).is_file()
     if recipe.export.enabled and recipe.validate_.enabled:
         assert report.validation, f"{name}: validation enabled but no runtime results"
+    if recipe.export.generation:  # the LLM recipes: KV-cache files, validated by generating
+        assert {e.format for e in report.exports} <= {"onnx-generation-int4", "onnx-generation-w8a8",
+                                                     "onnx-generation-fp32"}
+        assert all(v.generation and v.parity["top1_agreement"] is not None for v in report.validation)

@@ -1,0 +1,78 @@
+"""The recipe's ``export: {generation: true}``: the KV-cache ONNX of a decoder LLM (int4 MatMulNBits,
+W8A8 or fp32 weights, chosen from the model) and its validation as greedy generation in ORT."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs compress[hf]")
+
+
+def _llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # logits far apart, as a trained model's are: a random one's near-ties flip
+        model.lm_head.weight.mul_(30)  # greedy tokens on rounding differences of 1e-6
+    return model
+
+
+def test_int4_generation_files_are_validated_against_pytorch_and_the_fp32_file(tmp_path: Path) -> None:
+    import compress
+    from export.generation import export_generation, generation_weights, validate_generation
+    from export.specs import ExportSpec, ValidateSpec
+
+    fp = _llama()
+    q = compress.quantize(copy.deepcopy(fp), "w4_weight_only_g128", ignore=["lm_head"])
+    assert (generation_weights(q), generation_weights(fp)) == ("int4", "fp32")
+    recs = export_generation(q, ExportSpec(generation=True), tmp_path, name="m", baseline=fp)
+    assert [(r.role, r.path.name, r.format, r.precision) for r in recs] == [
+        ("final", "m.int4.onnx", "onnx-generation-int4", "int4"),
+        ("baseline", "m.fp32.onnx", "onnx-generation-fp32", "fp32"),
+    ]
+    assert recs[0].integer_ops == {"MatMulNBits": 14}  # 2 layers x q/k/v/o/gate/up/down; lm_head float
+    prompts = torch.randint(0, 128, (3, 12), generator=torch.Generator().manual_seed(1)).numpy()
+    vals = validate_generation(recs, ValidateSpec(runs=2, warmup=1, generate_tokens=6), prompts, reference=q,
+                               baseline_reference=fp)
+    final, base = vals
+    assert final.role == "final" and base.role == "baseline"
+    # accuracy_level 0 computes in float32: ORT's greedy tokens are the fake-quant model's
+    assert final.parity == {"top1_agreement": 1.0, "prompts_identical": 1.0}
+    assert base.parity == {"top1_agreement": 1.0, "prompts_identical": 1.0}
+    assert final.size_ratio is not None and final.size_ratio < 0.8  # int4 decoder weights, float embeddings
+    g = final.generation
+    assert g is not None and g["new_tokens"] == 6 and g["prompt_tokens"] == 12
+    assert g["decode_ms_per_token"] > 0 and g["prefill_ms"] > 0
+    assert final.speedup == {1: pytest.approx(g["decode_speedup"])}
+    assert base.generation is not None and base.generation["decode_speedup"] == 1.0
+
+
+def test_w8a8_generation_file_runs_integer_kernels(tmp_path: Path) -> None:
+    import compress
+    from export.generation import export_generation, generation_weights
+    from export.specs import ExportSpec
+
+    fp = _llama()
+    calib = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    q = compress.quantize(copy.deepcopy(fp), {"preset": "w8a8", "weights": {"reduce_range": True}}, calib,
+                          ignore=["lm_head"], params=compress.QuantizeParams(quantize_ops=False))
+    assert generation_weights(q) == "w8a8"
+    (rec,) = export_generation(q, ExportSpec(generation=True), tmp_path, name="m")  # no baseline given
+    assert rec.format == "onnx-generation-w8a8" and rec.precision == "int8"
+    assert rec.integer_nodes and rec.integer_ops.get("MatMulIntegerToFloat", 0) >= 14
+
+
+def test_generation_refuses_formats_it_does_not_write() -> None:
+    from export.specs import ExportSpec
+
+    with pytest.raises(ValidationError, match="fp16 and triton_repository do not apply"):
+        ExportSpec(generation=True, fp16=True)
