@@ -78,31 +78,36 @@ def _text(cls_name: str, cfg_name: str, vocab: int = 256, seq: int = 32, **cfg: 
     return build
 
 
-SUITE: dict[str, Callable[[int], SuiteModel]] = {
-    "resnet": _vision("ResNetForImageClassification", "ResNetConfig", 64, embedding_size=32,
-                      hidden_sizes=[32, 64, 128, 128], depths=[1, 1, 1, 1], num_labels=10),
-    "convnext": _vision("ConvNextForImageClassification", "ConvNextConfig", 64, hidden_sizes=[32, 64, 96, 128],
-                        depths=[1, 1, 1, 1], num_labels=10),
-    "mobilenetv2": _vision("MobileNetV2ForImageClassification", "MobileNetV2Config", 64, depth_multiplier=0.5,
-                           num_labels=10),
-    "regnet": _vision("RegNetForImageClassification", "RegNetConfig", 64, embedding_size=16,
-                      hidden_sizes=[32, 64, 96, 128], depths=[1, 1, 1, 1], groups_width=16, num_labels=10),
-    "vit": _vision("ViTForImageClassification", "ViTConfig", 32, image_size=32, patch_size=8, hidden_size=64,
-                   num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, num_labels=10),
-    "swin": _vision("SwinForImageClassification", "SwinConfig", 64, image_size=64, patch_size=4, embed_dim=32,
-                    depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=10),
-    "mobilevit": _vision("MobileViTForImageClassification", "MobileViTConfig", 64, image_size=64,
-                         hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 96], num_labels=10),
-    "levit": _vision("LevitForImageClassification", "LevitConfig", 64, image_size=64, hidden_sizes=[32, 48, 64],
-                     num_attention_heads=[2, 3, 4], depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=10),
-    "bert": _text("BertModel", "BertConfig", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=128),
-    "gpt2": _text("GPT2LMHeadModel", "GPT2Config", n_embd=64, n_layer=2, n_head=4),
-    "llama": _text("LlamaForCausalLM", "LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2),
-    "qwen2": _text("Qwen2ForCausalLM", "Qwen2Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2),
-}
+def suite(layers: int = 2) -> dict[str, Callable[[int], SuiteModel]]:
+    """The small configs; ``layers``: transformer layers of ViT and the text models (the tests take 1)."""
+    return {
+        "resnet": _vision("ResNetForImageClassification", "ResNetConfig", 64, embedding_size=32,
+                          hidden_sizes=[32, 64, 128, 128], depths=[1, 1, 1, 1], num_labels=10),
+        "convnext": _vision("ConvNextForImageClassification", "ConvNextConfig", 64, hidden_sizes=[32, 64, 96, 128],
+                            depths=[1, 1, 1, 1], num_labels=10),
+        "mobilenetv2": _vision("MobileNetV2ForImageClassification", "MobileNetV2Config", 64, depth_multiplier=0.5,
+                               num_labels=10),
+        "regnet": _vision("RegNetForImageClassification", "RegNetConfig", 64, embedding_size=16,
+                          hidden_sizes=[32, 64, 96, 128], depths=[1, 1, 1, 1], groups_width=16, num_labels=10),
+        "vit": _vision("ViTForImageClassification", "ViTConfig", 32, image_size=32, patch_size=8, hidden_size=64,
+                       num_hidden_layers=layers, num_attention_heads=4, intermediate_size=128, num_labels=10),
+        "swin": _vision("SwinForImageClassification", "SwinConfig", 64, image_size=64, patch_size=4, embed_dim=32,
+                        depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=10),
+        "mobilevit": _vision("MobileViTForImageClassification", "MobileViTConfig", 64, image_size=64,
+                             hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 96], num_labels=10),
+        "levit": _vision("LevitForImageClassification", "LevitConfig", 64, image_size=64, hidden_sizes=[32, 48, 64],
+                         num_attention_heads=[2, 3, 4], depths=[1, 1, 1], key_dim=[8, 8, 8], num_labels=10),
+        "bert": _text("BertModel", "BertConfig", hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                      intermediate_size=128),
+        "gpt2": _text("GPT2LMHeadModel", "GPT2Config", n_embd=64, n_layer=layers, n_head=4),
+        "llama": _text("LlamaForCausalLM", "LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2),
+        "qwen2": _text("Qwen2ForCausalLM", "Qwen2Config", hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2),
+    }
+
+
+SUITE = suite()
 
 #: The same architectures at the widths of their published base configs (ResNet-18, ConvNeXt-T,
 #: MobileNetV2 1.0, RegNetY-800MF, ViT-S/16, Swin-T, MobileViT-S, LeViT-128S, BERT-base, GPT-2 small,

@@ -165,7 +165,7 @@ def _machine() -> str:
 
 
 def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: str = "small") -> None:
-    what = ("the test suite's small configs (benchmarks/hf_suite.py SUITE)" if size == "small" else
+    what = ("the small configs (benchmarks/hf_suite.py SUITE; the tests run them at one layer)" if size == "small" else
             "published base widths with fewer blocks (benchmarks/hf_suite.py SERVING)")
     lines = [SECTION[size], "",
              f"`python -m benchmarks.real_models --size {size}` on {machine}; {what}; ORT {threads} thread(s); "

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
 
 from torch import nn  # noqa: E402
 
-from benchmarks.hf_suite import SUITE, SuiteModel, _bn_stats, _text, _vision  # noqa: E402
+from benchmarks.hf_suite import SUITE, SuiteModel, _bn_stats, _vision, suite  # noqa: E402
 
 
 def _trimmed(name: str, trim: Callable[[nn.Module], None]) -> Callable[[int], SuiteModel]:
@@ -57,21 +57,12 @@ def _one_residual_block(model: nn.Module) -> None:
 #: one transformer layer for the text models and ViT, two LeViT stages (one attention
 #: subsample), MobileViT and MobileNetV2 trimmed as above.
 TEST_SUITE: dict[str, Callable[[int], SuiteModel]] = {
-    **SUITE,
-    "vit": _vision("ViTForImageClassification", "ViTConfig", 32, image_size=32, patch_size=8, hidden_size=64,
-                   num_hidden_layers=1, num_attention_heads=4, intermediate_size=128, num_labels=10),
+    **suite(layers=1),
     "mobilevit": _trimmed("mobilevit", _one_transformer_layer_per_block),
     "mobilenetv2": _trimmed("mobilenetv2", _one_residual_block),
     "levit": _vision("LevitForImageClassification", "LevitConfig", 64, image_size=64, hidden_sizes=[32, 48],
                      num_attention_heads=[2, 3], depths=[1, 1], key_dim=[8, 8],
                      down_ops=[["Subsample", 8, 32 // 8, 4, 2, 2]], num_labels=10),
-    "bert": _text("BertModel", "BertConfig", hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  intermediate_size=128),
-    "gpt2": _text("GPT2LMHeadModel", "GPT2Config", n_embd=64, n_layer=1, n_head=4),
-    "llama": _text("LlamaForCausalLM", "LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                   num_attention_heads=4, num_key_value_heads=2),
-    "qwen2": _text("Qwen2ForCausalLM", "Qwen2Config", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                   num_attention_heads=4, num_key_value_heads=2),
 }
 
 #: ORT output vs the fake-quant model; the gap that remains is rounding ties and ORT's requantization
