@@ -109,8 +109,12 @@ class _MatMulNBitsFn(torch.autograd.Function):
     def symbolic(g: Any, x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block_size: int,
                  accuracy_level: int) -> Any:
         inputs = [x, b, scales] + ([zp] if zp is not None and not _is_none(zp) else [])
-        return g.op("com.microsoft::MatMulNBits", *inputs, K_i=k, N_i=n, bits_i=4, block_size_i=block_size,
-                    accuracy_level_i=accuracy_level)
+        out = g.op("com.microsoft::MatMulNBits", *inputs, K_i=k, N_i=n, bits_i=4, block_size_i=block_size,
+                   accuracy_level_i=accuracy_level)
+        sizes = x.type().varyingSizes()
+        if sizes is not None:  # the output type, which the exporter cannot infer for a contrib op
+            out.setType(x.type().with_sizes([*sizes[:-1], n]))
+        return out
 
 
 def _is_none(v: Any) -> bool:
@@ -341,7 +345,7 @@ def export_llm_onnx(
         warnings.simplefilter("ignore")
         torch.onnx.export(
             dec, dec.dummy_inputs(1, 2, 3), str(out), input_names=inputs, output_names=outputs,
-            dynamic_axes=dyn, opset_version=opset, dynamo=False, custom_opsets={"com.microsoft": 1},
+            dynamic_axes=dyn, opset_version=opset, dynamo=False, custom_opsets={"com.microsoft": 1} if counts["int4"] else None,
             # no folding: a tied lm_head stays one initializer shared with the embedding (folding writes a
             # transposed copy); ORT folds the weight transposes in memory when it loads the file
             do_constant_folding=False,

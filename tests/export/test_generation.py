@@ -76,3 +76,21 @@ def test_generation_refuses_formats_it_does_not_write() -> None:
 
     with pytest.raises(ValidationError, match="fp16 and triton_repository do not apply"):
         ExportSpec(generation=True, fp16=True)
+
+
+def test_the_summary_gives_generation_figures_for_generation_files() -> None:
+    from compress.cli import summary
+    from compress.report import ModelFigures, Report
+    from export.records import ValidationRecord
+
+    r = Report(recipe={"name": "x"}, metric="perplexity", baseline=ModelFigures(accuracy=40.1),
+               final=ModelFigures(accuracy=40.4))
+    r.validation.append(ValidationRecord(
+        runtime="onnxruntime", device="cpu", precision="int4", format="onnx-generation-int4",
+        model_path=Path("m.int4.onnx"), role="final", parity={"top1_agreement": 0.96875, "prompts_identical": 0.75},
+        latency_ms={1: 1.1}, speedup={1: 1.3}, size_bytes=1, threads=1,
+        generation={"prompt_tokens": 96, "new_tokens": 32, "prefill_ms": 16.8, "decode_ms_per_token": 1.1,
+                    "tokens_per_s": 909.1, "prefill_speedup": 1.25, "decode_speedup": 1.3}))
+    line = summary(r, out=Path("run")).splitlines()[1]
+    assert line == ("  onnxruntime final int4: prefill 16.8 ms (1.25x); decode 1.1 ms/token, 909 tokens/s (1.3x); "
+                    "greedy tokens = PyTorch 0.9688")
