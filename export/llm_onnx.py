@@ -176,6 +176,7 @@ class KVDecoder(nn.Module):
         rot: Any = self.lm.model.rotary_emb
         self.register_buffer("inv_freq", rot.inv_freq.detach().float().clone(), persistent=False)
         self.rope_scaling = float(getattr(rot, "attention_scaling", 1.0))
+        self.windows = sliding_windows(cfg)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         base = self.lm.model
@@ -190,7 +191,12 @@ class KVDecoder(nn.Module):
         t = p + s
         causal = torch.arange(t, device=input_ids.device)[None, :] > (torch.arange(s, device=input_ids.device) + p)[:, None]
         masked = causal[None] | (attention_mask[:, None, :] == 0)  # [B, S, T]: future keys and padding
-        mask = (masked.float() * torch.finfo(torch.float32).min)[:, None]  # [B, 1, S, T]
+        lowest = torch.finfo(torch.float32).min
+        mask = (masked.float() * lowest)[:, None]  # [B, 1, S, T]
+        # sliding-window layers also drop keys `window` or more slots back (transformers' rule)
+        behind = (torch.arange(s, device=input_ids.device) + p)[:, None] - torch.arange(t, device=input_ids.device)[None, :]
+        window_mask = {w: ((masked | (behind >= w)[None]).float() * lowest)[:, None]
+                       for w in set(self.windows) if w is not None}
         h = base.embed_tokens(input_ids)
         presents: list[torch.Tensor] = []
         for i, layer in enumerate(base.layers):
@@ -207,7 +213,8 @@ class KVDecoder(nn.Module):
             rep = self.n_heads // self.n_kv
             kr = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
             vr = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
-            scores = torch.matmul(q, kr.transpose(2, 3)) * attn.scaling + mask
+            w = self.windows[i]
+            scores = torch.matmul(q, kr.transpose(2, 3)) * attn.scaling + (mask if w is None else window_mask[w])
             probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
             o = torch.matmul(probs, vr).transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
             h = h + attn.o_proj(o)
@@ -236,9 +243,18 @@ def check_decoder(model: nn.Module) -> Any:
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type", "default") in ("dynamic", "longrope"):
         raise UnsupportedModelError(f"RoPE type '{rope['rope_type']}' changes with the sequence length; not exported")
-    if getattr(cfg, "use_sliding_window", False) or (kind == "mistral" and getattr(cfg, "sliding_window", None)):
-        raise UnsupportedModelError("sliding-window attention is not exported")
     return cfg
+
+
+def sliding_windows(cfg: Any) -> list[int | None]:
+    """Each layer's attention window (None: full causal), from ``layer_types`` where the config has
+    them (Qwen2's ``use_sliding_window``/``max_window_layers``), else ``sliding_window`` on every
+    layer (Mistral)."""
+    w = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return [int(w) if t == "sliding_attention" and w else None for t in types]
+    return [int(w) if w else None] * int(cfg.num_hidden_layers)
 
 
 def _swap_linears(model: nn.Module, weights: Weights, accuracy_level: int) -> dict[str, int]:

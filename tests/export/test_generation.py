@@ -94,3 +94,44 @@ def test_the_summary_gives_generation_figures_for_generation_files() -> None:
     line = summary(r, out=Path("run")).splitlines()[1]
     assert line == ("  onnxruntime final int4: prefill 16.8 ms (1.25x); decode 1.1 ms/token, 909 tokens/s (1.3x); "
                     "greedy tokens = PyTorch 0.9688")
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_layers_generate_as_transformers_does(family: str, tmp_path: Path) -> None:
+    """A window of 4 slots on 12-token prompts: Mistral's on every layer, Qwen2's on the layers its
+    ``max_window_layers`` marks; the file's greedy tokens are the PyTorch model's (full attention
+    would differ), prefill and cached steps alike."""
+    import transformers
+
+    import compress
+    from export.generation import export_generation, torch_greedy, validate_generation
+    from export.llm_onnx import KVDecoder, sliding_windows
+    from export.specs import ExportSpec, ValidateSpec
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, sliding_window=4)
+    if family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common)).eval()
+    else:
+        cfg = transformers.Qwen2Config(**common, use_sliding_window=True, max_window_layers=1)
+        model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    assert sliding_windows(model.config) == ([4, 4] if family == "mistral" else [None, 4])
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    dec = KVDecoder(model).eval()
+    with torch.no_grad():
+        ours = dec(ids, torch.ones_like(ids), *dec.empty_past(2))[0]
+        ref = model(input_ids=ids).logits
+    assert torch.allclose(ours, ref, atol=1e-4)
+    full = copy.deepcopy(model)
+    full.config.sliding_window = None
+    with torch.no_grad():
+        assert not torch.allclose(KVDecoder(full)(ids, torch.ones_like(ids), *dec.empty_past(2))[0], ref, atol=1e-2)
+    q = compress.quantize(copy.deepcopy(model), "w4_weight_only_g128", ignore=["lm_head"])
+    recs = export_generation(q, ExportSpec(generation=True, baseline=False), tmp_path, name="m")
+    (val,) = validate_generation(recs, ValidateSpec(runs=1, warmup=0, generate_tokens=8), ids.numpy(), reference=q,
+                                 baseline_reference=None)
+    assert val.parity == {"top1_agreement": 1.0, "prompts_identical": 1.0}
+    assert torch_greedy(q, ids.numpy(), 8).shape == (2, 8)
