@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -62,11 +63,14 @@ def export_generation(
         path = export_llm_onnx(m, out_dir / f"{name}{suffix}.onnx", weights=weights,  # type: ignore[arg-type]
                                accuracy_level=spec.accuracy_level)
         rec = describe_onnx(path, role=role, count_integer=weights == "w8a8")
-        if weights == "int4":
+        if weights != "fp32" and not rec.integer_ops:
+            # int4 (MatMulNBits) and per-token W8A8 (MatMulInteger) are integer ops in the file as
+            # written; only static QDQ needs ORT's fusion to become one (counted by describe_onnx)
             import onnx
 
-            n = sum(1 for node in onnx.load(str(path), load_external_data=False).graph.node if node.op_type == "MatMulNBits")
-            rec.integer_nodes, rec.integer_ops = n, {"MatMulNBits": n}
+            ops = Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node
+                          if n.op_type in ("MatMulNBits", "MatMulInteger"))
+            rec.integer_nodes, rec.integer_ops = sum(ops.values()), dict(ops)
         records.append(rec.model_copy(update={"format": fmt, "precision": precision}))
         log.info("export %s: %s %s, %d bytes", role, path.name, fmt, rec.size_bytes)
     return records

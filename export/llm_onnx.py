@@ -1,4 +1,4 @@
-"""ONNX export of decoder-only LLMs (Llama, Qwen2, Mistral) for generation with a key/value cache.
+"""ONNX export of decoder-only LLMs (Llama, Qwen2/Qwen3, Mistral, Phi-3) for generation with a key/value cache.
 
 ``export_llm_onnx(model, path, weights="int4")`` writes a graph that ONNX Runtime runs step by step:
 
@@ -55,7 +55,7 @@ from quantization.int4 import (
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = ("llama", "qwen2", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 Weights = Literal["int4", "fp32", "w8a8"]
 
 
@@ -202,11 +202,8 @@ class KVDecoder(nn.Module):
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k, v = self._qkv(attn, x)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             k = torch.cat([past[2 * i], k], dim=2)
             v = torch.cat([past[2 * i + 1], v], dim=2)
             presents += [k, v]
@@ -221,6 +218,32 @@ class KVDecoder(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         logits = self.lm.lm_head(base.norm(h))
         return (logits, *presents)
+
+    def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Heads ``[B, H, S, D]`` of q, k, v: separate projections, or Phi-3's fused ``qkv_proj``;
+        Qwen3's per-head RMSNorms on q and k (before RoPE) where the attention has them."""
+        b, s = x.shape[:2]
+        if hasattr(attn, "qkv_proj"):
+            qkv = attn.qkv_proj(x)
+            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.view(b, s, self.n_heads, self.head_dim)
+        k = k.view(b, s, self.n_kv, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding on the first ``cos.shape[-1]`` dims (all of them unless the config sets a
+        partial_rotary_factor, as Phi models may); the rest pass through."""
+        r = cos.shape[-1]
+        if r == x.shape[-1]:
+            return x * cos + _rotate_half(x) * sin
+        rot, rest = x[..., :r], x[..., r:]
+        return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
 
     def dummy_inputs(self, batch: int, past: int, new: int) -> tuple[torch.Tensor, ...]:
         ids = torch.randint(0, int(self.lm.config.vocab_size), (batch, new))

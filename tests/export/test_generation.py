@@ -56,19 +56,20 @@ def test_int4_generation_files_are_validated_against_pytorch_and_the_fp32_file(t
     assert base.generation is not None and base.generation["decode_speedup"] == 1.0
 
 
-def test_w8a8_generation_file_runs_integer_kernels(tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset,op", [("w8a8", "MatMulIntegerToFloat"), ("w8a8_dynamic", "MatMulInteger")])
+def test_w8a8_generation_file_runs_integer_kernels(preset: str, op: str, tmp_path: Path) -> None:
     import compress
     from export.generation import export_generation, generation_weights
     from export.specs import ExportSpec
 
     fp = _llama()
     calib = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    q = compress.quantize(copy.deepcopy(fp), {"preset": "w8a8", "weights": {"reduce_range": True}}, calib,
+    q = compress.quantize(copy.deepcopy(fp), {"preset": preset, "weights": {"reduce_range": True}}, calib,
                           ignore=["lm_head"], params=compress.QuantizeParams(quantize_ops=False))
     assert generation_weights(q) == "w8a8"
     (rec,) = export_generation(q, ExportSpec(generation=True), tmp_path, name="m")  # no baseline given
     assert rec.format == "onnx-generation-w8a8" and rec.precision == "int8"
-    assert rec.integer_nodes and rec.integer_ops.get("MatMulIntegerToFloat", 0) >= 14
+    assert rec.integer_ops == {op: 14} and rec.integer_nodes == 14  # static: ORT's fusion; dynamic: as written
 
 
 def test_generation_refuses_formats_it_does_not_write() -> None:
@@ -135,3 +136,36 @@ def test_sliding_window_layers_generate_as_transformers_does(family: str, tmp_pa
                                  baseline_reference=None)
     assert val.parity == {"top1_agreement": 1.0, "prompts_identical": 1.0}
     assert torch_greedy(q, ids.numpy(), 8).shape == (2, 8)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_qwen3_norms_and_phi3_fused_projections_generate_as_transformers_does(family: str, tmp_path: Path) -> None:
+    """Qwen3's per-head q/k RMSNorms; Phi-3's fused qkv_proj and gate_up_proj with RoPE on half of
+    each head (partial_rotary_factor 0.5): logits equal transformers', int4 greedy tokens the fake-quant model's."""
+    import transformers
+
+    import compress
+    from export.generation import export_generation, validate_generation
+    from export.llm_onnx import KVDecoder
+    from export.specs import ExportSpec, ValidateSpec
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, eos_token_id=2, pad_token_id=0)
+    if family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=16)).eval()
+    else:
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, partial_rotary_factor=0.5)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    dec = KVDecoder(model).eval()
+    with torch.no_grad():
+        assert torch.allclose(dec(ids, torch.ones_like(ids), *dec.empty_past(2))[0], model(input_ids=ids).logits,
+                              atol=1e-4)
+    q = compress.quantize(copy.deepcopy(model), "w4_weight_only_g128", ignore=["lm_head"])
+    recs = export_generation(q, ExportSpec(generation=True, baseline=False), tmp_path, name="m")
+    assert recs[0].integer_ops == {"MatMulNBits": 8 if family == "phi3" else 14}  # phi3: qkv, o, gate_up, down
+    (val,) = validate_generation(recs, ValidateSpec(runs=1, warmup=0, generate_tokens=8), ids.numpy(), reference=q,
+                                 baseline_reference=None)
+    assert val.parity == {"top1_agreement": 1.0, "prompts_identical": 1.0}
