@@ -38,11 +38,12 @@ def describe_onnx(path: Path, *, role: Role = "final", count_integer: bool = Tru
     ops = {n.op_type for n in m.graph.node}
     qdq = "DequantizeLinear" in ops or "QuantizeLinear" in ops
     fp16 = any(t.data_type == onnx.TensorProto.FLOAT16 for t in m.graph.initializer)
-    precision = "int8" if qdq else ("fp16" if fp16 else "fp32")
-    fmt = {"int8": "onnx-int8-qdq", "fp16": "onnx-fp16", "fp32": "onnx-fp32"}[precision]
+    nbits = "MatMulNBits" in ops  # ORT's int4 weight-only layers (LLM exports)
+    precision = "int8" if qdq else ("int4" if nbits else ("fp16" if fp16 else "fp32"))
+    fmt = {"int8": "onnx-int8-qdq", "int4": "onnx-int4-matmulnbits", "fp16": "onnx-fp16", "fp32": "onnx-fp32"}[precision]
     if qdq and fp16:
         fmt += "-fp16"
-    cov = ort_coverage(path) if qdq and count_integer else None
+    cov = ort_coverage(path) if (qdq or nbits) and count_integer else None
     ints, int_ops = (sum(cov.integer_ops.values()), cov.integer_ops) if cov is not None else (None, {})
     init = {t.name for t in m.graph.initializer}
     inputs = [i for i in m.graph.input if i.name not in init]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from compress.errors import CompressError, ExportError
 from export.describe import describe_onnx
 from export.qdq import is_quantized, iter_quantizers
 from export.records import ExportRecord, Role, ValidationRecord
+from export.runtimes import ort_coverage
 from export.specs import ExportSpec, ValidateSpec
 
 log = logging.getLogger(__name__)
@@ -62,15 +62,11 @@ def export_generation(
         suffix, fmt, precision = _KINDS[weights]
         path = export_llm_onnx(m, out_dir / f"{name}{suffix}.onnx", weights=weights,  # type: ignore[arg-type]
                                accuracy_level=spec.accuracy_level)
-        rec = describe_onnx(path, role=role, count_integer=weights == "w8a8")
-        if weights != "fp32" and not rec.integer_ops:
-            # int4 (MatMulNBits) and per-token W8A8 (MatMulInteger) are integer ops in the file as
-            # written; only static QDQ needs ORT's fusion to become one (counted by describe_onnx)
-            import onnx
-
-            ops = Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node
-                          if n.op_type in ("MatMulNBits", "MatMulInteger"))
-            rec.integer_nodes, rec.integer_ops = sum(ops.values()), dict(ops)
+        rec = describe_onnx(path, role=role, count_integer=False)
+        if weights != "fp32":  # integer ops as ORT runs the file; what stays float is named
+            cov = ort_coverage(path)
+            rec.integer_nodes, rec.integer_ops, rec.float_nodes = (sum(cov.integer_ops.values()), cov.integer_ops,
+                                                                    cov.float_nodes)
         records.append(rec.model_copy(update={"format": fmt, "precision": precision}))
         log.info("export %s: %s %s, %d bytes", role, path.name, fmt, rec.size_bytes)
     return records

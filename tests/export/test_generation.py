@@ -40,6 +40,8 @@ def test_int4_generation_files_are_validated_against_pytorch_and_the_fp32_file(t
         ("baseline", "m.fp32.onnx", "onnx-generation-fp32", "fp32"),
     ]
     assert recs[0].integer_ops == {"MatMulNBits": 14}  # 2 layers x q/k/v/o/gate/up/down; lm_head float
+    # named as float: per layer the two attention matmuls, and lm_head (weight-only: activations are float)
+    assert sum("MatMul" in n.split(":")[0] for n in recs[0].float_nodes) == 5  # FusedMatMul: scaled q @ k^T
     prompts = torch.randint(0, 128, (3, 12), generator=torch.Generator().manual_seed(1)).numpy()
     vals = validate_generation(recs, ValidateSpec(runs=2, warmup=1, generate_tokens=6), prompts, reference=q,
                                baseline_reference=fp)
