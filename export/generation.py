@@ -123,8 +123,8 @@ def validate_generation(
     """Each generation file in ONNX Runtime: greedy continuations of ``prompts`` against the PyTorch
     model behind it (``parity``: ``top1_agreement`` = generated tokens equal position by position,
     ``prompts_identical``), prefill and decode latency timed interleaved over ``spec.runs`` after
-    ``spec.warmup`` (``latency_ms``/``speedup`` keyed by batch 1 read as decode per token; the prefill
-    figures under ``parity``-free ``generation``), and the size against the baseline file."""
+    ``spec.warmup`` (all figures in ``generation``; ``latency_ms``/``speedup`` hold the decode time per
+    token under key 1, so ``min_speedup`` reads decode speed), and the size against the baseline file."""
     from export.llm_onnx import OrtGenerator, generate_ort
     from export.runtimes import default_threads
 
