@@ -277,3 +277,26 @@ def test_linear_then_batchnorm_over_features_folds_exactly() -> None:
     for _, fq in quantizers(q):
         fq.enabled = False
     torch.testing.assert_close(q(x), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme,calibrated", [("w4_weight_only_g128", False), ("w8a8_dynamic", True)])
+def test_gpt2_conv1d_layers_are_quantized_without_the_graph_too(scheme: str, calibrated: bool) -> None:
+    """Weight-only and dynamic schemes place no graph: GPT-2's Conv1D becomes an equal Linear and is
+    quantized like one (it used to stay float with 'prepared 0 modules')."""
+    transformers = pytest.importorskip("transformers")
+    import compress
+    from quantization.calibration import float_mode
+
+    torch.manual_seed(0)
+    fp = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                                              n_positions=64)).eval()
+    x = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = fp(x).logits
+    q = compress.quantize(copy.deepcopy(fp), scheme, [x] if calibrated else None, ignore=["lm_head"])
+    quantized = sorted(n for n, m in q.named_modules() if isinstance(m, QuantLinear))
+    assert len(quantized) == 8 and all(n.split(".")[-1] in ("c_attn", "c_proj", "c_fc") for n in quantized)
+    with torch.no_grad(), float_mode(q):  # quantizers off: the Linears compute what the Conv1Ds did
+        assert torch.allclose(q(x).logits, ref, atol=1e-5)
+    with torch.no_grad():
+        assert not torch.allclose(q(x).logits, ref, atol=1e-4)
