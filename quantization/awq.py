@@ -46,6 +46,7 @@ from quantization.primitives import (
     dynamic_qparams,
     fake_quantize,
     fake_quantize_spec,
+    group_size_for,
     qparams_from_range,
     to_groups,
 )
@@ -176,10 +177,14 @@ def _fold_is_exact(
     return err < tol
 
 
+def _group_width(w: torch.Tensor, spec: QuantSpec) -> int:
+    """Input features per scale of weight ``w``: the group size, or the whole row when not grouped."""
+    return group_size_for(w, spec) if spec.granularity == "group" else w.shape[1]
+
+
 def _weight_importance(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """Mean over rows of |w| normalized by its group's max (AutoAWQ's ``w_mean``), per input channel."""
-    gs = spec.group_size if spec.granularity == "group" and spec.group_size else w.shape[1]
-    g = to_groups(w.abs(), min(gs, w.shape[1]))
+    g = to_groups(w.abs(), _group_width(w, spec))
     g = g / g.amax(dim=-1, keepdim=True).clamp_min(1e-12)
     return g.reshape(w.shape[0], -1)[:, : w.shape[1]].mean(0)
 
@@ -269,7 +274,7 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, params: 
     """Per (output channel, group) clipping bound of ``weight`` minimizing each group's output error on
     rows ``x``; returns the bound ``[out, G]`` (the unclipped max where clipping does not help)."""
     w = weight.detach().float()
-    gs = min(spec.group_size or w.shape[1], w.shape[1]) if spec.granularity == "group" else w.shape[1]
+    gs = _group_width(w, spec)
     xt = to_groups(x.float(), gs)  # [n, G, gs]
     bounds = []
     # output channels per chunk: the [b, n, G, gs] products stay within ~64 MB
@@ -294,8 +299,7 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, params: 
 
 def clip_weight(w: torch.Tensor, bound: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """``w`` clipped to ``[-bound, bound]`` per (output channel, group), as :func:`search_clip` returns it."""
-    gs = min(spec.group_size or w.shape[1], w.shape[1]) if spec.granularity == "group" else w.shape[1]
-    wg = to_groups(w, gs)
+    wg = to_groups(w, _group_width(w, spec))
     out = torch.maximum(torch.minimum(wg, bound.unsqueeze(-1)), -bound.unsqueeze(-1))
     return out.reshape(w.shape[0], -1)[:, : w.shape[1]]
 
@@ -312,32 +316,33 @@ def _guard_clips(
     recorded: dict[str, list[tuple[Any, Any, torch.Tensor]]], scale_of: dict[str, torch.Tensor],
 ) -> set[str]:
     """The Linears whose clip raises the error at their group's inspected module (rounded weights,
-    the group's other clips as decided so far; ``scale_of``: the scales folded into them): each Linear's local clip search cannot see what its
-    error does downstream (q/k through a softmax)."""
+    the group's other clips as decided so far; ``scale_of``: the scales folded into them): each
+    Linear's local clip search cannot see what its error does downstream (q/k through a softmax)."""
     rejected: set[str] = set()
     for g in groups:
         names = [c for c in g.consumers if c in clipped]
-        calls = recorded.get(_common_scope(g.consumers))
+        scope = _common_scope(g.consumers)
+        calls = recorded.get(scope)
         if not names or not calls:
             continue
-        lins = [linears[c] for c in g.consumers]
-        error = ModuleOutputError(layer.get_submodule(_common_scope(g.consumers)), lins, calls)
+        error = ModuleOutputError(layer.get_submodule(scope), [linears[c] for c in g.consumers], calls)
         current = {c: clipped.get(c, linears[c].weight.detach()) for c in g.consumers}
-
-        def err(cur: dict[str, torch.Tensor], lins: list[QuantLinear] = lins,
-                error: ModuleOutputError = error) -> torch.Tensor:
-            out = error([_rounded(cur[c], lin, scale_of.get(c)) for c, lin in zip(cur, lins, strict=True)])
-            _all_sum(out)  # every rank keeps the same clips
-            return out
-
-        best = err(current)
+        best = _group_error(error, current, linears, scale_of)
         for c in names:
             trial = {**current, c: linears[c].weight.detach()}
-            e = err(trial)
+            e = _group_error(error, trial, linears, scale_of)
             if e < best:
                 best, current = e, trial
                 rejected.add(c)
     return rejected
+
+
+def _group_error(error: ModuleOutputError, weights: dict[str, torch.Tensor], linears: dict[str, QuantLinear],
+                 scale_of: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``error`` with the group's Linears holding ``weights`` (by name, group order), rounded."""
+    out = error([_rounded(w, linears[c], scale_of.get(c)) for c, w in weights.items()])
+    _all_sum(out)  # every rank keeps the same clips
+    return out
 
 
 def _sample_rows(x: torch.Tensor, n: int, seed: int) -> torch.Tensor:
