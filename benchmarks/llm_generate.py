@@ -32,7 +32,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -102,22 +101,6 @@ def agreement(got: torch.Tensor, ref: torch.Tensor, start: int) -> dict[str, int
             "tokens_equal": int((g == r).sum()), "tokens": int(g.numel())}
 
 
-def time_variant(gen: Any, ids: np.ndarray, new: int) -> tuple[float, float, list[int]]:
-    """(prefill ms, median decode ms per token, generated tokens) of one greedy run."""
-    t0 = time.perf_counter()
-    logits = gen.prefill(ids)
-    prefill = (time.perf_counter() - t0) * 1e3
-    toks: list[int] = []
-    steps = []
-    for _ in range(new):
-        nxt = logits.argmax(-1).astype(np.int64)
-        toks.append(int(nxt[0]))
-        t0 = time.perf_counter()
-        logits = gen.step(nxt)
-        steps.append((time.perf_counter() - t0) * 1e3)
-    return prefill, statistics.median(steps), toks
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.llm_generate", description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=list(SIZES), default="reference")
@@ -132,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import compress
-    from export.generation import torch_greedy
+    from export.generation import time_generation, torch_greedy
     from export.llm_onnx import OrtGenerator, export_llm_onnx, generate_ort
 
     model, what, tok = load_model(args.size, args.model)
@@ -167,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     gens = {name: OrtGenerator(path, threads=args.threads) for name, path in files.items()}
     for gen in gens.values():  # warm-up: first runs allocate and pick kernels
-        time_variant(gen, ids, 4)
+        time_generation(gen, ids, 4)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in gens}
     agree = {
         name: agreement(generate_ort(gen, prompts, max_new_tokens=args.new), hf[reference_of[name]], prompts.shape[1])
@@ -176,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     for _ in range(args.repeats):
         for name, gen in gens.items():  # interleaved: every repeat times each variant back to back
-            pre, dec, _ = time_variant(gen, ids, args.new)
+            pre, dec = time_generation(gen, ids, args.new)
             runs[name].append((pre, dec))
     load_after = os.getloadavg()[0]
     rows = []

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from compress.errors import CompressError, RecipeError
+from compress.errors import RecipeError
 from compress.io import atomic_write_text
 from compress.profile import count_macs, count_params, deployed_size_bytes
 from compress.recipe import Recipe, load_recipe
@@ -345,15 +345,8 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
         from export.generation import prompts_from, validate_generation
 
         cfg = getattr(model, "config", None)
-        new = r.validate_.generate_tokens
-        window = next(iter(run.data.eval))
-        x = window[0] if isinstance(window, (tuple, list)) else window
-        seq = int((x["input_ids"] if isinstance(x, dict) else x).shape[-1])
-        # prompt + generated tokens stay inside the windows (and the context) the model was measured on
-        length = min(seq, int(getattr(cfg, "max_position_embeddings", seq + new))) - new
-        if length < 1:
-            raise CompressError(f"validate.generate_tokens: {new} tokens leave no prompt in {seq}-token eval windows")
-        prompts = prompts_from(run.data.eval, count=4, length=length)
+        prompts = prompts_from(run.data.eval, count=4, new_tokens=r.validate_.generate_tokens,
+                               max_positions=getattr(cfg, "max_position_embeddings", None))
         gvals = validate_generation(records, r.validate_, prompts, reference=model, baseline_reference=reference)
         report.validation = [v.model_copy(update={"model_path": _rel(v.model_path, out)}) for v in gvals]
         return

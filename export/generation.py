@@ -72,18 +72,21 @@ def export_generation(
     return records
 
 
-def prompts_from(batches: Any, *, count: int, length: int) -> np.ndarray:
-    """``[count, length]`` prompt ids: the first ``length`` tokens of the first eval windows."""
+def prompts_from(batches: Any, *, count: int, new_tokens: int, max_positions: int | None = None) -> np.ndarray:
+    """``[count, length]`` prompt ids from the first eval windows: as long as leaves room for
+    ``new_tokens`` inside the windows (and ``max_positions``, the model's context), the length the
+    model was measured on."""
     rows: list[torch.Tensor] = []
     for batch in batches:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        ids = x["input_ids"] if isinstance(x, Mapping) else x
-        rows.extend(ids[:, :length])
+        rows.extend(x["input_ids"] if isinstance(x, Mapping) else x)
         if len(rows) >= count:
             break
-    if not rows or rows[0].numel() < length:
-        raise CompressError(f"validate: generation needs eval windows of at least {length} tokens")
-    return torch.stack(rows[:count]).long().numpy()
+    seq = int(rows[0].numel()) if rows else 0
+    length = min(seq, max_positions or seq) - new_tokens
+    if length < 1:
+        raise CompressError(f"validate.generate_tokens: {new_tokens} tokens leave no prompt in {seq}-token eval windows")
+    return torch.stack([r[:length] for r in rows[:count]]).long().numpy()
 
 
 def torch_greedy(model: nn.Module, prompts: np.ndarray, new: int) -> torch.Tensor:
@@ -103,15 +106,17 @@ def torch_greedy(model: nn.Module, prompts: np.ndarray, new: int) -> torch.Tenso
     return torch.cat(tokens, dim=1)
 
 
-def _timed(gen: Any, ids: np.ndarray, new: int) -> tuple[float, float]:
-    """(prefill ms, median decode ms per token) of one greedy run of ``ids``."""
+def time_generation(gen: Any, ids: np.ndarray, new: int) -> tuple[float, float]:
+    """(prefill ms, median decode ms per token) of one greedy run of ``ids`` on an OrtGenerator
+    (the argmax between steps is not timed)."""
     t0 = time.perf_counter()
     logits = gen.prefill(ids)
     prefill = (time.perf_counter() - t0) * 1e3
     steps = []
     for _ in range(new):
+        nxt = logits.argmax(-1).astype(np.int64)
         t0 = time.perf_counter()
-        logits = gen.step(logits.argmax(-1).astype(np.int64))
+        logits = gen.step(nxt)
         steps.append((time.perf_counter() - t0) * 1e3)
     return prefill, statistics.median(steps)
 
@@ -150,11 +155,11 @@ def validate_generation(
     ids = prompts[:1]
     for _ in range(spec.warmup):
         for g in gens.values():
-            _timed(g, ids, min(new, 4))
+            time_generation(g, ids, min(new, 4))
     runs: dict[str, list[tuple[float, float]]] = {role: [] for role in gens}
     for _ in range(spec.runs):
         for role, g in gens.items():  # interleaved: each repeat times every file back to back
-            runs[role].append(_timed(g, ids, new))
+            runs[role].append(time_generation(g, ids, new))
     med = {role: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for role, v in runs.items()}
     base = next((r for r in records if r.role == "baseline"), None)
     out = []
