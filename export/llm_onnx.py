@@ -1,4 +1,4 @@
-"""ONNX export of decoder-only LLMs (Llama, Qwen2/Qwen3, Mistral, Phi-3) for generation with a key/value cache.
+"""ONNX export of decoder-only LLMs (Llama, Qwen2/Qwen3, Mistral, Phi-3, GPT-2) for generation with a key/value cache.
 
 ``export_llm_onnx(model, path, weights="int4")`` writes a graph that ONNX Runtime runs step by step:
 
@@ -13,8 +13,10 @@ does) and attention is causal over past and new tokens, padding masked out, so b
 of different lengths run left-padded. The graph is traced from
 :class:`KVDecoder`, a hand-written forward over the model's own modules (embeddings, RMSNorms,
 projections, MLPs, rotary frequencies), because transformers' cache objects do not trace into a
-graph with explicit past tensors. Rotary embeddings use the model's precomputed ``inv_freq`` and
-``attention_scaling`` (default, linear and llama3 RoPE; dynamic RoPE is refused).
+graph with explicit past tensors; where each family keeps those parts is data (:data:`LAYOUTS`).
+Rotary embeddings use the model's precomputed ``inv_freq`` and ``attention_scaling`` (default,
+linear and llama3 RoPE; dynamic RoPE is refused); GPT-2's learned position table is indexed by the
+same positions.
 
 Weights: ``"int4"`` writes every weight-only 4-bit QuantLinear as ``com.microsoft.MatMulNBits``
 (bits 4, block size = the group size, float32 scales, packed uint8 zero points when asymmetric;
@@ -37,6 +39,7 @@ import copy
 import logging
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,7 +58,6 @@ from quantization.int4 import (
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 Weights = Literal["int4", "fp32", "w8a8"]
 
 
@@ -159,8 +161,35 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a decoder family keeps its parts (attribute names), read by :class:`KVDecoder`."""
+
+    base: str = "model"  # the decoder stack under the LM head
+    layers: str = "layers"
+    embed: str = "embed_tokens"
+    positions: str | None = None  # a learned absolute position table (GPT-2's wpe); None: rotary
+    attn: str = "self_attn"
+    attn_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    out_proj: str = "o_proj"
+    final_norm: str = "norm"
+
+
+#: the families :func:`export_llm_onnx` writes; Qwen3's q/k norms and fused qkv projections
+#: (Phi-3's ``qkv_proj``, GPT-2's ``c_attn``) are found on the attention module itself
+LAYOUTS: dict[str, Layout] = {
+    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "phi3"), Layout()),
+    "gpt2": Layout(base="transformer", layers="h", embed="wte", positions="wpe", attn="attn", attn_norm="ln_1",
+                   mlp_norm="ln_2", out_proj="c_proj", final_norm="ln_f"),
+}
+SUPPORTED = tuple(LAYOUTS)
+
+
 class KVDecoder(nn.Module):
-    """``(input_ids, attention_mask, *past) -> (logits, *present)`` over a transformers Llama-family causal LM."""
+    """``(input_ids, attention_mask, *past) -> (logits, *present)`` over a transformers causal LM of a
+    :data:`LAYOUTS` family: pre-norm blocks, rotary or learned absolute positions, GQA, fused or
+    separate q/k/v projections."""
 
     lm: Any  # a transformers causal LM (its submodules are reached by attribute)
     inv_freq: torch.Tensor
@@ -169,25 +198,29 @@ class KVDecoder(nn.Module):
         super().__init__()
         cfg = check_decoder(model)
         self.lm = model
+        self.layout = LAYOUTS[cfg.model_type]
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
-        self.n_kv = cfg.num_key_value_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rot: Any = self.lm.model.rotary_emb
-        self.register_buffer("inv_freq", rot.inv_freq.detach().float().clone(), persistent=False)
+        self.rotary = self.layout.positions is None
+        rot: Any = getattr(self.base, "rotary_emb", None)
+        inv = rot.inv_freq.detach().float().clone() if self.rotary else torch.zeros(0)
+        self.register_buffer("inv_freq", inv, persistent=False)
         self.rope_scaling = float(getattr(rot, "attention_scaling", 1.0))
         self.windows = sliding_windows(cfg)
 
+    @property
+    def base(self) -> Any:
+        return getattr(self.lm, self.layout.base)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        base = self.lm.model
+        base, lay = self.base, self.layout
         b, s = input_ids.shape
         p = past[0].shape[2]
         # positions count real tokens only (left padding), as transformers' generate derives them
         seen = torch.cumsum(attention_mask, dim=-1) - 1
         pos = seen[:, p:].clamp(min=0)  # [B, S]
-        freqs = pos[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D]
-        cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
         t = p + s
         causal = torch.arange(t, device=input_ids.device)[None, :] > (torch.arange(s, device=input_ids.device) + p)[:, None]
         masked = causal[None] | (attention_mask[:, None, :] == 0)  # [B, S, T]: future keys and padding
@@ -197,34 +230,44 @@ class KVDecoder(nn.Module):
         behind = (torch.arange(s, device=input_ids.device) + p)[:, None] - torch.arange(t, device=input_ids.device)[None, :]
         window_mask = {w: ((masked | (behind >= w)[None]).float() * lowest)[:, None]
                        for w in set(self.windows) if w is not None}
-        h = base.embed_tokens(input_ids)
+        h = getattr(base, lay.embed)(input_ids)
+        if self.rotary:
+            freqs = pos[..., None].float() * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D]
+            cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        else:
+            h = h + getattr(base, lay.positions)(pos)  # type: ignore[arg-type]
         presents: list[torch.Tensor] = []
-        for i, layer in enumerate(base.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
+        for i, layer in enumerate(getattr(base, lay.layers)):
+            attn = getattr(layer, lay.attn)
+            x = getattr(layer, lay.attn_norm)(h)
             q, k, v = self._qkv(attn, x)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            if self.rotary:
+                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             k = torch.cat([past[2 * i], k], dim=2)
             v = torch.cat([past[2 * i + 1], v], dim=2)
             presents += [k, v]
             rep = self.n_heads // self.n_kv
-            kr = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
-            vr = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+            if rep > 1:
+                k = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+                v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
             w = self.windows[i]
-            scores = torch.matmul(q, kr.transpose(2, 3)) * attn.scaling + (mask if w is None else window_mask[w])
+            scores = torch.matmul(q, k.transpose(2, 3)) * attn.scaling + (mask if w is None else window_mask[w])
             probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-            o = torch.matmul(probs, vr).transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
-            h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        logits = self.lm.lm_head(base.norm(h))
+            o = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
+            h = h + getattr(attn, lay.out_proj)(o)
+            h = h + layer.mlp(getattr(layer, lay.mlp_norm)(h))
+        logits = self.lm.lm_head(getattr(base, lay.final_norm)(h))
         return (logits, *presents)
 
     def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Heads ``[B, H, S, D]`` of q, k, v: separate projections, or Phi-3's fused ``qkv_proj``;
+        """Heads ``[B, H, S, D]`` of q, k, v: separate projections, or a fused one (Phi-3's ``qkv_proj``,
+        GPT-2's ``c_attn``: ``[q | k | v]``);
         Qwen3's per-head RMSNorms on q and k (before RoPE) where the attention has them."""
         b, s = x.shape[:2]
-        if hasattr(attn, "qkv_proj"):
-            qkv = attn.qkv_proj(x)
+        fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
+        if fused is not None:
+            qkv = fused(x)
             nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
             q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
         else:
@@ -257,12 +300,17 @@ def check_decoder(model: nn.Module) -> Any:
     """The model's config if it is a supported decoder, else UnsupportedModelError saying why."""
     cfg = getattr(model, "config", None)
     kind = getattr(cfg, "model_type", None)
-    if cfg is None or kind not in SUPPORTED:
+    if cfg is None or kind not in LAYOUTS:
         raise UnsupportedModelError(
             f"LLM ONNX export supports transformers {', '.join(SUPPORTED)} causal LMs (got {kind or type(model).__name__})"
         )
-    if not hasattr(model, "lm_head") or not hasattr(getattr(model, "model", None), "rotary_emb"):
-        raise UnsupportedModelError(f"{type(model).__name__}: expected .model (with rotary_emb) and .lm_head")
+    lay = LAYOUTS[kind]
+    base = getattr(model, lay.base, None)
+    if not hasattr(model, "lm_head") or base is None or (lay.positions is None and not hasattr(base, "rotary_emb")):
+        need = f".{lay.base}" + (" (with rotary_emb)" if lay.positions is None else "")
+        raise UnsupportedModelError(f"{type(model).__name__}: expected {need} and .lm_head")
+    if getattr(cfg, "add_cross_attention", False):
+        raise UnsupportedModelError(f"{type(model).__name__}: has cross-attention; only decoder-only LMs are exported")
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type", "default") in ("dynamic", "longrope"):
         raise UnsupportedModelError(f"RoPE type '{rope['rope_type']}' changes with the sequence length; not exported")
@@ -337,7 +385,7 @@ def export_llm_onnx(
     opset: int = 17,
     check: bool = True,
 ) -> Path:
-    """Write ``model`` (a transformers Llama/Qwen2/Mistral causal LM, float or weight-only fake-quant)
+    """Write ``model`` (a transformers causal LM of a :data:`LAYOUTS` family, float or fake-quant)
     as a single ONNX file with past/present key-value tensors. Returns the path.
 
     ``weights="int4"`` writes weight-only 4-bit layers as MatMulNBits (``accuracy_level`` is its

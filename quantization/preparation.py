@@ -127,13 +127,13 @@ def prepare(
         raise CompressError(f"{where}: the model is already quantized; strip() it first")
     get_profile(target)
     graph_mode = scheme.static_activations
-    if not graph_mode:
-        # without the traced graph, transformers' Conv1D (GPT-2) has no layer type to swap and would
-        # stay float unnoticed; as a Linear (exact: the weight transposed) it quantizes like one, as
-        # the sequential GPTQ/AWQ path does. The graph path quantizes Conv1D at its functional call.
-        from quantization.sequential import linearize_conv1d
+    # transformers' Conv1D (GPT-2) has no layer type to swap: as a Linear (exact: the weight
+    # transposed) it quantizes like one under every scheme, as the sequential GPTQ/AWQ path does, and
+    # the LLM generation export finds Linears. (The graph path could quantize it at its functional
+    # call, as it does for layers it cannot swap, but that weight is then not a layer of its own.)
+    from quantization.sequential import linearize_conv1d
 
-        linearize_conv1d(model)
+    linearize_conv1d(model)
     call = example_args(example_inputs) if example_inputs is not None and graph_mode else None
     graph0 = _trace_eval(model, *call) if call is not None else None
     flow = layers_by_flow(graph0) if graph0 is not None else None

@@ -171,3 +171,41 @@ def test_qwen3_norms_and_phi3_fused_projections_generate_as_transformers_does(fa
     (val,) = validate_generation(recs, ValidateSpec(runs=1, warmup=0, generate_tokens=8), ids.numpy(), reference=q,
                                  baseline_reference=None)
     assert val.parity == {"top1_agreement": 1.0, "prompts_identical": 1.0}
+
+
+def test_gpt2_learned_positions_and_fused_c_attn_generate_as_transformers_does(tmp_path: Path) -> None:
+    """GPT-2: absolute position table (indexed past the left padding, as generate does), LayerNorm,
+    fused ``c_attn``, attention scaled by the inverse layer index. The decoder's logits equal
+    transformers'; int4 and static W8A8 files generate the fake-quant model's tokens in integer ops."""
+    import transformers
+
+    import compress
+    from export.generation import export_generation, validate_generation
+    from export.llm_onnx import KVDecoder
+    from export.specs import ExportSpec, ValidateSpec
+    from quantization.api import QuantizeParams
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  scale_attn_by_inverse_layer_idx=True, bos_token_id=1, eos_token_id=2)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    dec = KVDecoder(model).eval()
+    with torch.no_grad():
+        ours = dec(ids, mask, *dec.empty_past(2))[0]
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    assert torch.allclose(ours[mask.bool()], ref[mask.bool()], atol=1e-4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # tied to wte: embeddings and logits scale together
+    calib = [torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    w8 = {"preset": "w8a8", "weights": {"reduce_range": True}}
+    for scheme, want in (("w4_weight_only_g128", {"MatMulNBits": 8}), (w8, {"MatMulIntegerToFloat": 8})):
+        q = compress.quantize(copy.deepcopy(model), scheme, calib, ignore=["lm_head"],  # type: ignore[arg-type]
+                              params=QuantizeParams(quantize_ops=False))
+        recs = export_generation(q, ExportSpec(generation=True, baseline=False), tmp_path / str(want), name="m")
+        assert recs[0].integer_ops == want
+        (val,) = validate_generation(recs, ValidateSpec(runs=1, warmup=0, generate_tokens=8), ids.numpy(),
+                                     reference=q, baseline_reference=None)
+        assert val.parity == {"top1_agreement": 1.0, "prompts_identical": 1.0}, scheme

@@ -113,9 +113,10 @@ def test_refuses_what_it_cannot_export(tmp_path: Path) -> None:
         export_llm_onnx(_model("llama", None), tmp_path / "b.onnx", weights="int4")
     with pytest.raises(UnsupportedModelError, match="W8A8"):
         export_llm_onnx(_model("llama", "w8a8_dynamic"), tmp_path / "c.onnx")
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64))
-    with pytest.raises(UnsupportedModelError, match="supports transformers llama"):
-        export_llm_onnx(gpt2, tmp_path / "d.onnx", weights="fp32")
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(hidden_size=32, num_hidden_layers=1, ffn_dim=64,
+                                                             num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32))
+    with pytest.raises(UnsupportedModelError, match=r"supports transformers llama, .*gpt2 causal LMs \(got opt\)"):
+        export_llm_onnx(opt, tmp_path / "d.onnx", weights="fp32")
 
 
 def test_export_checks_the_file_in_ort(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

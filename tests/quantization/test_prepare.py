@@ -279,10 +279,11 @@ def test_linear_then_batchnorm_over_features_folds_exactly() -> None:
     torch.testing.assert_close(q(x), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("scheme,calibrated", [("w4_weight_only_g128", False), ("w8a8_dynamic", True)])
-def test_gpt2_conv1d_layers_are_quantized_without_the_graph_too(scheme: str, calibrated: bool) -> None:
-    """Weight-only and dynamic schemes place no graph: GPT-2's Conv1D becomes an equal Linear and is
-    quantized like one (it used to stay float with 'prepared 0 modules')."""
+@pytest.mark.parametrize("scheme,calibrated", [("w4_weight_only_g128", False), ("w8a8_dynamic", True),
+                                               ("w8a8", True)])
+def test_gpt2_conv1d_layers_become_quantized_linears_under_every_scheme(scheme: str, calibrated: bool) -> None:
+    """GPT-2's Conv1D becomes an equal Linear and is quantized like one, with or without the traced
+    graph (weight-only and dynamic schemes used to leave it float with 'prepared 0 modules')."""
     transformers = pytest.importorskip("transformers")
     import compress
     from quantization.calibration import float_mode
