@@ -44,9 +44,11 @@ def generation_weights(model: nn.Module) -> str:
 
 def export_generation(
     model: nn.Module, spec: ExportSpec, out_dir: Path, *, name: str = "model", baseline: nn.Module | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> list[ExportRecord]:
     """Write ``out_dir/NAME.{int4,w8a8,fp32}.onnx`` for ``model`` and, with ``spec.baseline``, the fp32
-    ``baseline`` as ``NAME.fp32.onnx``; each file is checked in ONNX Runtime against the traced module."""
+    ``baseline`` as ``NAME.fp32.onnx``; each file is checked in ONNX Runtime against the traced module
+    and carries ``compress.role`` and ``metadata`` in its metadata_props."""
     from export.llm_onnx import export_llm_onnx
 
     out_dir = Path(out_dir)
@@ -61,7 +63,8 @@ def export_generation(
     for m, weights, role in jobs:
         suffix, fmt, precision = _KINDS[weights]
         path = export_llm_onnx(m, out_dir / f"{name}{suffix}.onnx", weights=weights,  # type: ignore[arg-type]
-                               accuracy_level=spec.accuracy_level)
+                               accuracy_level=spec.accuracy_level,
+                               metadata={"compress.role": role, **(metadata or {})})
         rec = describe_onnx(path, role=role, count_integer=False)
         if weights != "fp32":  # integer ops as ORT runs the file; what stays float is named
             cov = ort_coverage(path)

@@ -38,7 +38,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import tempfile
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -384,6 +386,7 @@ def export_llm_onnx(
     accuracy_level: int = 0,
     opset: int = 17,
     check: bool = True,
+    metadata: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``model`` (a transformers causal LM of a :data:`LAYOUTS` family, float or fake-quant)
     as a single ONNX file with past/present key-value tensors. Returns the path.
@@ -392,7 +395,9 @@ def export_llm_onnx(
     attribute: 0 computes in float32, 4 lets ORT's CPU kernel quantize activations to int8);
     ``"fp32"`` writes all weights in float32; ``"w8a8"`` writes Linears with quantized inputs as
     integer ops (module docstring). The model itself is not modified. ``check`` runs the file once
-    in ONNX Runtime against the traced PyTorch module (ExportError when they disagree).
+    in ONNX Runtime against the traced PyTorch module (ExportError when they disagree). The file's
+    ``metadata_props`` carry ``compress.precision`` (int4/int8/fp32), ``compress.kind`` (generation),
+    the toolkit version and ``metadata``; it is written whole or not at all.
     """
     if weights not in ("int4", "fp32", "w8a8"):
         raise ExportError(f"export_llm_onnx: weights must be 'int4', 'fp32' or 'w8a8' (got {weights!r})")
@@ -426,17 +431,28 @@ def export_llm_onnx(
         dyn[name] = {0: "batch", 2: "total_sequence"}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=out.parent, prefix=".llm_onnx.") as tmp:
         # the TorchScript exporter: custom ops export through autograd.Function.symbolic (the dynamo
         # exporter needs an onnxscript translation per op); the traced forward is our own code
         warnings.simplefilter("ignore")
+        traced = Path(tmp) / out.name
         torch.onnx.export(
-            dec, dec.dummy_inputs(1, 2, 3), str(out), input_names=inputs, output_names=outputs,
+            dec, dec.dummy_inputs(1, 2, 3), str(traced), input_names=inputs, output_names=outputs,
             dynamic_axes=dyn, opset_version=opset, dynamo=False, custom_opsets={"com.microsoft": 1} if counts["int4"] else None,
             # no folding: a tied lm_head stays one initializer shared with the embedding (folding writes a
             # transposed copy); ORT folds the weight transposes in memory when it loads the file
             do_constant_folding=False,
         )
+        import onnx
+
+        from export.edge import set_metadata
+        from export.onnx import atomic_save
+
+        proto = onnx.load(str(traced))
+        precision = {"int4": "int4" if counts["int4"] else "fp32", "w8a8": "int8", "fp32": "fp32"}[weights]
+        set_metadata(proto, {"compress.precision": precision, "compress.kind": "generation",
+                             "compress.model_type": str(m.config.model_type), **(metadata or {})})
+        atomic_save(proto, out)
     log.info("LLM ONNX (%s weights: %d W8A8, %d MatMulNBits, %d float Linears) written to %s", weights,
              counts["w8a8"], counts["int4"], counts["float"], out)
     if check:

@@ -134,7 +134,7 @@ def _export(
         props["compress.blocked_weights"] = str(blocked)
     edge.set_metadata(proto, props)
     _check(proto, path)
-    _atomic_save(proto, path)
+    atomic_save(proto, path)
     log.info("exported %s (%s, %d bytes)", path, _precision(quantized, fp16), path.stat().st_size)
     return path
 
@@ -376,7 +376,7 @@ def _check_writable(path: Path) -> None:
         raise ExportError(f"directory '{parent}' is not writable; cannot write '{path.name}'")
 
 
-def _atomic_save(proto: onnx.ModelProto, path: Path) -> None:
+def atomic_save(proto: onnx.ModelProto, path: Path) -> None:
     """Write to temp files beside ``path`` then ``os.replace``: never a half-written model. Above
     2 GB the weights go to ``<name>.data`` beside the model (protobuf cannot hold them)."""
     external = proto.ByteSize() >= _SINGLE_FILE_LIMIT

@@ -44,7 +44,7 @@ def export_model(
     if spec.generation:
         from export.generation import export_generation
 
-        return export_generation(model, spec, Path(out_dir), name=name, baseline=baseline)
+        return export_generation(model, spec, Path(out_dir), name=name, baseline=baseline, metadata=metadata)
     out_dir = Path(out_dir)
     records: list[ExportRecord] = []
     quantized = is_quantized(model)

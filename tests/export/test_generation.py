@@ -34,11 +34,20 @@ def test_int4_generation_files_are_validated_against_pytorch_and_the_fp32_file(t
     fp = _llama()
     q = compress.quantize(copy.deepcopy(fp), "w4_weight_only_g128", ignore=["lm_head"])
     assert (generation_weights(q), generation_weights(fp)) == ("int4", "fp32")
-    recs = export_generation(q, ExportSpec(generation=True), tmp_path, name="m", baseline=fp)
+    recs = export_generation(q, ExportSpec(generation=True), tmp_path, name="m", baseline=fp,
+                             metadata={"recipe": "r1"})
     assert [(r.role, r.path.name, r.format, r.precision) for r in recs] == [
         ("final", "m.int4.onnx", "onnx-generation-int4", "int4"),
         ("baseline", "m.fp32.onnx", "onnx-generation-fp32", "fp32"),
     ]
+    import onnx
+
+    for r in recs:  # the files say what they are, as the single-pass exports do; no temp files are left
+        props = {p.key: p.value for p in onnx.load(str(r.path), load_external_data=False).metadata_props}
+        assert {k: props.get(k) for k in ("compress.role", "compress.precision", "compress.kind", "recipe")} == {
+            "compress.role": r.role, "compress.precision": r.precision, "compress.kind": "generation", "recipe": "r1"}
+        assert "compress.version" in props
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.fp32.onnx", "m.int4.onnx"]
     assert recs[0].integer_ops == {"MatMulNBits": 14}  # 2 layers x q/k/v/o/gate/up/down; lm_head float
     # named as float: per layer the two attention matmuls, and lm_head (weight-only: activations are float)
     assert sum("MatMul" in n.split(":")[0] for n in recs[0].float_nodes) == 5  # FusedMatMul: scaled q @ k^T
