@@ -175,7 +175,12 @@ def smooth_quant(
                 mod.weight.copy_(r * s.to(r.dtype))
             producer = producers.get(names[0])
             if producer is not None and not torch.all(s == 1):
-                divide_output_channels(root.get_submodule(producer), s)
+                made_by = root.get_submodule(producer)
+                divide_output_channels(made_by, s)
+                if getattr(made_by, "weight_quantizer", None) is not None:
+                    # a quantized producer (up_proj before down_proj): its rows changed after its own
+                    # weight scales were fitted; stale scales would clip the rows that grew
+                    calibrate_weight(made_by)
         if producer is not None:
             set_smoothing(root, names, None)
         else:

@@ -86,6 +86,12 @@ def test_smoothquant_folds_into_the_decoder_and_keeps_its_float_function() -> No
         for name in ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.down_proj"):
             iq = input_quantizer(sq, f"model.layers.0.{name}")
             assert iq is not None and iq.pre_quant_scale is None, name
+        # up_proj's rows were divided after its weight scales were fitted: they are fitted again
+        up = layer.mlp.up_proj
+        fresh = copy.deepcopy(up.weight_quantizer)
+        fresh.observe(up.weight)
+        fresh.compute_qparams()
+        torch.testing.assert_close(up.weight_quantizer.scale, fresh.scale)
         o = input_quantizer(sq, "model.layers.0.self_attn.o_proj")  # GQA: no exact fold, a Mul
         assert o is not None and o.pre_quant_scale is not None
         # o_proj's input is quantized once: its reshapes no longer quantize the unsmoothed tensor first
