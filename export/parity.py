@@ -27,11 +27,20 @@ class Parity:
         self.agree_rows = 0
         self.nonfinite = 0
 
-    def update(self, reference: np.ndarray, output: np.ndarray) -> None:
+    def update(self, reference: np.ndarray, output: np.ndarray, *, mask: np.ndarray | None = None) -> None:
+        """Add one batch. ``mask`` ``[B, S]`` (an attention mask: 0 = padding) leaves the padded
+        positions of ``[B, S, ...]`` outputs out of every figure: what a model computes for padding
+        is discarded downstream (pooling, the next token), and with short sentences it would
+        dominate the per-row cosine. A mask whose shape does not lead the output's is ignored."""
         ref = np.asarray(reference, dtype=np.float64)
         out = np.asarray(output, dtype=np.float64)
         if ref.shape != out.shape:
             raise ValueError(f"output shape {out.shape} differs from the reference's {ref.shape}")
+        keep = None
+        if mask is not None and out.ndim >= 2 and tuple(np.shape(mask)) == out.shape[:2]:
+            keep = (np.asarray(mask) != 0).reshape(out.shape[:2] + (1,) * (out.ndim - 2))
+            keep = np.broadcast_to(keep, out.shape)
+            ref, out = np.where(keep, ref, 0.0), np.where(keep, out, 0.0)
         finite = np.isfinite(out)
         self.nonfinite += int(out.size - finite.sum())
         out = np.where(finite, out, 0.0)
@@ -39,7 +48,7 @@ class Parity:
         if diff.size:
             self.max_abs = max(self.max_abs, float(np.abs(diff).max()))
         self.abs_sum += float(np.abs(diff).sum())
-        self.numel += diff.size
+        self.numel += diff.size if keep is None else int(keep.sum())
         self.signal += float((ref**2).sum())
         self.noise += float((diff**2).sum())
         n = ref.shape[0] if ref.ndim else 1

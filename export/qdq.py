@@ -138,6 +138,19 @@ class ActivationQDQ(nn.Module):
         return torch.ops.compress_export.qdq(x, self.scale, self.zero_point, self.axis)
 
 
+class PreScale(nn.Module):
+    """Stands in for a disabled activation quantizer that carries a SmoothQuant factor: the Mul only."""
+
+    is_quantizer = True
+
+    def __init__(self, pre_scale: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("pre_scale", pre_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.pre_scale.to(x.dtype)
+
+
 @dataclass
 class QDQSummary:
     """What the swap did, for logs and the export record."""
@@ -271,7 +284,9 @@ def swap_quantizers(model: nn.Module, *, activation_dtype: ActDtype = "uint8", r
             where = f"{pname}.{cname}" if pname else cname
             q: Any = child
             if not q.enabled:
-                setattr(parent, cname, nn.Identity())
+                # a disabled quantizer still applies its SmoothQuant factor (the weights carry the inverse)
+                pre = q.pre_quant_scale
+                setattr(parent, cname, nn.Identity() if pre is None else PreScale(pre.detach().float().clone()))
                 summary.disabled += 1
                 continue
             _check_static(q, where)

@@ -11,7 +11,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +187,7 @@ def validate_exports(
                 outputs = torch.from_numpy(np.ascontiguousarray(out))
                 ref = ref_out[rec.role]
                 if ref is not None:
-                    parity.update(primary_output(ref[i]).float().numpy(), out)
+                    parity.update(primary_output(ref[i]).float().numpy(), out, mask=_padding_mask(inputs))
                 if mt is not None and (targets is not None or not mt.needs_targets):
                     fp = fp32_out[i] if fp32_out is not None else None
                     if mt.needs_reference and fp is None:
@@ -341,6 +341,12 @@ def check_thresholds(
         )
         worst("max_size_ratio", th.max_size_ratio, ratios, upper=True)
     return out
+
+
+def _padding_mask(inputs: Any) -> np.ndarray | None:
+    """A text batch's ``attention_mask`` (parity leaves padded positions out), else None."""
+    mask = inputs.get("attention_mask") if isinstance(inputs, Mapping) else None
+    return mask.detach().cpu().numpy() if isinstance(mask, torch.Tensor) else None
 
 
 def validate(
