@@ -142,6 +142,7 @@ class PreScale(nn.Module):
     """Stands in for a disabled activation quantizer that carries a SmoothQuant factor: the Mul only."""
 
     is_quantizer = True
+    pre_scale: torch.Tensor
 
     def __init__(self, pre_scale: torch.Tensor) -> None:
         super().__init__()
