@@ -73,8 +73,10 @@ class State:
 
     ``epoch`` and ``step`` are global; ``stage_epoch`` and ``stage_step`` count from the start of
     the current stage (what modifier schedules use). ``forward_loop(model)`` runs the model over
-    the calibration batches; ``evaluate(model)`` returns the task metric on eval data (used by
-    accuracy-aware quantization and sensitivity); either may be None when not provided.
+    the calibration batches; ``evaluate(model)`` returns the task metric on eval data;
+    ``select_evaluate(model)`` the same metric on data kept apart from it, on which accuracy-aware
+    quantization and metric sensitivity choose (``evaluate`` when None, so that a figure reported
+    on eval data was not also tuned on it); any may be None when not provided.
     Modifiers report into ``metrics`` (scalars, per stage), ``tables`` (name -> rows, rendered in
     report.md) and may write files (plots) under ``out_dir`` (None outside a run folder), listing
     their paths in ``artifacts``.
@@ -96,6 +98,7 @@ class State:
     original_model: nn.Module | None = None
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     evaluate: Callable[[nn.Module], float] | None = None
+    select_evaluate: Callable[[nn.Module], float] | None = None
     higher_is_better: bool = True  # of evaluate's metric (perplexity: False); a drop is a worsening
     metrics: dict[str, Any] = field(default_factory=dict)
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)

@@ -94,6 +94,14 @@ class _Run:
         return evaluate(model, self.data.eval, metric=self.metric, reference=ref, device=self.device,
                         progress=not self.quiet)
 
+    def select_evaluate(self, model: nn.Module) -> float:
+        """The task metric on the calibration split: what accuracy control chooses on, so that the
+        eval split's figures are not tuned on (the eval split when there is no calibration split)."""
+        if self.data.calibration is None:
+            return self.evaluate(model)
+        ref = self.reference if self.reference is not None else model
+        return evaluate(model, self.data.calibration, metric=self.metric, reference=ref, device=self.device)
+
     def figures(self, model: nn.Module, *, accuracy: float) -> ModelFigures:
         macs = None
         try:
@@ -290,7 +298,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
     session = Session(
         r, model, steps_per_epoch=len(run.train_loader), calibration_data=calibration, train_data=run.train_loader,
         example_inputs=_to(run.data.example_inputs, run.device), evaluate=run.evaluate,
-        higher_is_better=run.higher_is_better, device=run.device,
+        select_evaluate=run.select_evaluate, higher_is_better=run.higher_is_better, device=run.device,
         out_dir=out / "artifacts" if main else None,
     )
     stage_t = [time.perf_counter()]

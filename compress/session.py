@@ -72,7 +72,8 @@ class Session:
 
     ``calibration_data`` (an iterable of batches) feeds calibration modifiers; ``train_data``,
     ``loss_fn`` and ``evaluate`` are optional extras some modifiers use (Taylor importance,
-    accuracy-aware PTQ; ``higher_is_better`` is the direction of its metric). The model is changed in
+    accuracy-aware PTQ; ``higher_is_better`` is the direction of its metric); ``select_evaluate``,
+    the same metric on other data than ``evaluate``'s, is what accuracy-aware PTQ chooses on when given. The model is changed in
     place; ``s.model`` is the same object.
     """
 
@@ -88,6 +89,7 @@ class Session:
         example_inputs: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         evaluate: Callable[[nn.Module], float] | None = None,
+        select_evaluate: Callable[[nn.Module], float] | None = None,
         higher_is_better: bool = True,
         device: torch.device | str | None = None,
         out_dir: str | Path | None = None,
@@ -108,6 +110,7 @@ class Session:
             example_inputs=example_inputs,
             loss_fn=loss_fn,
             evaluate=evaluate,
+            select_evaluate=select_evaluate,
             higher_is_better=higher_is_better,
             out_dir=Path(out_dir) if out_dir is not None else None,
         )

@@ -148,10 +148,11 @@ class PTQModifier(Modifier[PTQSpec]):
             return state.forward_loop(m, max_batches=s.num_batches)
 
         float_metric = None
+        judge = state.select_evaluate or state.evaluate
         if s.max_accuracy_drop is not None or s.sensitivity == "metric":
-            if state.evaluate is None:
+            if judge is None:
                 raise CalibrationError(f"{self.where}: sensitivity/max_accuracy_drop need an evaluate function")
-            float_metric = state.evaluate(model)
+            float_metric = judge(model)
         params = QuantizeParams(first_last=s.first_last, bn=s.bn, quantize_ops=s.quantize_ops, target=s.target,
                                 quantize_embeddings=s.quantize_embeddings, smoothquant=s.smoothquant,
                                 bias_correction=s.bias_correction, kv_cache=s.kv_cache)
@@ -166,9 +167,10 @@ class PTQModifier(Modifier[PTQSpec]):
         if not want:
             return
         by_metric = s.sensitivity == "metric" or (s.sensitivity == "none" and s.max_accuracy_drop is not None)
+        judge = state.select_evaluate or state.evaluate
         rows = layer_sensitivity(
             state.model,
-            evaluate=state.evaluate if by_metric else None,
+            evaluate=judge if by_metric else None,
             data=None if by_metric else state.calibration_data,
             max_batches=s.num_batches or 8,
             higher_is_better=state.higher_is_better,
@@ -179,11 +181,11 @@ class PTQModifier(Modifier[PTQSpec]):
                 path = plot_sensitivity(rows, state.out_dir / f"sensitivity_{state.stage_name}.png")
                 state.artifacts.append(str(path))
         if s.max_accuracy_drop is not None:
-            assert state.evaluate is not None and float_metric is not None  # checked in on_calibrate
+            assert judge is not None and float_metric is not None  # checked in on_calibrate
             ranking = [r["layer"] for r in rows]
             reverted, metric = accuracy_control(
                 state.model,
-                evaluate=state.evaluate,
+                evaluate=judge,
                 max_drop=s.max_accuracy_drop,
                 ranking=ranking,
                 float_metric=float_metric,

@@ -48,5 +48,7 @@ def test_minilm_recipe_keeps_embeddings_close(tmp_path: Path) -> None:
     report = compress.apply(recipe, out_dir=tmp_path / "minilm", quiet=True)
     stage = report.stages[0]
     assert stage.metrics["quantized_modules"] == 36  # 6 layers x (q, k, v, o, up, down)
-    assert report.final.accuracy is not None and report.final.accuracy >= 0.995  # accuracy control's budget
-    assert stage.metrics["met_budget"] and report.final.accuracy == pytest.approx(stage.metrics["quantized_metric"])
+    # accuracy control chose on the calibration sentences (budget 0.005); the eval sentences were not used
+    assert stage.metrics["met_budget"] and stage.metrics["quantized_metric"] >= 0.995
+    assert report.final.accuracy is not None and report.final.accuracy >= 0.99
+    assert report.final.accuracy != stage.metrics["quantized_metric"]
