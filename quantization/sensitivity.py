@@ -209,6 +209,7 @@ def revert_to_float(model: nn.Module, name: str, *, reason: str = "kept float by
         return []
     qid, q = sites[name]
     recorded: list[str] = []
+    unsmoothed: set[str] = set()  # a layer called twice has two op-call keys but one weight
     graph = graph_of(root)
     assert graph is not None  # activation_sites found the site in it
     pl = graph.placement
@@ -218,7 +219,8 @@ def revert_to_float(model: nn.Module, name: str, *, reason: str = "kept float by
             pl.floats[f"{key}[{slot}]"] = reason
             recorded.append(f"{key}[{slot}]")
             scope, _, kind = key.rpartition(":")
-            if q.pre_quant_scale is not None and kind.startswith("linear"):
+            if q.pre_quant_scale is not None and kind.startswith("linear") and scope not in unsmoothed:
+                unsmoothed.add(scope)
                 layer = root.get_submodule(scope)
                 with torch.no_grad():
                     cast(torch.Tensor, layer.weight).mul_(q.pre_quant_scale.to(cast(torch.Tensor, layer.weight).dtype))
@@ -260,4 +262,3 @@ def accuracy_control(
         log.warning("accuracy control: drop %.4f still above %.4f with every layer tried",
                     _worsening(float_metric, metric, higher_is_better), max_drop)
     return reverted, metric
-
