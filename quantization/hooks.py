@@ -340,6 +340,17 @@ def set_smoothing(root: nn.Module, names: list[str], pre_scale: torch.Tensor | N
             del entry[pos]
         if not entry:
             del graph.placement.entries[key]
+    # the old quantizer stays for the tensor's other readers only where one of them runs in integer:
+    # readers kept float (an add outside the targets, a lopsided add) gain nothing from it, and its
+    # rounding was all they got (MiniLM's FFN residual inputs: the six most damaging quantizers)
+    floats = graph.placement.floats
+    for old in current:
+        readers = [(k, p) for k, e in graph.placement.entries.items() for p, v in e.items() if v == old]
+        if old is not None and readers and all(k in floats for k, _ in readers):
+            for k, pos in readers:
+                del graph.placement.entries[k][pos]
+                if not graph.placement.entries[k]:
+                    del graph.placement.entries[k]
     used = {v for e in graph.placement.entries.values() for v in e.values()}
     for old in current:  # a quantizer only these layers read is replaced, not left unobserved
         if old is not None and old not in used and old in graph.quantizers:

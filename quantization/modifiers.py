@@ -27,7 +27,7 @@ from quantization.preparation import (
     quantizers,
 )
 from quantization.profiles import Target
-from quantization.sensitivity import accuracy_control, layer_sensitivity, plot_sensitivity
+from quantization.sensitivity import accuracy_control, layer_sensitivity, plot_sensitivity, worsening
 from quantization.smoothquant import SmoothQuantField
 from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
 
@@ -166,30 +166,38 @@ class PTQModifier(Modifier[PTQSpec]):
         want = s.sensitivity != "none" or s.max_accuracy_drop is not None
         if not want:
             return
-        by_metric = s.sensitivity == "metric" or (s.sensitivity == "none" and s.max_accuracy_drop is not None)
         judge = state.select_evaluate or state.evaluate
-        rows = layer_sensitivity(
-            state.model,
-            evaluate=judge if by_metric else None,
-            data=None if by_metric else state.calibration_data,
-            max_batches=s.num_batches or 8,
-            higher_is_better=state.higher_is_better,
-        )
+
+        def rank(by_metric: bool) -> list[dict[str, Any]]:
+            return layer_sensitivity(
+                state.model,
+                evaluate=judge if by_metric else None,
+                data=None if by_metric else state.calibration_data,
+                max_batches=s.num_batches or 8,
+                higher_is_better=state.higher_is_better,
+            )
+
+        rows: list[dict[str, Any]] | None = None
         if s.sensitivity != "none":
+            rows = rank(s.sensitivity == "metric")
             state.tables["quantization_sensitivity"] = rows
             if state.out_dir is not None:
                 path = plot_sensitivity(rows, state.out_dir / f"sensitivity_{state.stage_name}.png")
                 state.artifacts.append(str(path))
         if s.max_accuracy_drop is not None:
             assert judge is not None and float_metric is not None  # checked in on_calibrate
-            ranking = [r["layer"] for r in rows]
+            metric = judge(state.model)
+            missed = worsening(float_metric, metric, state.higher_is_better) > s.max_accuracy_drop
+            if rows is None and missed:  # ranked (one metric run per unit) only when the budget is missed
+                rows = rank(True)
             reverted, metric = accuracy_control(
                 state.model,
                 evaluate=judge,
                 max_drop=s.max_accuracy_drop,
-                ranking=ranking,
+                ranking=[r["layer"] for r in rows] if rows is not None and missed else [],
                 float_metric=float_metric,
                 higher_is_better=state.higher_is_better,
+                metric=metric,
             )
             state.metrics.update(
                 float_metric=float_metric,

@@ -160,7 +160,7 @@ def layer_sensitivity(
             row: dict[str, Any] = {"layer": name, "type": kind}
             if evaluate is not None:
                 value = evaluate(model)
-                row.update(metric=value, drop=_worsening(base, value, higher_is_better))
+                row.update(metric=value, drop=worsening(base, value, higher_is_better))
             else:
                 with torch.no_grad():
                     row["sqnr_db"] = _sqnr(refs, root)
@@ -232,22 +232,23 @@ def revert_to_float(model: nn.Module, name: str, *, reason: str = "kept float by
     return recorded
 
 
-def _worsening(reference: float, value: float, higher_is_better: bool) -> float:
+def worsening(reference: float, value: float, higher_is_better: bool) -> float:
+    """How much worse ``value`` is than ``reference`` (a rise for lower-is-better metrics)."""
     return reference - value if higher_is_better else value - reference
 
 
 def accuracy_control(
     model: nn.Module, *, evaluate: Evaluate, max_drop: float, ranking: list[str], float_metric: float,
-    higher_is_better: bool = True,
+    higher_is_better: bool = True, metric: float | None = None,
 ) -> tuple[list[str], float]:
     """Keep the units of ``ranking`` (most sensitive first: layers or activation sites) in float until
     the metric's worsening from ``float_metric`` is at most ``max_drop``; returns the reverted units
     and the final metric. An activation site's reason in ``placement.floats`` gives the metric before
-    and after it went float."""
-    metric = evaluate(model)
+    and after it went float. ``metric``: the model's metric now, when the caller has it."""
+    metric = evaluate(model) if metric is None else metric
     reverted: list[str] = []
     for name in ranking:
-        if _worsening(float_metric, metric, higher_is_better) <= max_drop:
+        if worsening(float_metric, metric, higher_is_better) <= max_drop:
             break
         before = metric
         keys = revert_to_float(model, name)
@@ -258,7 +259,7 @@ def accuracy_control(
             for key in keys:
                 graph.placement.floats[key] = f"kept float by accuracy control: metric {before:.4g} -> {metric:.4g}"
         log.info("accuracy control: %s kept in float, metric %.4f", name, metric)
-    if _worsening(float_metric, metric, higher_is_better) > max_drop:
+    if worsening(float_metric, metric, higher_is_better) > max_drop:
         log.warning("accuracy control: drop %.4f still above %.4f with every layer tried",
-                    _worsening(float_metric, metric, higher_is_better), max_drop)
+                    worsening(float_metric, metric, higher_is_better), max_drop)
     return reverted, metric

@@ -212,3 +212,27 @@ def test_accuracy_aware_ptq_reads_a_lower_is_better_metric_the_right_way(tmp_pat
     assert rows[0]["drop"] >= rows[-1]["drop"]
     assert res.metrics["quantized_metric"] <= float_err and res.metrics["met_budget"]
     assert res.tables["quantization_kept_float"]
+
+
+def test_accuracy_control_ranks_only_when_the_budget_is_missed(tmp_path: Any) -> None:
+    """Without a sensitivity table asked for, the units are ranked (one metric run each) only when the
+    quantized model misses the budget: a generous budget reverts nothing and runs no ranking."""
+    m = _trained()
+    data = _task(seed=1)
+    calls = []
+
+    def evaluate(model: nn.Module) -> float:
+        calls.append(1)
+        return _accuracy(model, data)
+
+    scheme = {"weights": {"bits": 4, "granularity": "tensor"}, "inputs": None}
+    for budget, reverts in ((1.0, False), (0.0, True)):
+        calls.clear()
+        recipe = _recipe([{"type": "ptq", "scheme": scheme, "max_accuracy_drop": budget}])
+        with Session(recipe, copy.deepcopy(m), calibration_data=data, evaluate=evaluate, out_dir=tmp_path) as s:
+            pass
+        res = s.results[0]
+        assert "quantization_sensitivity" not in res.tables and res.metrics["met_budget"]
+        assert bool(res.tables["quantization_kept_float"]) is reverts
+        if not reverts:
+            assert len(calls) == 2  # the float metric and the quantized one

@@ -126,3 +126,34 @@ def test_bias_correction_removes_mean_shift() -> None:
         after = (q(x) - m(x)).mean(0).abs().mean()
     assert set(deltas) == {"0"}
     assert float(after) < 0.1 * float(before)
+
+
+class _PostLN(nn.Module):
+    """BERT's FFN shape: the input feeds a Linear and, as the residual, an add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+def test_smoothing_drops_a_quantizer_only_float_ops_still_read() -> None:
+    """With the adds outside the targets, the tensor's placed quantizer served `up` (now smoothed, with
+    its own) and the float add; the add gains nothing from it, so it goes, and the add reads x as is."""
+    from quantization.hooks import graph_of
+
+    torch.manual_seed(0)
+    data = [torch.randn(8, 16) * torch.linspace(0.1, 20, 16) for _ in range(2)]
+    plain = quantize(_PostLN().eval(), "w8a8", data, targets=["type:Linear"])
+    smoothed = quantize(_PostLN().eval(), "w8a8", data, targets=["type:Linear"], params=QuantizeParams(smoothquant=0.5))
+    g0, g1 = graph_of(plain), graph_of(smoothed)
+    assert g0 is not None and g1 is not None
+    assert g0.placement.floats[":add#0"] == g1.placement.floats[":add#0"] == "excluded by targets/ignore"
+    assert g0.placement.entries[":add#0"] == {"0": g0.placement.entries["up:linear#0"]["0"]}  # shared with up
+    assert ":add#0" not in g1.placement.entries  # up has its own, smoothed quantizer; the add reads x float
+    iq = input_quantizer(smoothed, "up")
+    assert iq is not None and iq.pre_quant_scale is not None
