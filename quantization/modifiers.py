@@ -27,7 +27,13 @@ from quantization.preparation import (
     quantizers,
 )
 from quantization.profiles import Target
-from quantization.sensitivity import accuracy_control, layer_sensitivity, plot_sensitivity, worsening
+from quantization.sensitivity import (
+    Evaluate,
+    accuracy_control,
+    layer_sensitivity,
+    plot_sensitivity,
+    worsening,
+)
 from quantization.smoothquant import SmoothQuantField
 from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
 
@@ -128,6 +134,11 @@ def _plan(spec: _QuantSpecBase, model: nn.Module, where: str) -> list[str]:
     )
 
 
+def _judge(state: State) -> Evaluate | None:
+    """The metric function accuracy control and metric sensitivity choose on."""
+    return state.select_evaluate or state.evaluate
+
+
 @register_modifier
 class PTQModifier(Modifier[PTQSpec]):
     """Handler of ``type: ptq``."""
@@ -148,7 +159,7 @@ class PTQModifier(Modifier[PTQSpec]):
             return state.forward_loop(m, max_batches=s.num_batches)
 
         float_metric = None
-        judge = state.select_evaluate or state.evaluate
+        judge = _judge(state)
         if s.max_accuracy_drop is not None or s.sensitivity == "metric":
             if judge is None:
                 raise CalibrationError(f"{self.where}: sensitivity/max_accuracy_drop need an evaluate function")
@@ -166,7 +177,7 @@ class PTQModifier(Modifier[PTQSpec]):
         want = s.sensitivity != "none" or s.max_accuracy_drop is not None
         if not want:
             return
-        judge = state.select_evaluate or state.evaluate
+        judge = _judge(state)
 
         def rank(by_metric: bool) -> list[dict[str, Any]]:
             return layer_sensitivity(
@@ -203,8 +214,7 @@ class PTQModifier(Modifier[PTQSpec]):
                 float_metric=float_metric,
                 quantized_metric=metric,
                 float_layers=len(reverted),
-                met_budget=(float_metric - metric if state.higher_is_better else metric - float_metric)
-                <= s.max_accuracy_drop,
+                met_budget=worsening(float_metric, metric, state.higher_is_better) <= s.max_accuracy_drop,
             )
             state.tables["quantization_kept_float"] = [{"layer": n} for n in reverted]
 
