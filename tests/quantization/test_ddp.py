@@ -73,6 +73,9 @@ def _worker(rank: int, port: int, out: str) -> None:
             opt.step()
         result["lsq"] = {n: q.scale.detach().clone() for n, q in quantizers(m)}
         torch.save(result, Path(out) / f"rank{rank}.pt")
+        # both ranks done with every collective before either tears gloo down: a rank that exits
+        # while its peer's gloo threads still talk to it aborts the peer (seen once in CI: SIGABRT)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
