@@ -8,7 +8,7 @@ are multiplied by ``s`` and the producer divided by it, which leaves the float l
 lets the salient input channels (large mean ``|x|``) keep more precision after rounding.
 
 ``s = mean|x|^alpha / mean|w_normalized|^(1-alpha)`` (AutoAWQ's duo scaling; ``x`` term only when
-``duo_scaling`` is off), normalized to a geometric mean of 1; alpha is picked on a grid by the
+``duo_scaling`` is off; both forms' candidates with ``"both"``), normalized to a geometric mean of 1; alpha is picked on a grid by the
 group's output error over calibration tokens: the output of the innermost module holding the
 group (q/k/v: the attention block, through RoPE and the softmax; gate/up: the MLP; down: itself),
 rerun with ``Q(W s) / s`` in place of ``W``, against its float output (AutoAWQ's
@@ -20,10 +20,15 @@ AutoAWQ never clips q/k, since their error is read through a softmax; here they 
 the attention output agrees (on the reference Llama it does: w3 g128 perplexity 41.93 -> 41.79).
 
 Which producer can absorb a group's scales is not looked up in a table of architectures: it is
-found in the traced layer (the module whose output *is* the group's input tensor, or a Linear of
-matching width) and proved numerically, by folding random factors and checking that the layer's
-output does not change. So Llama, Qwen2, Mistral and GPT-2 blocks need no per-model code, and a
-group no fold preserves (GPT-2's c_proj after GELU, GQA's o_proj) is left unscaled.
+found in the traced layer (the module whose output *is* the group's input tensor, or a Linear whose
+width equals or divides the group's input width) and proved numerically, by folding random factors
+and checking that the layer's output does not change. A narrower producer feeds several input
+channels each (grouped-query attention: v_proj's rows reach o_proj once per query head sharing
+the key/value head); which ones is measured by scaling its rows with distinct factors and reading
+the ratios at the consumer's input, and the group's scales are then tied over those channels (the
+geometric mean of their untied values), so GQA's o_proj is scaled too, where AutoAWQ leaves it.
+So Llama, Qwen2, Mistral and GPT-2 blocks need no per-model code, and a group no fold preserves
+(GPT-2's c_proj after GELU) is left unscaled.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import fnmatch
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -61,31 +66,37 @@ class AWQFields(BaseModel):
     """The AWQ knobs, declared once: AWQParams (API) and the ``awq`` recipe spec share them."""
 
     grid: int = Field(20, ge=1)
-    duo_scaling: bool = True
+    duo_scaling: bool | Literal["both"] = True
     clip: bool = True
     clip_grid: int = Field(20, ge=1)
     max_shrink: float = Field(0.5, ge=0, lt=1)
     clip_ignore: list[str] = Field(default_factory=list)
     sample_tokens: int = Field(2048, ge=16)
     clip_tokens: int = Field(512, ge=16)
+    clip_in_search: bool = True
 
 
 class AWQParams(AWQFields):
     """AWQ's knobs: ``grid`` alphas in [0, 1) for the scale search, ``duo_scaling`` (weight term in
-    the scales), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
+    the scales; ``"both"``: candidates with and without it), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
     skipping Linears matching ``clip_ignore`` (each clip is kept only where it lowers the error at
     its group's inspected module); ``sample_tokens`` / ``clip_tokens`` calibration rows
-    sampled for the two searches (bounded cost and memory)."""
+    sampled for the two searches (bounded cost and memory); ``clip_in_search``: each scale candidate
+    is judged with its weights clipped as the clip search will clip them, so the scales are chosen
+    for the rounding they will get (off: judged on rounding alone, as AutoAWQ)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 @dataclass
 class FoldGroup:
-    """Linears that read one tensor and the module that produces it (None: no exact fold)."""
+    """Linears that read one tensor and the module that produces it (None: no exact fold).
+    ``index[c]``: the producer's output channel that the consumers' input channel ``c`` carries
+    (None: channel ``c`` itself)."""
 
     consumers: list[str]
     producer: str | None
+    index: torch.Tensor | None = None
 
 
 def _primary(out: Any) -> torch.Tensor:
@@ -97,9 +108,14 @@ def _rtn(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     return fake_quantize_spec(w, scale, zp, spec)
 
 
-def _fold(layer: nn.Module, producer: str, consumers: Sequence[str], s: torch.Tensor) -> None:
-    """Divide the producer's output channels by ``s`` and multiply the consumers' inputs by it."""
+def _fold(layer: nn.Module, producer: str, consumers: Sequence[str], s: torch.Tensor,
+          index: torch.Tensor | None = None) -> None:
+    """Multiply the consumers' input channels by ``s`` and divide the producer's output channels by
+    it (``index``: the producer channel each input channel carries; ``s`` is tied over it)."""
     p = layer.get_submodule(producer)
+    cs = s
+    if index is not None:
+        s = torch.ones(int(index.max()) + 1, dtype=s.dtype).index_copy_(0, index, s)
     with torch.no_grad():
         w = p.weight
         assert isinstance(w, torch.Tensor)  # find_fold_groups only proposes producers with a weight
@@ -110,7 +126,7 @@ def _fold(layer: nn.Module, producer: str, consumers: Sequence[str], s: torch.Te
         for c in consumers:
             cw = layer.get_submodule(c).weight
             assert isinstance(cw, torch.Tensor)
-            cw.mul_(s.to(cw.dtype).unsqueeze(0))
+            cw.mul_(cs.to(cw.dtype).unsqueeze(0))
 
 
 def find_fold_groups(layer: nn.Module, linears: Sequence[str], call: Call, *, tol: float = 1e-3) -> list[FoldGroup]:
@@ -149,26 +165,74 @@ def find_fold_groups(layer: nn.Module, linears: Sequence[str], call: Call, *, to
         if key in produced and produced[key][0] not in consumers:
             cands.append(produced[key][0])
         else:
-            cands += [
-                n for n in linears
-                if n not in consumers and getattr(layer.get_submodule(n), "out_features", None) == width
-            ]
-        producer = next((c for c in cands if _fold_is_exact(layer, c, consumers, width, call, ref, tol)), None)
-        groups.append(FoldGroup(consumers, producer))
+            # same width first: a narrower producer is only tried when no equal-width one folds
+            outs = {n: getattr(layer.get_submodule(n), "out_features", 0) for n in linears if n not in consumers}
+            cands += [n for n, f in outs.items() if f == width]
+            cands += [n for n, f in outs.items() if 0 < f < width and width % f == 0]
+        found = FoldGroup(consumers, None)
+        for c in cands:
+            mapped, index = _channel_map(layer, c, consumers[0], width, call)
+            if mapped and _fold_is_exact(layer, c, consumers, width, call, ref, tol, index):
+                found = FoldGroup(consumers, c, index)
+                break
+        groups.append(found)
     return groups
 
 
+def _channel_map(layer: nn.Module, producer: str, consumer: str, width: int, call: Call) -> tuple[bool, torch.Tensor | None]:
+    """Which output channel of Linear ``producer`` each input channel of ``consumer`` carries:
+    ``(True, index)``, index None when the widths match (channel c is c); ``(False, None)`` when no
+    channel-to-channel map is seen.
+    Measured by scaling the producer's rows by distinct factors and reading the ratio of the
+    consumer's input to its unscaled value (exact for anything linear in between, e.g. attention
+    applied to v_proj's output)."""
+    p = layer.get_submodule(producer)
+    if not isinstance(p, nn.Linear) or p.out_features == width:
+        return True, None
+    seen: list[torch.Tensor] = []
+    h = layer.get_submodule(consumer).register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().float()))
+    factors = torch.linspace(0.5, 2.0, p.out_features)[torch.randperm(p.out_features, generator=torch.Generator().manual_seed(0))]
+    saved = [t.detach().clone() for t in (p.weight, p.bias) if t is not None]
+    try:
+        with float_mode(layer), torch.no_grad():
+            layer(*call[0], **call[1])
+            p.weight.mul_(factors.unsqueeze(1))
+            if p.bias is not None:
+                p.bias.mul_(factors)
+            layer(*call[0], **call[1])
+    finally:
+        h.remove()
+        with torch.no_grad():
+            for t, v in zip([t for t in (p.weight, p.bias) if t is not None], saved, strict=True):
+                t.copy_(v)
+    if len(seen) != 2:
+        return False, None
+    before, after = seen[0].reshape(-1, width), seen[1].reshape(-1, width)
+    live = before.abs() > 1e-6 * before.abs().amax().clamp_min(1e-30)
+    ratio = torch.where(live, after / torch.where(live, before, torch.ones_like(before)), torch.nan).nanmedian(0).values
+    if bool(torch.isnan(ratio).any()):
+        return False, None
+    dist_ = (ratio.unsqueeze(1) - factors.unsqueeze(0)).abs()
+    index = dist_.argmin(1)
+    step = 1.5 / max(p.out_features - 1, 1)  # the factors' spacing: a match must be far closer than it
+    if bool((dist_.gather(1, index.unsqueeze(1)) > 0.1 * step).any()):
+        return False, None
+    return True, index
+
+
 def _fold_is_exact(
-    layer: nn.Module, producer: str, consumers: list[str], width: int, call: Call, ref: torch.Tensor, tol: float
+    layer: nn.Module, producer: str, consumers: list[str], width: int, call: Call, ref: torch.Tensor, tol: float,
+    index: torch.Tensor | None = None,
 ) -> bool:
     p = layer.get_submodule(producer)
     w = getattr(p, "weight", None)
     if not isinstance(w, torch.Tensor) or (not isinstance(p, nn.Linear) and tuple(w.shape) != (width,)):
         return False
     saved = {k: v.detach().clone() for k, v in layer.state_dict().items()}
-    s = torch.empty(width).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
+    n = width if index is None else int(index.max()) + 1
+    s = torch.empty(n).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
     try:
-        _fold(layer, producer, consumers, s)
+        _fold(layer, producer, consumers, s if index is None else s[index], index)
         with float_mode(layer), torch.no_grad():
             out = _primary(layer(*call[0], **call[1]))
         err = float((out - ref).norm() / ref.norm().clamp_min(1e-12))
@@ -190,14 +254,27 @@ def _weight_importance(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 
 
+def _tie(s: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """``s`` made equal over the channels that carry one producer channel (their geometric mean)."""
+    if index is None:
+        return s
+    n = int(index.max()) + 1
+    logs = torch.zeros(n).index_add_(0, index, s.log()) / torch.zeros(n).index_add_(0, index, torch.ones_like(s))
+    return logs.exp()[index]
+
+
 def search_scales(
     x: torch.Tensor, weights: Sequence[torch.Tensor], spec: QuantSpec, params: AWQParams,
-    *, output_error: ModuleOutputError | None = None,
+    *, output_error: ModuleOutputError | None = None, index: torch.Tensor | None = None,
+    clip_rows: torch.Tensor | None = None, clipped: Sequence[bool] | None = None,
 ) -> tuple[torch.Tensor, float, float]:
     """Best per-input-channel scales for Linears with weights ``weights`` reading rows ``x``:
     returns ``(s, alpha, error)`` (alpha -1 means s = 1, plain rounding, was best).
     ``output_error``: the objective, the group's module rerun on recorded calls (see
-    :func:`awq_layer`); default: the Linears' own outputs on ``x``. The error is per output element."""
+    :func:`awq_layer`); default: the Linears' own outputs on ``x``. The error is per output element.
+    ``index``: the group's channel map (:class:`FoldGroup`); channels sharing a producer channel get one scale.
+    With ``params.clip_in_search`` the weights flagged in ``clipped`` (default: all) are clip-searched
+    on ``clip_rows`` (default: sampled from ``x``) for every candidate before rounding."""
     ws = [wi.detach().float() for wi in weights]
     w = torch.cat(ws, dim=0)
     x = x.float()
@@ -215,13 +292,29 @@ def search_scales(
     x_mean = x.abs().mean(0).clamp_min(1e-8)
     w_mean = _weight_importance(w, spec).clamp_min(1e-8)
     cands: list[tuple[float, torch.Tensor]] = [(-1.0, torch.ones_like(x_mean))]
-    for i in range(params.grid):
-        alpha = i / params.grid
-        s = x_mean.pow(alpha) / w_mean.pow(1 - alpha) if params.duo_scaling else x_mean.pow(alpha)
-        s = s.clamp_min(1e-4)
-        cands.append((alpha, s / (s.max() * s.min()).sqrt()))
+    forms = [True, False] if params.duo_scaling == "both" else [bool(params.duo_scaling)]
+    for duo in forms:
+        for i in range(params.grid):
+            alpha = i / params.grid
+            s = x_mean.pow(alpha) / w_mean.pow(1 - alpha) if duo else x_mean.pow(alpha)
+            s = _tie(s.clamp_min(1e-4), index)
+            cands.append((alpha, s / (s.max() * s.min()).sqrt()))
+    flags = list(clipped) if clipped is not None else [True] * len(ws)
+    clip_now = params.clip and params.clip_in_search and any(flags)
+    xs = (clip_rows if clip_rows is not None else _sample_rows(x, params.clip_tokens, 1)).float() if clip_now else x
+
+    def prepared(s: torch.Tensor) -> torch.Tensor:
+        """The scaled weights as the later clip phase will leave them (clipping changes which
+        scales round best: judged without it, the winner is often not the best once clipped)."""
+        parts = []
+        for wi, flag in zip(ws, flags, strict=True):
+            ws_ = wi * s
+            parts.append(clip_weight(ws_, search_clip(xs / s, ws_, spec, params), spec)
+                         if clip_now and flag else ws_)
+        return torch.cat(parts, dim=0)
+
     errs = torch.stack([
-        error(list((_rtn(w * s, spec) / s).split(rows, dim=0))).float().reshape(()) for _, s in cands
+        error(list((_rtn(prepared(s), spec) / s).split(rows, dim=0))).float().reshape(()) for _, s in cands
     ])
     n = torch.tensor([n_out])
     _all_sum(errs, n)  # under DDP every rank picks the same scales, on all ranks' tokens
@@ -345,6 +438,12 @@ def _group_error(error: ModuleOutputError, weights: dict[str, torch.Tensor], lin
     return out
 
 
+def _clips(name: str, lin: QuantLinear, params: AWQParams) -> bool:
+    """Whether the clip search runs on this Linear."""
+    return params.clip and lin.weight_quantizer is not None and not any(
+        fnmatch.fnmatchcase(name, p) for p in params.clip_ignore)
+
+
 def _sample_rows(x: torch.Tensor, n: int, seed: int) -> torch.Tensor:
     if x.shape[0] <= n:
         return x
@@ -402,9 +501,11 @@ def awq_layer(
         error = ModuleOutputError(layer.get_submodule(scope), [linears[c] for c in g.consumers], recorded[scope]) \
             if recorded.get(scope) else None
         s, alpha, err = search_scales(x, [linears[c].weight for c in g.consumers], spec.spec, params,
-                                      output_error=error)
+                                      output_error=error, index=g.index,
+                                      clip_rows=_sample_rows(x, params.clip_tokens, seed + 1),
+                                      clipped=[_clips(c, linears[c], params) for c in g.consumers])
         if alpha >= 0:
-            _fold(layer, g.producer, g.consumers, s)
+            _fold(layer, g.producer, g.consumers, s, g.index)
             for c in g.consumers:
                 scale_of[c] = s
         report["groups"].append({"consumers": g.consumers, "producer": g.producer, "alpha": alpha, "error": err,
@@ -413,7 +514,7 @@ def awq_layer(
         clipped: dict[str, torch.Tensor] = {}
         for n, lin in linears.items():
             wq = lin.weight_quantizer
-            if wq is None or n not in x_of or any(fnmatch.fnmatchcase(n, p) for p in params.clip_ignore):
+            if wq is None or n not in x_of or not _clips(n, lin, params):
                 continue
             x = _sample_rows(x_of[n], params.clip_tokens, seed + 1)
             if n in scale_of:

@@ -54,7 +54,7 @@ def _calib() -> list[torch.Tensor]:
 
 LLAMA_GQA = [
     (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "input_layernorm"),
-    (["self_attn.o_proj"], None),  # GQA: v_proj's channels are repeated per head group, no exact fold
+    (["self_attn.o_proj"], "self_attn.v_proj"),  # GQA: each v_proj row feeds 2 o_proj inputs (tied scales)
     (["mlp.gate_proj", "mlp.up_proj"], "post_attention_layernorm"),
     (["mlp.down_proj"], "mlp.up_proj"),  # through SwiGLU's product
 ]
@@ -64,7 +64,7 @@ LLAMA_GQA = [
     "make,expected",
     [
         (_llama, LLAMA_GQA),
-        (lambda: _llama(kv_heads=4), [LLAMA_GQA[0], (["self_attn.o_proj"], "self_attn.v_proj"), *LLAMA_GQA[2:]]),
+        (lambda: _llama(kv_heads=4), LLAMA_GQA),
         (_qwen2, LLAMA_GQA),
         (_gpt2, [(["attn.c_attn"], "ln_1"), (["attn.c_proj"], None), (["mlp.c_fc"], "ln_2"), (["mlp.c_proj"], None)]),
     ],
@@ -76,8 +76,17 @@ def test_fold_groups_are_found_in_the_traced_layer(make, expected) -> None:  # t
     _, layers = decoder_layers(model)
     calls = capture_inputs(model, layers[0], _calib()[:1])
     names = [n for n, m in layers[0].named_modules() if isinstance(m, nn.Linear)]
-    got = [(g.consumers, g.producer) for g in find_fold_groups(layers[0], names, calls[0])]
-    assert got == expected
+    groups = find_fold_groups(layers[0], names, calls[0])
+    assert [(g.consumers, g.producer) for g in groups] == expected
+    for g in groups:
+        if g.producer == "self_attn.v_proj":
+            cfg = model.config
+            d = cfg.hidden_size // cfg.num_attention_heads
+            rep = cfg.num_attention_heads // cfg.num_key_value_heads
+            c = torch.arange(cfg.hidden_size)
+            # o_proj input channel (head h, dim j) carries v_proj row (h // rep, j): transformers' repeat_kv
+            want = None if rep == 1 else (c // d // rep) * d + c % d
+            assert (g.index is None) == (want is None) and (want is None or torch.equal(g.index, want))
 
 
 @pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
@@ -115,6 +124,32 @@ def test_scale_search_never_loses_to_rtn_and_favours_salient_channels() -> None:
     rtn_err = float(((x @ fake_quantize_spec(w, sc, zp, spec).t() - x @ w.t()) ** 2).mean())
     assert alpha >= 0 and err < 0.9 * rtn_err
     assert float(s[:4].min()) > float(s[4:].max())  # the salient channels are scaled up
+
+
+def test_scales_are_chosen_for_the_clipped_weights_they_will_get() -> None:
+    """With clip_in_search each candidate is judged after the clip search the weights will get;
+    the error it reports is that of the final weights, and never above the error of scales chosen
+    on rounding alone and clipped afterwards."""
+    from quantization.awq import clip_weight
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(512, 64, generator=g)
+    x[:, :4] *= 20
+    w = torch.randn(48, 64, generator=g) * 0.05
+    w[::5, 7] = 0.6  # outlier weights: the clip search cuts them
+    spec = W3.weights
+    assert spec is not None
+
+    def final(s: torch.Tensor) -> float:
+        ws = w * s
+        clipped = clip_weight(ws, search_clip(x / s, ws, spec, AWQParams()), spec)
+        sc, zp = dynamic_qparams(clipped, spec)
+        return float(((x @ (fake_quantize_spec(clipped, sc, zp, spec) / s).t() - x @ w.t()) ** 2).mean())
+
+    s_aware, _, err_aware = search_scales(x, [w], spec, AWQParams(), clip_rows=x)
+    s_blind, _, _ = search_scales(x, [w], spec, AWQParams(clip_in_search=False))
+    assert err_aware == pytest.approx(final(s_aware), rel=1e-4)
+    assert final(s_aware) <= final(s_blind) * (1 + 1e-6)
 
 
 def test_clip_search_bounds_lie_within_the_range_and_do_not_hurt() -> None:
@@ -162,7 +197,7 @@ def test_scale_search_reads_each_group_at_its_module_output() -> None:
     got = {tuple(g["consumers"]): g.get("inspected") for g in reports[0]["groups"]}
     assert got == {
         ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"): "self_attn",
-        ("self_attn.o_proj",): None,  # GQA: no exact fold, not searched
+        ("self_attn.o_proj",): "self_attn.o_proj",  # GQA: folded into v_proj, scales tied
         ("mlp.gate_proj", "mlp.up_proj"): "mlp",
         ("mlp.down_proj",): "mlp.down_proj",
     }
