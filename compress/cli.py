@@ -118,6 +118,7 @@ def summary(report: Report, *, out: Path) -> str:
         spd = ", ".join(f"b{k} {_f(x)}x" for k, x in (v.speedup or {}).items())
         lines.append(f"  {v.runtime} {v.role} {v.precision}: {report.metric} {_f(v.accuracy)}"
                      + (f"; latency {lat}" if lat else "") + (f"; speedup {spd}" if spd else ""))
+        lines += [f"  warning: {v.runtime} {n}" for n in v.notes if n.startswith(f"{v.precision} measured slower")]
     for t in report.thresholds:
         lines.append(f"  threshold {t.name}: {_f(t.value)} (limit {_f(t.limit)}) {'ok' if t.passed else 'MISSED'}")
     return "\n".join(lines)

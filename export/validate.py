@@ -219,9 +219,20 @@ def validate_exports(
                     b: (lat["baseline"][b] / ms) if ms and lat["baseline"].get(b) else None  # type: ignore[operator]
                     for b, ms in lat["final"].items()
                 }
+                slow = {b: x for b, x in vr.speedup.items() if x is not None and x < 1.0}
+                if slow and vr.precision != "fp32":
+                    vr.notes.append(slower_note(vr.precision, slow))
             log.info("%s %s (%s): accuracy %s, latency %s ms, threads %d", runtime, vr.role, vr.precision,
                      vr.accuracy, {k: round(v, 3) if v else v for k, v in vr.latency_ms.items()}, threads)
     return results
+
+
+def slower_note(precision: str, slow: dict[int, float]) -> str:
+    """The note a validation record carries when the compressed file measured slower than fp32."""
+    at = ", ".join(f"batch {b}: {x:.2f}x" for b, x in slow.items())
+    return (f"{precision} measured slower than fp32 ({at}): quantize/dequantize steps cost more than the "
+            "integer kernels save at these shapes, or layers stayed float (see coverage); "
+            "validate.min_speedup turns this into a failure")
 
 
 def _reference_accuracy(

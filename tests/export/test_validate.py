@@ -179,3 +179,22 @@ def test_cuda_runtime_without_cuda_is_a_skipped_record(resnet_exports: Any, quan
     # a skipped runtime measured nothing: a limit nobody measured is missed, not passed
     (t,) = check_thresholds(Thresholds(min_speedup=100.0), recs)
     assert t.value is None and not t.passed
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5])
+def test_a_file_slower_than_fp32_says_so(resnet_exports: Any, quantized_resnet: Any, trained_resnet: Any,
+                                         digits: Any, monkeypatch: pytest.MonkeyPatch, factor: float) -> None:
+    """Timings replaced by ones where int8 takes ``factor`` x fp32's time at batch 4: the record notes the
+    slowdown by batch size only when it is one."""
+    import export.validate as v
+
+    def timed(sessions: Any, example: Any, batch_sizes: Any, warmup: int, runs: int) -> Any:
+        return {"final": {1: 1.0, 4: 4.0 * factor}, "baseline": {1: 1.0, 4: 4.0}}, []
+
+    monkeypatch.setattr(v, "time_side_by_side", timed)
+    final = validate_exports(resnet_exports, ValidateSpec(runtimes=["onnxruntime"], **_SPEC), eval_loader=digits.eval,
+                             reference=quantized_resnet, baseline_reference=trained_resnet)[0]
+    slow = [n for n in final.notes if "slower than fp32" in n]
+    assert final.speedup == {1: 1.0, 4: pytest.approx(1 / factor)}
+    assert len(slow) == (1 if factor > 1 else 0)
+    assert all(n.startswith("int8 measured slower than fp32 (batch 4: 0.50x)") for n in slow)
