@@ -8,7 +8,7 @@ are multiplied by ``s`` and the producer divided by it, which leaves the float l
 lets the salient input channels (large mean ``|x|``) keep more precision after rounding.
 
 ``s = mean|x|^alpha / mean|w_normalized|^(1-alpha)`` (AutoAWQ's duo scaling; ``x`` term only when
-``duo_scaling`` is off; both forms' candidates with ``"both"``), normalized to a geometric mean of 1; alpha is picked on a grid by the
+``duo_scaling`` is off), normalized to a geometric mean of 1; alpha is picked on a grid by the
 group's output error over calibration tokens: the output of the innermost module holding the
 group (q/k/v: the attention block, through RoPE and the softmax; gate/up: the MLP; down: itself),
 rerun with ``Q(W s) / s`` in place of ``W``, against its float output (AutoAWQ's
@@ -37,7 +37,7 @@ import fnmatch
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ class AWQFields(BaseModel):
     """The AWQ knobs, declared once: AWQParams (API) and the ``awq`` recipe spec share them."""
 
     grid: int = Field(20, ge=1)
-    duo_scaling: bool | Literal["both"] = True
+    duo_scaling: bool = True
     clip: bool = True
     clip_grid: int = Field(20, ge=1)
     max_shrink: float = Field(0.5, ge=0, lt=1)
@@ -78,7 +78,7 @@ class AWQFields(BaseModel):
 
 class AWQParams(AWQFields):
     """AWQ's knobs: ``grid`` alphas in [0, 1) for the scale search, ``duo_scaling`` (weight term in
-    the scales; ``"both"``: candidates with and without it), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
+    the scales), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
     skipping Linears matching ``clip_ignore`` (each clip is kept only where it lowers the error at
     its group's inspected module); ``sample_tokens`` / ``clip_tokens`` calibration rows
     sampled for the two searches (bounded cost and memory); ``clip_in_search``: each scale candidate
@@ -292,13 +292,11 @@ def search_scales(
     x_mean = x.abs().mean(0).clamp_min(1e-8)
     w_mean = _weight_importance(w, spec).clamp_min(1e-8)
     cands: list[tuple[float, torch.Tensor]] = [(-1.0, torch.ones_like(x_mean))]
-    forms = [True, False] if params.duo_scaling == "both" else [bool(params.duo_scaling)]
-    for duo in forms:
-        for i in range(params.grid):
-            alpha = i / params.grid
-            s = x_mean.pow(alpha) / w_mean.pow(1 - alpha) if duo else x_mean.pow(alpha)
-            s = _tie(s.clamp_min(1e-4), index)
-            cands.append((alpha, s / (s.max() * s.min()).sqrt()))
+    for i in range(params.grid):
+        alpha = i / params.grid
+        s = x_mean.pow(alpha) / w_mean.pow(1 - alpha) if params.duo_scaling else x_mean.pow(alpha)
+        s = _tie(s.clamp_min(1e-4), index)
+        cands.append((alpha, s / (s.max() * s.min()).sqrt()))
     flags = list(clipped) if clipped is not None else [True] * len(ws)
     clip_now = params.clip and params.clip_in_search and any(flags)
     xs = (clip_rows if clip_rows is not None else _sample_rows(x, params.clip_tokens, 1)).float() if clip_now else x

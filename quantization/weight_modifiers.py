@@ -57,7 +57,7 @@ class GPTQSpec(_WeightOnlySpec, GPTQFields):
 
 
 class AWQSpec(_WeightOnlySpec, AWQFields):
-    """AWQ: scale search over ``grid`` alphas (``duo_scaling``: with the weight term, or ``both``), then a
+    """AWQ: scale search over ``grid`` alphas (``duo_scaling``: with the weight term), then a
     clipping search (``clip``) over ``clip_grid`` steps down to ``1 - max_shrink`` of each group's
     range, skipping ``clip_ignore``; ``sample_tokens``/``clip_tokens`` bound the searches' cost."""
 
