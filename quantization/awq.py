@@ -113,12 +113,12 @@ def _fold(layer: nn.Module, producer: str, consumers: Sequence[str], s: torch.Te
     """Multiply the consumers' input channels by ``s`` and divide the producer's output channels by
     it (``index``: the producer channel each input channel carries; ``s`` is tied over it)."""
     p = layer.get_submodule(producer)
+    w = p.weight
+    assert isinstance(w, torch.Tensor)  # find_fold_groups only proposes producers with a weight
     cs = s
     if index is not None:
-        s = torch.ones(int(index.max()) + 1, dtype=s.dtype).index_copy_(0, index, s)
+        s = torch.ones(w.shape[0], dtype=s.dtype).index_copy_(0, index, s)
     with torch.no_grad():
-        w = p.weight
-        assert isinstance(w, torch.Tensor)  # find_fold_groups only proposes producers with a weight
         w.div_(s.to(w.dtype).unsqueeze(1) if isinstance(p, nn.Linear) else s.to(w.dtype))
         b = getattr(p, "bias", None)
         if isinstance(b, torch.Tensor):
@@ -229,8 +229,7 @@ def _fold_is_exact(
     if not isinstance(w, torch.Tensor) or (not isinstance(p, nn.Linear) and tuple(w.shape) != (width,)):
         return False
     saved = {k: v.detach().clone() for k, v in layer.state_dict().items()}
-    n = width if index is None else int(index.max()) + 1
-    s = torch.empty(n).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
+    s = torch.empty(width if index is None else w.shape[0]).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
     try:
         _fold(layer, producer, consumers, s if index is None else s[index], index)
         with float_mode(layer), torch.no_grad():

@@ -47,6 +47,14 @@ def _gpt2() -> nn.Module:
                                       bos_token_id=0, eos_token_id=0)).eval()
 
 
+def _neox() -> nn.Module:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, vocab_size=128, max_position_embeddings=64)).eval()
+
+
 def _calib() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     return [torch.randint(0, 128, (2, 32), generator=g) for _ in range(6)]
@@ -67,8 +75,11 @@ LLAMA_GQA = [
         (lambda: _llama(kv_heads=4), LLAMA_GQA),
         (_qwen2, LLAMA_GQA),
         (_gpt2, [(["attn.c_attn"], "ln_1"), (["attn.c_proj"], None), (["mlp.c_fc"], "ln_2"), (["mlp.c_proj"], None)]),
+        # attention.dense (64 wide) divides dense_4h_to_h's input (128): probed, no channel map, no fold
+        (_neox, [(["attention.query_key_value"], "input_layernorm"), (["attention.dense"], None),
+                 (["mlp.dense_h_to_4h"], "post_attention_layernorm"), (["mlp.dense_4h_to_h"], None)]),
     ],
-    ids=["llama_gqa", "llama_mha", "qwen2", "gpt2"],
+    ids=["llama_gqa", "llama_mha", "qwen2", "gpt2", "neox"],
 )
 def test_fold_groups_are_found_in_the_traced_layer(make, expected) -> None:  # type: ignore[no-untyped-def]
     model = make()
