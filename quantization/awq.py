@@ -288,7 +288,9 @@ def search_scales(
         n_out = float(ref.numel())
     else:
         error, n_out = output_error, float(output_error.numel)
-    x_mean = x.abs().mean(0).clamp_min(1e-8)
+    x_sum, x_rows = x.abs().sum(0), torch.tensor([float(x.shape[0])])
+    _all_sum(x_sum, x_rows)  # under DDP the candidates come from all ranks' tokens, so every rank has the same ones
+    x_mean = (x_sum / x_rows).clamp_min(1e-8)
     w_mean = _weight_importance(w, spec).clamp_min(1e-8)
     cands: list[tuple[float, torch.Tensor]] = [(-1.0, torch.ones_like(x_mean))]
     for i in range(params.grid):

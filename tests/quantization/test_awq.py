@@ -245,3 +245,41 @@ def test_a_clip_is_kept_only_where_the_inspected_module_agrees() -> None:
     sequential_quantize(_llama(), _calib(), W3, process, targets=["*"], ignore=["lm_head"], max_batches=None,
                         load=None, release=None, where="test")
     assert seen == [{"self_attn.q_proj"}]
+
+
+def _awq_ddp_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        g = torch.Generator().manual_seed(10 + rank)  # each rank calibrates on its own shard
+        shard = [torch.randint(0, 128, (2, 32), generator=g) for _ in range(3)]
+        q = compress.awq(_llama(), shard, scheme=W3)
+        torch.save({n: p.detach() for n, p in q.state_dict().items() if n.endswith("weight")}, f"{out}/{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_awq_ranks_choose_the_same_scales_and_clips(tmp_path: Any) -> None:
+    """Under DDP every rank folds the same scales and keeps the same clips (the searches sum their
+    errors over all ranks' tokens), so the quantized models agree exactly; a rank alone would not."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_awq_ddp_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    w0, w1 = (torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2))
+    assert w0.keys() == w1.keys()
+    for n in w0:
+        assert torch.equal(w0[n], w1[n]), n
+    alone = compress.awq(_llama(), [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(10))
+                                    for _ in range(3)], scheme=W3).state_dict()
+    assert any(not torch.equal(alone[n], w0[n]) for n in w0)  # the shards do differ
