@@ -369,8 +369,10 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, params: 
     gs = _group_width(w, spec)
     xt = to_groups(x.float(), gs)  # [n, G, gs]
     bounds = []
-    # output channels per chunk: the [b, n, G, gs] products stay within ~64 MB
-    step = max(1, (64 * 1024 * 1024) // max(4 * xt.shape[0] * xt.shape[1] * gs, 1))
+    # output channels per chunk: the [b, n, G, gs] products stay within ~64 MB; sized by clip_tokens
+    # (the rows callers sample up to), not this rank's rows, so DDP ranks all-reduce alike chunks
+    rows = max(xt.shape[0], params.clip_tokens)
+    step = max(1, (64 * 1024 * 1024) // max(4 * rows * xt.shape[1] * gs, 1))
     for o in range(0, w.shape[0], step):
         wg = to_groups(w[o : o + step], gs)  # [b, G, gs]
         ref = torch.einsum("ngk,bgk->bng", xt, wg)

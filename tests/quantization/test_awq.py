@@ -256,8 +256,8 @@ def _awq_ddp_worker(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        g = torch.Generator().manual_seed(10 + rank)  # each rank calibrates on its own shard
-        shard = [torch.randint(0, 128, (2, 32), generator=g) for _ in range(3)]
+        g = torch.Generator().manual_seed(10 + rank)  # each rank calibrates on its own shard, of its own size
+        shard = [torch.randint(0, 128, (2, 32), generator=g) for _ in range(3 - rank)]
         q = compress.awq(_llama(), shard, scheme=W3)
         torch.save({n: p.detach() for n, p in q.state_dict().items() if n.endswith("weight")}, f"{out}/{rank}.pt")
         dist.barrier()
@@ -267,7 +267,8 @@ def _awq_ddp_worker(rank: int, port: int, out: str) -> None:
 
 def test_awq_ranks_choose_the_same_scales_and_clips(tmp_path: Any) -> None:
     """Under DDP every rank folds the same scales and keeps the same clips (the searches sum their
-    errors over all ranks' tokens), so the quantized models agree exactly; a rank alone would not."""
+    errors over all ranks' tokens, in chunks sized alike on every rank whatever its token count),
+    so the quantized models agree exactly; a rank alone would not."""
     import socket
 
     import torch.multiprocessing as mp
