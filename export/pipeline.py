@@ -77,6 +77,13 @@ def _kept_float(model: nn.Module) -> dict[str, str]:
     return dict(getattr(placement, "floats", {}))
 
 
+def _table_quantizers(model: nn.Module) -> set[str]:
+    """The placement's ids of quantizers that hold embedding tables (``quantizer_graph.quantizers.<id>``)."""
+    graph = getattr(model, "quantizer_graph", None)
+    uses = getattr(getattr(graph, "placement", None), "weights", {})
+    return {qid for qid, use in uses.items() if getattr(use, "table", False)}
+
+
 def _export_one(
     model: nn.Module, example_inputs: Any, spec: ExportSpec, path: Path, *, role: Role, fp16: bool,
     metadata: Mapping[str, str] | None, quantized: bool,
@@ -94,9 +101,13 @@ def _export_one(
             shown = ", ".join(rec.float_nodes[:8]) + (f" (+{len(rec.float_nodes) - 8} more)" if len(rec.float_nodes) > 8 else "")
             log.warning("export: %d Conv/MatMul/Gemm/Add of %s still run in float in ORT: %s", len(rec.float_nodes),
                         path.name, shown)
-        enabled = [q for _, q in iter_quantizers(model) if q.enabled]
+        named = [(n, q) for n, q in iter_quantizers(model) if q.enabled]
+        enabled = [q for _, q in named]
         weights = [q for q in enabled if q.role == "weight"]
-        calibrated_7bit = bool(weights) and all(getattr(q.spec, "reduce_range", False) for q in weights)
+        # embedding tables feed Gathers, not the u8s8 kernels the 7-bit codes are for
+        tables = _table_quantizers(model)
+        kernel_weights = [q for n, q in named if q.role == "weight" and n.rsplit(".", 1)[-1] not in tables]
+        calibrated_7bit = bool(kernel_weights) and all(getattr(q.spec, "reduce_range", False) for q in kernel_weights)
         rec.activation_dtype, rec.reduce_range = spec.activation_dtype, spec.reduce_range or calibrated_7bit
         static_acts = len(weights) < len(enabled)
         if not rec.integer_nodes and not static_acts:

@@ -295,3 +295,24 @@ def test_bias_that_overflows_int32_keeps_its_value(tmp_path: Path) -> None:
         ref = q(calib[0]).numpy()
     assert np.allclose(out, ref, atol=0.02 * np.abs(ref).max()), (out.mean((0, 2, 3)), ref.mean((0, 2, 3)))
     assert integer_kernel_count(path)[1].get("QLinearConv") == 1  # the second conv is the model output
+
+
+def test_7bit_record_ignores_the_int8_embedding_tables(tmp_path: Path) -> None:
+    """Weights calibrated to 7-bit codes make the record's reduce_range true (no u8s8 saturation
+    note) even though the embedding tables, which feed Gathers, keep full 8-bit rows."""
+    from transformers import BertConfig, BertModel
+
+    from compress.recipe import ExportSpec
+    from export.pipeline import export_model
+    from quantization.api import quantize
+
+    torch.manual_seed(0)
+    m = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                             vocab_size=100)).eval()
+    data = [{"input_ids": torch.randint(0, 100, (2, 8)), "attention_mask": torch.ones(2, 8, dtype=torch.long)}
+            for _ in range(2)]
+    q = quantize(m, {"preset": "w8a8", "weights": {"reduce_range": True}}, data)
+    tables = [u for u in q.quantizer_graph.placement.weights.values() if u.table]
+    assert tables  # word, position and token-type tables are int8
+    (rec,) = export_model(q, data[0], ExportSpec(baseline=False), tmp_path)
+    assert rec.reduce_range is True
