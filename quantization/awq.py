@@ -27,8 +27,9 @@ channels each (grouped-query attention: v_proj's rows reach o_proj once per quer
 the key/value head); which ones is measured by scaling its rows with distinct factors and reading
 the ratios at the consumer's input, and the group's scales are then tied over those channels (the
 geometric mean of their untied values), so GQA's o_proj is scaled too, where AutoAWQ leaves it.
-So Llama, Qwen2, Mistral and GPT-2 blocks need no per-model code, and a group no fold preserves
-(GPT-2's c_proj after GELU) is left unscaled.
+A norm's weight is tried as a plain scale and then as an offset one (``x * (1 + weight)``, Gemma's
+RMSNorm), each proved the same way. So Llama, Qwen2/3, Mistral, Gemma, OPT and GPT-2 blocks need
+no per-model code, and a group no fold preserves (GPT-2's c_proj after GELU) is left unscaled.
 """
 
 from __future__ import annotations
@@ -92,11 +93,13 @@ class AWQParams(AWQFields):
 class FoldGroup:
     """Linears that read one tensor and the module that produces it (None: no exact fold).
     ``index[c]``: the producer's output channel that the consumers' input channel ``c`` carries
-    (None: channel ``c`` itself)."""
+    (None: channel ``c`` itself). ``offset``: the producer is a norm that multiplies by
+    ``1 + weight`` (Gemma's RMSNorm), so a factor folds into ``1 + weight``."""
 
     consumers: list[str]
     producer: str | None
     index: torch.Tensor | None = None
+    offset: bool = False
 
 
 def _primary(out: Any) -> torch.Tensor:
@@ -109,9 +112,10 @@ def _rtn(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 
 
 def _fold(layer: nn.Module, producer: str, consumers: Sequence[str], s: torch.Tensor,
-          index: torch.Tensor | None = None) -> None:
+          index: torch.Tensor | None = None, *, offset: bool = False) -> None:
     """Multiply the consumers' input channels by ``s`` and divide the producer's output channels by
-    it (``index``: the producer channel each input channel carries; ``s`` is tied over it)."""
+    it (``index``: the producer channel each input channel carries; ``s`` is tied over it;
+    ``offset``: the producer scales by ``1 + weight``)."""
     p = layer.get_submodule(producer)
     w = p.weight
     assert isinstance(w, torch.Tensor)  # find_fold_groups only proposes producers with a weight
@@ -119,7 +123,10 @@ def _fold(layer: nn.Module, producer: str, consumers: Sequence[str], s: torch.Te
     if index is not None:
         s = torch.ones(w.shape[0], dtype=s.dtype).index_copy_(0, index, s)
     with torch.no_grad():
-        w.div_(s.to(w.dtype).unsqueeze(1) if isinstance(p, nn.Linear) else s.to(w.dtype))
+        if offset:
+            w.copy_((1 + w) / s.to(w.dtype) - 1)
+        else:
+            w.div_(s.to(w.dtype).unsqueeze(1) if isinstance(p, nn.Linear) else s.to(w.dtype))
         b = getattr(p, "bias", None)
         if isinstance(b, torch.Tensor):
             b.div_(s.to(b.dtype))
@@ -172,8 +179,12 @@ def find_fold_groups(layer: nn.Module, linears: Sequence[str], call: Call, *, to
         found = FoldGroup(consumers, None)
         for c in cands:
             mapped, index = _channel_map(layer, c, consumers[0], width, call)
-            if mapped and _fold_is_exact(layer, c, consumers, width, call, ref, tol, index):
-                found = FoldGroup(consumers, c, index)
+            # a norm's weight is a plain scale, or (Gemma) an offset one: each form is proved, not assumed
+            forms = [False, True] if index is None and not isinstance(layer.get_submodule(c), nn.Linear) else [False]
+            offset = next((f for f in forms if mapped and _fold_is_exact(layer, c, consumers, width, call, ref, tol,
+                                                                          index, offset=f)), None)
+            if offset is not None:
+                found = FoldGroup(consumers, c, index, offset)
                 break
         groups.append(found)
     return groups
@@ -222,7 +233,7 @@ def _channel_map(layer: nn.Module, producer: str, consumer: str, width: int, cal
 
 def _fold_is_exact(
     layer: nn.Module, producer: str, consumers: list[str], width: int, call: Call, ref: torch.Tensor, tol: float,
-    index: torch.Tensor | None = None,
+    index: torch.Tensor | None = None, *, offset: bool = False,
 ) -> bool:
     p = layer.get_submodule(producer)
     w = getattr(p, "weight", None)
@@ -231,7 +242,7 @@ def _fold_is_exact(
     saved = {k: v.detach().clone() for k, v in layer.state_dict().items()}
     s = torch.empty(width if index is None else w.shape[0]).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
     try:
-        _fold(layer, producer, consumers, s if index is None else s[index], index)
+        _fold(layer, producer, consumers, s if index is None else s[index], index, offset=offset)
         with float_mode(layer), torch.no_grad():
             out = _primary(layer(*call[0], **call[1]))
         err = float((out - ref).norm() / ref.norm().clamp_min(1e-12))
@@ -506,7 +517,7 @@ def awq_layer(
                                       clip_rows=_sample_rows(x, params.clip_tokens, seed + 1),
                                       clipped=[_clips(c, linears[c], params) for c in g.consumers])
         if alpha >= 0:
-            _fold(layer, g.producer, g.consumers, s, g.index)
+            _fold(layer, g.producer, g.consumers, s, g.index, offset=g.offset)
             for c in g.consumers:
                 scale_of[c] = s
         report["groups"].append({"consumers": g.consumers, "producer": g.producer, "alpha": alpha, "error": err,

@@ -47,6 +47,14 @@ def _gpt2() -> nn.Module:
                                       bos_token_id=0, eos_token_id=0)).eval()
 
 
+def _gemma() -> nn.Module:
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    return GemmaForCausalLM(GemmaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, head_dim=16,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128)).eval()
+
+
 def _neox() -> nn.Module:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -78,8 +86,9 @@ LLAMA_GQA = [
         # attention.dense (64 wide) divides dense_4h_to_h's input (128): probed, no channel map, no fold
         (_neox, [(["attention.query_key_value"], "input_layernorm"), (["attention.dense"], None),
                  (["mlp.dense_h_to_4h"], "post_attention_layernorm"), (["mlp.dense_4h_to_h"], None)]),
+        (_gemma, LLAMA_GQA),  # its norms multiply by 1 + weight: the factors fold into that
     ],
-    ids=["llama_gqa", "llama_mha", "qwen2", "gpt2", "neox"],
+    ids=["llama_gqa", "llama_mha", "qwen2", "gpt2", "neox", "gemma"],
 )
 def test_fold_groups_are_found_in_the_traced_layer(make, expected) -> None:  # type: ignore[no-untyped-def]
     model = make()
@@ -90,6 +99,8 @@ def test_fold_groups_are_found_in_the_traced_layer(make, expected) -> None:  # t
     groups = find_fold_groups(layers[0], names, calls[0])
     assert [(g.consumers, g.producer) for g in groups] == expected
     for g in groups:
+        # Gemma's RMSNorm (and only it here) scales by 1 + weight
+        assert g.offset == ("Gemma" in type(model).__name__ and "layernorm" in str(g.producer))
         if g.producer == "self_attn.v_proj":
             cfg = model.config
             d = cfg.hidden_size // cfg.num_attention_heads
@@ -100,7 +111,7 @@ def test_fold_groups_are_found_in_the_traced_layer(make, expected) -> None:  # t
             assert (g.index is None) == (want is None) and (want is None or torch.equal(g.index, want))
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _gemma], ids=["llama", "gpt2", "gemma"])
 def test_awq_folds_leave_the_float_model_unchanged_and_beat_rtn(make) -> None:  # type: ignore[no-untyped-def]
     fp = make()
     data = _calib()
