@@ -26,6 +26,7 @@ post-LN encoder, whose LayerNorm output also feeds the residual) the factor stay
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import torch
@@ -175,8 +176,8 @@ def smooth_quant(
                 mod.weight.copy_(r * s.to(r.dtype))
             producer = producers.get(names[0])
             if producer is not None and not torch.all(s == 1):
-                made_by = root.get_submodule(producer)
-                divide_output_channels(made_by, s)
+                made_by = root.get_submodule(producer.name)
+                divide_output_channels(made_by, s, offset=producer.offset)
                 if getattr(made_by, "weight_quantizer", None) is not None:
                     # a quantized producer (up_proj before down_proj): its rows changed after its own
                     # weight scales were fitted; stale scales would clip the rows that grew
@@ -188,7 +189,7 @@ def smooth_quant(
         for name, mod in zip(names, mods):
             calibrate_weight(mod)
             scales[name] = s
-    into = {str(p).rsplit(".", 1)[-1] for n in groups.values() if (p := producers.get(n[0])) is not None}
+    into = {p.name.rsplit(".", 1)[-1] for n in groups.values() if (p := producers.get(n[0])) is not None}
     folded = sum(1 for names in groups.values() if producers.get(names[0]) is not None)
     log.info("smoothquant: %d of %d input groups folded into their producer (%s), %d as a Mul before the quantizer",
              folded, len(groups), ", ".join(sorted(into)), len(groups) - folded)
@@ -203,14 +204,26 @@ def smooth_quant(
     return scales
 
 
-def divide_output_channels(mod: nn.Module, s: torch.Tensor) -> None:
+@dataclass(frozen=True)
+class Producer:
+    """The module whose output channels absorb a group's ``1/s``; ``offset``: a norm that scales by
+    ``1 + weight`` (Gemma's RMSNorm), so the factor goes into ``1 + weight``."""
+
+    name: str
+    offset: bool = False
+
+
+def divide_output_channels(mod: nn.Module, s: torch.Tensor, *, offset: bool = False) -> None:
     """Divide ``mod``'s output channel ``j`` by ``s[j]``: a norm's weight (and bias), a Linear's
-    weight rows (and bias)."""
+    weight rows (and bias); ``offset``: the norm multiplies by ``1 + weight``."""
     w = getattr(mod, "weight", None)
     if not isinstance(w, torch.Tensor):
         raise CalibrationError(f"smoothquant: {type(mod).__name__} has no weight to fold a scale into")
     with torch.no_grad():
-        w.div_(s.to(w.device, w.dtype).unsqueeze(1) if w.dim() == 2 else s.to(w.device, w.dtype))
+        if offset:
+            w.copy_((1 + w) / s.to(w.device, w.dtype) - 1)
+        else:
+            w.div_(s.to(w.device, w.dtype).unsqueeze(1) if w.dim() == 2 else s.to(w.device, w.dtype))
         b = getattr(mod, "bias", None)
         if isinstance(b, torch.Tensor):
             b.div_(s.to(b.device, b.dtype))
@@ -235,9 +248,10 @@ def _outputs(out: Any) -> torch.Tensor:
 @torch.no_grad()
 def find_producers(
     root: nn.Module, groups: list[list[str]], args: tuple[Any, ...], kwargs: dict[str, Any], *, tol: float = 1e-3
-) -> dict[str, str | None]:
+) -> dict[str, Producer | None]:
     """For each group of Linears reading one tensor: the module whose output channels can absorb
-    ``1/s`` exactly (by consumer name; None where no fold is exact).
+    ``1/s`` exactly (by consumer name; None where no fold is exact). A norm's weight is tried as a
+    plain scale, then as an offset one (``1 + weight``).
 
     Candidates: the module with weights that produced the tensor; when no module did (an
     elementwise product), Linears of the same parent module with as many outputs as the tensor
@@ -265,10 +279,10 @@ def find_producers(
     finally:
         for h in handles:
             h.remove()
-    found: dict[str, str | None] = {}
+    found: dict[str, Producer | None] = {}
     for group in groups:
         x = reads.get(group[0])
-        producer = None
+        producer: Producer | None = None
         if x is not None:
             width = x.shape[-1]
             hit = produced.get(id(x))
@@ -278,14 +292,16 @@ def find_producers(
                 parent = group[0].rpartition(".")[0]
                 cands = [n for n, m in mods.items() if isinstance(m, nn.Linear) and n.rpartition(".")[0] == parent
                          and n not in group and m.out_features == width]
-            producer = next((c for c in cands if _fold_is_exact(root, c, group, width, args, kwargs, ref, tol)), None)
+            producer = next((Producer(c, off) for c in cands for off in (False, True)
+                             if (not off or not isinstance(mods[c], nn.Linear))
+                             and _fold_is_exact(root, c, group, width, args, kwargs, ref, tol, offset=off)), None)
         for n in group:
             found[n] = producer
     return found
 
 
 def _fold_is_exact(root: nn.Module, producer: str, group: list[str], width: int, args: tuple[Any, ...],
-                   kwargs: dict[str, Any], ref: torch.Tensor, tol: float) -> bool:
+                   kwargs: dict[str, Any], ref: torch.Tensor, tol: float, *, offset: bool = False) -> bool:
     p = root.get_submodule(producer)
     w = getattr(p, "weight", None)
     if not isinstance(w, torch.Tensor) or w.shape[0] != width or (w.dim() != 2 and tuple(w.shape) != (width,)):
@@ -294,7 +310,7 @@ def _fold_is_exact(root: nn.Module, producer: str, group: list[str], width: int,
     saved = [{k: v.detach().clone() for k, v in m.named_parameters(recurse=False)} for m in touched]
     s = torch.empty(width).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
     try:
-        divide_output_channels(p, s)
+        divide_output_channels(p, s, offset=offset)
         for n in group:
             cw = root.get_submodule(n).weight
             assert isinstance(cw, torch.Tensor)  # the groups are QuantLinears

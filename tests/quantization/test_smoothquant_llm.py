@@ -61,11 +61,31 @@ def test_fold_targets_are_found_in_the_running_model(kind: str, kv_heads: int, o
     groups = [[f"model.layers.0.self_attn.{p}_proj" for p in "qkv"], ["model.layers.0.self_attn.o_proj"],
               ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], ["model.layers.0.mlp.down_proj"]]
     found = find_producers(m, groups, (), {"input_ids": _data(1)[0]})
-    got = {g[0].removeprefix("model.layers.0."): (p.removeprefix("model.layers.0.") if p else None)
+    got = {g[0].removeprefix("model.layers.0."): (p.name.removeprefix("model.layers.0.") if p else None)
            for g in groups for p in [found[g[0]]]}
     # v_proj -> o_proj only without GQA (with it, o_proj's channels are not v's)
     assert got == {"self_attn.q_proj": "input_layernorm", "self_attn.o_proj": o_proj,
                    "mlp.gate_proj": "post_attention_layernorm", "mlp.down_proj": "mlp.up_proj"}
+
+
+def test_gemma_norms_take_the_factor_as_one_plus_weight() -> None:
+    """Gemma's RMSNorm multiplies by 1 + weight: the fold into it is proved in that form, and the
+    smoothed model keeps its float function with no Mul left before q/k/v or gate/up."""
+    torch.manual_seed(0)
+    m = transformers.GemmaForCausalLM(transformers.GemmaConfig(**SMALL, num_key_value_heads=2, head_dim=16)).eval()
+    groups = [[f"model.layers.0.self_attn.{p}_proj" for p in "qkv"], ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]]
+    found = find_producers(m, groups, (), {"input_ids": _data(1)[0]})
+    assert [(p.name, p.offset) for g in groups if (p := found[g[0]]) is not None] == [
+        ("model.layers.0.input_layernorm", True), ("model.layers.0.post_attention_layernorm", True)]
+    x = _data(1)[0]
+    with torch.no_grad():
+        ref = m(input_ids=x).logits
+    q = quantize(copy.deepcopy(m), "w8a8", _data(), params=QuantizeParams(smoothquant=0.5, quantize_ops=False),
+                 ignore=["lm_head"])
+    assert input_quantizer(q, "model.layers.0.self_attn.q_proj").pre_quant_scale is None  # folded, not a Mul
+    set_quantizers(q, enabled=False)
+    with torch.no_grad():
+        assert _sqnr(ref, q(input_ids=x).logits) > 60
 
 
 def test_smoothquant_folds_into_the_decoder_and_keeps_its_float_function() -> None:
