@@ -19,6 +19,7 @@ from compress.errors import CompressError, RecipeError, ValidationFailed
 
 if TYPE_CHECKING:
     from compress.report import Report
+    from export.records import ValidationRecord
 
 log = logging.getLogger("compress")
 
@@ -113,15 +114,21 @@ def summary(report: Report, *, out: Path) -> str:
                 + (f" ({_f(g['decode_speedup'])}x)" if "decode_speedup" in g else "")
                 + f"; greedy tokens = PyTorch {_f(v.parity.get('top1_agreement'))}"
             )
+            lines += _slower_warnings(v)
             continue
         lat = ", ".join(f"b{k} {_f(ms)} ms" for k, ms in v.latency_ms.items())
         spd = ", ".join(f"b{k} {_f(x)}x" for k, x in (v.speedup or {}).items())
         lines.append(f"  {v.runtime} {v.role} {v.precision}: {report.metric} {_f(v.accuracy)}"
                      + (f"; latency {lat}" if lat else "") + (f"; speedup {spd}" if spd else ""))
-        lines += [f"  warning: {v.runtime} {n}" for n in v.notes if n.startswith(f"{v.precision} measured slower")]
+        lines += _slower_warnings(v)
     for t in report.thresholds:
         lines.append(f"  threshold {t.name}: {_f(t.value)} (limit {_f(t.limit)}) {'ok' if t.passed else 'MISSED'}")
     return "\n".join(lines)
+
+
+def _slower_warnings(v: ValidationRecord) -> list[str]:
+    """A warning line for each 'measured slower than fp32' note of validation record ``v``."""
+    return [f"  warning: {v.runtime} {n}" for n in v.notes if n.startswith(f"{v.precision} measured slower")]
 
 
 def _n(x: int | None) -> str:

@@ -23,7 +23,7 @@ from torch import nn
 from compress.errors import CompressError, ExportError
 from export.describe import describe_onnx
 from export.qdq import is_quantized, iter_quantizers
-from export.records import ExportRecord, Role, ValidationRecord
+from export.records import ExportRecord, Role, ValidationRecord, slower_note
 from export.runtimes import ort_coverage
 from export.specs import ExportSpec, ValidateSpec
 
@@ -179,6 +179,10 @@ def validate_generation(
                         "decode_ms_per_token": dec, "tokens_per_s": 1e3 / dec,
                         **({"prefill_speedup": b[0] / pre, "decode_speedup": b[1] / dec} if b is not None else {})},
         ))
+        if b is not None and r.role == "final":
+            slow = {k: x for k, x in (("prefill", b[0] / pre), ("decode", b[1] / dec)) if x < 1.0}
+            if slow:
+                out[-1].notes.append(slower_note(r.precision, slow))
         log.info("validate %s: prefill %.1f ms, decode %.2f ms/token (%.0f tokens/s), tokens = PyTorch %s",
                  r.path.name, pre, dec, 1e3 / dec, agreement.get(r.role, {}).get("top1_agreement"))
     return out

@@ -85,3 +85,12 @@ class ThresholdRecord(BaseModel):
     value: float | None
     passed: bool
     where: str | None = None
+
+
+def slower_note(precision: str, slow: dict[str, float]) -> str:
+    """The note a validation record carries where the compressed file measured slower than fp32
+    (``slow``: speedup by what was timed, e.g. ``{"batch 16": 0.8}`` or ``{"prefill": 0.7}``)."""
+    at = ", ".join(f"{k}: {x:.2f}x" for k, x in slow.items())
+    return (f"{precision} measured slower than fp32 ({at}): at these shapes the quantized kernels and their "
+            "quantize/dequantize steps cost more than they save, or layers stayed float (see coverage); "
+            "validate.thresholds.min_speedup turns this into a failure")

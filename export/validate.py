@@ -23,7 +23,7 @@ from torch import nn
 from compress.batching import batch_size_of, call_model, primary_output, split_batch
 from compress.errors import CompressError, ExportError, RecipeError
 from export.parity import Parity, resize_batch, to_numpy_feeds
-from export.records import ExportRecord, ThresholdRecord, ValidationRecord
+from export.records import ExportRecord, ThresholdRecord, ValidationRecord, slower_note
 from export.runtimes import RUNTIMES, RuntimeSession, cpu_has_vnni, default_threads, load_session
 from export.specs import Thresholds, ValidateSpec
 
@@ -219,20 +219,12 @@ def validate_exports(
                     b: (lat["baseline"][b] / ms) if ms and lat["baseline"].get(b) else None  # type: ignore[operator]
                     for b, ms in lat["final"].items()
                 }
-                slow = {b: x for b, x in vr.speedup.items() if x is not None and x < 1.0}
+                slow = {f"batch {b}": x for b, x in vr.speedup.items() if x is not None and x < 1.0}
                 if slow and vr.precision != "fp32":
                     vr.notes.append(slower_note(vr.precision, slow))
             log.info("%s %s (%s): accuracy %s, latency %s ms, threads %d", runtime, vr.role, vr.precision,
                      vr.accuracy, {k: round(v, 3) if v else v for k, v in vr.latency_ms.items()}, threads)
     return results
-
-
-def slower_note(precision: str, slow: dict[int, float]) -> str:
-    """The note a validation record carries when the compressed file measured slower than fp32."""
-    at = ", ".join(f"batch {b}: {x:.2f}x" for b, x in slow.items())
-    return (f"{precision} measured slower than fp32 ({at}): quantize/dequantize steps cost more than the "
-            "integer kernels save at these shapes, or layers stayed float (see coverage); "
-            "validate.min_speedup turns this into a failure")
 
 
 def _reference_accuracy(

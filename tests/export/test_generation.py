@@ -65,6 +65,11 @@ def test_int4_generation_files_are_validated_against_pytorch_and_the_fp32_file(t
     assert g["decode_ms_per_token"] > 0 and g["prefill_ms"] > 0
     assert final.speedup == {1: pytest.approx(g["decode_speedup"])}
     assert base.generation is not None and base.generation["decode_speedup"] == 1.0
+    # a phase timed slower than the fp32 file is named in a note (a toy model's prefill usually is)
+    slow = [k for k in ("prefill", "decode") if g[f"{k}_speedup"] < 1]
+    notes = [n for n in final.notes if "measured slower than fp32" in n]
+    assert len(notes) == (1 if slow else 0) and all(f"({k}:" in notes[0] or f", {k}:" in notes[0] for k in slow)
+    assert not any("measured slower" in n for n in base.notes)
 
 
 @pytest.mark.parametrize("preset,op", [("w8a8", "MatMulIntegerToFloat"), ("w8a8_dynamic", "MatMulInteger")])
