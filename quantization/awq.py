@@ -34,6 +34,7 @@ no per-model code, and a group no fold preserves (GPT-2's c_proj after GELU) is 
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import logging
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from quantization.calibration import float_mode
 from quantization.modules import QuantLinear
@@ -138,7 +140,11 @@ def _fold(layer: nn.Module, producer: str, consumers: Sequence[str], s: torch.Te
 
 def find_fold_groups(layer: nn.Module, linears: Sequence[str], call: Call, *, tol: float = 1e-3) -> list[FoldGroup]:
     """Group ``linears`` (names inside ``layer``) by the tensor they read and find, for each group,
-    the producer whose per-channel scaling the layer absorbs exactly (checked on ``call``)."""
+    the producer whose per-channel scaling the layer absorbs exactly (checked on ``call``).
+    A bf16/fp16 layer is checked on a float32 copy: its own rounding (~1e-2) would hide whether a
+    fold is exact, and every fold would be refused."""
+    if any(p.is_floating_point() and p.dtype != torch.float32 for p in layer.parameters()):
+        layer, call = _float32(layer, call)
     produced: dict[int, tuple[str, torch.Tensor]] = {}
     reads: dict[str, torch.Tensor] = {}
     handles = []
@@ -188,6 +194,16 @@ def find_fold_groups(layer: nn.Module, linears: Sequence[str], call: Call, *, to
                 break
         groups.append(found)
     return groups
+
+
+def _float32(layer: nn.Module, call: Call) -> tuple[nn.Module, Call]:
+    """A float32 copy of ``layer`` and ``call`` (floating tensors cast), for the fold proofs."""
+
+    def cast(t: Any) -> Any:
+        return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    args, kwargs = pytree.tree_map(cast, (call[0], call[1]))
+    return copy.deepcopy(layer).float(), (args, kwargs)
 
 
 def _channel_map(layer: nn.Module, producer: str, consumer: str, width: int, call: Call) -> tuple[bool, torch.Tensor | None]:

@@ -308,7 +308,11 @@ def _fold_is_exact(root: nn.Module, producer: str, group: list[str], width: int,
         return False
     touched = [p, *(root.get_submodule(n) for n in group)]
     saved = [{k: v.detach().clone() for k, v in m.named_parameters(recurse=False)} for m in touched]
-    s = torch.empty(width).uniform_(0.5, 2.0, generator=torch.Generator().manual_seed(width))
+    gen = torch.Generator().manual_seed(width)
+    if w.dtype == torch.float32:
+        s = torch.empty(width).uniform_(0.5, 2.0, generator=gen)
+    else:  # bf16/fp16: powers of two scale exactly, so an exact fold changes no bit and rounding hides nothing
+        s = 2.0 ** torch.randint(-1, 2, (width,), generator=gen).float()
     try:
         divide_output_channels(p, s, offset=offset)
         for n in group:

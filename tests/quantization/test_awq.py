@@ -87,8 +87,10 @@ LLAMA_GQA = [
         (_neox, [(["attention.query_key_value"], "input_layernorm"), (["attention.dense"], None),
                  (["mlp.dense_h_to_4h"], "post_attention_layernorm"), (["mlp.dense_4h_to_h"], None)]),
         (_gemma, LLAMA_GQA),  # its norms multiply by 1 + weight: the factors fold into that
+        # bf16 (how LLMs are loaded): proved on a float32 copy, where bf16 rounding would refuse every fold
+        (lambda: _llama().to(torch.bfloat16), LLAMA_GQA),
     ],
-    ids=["llama_gqa", "llama_mha", "qwen2", "gpt2", "neox", "gemma"],
+    ids=["llama_gqa", "llama_mha", "qwen2", "gpt2", "neox", "gemma", "llama_bf16"],
 )
 def test_fold_groups_are_found_in_the_traced_layer(make, expected) -> None:  # type: ignore[no-untyped-def]
     model = make()

@@ -54,10 +54,13 @@ def _output_of(model: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
     return out[0]
 
 
-@pytest.mark.parametrize(("kind", "kv_heads", "o_proj"), [("llama", 2, None), ("llama", 4, "self_attn.v_proj"),
-                                                         ("qwen2", 2, None)], ids=["llama-gqa", "llama-mha", "qwen2"])
-def test_fold_targets_are_found_in_the_running_model(kind: str, kv_heads: int, o_proj: str | None) -> None:
-    m = _llm(kind, kv_heads)
+@pytest.mark.parametrize(("kind", "kv_heads", "o_proj", "dtype"), [
+    ("llama", 2, None, torch.float32), ("llama", 4, "self_attn.v_proj", torch.float32), ("qwen2", 2, None, torch.float32),
+    ("llama", 4, "self_attn.v_proj", torch.bfloat16),  # proved with power-of-two factors: exact in bf16 too
+], ids=["llama-gqa", "llama-mha", "qwen2", "llama-mha-bf16"])
+def test_fold_targets_are_found_in_the_running_model(kind: str, kv_heads: int, o_proj: str | None,
+                                                     dtype: torch.dtype) -> None:
+    m = _llm(kind, kv_heads).to(dtype)
     groups = [[f"model.layers.0.self_attn.{p}_proj" for p in "qkv"], ["model.layers.0.self_attn.o_proj"],
               ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], ["model.layers.0.mlp.down_proj"]]
     found = find_producers(m, groups, (), {"input_ids": _data(1)[0]})
