@@ -77,7 +77,7 @@ def export_onnx(
     if use_cache:
         config.use_cache = False  # type: ignore[union-attr]
     try:
-        with _float32(model) as widened:
+        with float32_weights(model) as widened:
             if widened:
                 example_inputs = _float32_inputs(example_inputs)
             return _export(model, example_inputs, path, opset=opset, dynamic_batch=dynamic_batch,
@@ -91,11 +91,12 @@ def export_onnx(
 
 
 @contextlib.contextmanager
-def _float32(model: nn.Module) -> Iterator[bool]:
-    """A bf16/fp16 model (how LLMs are loaded) widened to float32 for the export and given back its
+def float32_weights(model: nn.Module) -> Iterator[bool]:
+    """A bf16/fp16 model (how LLMs are loaded) widened to float32 inside the block and given back its
     dtypes after: ONNX Runtime's CPU kernels and Q/DQ scales are float32, so a half-precision graph
-    would not run (``fp16=True`` writes an fp16 file on purpose, from float32 weights). Yields
-    whether anything was widened; bf16/fp16 -> float32 -> back is exact."""
+    would not run (``fp16=True`` writes an fp16 file on purpose, from float32 weights), and the
+    validation's PyTorch reference must compute what the file computes. Yields whether anything was
+    widened; bf16/fp16 -> float32 -> back is exact."""
     half = (torch.bfloat16, torch.float16)
     params = [(p, p.dtype) for p in model.parameters() if p.dtype in half]
     buffers = [(m, name, b.dtype) for m in model.modules() for name, b in m._buffers.items()

@@ -22,6 +22,7 @@ from torch import nn
 
 from compress.batching import batch_size_of, call_model, primary_output, split_batch
 from compress.errors import CompressError, ExportError, RecipeError
+from export.onnx import float32_weights
 from export.parity import Parity, resize_batch, to_numpy_feeds
 from export.records import ExportRecord, ThresholdRecord, ValidationRecord, slower_note
 from export.runtimes import RUNTIMES, RuntimeSession, cpu_has_vnni, default_threads, load_session
@@ -91,7 +92,7 @@ def _torch_outputs(model: nn.Module | None, batches: list[tuple[Any, Any]]) -> l
     was = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), float32_weights(model):  # the file computes in float32 (export.onnx)
             return [call_model(model, inputs) for inputs, _ in batches]
     finally:
         model.train(was)

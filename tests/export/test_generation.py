@@ -223,3 +223,24 @@ def test_gpt2_learned_positions_and_fused_c_attn_generate_as_transformers_does(t
         (val,) = validate_generation(recs, ValidateSpec(runs=1, warmup=0, generate_tokens=8), ids.numpy(),
                                      reference=q, baseline_reference=None)
         assert val.parity == {"top1_agreement": 1.0, "prompts_identical": 1.0}, scheme
+
+
+def test_a_bf16_model_is_validated_against_what_its_file_computes(tmp_path: Path) -> None:
+    """A bf16 checkpoint (transformers loads it as bf16) exports float32 generation files; the greedy
+    tokens are compared with the model widened to float32, which the files compute, not with bf16
+    arithmetic (static W8A8 here: bf16 rounding moves activation codes, and 5% of the tokens with
+    them); the model stays bf16."""
+    import compress
+    from export.generation import export_generation, validate_generation
+    from export.specs import ExportSpec, ValidateSpec
+
+    fp = _llama().to(torch.bfloat16)
+    calib = [{"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i))} for i in range(2)]
+    q = compress.quantize(copy.deepcopy(fp), {"preset": "w8a8", "weights": {"reduce_range": True}}, calib,
+                          ignore=["lm_head"], params=compress.QuantizeParams(quantize_ops=False))
+    recs = export_generation(q, ExportSpec(generation=True), tmp_path, name="m", baseline=fp)
+    prompts = torch.randint(0, 128, (8, 12), generator=torch.Generator().manual_seed(1)).numpy()
+    final, base = validate_generation(recs, ValidateSpec(runs=1, warmup=0, generate_tokens=12), prompts, reference=q,
+                                      baseline_reference=fp)
+    assert final.parity["top1_agreement"] == 1.0 and base.parity["top1_agreement"] == 1.0
+    assert q.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16 and fp.lm_head.weight.dtype == torch.bfloat16
