@@ -22,6 +22,7 @@ from typing import Any
 import onnx
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from compress.batching import call_model
 from compress.errors import ExportError
@@ -104,7 +105,7 @@ def float32_weights(model: nn.Module) -> Iterator[bool]:
     if not params and not buffers:
         yield False
         return
-    log.info("export: %d bf16/fp16 tensors of %s exported as float32", len(params) + len(buffers), type(model).__name__)
+    log.info("%d bf16/fp16 tensors of %s widened to float32", len(params) + len(buffers), type(model).__name__)
     for p, _ in params:
         p.data = p.data.float()
     for m, name, _ in buffers:
@@ -119,8 +120,6 @@ def float32_weights(model: nn.Module) -> Iterator[bool]:
 
 
 def _float32_inputs(example_inputs: Any) -> Any:
-    from torch.utils import _pytree as pytree
-
     return pytree.tree_map(
         lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t,
         example_inputs)
