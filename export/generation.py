@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError, ExportError
+from compress.precision import float32_weights
 from export.describe import describe_onnx
-from export.onnx import float32_weights
 from export.qdq import is_quantized, iter_quantizers
 from export.records import ExportRecord, Role, ValidationRecord, slower_note
 from export.runtimes import ort_coverage

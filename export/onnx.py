@@ -22,11 +22,11 @@ from typing import Any
 import onnx
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from compress.batching import call_model
 from compress.errors import ExportError
 from compress.io import umask_mode
+from compress.precision import float32_inputs, float32_weights
 from export import edge, qdq
 
 log = logging.getLogger(__name__)
@@ -78,9 +78,11 @@ def export_onnx(
     if use_cache:
         config.use_cache = False  # type: ignore[union-attr]
     try:
+        # ORT's CPU kernels and Q/DQ scales are float32: a half-precision graph would not run
+        # (fp16=True writes an fp16 file on purpose, from the float32 weights)
         with float32_weights(model) as widened:
             if widened:
-                example_inputs = _float32_inputs(example_inputs)
+                example_inputs = float32_inputs(example_inputs)
             return _export(model, example_inputs, path, opset=opset, dynamic_batch=dynamic_batch,
                            activation_dtype=activation_dtype, reduce_range=reduce_range, fp16=fp16, simplify=simplify,
                            quantize_embeddings=quantize_embeddings,
@@ -89,40 +91,6 @@ def export_onnx(
         model.train(was_training)
         if use_cache:
             config.use_cache = use_cache  # type: ignore[union-attr]
-
-
-@contextlib.contextmanager
-def float32_weights(model: nn.Module) -> Iterator[bool]:
-    """A bf16/fp16 model (how LLMs are loaded) widened to float32 inside the block and given back its
-    dtypes after: ONNX Runtime's CPU kernels and Q/DQ scales are float32, so a half-precision graph
-    would not run (``fp16=True`` writes an fp16 file on purpose, from float32 weights), and the
-    validation's PyTorch reference must compute what the file computes. Yields whether anything was
-    widened; bf16/fp16 -> float32 -> back is exact."""
-    half = (torch.bfloat16, torch.float16)
-    params = [(p, p.dtype) for p in model.parameters() if p.dtype in half]
-    buffers = [(m, name, b.dtype) for m in model.modules() for name, b in m._buffers.items()
-               if b is not None and b.dtype in half]
-    if not params and not buffers:
-        yield False
-        return
-    log.info("%d bf16/fp16 tensors of %s widened to float32", len(params) + len(buffers), type(model).__name__)
-    for p, _ in params:
-        p.data = p.data.float()
-    for m, name, _ in buffers:
-        m._buffers[name] = m._buffers[name].float()  # type: ignore[union-attr]
-    try:
-        yield True
-    finally:
-        for p, dtype in params:
-            p.data = p.data.to(dtype)
-        for m, name, dtype in buffers:
-            m._buffers[name] = m._buffers[name].to(dtype)  # type: ignore[union-attr]
-
-
-def _float32_inputs(example_inputs: Any) -> Any:
-    return pytree.tree_map(
-        lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t,
-        example_inputs)
 
 
 def _export(

@@ -22,7 +22,7 @@ from torch import nn
 
 from compress.batching import batch_size_of, call_model, primary_output, split_batch
 from compress.errors import CompressError, ExportError, RecipeError
-from export.onnx import float32_weights
+from compress.precision import float32_weights
 from export.parity import Parity, resize_batch, to_numpy_feeds
 from export.records import ExportRecord, ThresholdRecord, ValidationRecord, slower_note
 from export.runtimes import RUNTIMES, RuntimeSession, cpu_has_vnni, default_threads, load_session

@@ -34,7 +34,6 @@ no per-model code, and a group no fold preserves (GPT-2's c_proj after GELU) is 
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 import logging
 from collections.abc import Callable, Sequence
@@ -45,8 +44,8 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
-from torch.utils import _pytree as pytree
 
+from compress.precision import float32_inputs, float32_weights
 from quantization.calibration import float_mode
 from quantization.modules import QuantLinear
 from quantization.preparation import calibrate_weight
@@ -58,6 +57,7 @@ from quantization.primitives import (
     qparams_from_range,
     to_groups,
 )
+from quantization.smoothquant import divide_output_channels
 from quantization.spec import QuantSpec
 
 log = logging.getLogger(__name__)
@@ -119,19 +119,13 @@ def _fold(layer: nn.Module, producer: str, consumers: Sequence[str], s: torch.Te
     it (``index``: the producer channel each input channel carries; ``s`` is tied over it;
     ``offset``: the producer scales by ``1 + weight``)."""
     p = layer.get_submodule(producer)
-    w = p.weight
-    assert isinstance(w, torch.Tensor)  # find_fold_groups only proposes producers with a weight
     cs = s
     if index is not None:
+        w = p.weight
+        assert isinstance(w, torch.Tensor)  # find_fold_groups only proposes producers with a weight
         s = torch.ones(w.shape[0], dtype=s.dtype).index_copy_(0, index, s)
+    divide_output_channels(p, s, offset=offset)
     with torch.no_grad():
-        if offset:
-            w.copy_((1 + w) / s.to(w.dtype) - 1)
-        else:
-            w.div_(s.to(w.dtype).unsqueeze(1) if isinstance(p, nn.Linear) else s.to(w.dtype))
-        b = getattr(p, "bias", None)
-        if isinstance(b, torch.Tensor):
-            b.div_(s.to(b.dtype))
         for c in consumers:
             cw = layer.get_submodule(c).weight
             assert isinstance(cw, torch.Tensor)
@@ -141,10 +135,13 @@ def _fold(layer: nn.Module, producer: str, consumers: Sequence[str], s: torch.Te
 def find_fold_groups(layer: nn.Module, linears: Sequence[str], call: Call, *, tol: float = 1e-3) -> list[FoldGroup]:
     """Group ``linears`` (names inside ``layer``) by the tensor they read and find, for each group,
     the producer whose per-channel scaling the layer absorbs exactly (checked on ``call``).
-    A bf16/fp16 layer is checked on a float32 copy: its own rounding (~1e-2) would hide whether a
+    A bf16/fp16 layer is checked widened to float32: its own rounding (~1e-2) would hide whether a
     fold is exact, and every fold would be refused."""
-    if any(p.is_floating_point() and p.dtype != torch.float32 for p in layer.parameters()):
-        layer, call = _float32(layer, call)
+    with float32_weights(layer) as widened:
+        return _find_fold_groups(layer, linears, float32_inputs(call) if widened else call, tol)
+
+
+def _find_fold_groups(layer: nn.Module, linears: Sequence[str], call: Call, tol: float) -> list[FoldGroup]:
     produced: dict[int, tuple[str, torch.Tensor]] = {}
     reads: dict[str, torch.Tensor] = {}
     handles = []
@@ -185,25 +182,17 @@ def find_fold_groups(layer: nn.Module, linears: Sequence[str], call: Call, *, to
         found = FoldGroup(consumers, None)
         for c in cands:
             mapped, index = _channel_map(layer, c, consumers[0], width, call)
+            if not mapped:
+                continue
             # a norm's weight is a plain scale, or (Gemma) an offset one: each form is proved, not assumed
             forms = [False, True] if index is None and not isinstance(layer.get_submodule(c), nn.Linear) else [False]
-            offset = next((f for f in forms if mapped and _fold_is_exact(layer, c, consumers, width, call, ref, tol,
-                                                                          index, offset=f)), None)
+            offset = next((f for f in forms if _fold_is_exact(layer, c, consumers, width, call, ref, tol, index,
+                                                              offset=f)), None)
             if offset is not None:
                 found = FoldGroup(consumers, c, index, offset)
                 break
         groups.append(found)
     return groups
-
-
-def _float32(layer: nn.Module, call: Call) -> tuple[nn.Module, Call]:
-    """A float32 copy of ``layer`` and ``call`` (floating tensors cast), for the fold proofs."""
-
-    def cast(t: Any) -> Any:
-        return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-
-    args, kwargs = pytree.tree_map(cast, (call[0], call[1]))
-    return copy.deepcopy(layer).float(), (args, kwargs)
 
 
 def _channel_map(layer: nn.Module, producer: str, consumer: str, width: int, call: Call) -> tuple[bool, torch.Tensor | None]:
