@@ -13,6 +13,7 @@ raises a CompressError instead of silently falling back.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -151,7 +152,8 @@ class Int8Linear(_Int8Base):
         new.register_buffer("weight_colsum", codes.to(torch.int32).sum(1))
         b = mod.bias
         new.register_buffer("bias", None if b is None else b.detach().float().clone())
-        new.output_quantizer = mod.output_quantizer
+        # a copy: moving the int8 layer (.to) must not move the fake-quant model's quantizer with it
+        new.output_quantizer = copy.deepcopy(mod.output_quantizer)
         new._set_activation(activation)
         return new.to(weight.device)
 
@@ -205,7 +207,7 @@ class Int8Conv2d(_Int8Base):
         new.register_buffer("weight_colsum", codes.to(torch.int32).sum((1, 2, 3)))
         b = conv.bias
         new.register_buffer("bias", None if b is None else b.detach().float().clone())
-        new.output_quantizer = conv.output_quantizer
+        new.output_quantizer = copy.deepcopy(conv.output_quantizer)
         new._set_activation(activation)
         return new.to(conv.weight.device)
 

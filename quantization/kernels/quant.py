@@ -56,8 +56,10 @@ def _per_token_kernel(
         mask = cols < K
         x = _load_scaled(x_row + cols * stride_xk, mask, pqs_ptr + cols, HAS_PQS)
         amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.maximum(amax / QMAX, EPS)
-        inv = 1.0 / scale
+        # div_rn: IEEE division, as torch computes the reference; the GPU's default fp32 `/` is
+        # approximate (up to 2 ulp) and moved a scale by one ulp in the CUDA tests
+        scale = tl.maximum(tl.math.div_rn(amax, QMAX), EPS)
+        inv = tl.math.div_rn(1.0, scale)
         q = _round_clamp(x * inv, QMIN, QMAX)
         tl.store(q_row + cols, q.to(tl.int8), mask=mask)
     else:
@@ -66,8 +68,8 @@ def _per_token_kernel(
             mask = cols + k0 < K
             x = _load_scaled(x_row + (cols + k0) * stride_xk, mask, pqs_ptr + cols + k0, HAS_PQS)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / QMAX, EPS)
-        inv = 1.0 / scale
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), EPS)
+        inv = tl.math.div_rn(1.0, scale)
         for k0 in range(0, K, BLOCK_K):
             mask = cols + k0 < K
             x = _load_scaled(x_row + (cols + k0) * stride_xk, mask, pqs_ptr + cols + k0, HAS_PQS)
@@ -81,7 +83,7 @@ def _static_kernel(x_ptr, q_ptr, scale_ptr, pqs_ptr, numel, K, zp, QMIN: tl.cons
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = _load_scaled(x_ptr + offs, mask, pqs_ptr + offs % K, HAS_PQS)
-    inv = 1.0 / tl.load(scale_ptr)
+    inv = tl.math.div_rn(1.0, tl.load(scale_ptr))
     # zp is a runtime argument: one compiled kernel serves every layer's zero point
     q = _round_clamp(x * inv, QMIN - zp, QMAX - zp) + zp
     tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)

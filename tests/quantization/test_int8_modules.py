@@ -106,6 +106,19 @@ def test_linear_smoothquant_and_output_quantizer_parity(device: str) -> None:
     assert (y == ref).float().mean() > 0.95
 
 
+def test_int8_layer_owns_its_output_quantizer() -> None:
+    # moving or casting the int8 layer must leave the fake-quant model it came from untouched (on a
+    # GPU, .to("cuda") used to move the shared quantizer and broke the fake-quant model's forward)
+    scheme = QuantScheme(weights=QuantSpec(granularity="channel"), inputs=QuantSpec(granularity="tensor"),
+                         outputs=QuantSpec(dtype="uint8", symmetric=False))
+    ql = _linear(scheme, seed=2).eval()
+    assert ql.output_quantizer is not None
+    il = Int8Linear.from_quant(ql).to(torch.float64)
+    assert il.output_quantizer is not None and il.output_quantizer is not ql.output_quantizer
+    assert ql.output_quantizer.scale.dtype == torch.float32
+    torch.testing.assert_close(il.output_quantizer.scale.float(), ql.output_quantizer.scale)
+
+
 def test_linear_dynamic_smoothquant_parity(device: str) -> None:
     ql = _linear("w8a8_dynamic", seed=4).eval()
     assert ql.input_quantizer is not None
