@@ -5,12 +5,13 @@
     python -m benchmarks.w4a16 --compile-check   # no GPU needed: compiles every config to sm80/sm90 cubin
 
 Rows: every (N, K) Linear of LLaMA-7B (q/k/v/o 4096x4096, gate/up 11008x4096, down 4096x11008) at
-M = 1 and 16 tokens (decode) and 2048 (prefill). ``fp16`` is F.linear on fp16 weights (cuBLAS),
-``w4a16`` the Triton kernel on packed int4 weights with group-128 scales, symmetric and asymmetric
-(zero points), both autotuned first. Times are medians of triton's do_bench (CUDA events, L2
-flushed), all variants of a shape back to back. ``GB/s`` is the weight bytes read per call over
-the time (what bounds decode). SQNR is of the kernel's output against fp64 on the same int4 weight
-(checks the kernel on every measured shape, not the quantization error).
+M = 1..16 tokens (decode), 64, 256 and 2048 (prefill). ``fp16`` is F.linear on fp16 weights
+(cuBLAS); ``fused`` the Triton kernel on packed int4 weights with group-128 scales, symmetric and
+asymmetric (zero points), tuned first; ``dequant`` dequantizes once and calls cuBLAS; ``auto`` is
+what ``w4a16_gemm`` picks. Times: medians of CUDA-graph replays (see ``graph_time_ms``), all
+variants of a shape back to back. ``GB/s`` is the weight bytes read per fused call over its time
+(what bounds decode). SQNR is of the kernel's output against fp64 on the same int4 weight (checks
+the kernel on every measured shape, not the quantization error).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 log = logging.getLogger("benchmarks.w4a16")
 
 LLAMA7B = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N, K) of the attention and MLP linears
-TOKENS = [1, 16, 2048]
+TOKENS = [1, 4, 16, 64, 256, 2048]
 GROUP = 128
 SMOKE = {"shapes": [(48, 256)], "tokens": [1, 5], "group": 64}
 
@@ -42,29 +43,56 @@ def sqnr_db(ref: torch.Tensor, y: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).mean() / noise))
 
 
-def _timer(cuda: bool) -> Any:
-    if cuda:
-        from triton.testing import do_bench
+def graph_time_ms(fns: list[Any], cuda: bool, reps: int = 25) -> float:
+    """Median milliseconds per call of ``fns`` (the same call on rotating copies of its operands).
 
-        return lambda fn: float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-    def cpu(fn: Any) -> float:  # smoke only: interpreter timings mean nothing
-        fn()
+    On CUDA the calls are captured in one CUDA graph and its replays timed with events: decode
+    launches are microseconds, serving stacks replay graphs, so host launch overhead stays out of
+    every variant alike, and the copies together exceed L2, so each call reads its weight from
+    device memory as a model's layers do. On CPU (smoke only) a few wall-clock runs."""
+    if not cuda:
+        fns[0]()
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
-            fn()
+            fns[0]()
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(fns))
+    return statistics.median(times)
 
-    return cpu
+
+def _copies(nbytes: int, cuda: bool) -> int:
+    """How many copies of an operand of ``nbytes`` together exceed twice the L2 cache."""
+    if not cuda:
+        return 1
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(1, min(32, -(-2 * l2 // nbytes)))
 
 
 def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: torch.device, cuda: bool) -> list[dict[str, Any]]:
     from quantization.int4 import Int4Weight, dequantize_int4, pack_nibbles
-    from quantization.kernels import w4a16_gemm
+    from quantization.kernels import w4a16 as k4
 
-    timer = _timer(cuda)
     g = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = []
     for n, k in shapes:
@@ -73,33 +101,50 @@ def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: tor
         zp = torch.randint(4, 12, (n, k // group), generator=g, dtype=torch.uint8)
         w_sym = Int4Weight(codes, scale, torch.full_like(zp, 8), group, True)
         w_asym = Int4Weight(codes, scale, zp, group, False)
-        packed = pack_nibbles(codes).to(dev)
-        s, z = scale.to(dev), zp.to(dev)
+        wbytes = n * k // 2 + scale.numel() * 4
+        q4 = [(pack_nibbles(codes).to(dev), scale.to(dev), zp.to(dev)) for _ in range(_copies(wbytes, cuda))]
         w16 = dequantize_int4(w_sym).half().to(dev)
+        w16s = [w16] + [w16.clone() for _ in range(_copies(n * k * 2, cuda) - 1)]
         deq_asym = dequantize_int4(w_asym).half().to(dev)
         for m in tokens:
             x = (torch.randn(m, k, generator=g) * 0.5).half().to(dev)
-            y_sym = w4a16_gemm(x, packed, scale=s, group_size=group)
-            y_asym = w4a16_gemm(x, packed, scale=s, group_size=group, zero_point=z)
-            t_fp16 = timer(lambda x=x, w16=w16: F.linear(x, w16))
-            t_sym = timer(lambda x=x, p=packed, s=s: w4a16_gemm(x, p, scale=s, group_size=group))
-            t_asym = timer(lambda x=x, p=packed, s=s, z=z: w4a16_gemm(x, p, scale=s, group_size=group, zero_point=z))
-            wbytes = n * k // 2 + scale.numel() * 4
+
+            def calls(path: str, asym: bool = False, x: torch.Tensor = x, q4: list[Any] = q4) -> list[Any]:
+                return [lambda p=p, s=s, z=z: k4.w4a16_gemm(x, p, scale=s, group_size=group,
+                                                           zero_point=z if asym else None, path=path)
+                        for p, s, z in q4]
+
+            # first calls tune the fused kernel for this shape, outside the timed graphs
+            y_sym, y_asym, y_deq = calls("fused")[0](), calls("fused", True)[0](), calls("dequant")[0]()
+            auto = "dequant" if m >= k4.DEQUANT_MIN_M else "fused"
+            t_fp16 = graph_time_ms([lambda x=x, w=w: F.linear(x, w) for w in w16s], cuda)
+            t_fused = graph_time_ms(calls("fused"), cuda)
+            t_fused_zp = graph_time_ms(calls("fused", True), cuda)
+            t_deq = graph_time_ms(calls("dequant"), cuda)
+            t_auto = t_fused if auto == "fused" else t_deq
+            cfg = k4._TUNED.get((k4.m_bucket(m), n, k, group, x.dtype, False, False, False, 0)) if cuda else None
             row = {
-                "N": n, "K": k, "M": m, "fp16_ms": t_fp16, "w4a16_ms": t_sym, "w4a16_zp_ms": t_asym,
-                "speedup": t_fp16 / t_sym, "speedup_zp": t_fp16 / t_asym,
-                "w4a16_GBps": wbytes / (t_sym * 1e-3) / 1e9, "fp16_GBps": n * k * 2 / (t_fp16 * 1e-3) / 1e9,
-                "sqnr_db": min(sqnr_db(x.double() @ w16.double().T, y_sym), sqnr_db(x.double() @ deq_asym.double().T, y_asym)),
+                "N": n, "K": k, "M": m, "fp16_ms": t_fp16, "fused_ms": t_fused, "fused_zp_ms": t_fused_zp,
+                "dequant_ms": t_deq, "auto": auto, "auto_ms": t_auto, "speedup": t_fp16 / t_auto,
+                "speedup_zp": t_fp16 / (t_fused_zp if auto == "fused" else t_deq),
+                "fused_GBps": wbytes / (t_fused * 1e-3) / 1e9, "fp16_GBps": n * k * 2 / (t_fp16 * 1e-3) / 1e9,
+                "config": None if cfg is None else (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} split{cfg.split_k}"
+                                                   + " acc3" * cfg.acc3 + " prefetch" * cfg.prefetch),
+                "copies": len(q4),
+                "sqnr_db": min(sqnr_db(x.double() @ w16.double().T, y_sym),
+                               sqnr_db(x.double() @ deq_asym.double().T, y_asym),
+                               sqnr_db(x.double() @ w16.double().T, y_deq)),
             }
             rows.append(row)
-            log.info("N=%d K=%d M=%d: fp16 %.4f ms, w4a16 %.4f ms (%.2fx), zp %.4f ms, sqnr %.1f dB",
-                     n, k, m, t_fp16, t_sym, row["speedup"], t_asym, row["sqnr_db"])
+            log.info("N=%d K=%d M=%d: fp16 %.4f ms, fused %.4f ms (%s, %.0f GB/s), zp %.4f, dequant %.4f; auto %s %.2fx; "
+                     "sqnr %.1f dB", n, k, m, t_fp16, t_fused, row["config"], row["fused_GBps"], t_fused_zp, t_deq,
+                     auto, row["speedup"], row["sqnr_db"])
     return rows
 
 
 def compile_variant(arch: int, cfg: Any, x: str = "fp16", **flags: Any) -> dict[str, Any]:
-    """Compile the kernel for ``sm{arch}`` (PTX and cubin; no GPU needed) with one tile config
-    (a ``triton.Config``), activation dtype ``x`` and specialization ``flags``; what it used."""
+    """Compile the fused kernel for ``sm{arch}`` (PTX and cubin; no GPU needed) with one launch config
+    (a ``W4Config``), activation dtype ``x`` and specialization ``flags``; what it used."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -108,37 +153,51 @@ def compile_variant(arch: int, cfg: Any, x: str = "fp16", **flags: Any) -> dict[
 
     fn = k._w4a16_kernel
     names = list(fn.arg_names)
-    const = {"HAS_ZP": True, "HAS_GIDX": False, "HAS_BIAS": True, "ACT": 0, "GROUP_M": cfg.kwargs["GROUP_M"],
-             "BLOCK_M": cfg.kwargs["BLOCK_M"], "BLOCK_N": cfg.kwargs["BLOCK_N"], "BLOCK_K": cfg.kwargs["BLOCK_K"],
-             "EVEN_K": True, "TILE_IN_GROUP": True, "DOT_F32": False, **flags}
+    const = {"HAS_ZP": True, "HAS_GIDX": False, "HAS_BIAS": True, "ACT": 0, "X_KIND": {"fp16": 1, "bf16": 2}[x],
+             "INTERP_BF16": False, "DOT": cfg.block_m >= 16, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+             "BLOCK_K": cfg.block_k, "SPLIT": cfg.split_k > 1, "EVEN_K": True, "TILE_IN_GROUP": True,
+             "ACC3": cfg.acc3 and cfg.block_m < 16, "PREFETCH": cfg.prefetch, **flags}
     ptrs = {"x_ptr": f"*{x}", "w_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8", "g_ptr": "*i32",
-            "bias_ptr": "*fp32", "y_ptr": f"*{x}"}
+            "bias_ptr": "*fp32", "y_ptr": f"*{x}", "ws_ptr": "*fp32"}
     sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()})
+    # what a launch specializes on contiguous, 16-byte aligned tensors: unit inner strides, and
+    # pointers and row strides divisible by 16 (without it the compiler cannot vectorize loads)
+    for unit in ("stride_xk", "stride_wk", "stride_sg", "stride_zg", "stride_yn"):
+        const[unit], sig[unit] = 1, "constexpr"
+    div16 = [n for n in names if n in ptrs or n in ("K", "stride_xm", "stride_wn", "stride_ym")]
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
     t0 = time.perf_counter()
     kern = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    row = {"arch": f"sm{arch}", "tile": "x".join(str(cfg.kwargs[b]) for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K")),
+    row = {"arch": f"sm{arch}", "tile": f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}", "split_k": cfg.split_k,
            "stages": cfg.num_stages, "warps": cfg.num_warps, "x": x, "flags": dict(flags),
            "shared_bytes": int(kern.metadata.shared), "cubin_bytes": len(kern.asm["cubin"]),
+           "vector_loads": kern.asm["ptx"].count("ld.global.v4") + kern.asm["ptx"].count("cp.async.cg"),
            "seconds": time.perf_counter() - t0}
-    log.info("%s %s s%d w%d %s %s: %d B shared", row["arch"], row["tile"], cfg.num_stages, cfg.num_warps, x,
-             row["flags"], row["shared_bytes"])
+    log.info("%s %s split%d s%d w%d %s %s: %d B shared", row["arch"], row["tile"], cfg.split_k, cfg.num_stages,
+             cfg.num_warps, x, row["flags"], row["shared_bytes"])
     return row
 
 
-def compile_check() -> list[dict[str, Any]]:
-    """Every autotune config (sm90, fp16, zero points), and every specialization (sym, per-feature
-    scale gathers, g_idx with ragged K, bf16, fused GELU) on one decode and one prefill config for
-    sm80 and sm90."""
-    from quantization.kernels import w4a16 as k
+# what the tuner picks among at LLaMA-7B shapes: CUDA-core decode tiles (M 1..4), tensor-core tiles
+COMPILE_CONFIGS = [(1, 32, 128, 8, True, True), (1, 64, 128, 4, False, True), (4, 32, 128, 4, True, False),
+                   (16, 64, 128, 4, False, True), (64, 128, 64, 1, False, False)]
 
-    rows = [compile_variant(90, c) for c in k.DECODE_CONFIGS + k.PREFILL_CONFIGS]
+
+def compile_check() -> list[dict[str, Any]]:
+    """Each representative config (sm90, fp16, zero points), and every specialization (sym, per-feature
+    scale gathers, g_idx with ragged K, bf16, fused GELU) on a decode and a tensor-core config for
+    sm80 and sm90."""
+    from quantization.kernels.w4a16 import W4Config
+
+    cfgs = [W4Config(bm, bn, bk, split, 4, 3, acc3, pf) for bm, bn, bk, split, acc3, pf in COMPILE_CONFIGS]
+    rows = [compile_variant(90, c) for c in cfgs]
     variants: list[dict[str, Any]] = [
         {"HAS_ZP": False}, {"TILE_IN_GROUP": False}, {"TILE_IN_GROUP": False, "HAS_GIDX": True, "EVEN_K": False},
         {"ACT": 2},
     ]
-    for cfg in (k.DECODE_CONFIGS[0], k.PREFILL_CONFIGS[0]):
+    for cfg in (cfgs[0], cfgs[3]):
         for arch in (80, 90):
             rows.append(compile_variant(arch, cfg, "bf16"))
             rows += [compile_variant(arch, cfg, "fp16", **v) for v in variants]
@@ -149,16 +208,22 @@ def _markdown(data: dict[str, Any]) -> str:
     lines = [
         "## W4A16 kernel vs fp16 cuBLAS (LLaMA-7B linears)",
         "",
-        f"`python -m benchmarks.w4a16` on {data['gpu']}: int4 g{data['group']} weights dequantized in registers, "
-        "fp16 activations; medians of do_bench (L2 flushed). SQNR: kernel output vs fp64 on the same int4 weight.",
+        f"`python -m benchmarks.w4a16` on {data['gpu']}: int4 g{data['group']} weights, fp16 activations. "
+        "Medians of CUDA-graph replays timed with events, each call on one of several weight copies that "
+        "together exceed L2 (weights come from HBM, as in a model), every variant of a shape back to back. "
+        "`fused`: one kernel, weight dequantized in registers (tuned tile and split-K in the config column); "
+        "`dequant`: dequantize once, then cuBLAS; `auto`: what `w4a16_gemm` runs (dequant from "
+        f"M = {data.get('dequant_min_m', '?')}). GB/s: int4 weight and scale bytes per fused call over its time. "
+        "SQNR: kernel output vs fp64 on the same int4 weight (the kernel's rounding, not quantization error).",
         "",
-        "| N x K | M | fp16 ms | W4A16 ms | speedup | W4A16+zp ms | speedup | W4A16 GB/s | SQNR dB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| N x K | M | fp16 ms | fused ms | fused+zp ms | dequant ms | auto | speedup | +zp | fused GB/s | fused config | SQNR dB |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|",
     ]
     for r in data["rows"]:
         lines.append(
-            f"| {r['N']}x{r['K']} | {r['M']} | {r['fp16_ms']:.4f} | {r['w4a16_ms']:.4f} | {r['speedup']:.2f}x | "
-            f"{r['w4a16_zp_ms']:.4f} | {r['speedup_zp']:.2f}x | {r['w4a16_GBps']:.0f} | {r['sqnr_db']:.1f} |"
+            f"| {r['N']}x{r['K']} | {r['M']} | {r['fp16_ms']:.4f} | {r['fused_ms']:.4f} | {r['fused_zp_ms']:.4f} | "
+            f"{r['dequant_ms']:.4f} | {r['auto']} | {r['speedup']:.2f}x | {r['speedup_zp']:.2f}x | "
+            f"{r['fused_GBps']:.0f} | {r['config']} | {r['sqnr_db']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -190,12 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     if not triton_available():
         print("benchmarks.w4a16: needs Triton: pip install 'compress[triton]'", file=sys.stderr)
         return 2
+    from quantization.kernels.w4a16 import DEQUANT_MIN_M
+
     cuda = not args.interpret_smoke
     dev = torch.device("cuda" if cuda else "cpu")
     shapes, tokens, group = (LLAMA7B, TOKENS, GROUP) if cuda else (SMOKE["shapes"], SMOKE["tokens"], SMOKE["group"])
     data: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu (TRITON_INTERPRET smoke)",
         "group": group,
+        "dequant_min_m": DEQUANT_MIN_M,
         "rows": bench(shapes, tokens, group, dev, cuda),  # type: ignore[arg-type]
     }
     if args.json is not None:

@@ -63,24 +63,36 @@ def test_autotuned_conv_path(interpret_only: None, monkeypatch: pytest.MonkeyPat
     torch.testing.assert_close(y.double(), ref, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("m", [1, 40])
-def test_autotuned_w4a16_path(m: int, interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("m", [1, 3, 40])
+def test_tuned_w4a16_path(m: int, interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CUDA tuner's own code (candidates, timing loop, cache) with an SM count and a timer stood in
     from quantization.int4 import Int4Weight, dequantize_int4, pack_nibbles
 
     w4 = load("w4a16")
-    # a 32-deep tile inside the 32-wide groups (one scale row per tile) and a 64-deep one across two
-    configs = [w4.tile_config(16, 32, 32, 1, 4, group=2), w4.tile_config(16, 16, 64, 1, 4, group=2), w4.tile_config(64, 32, 32, 1, 4)]
-    tuned = w4.tuned_w4a16(configs, do_bench=_fake_bench({0: 2.0}))
-    monkeypatch.setattr(w4, "_w4a16_tuned", tuned)
+    monkeypatch.setattr(w4, "_sm_count", lambda: 4)
+    timed: list[object] = []
+
+    def bench(fn: Callable[[], object], **_: object) -> float:
+        fn()  # a candidate that cannot run fails here, as it would on the GPU
+        timed.append(fn)
+        return 1.0 if len(timed) != 3 else 0.5  # the third candidate wins
+
+    monkeypatch.setattr(w4, "_TUNED", {})
     g = torch.Generator().manual_seed(m)
-    n, k, gs = 40, 96, 32
+    n, k, gs = 40, 256, 64
     w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
                    2.0 ** -torch.randint(2, 6, (n, k // gs), generator=g).float(),
                    torch.randint(0, 16, (n, k // gs), generator=g, dtype=torch.uint8), gs, False)
-    x = torch.randint(-4, 5, (m, k), generator=g).float()  # exact sums: any tile order agrees bit for bit
-    y = w4.w4a16_gemm(x, pack_nibbles(w.codes), scale=w.scale, group_size=gs, zero_point=w.zero_point)
-    torch.testing.assert_close(y, x @ dequantize_int4(w).T, atol=0, rtol=0)
-    # decode sizes keep the short tiles; prefill sizes the tall ones
-    pruned = w4._prune(configs, {"M_BUCKET": w4.m_bucket(m)})
-    assert [c.kwargs["BLOCK_M"] for c in pruned] == ([16, 16] if m == 1 else [16, 16, 64])
-    assert len(tuned.cache) == 1
+    x = torch.randint(-4, 5, (m, k), generator=g).float()  # exact sums: any tile and split agree bit for bit
+    wt = w4._weight(pack_nibbles(w.codes), w.scale, w.zero_point, None, gs, x.device)
+    out = torch.empty(m, n)
+    cands = w4._candidates(m, n, k, gs, True)
+    # 1..4 rows also try CUDA-core tiles; every K-tile stays inside a group; splits keep >= 2 tiles
+    assert any(c.block_m < 16 for c in cands) == (m <= 4)
+    assert all(gs % c.block_k == 0 and (c.split_k == 1 or k // c.block_k >= 2 * c.split_k) for c in cands)
+    chosen = w4._pick(x, wt, None, 0, out, timer=bench)
+    assert chosen == cands[2] and len(timed) == len(cands)
+    assert w4._pick(x, wt, None, 0, out, timer=bench) == chosen and len(timed) == len(cands)  # cached
+    for c in cands:  # every candidate computes the product exactly
+        y = w4.w4a16_gemm(x, pack_nibbles(w.codes), scale=w.scale, group_size=gs, zero_point=w.zero_point, config=c)
+        torch.testing.assert_close(y, x @ dequantize_int4(w).T, atol=0, rtol=0)

@@ -92,10 +92,12 @@ def test_w4a16_kernel_compiles_for_hopper_without_a_gpu() -> None:
     r = _run(
         """
         from benchmarks.w4a16 import compile_variant
-        from quantization.kernels import w4a16 as k
-        row = compile_variant(90, k.DECODE_CONFIGS[0], "bf16", TILE_IN_GROUP=False, HAS_GIDX=True, EVEN_K=False)
-        print("OK", row["cubin_bytes"] > 0)
+        from quantization.kernels.w4a16 import W4Config
+        row = compile_variant(90, W4Config(1, 32, 128, 8, acc3=True, prefetch=True), "bf16", TILE_IN_GROUP=False,
+                              HAS_GIDX=True, EVEN_K=False)
+        fast = compile_variant(90, W4Config(16, 64, 128, 4, prefetch=True))
+        print("OK", row["cubin_bytes"] > 0, fast["vector_loads"] > 0)
         """
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "OK True" in r.stdout
+    assert "OK True True" in r.stdout  # and the weight tiles load 16 bytes at a time

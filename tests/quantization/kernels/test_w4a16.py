@@ -13,10 +13,20 @@ from compress.errors import CompressError, UnsupportedModelError
 from quantization.convert import convert_with_report
 from quantization.int4 import Int4Weight, dequantize_int4, int4_weight, pack_nibbles, unpack_nibbles
 from quantization.kernels import GemmConfig, w4a16_gemm
+from quantization.kernels.w4a16 import W4Config, dequantize_w4
 from quantization.spec import QuantScheme, QuantSpec
 from quantization.w4a16 import W4A16Linear
 
 TILE = GemmConfig(16, 32, 32, group_m=2)
+# the fused kernel's regimes: tensor cores; CUDA cores for 1..4 rows with K split in three (partials
+# summed by the reduce kernel), also accumulating elementwise with the next tile prefetched;
+# tensor cores with K split and prefetch
+CONFIGS = {
+    "dot": TILE,
+    "cuda-cores-split3": W4Config(4, 16, 32, split_k=3),
+    "cuda-cores-acc3-prefetch": W4Config(2, 16, 32, split_k=2, acc3=True, prefetch=True),
+    "dot-split2-prefetch": W4Config(16, 32, 32, split_k=2, prefetch=True),
+}
 
 
 def _int4(n: int, k: int, gs: int, *, asym: bool, act_order: bool, g: torch.Generator, dyadic: bool = False) -> Int4Weight:
@@ -49,15 +59,20 @@ def test_pack_roundtrip() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize(("asym", "act_order"), [(False, False), (True, False), (True, True)], ids=["sym", "asym", "act_order"])
-def test_dequantized_weight_is_bit_exact(dtype: torch.dtype, asym: bool, act_order: bool, device: str) -> None:
+@pytest.mark.parametrize("path", ["fused", "dequant"])
+def test_dequantized_weight_is_bit_exact(dtype: torch.dtype, asym: bool, act_order: bool, path: str, device: str) -> None:
     # an identity activation makes each output one product 1 * w plus exact zeros: Y = W^T, whatever the order
     k, n, gs = 64, 24, 16
     w = _int4(n, k, gs, asym=asym, act_order=act_order, g=torch.Generator().manual_seed(k + asym + 2 * act_order))
-    y = _run(torch.eye(k, dtype=dtype), w, device)
+    y = _run(torch.eye(k, dtype=dtype), w, device, path=path, config=TILE if path == "fused" else None)
     ref = dequantize_int4(w).to(dtype)
     assert y.dtype == dtype
     assert ref.abs().max() > 0.01
     torch.testing.assert_close(y.T, ref, atol=0, rtol=0)
+    # the dequant path's weight itself, ragged K included
+    wd = dequantize_w4(pack_nibbles(w.codes).to(device), scale=w.scale, group_size=gs, k=k, dtype=dtype,
+                       zero_point=None if w.symmetric else w.zero_point, g_idx=w.g_idx)
+    torch.testing.assert_close(wd.cpu(), ref, atol=0, rtol=0)
 
 
 # (M, N, K, group): decode rows 1..16, a prefill-like ragged M; K ragged against the 32-wide K-tile,
@@ -65,23 +80,27 @@ def test_dequantized_weight_is_bit_exact(dtype: torch.dtype, asym: bool, act_ord
 SHAPES = [(1, 40, 128, 32), (5, 33, 80, 32), (16, 64, 64, 64), (37, 19, 80, 16)]
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize(("asym", "act_order"), [(False, False), (True, True)], ids=["sym", "asym-act_order"])
 @pytest.mark.parametrize("mnkg", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_dyadic_product_is_bit_exact(mnkg: tuple[int, int, int, int], asym: bool, act_order: bool, device: str) -> None:
+def test_dyadic_product_is_bit_exact(
+    mnkg: tuple[int, int, int, int], asym: bool, act_order: bool, config: str, device: str
+) -> None:
     # integer activations and power-of-two scales: all sums are exact in float32, so any order agrees
     m, n, k, gs = mnkg
     g = torch.Generator().manual_seed(m * 100 + n + k)
     w = _int4(n, k, gs, asym=asym, act_order=act_order, g=g, dyadic=True)
     x = torch.randint(-4, 5, (m, k), generator=g).half()
     bias = torch.randint(-8, 8, (n,), generator=g).float() / 4
-    y = _run(x, w, device, bias=bias)
+    y = _run(x, w, device, bias=bias, config=CONFIGS[config])
     ref = (x.double() @ dequantize_int4(w).double().T + bias.double()).half()
     assert ref.float().abs().max() > 1
     torch.testing.assert_close(y, ref, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("config", [GemmConfig(16, 16, 32), W4Config(2, 16, 32, split_k=2)], ids=["dot", "cuda-cores-split2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
-def test_random_product_within_accumulation_bound(dtype: torch.dtype, device: str) -> None:
+def test_random_product_within_accumulation_bound(dtype: torch.dtype, config: W4Config | GemmConfig, device: str) -> None:
     # float32 sums in another order than torch's differ by at most gamma_K * sum|x w| (Higham, 3.5)
     # per output, plus one rounding of the result to the output dtype in each of them
     m, n, k, gs = 21, 35, 96, 32
@@ -89,7 +108,7 @@ def test_random_product_within_accumulation_bound(dtype: torch.dtype, device: st
     w = _int4(n, k, gs, asym=True, act_order=False, g=g)
     x = torch.randn(m, k, generator=g).to(dtype)
     wd = dequantize_int4(w).to(dtype).double()
-    y = _run(x, w, device, config=GemmConfig(16, 16, 32)).double()
+    y = _run(x, w, device, config=config).double()
     exact = x.double() @ wd.T
     u = 2.0**-24
     bound = (k * u / (1 - k * u)) * (x.double().abs() @ wd.abs().T)
@@ -99,13 +118,15 @@ def test_random_product_within_accumulation_bound(dtype: torch.dtype, device: st
     assert err.max() > 0 or dtype == torch.float32  # fp16 outputs round: the check compares real values
 
 
+@pytest.mark.parametrize("config", ["dot", "cuda-cores-split3", "cuda-cores-acc3-prefetch"])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_fused_activation(activation: str, device: str) -> None:
+def test_fused_activation(activation: str, config: str, device: str) -> None:
+    # with a split, bias and activation run in the reduce kernel after the partial sums
     g = torch.Generator().manual_seed(4)
     w = _int4(20, 64, 32, asym=False, act_order=False, g=g)
     x = torch.randn(3, 64, generator=g)
     bias = torch.randn(20, generator=g)
-    y = _run(x, w, device, bias=bias, activation=activation)
+    y = _run(x, w, device, bias=bias, activation=activation, config=CONFIGS[config])
     ref = nn.functional.linear(x, dequantize_int4(w), bias)
     ref = torch.relu(ref) if activation == "relu" else nn.functional.gelu(ref)
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
