@@ -259,7 +259,9 @@ def _markdown(data: dict[str, Any]) -> str:
 
     parts = [
         "## CUDA int8 (Triton W8A8) vs fp16 cuBLAS/cuDNN and torch._int_mm\n",
-        f"GPU: {data['gpu']}. Script: `python -m benchmarks.cuda_int8`. TOPS = 2MNK/time; speedups are time ratios "
+        f"GPU: {data['gpu']}. Script: `python -m benchmarks.cuda_int8{' --quick' if data.get('quick') else ''}`"
+        f"{' (six GEMM shapes, four convolutions, two models)' if data.get('quick') else ''}. "
+        "TOPS = 2MNK/time; speedups are time ratios "
         "measured back to back; SQNR against float64 on the unquantized operands.\n",
         "### GEMM\n",
         table(data["gemm"], ["M", "N", "K", "ours_tops", "ours_q_tops", "fp16_tflops", "int_mm_tops",
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = SMOKE if args.interpret_smoke else QUICK if args.quick else FULL
     timer = Timer(cuda, warmup=25, rep=100)
     gpu = torch.cuda.get_device_name(0) if cuda else "cpu (TRITON_INTERPRET smoke)"
-    data: dict[str, Any] = {"gpu": gpu, "gemm": [], "conv": [], "models": []}
+    data: dict[str, Any] = {"gpu": gpu, "quick": bool(args.quick), "gemm": [], "conv": [], "models": []}
     t0 = time.time()
     if "gemm" not in args.skip:
         data["gemm"] = bench_gemm(plan["gemm"], timer, dev)
