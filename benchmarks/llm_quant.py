@@ -97,7 +97,7 @@ def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib
             "RTN": lambda m, s=scheme: compress.quantize(m, s, ignore=["lm_head"]),
             "GPTQ": lambda m, s=scheme: compress.gptq(m, data, scheme=s, params=GPTQParams(act_order=True)),
             "AWQ": lambda m, s=scheme: compress.awq(m, data, scheme=s),
-            "AWQ x-only": lambda m, s=scheme: compress.awq(m, data, scheme=s, params=AWQParams(duo_scaling=False)),
+            "AWQ duo": lambda m, s=scheme: compress.awq(m, data, scheme=s, params=AWQParams(duo_scaling=True)),
             "AWQ+GPTQ": lambda m, s=scheme: compress.gptq(compress.awq(m, data, scheme=s), data, scheme=s,
                                                           params=GPTQParams(act_order=True)),
         }
@@ -268,7 +268,7 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int, n
         f"held-out perplexity {info['eval_perplexity']:.1f} on {info['eval_tokens']} tokens). Here: perplexity on "
         f"{n_eval} held-out windows of {args.seq_len} tokens, {n_calib} calibration windows. Decoder-layer "
         "Linears quantized (lm_head and embeddings float, for every method). GPTQ with act_order (static groups); "
-        "AWQ with duo scaling (AutoAWQ's default; 'AWQ x-only': scales from the activations alone), grid 20, each candidate judged with its weights clip-searched as the clip "
+        "AWQ with scales from the activations alone (the paper's form, compress's default; 'AWQ duo': AutoAWQ's default duo scaling, with the weight term), grid 20, each candidate judged with its weights clip-searched as the clip "
         "phase will clip them; GQA's o_proj scaled through v_proj with scales tied per key/value head; clip "
         "search on every Linear, q/k included, each clip kept only where it lowers its group's module-output "
         "error. 'RTN gap closed': how much of RTN's perplexity increase over "

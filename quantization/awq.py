@@ -7,8 +7,10 @@ up_proj -> down_proj through SwiGLU's product) gets per-input-channel scales ``s
 are multiplied by ``s`` and the producer divided by it, which leaves the float layer unchanged and
 lets the salient input channels (large mean ``|x|``) keep more precision after rounding.
 
-``s = mean|x|^alpha / mean|w_normalized|^(1-alpha)`` (AutoAWQ's duo scaling; ``x`` term only when
-``duo_scaling`` is off), normalized to a geometric mean of 1; alpha is picked on a grid by the
+``s = mean|x|^alpha`` (the AWQ paper's form; with ``duo_scaling``, AutoAWQ's default,
+``mean|x|^alpha / mean|w_normalized|^(1-alpha)``), normalized to a geometric mean of 1. On the
+reference Llama the activation-only form closed more of RTN's perplexity gap in all four schemes
+measured (benchmarks/RESULTS.md, llm_quant), so it is the default here; alpha is picked on a grid by the
 group's output error over calibration tokens: the output of the innermost module holding the
 group (q/k/v: the attention block, through RoPE and the softmax; gate/up: the MLP; down: itself),
 rerun with ``Q(W s) / s`` in place of ``W``, against its float output (AutoAWQ's
@@ -69,7 +71,7 @@ class AWQFields(BaseModel):
     """The AWQ knobs, declared once: AWQParams (API) and the ``awq`` recipe spec share them."""
 
     grid: int = Field(20, ge=1)
-    duo_scaling: bool = True
+    duo_scaling: bool = False
     clip: bool = True
     clip_grid: int = Field(20, ge=1)
     max_shrink: float = Field(0.5, ge=0, lt=1)
@@ -81,7 +83,7 @@ class AWQFields(BaseModel):
 
 class AWQParams(AWQFields):
     """AWQ's knobs: ``grid`` alphas in [0, 1) for the scale search, ``duo_scaling`` (weight term in
-    the scales), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
+    the scales, AutoAWQ's default; off: activations alone, as the paper), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
     skipping Linears matching ``clip_ignore`` (each clip is kept only where it lowers the error at
     its group's inspected module); ``sample_tokens`` / ``clip_tokens`` calibration rows
     sampled for the two searches (bounded cost and memory); ``clip_in_search``: each scale candidate
