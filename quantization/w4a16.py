@@ -3,8 +3,10 @@
 Built from a calibrated QuantLinear whose weights are 4-bit and whose inputs are not quantized
 (``w4_weight_only_g128``, GPTQ, AWQ): the weight is stored once as packed nibbles with float32
 group scales and uint8 zero points (:mod:`quantization.int4`), activations stay fp16/bf16 (or
-fp32) and the weight is dequantized inside the kernel. The dequantized weight is exactly the
-fake-quant model's, so outputs differ from it only by accumulation order.
+fp32) and the weight is dequantized inside the kernel (decode), or once per call into the
+activation dtype for cuBLAS from 32 rows on (prefill; see quantization/kernels/w4a16.py). The
+dequantized weight is exactly the fake-quant model's, so outputs differ from it only by
+accumulation order.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ on that same weight (bias added in the activation dtype, as nn.Linear does).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from compress.errors import CompressError
 from quantization.kernels import ACTIVATIONS, check_device, interpret_mode
 from quantization.kernels.gemm import GemmConfig, m_bucket
 
+log = logging.getLogger(__name__)
 INTERPRETED = interpret_mode()
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 _X_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -432,6 +434,8 @@ def _pick(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: int, out
             return float(do_bench(fn, warmup=5, rep=20, return_mode="median"))
 
     cands = _candidates(m, n, k, wt.group_size, wt.g_idx is None)
+    # first use of a shape: compiling and timing the candidates takes seconds, once per process
+    log.info("w4a16_gemm: tuning %d launch configurations for M<=%d, N=%d, K=%d", len(cands), key[0], n, k)
     best: tuple[float, W4Config] | None = None
     for c in cands:
         try:
@@ -494,9 +498,8 @@ def w4a16_gemm(
     if g_idx is not None and g_idx.numel() != k:
         raise CompressError(f"w4a16_gemm: g_idx has {g_idx.numel()} entries, expected K={k}")
     dev = x.device
-    out = torch.empty((m, n), device=dev, dtype=x.dtype)
     if m == 0 or n == 0:
-        return out
+        return torch.empty((m, n), device=dev, dtype=x.dtype)
     if path == "auto":
         path = "dequant" if config is None and not INTERPRETED and m >= DEQUANT_MIN_M else "fused"
     if path == "dequant":
@@ -507,7 +510,8 @@ def w4a16_gemm(
             y = torch.relu_(y)
         elif activation == "gelu":
             y = F.gelu(y)
-        return out.copy_(y) if not y.is_contiguous() else y
+        return y
+    out = torch.empty((m, n), device=dev, dtype=x.dtype)
     wt = _weight(w_packed, scale, zero_point, g_idx, group_size, dev)
     b = None if bias is None else bias.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
     act = _ACT_CODE[activation]

@@ -101,3 +101,13 @@ def test_w4a16_kernel_compiles_for_hopper_without_a_gpu() -> None:
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "OK True True" in r.stdout  # and the weight tiles load 16 bytes at a time
+
+
+def test_gpu_check_script_parses_and_refuses_unknown_steps(tmp_path: Path) -> None:
+    # the one-call GPU script (benchmarks/gpu_check.sh) is only run on a lent GPU: check here that
+    # bash parses it and that a misspelled step stops it with exit 2 before anything runs
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    r = subprocess.run(["bash", str(script), str(tmp_path / "out"), "bogus"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "unknown step 'bogus'" in r.stderr
