@@ -191,7 +191,8 @@ def compile_check() -> list[dict[str, Any]]:
     sm80 and sm90."""
     from quantization.kernels.w4a16 import W4Config
 
-    cfgs = [W4Config(bm, bn, bk, split, 4, 3, acc3, pf) for bm, bn, bk, split, acc3, pf in COMPILE_CONFIGS]
+    cfgs = [W4Config(bm, bn, bk, num_stages=3, split_k=split, acc3=acc3, prefetch=pf)
+            for bm, bn, bk, split, acc3, pf in COMPILE_CONFIGS]
     rows = [compile_variant(90, c) for c in cfgs]
     variants: list[dict[str, Any]] = [
         {"HAS_ZP": False}, {"TILE_IN_GROUP": False}, {"TILE_IN_GROUP": False, "HAS_GIDX": True, "EVEN_K": False},

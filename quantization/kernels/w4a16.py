@@ -60,16 +60,12 @@ DEQUANT_MIN_M = 32
 
 
 @dataclass(frozen=True)
-class W4Config:
-    """One launch configuration of the fused kernel. ``block_m < 16`` sums on CUDA cores (decode);
-    ``block_m >= 16`` uses ``tl.dot``. ``split_k`` programs share each output tile's K range."""
+class W4Config(GemmConfig):
+    """One launch configuration of the fused kernel (a GemmConfig's tile; ``group_m`` unused).
+    ``block_m < 16`` sums on CUDA cores (decode); ``block_m >= 16`` uses ``tl.dot``. ``split_k``
+    programs share each output tile's K range."""
 
-    block_m: int = 16
-    block_n: int = 32
-    block_k: int = 32
     split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 2
     acc3: bool = False  # CUDA cores: accumulate elementwise, reduce over K once at the end
     prefetch: bool = False  # load the next weight tile before dequantizing this one
 
@@ -97,6 +93,24 @@ def _as_act(w, X_KIND: tl.constexpr, INTERP_BF16: tl.constexpr):
         else:
             r = w.to(tl.bfloat16).to(tl.float32)
     return r
+
+
+@triton.jit
+def _feature_qparams(s_ptr, z_ptr, g_ptr, rows, kk, K, GROUP_SIZE, ZP_CONST, stride_sn, stride_sg, stride_zn,
+                     stride_zg, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr):
+    """Scale ``[rows, kk]`` and zero point of each (row, feature): the feature's group is act_order's
+    ``g_idx[k]`` or ``k // GROUP_SIZE``. Features past K read the last one's (their x or store is masked)."""
+    kc = tl.minimum(kk, K - 1)
+    if HAS_GIDX:
+        g = tl.load(g_ptr + kc)
+    else:
+        g = kc // GROUP_SIZE
+    s = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :] * stride_sg)
+    if HAS_ZP:
+        z = tl.load(z_ptr + rows[:, None] * stride_zn + g[None, :] * stride_zg).to(tl.int32)
+    else:
+        z = ZP_CONST
+    return s, z
 
 
 @triton.jit
@@ -181,22 +195,10 @@ def _w4a16_kernel(
             we = (lo - z).to(tl.float32) * s  # float32, as the fake quantizer computes it
             wo = (hi - z).to(tl.float32) * s
         else:
-            ke = tl.minimum(k0 + 2 * rb, K - 1)  # ragged tail: any valid group (its x is masked to 0)
-            ko = tl.minimum(ke + 1, K - 1)
-            if HAS_GIDX:
-                ge = tl.load(g_ptr + ke)
-                go = tl.load(g_ptr + ko)
-            else:
-                ge = ke // GROUP_SIZE
-                go = ko // GROUP_SIZE
-            se = tl.load(s_ptr + rbn[:, None] * stride_sn + ge[None, :] * stride_sg)
-            so = tl.load(s_ptr + rbn[:, None] * stride_sn + go[None, :] * stride_sg)
-            if HAS_ZP:
-                ze = tl.load(z_ptr + rbn[:, None] * stride_zn + ge[None, :] * stride_zg).to(tl.int32)
-                zo = tl.load(z_ptr + rbn[:, None] * stride_zn + go[None, :] * stride_zg).to(tl.int32)
-            else:
-                ze = ZP_CONST
-                zo = ZP_CONST
+            se, ze = _feature_qparams(s_ptr, z_ptr, g_ptr, rbn, k0 + 2 * rb, K, GROUP_SIZE, ZP_CONST, stride_sn,
+                                      stride_sg, stride_zn, stride_zg, HAS_ZP, HAS_GIDX)
+            so, zo = _feature_qparams(s_ptr, z_ptr, g_ptr, rbn, k0 + 2 * rb + 1, K, GROUP_SIZE, ZP_CONST, stride_sn,
+                                      stride_sg, stride_zn, stride_zg, HAS_ZP, HAS_GIDX)
             we = (lo - ze).to(tl.float32) * se
             wo = (hi - zo).to(tl.float32) * so
         if DOT:
@@ -273,22 +275,11 @@ def _dequant_kernel(
             ze = ZP_CONST
         zo = ze
     else:
-        ke = tl.minimum(2 * rb, K - 1)
-        ko = tl.minimum(2 * rb + 1, K - 1)
-        if HAS_GIDX:
-            ge = tl.load(g_ptr + ke)
-            go = tl.load(g_ptr + ko)
-        else:
-            ge = ke // GROUP_SIZE
-            go = ko // GROUP_SIZE
-        se = tl.load(s_ptr + rn[:, None] * stride_sn + ge[None, :] * stride_sg, mask=mask, other=0.0)
-        so = tl.load(s_ptr + rn[:, None] * stride_sn + go[None, :] * stride_sg, mask=mask, other=0.0)
-        if HAS_ZP:
-            ze = tl.load(z_ptr + rn[:, None] * stride_zn + ge[None, :] * stride_zg, mask=mask, other=0).to(tl.int32)
-            zo = tl.load(z_ptr + rn[:, None] * stride_zn + go[None, :] * stride_zg, mask=mask, other=0).to(tl.int32)
-        else:
-            ze = ZP_CONST
-            zo = ZP_CONST
+        rows = rn % N  # wrapped: rows past N read valid scales, and their stores are masked
+        se, ze = _feature_qparams(s_ptr, z_ptr, g_ptr, rows, 2 * rb, K, GROUP_SIZE, ZP_CONST, stride_sn, stride_sg,
+                                  stride_zn, stride_zg, HAS_ZP, HAS_GIDX)
+        so, zo = _feature_qparams(s_ptr, z_ptr, g_ptr, rows, 2 * rb + 1, K, GROUP_SIZE, ZP_CONST, stride_sn,
+                                  stride_sg, stride_zn, stride_zg, HAS_ZP, HAS_GIDX)
     we = _as_act(((wb & 0xF).to(tl.int32) - ze).to(tl.float32) * se, X_KIND, INTERP_BF16)
     wo = _as_act(((wb >> 4).to(tl.int32) - zo).to(tl.float32) * so, X_KIND, INTERP_BF16)
     # features 2b, 2b + 1 side by side: one contiguous row segment per tile row
@@ -411,7 +402,8 @@ def _candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool)
             if programs * split < sms and split < 16 and k_tiles >= 4 * split:
                 continue  # too few programs for the SMs while a larger split exists
             for acc3, prefetch in variants:
-                out.append(W4Config(bm, bn, bk, split, 4 if bm * bn < 8192 else 8, 3, acc3, prefetch))
+                out.append(W4Config(bm, bn, bk, num_warps=4 if bm * bn < 8192 else 8, num_stages=3, split_k=split,
+                                    acc3=acc3, prefetch=prefetch))
     return out
 
 
@@ -515,8 +507,9 @@ def w4a16_gemm(
     wt = _weight(w_packed, scale, zero_point, g_idx, group_size, dev)
     b = None if bias is None else bias.reshape(-1).to(device=dev, dtype=torch.float32).contiguous()
     act = _ACT_CODE[activation]
-    if isinstance(config, GemmConfig):
-        config = W4Config(config.block_m, config.block_n, config.block_k, 1, config.num_warps, config.num_stages)
+    if config is not None and not isinstance(config, W4Config):
+        config = W4Config(config.block_m, config.block_n, config.block_k, num_warps=config.num_warps,
+                          num_stages=config.num_stages)
     if config is None:
         if INTERPRETED:  # few, large programs: what costs time in the interpreter is the program count
             config = W4Config(min(triton.next_power_of_2(m), 4), 32, 64) if m <= 4 else W4Config(16, 32, 64)

@@ -93,9 +93,9 @@ def test_w4a16_kernel_compiles_for_hopper_without_a_gpu() -> None:
         """
         from benchmarks.w4a16 import compile_variant
         from quantization.kernels.w4a16 import W4Config
-        row = compile_variant(90, W4Config(1, 32, 128, 8, acc3=True, prefetch=True), "bf16", TILE_IN_GROUP=False,
+        row = compile_variant(90, W4Config(1, 32, 128, split_k=8, acc3=True, prefetch=True), "bf16", TILE_IN_GROUP=False,
                               HAS_GIDX=True, EVEN_K=False)
-        fast = compile_variant(90, W4Config(16, 64, 128, 4, prefetch=True))
+        fast = compile_variant(90, W4Config(16, 64, 128, split_k=4, prefetch=True))
         print("OK", row["cubin_bytes"] > 0, fast["vector_loads"] > 0)
         """
     )
