@@ -429,15 +429,19 @@ def _pick(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: int, out
     # first use of a shape: compiling and timing the candidates takes seconds, once per process
     log.info("w4a16_gemm: tuning %d launch configurations for M<=%d, N=%d, K=%d", len(cands), key[0], n, k)
     best: tuple[float, W4Config] | None = None
+    failed: Exception | None = None
     for c in cands:
         try:
             t = float(timer(lambda c=c: _launch_fused(x, wt, bias, act, out, c)))
-        except Exception:  # a tile this device cannot compile (shared memory, registers): skip it
+        except Exception as exc:  # a tile this device cannot compile (shared memory, registers): skip it
+            log.debug("w4a16_gemm: %s skipped: %s", c, exc)
+            failed = exc
             continue
         if best is None or t < best[0]:
             best = (t, c)
     if best is None:
-        raise CompressError(f"w4a16_gemm: no kernel configuration compiled for M={m}, N={n}, K={k}")
+        raise CompressError(f"w4a16_gemm: no kernel configuration ran for M={m}, N={n}, K={k} "
+                            f"(last error: {type(failed).__name__}: {failed})")
     _TUNED[key] = best[1]
     return best[1]
 

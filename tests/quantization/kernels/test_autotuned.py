@@ -96,3 +96,19 @@ def test_tuned_w4a16_path(m: int, interpret_only: None, monkeypatch: pytest.Monk
     for c in cands:  # every candidate computes the product exactly
         y = w4.w4a16_gemm(x, pack_nibbles(w.codes), scale=w.scale, group_size=gs, zero_point=w.zero_point, config=c)
         torch.testing.assert_close(y, x @ dequantize_int4(w).T, atol=0, rtol=0)
+
+
+def test_tuner_says_why_when_no_candidate_runs(interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from compress.errors import CompressError
+
+    w4 = load("w4a16")
+    monkeypatch.setattr(w4, "_sm_count", lambda: 4)
+    monkeypatch.setattr(w4, "_TUNED", {})
+
+    def broken(fn: Callable[[], object]) -> float:
+        raise RuntimeError("out of shared memory")
+
+    x = torch.zeros(1, 64)
+    wt = w4._weight(torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 1), None, None, 64, x.device)
+    with pytest.raises(CompressError, match="no kernel configuration ran .* out of shared memory"):
+        w4._pick(x, wt, None, 0, torch.empty(1, 8), timer=broken)
