@@ -383,14 +383,16 @@ def _candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool)
     bks = [bk for bk in (64, 128, 256) if not tile_in_group_ok or group_size % bk == 0] or [64]
     out: list[W4Config] = []
     # (block_m, block_n, block_k, [(acc3, prefetch)]): CUDA cores for 1..4 rows, where a 16-row
-    # MMA tile is mostly padding; tensor cores always (at 2..4 rows they won on an H100)
+    # MMA tile is mostly padding; tensor cores always (at 1..4 rows they won on an H100). Variants
+    # that never won there at these sizes are not timed (halves the first-use tuning): CUDA-core
+    # tiles accumulate elementwise and prefetch; 16/32-row MMA tiles prefetch.
     tiles: list[tuple[int, int, int, list[tuple[bool, bool]]]] = []
     if m <= 4:
         bm = triton.next_power_of_2(m)
-        tiles += [(bm, bn, bk, [(True, True), (True, False), (False, True)])
-                  for bn in (32, 64, 128) for bk in bks if bm * bn * bk <= 16384]
+        tiles += [(bm, bn, bk, [(True, True)]) for bn in (32, 64, 128) for bk in bks if bm * bn * bk <= 16384]
     bm = max(16, min(triton.next_power_of_2(m), 128))
-    tiles += [(bm, bn, bk, [(False, False), (False, True)]) for bn in (32, 64, 128) for bk in bks if bk <= 128]
+    mma = [(False, True)] if bm <= 32 else [(False, False), (False, True)]
+    tiles += [(bm, bn, bk, mma) for bn in (32, 64, 128) for bk in bks if bk <= 128]
     for bm, bn, bk, variants in tiles:
         programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         k_tiles = triton.cdiv(k, bk)
