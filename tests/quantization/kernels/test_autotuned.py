@@ -110,5 +110,5 @@ def test_tuner_says_why_when_no_candidate_runs(interpret_only: None, monkeypatch
 
     x = torch.zeros(1, 64)
     wt = w4._weight(torch.zeros(8, 32, dtype=torch.uint8), torch.ones(8, 1), None, None, 64, x.device)
-    with pytest.raises(CompressError, match="no kernel configuration ran .* out of shared memory"):
+    with pytest.raises(CompressError, match=r"no kernel configuration ran .* out of shared memory"):
         w4._pick(x, wt, None, 0, torch.empty(1, 8), timer=broken)
