@@ -347,6 +347,8 @@ def _launch_fused(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: 
     n = wt.packed.shape[0]
     if c.block_k % 2:
         raise CompressError(f"w4a16_gemm: block_k must be even (got {c.block_k})")
+    if c.block_m >= 16 and c.block_k < 32:  # each of the two tl.dot calls reduces over block_k / 2 >= 16
+        raise CompressError(f"w4a16_gemm: tensor-core tiles (block_m >= 16) need block_k >= 32 (got {c.block_k})")
     k_tiles = triton.cdiv(k, c.block_k)
     split = max(1, min(c.split_k, k_tiles))
     tiles_per_split = triton.cdiv(k_tiles, split)

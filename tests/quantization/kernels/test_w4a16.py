@@ -169,6 +169,8 @@ def test_unsupported_layers_and_bad_inputs_say_why(device: str) -> None:
     wp = torch.zeros(3, 4, dtype=torch.uint8, device=device)
     with pytest.raises(CompressError, match="uint8"):
         w4a16_gemm(a, wp.float(), scale=torch.ones(3, 1), group_size=8)
+    with pytest.raises(CompressError, match="block_k >= 32"):
+        w4a16_gemm(a, wp, scale=torch.ones(3, 1), group_size=8, config=W4Config(16, 32, 16))
     with pytest.raises(CompressError, match="shapes"):
         w4a16_gemm(a[:, :6], wp, scale=torch.ones(3, 1), group_size=8)
     with pytest.raises(CompressError, match="scale has shape"):
