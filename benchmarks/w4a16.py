@@ -8,8 +8,8 @@ Rows: every (N, K) Linear of LLaMA-7B (q/k/v/o 4096x4096, gate/up 11008x4096, do
 M = 1..16 tokens (decode), 64, 256 and 2048 (prefill). ``fp16`` is F.linear on fp16 weights
 (cuBLAS); ``fused`` the Triton kernel on packed int4 weights with group-128 scales, symmetric and
 asymmetric (zero points), tuned first; ``dequant`` dequantizes once and calls cuBLAS; ``auto`` is
-what ``w4a16_gemm`` picks. Times: medians of CUDA-graph replays (see ``graph_time_ms``), all
-variants of a shape back to back. ``GB/s`` is the weight bytes read per fused call over its time
+what ``w4a16_gemm`` picks. Times: medians of CUDA-graph replays (see ``graph_time_ms``), the
+variants of a shape in alternating runs. ``GB/s`` is the weight bytes read per fused call over its time
 (what bounds decode). SQNR is of the kernel's output against fp64 on the same int4 weight (checks
 the kernel on every measured shape, not the quantization error).
 """
@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,42 +42,20 @@ def sqnr_db(ref: torch.Tensor, y: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).mean() / noise))
 
 
-def graph_time_ms(fns: list[Any], cuda: bool, reps: int = 25) -> float:
-    """Median milliseconds per call of ``fns`` (the same call on rotating copies of its operands).
+def graph_time_ms(variants: dict[str, list[Any]], dev: torch.device) -> dict[str, float]:
+    """Median milliseconds per call of each variant, a variant being the same call on rotating
+    copies of its operands, all variants timed in alternating runs (export.cuda.time_side_by_side).
 
-    On CUDA the calls are captured in one CUDA graph and its replays timed with events: decode
-    launches are microseconds, serving stacks replay graphs, so host launch overhead stays out of
-    every variant alike, and the copies together exceed L2, so each call reads its weight from
-    device memory as a model's layers do. On CPU (smoke only) a few wall-clock runs."""
-    if not cuda:
-        fns[0]()
-        times = []
-        for _ in range(2):
-            t0 = time.perf_counter()
-            fns[0]()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(fns))
-    return statistics.median(times)
+    On CUDA each variant's calls are replayed as one CUDA graph: decode launches are microseconds,
+    serving stacks replay graphs, so host launch overhead stays out of every variant alike; and the
+    copies together exceed L2, so each call reads its weight from device memory as a model's layers
+    do. On CPU (smoke only) a single eager run."""
+    from export.cuda import time_side_by_side
+
+    cuda = dev.type == "cuda"
+    fns = {name: (lambda calls=calls: [c() for c in calls]) for name, calls in variants.items()}
+    ms, _ = time_side_by_side(fns, warmup=3 if cuda else 0, runs=25 if cuda else 1, device=dev, graphs=True)
+    return {name: ms[name] / len(calls) for name, calls in variants.items()}
 
 
 def _copies(nbytes: int, cuda: bool) -> int:
@@ -117,12 +94,11 @@ def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: tor
             # first calls tune the fused kernel for this shape, outside the timed graphs
             y_sym, y_asym, y_deq = calls("fused")[0](), calls("fused", True)[0](), calls("dequant")[0]()
             auto = "dequant" if m >= k4.DEQUANT_MIN_M else "fused"
-            t_fp16 = graph_time_ms([lambda x=x, w=w: F.linear(x, w) for w in w16s], cuda)
-            t_fused = graph_time_ms(calls("fused"), cuda)
-            t_fused_zp = graph_time_ms(calls("fused", True), cuda)
-            t_deq = graph_time_ms(calls("dequant"), cuda)
+            t = graph_time_ms({"fp16": [lambda x=x, w=w: F.linear(x, w) for w in w16s], "fused": calls("fused"),
+                               "fused_zp": calls("fused", True), "dequant": calls("dequant")}, dev)
+            t_fp16, t_fused, t_fused_zp, t_deq = t["fp16"], t["fused"], t["fused_zp"], t["dequant"]
             t_auto = t_fused if auto == "fused" else t_deq
-            cfg = k4._TUNED.get((k4.m_bucket(m), n, k, group, x.dtype, False, False, False, 0)) if cuda else None
+            cfg = k4._TUNED.get(k4.tune_key(m, n, k, group, x.dtype)) if cuda else None
             row = {
                 "N": n, "K": k, "M": m, "fp16_ms": t_fp16, "fused_ms": t_fused, "fused_zp_ms": t_fused_zp,
                 "dequant_ms": t_deq, "auto": auto, "auto_ms": t_auto, "speedup": t_fp16 / t_auto,
@@ -211,7 +187,7 @@ def _markdown(data: dict[str, Any]) -> str:
         "",
         f"`python -m benchmarks.w4a16` on {data['gpu']}: int4 g{data['group']} weights, fp16 activations. "
         "Medians of CUDA-graph replays timed with events, each call on one of several weight copies that "
-        "together exceed L2 (weights come from HBM, as in a model), every variant of a shape back to back. "
+        "together exceed L2 (weights come from HBM, as in a model), the variants of a shape in alternating runs. "
         "`fused`: one kernel, weight dequantized in registers (tuned tile and split-K in the config column); "
         "`dequant`: dequantize once, then cuBLAS; `auto`: what `w4a16_gemm` runs (dequant from "
         f"M = {data.get('dequant_min_m', '?')}). GB/s: int4 weight and scale bytes per fused call over its time. "

@@ -136,8 +136,15 @@ def epilogue(
         y = acc.to(tl.float32) * tl.load(a_scale_ptr)
     sb = tl.load(b_scale_ptr + rn, mask=mask_n, other=0.0)
     y = y * sb[None, :]
+    return bias_activation(y, rn[None, :], N, bias_ptr, HAS_BIAS, ACT)
+
+
+@triton.jit
+def bias_activation(y, rn, N, bias_ptr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    """float32 ``y`` plus the bias of columns ``rn`` (shaped to broadcast against ``y``), then the
+    activation (``ACTIVATIONS`` index: 1 ReLU, 2 erf-GELU)."""
     if HAS_BIAS:
-        y = y + tl.load(bias_ptr + rn, mask=mask_n, other=0.0)[None, :]
+        y = y + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)
     if ACT == 1:
         y = tl.maximum(y, 0.0)
     elif ACT == 2:

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from compress.errors import CompressError
 from quantization.kernels import ACTIVATIONS, check_device, interpret_mode
-from quantization.kernels.gemm import GemmConfig, m_bucket
+from quantization.kernels.gemm import GemmConfig, bias_activation, m_bucket
 
 log = logging.getLogger(__name__)
 INTERPRETED = interpret_mode()
@@ -116,12 +116,7 @@ def _feature_qparams(s_ptr, z_ptr, g_ptr, rows, kk, K, GROUP_SIZE, ZP_CONST, str
 @triton.jit
 def _finish(y, rn, bias_ptr, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, INTERP_BF16: tl.constexpr):
     """Bias and activation on float32 ``y`` (columns ``rn``): what is stored, before its cast."""
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)
-    if ACT == 1:
-        y = tl.maximum(y, 0.0)
-    elif ACT == 2:
-        y = 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
+    y = bias_activation(y, rn, N, bias_ptr, HAS_BIAS, ACT)
     if INTERP_BF16:
         y = _round_bf16(y)  # exact in bf16 now: the interpreter's truncating cast keeps it
     return y
@@ -360,7 +355,7 @@ def _launch_fused(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: 
     }
     grid = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n), split)
     _w4a16_kernel[grid](
-        x, *wt.pointer_args()[:4], bias if bias is not None else wt.scale, out, ws,
+        x, *wt.pointer_args(), bias if bias is not None else wt.scale, out, ws,
         m, n, k, wt.group_size, 8, tiles_per_split,
         x.stride(0), x.stride(1), *wt.stride_args(), out.stride(0), out.stride(1),
         **flags, DOT=c.block_m >= 16, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split > 1,
@@ -414,13 +409,20 @@ def _candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool)
 _TUNED: dict[tuple[Any, ...], W4Config] = {}
 
 
+def tune_key(m: int, n: int, k: int, group_size: int, dtype: torch.dtype, *, has_zp: bool = False,
+             has_gidx: bool = False, has_bias: bool = False, act: int = 0) -> tuple[Any, ...]:
+    """What the tuner keys its choice on (``_TUNED``): M bucket, shape, group size, dtype and flags."""
+    return (m_bucket(m), n, k, group_size, dtype, has_zp, has_gidx, has_bias, act)
+
+
 def _pick(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: int, out: torch.Tensor,
           timer: Any = None) -> W4Config:
     """The fastest candidate for this shape and flag set, timed once (``timer``: triton's do_bench,
     CUDA events, L2 flushed) and cached."""
     m, k = x.shape
     n = wt.packed.shape[0]
-    key = (m_bucket(m), n, k, wt.group_size, x.dtype, wt.zp is not None, wt.g_idx is not None, bias is not None, act)
+    key = tune_key(m, n, k, wt.group_size, x.dtype, has_zp=wt.zp is not None, has_gidx=wt.g_idx is not None,
+                   has_bias=bias is not None, act=act)
     if key in _TUNED:
         return _TUNED[key]
     if timer is None:
