@@ -140,15 +140,18 @@ def main(argv: list[str] | None = None) -> int:
           "w8a8 dynamic": hf_greedy(w8_dynamic)}
     reference_of = {"fp32": "float", "int4 (acc 0)": "int4", "int4 (acc 4)": "int4", "W8A8 static (QDQ)": "w8a8 static",
                     "W8A8 dynamic per-token": "w8a8 dynamic"}
-    tmp = Path(tempfile.mkdtemp(prefix="llm_generate_"))
-    files = {
-        "fp32": export_llm_onnx(model, tmp / "fp32.onnx", weights="fp32"),
-        "int4 (acc 0)": export_llm_onnx(fq, tmp / "int4_acc0.onnx", weights="int4", accuracy_level=0),
-        "int4 (acc 4)": export_llm_onnx(fq, tmp / "int4_acc4.onnx", weights="int4", accuracy_level=4),
-        "W8A8 static (QDQ)": export_llm_onnx(w8_static, tmp / "w8a8_static.onnx", weights="w8a8"),
-        "W8A8 dynamic per-token": export_llm_onnx(w8_dynamic, tmp / "w8a8_dynamic.onnx", weights="w8a8"),
-    }
-    gens = {name: OrtGenerator(path, threads=args.threads) for name, path in files.items()}
+    # sessions hold the models in memory once built, so the files can go before timing
+    with tempfile.TemporaryDirectory(prefix="llm_generate_") as d:
+        tmp = Path(d)
+        files = {
+            "fp32": export_llm_onnx(model, tmp / "fp32.onnx", weights="fp32"),
+            "int4 (acc 0)": export_llm_onnx(fq, tmp / "int4_acc0.onnx", weights="int4", accuracy_level=0),
+            "int4 (acc 4)": export_llm_onnx(fq, tmp / "int4_acc4.onnx", weights="int4", accuracy_level=4),
+            "W8A8 static (QDQ)": export_llm_onnx(w8_static, tmp / "w8a8_static.onnx", weights="w8a8"),
+            "W8A8 dynamic per-token": export_llm_onnx(w8_dynamic, tmp / "w8a8_dynamic.onnx", weights="w8a8"),
+        }
+        file_mb = {name: path.stat().st_size / 2**20 for name, path in files.items()}
+        gens = {name: OrtGenerator(path, threads=args.threads) for name, path in files.items()}
     for gen in gens.values():  # warm-up: first runs allocate and pick kernels
         time_generation(gen, ids, 4)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in gens}
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         dec = statistics.median(r[1] for r in runs[name])
         base = base or (pre, dec)
         row = {
-            "variant": name, "file_mb": files[name].stat().st_size / 2**20, "prefill_ms": pre, "decode_ms": dec,
+            "variant": name, "file_mb": file_mb[name], "prefill_ms": pre, "decode_ms": dec,
             "decode_ms_range": [min(r[1] for r in runs[name]), max(r[1] for r in runs[name])],
             "prefill_ms_range": [min(r[0] for r in runs[name]), max(r[0] for r in runs[name])],
             "tokens_per_s": 1e3 / dec, "prefill_speedup": base[0] / pre, "decode_speedup": base[1] / dec,
