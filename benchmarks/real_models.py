@@ -108,35 +108,49 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
     import compress
     from export.onnx import export_onnx
     from export.runtimes import ort_coverage
+    from quantization import QuantizeParams
+    from quantization.measured import SpeedCheck
 
     suite = SUITES[size]
     sm = suite[name](0)
     fp = copy.deepcopy(sm.model)
+    fm = copy.deepcopy(sm.model)
+    serving = _serving_input(sm)
+    # the speed check scales the traced batch; for text, tokens per Linear call are what count
+    calib = sm.calibration[0]["input_ids"] if sm.kind == "text" else sm.calibration[0]
+    check_batch = serving["input_ids"].numel() // calib.shape[1] if sm.kind == "text" else serving.shape[0]
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         f32, ours, theirs = d / "fp32.onnx", d / "ours.int8.onnx", d / "ort.int8.onnx"
+        measured = d / "ours.measured.int8.onnx"
         export_onnx(fp, sm.example, f32)
         t0 = time.perf_counter()
         q = compress.quantize(sm.model, "w8a8", sm.calibration)
         t_quant = time.perf_counter() - t0
         export_onnx(q, sm.example, ours)
+        t0 = time.perf_counter()
+        qm = compress.quantize(fm, "w8a8", sm.calibration, params=QuantizeParams(
+            speed_check=SpeedCheck(batch=int(check_batch), threads=threads)))
+        t_measured = time.perf_counter() - t0
+        export_onnx(qm, sm.example, measured)
         ours_rr = d / "ours.int8.rr.onnx"  # 7-bit weight codes: no u8s8 int16 saturation without VNNI
         export_onnx(q, sm.example, ours_rr, reduce_range=True)
         t0 = time.perf_counter()
         _ort_static(f32, theirs, sm.calibration)
         t_ort = time.perf_counter() - t0
         held = suite[name](7).calibration[:2]  # other inputs, same shapes
-        sessions = {k: _session(p, threads) for k, p in (("fp32", f32), ("compress", ours), ("ort", theirs))}
+        files = {"fp32": f32, "compress": ours, "measured": measured, "ort": theirs}
+        sessions = {k: _session(p, threads) for k, p in files.items()}
         rr = _session(ours_rr, threads)
-        sq: dict[str, list[float]] = {"compress": [], "ort": [], "compress_7bit": []}
+        sq: dict[str, list[float]] = {"compress": [], "measured": [], "ort": [], "compress_7bit": []}
         for x in held:
             ref = sessions["fp32"].run(None, _feeds(sessions["fp32"], x))[0]
             for k in sq:
                 s = rr if k == "compress_7bit" else sessions[k]
                 sq[k].append(_sqnr(ref, s.run(None, _feeds(s, x))[0]))
-        cov = {"compress": ort_coverage(ours), "ort": ort_coverage(theirs)}
-        lat = _time(sessions, _serving_input(sm), rounds, reps=3 if size == "small" else 1)
-        nbytes = {k: p.stat().st_size for k, p in (("fp32", f32), ("compress", ours), ("ort", theirs))}
+        cov = {k: ort_coverage(files[k]) for k in ("compress", "measured", "ort")}
+        lat = _time(sessions, serving, rounds, reps=3 if size == "small" else 1)
+        nbytes = {k: p.stat().st_size for k, p in files.items()}
     placement = q.quantizer_graph.placement
     return {
         "model": name,
@@ -147,9 +161,11 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
         "kept_float": placement.floats,
         "sqnr_db": {k: round(statistics.mean(v), 2) for k, v in sq.items()},
         "latency_ms": {k: round(v, 3) for k, v in lat.items()},
-        "speedup": {k: round(lat["fp32"] / lat[k], 3) for k in ("compress", "ort")},
-        "size_ratio": {k: round(nbytes[k] / nbytes["fp32"], 3) for k in ("compress", "ort")},
-        "quantize_s": {"compress": round(t_quant, 2), "ort": round(t_ort, 2)},
+        "speedup": {k: round(lat["fp32"] / lat[k], 3) for k in ("compress", "measured", "ort")},
+        "size_ratio": {k: round(nbytes[k] / nbytes["fp32"], 3) for k in ("compress", "measured", "ort")},
+        "quantize_s": {"compress": round(t_quant, 2), "measured": round(t_measured, 2), "ort": round(t_ort, 2)},
+        "measured_float": {k: v for k, v in qm.quantizer_graph.placement.floats.items()
+                           if v.startswith("kept float by measured placement")},
     }
 
 
@@ -176,23 +192,32 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
              "(benchmarks/hf_suite.py).", "",
              "SQNR 7-bit: compress's export with `reduce_range=True` (7-bit weight codes), which this CPU (AVX2, no "
              "VNNI) needs to avoid ORT's u8s8 int16 saturation (README).", "",
-             "| model | coverage compress / ORT | SQNR dB compress / ORT (compress 7-bit) | speedup compress / ORT | "
-             "size compress / ORT |",
-             "|---|---|---|---|---|"]
+             "measured: compress with `speed_check` (quantization/measured.py: each layer's ORT integer kernel "
+             "timed against its float kernel at the serving batch, the slower ones kept float).", "",
+             "| model | coverage compress / measured / ORT | SQNR dB compress / measured / ORT (compress 7-bit) | "
+             "speedup compress / measured / ORT | size compress / measured / ORT | kept float by measurement |",
+             "|---|---|---|---|---|---|"]
+    nan = float("nan")
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | | |")
             continue
         c, s, v, z = r["coverage"], r["sqnr_db"], r["speedup"], r["size_ratio"]
-        lines.append(f"| {r['model']} | {c['compress']:.2f} / {c['ort']:.2f} | {s['compress']:.1f} / {s['ort']:.1f} "
-                     f"({s.get('compress_7bit', float('nan')):.1f}) | "
-                     f"{v['compress']:.2f}x / {v['ort']:.2f}x | {z['compress']:.2f} / {z['ort']:.2f} |")
+        lines.append(f"| {r['model']} | {c['compress']:.2f} / {c.get('measured', nan):.2f} / {c['ort']:.2f} | "
+                     f"{s['compress']:.1f} / {s.get('measured', nan):.1f} / {s['ort']:.1f} "
+                     f"({s.get('compress_7bit', nan):.1f}) | "
+                     f"{v['compress']:.2f}x / {v.get('measured', nan):.2f}x / {v['ort']:.2f}x | "
+                     f"{z['compress']:.2f} / {z.get('measured', nan):.2f} / {z['ort']:.2f} | "
+                     f"{len(r.get('measured_float', {}))} |")
     ok = [r for r in rows if "error" not in r]
     if ok:
-        med = {k: statistics.median(r["speedup"][k] for r in ok) for k in ("compress", "ort")}
-        cov = {k: statistics.median(r["coverage"][k] for r in ok) for k in ("compress", "ort")}
-        lines += ["", f"Medians over {len(ok)} models: coverage {cov['compress']:.2f} (compress) vs {cov['ort']:.2f} "
-                  f"(ORT); speedup {med['compress']:.2f}x vs {med['ort']:.2f}x."]
+        keys = [k for k in ("compress", "measured", "ort") if all(k in r["speedup"] for r in ok)]
+        med = {k: statistics.median(r["speedup"][k] for r in ok) for k in keys}
+        cov = {k: statistics.median(r["coverage"][k] for r in ok) for k in keys}
+        slower = {k: [r["model"] for r in ok if r["speedup"][k] < 1.0] for k in keys}
+        lines += ["", f"Medians over {len(ok)} models: coverage " + ", ".join(f"{cov[k]:.2f} ({k})" for k in keys)
+                  + "; speedup " + ", ".join(f"{med[k]:.2f}x ({k})" for k in keys) + ". Slower than fp32: "
+                  + "; ".join(f"{k} {', '.join(slower[k]) or 'none'}" for k in keys) + "."]
     stamps = {r.get("measured_at", "the first run (no time kept)") for r in rows}
     if len(stamps) > 1:
         lines += ["", "Rows measured at different times (load differs between them): " + "; ".join(
@@ -202,6 +227,11 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
               for r in ok if r["kept_float"]]
     if floats:
         lines += ["", "Left float by compress's placement, with its reason:", *floats]
+    timed = [f"- {r['model']}: " + "; ".join(f"`{k}`: {v.removeprefix('kept float by measured placement: ')}"
+                                             for k, v in r["measured_float"].items())
+             for r in ok if r.get("measured_float")]
+    if timed:
+        lines += ["", "Kept float by the speed check (the `measured` column), with the times:", *timed]
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     if SECTION[size] in text:
         head, _, rest = text.partition(SECTION[size])

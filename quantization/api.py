@@ -15,6 +15,7 @@ from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
 from quantization.correction import bias_correction
 from quantization.graph_prepare import capture_first_call
 from quantization.kv_cache import KVCache, attach_kv_quantization, check_kv_calls, kv_quantizers
+from quantization.measured import SpeedCheck
 from quantization.preparation import BnMode, FirstLast, prepare
 from quantization.profiles import Target
 from quantization.smoothquant import SmoothQuantField, smooth_quant
@@ -38,6 +39,9 @@ class QuantizeParams(BaseModel):
     ``quantize_embeddings``: store embedding tables as int8 rows (static schemes; a table whose int8
     form loses fidelity stays float, named in ``placement.floats``; ``quantize_ops=False``, the
     layers-only mode, keeps them float too); False keeps them all float.
+    ``speed_check``: time each layer's ONNX Runtime integer kernel against its float kernel at the
+    traced shape (the batch scaled to ``speed_check.batch``) and keep the layers float where int8 is
+    slower, the times named in ``placement.floats`` (quantization/measured.py; target onnxruntime).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -51,6 +55,7 @@ class QuantizeParams(BaseModel):
     target: Target = "onnxruntime"
     kv_cache: KVCache | None = None
     quantize_embeddings: bool = True
+    speed_check: SpeedCheck | None = None
 
 
 def quantize(
@@ -97,7 +102,7 @@ def post_training_quantize(
     swapped = prepare(
         model, scheme, targets=targets, ignore=ignore, first_last=p.first_last, bn=p.bn,
         quantize_ops=p.quantize_ops, target=p.target, quantize_embeddings=p.quantize_embeddings,
-        example_inputs=example, where=where,
+        example_inputs=example, speed_check=p.speed_check, where=where,
     )
     if p.kv_cache is not None:
         attach_kv_quantization(model, p.kv_cache)

@@ -41,7 +41,7 @@ class GraphConfig:
     activation_spec: QuantSpec
     weight_spec: QuantSpec | None
     swapped: set[str] = field(default_factory=set)
-    skip_layers: set[str] = field(default_factory=set)
+    skip_layers: dict[str, str] = field(default_factory=dict)  # layer -> why it stays float
     quantize_embeddings: bool = True
 
 

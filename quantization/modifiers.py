@@ -17,6 +17,7 @@ from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
 from quantization.fake_quant import FakeQuantizer
 from quantization.graph_prepare import capture_first_call
 from quantization.kv_cache import KVCache
+from quantization.measured import SpeedCheck
 from quantization.modules import QuantConv1d, QuantConv2d
 from quantization.preparation import (
     FirstLast,
@@ -82,7 +83,8 @@ class PTQSpec(_QuantSpecBase):
     shift of weight rounding; ``kv_cache`` (per_token / per_head) quantizes a decoder's keys and
     values entering attention to int8; ``sensitivity`` ("metric" or "sqnr") adds a per-layer table and plot;
     ``max_accuracy_drop`` (metric units, e.g. 0.005 = half a point of accuracy) keeps the most
-    sensitive layers in float until the drop fits.
+    sensitive layers in float until the drop fits. ``speed_check`` (``{batch: 32, threads: 1}``) times
+    each layer's ONNX Runtime integer kernel against its float one and keeps the slower ones float.
     """
 
     type: Literal["ptq"] = "ptq"
@@ -95,6 +97,7 @@ class PTQSpec(_QuantSpecBase):
     kv_cache: KVCache | None = None
     sensitivity: Literal["none", "metric", "sqnr"] = "none"
     max_accuracy_drop: float | None = Field(None, ge=0)
+    speed_check: SpeedCheck | None = None
 
 
 class QATSpec(_QuantSpecBase):
@@ -166,7 +169,7 @@ class PTQModifier(Modifier[PTQSpec]):
             float_metric = judge(model)
         params = QuantizeParams(first_last=s.first_last, bn=s.bn, quantize_ops=s.quantize_ops, target=s.target,
                                 quantize_embeddings=s.quantize_embeddings, smoothquant=s.smoothquant,
-                                bias_correction=s.bias_correction, kv_cache=s.kv_cache)
+                                bias_correction=s.bias_correction, kv_cache=s.kv_cache, speed_check=s.speed_check)
         swapped = post_training_quantize(model, scheme, loop, targets=s.targets, ignore=s.ignore, params=params,
                                          where=self.where)
         state.metrics["quantized_modules"] = len(swapped)

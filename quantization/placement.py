@@ -25,7 +25,7 @@ Input: the OpGraph of one forward pass (quantization/graph.py) and a RuntimeProf
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,7 +156,7 @@ def place(
     *,
     targeted: Callable[[str], bool],
     swapped: set[str],
-    skip_layers: set[str] = frozenset(),  # type: ignore[assignment]
+    skip_layers: Mapping[str, str] | None = None,
     quantize_ops: bool = True,
     embeddings: bool = True,
     tied: dict[str, str] | None = None,
@@ -165,7 +165,8 @@ def place(
 
     ``targeted(scope)``: whether ops running in that module are to be quantized (targets/ignore);
     ``swapped``: names of layers swapped for quantized modules (they quantize their own weight);
-    ``skip_layers``: layers kept float on purpose (first/last policy), not quantized at all;
+    ``skip_layers``: layers kept float on purpose (first/last policy, measured placement), not quantized
+    at all, mapped to the reason recorded in ``floats``;
     ``embeddings``: give embedding tables int8 weight quantizers; ``tied``: parameter name -> the
     swapped layer whose weight it also is (a tied embedding reads that layer's quantized weight).
     """
@@ -237,8 +238,9 @@ def place(
         if w is not None:
             data, weight, axis = w
             layer = weight.name.rsplit(".", 1)[0] if weight.name and "." in weight.name else ""
-            if layer in skip_layers or n.scope in skip_layers:
-                pl.floats[n.key] = "kept float by the first/last-layer policy"
+            skipped = (skip_layers or {}).get(layer) or (skip_layers or {}).get(n.scope)
+            if skipped is not None:
+                pl.floats[n.key] = skipped
                 continue
             if not targeted(n.scope) or not targeted(layer):
                 pl.floats[n.key] = "excluded by targets/ignore"
@@ -369,6 +371,18 @@ def place(
         elif key.split(":")[-1].startswith("conv"):
             pl.floats[key] = "its output is a model output (the runtime needs a quantizer after it to fuse)"
 
+    def from_float_layer(o: Operand) -> bool:
+        """Whether ``o`` is a float weighted op's output (through activations that would fold)."""
+        while o.source == "op" and o.producer is not None:
+            prod = producers[o.producer]
+            if prod.key in weighted_keys:
+                return prod.key in pl.floats
+            data = [x for x in prod.operands if x.source in ("op", "input") and x.floating]
+            if not _foldable(prod, profile) or len(data) != 1:
+                return False
+            o = data[0]
+        return False
+
     # pass-through ops: the tensor before shares the quantizer of the tensor after
     changed = True
     while changed:
@@ -381,6 +395,10 @@ def place(
                 continue
             t = _tid(src[0])
             assert t is not None
+            if t not in quantized and from_float_layer(src[0]):
+                # after a layer kept float the op runs in float and its output is quantized: ORT runs a
+                # uint8 MaxPool in NCHW many times slower than the float one (26x on a ResNet stem)
+                continue
             for i in range(n.n_outputs):
                 out = f"{n.key}/{i}"
                 if out in quantized:

@@ -18,7 +18,7 @@ from compress.errors import CompressError
 from compress.targets import select_modules
 from quantization.bn import find_conv_bn_pairs, fold_bn_into_conv
 from quantization.fake_quant import FakeQuantizer
-from quantization.graph import trace_graph
+from quantization.graph import tensor_leaves, trace_graph
 from quantization.graph_prepare import (
     GraphConfig,
     bn_pairs_from_graph,
@@ -30,6 +30,7 @@ from quantization.graph_prepare import (
 )
 from quantization.hooks import detach, graph_of, unsmooth
 from quantization.kv_cache import remove_kv_quantization
+from quantization.measured import SpeedCheck, layer_calls, slower_in_int8, time_layers
 from quantization.modules import QUANT_LAYERS, QUANT_TYPES, QuantConv1d, QuantConv2d
 from quantization.profiles import Target, get_profile
 from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
@@ -103,6 +104,7 @@ def prepare(
     target: Target = "onnxruntime",
     quantize_embeddings: bool = True,
     example_inputs: Any = None,
+    speed_check: SpeedCheck | None = None,
     where: str = "quantize",
 ) -> dict[str, nn.Module]:
     """Swap the targeted layers of ``model`` (in place) for quantized ones; returns them by name.
@@ -120,6 +122,8 @@ def prepare(
     order instead of data flow, and BatchNorm pairs only by nn.Sequential adjacency).
     ``quantize_embeddings``: embedding tables get int8 per-row weights (the static-activation path),
     unless that costs fidelity (graph_prepare.TABLE_MIN_SQNR_DB).
+    ``speed_check``: time each layer's ORT integer kernel against its float one at the traced shape
+    and keep the layers float where int8 is slower (quantization/measured.py; needs ``example_inputs``).
     """
     scheme = resolve_scheme(scheme)
     model = unwrap(model)
@@ -141,10 +145,15 @@ def prepare(
         model, scheme, targets=targets, ignore=ignore, first_last=first_last, quantize_ops=quantize_ops, where=where,
         order=flow,
     )
-    skip: set[str] = set()
+    skip: dict[str, str] = {}
     if first_last == "float" and graph_mode:
         selected = [n for n in (flow or []) if _is_target(model, n, targets, ignore)]
-        skip = {selected[0], selected[-1]} if selected else set()
+        skip = dict.fromkeys({selected[0], selected[-1]} if selected else (), "kept float by the first/last-layer policy")
+    if speed_check is not None:
+        slow = _measure(model, plan, graph0, call, speed_check, target=target, graph_mode=graph_mode, where=where)
+        for name in slow:
+            del plan[name]
+        skip.update(slow)
     pairs = find_conv_bn_pairs(model) if bn != "keep" else {}
     if graph0 is not None and bn != "keep":
         pairs.update(bn_pairs_from_graph(model, graph0))
@@ -182,6 +191,24 @@ def prepare(
             place_graph(model, config, *call)
     log.info("%s: prepared %d modules (%s)", where, len(swapped), _summary(swapped))
     return swapped
+
+
+def _measure(
+    model: nn.Module, plan: dict[str, QuantSpec | None], graph0: Any, call: Any, check: SpeedCheck, *, target: str,
+    graph_mode: bool, where: str,
+) -> dict[str, str]:
+    """The planned layers whose ORT integer kernel is slower than their float one, with the reason."""
+    if target != "onnxruntime":
+        raise CompressError(f"{where}: speed_check times ONNX Runtime's CPU kernels; the target is {target}")
+    if not graph_mode:
+        raise CompressError(f"{where}: speed_check applies to schemes with static activations (e.g. w8a8)")
+    if graph0 is None:
+        raise CompressError(f"{where}: speed_check needs the traced shapes: pass example inputs or calibration data")
+    leaves = tensor_leaves(*call)
+    example_batch = int(leaves[0][1].shape[0]) if leaves and leaves[0][1].dim() else None
+    layers = {n: model.get_submodule(n) for n in plan}
+    timings = time_layers(layers, layer_calls(graph0, layers), check, example_batch=example_batch)
+    return slower_in_int8(timings, check)
 
 
 def _trace_eval(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
