@@ -11,7 +11,9 @@ as compress exports it (Q/DQ input, int8 per-channel weights, Q/DQ output), whic
 QLinearConv / QGemm. Both run in ORT with per-node profiling; the medians of the kernels' own
 times are compared (the boundary Quantize/Dequantize and layout reorders are left out: inside a
 model they are shared by neighbours or absent). A layer whose int8 kernel is not ``min_speedup``
-times faster stays float, its times given as the reason in ``placement.floats``.
+times faster stays float, its times given as the reason in ``placement.floats``, unless a max-pool
+follows it: ORT's QDQ propagation would move the pool's quantizer above the pool and run it on uint8
+in NCHW layout, many times slower than what the float layer saves.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from compress.errors import CompressError
-from quantization.graph import OpGraph
+from quantization.graph import OpGraph, OpNode
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class LayerTiming:
     float_us: float
     int8_op: str
     int8_us: float
+    pooled: bool = False
 
     @property
     def speedup(self) -> float:
@@ -80,16 +83,43 @@ class LayerTiming:
         return {**asdict(self), "speedup": self.speedup}
 
 
-def layer_calls(graph: OpGraph, layers: Mapping[str, nn.Module]) -> dict[str, tuple[tuple[int, ...], bool, bool]]:
-    """``{layer: (data input shape, reads a model input, writes a model output)}`` of each layer's
-    first call in ``graph`` (layers never called are absent)."""
+@dataclass(frozen=True)
+class LayerCall:
+    """A layer's first traced call: its data input shape, whether it reads a model input or writes a
+    model output, and whether a max-pool follows it (through one-input ops: BatchNorm, activation)."""
+
+    shape: tuple[int, ...]
+    model_input: bool = False
+    model_output: bool = False
+    pooled: bool = False
+
+
+def layer_calls(graph: OpGraph, layers: Mapping[str, nn.Module]) -> dict[str, LayerCall]:
+    """The :class:`LayerCall` of each layer of ``layers`` called in ``graph``."""
     outputs = {f"{k}/{i}" for k, i in graph.outputs}
-    calls: dict[str, tuple[tuple[int, ...], bool, bool]] = {}
+    readers: dict[str, list[OpNode]] = collections.defaultdict(list)
+    for n in graph.nodes.values():
+        for o in n.operands:
+            if o.source == "op" and o.producer is not None:
+                readers[f"{o.producer}/{o.index}"].append(n)
+
+    def pooled(t: str) -> bool:
+        while len(readers.get(t, [])) == 1:
+            nxt = readers[t][0]
+            if nxt.kind == "max_pool":
+                return True
+            if sum(o.source in ("op", "input") and o.floating for o in nxt.operands) != 1:
+                return False
+            t = f"{nxt.key}/0"
+        return False
+
+    calls: dict[str, LayerCall] = {}
     for n in graph.nodes.values():
         if n.scope in layers and n.scope not in calls and n.kind in ("linear", "conv"):
             data = next((o for o in n.operands if o.position == 0), None)
             if data is not None and data.shape:
-                calls[n.scope] = (tuple(data.shape), data.source == "input", f"{n.key}/0" in outputs)
+                out = f"{n.key}/0"
+                calls[n.scope] = LayerCall(tuple(data.shape), data.source == "input", out in outputs, pooled(out))
     return calls
 
 
@@ -231,7 +261,7 @@ def _island_cost(nodes: list[tuple[str, float]], *, kept_float: bool, model_inpu
 
 
 def time_layers(
-    layers: Mapping[str, nn.Module], calls: Mapping[str, tuple[tuple[int, ...], bool, bool]], check: SpeedCheck, *,
+    layers: Mapping[str, nn.Module], calls: Mapping[str, LayerCall], check: SpeedCheck, *,
     example_batch: int | None,
 ) -> list[LayerTiming]:
     """Time each layer of ``layers`` (name -> float Linear/Conv) that has a call in ``calls``
@@ -247,23 +277,31 @@ def time_layers(
         for name, mod in layers.items():
             if name not in calls:
                 continue
-            shape, edge_in, edge_out = calls[name]
-            built = _graphs(mod, _scaled(shape, example_batch, check.batch))
+            call = calls[name]
+            built = _graphs(mod, _scaled(call.shape, example_batch, check.batch))
             if built is None:
                 continue
             float_model, qdq_model, in_shape = built
             costs = [
                 _island_cost(_profile(g, in_shape, threads=check.threads, runs=check.runs, tmp=Path(d), tag=tag),
-                             kept_float=tag == "float", model_input=edge_in, model_output=edge_out, tag=tag)
+                             kept_float=tag == "float", model_input=call.model_input,
+                             model_output=call.model_output, tag=tag)
                 for g, tag in ((float_model, "float"), (qdq_model, "int8"))
             ]
-            out.append(LayerTiming(name, in_shape, costs[0][0], costs[0][1], costs[1][0], costs[1][1]))
+            out.append(LayerTiming(name, in_shape, costs[0][0], costs[0][1], costs[1][0], costs[1][1], call.pooled))
     return out
 
 
 def slower_in_int8(timings: list[LayerTiming], check: SpeedCheck) -> dict[str, str]:
     """``{layer: reason}`` for the layers whose int8 kernel is not ``check.min_speedup`` times faster."""
-    slow = {t.layer: t.reason() for t in timings if t.speedup < check.min_speedup}
+    slower = [t for t in timings if t.speedup < check.min_speedup]
+    # a float layer's max-pool would run on uint8 in NCHW: ORT moves the Q after the pool above it
+    # (QDQ propagation), and its uint8 NCHW MaxPool measured 8.9 ms where the int8 chain's NHWC one
+    # took 0.3 ms (HF ResNet stem, batch 32), far more than the conv itself saves
+    pooled = [t.layer for t in slower if t.pooled]
+    if pooled:
+        log.info("measured placement: %s stay int8 though slower alone: a max-pool follows them", ", ".join(pooled))
+    slow = {t.layer: t.reason() for t in slower if not t.pooled}
     log.info("measured placement: %d of %d layers keep float (int8 kernel not %.2fx faster in ORT)", len(slow),
              len(timings), check.min_speedup)
     return slow

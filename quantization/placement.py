@@ -371,18 +371,6 @@ def place(
         elif key.split(":")[-1].startswith("conv"):
             pl.floats[key] = "its output is a model output (the runtime needs a quantizer after it to fuse)"
 
-    def from_float_layer(o: Operand) -> bool:
-        """Whether ``o`` is a float weighted op's output (through activations that would fold)."""
-        while o.source == "op" and o.producer is not None:
-            prod = producers[o.producer]
-            if prod.key in weighted_keys:
-                return prod.key in pl.floats
-            data = [x for x in prod.operands if x.source in ("op", "input") and x.floating]
-            if not _foldable(prod, profile) or len(data) != 1:
-                return False
-            o = data[0]
-        return False
-
     # pass-through ops: the tensor before shares the quantizer of the tensor after
     changed = True
     while changed:
@@ -395,10 +383,6 @@ def place(
                 continue
             t = _tid(src[0])
             assert t is not None
-            if t not in quantized and from_float_layer(src[0]):
-                # after a layer kept float the op runs in float and its output is quantized: ORT runs a
-                # uint8 MaxPool in NCHW many times slower than the float one (26x on a ResNet stem)
-                continue
             for i in range(n.n_outputs):
                 out = f"{n.key}/{i}"
                 if out in quantized:

@@ -85,7 +85,23 @@ def test_ptq_modifier_through_session() -> None:
     assert abs(_accuracy(s.model, data) - acc) <= 0.02
 
 
+def test_ptq_modifier_speed_check_keeps_layers_float_by_their_times() -> None:
+    m = _trained()
+    data = _task(seed=1)
+    recipe = _recipe([{"type": "ptq", "scheme": "w8a8", "num_batches": 2,
+                       "speed_check": {"batch": 64, "runs": 4, "min_speedup": 1e6}}])
+    with Session(recipe, m, calibration_data=data) as s:
+        pass
+    # no int8 kernel is a million times faster: every layer stays float, each with its measured times
+    assert s.results[0].metrics["quantized_modules"] == 0, s.model
+    floats = s.model.quantizer_graph.placement.floats
+    assert {k for k, v in floats.items() if "measured placement" in v and "at input [64, " in v} == {
+        "conv:conv#0", "conv2:conv#0", "fc:linear#0"}, floats
+
+
 def test_ptq_spec_errors_name_the_field() -> None:
+    with pytest.raises(RecipeError, match=r"speed_check\.batch"):
+        _recipe([{"type": "ptq", "speed_check": {"batch": 0}}])
     with pytest.raises(RecipeError, match="unknown quantization scheme 'w8a9'"):
         _recipe([{"type": "ptq", "scheme": "w8a9"}])
     with pytest.raises(RecipeError, match="smoothquant"):
