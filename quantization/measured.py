@@ -24,7 +24,7 @@ import logging
 import statistics
 import tempfile
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +79,6 @@ class LayerTiming:
         return (f"kept float by measured placement: ORT {self.int8_op} {self.int8_us:.0f} us vs float "
                 f"{self.float_op} {self.float_us:.0f} us ({self.speedup:.2f}x) at input {self.shape}")
 
-    def to_data(self) -> dict[str, Any]:
-        return {**asdict(self), "speedup": self.speedup}
 
 
 @dataclass(frozen=True)
@@ -131,10 +129,21 @@ def _scaled(shape: tuple[int, ...], example_batch: int | None, batch: int | None
 
 
 def _conv_attrs(m: nn.Conv1d | nn.Conv2d) -> dict[str, Any]:
-    pads = list(m.padding) if isinstance(m.padding, tuple) else None
-    if pads is None:
-        raise CompressError(f"measured placement: padding={m.padding!r} is not timed")
-    return {"strides": list(m.stride), "pads": pads + pads, "dilations": list(m.dilation), "group": m.groups}
+    k, d = list(m.kernel_size), list(m.dilation)
+    if m.padding == "valid":
+        begin, end = [0] * len(k), [0] * len(k)
+    elif m.padding == "same":  # torch pads the extra element at the end, as ONNX's SAME_UPPER
+        total = [di * (ki - 1) for di, ki in zip(d, k, strict=True)]
+        begin = [t // 2 for t in total]
+        end = [t - b for t, b in zip(total, begin, strict=True)]
+    else:
+        begin = end = list(m.padding)  # type: ignore[arg-type]
+    return {"strides": list(m.stride), "pads": begin + end, "dilations": d, "group": m.groups}
+
+
+def _pad_sums(pads: list[int]) -> list[int]:
+    half = len(pads) // 2
+    return [a + b for a, b in zip(pads[:half], pads[half:], strict=True)]
 
 
 def _graphs(m: nn.Module, shape: list[int]) -> tuple[Any, Any, list[int]] | None:
@@ -157,9 +166,9 @@ def _graphs(m: nn.Module, shape: list[int]) -> tuple[Any, Any, list[int]] | None
         b = rng.standard_normal(m.out_channels).astype(np.float32)
         attrs = _conv_attrs(m)
         out_shape = [in_shape[0], m.out_channels] + [
-            (s + 2 * p - d * (k - 1) - 1) // st + 1
-            for s, p, d, k, st in zip(in_shape[2:], attrs["pads"], attrs["dilations"], m.kernel_size, attrs["strides"],
-                                      strict=False)
+            (s + p - d * (k - 1) - 1) // st + 1
+            for s, p, d, k, st in zip(in_shape[2:], _pad_sums(attrs["pads"]), attrs["dilations"], m.kernel_size,
+                                      attrs["strides"], strict=False)
         ]
 
         def body(win: str) -> list[Any]:

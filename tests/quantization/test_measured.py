@@ -39,7 +39,8 @@ def _run(model: onnx.ModelProto, x: np.ndarray, *, disable_qdq: bool = False) ->
 @pytest.mark.parametrize(
     ("layer", "shape"),
     [(nn.Conv2d(8, 16, 3, 2, 1), [4, 8, 12, 12]), (nn.Conv2d(16, 16, 3, 1, 1, groups=16), [2, 16, 8, 8]),
-     (nn.Conv1d(8, 12, 3, padding=1, bias=False), [2, 8, 20]), (nn.Linear(32, 48), [2, 5, 32])],
+     (nn.Conv1d(8, 12, 3, padding=1, bias=False), [2, 8, 20]), (nn.Linear(32, 48), [2, 5, 32]),
+     (nn.Conv2d(8, 8, (3, 4), padding="same"), [2, 8, 9, 10])],
 )
 def test_timed_graphs_compute_the_layer_and_fuse_to_integer_kernels(layer: nn.Module, shape: list[int],
                                                                      tmp_path: Path) -> None:
