@@ -6,11 +6,12 @@ as fp32's blocked (NCHWc) Conv, while 32+ channel convs win 1.1-2.4x (benchmarks
 static channel rule is right at both toy and serving widths, so each candidate layer is timed.
 
 For every Linear/Conv1d/Conv2d the placement would quantize, two one-layer ONNX graphs are built at
-the layer's traced input shape (the batch scaled to ``batch``): the float layer, and its QDQ form
-as compress exports it (Q/DQ input, int8 per-channel weights, Q/DQ output), which ORT fuses to
-QLinearConv / QGemm. Both run in ORT with per-node profiling; the medians of the kernels' own
-times are compared (the boundary Quantize/Dequantize and layout reorders are left out: inside a
-model they are shared by neighbours or absent). A layer whose int8 kernel is not ``min_speedup``
+the layer's traced input shape (the batch scaled to ``batch``), both between a Q and a DQ that
+stand for int8 neighbours: the float layer (its own DQ, layout reorders and Q around it) and its
+QDQ form as compress exports it (int8 per-channel weights), which ORT fuses to QLinearConv / QGemm.
+Both run in ORT with per-node profiling, and the per-node medians are summed into what each choice
+costs inside the model (:func:`_island_cost`: the int8 side pays the input's Q only at a model
+input and the output's DQ only at a model output). A layer whose int8 side is not ``min_speedup``
 times faster stays float, its times given as the reason in ``placement.floats``, unless a max-pool
 follows it: ORT's QDQ propagation would move the pool's quantizer above the pool and run it on uint8
 in NCHW layout, many times slower than what the float layer saves.
