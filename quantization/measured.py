@@ -277,11 +277,6 @@ def time_layers(
     """Time each layer of ``layers`` (name -> float Linear/Conv) that has a call in ``calls``
     (:func:`layer_calls`; whether it reads a model input or writes a model output decides which
     conversions each side pays, :func:`_island_cost`)."""
-    try:
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-    except ImportError as e:  # pragma: no cover - both are core dependencies
-        raise CompressError(f"measured placement needs onnx and onnxruntime ({e})") from e
     out: list[LayerTiming] = []
     with tempfile.TemporaryDirectory(prefix="compress_measured_") as d:
         for name, mod in layers.items():
