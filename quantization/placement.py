@@ -499,9 +499,20 @@ def _outlier_operand(attrs: dict[str, Any]) -> str | None:
             f"{52.9 - 20 * math.log10(worst):.0f} dB, so the add and its inputs stay float")
 
 
+#: magnitudes at or past float16's largest finite value are mask fills (finfo.min, -inf, -1e9), not
+#: data: an add of two masks (GPT-Neo adds its padding mask to scores already filled with finfo.min)
+#: has no lopsided pair, and its sum overflows to -inf, which no 8-bit scale holds
+MASK_FILL = 65504.0
+
+
 def _lopsided(amax: list[float]) -> str | None:
-    """The reason to keep an add float when one operand dwarfs the other (see MAX_OPERAND_RATIO)."""
+    """The reason to keep an add float when one operand dwarfs the other (see MAX_OPERAND_RATIO) or
+    holds mask fill values (MASK_FILL)."""
     vals = [a for a in amax if a > 0]
+    fill = max(vals, default=0.0)
+    if fill >= MASK_FILL:
+        return (f"an operand reaches {fill:.0e} in magnitude, a mask fill (finfo.min, -inf, -1e9): no 8-bit scale "
+                "holds it, so the add stays float")
     if len(vals) < 2:
         return None
     ratio = max(vals) / min(vals)

@@ -219,3 +219,36 @@ def test_variance_plus_eps_stays_float_where_quantizing_it_breaks_normal_tokens(
     assert _sqnr(ref, good) > 25.0
     # the normal tokens' variance rounds to zero on the sink's scale: rsqrt(0 + ~0) blows them up
     assert not torch.isfinite(bad).all() or _sqnr(ref, bad) < 0.0
+
+
+class TwoMasks(nn.Module):
+    """GPT-Neo's attention: scores filled with finfo.min outside the causal window, then a padding
+    mask (finfo.min where padded) added on top: both operands of that add are mask fills, and
+    where they meet the sum overflows to -inf."""
+
+    def __init__(self, d: int = 16, t: int = 8) -> None:
+        super().__init__()
+        self.qk = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(d, d)
+        self.register_buffer("causal", torch.ones(t, t, dtype=torch.bool).tril())
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, dim=-1)
+        low = torch.finfo(x.dtype).min
+        scores = torch.where(self.causal, q @ k.transpose(-1, -2), torch.tensor(low))
+        scores = scores + pad[:, None, :] * low
+        return self.out(torch.softmax(scores, dim=-1) @ x)
+
+
+def test_an_add_of_two_mask_fills_stays_float_and_calibrates() -> None:
+    torch.manual_seed(0)
+    m = TwoMasks().eval()
+    pad = torch.zeros(2, 8)
+    pad[:, :2] = 1.0  # the first two keys padded: for query 0 both fills meet
+    data = [(torch.randn(2, 8, 16), pad) for _ in range(3)]
+    ref = m(*data[0])
+    assert torch.isfinite(ref).all()
+    q = quantize(copy.deepcopy(m), "w8a8", [{"x": x, "pad": p} for x, p in data])  # raised CalibrationError (inf)
+    floats = q.quantizer_graph.placement.floats
+    assert any("mask fill" in r for r in floats.values()), floats
+    assert _sqnr(ref, q(*data[0])) > 20
