@@ -175,6 +175,12 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path) -> Path:
     acts = activation_quantizers(model)
     if acts:
         raise UnsupportedModelError(f"{acts[0]}: quantized activations are not written (weight-only int4 checkpoints)")
+    from compress.models.moe import expert_blocks
+
+    moe = next(iter(expert_blocks(model)), None)
+    if moe is not None:  # transformers reads per-model expert names (w1/w3, gate_proj/up_proj) through its own conversions
+        raise UnsupportedModelError(f"{moe}: MoE experts were unpacked into per-expert Linears for quantization; "
+                                    "the compressed-tensors writer does not write transformers' expert checkpoint names")
     tensors, args, plain = compressed_state_dict(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

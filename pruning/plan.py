@@ -38,7 +38,11 @@ class PruningPlan:
             self.steps.append({k: [(int(a), [int(i) for i in kept]) for a, kept in v] for k, v in slices.items()})
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Slice ``model`` (a fresh instance of the unpruned architecture) in place; returns it."""
+        """Slice ``model`` (a fresh instance of the unpruned architecture) in place; returns it.
+        Packed MoE experts are unpacked first, as :func:`pruning.api.prune` did before cutting."""
+        from compress.models.moe import unpack_experts
+
+        unpack_experts(model)
         for step in self.steps:
             apply_slices(model, step)
         return model

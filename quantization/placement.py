@@ -248,6 +248,9 @@ def place(
             if not data.floating or data.source not in ("op", "input"):
                 pl.floats[n.key] = "its input is not a floating activation"
                 continue
+            if _feeds_topk(n, producers, consumers, weighted_keys):
+                pl.floats[n.key] = ROUTER_REASON
+                continue
             if cut is not None:
                 # the quantizer runs on the whole parameter, where the slicing op reads it
                 if cut[1].key not in slice_qids:
@@ -520,6 +523,52 @@ def _lopsided(amax: list[float]) -> str | None:
         return None
     return (f"one operand is {ratio:.0e}x the other in magnitude (a mask or an epsilon): one 8-bit scale "
             "for the sum would round the smaller away")
+
+
+#: how many unweighted ops (softmax, sigmoid, a bias add, casts, reshapes) may sit between a
+#: weighted op and the top-k that makes it a router
+ROUTER_DEPTH = 6
+ROUTER_REASON = ("a router: its output picks experts by top-k, and rounding its weight or input flips the "
+                 "routing of tokens near a tie; it is a tiny share of the weights (ModelOpt and llm-compressor "
+                 "leave MoE gates float too)")
+
+
+def _feeds_topk(n: OpNode, producers: dict[str, OpNode], consumers: dict[str, list[tuple[OpNode, Operand]]],
+                weighted: set[str]) -> bool:
+    """Whether ``n``'s output reaches a ``topk`` through at most ROUTER_DEPTH unweighted ops."""
+    frontier, seen = [n.key], {n.key}
+    for _ in range(ROUTER_DEPTH):
+        nxt = []
+        for key in frontier:
+            node = producers[key]
+            for i in range(node.n_outputs):
+                for c, _ in consumers.get(f"{key}/{i}", []):
+                    if c.func == "topk":
+                        return True
+                    if c.key not in seen and c.key not in weighted:
+                        seen.add(c.key)
+                        nxt.append(c.key)
+        frontier = nxt
+    return False
+
+
+def router_layers(graph: OpGraph) -> set[str]:
+    """The layers whose weighted call feeds a top-k (MoE routers, see :func:`_feeds_topk`), by name."""
+    nodes = list(graph.nodes.values())
+    producers = {n.key: n for n in nodes}
+    consumers: dict[str, list[tuple[OpNode, Operand]]] = {}
+    for n in nodes:
+        for o in n.operands:
+            t = _tid(o)
+            if t is not None:
+                consumers.setdefault(t, []).append((n, o))
+    weighted = {n.key for n in nodes if weighted_operands(n) is not None}
+    out = set()
+    for n in nodes:
+        w = weighted_operands(n)
+        if w is not None and w[1].name and "." in w[1].name and _feeds_topk(n, producers, consumers, weighted):
+            out.add(w[1].name.rsplit(".", 1)[0])
+    return out
 
 
 #: quantizer ids of constant operands: calibrated from their value by min/max (hooks.build_quantizers)

@@ -32,6 +32,7 @@ from quantization.hooks import detach, graph_of, unsmooth
 from quantization.kv_cache import remove_kv_quantization
 from quantization.measured import SpeedCheck, layer_calls, slower_in_int8, time_layers
 from quantization.modules import QUANT_LAYERS, QUANT_TYPES, QuantConv1d, QuantConv2d
+from quantization.placement import ROUTER_REASON, router_layers
 from quantization.profiles import Target, get_profile
 from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
 
@@ -131,13 +132,14 @@ def prepare(
         raise CompressError(f"{where}: the model is already quantized; strip() it first")
     get_profile(target)
     graph_mode = scheme.static_activations
-    # transformers' Conv1D (GPT-2) has no layer type to swap: as a Linear (exact: the weight
-    # transposed) it quantizes like one under every scheme, as the sequential GPTQ/AWQ path does, and
-    # the LLM generation export finds Linears. (The graph path could quantize it at its functional
-    # call, as it does for layers it cannot swap, but that weight is then not a layer of its own.)
-    from quantization.sequential import linearize_conv1d
+    # transformers' Conv1D (GPT-2) and packed MoE experts (3D Parameters) have no layer type to
+    # swap: as Linears (exact) they quantize like one under every scheme, as the sequential GPTQ/AWQ
+    # path does, and the LLM generation export finds Linears. (The graph path could quantize a
+    # Conv1D at its functional call, as it does for layers it cannot swap, but that weight is then
+    # not a layer of its own.)
+    from quantization.sequential import linearize
 
-    linearize_conv1d(model)
+    linearize(model)
     call = example_args(example_inputs) if example_inputs is not None and graph_mode else None
     graph0 = _trace_eval(model, *call) if call is not None else None
     flow = layers_by_flow(graph0) if graph0 is not None else None
@@ -149,6 +151,10 @@ def prepare(
     if first_last == "float" and graph_mode:
         selected = [n for n in (flow or []) if _is_target(model, n, targets, ignore)]
         skip = dict.fromkeys({selected[0], selected[-1]} if selected else (), "kept float by the first/last-layer policy")
+    if graph0 is not None:
+        for name in router_layers(graph0) & set(plan):
+            del plan[name]
+            skip[name] = ROUTER_REASON
     if speed_check is not None:
         slow = _measure(model, plan, graph0, call, speed_check, target=target, graph_mode=graph_mode, where=where)
         for name in slow:

@@ -10,7 +10,7 @@ initialized): peak memory is then about one layer, its Hessians and the activati
 Decoder layers are found, not named: the ``nn.ModuleList`` holding most parameters whose items are
 all one class (``model.layers`` of Llama/Qwen2/Mistral/Phi, ``transformer.h`` of GPT-2).
 GPT-2's ``Conv1D`` (a Linear with its weight stored transposed) is swapped for an equal
-``nn.Linear`` first (:func:`linearize_conv1d`), so every architecture quantizes one way.
+``nn.Linear`` first (:func:`linearize`: GPT-2's Conv1D, packed MoE experts), so every architecture quantizes one way.
 """
 
 from __future__ import annotations
@@ -77,6 +77,16 @@ def linearize_conv1d(model: nn.Module) -> list[str]:
     if swapped:
         log.info("linearized %d Conv1D modules (GPT-2 style) into nn.Linear", len(swapped))
     return swapped
+
+
+def linearize(model: nn.Module) -> list[str]:
+    """Give every weight the quantizers handle an ``nn.Linear`` of its own: GPT-2's Conv1D
+    (:func:`linearize_conv1d`) and transformers' packed MoE experts (compress/models/moe.py), in
+    place; returns the swapped names. Exact in float."""
+    from compress.models.moe import unpack_experts
+
+    root = unwrap(model)
+    return linearize_conv1d(root) + unpack_experts(root)
 
 
 def _model_inputs(batch: Any, device: torch.device) -> dict[str, Any]:
@@ -168,7 +178,7 @@ def sequential_quantize(
         raise CalibrationError(f"{where}: needs a weight-only scheme (weights set, inputs and outputs null)")
     t0 = time.perf_counter()
     root = unwrap(model)
-    linearize_conv1d(root)
+    linearize(root)
     path, layers = decoder_layers(root)
     if any(isinstance(m, QuantLinear) for m in root.modules()):
         # a second pass (GPTQ after AWQ): the Linears the first pass swapped, as selected here

@@ -17,7 +17,7 @@ from compress.modifier import Modifier, ModifierSpec, State, register_modifier
 from quantization.awq import AWQFields, AWQParams, awq_layer
 from quantization.gptq import GPTQFields, GPTQParams
 from quantization.preparation import plan_targets
-from quantization.sequential import linearize_conv1d, sequential_quantize
+from quantization.sequential import linearize, sequential_quantize
 from quantization.spec import QuantScheme, resolve_scheme
 from quantization.weight_only import DEFAULT_SCHEME, gptq_layer
 
@@ -79,7 +79,7 @@ class _WeightOnlyModifier(Modifier[Any]):
             raise CalibrationError(f"{self.where}: {s.type} needs calibration data (data.calibration_samples > 0)")
         was_training = state.model.training
         state.model.eval()
-        linearize_conv1d(state.model)
+        linearize(state.model)
         summary = sequential_quantize(
             state.model, state.calibration_data, s.resolved_scheme(), process,
             targets=s.targets, ignore=s.ignore, max_batches=s.num_batches, device=state.device, where=self.where,
