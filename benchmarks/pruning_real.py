@@ -64,6 +64,8 @@ def _suite() -> dict[str, Builder]:
         "dinov2": vision(T.Dinov2Config, T.Dinov2ForImageClassification, hidden_size=64, num_hidden_layers=2,
                          num_attention_heads=4, image_size=32, patch_size=8),
         "convnext": vision(T.ConvNextConfig, T.ConvNextForImageClassification, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2),
+        "convnextv2": vision(T.ConvNextV2Config, T.ConvNextV2ForImageClassification, hidden_sizes=[16, 32], depths=[1, 1],
+                             num_stages=2),
         "resnet": vision(T.ResNetConfig, T.ResNetForImageClassification, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1]),
         "regnet": vision(T.RegNetConfig, T.RegNetForImageClassification, embedding_size=16, hidden_sizes=[24, 48],
                          depths=[1, 1], groups_width=8),
@@ -76,6 +78,8 @@ def _suite() -> dict[str, Builder]:
                    d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
         "llama": text(T.LlamaConfig, T.LlamaForCausalLM, lambda: {"input_ids": _ids()}, **llm),
         "qwen2": text(T.Qwen2Config, T.Qwen2ForCausalLM, lambda: {"input_ids": _ids()}, **llm),
+        "mixtral": text(T.MixtralConfig, T.MixtralForCausalLM, lambda: {"input_ids": _ids()}, **llm, num_local_experts=4,
+                        num_experts_per_tok=2),
     }
 
 

@@ -53,7 +53,7 @@ SPLIT = {"split", "chunk", "tensor_split", "unbind", "split_with_sizes"}
 SELECT = {"narrow", "select", "getitem", "index_select"}
 REDUCE = {
     "mean", "sum", "amax", "amin", "max", "min", "logsumexp", "norm", "std", "var", "prod", "nansum",
-    "nanmean", "median", "vector_norm", "std_mean", "var_mean",
+    "nanmean", "median", "vector_norm", "std_mean", "var_mean", "linalg_vector_norm", "linalg_norm",
 }
 SPATIAL = {
     "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
@@ -381,7 +381,7 @@ def reduce(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
     if name in ("max", "min") and len(args) > 1 and isinstance(args[1], torch.Tensor):
         elementwise(tr, name, func, args, kwargs, out)
         return
-    dpos, kpos = (2, 3) if name in ("norm", "vector_norm") else (1, 2)
+    dpos, kpos = (2, 3) if name in ("norm", "vector_norm", "linalg_vector_norm", "linalg_norm") else (1, 2)
     dim_arg = _arg(args, kwargs, dpos, "dim")
     keepdim = bool(_arg(args, kwargs, kpos, "keepdim", False)) if name not in ("std", "var", "std_mean", "var_mean") else bool(kwargs.get("keepdim", False))
     outs = [t for t in iter_tensors(out) if t.is_floating_point()]
