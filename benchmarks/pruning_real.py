@@ -78,6 +78,7 @@ def _suite() -> dict[str, Builder]:
                    d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
         "llama": text(T.LlamaConfig, T.LlamaForCausalLM, lambda: {"input_ids": _ids()}, **llm),
         "qwen2": text(T.Qwen2Config, T.Qwen2ForCausalLM, lambda: {"input_ids": _ids()}, **llm),
+        "bloom": text(T.BloomConfig, T.BloomForCausalLM, lambda: {"input_ids": _ids()}, hidden_size=64, n_layer=2, n_head=4),
         "mixtral": text(T.MixtralConfig, T.MixtralForCausalLM, lambda: {"input_ids": _ids()}, **llm, num_local_experts=4,
                         num_experts_per_tok=2),
     }

@@ -191,6 +191,23 @@ def _einsum_reduce(lab: torch.Tensor, t: str, others: str) -> tuple[torch.Tensor
     return _const_along(lab, gone, keepdim=False), "".join(c for c in t if c in others)
 
 
+def baddbmm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """``beta * input + alpha * batch1 @ batch2`` (Bloom's ALiBi scores): the product's labels, and
+    the added term's: joined when it has channels, else it pins what its shape spans (per-head
+    slopes computed for the unpruned head count would stop fitting)."""
+    inp, b1, b2 = (args[i] if len(args) > i else kwargs[n] for i, n in enumerate(("input", "batch1", "batch2")))
+    lab = matmul_labels(tr, tr.labels_or_blank(b1), tr.labels_or_blank(b2), name)
+    if lab is None or not isinstance(out, torch.Tensor):
+        return
+    if isinstance(inp, torch.Tensor):
+        ilab = tr.labels(inp) if inp.is_floating_point() else None
+        if ilab is not None:
+            tr.graph.union_tensors(lab, ilab.broadcast_to(lab.shape))
+        else:
+            _pin_if_shaped(tr, lab, inp, name)
+    tr.set_labels(out, lab.reshape(out.shape))
+
+
 def unsupported_matmul(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     raise tr.unsupported(name, "write it as matmul/linear to make it prunable")
 
@@ -202,7 +219,8 @@ RULES = {
     "__rmatmul__": matmul,
     "scaled_dot_product_attention": sdpa,
     "einsum": einsum,
-    **dict.fromkeys(("baddbmm", "addbmm", "addmv", "mv", "dot", "bilinear", "tensordot"), unsupported_matmul),
+    "baddbmm": baddbmm,
+    **dict.fromkeys(("addbmm", "addmv", "mv", "dot", "bilinear", "tensordot"), unsupported_matmul),
 }
 
 
