@@ -1,6 +1,6 @@
 """Mixture-of-experts LLM quantization: a Mixtral-architecture model (transformers' definition,
 random weights, no download) with its packed experts unpacked into per-expert Linears
-(compress/models/moe.py), quantized by RTN, GPTQ and AWQ at w4 g128 and by static W8A8.
+(compress/moe.py), quantized by RTN, GPTQ and AWQ at w4 g128 and by static W8A8.
 
     python -m benchmarks.moe [--hidden 512 --layers 4 --experts 8]
 
@@ -8,7 +8,7 @@ Per method: SQNR of the logits to the fp32 model on held-out tokens, routing agr
 of (token, layer) pairs whose top-k expert set equals fp32's: the routers stay float, so what moves
 the routing is the quantization upstream of them) and the time quantization took. Then the fp32 and
 W8A8 ONNX files (both computing every expert densely, see the module docstring of
-compress/models/moe.py) timed side by side in ONNX Runtime, with their sizes. Random weights make
+compress/moe.py) timed side by side in ONNX Runtime, with their sizes. Random weights make
 the SQNR figures a measure of quantization noise, not of task quality.
 """
 
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import onnxruntime as ort
 
     import compress
-    from compress.models.moe import unpack_experts
+    from compress.moe import unpack_experts
 
     fp = build(args.hidden, args.layers, args.experts, args.vocab)
     unpack_experts(fp)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         f"Mixtral architecture (transformers' definition, random weights): hidden {args.hidden}, {args.layers} layers, "
         f"{args.experts} experts, top-2, vocab {args.vocab}; packed experts unpacked into per-expert Linears "
-        "(compress/models/moe.py), routers kept float. Held-out: 2 batches of 4 x "
+        "(compress/moe.py), routers kept float. Held-out: 2 batches of 4 x "
         f"{args.seq} random tokens; calibration: {args.calib} such batches. Routing agreement: share of "
         "(token, layer) pairs whose top-2 expert set equals fp32's. Random weights: SQNR is quantization noise, "
         "not task quality.",

@@ -361,7 +361,8 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
     from compress.metrics import make_metric
 
     needs_ref = make_metric(run.metric).needs_reference
-    vals = validate_exports(records, r.validate_, eval_loader=run.data.eval, reference=model,
+    # the run's own metric (perplexity for a causal LM exported without the generation file), not the task's default
+    vals = validate_exports(records, r.validate_, eval_loader=run.data.eval, reference=model, metric=run.metric,
                             baseline_reference=reference, task="embedding" if needs_ref else "classification")
     report.validation = [v.model_copy(update={"model_path": _rel(v.model_path, out)}) for v in vals]
 

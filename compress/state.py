@@ -147,19 +147,23 @@ def _prepare_quantizers(model: nn.Module, q: dict[str, Any], *, where: str) -> N
     """Swap in the quantized modules as the run's quantize modifier did, without calibrating."""
     from compress.modifier import modifier_class
     from quantization import prepare, quantizers
-    from quantization.preparation import plan_targets
+    from quantization.preparation import FirstLast, plan_targets
+    from quantization.sequential import linearize
 
     spec = modifier_class(q["type"]).spec_cls.model_validate(q["spec"])
     scheme = spec.resolved_scheme()  # type: ignore[attr-defined]
+    linearize(model)  # as the run's prepare() did first: Conv1D and MoE experts are Linears to plan over
     kept = set(q["modules"])
+    # the weight-only modifiers (gptq, awq) have no first/last policy and quantize layers only
+    first_last: FirstLast = getattr(spec, "first_last", "quantize")
+    quantize_ops: bool = getattr(spec, "quantize_ops", False)
     planned = plan_targets(model, scheme, targets=spec.targets, ignore=spec.ignore,  # type: ignore[attr-defined]
-                           first_last=spec.first_last, quantize_ops=spec.quantize_ops,  # type: ignore[attr-defined]
-                           where=where)
+                           first_last=first_last, quantize_ops=quantize_ops, where=where)
     # layers the run reverted to float (accuracy control) stay float here too
     reverted = [n for n in planned if n not in kept]
     bn = getattr(spec, "bn", "fold")  # QAT trains BN folded-in and folds it at its end
     prepare(model, scheme, targets=spec.targets, ignore=[*spec.ignore, *reverted],  # type: ignore[attr-defined]
-            first_last=spec.first_last, bn=bn, quantize_ops=spec.quantize_ops, where=where)  # type: ignore[attr-defined]
+            first_last=first_last, bn=bn, quantize_ops=quantize_ops, where=where)
     kv_cache = getattr(spec, "kv_cache", None)
     if kv_cache is not None:  # the KV quantizers the run attached (their per-head scales are in the state)
         from quantization.kv_cache import attach_kv_quantization

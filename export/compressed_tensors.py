@@ -175,7 +175,7 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path) -> Path:
     acts = activation_quantizers(model)
     if acts:
         raise UnsupportedModelError(f"{acts[0]}: quantized activations are not written (weight-only int4 checkpoints)")
-    from compress.models.moe import expert_blocks
+    from compress.moe import expert_blocks
 
     moe = next(iter(expert_blocks(model)), None)
     if moe is not None:  # transformers reads per-model expert names (w1/w3, gate_proj/up_proj) through its own conversions

@@ -26,6 +26,7 @@ from torch import nn
 from compress.batching import call_model
 from compress.errors import ExportError
 from compress.io import umask_mode
+from compress.moe import unpack_experts
 from compress.precision import float32_inputs, float32_weights
 from export import edge, qdq
 
@@ -69,6 +70,9 @@ def export_onnx(
     if activation_dtype not in ("uint8", "int8"):
         raise ExportError(f"activation_dtype must be 'uint8' or 'int8', got '{activation_dtype}'")
     _check_writable(path)
+    # transformers' packed MoE experts run a grouped-matmul op ONNX has no function for: as
+    # per-expert Linears (exact, in place, as quantize/prune do) the graph exports
+    unpack_experts(model)
     was_training = model.training
     model.eval()
     # a single-pass graph has no KV cache: a Hugging Face model would return one (DynamicCache, which

@@ -179,12 +179,7 @@ def place(
             f"activation written as {len(keys)} elementwise ops: kept float as one piece, which the runtime "
             "fuses (ORT: FastGelu, QuickGelu, ...) and runs faster than one integer op per step"
         )
-    consumers: dict[str, list[tuple[OpNode, Operand]]] = {}
-    for n in nodes:
-        for o in n.operands:
-            t = _tid(o)
-            if t is not None:
-                consumers.setdefault(t, []).append((n, o))
+    consumers = _consumers(nodes)
     producers = {n.key: n for n in nodes}
     sliced = {n.key: sw for n in nodes if (sw := sliced_weight(n, producers)) is not None}
     weighted_keys = {n.key for n in nodes if weighted_operands(n) is not None} | set(sliced)
@@ -552,16 +547,22 @@ def _feeds_topk(n: OpNode, producers: dict[str, OpNode], consumers: dict[str, li
     return False
 
 
-def router_layers(graph: OpGraph) -> set[str]:
-    """The layers whose weighted call feeds a top-k (MoE routers, see :func:`_feeds_topk`), by name."""
-    nodes = list(graph.nodes.values())
-    producers = {n.key: n for n in nodes}
+def _consumers(nodes: list[OpNode]) -> dict[str, list[tuple[OpNode, Operand]]]:
+    """The ops reading each produced tensor (by tensor id), with the operand they read it as."""
     consumers: dict[str, list[tuple[OpNode, Operand]]] = {}
     for n in nodes:
         for o in n.operands:
             t = _tid(o)
             if t is not None:
                 consumers.setdefault(t, []).append((n, o))
+    return consumers
+
+
+def router_layers(graph: OpGraph) -> set[str]:
+    """The layers whose weighted call feeds a top-k (MoE routers, see :func:`_feeds_topk`), by name."""
+    nodes = list(graph.nodes.values())
+    producers = {n.key: n for n in nodes}
+    consumers = _consumers(nodes)
     weighted = {n.key for n in nodes if weighted_operands(n) is not None}
     out = set()
     for n in nodes:

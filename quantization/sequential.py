@@ -81,9 +81,9 @@ def linearize_conv1d(model: nn.Module) -> list[str]:
 
 def linearize(model: nn.Module) -> list[str]:
     """Give every weight the quantizers handle an ``nn.Linear`` of its own: GPT-2's Conv1D
-    (:func:`linearize_conv1d`) and transformers' packed MoE experts (compress/models/moe.py), in
+    (:func:`linearize_conv1d`) and transformers' packed MoE experts (compress/moe.py), in
     place; returns the swapped names. Exact in float."""
-    from compress.models.moe import unpack_experts
+    from compress.moe import unpack_experts
 
     root = unwrap(model)
     return linearize_conv1d(root) + unpack_experts(root)

@@ -10,7 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 #: compress modules any package may use: they import nothing but each other
 CORE = {"compress.errors", "compress.batching", "compress.metrics", "compress.registry", "compress.profile",
-        "compress.io", "compress.imports", "compress.targets", "compress.version", "compress.precision"}
+        "compress.io", "compress.imports", "compress.targets", "compress.version", "compress.precision",
+        "compress.moe"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

@@ -1,5 +1,5 @@
 """Mixture-of-experts LLMs: transformers' packed experts (3D Parameters) unpacked into per-expert
-Linears (compress/models/moe.py), exact in float, then quantized like any Linear: W8A8 with the
+Linears (compress/moe.py), exact in float, then quantized like any Linear: W8A8 with the
 router kept float, exported and run in ONNX Runtime; GPTQ and AWQ int4."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 import compress
 from compress.errors import UnsupportedModelError
-from compress.models.moe import UnpackedExperts, expert_blocks, set_dense, unpack_experts
+from compress.moe import UnpackedExperts, expert_blocks, set_dense, unpack_experts
 from export.runtimes import ort_coverage
 from quantization.placement import ROUTER_REASON
 
@@ -151,3 +151,38 @@ def test_prune_cuts_expert_channels_and_the_plan_replays_on_a_fresh_model(tmp_pa
     PruningPlan.load(tmp_path / "plan.json").apply(fresh)
     fresh.load_state_dict(model.state_dict())
     assert torch.equal(_logits(fresh, x), _logits(model, x))
+
+
+def test_gptq_recipe_on_a_saved_moe_checkpoint_restores_from_its_state(tmp_path: Path) -> None:
+    """``compress apply`` on a Mixtral directory (the shipped GPTQ recipe, ONNX export and ORT
+    validation without the KV-cache generation file), then the run's state restored onto a freshly
+    loaded, still packed model: the same logits as the run's model."""
+    import yaml
+
+    from compress.data.lm import iter_texts, split_files, train_tokenizer
+    from compress.models import load_model
+    from compress.state import restore_compressed
+
+    tok = train_tokenizer(iter_texts(split_files(0)["train"][:2]), vocab_size=256)
+    hf = tmp_path / "mixtral"
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(**{**BASE, "vocab_size": len(tok)}, num_local_experts=4, num_experts_per_tok=2,
+                                        max_position_embeddings=64)
+    transformers.MixtralForCausalLM(config).save_pretrained(hf)
+    tok.save_pretrained(hf)
+    raw = yaml.safe_load((Path(__file__).parents[2] / "recipes" / "llm_gptq_w4.yaml").read_text())
+    raw["model"]["hf_path"] = str(hf)
+    raw["data"]["kwargs"] = {"tokenizer": str(hf), "seq_len": 32, "samples": 8}
+    raw["data"].update(calibration_samples=8, eval_samples=8, calibration_batch_size=4, eval_batch_size=4)
+    raw["export"] = {"generation": False}  # the KV-cache export refuses MoE families (README)
+    raw["validate"] = {"runtimes": ["onnxruntime"], "warmup": 1, "runs": 2}
+    out = tmp_path / "run"
+    report = compress.apply(compress.load_recipe(raw), out_dir=out, quiet=True)
+    assert report.final.accuracy is not None and report.exports and report.validation  # accuracy: the perplexity
+    ort_ppl = [v.accuracy for v in report.validation if v.runtime == "onnxruntime" and v.role == "final"]
+    assert ort_ppl and ort_ppl[0] == pytest.approx(report.final.accuracy, rel=0.05), (ort_ppl, report.final.accuracy)
+    restored = restore_compressed(lambda: load_model({"hf_path": str(hf)}), out / "checkpoints" / "final.pt")
+    assert sum(".experts." in n for n, m in restored.named_modules() if type(m).__name__ == "QuantLinear") == 16
+    x = {"input_ids": torch.randint(0, len(tok), (2, 16))}
+    run_model = restore_compressed(lambda: load_model({"hf_path": str(hf)}), out / "checkpoints" / "final.pt")
+    assert torch.equal(_logits(restored, x), _logits(run_model, x))
