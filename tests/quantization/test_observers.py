@@ -108,17 +108,24 @@ def test_mse_beats_minmax_on_heavy_tails_and_is_near_brute_force() -> None:
 
 def test_mse_per_channel_searches_each_row() -> None:
     g = torch.Generator().manual_seed(3)
-    w = torch.stack([torch.distributions.Laplace(0.0, 1.0).sample((512,)), torch.rand(512, generator=g) * 2 - 1])
+    u = torch.rand(512, generator=g) - 0.5  # Laplace(0, 1) by its inverse CDF, from the seeded generator
+    laplace = -u.sign() * torch.log1p(-2 * u.abs())
+    w = torch.stack([laplace, torch.rand(512, generator=g) * 2 - 1])
     spec = QuantSpec(observer="mse", bits=4, granularity="channel")
     o = build_observer(spec)
     o.update(w)
-    _, mx = o.compute()
+    mn, mx = o.compute()
+    bound = torch.maximum(mn.abs(), mx.abs())  # a symmetric spec quantizes over +-max(|min|, |max|)
     amax = w.abs().amax(1)
-    assert float(mx[0]) < 0.9 * float(amax[0])  # heavy tails: clip
-    assert float(mx[1]) > 0.9 * float(amax[1])  # uniform: keep (nearly) the full range
+    # heavy tails clip; a uniform row keeps most of its range (its 4-bit MSE optimum is about 0.87-0.95)
+    assert float(bound[0]) < 0.9 * float(amax[0])
+    assert float(bound[1]) > 0.8 * float(amax[1])
+    # the chosen (min, max) as a quantizer uses it: int4 has one more level below zero than above, so
+    # an asymmetric pair gives a different scale than +-max(|min|, |max|)
+    lo, hi = w.amin(1), w.amax(1)
     for i in range(2):
-        grid = [_sse(w[i], -float(amax[i]) * r, float(amax[i]) * r, spec) for r in torch.linspace(0.3, 1, 100).tolist()]
-        assert _sse(w[i], -float(mx[i]), float(mx[i]), spec) <= min(grid) * (1 + 1e-6)
+        grid = [_sse(w[i], float(lo[i]) * r, float(hi[i]) * r, spec) for r in torch.linspace(0.3, 1, 100).tolist()]
+        assert _sse(w[i], float(mn[i]), float(mx[i]), spec) <= min(grid) * (1 + 1e-6)
 
 
 def test_histogram_memory_is_bounded_and_growth_is_exact() -> None:
