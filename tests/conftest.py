@@ -28,6 +28,13 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test starts from the same global RNG state, so a test that draws from it (a default
+    initialization, torch.randn without a generator) does not depend on which tests ran before."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def tiny_llm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random LlamaForCausalLM (GQA) saved as a Hugging Face directory with a BPE tokenizer
