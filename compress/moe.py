@@ -113,11 +113,15 @@ class UnpackedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         n = self.n_experts
         if self.dense or torch.compiler.is_compiling() or torch.jit.is_tracing():
-            out = torch.zeros_like(hidden_states)
+            # summed from the first expert's output, not from zeros_like(hidden_states): that op would
+            # read the experts' (quantized) input as one more consumer of its quantizer
+            total: torch.Tensor | None = None
             for e in range(n):
                 w = (top_k_weights * (top_k_index == e).to(top_k_weights.dtype)).sum(dim=-1, keepdim=True)
-                out = out + self.expert(e, hidden_states) * w.to(hidden_states.dtype)
-            return out
+                y = self.expert(e, hidden_states) * w.to(hidden_states.dtype)
+                total = y if total is None else total + y
+            assert total is not None  # a block has at least one expert
+            return total
         out = torch.zeros_like(hidden_states)
         for e in range(n):
             token, slot = torch.where(top_k_index == e)

@@ -1,4 +1,5 @@
-"""ONNX export of decoder-only LLMs (Llama, Qwen2/Qwen3, Mistral, Phi-3, GPT-2) for generation with a key/value cache.
+"""ONNX export of decoder-only LLMs (Llama, Qwen2/Qwen3, Mistral, Phi-3, GPT-2, Mixtral, Qwen2/3-MoE) for generation with a
+key/value cache.
 
 ``export_llm_onnx(model, path, weights="int4")`` writes a graph that ONNX Runtime runs step by step:
 
@@ -50,6 +51,7 @@ import torch
 from torch import nn
 
 from compress.errors import ExportError, UnsupportedModelError
+from compress.moe import unpack_experts
 from quantization.int4 import (
     Int4Weight,
     activation_quantizers,
@@ -181,7 +183,8 @@ class Layout:
 #: the families :func:`export_llm_onnx` writes; Qwen3's q/k norms and fused qkv projections
 #: (Phi-3's ``qkv_proj``, GPT-2's ``c_attn``) are found on the attention module itself
 LAYOUTS: dict[str, Layout] = {
-    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "phi3"), Layout()),
+    # the MoE families run their own sparse block as the layer's MLP, its experts unpacked (compress/moe.py)
+    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"), Layout()),
     "gpt2": Layout(base="transformer", layers="h", embed="wte", positions="wpe", attn="attn", attn_norm="ln_1",
                    mlp_norm="ln_2", out_proj="c_proj", final_norm="ln_f"),
 }
@@ -413,6 +416,7 @@ def export_llm_onnx(
                 f"{acts[0]}: quantized activations (W8A8) are exported with weights='w8a8', not '{weights}'"
             )
     m: Any = copy.deepcopy(model).float().eval()
+    unpack_experts(m)  # packed MoE experts (grouped_mm) as per-expert Linears: MatMulNBits / integer ops each
     counts = _swap_linears(m, weights, accuracy_level)
     if weights == "int4" and counts["int4"] == 0:
         raise UnsupportedModelError("export_llm_onnx(weights='int4'): the model has no weight-only 4-bit layers")
