@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     rows: list[dict[str, Any]] = []
     w8a8: nn.Module | None = None
+    gptq: nn.Module | None = None
     for name, fn in methods.items():
         t0 = time.perf_counter()
         q = fn(copy.deepcopy(fp))
@@ -121,7 +122,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log.info("%s", rows[-1])
         if name.startswith("W8A8"):
             w8a8 = q
-    assert w8a8 is not None
+        if name.startswith("GPTQ"):
+            gptq = q
+    assert w8a8 is not None and gptq is not None
     with tempfile.TemporaryDirectory() as tmp:
         example = held[0]["input_ids"][:1]
         f32 = compress.export_onnx(fp, example, Path(tmp) / "fp32.onnx")
@@ -135,9 +138,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ids = _tokens(1, b, args.seq, args.vocab, 3)[0]["input_ids"].numpy()
             lat[b] = _time(sessions, {sessions["fp32"].get_inputs()[0].name: ids}, args.runs)
         sizes = {k: p.stat().st_size / 1e6 for k, p in (("fp32", f32), ("int8", i8))}
+        gen = _generation(fp, gptq, Path(tmp), held[0]["input_ids"][:1].numpy(), args)
     speed = [{"batch": f"{b} x {args.seq} tokens", "fp32 ms": round(v["fp32"], 1), "int8 ms": round(v["int8"], 1),
               "speedup": round(v["fp32"] / v["int8"], 2)} for b, v in lat.items()]
-    return {"rows": rows, "speed": speed, "sizes": sizes}
+    return {"rows": rows, "speed": speed, "sizes": sizes, "generation": gen}
+
+
+def _generation(fp: nn.Module, int4: nn.Module, tmp: Path, ids: np.ndarray, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Greedy generation in ORT from the KV-cache files (fp32, GPTQ int4 as MatMulNBits), interleaved."""
+    from export.generation import time_generation
+    from export.llm_onnx import OrtGenerator, export_llm_onnx
+
+    files = {"fp32": export_llm_onnx(fp, tmp / "gen.fp32.onnx", weights="fp32"),
+             "GPTQ int4": export_llm_onnx(int4, tmp / "gen.int4.onnx", weights="int4")}
+    gens = {k: OrtGenerator(p, threads=args.threads) for k, p in files.items()}
+    for g in gens.values():
+        time_generation(g, ids, 4)
+    runs: dict[str, list[tuple[float, float]]] = {k: [] for k in gens}
+    for _ in range(args.runs):
+        for k, g in gens.items():
+            runs[k].append(time_generation(g, ids, 16))
+    out = []
+    for k in gens:
+        pre = statistics.median(r[0] for r in runs[k])
+        dec = statistics.median(r[1] for r in runs[k])
+        out.append({"file": k, "MB": round(files[k].stat().st_size / 1e6, 1), "prefill ms": round(pre, 1),
+                    "decode ms/token": round(dec, 2), "tokens/s": round(1e3 / dec, 1)})
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,6 +199,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{res['sizes']['fp32']:.1f} MB, int8 {res['sizes']['int8']:.1f} MB.",
         "",
         table(res["speed"]),
+        "",
+        f"Greedy generation from the KV-cache files (export_llm_onnx; every expert computed for every token): prompt "
+        f"1 x {args.seq} tokens, 16 new tokens, median of {args.runs} interleaved runs.",
+        "",
+        table(res["generation"]),
         "",
         f"Wall time {time.perf_counter() - t0:.0f} s.",
     ]

@@ -523,9 +523,9 @@ def _lopsided(amax: list[float]) -> str | None:
 #: how many unweighted ops (softmax, sigmoid, a bias add, casts, reshapes) may sit between a
 #: weighted op and the top-k that makes it a router
 ROUTER_DEPTH = 6
-ROUTER_REASON = ("a router: its output picks experts by top-k, and rounding its weight or input flips the "
-                 "routing of tokens near a tie; it is a tiny share of the weights (ModelOpt and llm-compressor "
-                 "leave MoE gates float too)")
+ROUTER_REASON = ("its output feeds a top-k (an MoE router picking experts, or another top-k selection): rounding "
+                 "its weight or input flips the choice near a tie; a router is a tiny share of the weights "
+                 "(ModelOpt and llm-compressor leave MoE gates float too)")
 
 
 def _feeds_topk(n: OpNode, producers: dict[str, OpNode], consumers: dict[str, list[tuple[OpNode, Operand]]],
