@@ -17,6 +17,7 @@ the classifier / LM head ignored, the q/k/v Linears given with their head counts
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -29,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from compress.moe import unpack_experts
 
 Builder = Callable[[], tuple[nn.Module, Any]]
 log = logging.getLogger("benchmarks.pruning_real")
@@ -93,6 +96,9 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, Any]:
         SUITE.update(_suite())
     torch.manual_seed(seed)
     model, x = SUITE[name]()
+    # MoE experts as per-expert Linears for both tools and for the MAC counter, which does not see
+    # transformers' grouped-matmul kernel (compress.prune unpacks them itself; test_moe.py covers that)
+    unpack_experts(model)
     for m in model.modules():  # outputs without KV caches, so the ONNX export sees tensors only
         cfg = getattr(m, "config", None)
         if cfg is not None and hasattr(cfg, "use_cache"):
@@ -241,19 +247,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="vit, llama and regnet only")
     ap.add_argument("--no-onnx", action="store_true")
+    ap.add_argument("--models", nargs="*", default=None,
+                    help="rerun these models only, keeping the other rows of the last run (results/pruning_real.json)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
-    from benchmarks._results import table, write_section
+    from benchmarks._results import RESULTS_DIR, table, write_section
 
-    todo = ["vit", "llama", "regnet"] if args.quick else names()
+    todo = ["vit", "llama", "regnet"] if args.quick else args.models or names()
+    kept: dict[str, dict[str, Any]] = {}
+    last = RESULTS_DIR / "pruning_real.json"
+    if args.models and last.exists():
+        kept = {r["model"]: r for r in json.loads(last.read_text())["rows"] if r["model"] not in args.models}
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d:
         for n in todo:
             rows.append(measure(n, with_onnx=not args.no_onnx, tmp=Path(d)))
             print(rows[-1], flush=True)
-            _write(rows, len(todo), table, write_section)
+            merged = {**kept, **{r["model"]: r for r in rows}}
+            ordered = [merged[m] for m in names() if m in merged]
+            _write(ordered, len(kept) + len(todo), table, write_section)
 
 
 def _write(rows: list[dict[str, Any]], total: int, table: Any, write_section: Any) -> None:
@@ -267,8 +281,9 @@ def _write(rows: list[dict[str, Any]], total: int, table: Any, write_section: An
         "transformers' model definitions from configs (random weights, offline), `compress.prune(model, x, "
         "ratio=0.5)` (L2, local) beside Torch-Pruning 1.6 `MetaPruner` (MagnitudeImportance p=2, heads given, "
         "classifier/LM head ignored) on the same model. params/MACs: after / before (one counter); layers: "
-        "conv/linear layers narrowed / all; s: seconds of the pruning call (1 thread, machine shared with 4 other "
-        f"engineers' jobs, load average {os.getloadavg()[0]:.1f} at this write); pinned: groups our cut kept whole because cutting them alone broke the forward; "
+        "conv/linear layers narrowed / all; s: seconds of the pruning call (1 thread, load average "
+        f"{os.getloadavg()[0]:.1f} at this write); MoE experts unpacked into per-expert Linears before both tools "
+        "and the counter (compress/moe.py); pinned: groups our cut kept whole because cutting them alone broke the forward; "
         f"onnx: max |ORT - PyTorch| of the pruned model's first output. Torch-Pruning gets {180} s per model.\n\n"
         f"Correctly pruned: ours {ours_ok}/{len(rows)}, Torch-Pruning {tp_ok}/{len(rows)}"
         + (f" ({len(rows)} of {total} models measured so far)" if len(rows) < total else "") + ".\n\n" + table(rows, cols)
