@@ -21,8 +21,9 @@ routed tokens through each expert (eager PyTorch, for speed).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -43,12 +44,14 @@ def is_packed_experts(m: nn.Module) -> bool:
             and up.shape[0] == down.shape[0] == m.num_experts)
 
 
-def _linear(w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> nn.Linear:
+def _linear(w: torch.Tensor, b: torch.Tensor | None, transposed: bool, requires_grad: bool) -> nn.Linear:
     w = w.t() if transposed else w
     lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta", dtype=w.dtype)
-    lin.weight = nn.Parameter(w.detach().clone().contiguous(), requires_grad=False)
+    # views of the packed tensors (no copy: unpacking costs no memory, and a temporary unpack for an
+    # export leaves the packed module as it was); trainable as they were
+    lin.weight = nn.Parameter(w.detach(), requires_grad=requires_grad)
     if b is not None:
-        lin.bias = nn.Parameter(b.detach().clone(), requires_grad=False)
+        lin.bias = nn.Parameter(b.detach(), requires_grad=requires_grad)
     return lin
 
 
@@ -95,9 +98,10 @@ class UnpackedExperts(nn.Module):
             type(packed)._apply_gate if packed.has_gate else None)
         self.dense = dense
         self.n_experts = int(packed.num_experts)
+        grad = bool(up_w.requires_grad)
         for e in range(self.n_experts):
-            up = _linear(up_w[e], getattr(packed, f"{up_name}_bias")[e] if bias else None, t)
-            down = _linear(down_w[e], packed.down_proj_bias[e] if bias else None, t)
+            up = _linear(up_w[e], getattr(packed, f"{up_name}_bias")[e] if bias else None, t, grad)
+            down = _linear(down_w[e], packed.down_proj_bias[e] if bias else None, t, grad)
             self.add_module(str(e), ExpertMLP(up_name, up, down))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -146,6 +150,19 @@ def unpack_experts(model: nn.Module, *, dense: bool = True) -> list[str]:
     return swapped
 
 
+@contextlib.contextmanager
+def unpacked_experts(model: nn.Module) -> Iterator[list[str]]:
+    """``model`` with its packed expert blocks unpacked for the duration (an export), then the
+    packed modules put back: a training loop's optimizer keeps holding the model's Parameters."""
+    packed = {n: m for n, m in model.named_modules() if n and is_packed_experts(m)}
+    names = unpack_experts(model)
+    try:
+        yield names
+    finally:
+        for n, m in packed.items():
+            model.set_submodule(n, m)
+
+
 def expert_blocks(model: nn.Module) -> dict[str, UnpackedExperts]:
     """The unpacked expert blocks of ``model`` by name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, UnpackedExperts)}
@@ -157,4 +174,5 @@ def set_dense(model: nn.Module, dense: bool) -> None:
         m.dense = dense
 
 
-__all__ = ["ExpertMLP", "UnpackedExperts", "expert_blocks", "is_packed_experts", "set_dense", "unpack_experts"]
+__all__ = ["ExpertMLP", "UnpackedExperts", "expert_blocks", "is_packed_experts", "set_dense", "unpack_experts",
+           "unpacked_experts"]

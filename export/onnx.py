@@ -26,7 +26,7 @@ from torch import nn
 from compress.batching import call_model
 from compress.errors import ExportError
 from compress.io import umask_mode
-from compress.moe import unpack_experts
+from compress.moe import unpacked_experts
 from compress.precision import float32_inputs, float32_weights
 from export import edge, qdq
 
@@ -70,9 +70,16 @@ def export_onnx(
     if activation_dtype not in ("uint8", "int8"):
         raise ExportError(f"activation_dtype must be 'uint8' or 'int8', got '{activation_dtype}'")
     _check_writable(path)
-    # transformers' packed MoE experts run a grouped-matmul op ONNX has no function for: as
-    # per-expert Linears (exact, in place, as quantize/prune do) the graph exports
-    unpack_experts(model)
+    with unpacked_experts(model):
+        # transformers' packed MoE experts run a grouped-matmul op ONNX has no function for: as
+        # per-expert Linears (exact; views, put back after) the graph exports
+        return _export_model(model, example_inputs, path, opset=opset, dynamic_batch=dynamic_batch,
+                             activation_dtype=activation_dtype, reduce_range=reduce_range, fp16=fp16, simplify=simplify,
+                             quantize_embeddings=quantize_embeddings, input_names=input_names,
+                             output_names=output_names, metadata=metadata)
+
+
+def _export_model(model: nn.Module, example_inputs: Any, path: Path, **kw: Any) -> Path:
     was_training = model.training
     model.eval()
     # a single-pass graph has no KV cache: a Hugging Face model would return one (DynamicCache, which
@@ -87,10 +94,7 @@ def export_onnx(
         with float32_weights(model) as widened:
             if widened:
                 example_inputs = float32_inputs(example_inputs)
-            return _export(model, example_inputs, path, opset=opset, dynamic_batch=dynamic_batch,
-                           activation_dtype=activation_dtype, reduce_range=reduce_range, fp16=fp16, simplify=simplify,
-                           quantize_embeddings=quantize_embeddings,
-                           input_names=input_names, output_names=output_names, metadata=metadata)
+            return _export(model, example_inputs, path, **kw)
     finally:
         model.train(was_training)
         if use_cache:

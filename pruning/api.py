@@ -344,10 +344,11 @@ def prune(
     magnitudes, inputs only) and BatchNorm recalibration after the cut.
     """
     check_ratio(ratio, target)
-    if unpack_experts(model) and optimizer is not None:
-        raise UnsupportedModelError("prune: the model's packed MoE experts were unpacked into per-expert Linears, "
-                                    "new Parameters the optimizer does not hold; unpack them "
+    if optimizer is not None and any(is_packed_experts(m) for m in model.modules()):
+        # checked before anything changes: unpacking makes new Parameters the optimizer does not hold
+        raise UnsupportedModelError("prune: the model holds packed MoE experts; unpack them into per-expert Linears "
                                     "(compress.moe.unpack_experts) before building the optimizer")
+    unpack_experts(model)
     pruner = Pruner(importance=importance, ignore=ignore, round_to=round_to, options=options)
     params_before, macs_before = count_params(model), count_macs(model, example_inputs)
     graph = pruner.trace(model, example_inputs)

@@ -67,6 +67,7 @@ def test_unpacked_experts_compute_the_packed_model(family: str) -> None:
     names = unpack_experts(model)
     assert len(names) >= 1 and all(isinstance(model.get_submodule(n), UnpackedExperts) for n in names)
     assert not any(p.dim() == 3 for p in model.parameters())  # every expert weight is now a Linear's
+    assert all(p.requires_grad for p in model.parameters())  # trainable as the packed ones were (QAT, fine-tuning)
     dense = _logits(model, x)
     set_dense(model, False)
     routed = _logits(model, x)
@@ -203,3 +204,25 @@ def test_generation_export_of_moe_generates_the_pytorch_tokens(family: str, weig
     with torch.no_grad():
         ref = q.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     assert torch.equal(torch.as_tensor(got)[:, 8:], ref[:, 8:])
+
+
+def test_prune_with_an_optimizer_refuses_packed_experts_before_changing_anything() -> None:
+    model = _build("mixtral")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = [n for n, _ in model.named_modules()]
+    with pytest.raises(UnsupportedModelError, match="unpack_experts"):
+        compress.prune(model, _batches(1)[0], ratio=0.3, optimizer=opt)
+    assert [n for n, _ in model.named_modules()] == names  # still packed: the optimizer's Parameters are the model's
+
+
+def test_export_of_a_packed_model_runs_and_leaves_it_packed(tmp_path: Path) -> None:
+    import onnxruntime as ort
+
+    model = _build("qwen3_moe")
+    params = {n: p.data_ptr() for n, p in model.named_parameters()}
+    x = _batches(1)[0]
+    path = compress.export_onnx(model, x, tmp_path / "fp32.onnx")
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == params  # an optimizer's Parameters still
+    s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    out = torch.from_numpy(s.run(None, {"input_ids": x["input_ids"].numpy()})[0])
+    assert (out - _logits(model, x)).abs().max() < 1e-4
