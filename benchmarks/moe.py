@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from benchmarks._results import table, write_section
+from benchmarks.hf_suite import _tokens
 
 log = logging.getLogger("benchmarks.moe")
 
@@ -41,11 +42,6 @@ def build(hidden: int, layers: int, experts: int, vocab: int, seed: int = 0) -> 
         num_key_value_heads=max(1, hidden // 256), num_local_experts=experts, num_experts_per_tok=2, vocab_size=vocab,
         use_cache=False)
     return transformers.MixtralForCausalLM(config).eval()
-
-
-def _tokens(n: int, batch: int, seq: int, vocab: int, seed: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(0, vocab, (batch, seq), generator=g)} for _ in range(n)]
 
 
 def _routing(model: nn.Module, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
