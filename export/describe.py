@@ -3,6 +3,7 @@ a reference ONNX model run as a module, and the data to validate on."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
-from export.records import ExportRecord, Role
+from export.records import DECOMPOSED_KEY, ExportRecord, Role
 from export.runtimes import OrtSession, default_threads, ort_coverage
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,28 @@ def describe_onnx(path: Path, *, role: Role = "final", count_integer: bool = Tru
     inputs = [i for i in m.graph.input if i.name not in init]
     dyn = all(i.type.tensor_type.shape.dim and not i.type.tensor_type.shape.dim[0].HasField("dim_value") for i in inputs)
     opset = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), None)
+    floats = cov.float_nodes if cov is not None else []
     return ExportRecord(
         path=path, format=fmt, role=role, precision=precision, size_bytes=file_size(path), integer_nodes=ints,
-        integer_ops=int_ops, float_nodes=cov.float_nodes if cov is not None else [], opset=opset, dynamic_batch=dyn, inputs=[i.name for i in inputs],
-        outputs=[o.name for o in m.graph.output],
+        integer_ops=int_ops, float_nodes=floats, opset=opset, dynamic_batch=dyn, inputs=[i.name for i in inputs],
+        outputs=[o.name for o in m.graph.output], kept_float=_decomposed_reasons(m, floats),
     )
+
+
+def _decomposed_reasons(m: onnx.ModelProto, float_nodes: list[str]) -> dict[str, str]:
+    """The float nodes the exporter made as part of another torch op, with that reason."""
+    raw = next((p.value for p in m.metadata_props if p.key == DECOMPOSED_KEY), None)
+    try:
+        made: dict[str, str] = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    out = {}
+    for entry in float_nodes:
+        node = entry.split(":", 1)[-1]
+        if node in made:
+            out[f"ONNX {entry}"] = (f"part of {made[node]} as the exporter writes it: float as that op is in any "
+                                    "placement (not a layer or an add of the model)")
+    return out
 
 
 class OnnxModule(nn.Module):

@@ -49,7 +49,7 @@ def coverage_lines(rec: ExportRecord) -> list[str]:
     else:
         lines.append("  still float in ORT: none")
     if rec.kept_float:
-        lines.append(f"  kept float by the quantizer placement ({len(rec.kept_float)}, op call: reason):")
+        lines.append(f"  kept float, each for its reason ({len(rec.kept_float)}, op call: reason):")
         lines += _listed([f"{k}: {v}" for k, v in rec.kept_float.items()])
     return lines
 
@@ -83,7 +83,7 @@ def inspect_onnx(path: Path) -> str:
     rec = describe.describe_onnx(path)
     run = _run_record(path)
     if run is not None:
-        rec.kept_float = run.kept_float
+        rec.kept_float = {**rec.kept_float, **run.kept_float}
     m = onnx.load(str(path), load_external_data=False)
     init = {t.name for t in m.graph.initializer}
     ops = Counter(n.op_type for n in m.graph.node)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 import logging
 import os
 import re
@@ -29,6 +30,8 @@ from compress.io import umask_mode
 from compress.moe import unpacked_experts
 from compress.precision import float32_inputs, float32_weights
 from export import edge, qdq
+from export.records import DECOMPOSED_KEY
+from quantization.hooks import collect_unseen
 
 log = logging.getLogger(__name__)
 
@@ -140,18 +143,24 @@ def _export(
     args, kwargs = _exportable_batch(args, kwargs, dynamic_batch)
     in_names = input_names or _input_names(args, kwargs)
     out_names = output_names or _output_names(outputs)
-    proto = _dynamo_export(target, args, kwargs, in_names, out_names, opset=opset, dynamic_batch=dynamic_batch,
-                           quantized=quantized)
+    with collect_unseen() as unseen:
+        proto = _dynamo_export(target, args, kwargs, in_names, out_names, opset=opset, dynamic_batch=dynamic_batch,
+                               quantized=quantized)
     if quantized:
         qgraph: Any = getattr(model, "quantizer_graph", None)
+        if qgraph is not None:
+            qgraph.unseen.update(unseen)  # calls only the export's path made: its record names them
         runtime = str(getattr(getattr(qgraph, "placement", None), "target", "onnxruntime"))
         stats = qdq.tidy_qdq_graph(proto, quantize_embeddings=quantize_embeddings, ort_float_weights=runtime == "onnxruntime")
         log.info("QDQ graph passes: %s", stats)
     if simplify:
         proto = edge.simplify(proto)
+    decomposed = decomposed_compute(proto) if quantized else {}
     _strip_trace_metadata(proto)
     _rename_io(proto, out_names)
     props = {"compress.precision": _precision(quantized, fp16), **(metadata or {})}
+    if decomposed:  # read by describe_onnx: these float nodes are named with their reason
+        props[DECOMPOSED_KEY] = json.dumps(decomposed, sort_keys=True)
     if blocked:  # read by the runtimes: ORT needs one fusion off to run blocked weights as MatMulNBits
         props["compress.blocked_weights"] = str(blocked)
     edge.set_metadata(proto, props)
@@ -352,6 +361,28 @@ def _rename_io(proto: onnx.ModelProto, out_names: list[str]) -> None:
     for vi in list(g.value_info):
         if vi.name in mapping:
             g.value_info.remove(vi)
+
+
+_COMPUTE_TYPES = frozenset({"Add", "MatMul", "Gemm", "Conv"})
+#: aten ops whose own work an Add/MatMul/Gemm/Conv node is (the ops the placement quantizes)
+_OWN_OPS = re.compile(r"aten\.(add|add_|sub|rsub|linear|addmm|matmul|mm|bmm|baddbmm|einsum|conv\w*|"
+                      r"_convolution|scaled_dot_product_attention|\w*attention\w*)\.|operator\.|^<")
+
+
+def decomposed_compute(proto: onnx.ModelProto) -> dict[str, str]:
+    """``{node: torch op}`` for the Add/MatMul/Gemm/Conv nodes the exporter wrote as part of another
+    op (GroupNorm's affine Add after InstanceNormalization): float as that op is, in any placement,
+    and no layer or add of the model. Read from the exporter's per-node FX metadata, before it is
+    stripped."""
+    out = {}
+    for n in proto.graph.node:
+        if n.op_type not in _COMPUTE_TYPES:
+            continue
+        fx = next((p.value for p in n.metadata_props if p.key == "pkg.torch.onnx.fx_node"), "")
+        hit = re.search(r"target=([\w.]+)", fx)
+        if hit and not _OWN_OPS.search(hit.group(1)):
+            out[n.name] = hit.group(1).removeprefix("torch.ops.")
+    return out
 
 
 def _strip_trace_metadata(proto: onnx.ModelProto) -> None:

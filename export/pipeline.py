@@ -72,9 +72,11 @@ def export_model(
 
 def _kept_float(model: nn.Module) -> dict[str, str]:
     """What the quantizer placement left float on purpose, and why (empty without a placement)."""
+    from quantization.hooks import UNSEEN_REASON
+
     graph = getattr(model, "quantizer_graph", None)
     placement = getattr(graph, "placement", None)
-    return dict(getattr(placement, "floats", {}))
+    return {**getattr(placement, "floats", {}), **dict.fromkeys(getattr(graph, "unseen", {}), UNSEEN_REASON)}
 
 
 def _table_quantizers(model: nn.Module) -> set[str]:
@@ -96,7 +98,7 @@ def _export_one(
     )
     rec = describe_onnx(path, role=role)
     if quantized:
-        rec.kept_float = _kept_float(model)
+        rec.kept_float = {**rec.kept_float, **_kept_float(model)}
         if rec.integer_nodes and rec.float_nodes:
             shown = ", ".join(rec.float_nodes[:8]) + (f" (+{len(rec.float_nodes) - 8} more)" if len(rec.float_nodes) > 8 else "")
             log.warning("export: %d Conv/MatMul/Gemm/Add of %s still run in float in ORT: %s", len(rec.float_nodes),

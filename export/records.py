@@ -10,6 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["final", "baseline"]
 
+#: model metadata key of a QDQ export: {ONNX node: the torch op whose decomposition made it}
+#: (export.onnx.decomposed_compute), so a record names why those float nodes are float
+DECOMPOSED_KEY = "compress.decomposed_nodes"
+
 
 class ExportRecord(BaseModel):
     """One exported file. ``integer_nodes`` counts the integer kernels (QLinearConv, QGemm,
@@ -26,7 +30,8 @@ class ExportRecord(BaseModel):
     integer_ops: dict[str, int] = Field(default_factory=dict)
     #: Conv/MatMul/Gemm/Add nodes ORT still runs in float (``OpType:node``), for QDQ exports
     float_nodes: list[str] = Field(default_factory=list)
-    #: layers and ops the quantizer placement left float on purpose, with the reason (``op call: why``)
+    #: what stays float and why (``op call: why``): layers and ops the quantizer placement left float,
+    #: calls only the export ran (unseen by the placement), nodes the exporter made inside another op
     kept_float: dict[str, str] = Field(default_factory=dict)
     opset: int | None = None
     dynamic_batch: bool = True

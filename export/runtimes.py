@@ -223,8 +223,14 @@ _INT_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.Ten
 def ort_coverage(path: Path) -> Coverage:
     """The integer kernels of ORT's optimized CPU graph, and the float Conv/MatMul/Gemm/Add nodes
     left in it (``OpType:node_name``). Adds on integer tensors (shape arithmetic such as
-    ``seq_len + 1``, typed in the graph ORT saves) are not float compute and are not counted."""
-    g = ort_optimized_graph(path).graph
+    ``seq_len + 1``, position-bucket indices; typed by ONNX shape inference) are not float compute
+    and are not counted."""
+    proto = ort_optimized_graph(path)
+    try:  # types the tensors ORT's saved graph leaves untyped (index arithmetic on Cast/Where results)
+        proto = onnx.shape_inference.infer_shapes(proto)
+    except Exception as exc:  # contrib ops it cannot read leave the graph as saved
+        log.debug("shape inference on ORT's graph failed: %s", exc)
+    g = proto.graph
     types = {v.name: v.type.tensor_type.elem_type for v in [*g.value_info, *g.output, *g.input]}
     types.update({i.name: i.data_type for i in g.initializer})
 

@@ -8,17 +8,25 @@ NNCF's hook mode does; torch.export/PT2E would replace the user's module by a gr
 breaks QAT in the user's own loop. Chosen: the mode, plus global module hooks for the scope.
 
 Every op call gets a stable key ``scope:kind#n``: the innermost module running it, the op kind and
-its index among the calls of that kind in that scope during one forward pass. The same key names
-the same call in calibration, QAT, export and conversion, as long as the forward takes the same path.
+its index among the calls of that kind in that scope during the traced forward pass. Each key also
+records its call site (the model code's function and line within it, :func:`call_site`), and the
+quantizing mode resolves a call by scope, kind, call site and index among that site's calls. So the
+same key names the same call in calibration, QAT, export and conversion even where the forward
+takes another path: Hugging Face models build attention masks only under ``torch.export`` (an
+extra add at the top of BEiT's layer), which shifted every later plain index in that scope and put
+the residual add's quantizers on the mask add. A call the trace never saw (``unseen``) stays float.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -131,6 +139,7 @@ class OpNode:
     n_outputs: int
     out_shapes: list[tuple[int, ...]] = field(default_factory=list)
     attrs: dict[str, Any] = field(default_factory=dict)
+    site: str = ""
 
 
 @dataclass
@@ -150,11 +159,58 @@ class OpGraph:
 
 
 # ---- scope and keys: shared by tracing and the quantizing mode ----------------------------------------
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_TORCH_MODULES = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
+#: files of the modes that intercept calls: never a call site
+_MODE_FILES: set[str] = {__file__}
+
+
+def register_mode_file(path: str) -> None:
+    """Mark a module that intercepts op calls (a TorchFunctionMode's file) as never a call site."""
+    _MODE_FILES.add(path)
+
+
+def call_site() -> str:
+    """Where the model's code makes the op call now running: ``function qualname+line offset`` of the
+    first frame outside torch's internals and the modes (any ``__torch_function__`` handler: another
+    mode active beside this one, such as the KV-cache quantizer's, is not the model's code; a torch.nn
+    module's forward counts as model code: nn.Linear calls F.linear there). Offsets are relative to the function's first line, so the
+    site holds across edits elsewhere in the file and across install paths."""
+    f: FrameType | None = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if fn not in _MODE_FILES and f.f_code.co_name != "__torch_function__" and (
+                not fn.startswith(_TORCH_DIR) or fn.startswith(_TORCH_MODULES)):
+            return f"{f.f_code.co_qualname}+{f.f_lineno - f.f_code.co_firstlineno}"
+        f = f.f_back
+    return ""
+
+
+def split_key(key: str) -> tuple[str, str]:
+    """``(scope, kind)`` of an op key ``scope:kind#n`` (or an unseen call's ``scope:kind@site#n``)."""
+    scope, _, rest = key.rpartition(":")
+    return scope, rest.split("#", 1)[0].split("@", 1)[0]
+
+
+def site_index(sites: dict[str, str]) -> dict[tuple[str, str, str], list[str]]:
+    """Traced keys by ``(scope, kind, call site)``, in call order (see :class:`ScopeTracker`)."""
+    index: dict[tuple[str, str, str], list[str]] = {}
+    for key, site in sites.items():
+        scope, kind = split_key(key)
+        index.setdefault((scope, kind, site), []).append(key)
+    for keys in index.values():
+        keys.sort(key=lambda k: int(k.rsplit("#", 1)[1]))
+    return index
+
+
 class ScopeTracker:
     """The innermost module running, via global module hooks installed only inside ``active``, and
-    per-(scope, kind) call counters that make op keys."""
+    per-(scope, kind) call counters that make op keys. Given the traced keys' call sites (``sites``,
+    from :func:`site_index`), a call is resolved to the traced key of its scope, kind and call site
+    by its index among that site's calls; a call the trace never saw gets a key no placement holds
+    (``scope:kind@site#n``), recorded in ``unseen``."""
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, sites: dict[tuple[str, str, str], list[str]] | None = None) -> None:
         from quantization.fake_quant import FakeQuantizer
 
         self.names = {id(m): n for n, m in root.named_modules()}
@@ -163,6 +219,9 @@ class ScopeTracker:
         self.stack: list[str] = []
         self.modules: list[int] = []
         self.counts: dict[tuple[str, str], int] = {}
+        self.sites = sites or {}
+        self.site_counts: dict[tuple[str, str, str], int] = {}
+        self.unseen: list[str] = []
         #: called with (quantizer name, output) after a quantizer module runs (the tracer uses it)
         self.on_quantizer: Callable[[str, Any], None] | None = None
 
@@ -171,6 +230,15 @@ class ScopeTracker:
 
     def key(self, kind: str) -> tuple[str, str]:
         scope = self.stack[-1] if self.stack else ""
+        if self.sites:
+            at = (scope, kind, call_site())
+            i = self.site_counts.get(at, 0)
+            self.site_counts[at] = i + 1
+            keys = self.sites.get(at)
+            if keys is not None and i < len(keys):
+                return keys[i], scope
+            self.unseen.append(f"{scope}:{kind}@{at[2]}#{i}")
+            return self.unseen[-1], scope
         n = self.counts.get((scope, kind), 0)
         self.counts[(scope, kind)] = n + 1
         return f"{scope}:{kind}#{n}", scope
@@ -254,6 +322,7 @@ class GraphTracer(TorchFunctionMode):
                 return run()
         kind = call_kind(func)
         key, scope = self.scopes.key(kind)
+        site = call_site()
         leaves = tensor_leaves(args, kwargs)
         out = func(*args, **kwargs)
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -264,7 +333,7 @@ class GraphTracer(TorchFunctionMode):
             operands += [Operand(p, "scalar") for p, v in enumerate(args) if _is_number(v)]
             operands.sort(key=lambda o: o.position)
         node = OpNode(key, kind, getattr(func, "__name__", str(func)), scope, operands, len(outs),
-                      [tuple(t.shape) for t in outs], _attrs(kind, args, kwargs))
+                      [tuple(t.shape) for t in outs], _attrs(kind, args, kwargs), site)
         self.graph.nodes[key] = node
         for i, t in enumerate(outs):
             self._made_ids[id(t)] = (weakref.ref(t), (key, i))

@@ -16,8 +16,9 @@ exporter writes for it anyway; ``nn.MultiheadAttention`` runs as its projections
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,11 +30,17 @@ from torch.utils.hooks import RemovableHandle
 from compress.errors import CalibrationError
 from quantization.attention import attention_with_weights, decomposed_attention, redirect
 from quantization.fake_quant import FakeQuantizer
-from quantization.graph import ScopeTracker, call_kind
+from quantization.graph import ScopeTracker, call_kind, register_mode_file, site_index, split_key
 from quantization.placement import CONSTANT_PREFIX, Placement
 from quantization.spec import QuantSpec
 
 ATTR = "quantizer_graph"
+register_mode_file(__file__)  # this mode's frames are never an op's call site
+#: op kinds a runtime turns into kernels worth naming when they run float
+UNSEEN_KINDS = frozenset({"add", "linear", "conv", "matmul", "addmm", "sdpa", "cat"})
+UNSEEN_REASON = ("called only on another path than the traced forward (the model branches on torch.export "
+                 "tracing, as transformers does to build attention masks, or on its inputs): the placement "
+                 "never saw it, so it stays float")
 
 
 class QuantizerGraph(nn.Module):
@@ -54,6 +61,9 @@ class QuantizerGraph(nn.Module):
         self.placer: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None] | None = None
         self.quantizers = nn.ModuleDict()
         self._handles: list[RemovableHandle] = []
+        #: op calls of a forward pass that the placement's trace never saw (kept float), with kinds
+        #: that would matter to a runtime; an export names them with the reason
+        self.unseen: dict[str, None] = {}
 
     def get_extra_state(self) -> dict[str, Any]:
         return {
@@ -72,6 +82,28 @@ class QuantizerGraph(nn.Module):
             for k in list(self.quantizers.keys()):
                 del self.quantizers[k]
             build_quantizers(self)
+
+    def site_index(self) -> dict[tuple[str, str, str], list[str]]:
+        """The placement's traced keys by scope, kind and call site (built once per placement)."""
+        sites = self.placement.sites
+        cached = self.__dict__.get("_site_index")
+        if cached is None or cached[0] is not sites:
+            cached = (sites, site_index(sites))
+            self.__dict__["_site_index"] = cached
+        return cached[1]
+
+    def produced(self) -> dict[str, list[tuple[int, str]]]:
+        """The placement's quantized op outputs by op key: ``[(output index, quantizer id)]``."""
+        made = self.placement.produced
+        cached = self.__dict__.get("_produced")
+        if cached is None or cached[0] is not made:
+            by_key: dict[str, list[tuple[int, str]]] = {}
+            for t, qid in made.items():
+                key, idx = t.rsplit("/", 1)
+                by_key.setdefault(key, []).append((int(idx), qid))
+            cached = (made, by_key)
+            self.__dict__["_produced"] = cached
+        return cached[1]
 
     def extra_repr(self) -> str:
         state = "pending" if self.pending else f"{len(self.placement.entries)} op calls"
@@ -112,6 +144,19 @@ def graph_of(root: nn.Module) -> QuantizerGraph | None:
 
 
 _ACTIVE: list[tuple[QuantizeMode, Any]] = []
+_UNSEEN_SINKS: list[dict[str, None]] = []
+
+
+@contextlib.contextmanager
+def collect_unseen() -> Iterator[dict[str, None]]:
+    """The unseen op calls (see ``QuantizerGraph.unseen``) of every quantized forward run inside:
+    torch.export runs the model on copies of its modules, whose graphs the caller never holds."""
+    sink: dict[str, None] = {}
+    _UNSEEN_SINKS.append(sink)
+    try:
+        yield sink
+    finally:
+        _UNSEEN_SINKS.remove(sink)
 
 
 def _enter(module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -140,6 +185,11 @@ def _exit(module: nn.Module, args: Any, out: Any) -> None:
         mode, scopes = _ACTIVE.pop()
         mode.__exit__(None, None, None)
         scopes.__exit__(None, None, None)
+        for key in mode.scopes.unseen:
+            if split_key(key)[1] in UNSEEN_KINDS and len(mode.graph.unseen) < 1000:
+                mode.graph.unseen[key] = None
+                for sink in _UNSEEN_SINKS:
+                    sink[key] = None
     return None
 
 
@@ -150,8 +200,9 @@ class QuantizeMode(TorchFunctionMode):
         super().__init__()
         self.root = root
         self.graph = graph
-        self.scopes = ScopeTracker(root)
+        self.scopes = ScopeTracker(root, graph.site_index())
         self.entries = graph.placement.entries
+        self.produced = graph.produced()
         self.quantizers: dict[str, nn.Module] = dict(graph.quantizers.items())
         self.cache: dict[tuple[int, str], tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
 
@@ -178,6 +229,8 @@ class QuantizeMode(TorchFunctionMode):
                 return y
         y = self.quantizer(qid)(x)
         self.cache[key] = (weakref.ref(x), weakref.ref(y))
+        if y is not x:  # its consumers read it through the same quantizer: no second Q/DQ pair
+            self.cache[(id(y), qid)] = (weakref.ref(y), weakref.ref(y))
         return y
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -189,9 +242,24 @@ class QuantizeMode(TorchFunctionMode):
             with self:
                 return run()
         key, _ = self.scopes.key(call_kind(func))
-        entry = self.entries.get(key)
+        entry, made = self.entries.get(key), self.produced.get(key)
         if entry is None:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if "@" in key and not (isinstance(out, torch.Tensor) and out.is_floating_point()):
+                self.scopes.unseen.remove(key)  # index arithmetic (a mask's positions): no float work
+        else:
+            out = self._call(func, entry, args, kwargs)
+        return out if made is None else self._quantize_outputs(out, made)
+
+    def _quantize_outputs(self, out: Any, made: list[tuple[int, str]]) -> Any:
+        leaves, spec = pytree.tree_flatten(out)
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        for idx, qid in made:
+            if idx < len(tensors):
+                leaves[tensors[idx]] = self.apply(qid, leaves[tensors[idx]])
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _call(self, func: Callable[..., Any], entry: dict[str, str], args: Any, kwargs: dict[str, Any]) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         for pos, qid in entry.items():
             if pos.isdigit() and int(pos) < len(leaves):

@@ -58,6 +58,13 @@ class Placement:
     entries: dict[str, dict[str, str]] = field(default_factory=dict)
     weights: dict[str, WeightUse] = field(default_factory=dict)
     floats: dict[str, str] = field(default_factory=dict)
+    #: every traced op key -> its call site (quantization.graph.call_site); empty in placements saved
+    #: before sites were recorded, which resolve calls by plain per-scope index
+    sites: dict[str, str] = field(default_factory=dict)
+    #: quantized op outputs (``key/index`` -> quantizer), applied where the op makes them: an export
+    #: that inserts ops between producer and consumer (transformers' ``repeat_kv`` once a mask exists)
+    #: still finds the quantizer right after the producer, where the runtime fuses it
+    produced: dict[str, str] = field(default_factory=dict)
 
     def to_data(self) -> dict[str, Any]:
         """A plain dict (torch.load(weights_only=True) and JSON can hold it)."""
@@ -67,6 +74,8 @@ class Placement:
             "entries": {k: dict(v) for k, v in self.entries.items()},
             "weights": {k: [w.param, w.axis, w.module, w.table] for k, w in self.weights.items()},
             "floats": dict(self.floats),
+            "sites": dict(self.sites),
+            "produced": dict(self.produced),
         }
 
     @classmethod
@@ -78,6 +87,8 @@ class Placement:
             weights={k: WeightUse(v[0], int(v[1]), v[2], bool(v[3]) if len(v) > 3 else False)
                      for k, v in data["weights"].items()},
             floats=dict(data.get("floats", {})),
+            sites=dict(data.get("sites", {})),
+            produced=dict(data.get("produced", {})),
         )
 
 
@@ -172,6 +183,7 @@ def place(
     """
     pl = Placement(target=profile.name)
     nodes = list(graph.nodes.values())
+    pl.sites = {n.key: n.site for n in nodes}
     inside: set[str] = set()
     for scope, keys in activation_regions(graph).items():
         inside.update(keys)
@@ -407,12 +419,15 @@ def place(
             pl.entries.setdefault(n.key, {})["g"] = _new_internal(pl, f"{n.key}.g")
 
     ids: dict[str, str] = {}
+    model_outputs = _outputs(graph)
     for t in sorted(quantized, key=_order(nodes)):
         root = groups.find(t)
         if root not in ids:
             ids[root] = f"a{len(ids)}"
         qid = ids[root]
         pl.activations.setdefault(qid, []).append(t)
+        if t.rsplit("/", 1)[0] in producers and t not in model_outputs:  # a model output stays unquantized
+            pl.produced[t] = qid
         for n, o in consumers.get(t, []):
             pl.entries.setdefault(n.key, {}).setdefault(str(o.position), qid)
     for n in nodes:  # report weighted ops whose input ended up unquantized
