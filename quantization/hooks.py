@@ -93,17 +93,16 @@ class QuantizerGraph(nn.Module):
         return cached[1]
 
     def produced(self) -> dict[str, list[tuple[int, str]]]:
-        """The placement's quantized op outputs by op key: ``[(output index, quantizer id)]``."""
-        made = self.placement.produced
-        cached = self.__dict__.get("_produced")
-        if cached is None or cached[0] is not made:
-            by_key: dict[str, list[tuple[int, str]]] = {}
-            for t, qid in made.items():
+        """The quantized op outputs to quantize where they are made, by op key: ``[(output index,
+        quantizer id)]``; only those every reader still reads through that quantizer (checked per
+        forward pass: SmoothQuant and accuracy control rewrite readers' entries in place)."""
+        entries = self.placement.entries
+        by_key: dict[str, list[tuple[int, str]]] = {}
+        for t, (qid, *readers) in self.placement.produced.items():
+            if all(entries.get(r.rsplit("|", 1)[0], {}).get(r.rsplit("|", 1)[1]) == qid for r in readers):
                 key, idx = t.rsplit("/", 1)
                 by_key.setdefault(key, []).append((int(idx), qid))
-            cached = (made, by_key)
-            self.__dict__["_produced"] = cached
-        return cached[1]
+        return by_key
 
     def extra_repr(self) -> str:
         state = "pending" if self.pending else f"{len(self.placement.entries)} op calls"

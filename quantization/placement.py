@@ -61,10 +61,12 @@ class Placement:
     #: every traced op key -> its call site (quantization.graph.call_site); empty in placements saved
     #: before sites were recorded, which resolve calls by plain per-scope index
     sites: dict[str, str] = field(default_factory=dict)
-    #: quantized op outputs (``key/index`` -> quantizer), applied where the op makes them: an export
-    #: that inserts ops between producer and consumer (transformers' ``repeat_kv`` once a mask exists)
-    #: still finds the quantizer right after the producer, where the runtime fuses it
-    produced: dict[str, str] = field(default_factory=dict)
+    #: quantized op outputs: ``key/index`` -> ``[quantizer, "reader key|position", ...]``. Applied
+    #: where the op makes them while every reader still reads that quantizer (SmoothQuant or accuracy
+    #: control may change a reader's), so an export that inserts ops between producer and reader
+    #: (transformers' ``repeat_kv`` once a mask exists) keeps the Q right after the producer, where
+    #: the runtime fuses it
+    produced: dict[str, list[str]] = field(default_factory=dict)
 
     def to_data(self) -> dict[str, Any]:
         """A plain dict (torch.load(weights_only=True) and JSON can hold it)."""
@@ -75,7 +77,7 @@ class Placement:
             "weights": {k: [w.param, w.axis, w.module, w.table] for k, w in self.weights.items()},
             "floats": dict(self.floats),
             "sites": dict(self.sites),
-            "produced": dict(self.produced),
+            "produced": {k: list(v) for k, v in self.produced.items()},
         }
 
     @classmethod
@@ -88,7 +90,7 @@ class Placement:
                      for k, v in data["weights"].items()},
             floats=dict(data.get("floats", {})),
             sites=dict(data.get("sites", {})),
-            produced=dict(data.get("produced", {})),
+            produced={k: list(v) for k, v in data.get("produced", {}).items()},
         )
 
 
@@ -426,10 +428,11 @@ def place(
             ids[root] = f"a{len(ids)}"
         qid = ids[root]
         pl.activations.setdefault(qid, []).append(t)
-        if t.rsplit("/", 1)[0] in producers and t not in model_outputs:  # a model output stays unquantized
-            pl.produced[t] = qid
-        for n, o in consumers.get(t, []):
+        readers = consumers.get(t, [])
+        for n, o in readers:
             pl.entries.setdefault(n.key, {}).setdefault(str(o.position), qid)
+        if t.rsplit("/", 1)[0] in producers and t not in model_outputs:  # a model output stays unquantized
+            pl.produced[t] = [qid, *(f"{n.key}|{o.position}" for n, o in readers)]
     for n in nodes:  # report weighted ops whose input ended up unquantized
         if n.key in weighted_keys and n.key not in pl.floats:
             cut = sliced.get(n.key)

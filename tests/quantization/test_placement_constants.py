@@ -123,7 +123,7 @@ def test_embedding_tables_are_int8_by_default_and_tied_tables_share_codes(tmp_pa
         wq = q.lm_head.weight_quantizer(q.lm_head.weight)
         # the looked-up rows are an activation the add reads: quantized where the lookup makes them
         qg = q.quantizer_graph
-        made = qg.quantizers[qg.placement.produced["wte:embedding#0/0"]]
+        made = qg.quantizers[qg.placement.produced["wte:embedding#0/0"][0]]
         expected = made(torch.nn.functional.embedding(ids, wq))
     h.remove()
     torch.testing.assert_close(seen[0], expected, atol=0, rtol=0)

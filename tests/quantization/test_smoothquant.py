@@ -157,3 +157,39 @@ def test_smoothing_drops_a_quantizer_only_float_ops_still_read() -> None:
     assert ":add#0" not in g1.placement.entries  # up has its own, smoothed quantizer; the add reads x float
     iq = input_quantizer(smoothed, "up")
     assert iq is not None and iq.pre_quant_scale is not None
+
+
+class _PreLN(nn.Module):
+    """A norm's output feeds a Linear and, as the residual, an add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return h + self.down(torch.relu(self.up(h)))
+
+
+def test_a_smoothed_tensor_is_not_quantized_where_it_is_made() -> None:
+    """The norm's output is quantized where the norm makes it only while every reader reads it through
+    that quantizer: once `up` reads it through its own smoothed one, quantizing it first with the
+    unsmoothed range would put back the rounding smoothing removes."""
+    from quantization.hooks import graph_of
+
+    torch.manual_seed(0)
+    data = [torch.randn(8, 16) * torch.linspace(0.1, 20, 16) for _ in range(2)]
+    plain = quantize(_PreLN().eval(), "w8a8", data)
+    smoothed = quantize(_PreLN().eval(), "w8a8", data, params=QuantizeParams(smoothquant=0.5))
+    g0, g1 = graph_of(plain), graph_of(smoothed)
+    assert g0 is not None and g1 is not None
+    assert "norm:layer_norm#0" in g0.produced() and "norm:layer_norm#0" not in g1.produced()
+    seen: list[torch.Tensor] = []
+    h = smoothed.up.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    with torch.no_grad():
+        smoothed(data[0])
+        ref = smoothed.norm.forward(data[0])
+    h.remove()
+    torch.testing.assert_close(seen[0], ref, atol=0, rtol=0)  # up's own quantizer does the rounding
