@@ -31,7 +31,7 @@ def machine_line() -> str:
     m = machine()
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
     return (
-        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB{gpu}; "
+        f"{m['cpu']}" + (f" ({m['int8_isa']})" if m.get("int8_isa") else "") + f", {m['cores']} cores, {m['memory_gib']} GiB{gpu}; "
         f"Python {m['python']}, torch {m['torch']}" + (f", onnxruntime {m['onnxruntime']}" if "onnxruntime" in m else "")
     )
 

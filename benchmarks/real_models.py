@@ -20,10 +20,8 @@ their published widths (speed: the small ones are all Q/DQ overhead).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -172,12 +170,12 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
 def _machine() -> str:
     import os
 
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, StopIteration):
-        cpu = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                   if ln.startswith("model name"))
+    from compress.report import machine
+
+    m = machine()
+    isa = f" ({m['int8_isa']})" if m.get("int8_isa") else ""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, load average {load:.1f} at the start"
+    return f"{m['cpu']}{isa}, {m['cores']} cores, torch {torch.__version__}, load average {load:.1f} at the start"
 
 
 def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: str = "small") -> None:
@@ -190,8 +188,9 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
              "float Conv/MatMul/Gemm/Add) in ORT's optimized graph. SQNR of each int8 model's ORT output to the "
              "fp32 model's ORT output on held-out inputs. Random-weight models from transformers configs "
              "(benchmarks/hf_suite.py).", "",
-             "SQNR 7-bit: compress's export with `reduce_range=True` (7-bit weight codes), which this CPU (AVX2, no "
-             "VNNI) needs to avoid ORT's u8s8 int16 saturation (README).", "",
+             "SQNR 7-bit: compress's export with `reduce_range=True` (7-bit weight codes), which a CPU with AVX2 "
+             "and no VNNI needs to avoid ORT's u8s8 int16 saturation (README); the machine line names this one's "
+             "int8 instructions.", "",
              "measured: compress with `speed_check` (quantization/measured.py: each layer's ORT integer kernel "
              "timed against its float kernel at the serving batch, the slower ones kept float).", "",
              "| model | coverage compress / measured / ORT | SQNR dB compress / measured / ORT (compress 7-bit) | "

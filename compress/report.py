@@ -92,18 +92,34 @@ def machine() -> dict[str, Any]:
     import torch
 
     cpu = platform.processor() or platform.machine()
+    flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == (platform.processor() or platform.machine()):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
     info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
+    if flags:
+        info["int8_isa"] = _int8_isa(flags)
     with contextlib.suppress(ValueError, OSError):
         info["memory_gib"] = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
     info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return info
+
+
+def _int8_isa(flags: set[str]) -> str:
+    """The CPU's int8 dot-product instructions, which decide ORT's int8 speed and whether its u8s8
+    kernels saturate (AVX2 without VNNI sums pairs of products in int16)."""
+    if "amx_int8" in flags:
+        return "AMX-INT8"
+    if "avx512_vnni" in flags:
+        return "AVX-512 VNNI"
+    if "avx_vnni" in flags:
+        return "AVX-VNNI"
+    return "AVX2 without VNNI" if "avx2" in flags else "no AVX2"
 
 
 # ---- rendering ------------------------------------------------------------------------------
