@@ -330,6 +330,10 @@ def place(
                 elif acts:
                     pl.floats[n.key] = "one operand is a constant or broadcast (bias, mask, scale)"
                 continue
+            returned = [o for o in same if o.producer in weighted_keys and (o.producer, o.index) in graph.outputs]
+            if returned and rule.output:
+                pl.floats[n.key] = RETURNED_REASON
+                continue
             outlier = _outlier_operand(n.attrs)
             if outlier is not None and rule.output:
                 # a fused integer add needs 8-bit inputs and output: keep the whole add float instead
@@ -536,6 +540,14 @@ def _lopsided(amax: list[float]) -> str | None:
         return None
     return (f"one operand is {ratio:.0e}x the other in magnitude (a mask or an epsilon): one 8-bit scale "
             "for the sum would round the smaller away")
+
+
+#: an add reading a weighted op's output that the model also returns (DeiT-with-teacher averages
+#: its two heads' logits and returns each): a Q on that tensor stops ORT fusing the Gemm, whose
+#: output must reach the Q alone, so the add stays float and the Gemm runs as QGemm with a float output
+RETURNED_REASON = ("an operand is a Linear/Conv output the model also returns: quantizing it for this add would "
+                   "stop the runtime fusing that layer (its output must reach the quantizer alone), so the add "
+                   "stays float")
 
 
 #: how many unweighted ops (softmax, sigmoid, a bias add, casts, reshapes) may sit between a

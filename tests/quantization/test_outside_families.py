@@ -4,7 +4,8 @@ finfo.min, Falcon runs attention and MLP in parallel off one fused QKV, SegForme
 values with a strided conv, DeiT carries a distillation token, DistilBERT fills masked scores with
 ``masked_fill``, MPNet adds a relative position bias in place (``+=``) and builds its mask only when
 exported, BEiT adds a mask to its position bias only when exported (ahead of its residual add),
-PoolFormer's GroupNorm is exported as InstanceNormalization, Mul and Add. Each must quantize,
+PoolFormer's GroupNorm is exported as InstanceNormalization, Mul and Add, DeiT with its teacher
+head averages two heads' logits that it also returns. Each must quantize,
 export, run in ONNX Runtime as the fake-quant model computes, run every weighted op in integers,
 and name the reason for every add that stays float."""
 
@@ -43,11 +44,14 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "deit": ("DeiTForImageClassification", "DeiTConfig", dict(
         image_size=32, patch_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         num_labels=10)),
+    "deit_teacher": ("DeiTForImageClassificationWithTeacher", "DeiTConfig", dict(
+        image_size=32, patch_size=8, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_labels=10)),
 }
 
 #: SQNR of the fake-quant model to fp32: a random-init ViT's logits are tiny and mostly quantization
 #: noise (the suite's ViT measures 7-8 dB, ORT's own quantize_static the same), so DeiT's floor is low
-FIDELITY_FLOOR_DB = {"deit": 3.0, "beit": 3.0}
+FIDELITY_FLOOR_DB = {"deit": 3.0, "deit_teacher": 3.0, "beit": 3.0}
 
 
 def _build(family: str) -> tuple[torch.nn.Module, list[Any]]:
@@ -60,7 +64,7 @@ def _build(family: str) -> tuple[torch.nn.Module, list[Any]]:
     g = torch.Generator().manual_seed(1)
     if "vocab_size" in kw:
         return model, [{"input_ids": torch.randint(0, 256, (2, 16), generator=g)} for _ in range(3)]
-    size = 32 if family in ("deit", "beit") else 64
+    size = 32 if family in ("deit", "deit_teacher", "beit") else 64
     return model, [torch.randn(2, 3, size, size, generator=g) for _ in range(3)]
 
 
