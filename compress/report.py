@@ -92,11 +92,11 @@ def machine() -> dict[str, Any]:
     import torch
 
     cpu = platform.processor() or platform.machine()
-    flags: set[str] = set()
+    named, flags = False, set[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu == (platform.processor() or platform.machine()):
-                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("model name") and not named:  # the first core's: all cores list the same
+                cpu, named = line.split(":", 1)[1].strip(), True
             elif line.startswith("flags") and not flags:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:

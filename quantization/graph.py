@@ -187,9 +187,14 @@ def call_site() -> str:
 
 
 def split_key(key: str) -> tuple[str, str]:
-    """``(scope, kind)`` of an op key ``scope:kind#n`` (or an unseen call's ``scope:kind@site#n``)."""
+    """``(scope, kind)`` of a traced op key ``scope:kind#n``."""
     scope, _, rest = key.rpartition(":")
-    return scope, rest.split("#", 1)[0].split("@", 1)[0]
+    return scope, rest.split("#", 1)[0]
+
+
+def is_unseen(key: str) -> bool:
+    """Whether ``key`` names a call the placement's trace never saw (see :class:`ScopeTracker`)."""
+    return "@" in key
 
 
 def site_index(sites: dict[str, str]) -> dict[tuple[str, str, str], list[str]]:
@@ -208,7 +213,7 @@ class ScopeTracker:
     per-(scope, kind) call counters that make op keys. Given the traced keys' call sites (``sites``,
     from :func:`site_index`), a call is resolved to the traced key of its scope, kind and call site
     by its index among that site's calls; a call the trace never saw gets a key no placement holds
-    (``scope:kind@site#n``), recorded in ``unseen``."""
+    (``scope:kind@site#n``, see :func:`is_unseen`)."""
 
     def __init__(self, root: nn.Module, sites: dict[tuple[str, str, str], list[str]] | None = None) -> None:
         from quantization.fake_quant import FakeQuantizer
@@ -221,7 +226,6 @@ class ScopeTracker:
         self.counts: dict[tuple[str, str], int] = {}
         self.sites = sites or {}
         self.site_counts: dict[tuple[str, str, str], int] = {}
-        self.unseen: list[str] = []
         #: called with (quantizer name, output) after a quantizer module runs (the tracer uses it)
         self.on_quantizer: Callable[[str, Any], None] | None = None
 
@@ -237,8 +241,7 @@ class ScopeTracker:
             keys = self.sites.get(at)
             if keys is not None and i < len(keys):
                 return keys[i], scope
-            self.unseen.append(f"{scope}:{kind}@{at[2]}#{i}")
-            return self.unseen[-1], scope
+            return f"{scope}:{kind}@{at[2]}#{i}", scope
         n = self.counts.get((scope, kind), 0)
         self.counts[(scope, kind)] = n + 1
         return f"{scope}:{kind}#{n}", scope

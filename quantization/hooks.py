@@ -30,7 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from compress.errors import CalibrationError
 from quantization.attention import attention_with_weights, decomposed_attention, redirect
 from quantization.fake_quant import FakeQuantizer
-from quantization.graph import ScopeTracker, call_kind, register_mode_file, site_index, split_key
+from quantization.graph import ScopeTracker, call_kind, is_unseen, register_mode_file, site_index
 from quantization.placement import CONSTANT_PREFIX, Placement
 from quantization.spec import QuantSpec
 
@@ -99,7 +99,8 @@ class QuantizerGraph(nn.Module):
         entries = self.placement.entries
         by_key: dict[str, list[tuple[int, str]]] = {}
         for t, (qid, *readers) in self.placement.produced.items():
-            if all(entries.get(r.rsplit("|", 1)[0], {}).get(r.rsplit("|", 1)[1]) == qid for r in readers):
+            slots = (r.rpartition("|") for r in readers)
+            if all(entries.get(key, {}).get(pos) == qid for key, _, pos in slots):
                 key, idx = t.rsplit("/", 1)
                 by_key.setdefault(key, []).append((int(idx), qid))
         return by_key
@@ -184,11 +185,6 @@ def _exit(module: nn.Module, args: Any, out: Any) -> None:
         mode, scopes = _ACTIVE.pop()
         mode.__exit__(None, None, None)
         scopes.__exit__(None, None, None)
-        for key in mode.scopes.unseen:
-            if split_key(key)[1] in UNSEEN_KINDS and len(mode.graph.unseen) < 1000:
-                mode.graph.unseen[key] = None
-                for sink in _UNSEEN_SINKS:
-                    sink[key] = None
     return None
 
 
@@ -240,15 +236,23 @@ class QuantizeMode(TorchFunctionMode):
         if run is not None:  # the same decomposition the tracer saw, under this mode
             with self:
                 return run()
-        key, _ = self.scopes.key(call_kind(func))
+        kind = call_kind(func)
+        key, _ = self.scopes.key(kind)
         entry, made = self.entries.get(key), self.produced.get(key)
         if entry is None:
             out = func(*args, **kwargs)
-            if "@" in key and not (isinstance(out, torch.Tensor) and out.is_floating_point()):
-                self.scopes.unseen.remove(key)  # index arithmetic (a mask's positions): no float work
+            # index arithmetic (a mask's positions) is no float work: only float results are named
+            if kind in UNSEEN_KINDS and is_unseen(key) and isinstance(out, torch.Tensor) and out.is_floating_point():
+                self._unseen(key)
         else:
             out = self._call(func, entry, args, kwargs)
         return out if made is None else self._quantize_outputs(out, made)
+
+    def _unseen(self, key: str) -> None:
+        if len(self.graph.unseen) < 1000:
+            self.graph.unseen[key] = None
+        for sink in _UNSEEN_SINKS:
+            sink[key] = None
 
     def _quantize_outputs(self, out: Any, made: list[tuple[int, str]]) -> Any:
         leaves, spec = pytree.tree_flatten(out)
