@@ -4,12 +4,19 @@ byte-level BPE tokenizer trained on the same train files. ``python -m benchmarks
 --out runs/reference_llm``.
 
 Trained far enough that quantization shows: 2000 steps of 16 x 128 tokens (4.1M tokens, two passes
-over the 2.0M-token train split; 0.55 s a step on 2 idle EPYC cores, about 19 min) reach held-out
-perplexity 17.8, and round-to-nearest w3 g128 then costs +4.4% perplexity, w4 +1.0% (230 steps
-reached 115 and moved by 0.35% at w3: methods could not be told apart).
+over the 2.0M-token train split; 0.55-0.9 s a step on 2 EPYC cores, 19-31 min) reach held-out
+perplexity 17.5-17.8, and round-to-nearest w3 g128 then costs +4.1-4.4% perplexity, w4 +0.6-1.0%
+(230 steps reached 115 and moved by 0.35% at w3: methods could not be told apart).
 
-Reproducible: a fixed seed, a fixed step count (not a time budget) and a deterministic file split
-(compress.data.lm.split_files); only the eval files are used for the held-out perplexity it logs.
+Reproducible on one machine: a fixed seed, a fixed step count (not a time budget), a fixed batch
+generator and a deterministic file split (compress.data.lm.split_files); only the eval files are
+used for the held-out perplexity it logs. Two reruns on one AVX-512 machine logged the same losses
+for the first 40 steps, to the last digit, as the saved model's ``training.json``. Not across
+CPUs: torch picks its float kernels by instruction set (vector width, so the order of each sum),
+which is the likely cause; rounding that differs from the first step is amplified by training. The same command gave 17.8 on an AVX2 CPU and 17.52 on an
+AVX-512 one, so a figure measured on the reference model holds for the model it names in its
+section (perplexity, machine), not for a retrained one.
+
 The output is a Hugging Face directory (config.json, model.safetensors, tokenizer files and
 ``training.json``) that a recipe loads with ``model.hf_path`` and ``data: {source: text_lm, kwargs:
 {tokenizer: DIR}}``.
