@@ -27,7 +27,7 @@ from compress.errors import CalibrationError, UnsupportedModelError
 from quantization.observers import Observer, build_observer
 from quantization.primitives import (
     MIN_RANGE_SCALE,
-    SCALE_EPS,
+    clamp_scale,
     dynamic_qparams,
     fake_quantize_spec,
     grad_scale,
@@ -162,10 +162,10 @@ class FakeQuantizer(nn.Module):
             raise CalibrationError(f"{self.name}: used before calibration (run a forward loop first)")
         scale = self.scale
         if self.learnable:
-            # LSQ's gradient scale, times the scale itself: updates are relative (first-order
+            # LSQ's gradient scale, times the scale's magnitude: updates are relative (first-order
             # log-scale learning), so small scales cannot step across zero under plain SGD
             factor = lsq_grad_factor(x.numel() // max(scale.numel(), 1), self.qmax)
-            scale = grad_scale(scale, scale.detach() * factor).clamp(min=SCALE_EPS)
+            scale = clamp_scale(grad_scale(scale, scale.detach().abs() * factor))
         return fake_quantize_spec(x, scale, self.zero_point, self.spec)
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from compress.errors import UnsupportedModelError
-from quantization.primitives import SCALE_EPS
+from quantization.primitives import clamp_scale
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def int4_weight(mod: Any, *, where: str = "layer") -> Int4Weight:
         raise UnsupportedModelError(f"{where}: int4 layers are Linear layers (got a {weight.dim()}-D weight)")
     n, k = weight.shape
     g_idx = g_idx_of(wq)
-    scale = wq.scale.detach().float().clamp(min=SCALE_EPS)
+    scale = clamp_scale(wq.scale.detach().float())  # low-bit scales carry a sign
     zp = wq.zero_point.detach().to(torch.int32)
     if s.granularity == "group":
         gs = int(wq.group_size or s.group_size or k)

@@ -30,8 +30,9 @@ def zero_point_of_symmetric(qmin: int, qmax: int) -> int:
     return 0 if qmin < 0 else (qmax + 1) // 2
 
 
-#: signed symmetric grids with fewer levels than this (4 bits and below) use both ends (see
-#: qparams_from_range); at 8 bits the gain is 1/128 of a step and int8 scales stay amax / 127
+#: signed symmetric grids with fewer levels than this (4 bits and below) put the larger end of the
+#: range on qmin, with a signed scale (see qparams_from_range); at 8 bits the gain is 1/128 of a
+#: step and int8 scales stay amax / 127, positive
 LOW_BIT_LEVELS = 16
 
 
@@ -50,17 +51,26 @@ def qparams_from_range(
     if symmetric:
         zp = zero_point_of_symmetric(qmin, qmax)
         if zp == 0 and qmax - qmin < LOW_BIT_LEVELS:
-            # a signed grid of <= 16 levels uses its extra negative level: the smallest scale that
-            # covers both sides (a range led by its negative end gets |min| / 8, not |min| / 7, at 4 bits)
-            scale = torch.maximum(max_val / float(qmax), min_val / float(qmin))
+            # a signed grid of <= 16 levels puts the range's larger end on its extra level, qmin:
+            # a range led by its positive end gets a negative scale, so its step is max / 8 at 4
+            # bits, not max / 7 (the smaller end is clipped past 7/8 of the larger; ONNX Runtime's
+            # blockwise int4 quantizer does the same). Every dequantizer multiplies by the scale.
+            neg_led = -min_val >= max_val
+            scale = torch.where(neg_led, min_val, max_val) / float(qmin)
+            scale = torch.where(neg_led, scale.clamp(min=min_scale), scale.clamp(max=-min_scale))
         else:
-            scale = torch.maximum(-min_val, max_val) / float(qmax - zp)
-        scale = torch.clamp(scale, min=min_scale)
+            scale = torch.clamp(torch.maximum(-min_val, max_val) / float(qmax - zp), min=min_scale)
         zero_point = torch.full_like(scale, zp, dtype=torch.int32)
     else:
         scale = torch.clamp((max_val - min_val) / float(qmax - qmin), min=min_scale)
         zero_point = torch.clamp(qmin - torch.round(min_val / scale), qmin, qmax).to(torch.int32)
     return scale, zero_point
+
+
+def clamp_scale(scale: torch.Tensor, min_scale: float = SCALE_EPS) -> torch.Tensor:
+    """``scale`` with its magnitude at least ``min_scale``, sign kept (low-bit signed grids store
+    negative scales, see :func:`qparams_from_range`)."""
+    return torch.where(scale < 0, scale.clamp(max=-min_scale), scale.clamp(min=min_scale))
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:

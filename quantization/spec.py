@@ -6,8 +6,9 @@ Conventions (read by export and the int8 converter, keep stable):
   ``reduce_range`` keeps 8-bit int8 codes in [-64, 63] (ORT's reduce_range: on x86 CPUs without
   VNNI, u8s8 kernels add pairs of products in int16, which 7-bit weights cannot overflow).
 - Symmetric specs use ``scale = amax / (qmax - zero_point)`` with zero_point 0 (int8) or 2^(b-1)
-  (uint8), so +amax maps exactly to qmax; signed grids of 4 bits and fewer take the smaller
-  ``max(max / qmax, min / qmin)``, which also uses the extra negative level; asymmetric specs map [min, max] (widened to include 0)
+  (uint8), so +amax maps exactly to qmax; signed grids of 4 bits and fewer map the range's larger
+  end to qmin: ``scale = min / qmin`` when ``|min| >= max``, else ``max / qmin``, a negative scale
+  (4 bits: a step of amax / 8, not amax / 7); asymmetric specs map [min, max] (widened to include 0)
   onto [qmin, qmax] with an integer zero_point.
 - Granularity: ``tensor`` one scale; ``channel`` one scale per index of ``axis`` (0 = output
   channel of a weight); ``group`` one scale per ``group_size`` consecutive input features of each

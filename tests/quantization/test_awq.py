@@ -180,12 +180,12 @@ def test_clip_search_bounds_lie_within_the_range_and_do_not_hurt() -> None:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(256, 80, generator=g)
     w = torch.randn(16, 80, generator=g)
-    w[0, 5] = 8.0  # an outlier weight: clipping it pays off for its group
+    w[0, 5] = 20.0  # an outlier weight: clipping it pays off for its group
     spec = QuantSpec(bits=4, granularity="group", group_size=32)  # 80 = 32 + 32 + 16
     bound = search_clip(x, w, spec, AWQParams())
     amax = torch.stack([w[:, :32].abs().amax(1), w[:, 32:64].abs().amax(1), w[:, 64:].abs().amax(1)], dim=1)
     assert bound.shape == (16, 3) and torch.all(bound <= amax) and torch.all(bound >= 0.5 * amax - 1e-6)
-    assert float(bound[0, 0]) < 8.0
+    assert float(bound[0, 0]) < 20.0
     clipped = torch.maximum(torch.minimum(w, bound.repeat_interleave(32, 1)[:, :80]), -bound.repeat_interleave(32, 1)[:, :80])
     err = lambda v: float(((x @ fake_quantize_spec(v, *dynamic_qparams(v, spec), spec).t() - x @ w.t()) ** 2).mean())  # noqa: E731
     assert err(clipped) <= err(w)

@@ -218,8 +218,10 @@ def test_accuracy_aware_ptq_reads_a_lower_is_better_metric_the_right_way(tmp_pat
         return 1.0 - _accuracy(model, data)
 
     float_err = error(copy.deepcopy(m))
-    # 3-bit per-tensor weights: enough damage that the quantized error is above the float one
-    recipe = _recipe([{"type": "ptq", "scheme": {"weights": {"bits": 3, "granularity": "tensor"}, "inputs": None},
+    # 3-bit narrow-range ([-3, 3]) per-tensor weights: enough damage that the quantized error is
+    # above the float one (the full [-4, 3] grid, with its signed scale, is not, on this small task)
+    recipe = _recipe([{"type": "ptq", "scheme": {"weights": {"bits": 3, "granularity": "tensor", "narrow_range": True},
+                                                 "inputs": None},
                        "sensitivity": "metric", "max_accuracy_drop": 0.0}])
     with Session(recipe, m, calibration_data=data, evaluate=error, higher_is_better=False, out_dir=tmp_path) as s:
         pass

@@ -136,17 +136,22 @@ def test_reduce_range_spec_keeps_int8_codes_in_7_bits() -> None:
             QuantSpec(reduce_range=True, **bad)  # type: ignore[arg-type]
 
 
-def test_low_bit_symmetric_scale_uses_the_extra_negative_level() -> None:
-    """A 4-bit signed grid is [-8, 7]: a range led by its negative end gets |min| / 8 (a step 1/8
-    finer than |min| / 7, nothing clipped); 8-bit scales stay amax / 127."""
-    from quantization.primitives import qparams_from_range
+def test_low_bit_symmetric_scale_puts_the_larger_end_on_the_extra_level() -> None:
+    """A 4-bit signed grid is [-8, 7]: the range's larger end maps exactly to -8, with a negative
+    scale when that end is the positive one (a step of amax / 8, not amax / 7); the smaller end is
+    clipped only past 7/8 of the larger. 8-bit scales stay amax / 127, positive."""
+    from quantization.primitives import fake_quantize, qparams_from_range
 
-    mn, mx = torch.tensor([-8.0, -3.0, -7.5]), torch.tensor([3.0, 7.0, 7.0])
+    mn, mx = torch.tensor([-8.0, -3.0, -7.5, 0.0]), torch.tensor([3.0, 7.0, 7.0, 0.0])
     scale, zp = qparams_from_range(mn, mx, qmin=-8, qmax=7, symmetric=True)
-    # the larger of max / 7 and |min| / 8: both ends covered, nothing clipped
-    torch.testing.assert_close(scale, torch.tensor([1.0, 1.0, 1.0]))
-    assert zp.tolist() == [0, 0, 0]
-    for lo, hi, s in zip(mn, mx, scale, strict=True):
-        assert float(lo / s) >= -8 and float(hi / s) <= 7
+    torch.testing.assert_close(scale[:3], torch.tensor([1.0, -0.875, 0.9375]))
+    assert zp.tolist() == [0, 0, 0, 0] and float(scale[3]) > 0  # an all-zero range: a tiny positive scale
+    ends = torch.stack([mn, mx], 1)[:3]
+    fq = fake_quantize(ends, scale[:3, None], zp[:3, None], -8, 7)
+    larger = torch.where(-mn[:3] >= mx[:3], mn[:3], mx[:3])
+    torch.testing.assert_close(torch.where(-mn[:3] >= mx[:3], fq[:, 0], fq[:, 1]), larger)  # exact
+    # the smaller end within 7/8 of the larger: rounded, not clipped
+    assert torch.all((fq[:2] - ends[:2]).abs() <= scale[:2, None].abs() / 2 + 1e-6)
+    torch.testing.assert_close(fq[2], torch.tensor([-7.5, 7 * 0.9375]))  # 7 > 7/8 * 7.5: clipped to 7 steps
     s8, _ = qparams_from_range(torch.tensor([-8.0]), torch.tensor([3.0]), qmin=-128, qmax=127, symmetric=True)
     torch.testing.assert_close(s8, torch.tensor([8.0 / 127]))
