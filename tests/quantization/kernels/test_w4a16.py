@@ -37,6 +37,8 @@ def _int4(n: int, k: int, gs: int, *, asym: bool, act_order: bool, g: torch.Gene
     else:
         scale = torch.rand(n, groups, generator=g) * 0.02 + 1e-3
     zp = torch.randint(0, 16, (n, groups), generator=g, dtype=torch.uint8) if asym else torch.full((n, groups), 8, dtype=torch.uint8)
+    if not asym:  # symmetric int4 scales carry a sign (the larger end of each group's range sits on -8)
+        scale = scale * (torch.randint(0, 2, (n, groups), generator=g) * 2 - 1)
     g_idx = torch.randperm(k, generator=g).int() // gs if act_order else None
     return Int4Weight(codes, scale, zp, gs, not asym, g_idx)
 
