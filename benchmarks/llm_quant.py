@@ -19,6 +19,7 @@ import logging
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +39,27 @@ SCHEMES: dict[str, Any] = {
 
 
 @torch.no_grad()
-def perplexity(model: nn.Module, windows: torch.Tensor, *, batch: int = 16) -> float:
+def window_nll(model: nn.Module, windows: torch.Tensor, *, batch: int = 16) -> torch.Tensor:
+    """Summed next-token NLL of each window (float64): every window predicts ``seq_len - 1`` tokens,
+    so perplexity is ``exp(sum / (n * (seq_len - 1)))`` and windows can be resampled (bootstrap)."""
     from compress.metrics import causal_lm_nll
 
     model.eval()
-    total, count = 0.0, 0
+    out: list[torch.Tensor] = []
     for i in range(0, len(windows), batch):
         x = windows[i : i + batch]
-        nll, n = causal_lm_nll(model(input_ids=x).logits, x)
-        total += float(nll)
-        count += n
-    return math.exp(total / count)
+        logits = model(input_ids=x).logits
+        out += [causal_lm_nll(logits[j : j + 1], x[j : j + 1])[0] for j in range(len(x))]
+    return torch.stack(out)
+
+
+def _ppl(nll: torch.Tensor, seq_len: int) -> float:
+    return math.exp(float(nll.sum()) / (nll.numel() * (seq_len - 1)))
+
+
+def perplexity(model: nn.Module, windows: torch.Tensor, *, batch: int = 16) -> float:
+    """exp(mean next-token NLL) over every window."""
+    return _ppl(window_nll(model, windows, batch=batch), windows.shape[1])
 
 
 def _windows(ds: Any) -> torch.Tensor:
@@ -77,12 +88,26 @@ def lm_windows(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     return _windows(splits.calibration)[: args.calib], _windows(splits.eval)[: args.eval]
 
 
-def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib_batch: int,
-              schemes: list[str]) -> list[dict[str, Any]]:
+def torch_methods(scheme: Any, data: list[torch.Tensor]) -> dict[str, Callable[[nn.Module], nn.Module]]:
+    """Each PyTorch method by its table name: quantizes a model in place with ``scheme``,
+    calibrating on the batches ``data``."""
     import compress
-    from compress.models import load_model
     from quantization.awq import AWQParams
     from quantization.gptq import GPTQParams
+
+    return {
+        "RTN": lambda m: compress.quantize(m, scheme, ignore=["lm_head"]),
+        "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme, params=GPTQParams(act_order=True)),
+        "AWQ": lambda m: compress.awq(m, data, scheme=scheme),
+        "AWQ act-only": lambda m: compress.awq(m, data, scheme=scheme, params=AWQParams(duo_scaling=False)),
+        "AWQ+GPTQ": lambda m: compress.gptq(compress.awq(m, data, scheme=scheme), data, scheme=scheme,
+                                            params=GPTQParams(act_order=True)),
+    }
+
+
+def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib_batch: int,
+              schemes: list[str]) -> list[dict[str, Any]]:
+    from compress.models import load_model
 
     fp = load_model({"hf_path": model_dir}).eval()
     data = [calib[i : i + calib_batch] for i in range(0, len(calib), calib_batch)]
@@ -92,22 +117,80 @@ def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib
     rows.append({"scheme": "fp32", "method": "fp32", "perplexity": base, "seconds": 0.0})
     log.info("fp32 %.3f", base)
     for label in schemes:
-        scheme = SCHEMES[label]
-        methods: dict[str, Any] = {
-            "RTN": lambda m, s=scheme: compress.quantize(m, s, ignore=["lm_head"]),
-            "GPTQ": lambda m, s=scheme: compress.gptq(m, data, scheme=s, params=GPTQParams(act_order=True)),
-            "AWQ": lambda m, s=scheme: compress.awq(m, data, scheme=s),
-            "AWQ duo": lambda m, s=scheme: compress.awq(m, data, scheme=s, params=AWQParams(duo_scaling=True)),
-            "AWQ+GPTQ": lambda m, s=scheme: compress.gptq(compress.awq(m, data, scheme=s), data, scheme=s,
-                                                          params=GPTQParams(act_order=True)),
-        }
-        for method, fn in methods.items():
+        for method, fn in torch_methods(SCHEMES[label], data).items():
             t = time.perf_counter()
             q = fn(copy.deepcopy(fp))
             secs = time.perf_counter() - t
             ppl = perplexity(q, evalw)
             rows.append({"scheme": label, "method": method, "perplexity": ppl, "seconds": secs})
             log.info("%s %s %.3f (%.1f s; %.0f s total)", label, method, ppl, secs, time.perf_counter() - t0)
+    return rows
+
+
+# ---- calibration draws: how much of a method's figure is the calibration sample's luck ------------
+
+
+def draw_windows(pool: torch.Tensor, calib: int, draw: int) -> torch.Tensor:
+    """Draw 0: the first ``calib`` windows (the main table's calibration set); draw k: ``calib``
+    windows sampled without replacement from ``pool`` with seed k."""
+    if draw == 0:
+        return pool[:calib]
+    return pool[torch.randperm(len(pool), generator=torch.Generator().manual_seed(draw))[:calib]]
+
+
+def run_draws(model_dir: str, pool: torch.Tensor, evalw: torch.Tensor, *, calib: int, calib_batch: int, draws: int,
+              schemes: list[str], methods: list[str]) -> dict[str, Any]:
+    """Per-window NLLs of fp32, RTN and each of ``methods`` calibrated on ``draws`` calibration sets."""
+    from compress.models import load_model
+
+    fp = load_model({"hf_path": model_dir}).eval()
+    out: dict[str, Any] = {"fp32": window_nll(fp, evalw).tolist(), "schemes": {}}
+    t0 = time.perf_counter()
+    for label in schemes:
+        rtn = torch_methods(SCHEMES[label], [])["RTN"](copy.deepcopy(fp))
+        out["schemes"][label] = {"RTN": window_nll(rtn, evalw).tolist(), "draws": {m: [] for m in methods}}
+    for d in range(draws):
+        cal = draw_windows(pool, calib, d)
+        data = [cal[i : i + calib_batch] for i in range(0, len(cal), calib_batch)]
+        for label in schemes:
+            table_ = torch_methods(SCHEMES[label], data)
+            for m in methods:
+                nll = window_nll(table_[m](copy.deepcopy(fp)), evalw)
+                out["schemes"][label]["draws"][m].append(nll.tolist())
+                log.info("draw %d %s %s %.3f (%.0f s)", d, label, m, _ppl(nll, evalw.shape[1]),
+                         time.perf_counter() - t0)
+    return out
+
+
+def gap_closed(fp: torch.Tensor, rtn: torch.Tensor, method: torch.Tensor) -> torch.Tensor:
+    """Share of RTN's perplexity gap to fp32 that ``method`` removes, from per-window NLLs
+    (``[..., windows]``; leading dims broadcast, e.g. bootstrap resamples or draws)."""
+    ppl = [t.mean(-1).exp() for t in (fp, rtn, method)]  # per-token NLLs: windows predict equal token counts
+    return (ppl[1] - ppl[2]) / (ppl[1] - ppl[0])
+
+
+def summarize_draws(res: dict[str, Any], seq_len: int, *, resamples: int = 2000) -> list[dict[str, Any]]:
+    """Per scheme and method: the gap closed on each draw, their mean and range, and a 90% interval
+    of the mean from a paired bootstrap over the eval windows (every method on the same resample)."""
+    tok = float(seq_len - 1)
+    fp = torch.tensor(res["fp32"], dtype=torch.float64) / tok
+    n = fp.numel()
+    idx = torch.randint(0, n, (resamples, n), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for label, sc in res["schemes"].items():
+        rtn = torch.tensor(sc["RTN"], dtype=torch.float64) / tok
+        for m, per_draw in sc["draws"].items():
+            nll = torch.tensor(per_draw, dtype=torch.float64) / tok  # [draws, windows]
+            each = gap_closed(fp, rtn, nll)
+            boot = gap_closed(fp[idx], rtn[idx], nll[:, idx]).mean(0)  # [resamples]
+            lo, hi = torch.quantile(boot, torch.tensor([0.05, 0.95], dtype=torch.float64)).tolist()
+            rows.append({
+                "scheme": label, "method": m, "draws": len(per_draw),
+                "gap closed, mean": f"{float(each.mean()):.0%}",
+                "90% interval (eval windows)": f"{lo:.0%} to {hi:.0%}",
+                "per draw": " ".join(f"{float(v):.0%}" for v in each),
+                "min": f"{float(each.min()):.0%}", "max": f"{float(each.max()):.0%}",
+            })
     return rows
 
 
@@ -227,8 +310,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-ort", action="store_true")
     p.add_argument("--ort-only", action="store_true", help="rerun ORT's rows, keep the last run's PyTorch rows")
     p.add_argument("--report-only", action="store_true", help="rewrite the RESULTS.md section from the last run's rows")
+    p.add_argument("--draws", type=int, default=0,
+                   help="instead of the main table: run --draw-methods on this many calibration sets (draw 0: the "
+                        "main table's) and write the llm_quant_draws section")
+    p.add_argument("--draw-methods", nargs="+", default=["GPTQ", "AWQ", "AWQ act-only"],
+                   choices=[m for m in torch_methods({}, []) if m != "RTN"])
+    p.add_argument("--pool", type=int, default=512, help="calibration windows the draws sample from")
     args = p.parse_args(argv)
     calib, evalw = lm_windows(args)
+    if args.draws:
+        _main_draws(args, len(calib), evalw)
+        return
     if args.ort_only or args.report_only:  # reuse the last run's rows (same args): rerun ORT's part / nothing
         from benchmarks._results import RESULTS_DIR
 
@@ -255,6 +347,39 @@ def main(argv: list[str] | None = None) -> None:
         _write(args, rows, len(calib), len(evalw))
 
 
+def _main_draws(args: argparse.Namespace, n_calib: int, evalw: torch.Tensor) -> None:
+    from benchmarks._results import RESULTS_DIR
+    from compress.data.lm import text_lm
+
+    path = RESULTS_DIR / "llm_quant_draws.json"
+    if args.report_only:
+        res = json.loads(path.read_text())["result"]
+    else:
+        splits = text_lm(seed=0, tokenizer=args.model, seq_len=args.seq_len, samples=max(args.pool, n_calib))
+        pool = _windows(splits.calibration)
+        res = run_draws(args.model, pool, evalw, calib=n_calib, calib_batch=args.calib_batch, draws=args.draws,
+                        schemes=args.schemes, methods=args.draw_methods)
+        res["pool"] = len(pool)
+        if args.add:  # more methods (or schemes) merged into the last draws run (same model, data and args)
+            old = json.loads(path.read_text())["result"]
+            for label, sc in res["schemes"].items():
+                old["schemes"].setdefault(label, sc)["draws"].update(sc["draws"])
+            res = old
+    rows = summarize_draws(res, args.seq_len)
+    n_draws = max(r["draws"] for r in rows)
+    md = (
+        "## Weight-only LLM quantization: the calibration sample's share (`python -m benchmarks.llm_quant --draws N`)\n\n"
+        f"The reference LLaMA of `llm_quant`; each method calibrated on {n_draws} calibration sets of {n_calib} "
+        f"windows (draw 0: the main table's, the first {n_calib}; draw k: {n_calib} of the first {res['pool']} "
+        f"calibration windows, sampled with seed k) and evaluated on the same {len(res['fp32'])} held-out windows. "
+        "RTN needs no calibration: its gap to fp32 is the same on every draw. 'per draw': the share of RTN's "
+        "perplexity gap each calibrated model closes; '90% interval': of the mean over draws, from 2000 paired "
+        "bootstrap resamples of the eval windows (what another held-out sample of this size could show).\n\n"
+        + table(rows) + f"\nMachine load: {args.load}.\n"
+    )
+    write_section("llm_quant_draws", md, {"result": res, "args": vars(args)})
+
+
 def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int, n_eval: int) -> None:
     info = json.loads((Path(args.model) / "training.json").read_text())
     summary = summarize(rows)
@@ -267,8 +392,9 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int, n
         f"{info['train_tokens_seen'] / 1e3:.0f}k training tokens, {info['train_seconds'] / 60:.0f} min on this CPU under load; "
         f"held-out perplexity {info['eval_perplexity']:.1f} on {info['eval_tokens']} tokens). Here: perplexity on "
         f"{n_eval} held-out windows of {args.seq_len} tokens, {n_calib} calibration windows. Decoder-layer "
-        "Linears quantized (lm_head and embeddings float, for every method). GPTQ with act_order (static groups); "
-        "AWQ with scales from the activations alone (the paper's form, compress's default; 'AWQ duo': AutoAWQ's default duo scaling, with the weight term), grid 20, each candidate judged with its weights clip-searched as the clip "
+        "Linears quantized (lm_head and embeddings float, for every method); symmetric grids with each group's "
+        "larger end on the extra level (-8 at 4 bits, a signed scale), as ORT's blockwise quantizer. GPTQ with act_order (static groups); "
+        "AWQ with duo scaling (activation and weight terms, compress's default as AutoAWQ's; 'AWQ act-only': the paper's form, activations alone), grid 20, each candidate judged with its weights clip-searched as the clip "
         "phase will clip them; GQA's o_proj scaled through v_proj with scales tied per key/value head; clip "
         "search on every Linear, q/k included, each clip kept only where it lowers its group's module-output "
         "error. 'RTN gap closed': how much of RTN's perplexity increase over "

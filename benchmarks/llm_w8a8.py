@@ -47,9 +47,10 @@ CONFIGS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
 }
 
 
-NOTE = ("Perplexity is deterministic for a given model, data and configuration; on the 2000-step reference "
-        "model (RTN w4 costs +1.0%, w3 +4.4%: `llm_quant`) differences of a few hundredths of a percent are "
-        "real but too small to rank configurations on other models by.")
+NOTE = ("Perplexity is deterministic for a given model, data and configuration (and machine: "
+        "benchmarks/train_reference_llm.py); on the 2000-step reference model (weight-only costs in `llm_quant`) "
+        "differences of a few hundredths of a percent are real but too small to rank configurations on other "
+        "models by.")
 
 
 def run(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib_batch: int) -> list[dict[str, Any]]:
