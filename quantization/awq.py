@@ -7,10 +7,11 @@ up_proj -> down_proj through SwiGLU's product) gets per-input-channel scales ``s
 are multiplied by ``s`` and the producer divided by it, which leaves the float layer unchanged and
 lets the salient input channels (large mean ``|x|``) keep more precision after rounding.
 
-``s = mean|x|^alpha`` (the AWQ paper's form; with ``duo_scaling``, AutoAWQ's default,
-``mean|x|^alpha / mean|w_normalized|^(1-alpha)``), normalized to a geometric mean of 1. On the
-reference Llama the activation-only form closed more of RTN's perplexity gap in all four schemes
-measured (benchmarks/RESULTS.md, llm_quant), so it is the default here; alpha is picked on a grid by the
+``s = mean|x|^alpha / mean|w_normalized|^(1-alpha)`` (``duo_scaling``, the default here as in
+AutoAWQ and llm-compressor; off: ``mean|x|^alpha``, the paper's form), normalized to a geometric
+mean of 1. On the reference Llama, over 5 calibration draws, the duo form closed 45% of RTN's
+perplexity gap at w4 per-channel against 33% (w3 g128: 33% against 32%; benchmarks/RESULTS.md,
+llm_quant_draws); searching both forms' candidates did no better than duo alone. Alpha is picked on a grid by the
 group's output error over calibration tokens: the output of the innermost module holding the
 group (q/k/v: the attention block, through RoPE and the softmax; gate/up: the MLP; down: itself),
 rerun with ``Q(W s) / s`` in place of ``W``, against its float output (AutoAWQ's
@@ -71,7 +72,7 @@ class AWQFields(BaseModel):
     """The AWQ knobs, declared once: AWQParams (API) and the ``awq`` recipe spec share them."""
 
     grid: int = Field(20, ge=1)
-    duo_scaling: bool = False
+    duo_scaling: bool = True
     clip: bool = True
     clip_grid: int = Field(20, ge=1)
     max_shrink: float = Field(0.5, ge=0, lt=1)
@@ -83,7 +84,7 @@ class AWQFields(BaseModel):
 
 class AWQParams(AWQFields):
     """AWQ's knobs: ``grid`` alphas in [0, 1) for the scale search, ``duo_scaling`` (weight term in
-    the scales, AutoAWQ's default; off: activations alone, as the paper), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
+    the scales, as AutoAWQ; off: activations alone, as the paper), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
     skipping Linears matching ``clip_ignore`` (each clip is kept only where it lowers the error at
     its group's inspected module); ``sample_tokens`` / ``clip_tokens`` calibration rows
     sampled for the two searches (bounded cost and memory); ``clip_in_search``: each scale candidate
@@ -311,7 +312,7 @@ def search_scales(
     x_mean = (x_sum / x_rows).clamp_min(1e-8)
     w_mean = _weight_importance(w, spec).clamp_min(1e-8)
     cands: list[tuple[float, torch.Tensor]] = [(-1.0, torch.ones_like(x_mean))]
-    for i in range(params.grid):
+    for i in range(0 if params.duo_scaling else 1, params.grid):  # mean|x|^0 is s = 1, already a candidate
         alpha = i / params.grid
         s = x_mean.pow(alpha) / w_mean.pow(1 - alpha) if params.duo_scaling else x_mean.pow(alpha)
         s = _tie(s.clamp_min(1e-4), index)
