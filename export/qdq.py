@@ -201,13 +201,25 @@ def _shift_dtype(scale: torch.Tensor, zp: torch.Tensor, qmin: int, target: str) 
     return scale.detach().float().clone(), z.to(dtype)
 
 
+def _positive_scales(codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, axis: int, qmin: int, qmax: int,
+                     where: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Codes and scales with every scale positive: a low-bit symmetric weight's negative scale
+    (quantization.primitives.qparams_from_range) is moved into its codes, ``q * s = (-q) * (-s)``,
+    which int8 storage holds (4 bits: [-7, 8]). The integer-kernel paths (QLinearConv, QGemm, the
+    bias's int32 codes) then see the positive weight scales ORT's own quantizer writes."""
+    if bool((zp != 0).any()) or -qmin > 127:
+        raise ExportError(f"{where}: a negative weight scale on a grid that cannot be negated ([{qmin}, {qmax}])")
+    neg = _shape_for(scale, codes, axis) < 0
+    return torch.where(neg, -codes, codes), scale.abs(), min(qmin, -qmax), max(qmax, -qmin)
+
+
 def _reduce_range(codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, axis: int, qmin: int, qmax: int) -> tuple[
     torch.Tensor, torch.Tensor, torch.Tensor
 ]:
     """Re-quantize int8 weight codes to 7 bits ([-64, 63]) over the same real range (ORT's
-    reduce_range: keeps u8s8 products from saturating int16 on CPUs without VNNI). Codes calibrated
-    at 7 bits already (QuantSpec.reduce_range) are returned as they are."""
-    if (qmin, qmax) == (-64, 63):
+    reduce_range: keeps u8s8 products from saturating int16 on CPUs without VNNI). Codes that fit
+    7 bits already (QuantSpec.reduce_range, or 4- and 3-bit weights) are returned as they are."""
+    if qmin >= -64 and qmax <= 63:
         return codes.to(torch.int8), scale.clone(), zp.to(torch.int8)
     s = _shape_for(scale, codes, axis) if scale.dim() else scale
     z = (_shape_for(zp, codes, axis) if zp.dim() else zp).float()
@@ -309,6 +321,8 @@ def swap_quantizers(model: nn.Module, *, activation_dtype: ActDtype = "uint8", r
                     summary.blocked_weights += 1
                     summary.weight_bits.add(int(q.spec.bits))
                     continue
+                if bool((scale < 0).any()):
+                    codes, scale, qmin, qmax = _positive_scales(codes, scale, zp, axis, qmin, qmax, where)
                 if reduce_range:
                     c8, s8, z8 = _reduce_range(codes, scale, zp, axis, qmin, qmax)
                 else:

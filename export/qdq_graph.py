@@ -367,20 +367,20 @@ def _fit_bias_in_int32(g: _Graph, n: onnx.NodeProto, dqw: onnx.NodeProto, bias: 
     need = np.abs(bias.astype(np.float64)) / (sx * limit) * 1.001
     if sw.ndim == 0:
         need = np.asarray(need.max() if need.size else 0.0)
-    if not np.any(sw < need):
+    if not np.any(np.abs(sw) < need):  # magnitudes: a low-bit weight scale may carry a sign
         return True
     if dqw.input[0] not in g.init or len(g.consumers.get(dqw.output[0], [])) != 1 or sw.shape != need.shape:
         log.warning("%s: its bias does not fit int32 codes at these scales; it stays float", n.name)
         return False
     codes = g.array(dqw.input[0])
     zp = g.array(dqw.input[2]).astype(np.float64) if len(dqw.input) > 2 and dqw.input[2] else np.zeros_like(sw)
-    new_sw = np.maximum(sw, need)
+    new_sw = np.where(sw < 0, -1.0, 1.0) * np.maximum(np.abs(sw), need)
     shape = [1] * codes.ndim
     if sw.ndim:
         shape[_axis(dqw) % codes.ndim] = -1
     info = np.iinfo(codes.dtype)
     requant = np.rint((codes - zp.reshape(shape)) * (sw / new_sw).reshape(shape)) + zp.reshape(shape)
-    raised = int(np.sum(sw < need))
+    raised = int(np.sum(np.abs(sw) < need))
     cn, sn = g.unique(f"{dqw.input[0]}_fit"), g.unique(f"{dqw.input[1]}_fit")
     g.set_init(cn, np.clip(requant, info.min, info.max).astype(codes.dtype))
     g.set_init(sn, new_sw.astype(g.array(dqw.input[1]).dtype))
