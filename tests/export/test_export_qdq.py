@@ -296,7 +296,15 @@ def test_int4_group_weights_run_as_matmulnbits(tmp_path: Path) -> None:
     _, ops = integer_kernel_count(path)
     assert ops == {"MatMulNBits": 3}
     exact = _run(path, {"input": x.numpy()}, optimize=False)
-    np.testing.assert_allclose(exact, model(x).detach().numpy(), atol=1e-5, rtol=0)
+    ref = model(x).detach().numpy()
+    np.testing.assert_allclose(exact, ref, atol=1e-5, rtol=0)
+    # the fused MatMulNBits reads the signed group scales as the DequantizeLinear does (accuracy level
+    # 0: float activations; ORT's default for the fusion, 4, rounds them to int8 and moves ~1%)
+    assert any(bool((m.weight_quantizer.scale < 0).any()) for m in model.modules() if hasattr(m, "weight_quantizer"))
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    fused = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})[0]
+    np.testing.assert_allclose(fused, ref, atol=1e-5, rtol=0)
     with pytest.raises(ExportError, match="opset >= 21"):
         export_onnx(model, x, tmp_path / "old.onnx", opset=20)
 
