@@ -17,6 +17,7 @@ import copy
 import json
 import logging
 import math
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -125,6 +126,33 @@ def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib
             rows.append({"scheme": label, "method": method, "perplexity": ppl, "seconds": secs})
             log.info("%s %s %.3f (%.1f s; %.0f s total)", label, method, ppl, secs, time.perf_counter() - t0)
     return rows
+
+
+@torch.no_grad()
+def outlier_ratios(model_dir: str, calib: torch.Tensor, *, batch: int = 16) -> list[float]:
+    """For each decoder Linear: its input's largest per-channel mean |x| over the median channel's,
+    on ``calib`` (LLMs with massive activations have channels tens of times the rest)."""
+    from compress.models import load_model
+
+    model = load_model({"hf_path": model_dir}).eval()
+    sums: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
+        def record(m: nn.Module, a: tuple[torch.Tensor, ...]) -> None:
+            x = a[0].detach().abs().reshape(-1, a[0].shape[-1]).sum(0)
+            sums[name] = sums[name] + x if name in sums else x
+
+        return record
+
+    handles = [mod.register_forward_pre_hook(hook(n)) for n, mod in model.named_modules()
+               if isinstance(mod, nn.Linear) and ".layers." in f".{n}"]
+    try:
+        for i in range(0, len(calib), batch):
+            model(input_ids=calib[i : i + batch])
+    finally:
+        for h in handles:
+            h.remove()
+    return [float(v.max() / v.median().clamp_min(1e-12)) for v in sums.values()]
 
 
 # ---- calibration draws: how much of a method's figure is the calibration sample's luck ------------
@@ -327,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = [r for r in json.loads((RESULTS_DIR / "llm_quant.json").read_text())["rows"]
                 if args.report_only or not r["method"].startswith("ORT")]
         if args.report_only:
-            _write(args, rows, len(calib), len(evalw))
+            _write(args, rows, calib, len(evalw))
             return
     elif args.add:  # more schemes, merged into the last run's rows (same model, data and args)
         from benchmarks._results import RESULTS_DIR
@@ -337,14 +365,14 @@ def main(argv: list[str] | None = None) -> None:
                if r["method"] != "fp32"]
         torch_rows = [r for r in old if not r["method"].startswith("ORT") and r["scheme"] not in args.schemes]
         rows = torch_rows + new + [r for r in old if r["method"].startswith("ORT")]
-        _write(args, rows, len(calib), len(evalw))
+        _write(args, rows, calib, len(evalw))
         return
     else:
         rows = run_torch(args.model, calib, evalw, calib_batch=args.calib_batch, schemes=args.schemes)
-    _write(args, rows, len(calib), len(evalw))  # the PyTorch figures stand even if ORT's part fails
+    _write(args, rows, calib, len(evalw))  # the PyTorch figures stand even if ORT's part fails
     if not args.no_ort:
         rows += run_ort(args.model, calib, evalw, batch=16)
-        _write(args, rows, len(calib), len(evalw))
+        _write(args, rows, calib, len(evalw))
 
 
 def _main_draws(args: argparse.Namespace, n_calib: int, evalw: torch.Tensor) -> None:
@@ -380,7 +408,9 @@ def _main_draws(args: argparse.Namespace, n_calib: int, evalw: torch.Tensor) -> 
     write_section("llm_quant_draws", md, {"result": res, "args": vars(args)})
 
 
-def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int, n_eval: int) -> None:
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], calib: torch.Tensor, n_eval: int) -> None:
+    n_calib = len(calib)
+    ratios = sorted(outlier_ratios(args.model, calib))
     info = json.loads((Path(args.model) / "training.json").read_text())
     summary = summarize(rows)
     md = (
@@ -407,6 +437,9 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int, n
         " size are noise)."
         + (" The issue asked for a reference model on which RTN w3 g128 costs several percent; this one does not"
            " get there." if _w3_rtn_cost(rows) < 2.0 else "") + "\n"
+        + f"\nActivation outliers, what AWQ's scales protect: at the {len(ratios)} decoder Linears' inputs, the "
+        f"largest channel's mean |x| is {ratios[0]:.1f}-{ratios[-1]:.1f} times the median channel's (median "
+        f"{statistics.median(ratios):.1f}) on the calibration windows.\n"
         + f"\nMachine load: {args.load}.\n"
     )
     write_section("llm_quant", md, {"rows": rows, "args": vars(args)})
