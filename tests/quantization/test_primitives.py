@@ -155,3 +155,33 @@ def test_low_bit_symmetric_scale_puts_the_larger_end_on_the_extra_level() -> Non
     torch.testing.assert_close(fq[2], torch.tensor([-7.5, 7 * 0.9375]))  # 7 > 7/8 * 7.5: clipped to 7 steps
     s8, _ = qparams_from_range(torch.tensor([-8.0]), torch.tensor([3.0]), qmin=-128, qmax=127, symmetric=True)
     torch.testing.assert_close(s8, torch.tensor([8.0 / 127]))
+
+
+def test_lsq_moves_a_negative_low_bit_scale_as_the_mirror_of_a_positive_one() -> None:
+    """A 4-bit channel led by its positive end has a negative scale. Its mirror image (the row
+    negated) has the same scale positive, the same codes and the same loss, so LSQ must move the two
+    scales as mirror images (a step signed by the scale would climb for one of them, a clamp to
+    positive would zero it)."""
+    from quantization.fake_quant import FakeQuantizer
+
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(64, generator=g)
+    row[0] = 4.0  # positive-led: the row's own scale is negative
+    w = torch.stack([row, -row])
+    q = FakeQuantizer(QuantSpec(bits=4, granularity="channel"), role="weight", name="w")
+    q.observing = True
+    q(w)
+    q.finish_calibration()
+    start = q.scale.detach().clone()
+    assert float(start[0]) < 0 and float(start[0]) == -float(start[1])
+    scale = q.enable_lsq()
+    opt = torch.optim.SGD([scale], lr=0.5)
+    for _ in range(10):
+        loss = (q(w) - w).pow(2).sum(1)
+        assert float(loss[0].detach()) == pytest.approx(float(loss[1].detach()), rel=1e-6)
+        opt.zero_grad()
+        loss.sum().backward()
+        opt.step()
+    now = scale.detach()
+    assert float((now - start).abs().min()) > 1e-4  # both moved
+    torch.testing.assert_close(now[0], -now[1])
