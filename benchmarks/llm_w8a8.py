@@ -47,10 +47,11 @@ CONFIGS: dict[str, tuple[str | dict[str, Any], dict[str, Any]]] = {
 }
 
 
-NOTE = ("Perplexity is deterministic for a given model, data and configuration (and machine: "
-        "benchmarks/train_reference_llm.py); on the 2000-step reference model (weight-only costs in `llm_quant`) "
-        "differences of a few hundredths of a percent are real but too small to rank configurations on other "
-        "models by.")
+NOTE = ("Perplexity repeats to the last digit between quiet runs on one machine (a run sharing the CPU with a "
+        "second copy of this benchmark once read 40.291 for the recipe's row, 40.282 in two quiet runs, every "
+        "other row the same; likely SmoothQuant's alpha search flipping on a near tie, since the load can change "
+        "the order of float sums); on the 2000-step reference model (weight-only costs in `llm_quant`) differences of a "
+        "few hundredths of a percent are real but too small to rank configurations on other models by.")
 
 
 def run(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib_batch: int) -> list[dict[str, Any]]:
