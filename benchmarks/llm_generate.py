@@ -40,7 +40,7 @@ import torch
 
 log = logging.getLogger("benchmarks.llm_generate")
 
-REFERENCE_DIR = Path("/work/notes/reference_llm")
+REFERENCE_DIR = Path("runs/reference_llm")  # benchmarks.train_reference_llm's default output
 SIZES: dict[str, dict[str, Any]] = {
     "reference": {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768,
                   "num_attention_heads": 4, "num_key_value_heads": 2},

@@ -9,6 +9,7 @@ Linears with quantized inputs as integer ops (``w8a8``), float32 otherwise.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import statistics
 import time
@@ -100,13 +101,16 @@ def torch_greedy(model: nn.Module, prompts: np.ndarray, new: int) -> torch.Tenso
     x = torch.from_numpy(prompts).long()
     mask = torch.ones_like(x)
     tokens = []
+    # transformers 5 names the KV cache ``cache`` (``past_key_values`` is deprecated); 4.x the other
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         out: Any = model(input_ids=x, attention_mask=mask, use_cache=True)
         for _ in range(new):
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(nxt)
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
-            out = model(input_ids=nxt, attention_mask=mask, past_key_values=out.past_key_values, use_cache=True)
+            past = out["cache"] if "cache" in out else out["past_key_values"]
+            out = model(input_ids=nxt, attention_mask=mask, use_cache=True, **{key: past})
     return torch.cat(tokens, dim=1)
 
 

@@ -108,10 +108,9 @@ def capture_inputs(model: nn.Module, layer: nn.Module, data: Iterable[Any], *, m
 
     def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         kw = dict(kwargs)
-        if "past_key_values" in kw:
-            kw["past_key_values"] = None
-        if "past_key_value" in kw:
-            kw["past_key_value"] = None
+        for key in ("past_key_values", "past_key_value", "cache"):  # transformers 4.x / 5.x names of the KV cache
+            if key in kw:
+                kw[key] = None
         calls.append((tuple(args), kw))
         raise _Captured
 
