@@ -253,16 +253,17 @@ def test_weight_only_export_is_int8_but_float_compute(tmp_path: Path) -> None:
     np.testing.assert_allclose(out, model(x).detach().numpy(), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("reduce_range", [False, True])
-def test_4bit_weights_with_signed_scales_run_in_integer_kernels(
-    trained_resnet: torch.nn.Module, digits: Any, tmp_path: Path, reduce_range: bool
+@pytest.mark.parametrize(("bits", "reduce_range"), [(4, False), (4, True), (3, False)])
+def test_low_bit_weights_with_signed_scales_run_in_integer_kernels(
+    trained_resnet: torch.nn.Module, digits: Any, tmp_path: Path, bits: int, reduce_range: bool
 ) -> None:
-    """w4a8: 4-bit per-channel weights put each channel's larger end on -8, so half the scales are
-    negative. The file stores positive scales (the codes negated) and ORT's QLinearConv/QGemm
-    compute what the fake-quant model does; the 4-bit codes already fit reduce_range's 7 bits."""
+    """w4a8 / w3a8: low-bit per-channel weights put each channel's larger end on qmin, so about half
+    the scales are negative. The file stores positive scales (the codes negated) and ORT's
+    QLinearConv/QGemm compute what the fake-quant model does; 4-bit codes already fit reduce_range's
+    7 bits."""
     from quantization.api import quantize
 
-    scheme = {"weights": {"bits": 4, "granularity": "channel"}, "inputs": {}}
+    scheme = {"weights": {"bits": bits, "granularity": "channel"}, "inputs": {}}
     q = quantize(copy.deepcopy(trained_resnet), scheme, digits.calibration).eval()
     scales = [m.weight_quantizer.scale for m in q.modules() if getattr(m, "weight_quantizer", None) is not None]
     assert any(bool((s < 0).any()) for s in scales) and any(bool((s > 0).any()) for s in scales)
@@ -272,7 +273,8 @@ def test_4bit_weights_with_signed_scales_run_in_integer_kernels(
     weight_dq = [n for n in graph.node if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) is not None
                  and inits[n.input[0]].ndim >= 2]
     assert weight_dq and all(float(inits[n.input[1]].min()) > 0 for n in weight_dq)
-    assert all(int(inits[n.input[0]].min()) >= -8 and int(inits[n.input[0]].max()) <= 8 for n in weight_dq)
+    top = 2 ** (bits - 1)  # the negated codes reach +top
+    assert all(int(inits[n.input[0]].min()) >= -top and int(inits[n.input[0]].max()) <= top for n in weight_dq)
     assert integer_kernel_count(p)[1].get("QLinearConv", 0) >= 1
     res = _eval_parity(q, p, digits)
     assert res["top1_agreement"] >= 0.99 and res["sqnr_db"] >= 30.0, res
