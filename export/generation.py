@@ -109,7 +109,7 @@ def torch_greedy(model: nn.Module, prompts: np.ndarray, new: int) -> torch.Tenso
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(nxt)
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
-            past = out["cache"] if "cache" in out else out["past_key_values"]
+            past = out["cache"] if "cache" in out else getattr(out, "past_key_values", None)
             out = model(input_ids=nxt, attention_mask=mask, use_cache=True, **{key: past})
     return torch.cat(tokens, dim=1)
 
