@@ -349,13 +349,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.draws:
         _main_draws(args, len(calib), evalw)
         return
+    ratios = sorted(outlier_ratios(args.model, calib))  # once: the section is written up to twice
     if args.ort_only or args.report_only:  # reuse the last run's rows (same args): rerun ORT's part / nothing
         from benchmarks._results import RESULTS_DIR
 
         rows = [r for r in json.loads((RESULTS_DIR / "llm_quant.json").read_text())["rows"]
                 if args.report_only or not r["method"].startswith("ORT")]
         if args.report_only:
-            _write(args, rows, calib, len(evalw))
+            _write(args, rows, len(calib), len(evalw), ratios)
             return
     elif args.add:  # more schemes, merged into the last run's rows (same model, data and args)
         from benchmarks._results import RESULTS_DIR
@@ -365,14 +366,14 @@ def main(argv: list[str] | None = None) -> None:
                if r["method"] != "fp32"]
         torch_rows = [r for r in old if not r["method"].startswith("ORT") and r["scheme"] not in args.schemes]
         rows = torch_rows + new + [r for r in old if r["method"].startswith("ORT")]
-        _write(args, rows, calib, len(evalw))
+        _write(args, rows, len(calib), len(evalw), ratios)
         return
     else:
         rows = run_torch(args.model, calib, evalw, calib_batch=args.calib_batch, schemes=args.schemes)
-    _write(args, rows, calib, len(evalw))  # the PyTorch figures stand even if ORT's part fails
+    _write(args, rows, len(calib), len(evalw), ratios)  # the PyTorch figures stand even if ORT's part fails
     if not args.no_ort:
         rows += run_ort(args.model, calib, evalw, batch=16)
-        _write(args, rows, calib, len(evalw))
+        _write(args, rows, len(calib), len(evalw), ratios)
 
 
 def _main_draws(args: argparse.Namespace, n_calib: int, evalw: torch.Tensor) -> None:
@@ -408,9 +409,9 @@ def _main_draws(args: argparse.Namespace, n_calib: int, evalw: torch.Tensor) -> 
     write_section("llm_quant_draws", md, {"result": res, "args": vars(args)})
 
 
-def _write(args: argparse.Namespace, rows: list[dict[str, Any]], calib: torch.Tensor, n_eval: int) -> None:
-    n_calib = len(calib)
-    ratios = sorted(outlier_ratios(args.model, calib))
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int, n_eval: int,
+           ratios: list[float]) -> None:
+    """The llm_quant section; ``ratios``: :func:`outlier_ratios`, sorted."""
     info = json.loads((Path(args.model) / "training.json").read_text())
     summary = summarize(rows)
     md = (
