@@ -22,7 +22,6 @@ import argparse
 import copy
 import hashlib
 import logging
-import math
 import os
 import sysconfig
 import tempfile
@@ -33,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from benchmarks.llm_quant import perplexity
 
 log = logging.getLogger("benchmarks.pruning_minitron")
 SEQ = 32
@@ -81,17 +82,6 @@ def build_llm(vocab: int) -> nn.Module:
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
-@torch.no_grad()
-def perplexity(model: nn.Module, held: torch.Tensor) -> float:
-    model.eval()
-    total, n = 0.0, 0
-    for i in range(0, len(held), 32):
-        x = held[i : i + 32]
-        total += float(lm_loss(model(input_ids=x).logits, x)) * x.shape[0]
-        n += x.shape[0]
-    return math.exp(total / n)
 
 
 def train(model: nn.Module, data: torch.Tensor, steps: int, *, lr: float, seed: int) -> None:

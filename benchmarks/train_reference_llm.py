@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.llm_quant import perplexity
 from compress.data.lm import TokenWindows, iter_texts, split_files, token_stream, train_tokenizer
 from compress.metrics import causal_lm_nll
 
@@ -60,19 +61,6 @@ def llama_config(
         eos_token_id=0,
         pad_token_id=0,
     )
-
-
-@torch.no_grad()
-def perplexity(model: torch.nn.Module, windows: TokenWindows, *, batch_size: int = 16) -> float:
-    """exp(mean next-token NLL) over every window (the ``perplexity`` metric's definition)."""
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(windows), batch_size):
-        x = windows.windows[i : i + batch_size]
-        nll, n = causal_lm_nll(model(input_ids=x).logits, x)
-        total += float(nll)
-        count += n
-    return math.exp(total / count)
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -131,7 +119,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             log.info("step %d loss %.3f (%.0f s)", row["step"], row["train_loss"], row["seconds"])
             model.train()
     train_s = time.perf_counter() - t_train
-    ppl = perplexity(model, eval_windows)
+    ppl = perplexity(model, eval_windows.windows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
