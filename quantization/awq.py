@@ -9,10 +9,11 @@ lets the salient input channels (large mean ``|x|``) keep more precision after r
 
 ``s = mean|x|^alpha / mean|w_normalized|^(1-alpha)`` (``duo_scaling``, the default here as in
 AutoAWQ and llm-compressor; off: ``mean|x|^alpha``, the paper's form), normalized to a geometric
-mean of 1. On the reference Llama, over 5 calibration draws, the duo form closed 45% of RTN's
-perplexity gap at w4 per-channel against 33% (w3 g128: 33% against 32%; benchmarks/RESULTS.md,
-llm_quant_draws); searching both forms' candidates did no better than duo alone. Alpha is picked on a grid by the
-group's output error over calibration tokens: the output of the innermost module holding the
+mean of 1. On the reference Llama the duo form closed more of RTN's perplexity gap than the
+activation-only one in all four schemes on one calibration set (benchmarks/RESULTS.md, llm_quant:
+w4 per-channel 56% against 42%, w3 g128 36% against 31%); searching both forms' candidates did no
+better than duo alone over 5 draws. Alpha is picked on a grid by the group's output error over
+calibration tokens: the output of the innermost module holding the
 group (q/k/v: the attention block, through RoPE and the softmax; gate/up: the MLP; down: itself),
 rerun with ``Q(W s) / s`` in place of ``W``, against its float output (AutoAWQ's
 ``module2inspect``), with ``s = 1`` (plain rounding) always a candidate, so the search never does
