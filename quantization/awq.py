@@ -515,7 +515,7 @@ def awq_layer(
     shared: dict[tuple[Any, ...], torch.Tensor] = {}  # q/k/v (gate/up) read one tensor: one sampled copy
     for n, v in inputs.items():
         if v:
-            key = tuple((t.data_ptr(), tuple(t.shape), t.stride()) for t in v)
+            key = tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in v)
             if key not in shared:
                 shared[key] = _sample_rows(torch.cat(v).float(), params.sample_tokens, seed)
             x_of[n] = shared[key]
