@@ -376,10 +376,17 @@ def main(argv: list[str] | None = None) -> None:
         _write(args, rows, len(calib), len(evalw), ratios)
 
 
+def _awq_samples() -> str:
+    """AWQ's default sample sizes, as the sections state them."""
+    from quantization.awq import AWQParams
+
+    p = AWQParams()
+    return f"scales searched on up to {p.sample_tokens} calibration tokens and clips on {p.clip_tokens}"
+
+
 def _main_draws(args: argparse.Namespace, n_calib: int, evalw: torch.Tensor) -> None:
     from benchmarks._results import RESULTS_DIR
     from compress.data.lm import text_lm
-    from quantization.awq import AWQParams
 
     path = RESULTS_DIR / "llm_quant_draws.json"
     if args.report_only:
@@ -402,8 +409,7 @@ def _main_draws(args: argparse.Namespace, n_calib: int, evalw: torch.Tensor) -> 
         f"The reference LLaMA of `llm_quant`; each method calibrated on {n_draws} calibration sets of {n_calib} "
         f"windows (draw 0: the main table's, the first {n_calib}; draw k: {n_calib} of the first {res['pool']} "
         f"calibration windows, sampled with seed k) and evaluated on the same {len(res['fp32'])} held-out windows. "
-        f"AWQ's searches as in `llm_quant` ({AWQParams().sample_tokens} / {AWQParams().clip_tokens} tokens for scales / "
-        "clips). RTN needs no calibration: its gap to fp32 is the same on every draw. 'per draw': the share of RTN's "
+        f"AWQ's searches as in `llm_quant` ({_awq_samples()}). RTN needs no calibration: its gap to fp32 is the same on every draw. 'per draw': the share of RTN's "
         "perplexity gap each calibrated model closes; '90% interval': of the mean over draws, from 2000 paired "
         "bootstrap resamples of the eval windows (what another held-out sample of this size could show).\n\n"
         + table(rows) + f"\nMachine load: {args.load}.\n"
@@ -414,9 +420,6 @@ def _main_draws(args: argparse.Namespace, n_calib: int, evalw: torch.Tensor) -> 
 def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int, n_eval: int,
            ratios: list[float]) -> None:
     """The llm_quant section; ``ratios``: :func:`outlier_ratios`, sorted."""
-    from quantization.awq import AWQParams
-
-    awq = AWQParams()
     info = json.loads((Path(args.model) / "training.json").read_text())
     summary = summarize(rows)
     md = (
@@ -431,8 +434,7 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int, n
         "Linears quantized (lm_head and embeddings float, for every method); symmetric grids with each group's "
         "larger end on the extra level (-8 at 4 bits, a signed scale), as ORT's blockwise quantizer. GPTQ with act_order (static groups); "
         "AWQ with duo scaling (activation and weight terms, compress's default as AutoAWQ's; 'AWQ act-only': the paper's form, activations alone), grid 20, "
-        f"scales searched on up to {awq.sample_tokens} calibration tokens and clips on {awq.clip_tokens}, each "
-        "candidate judged with its weights clip-searched as the clip phase will clip them; GQA's o_proj scaled through v_proj with scales tied per key/value head; clip "
+        f"{_awq_samples()}, each candidate judged with its weights clip-searched as the clip phase will clip them; GQA's o_proj scaled through v_proj with scales tied per key/value head; clip "
         "search on every Linear, q/k included, each clip kept only where it lowers its group's module-output "
         "error. 'RTN gap closed': how much of RTN's perplexity increase over "
         "fp32 the method removes. ORT rows: the same fp32 model exported to ONNX and quantized by "
