@@ -42,7 +42,7 @@ import fnmatch
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -284,13 +284,23 @@ def _tie(s: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     return logs.exp()[index]
 
 
+class ScaleChoice(NamedTuple):
+    """What :func:`search_scales` picked: ``scales``, ``alpha`` (-1: ``s = 1``, plain rounding, was
+    best), ``error`` with them and ``unscaled_error`` with ``s = 1``, both per output element and
+    judged alike (clipped when ``clip_in_search``): their ratio is what the scales bought."""
+
+    scales: torch.Tensor
+    alpha: float
+    error: float
+    unscaled_error: float
+
+
 def search_scales(
     x: torch.Tensor, weights: Sequence[torch.Tensor], spec: QuantSpec, params: AWQParams,
     *, output_error: ModuleOutputError | None = None, index: torch.Tensor | None = None,
     clip_rows: torch.Tensor | None = None, clipped: Sequence[bool] | None = None,
-) -> tuple[torch.Tensor, float, float]:
-    """Best per-input-channel scales for Linears with weights ``weights`` reading rows ``x``:
-    returns ``(s, alpha, error)`` (alpha -1 means s = 1, plain rounding, was best).
+) -> ScaleChoice:
+    """Best per-input-channel scales for Linears with weights ``weights`` reading rows ``x``.
     ``output_error``: the objective, the group's module rerun on recorded calls (see
     :func:`awq_layer`); default: the Linears' own outputs on ``x``. The error is per output element.
     ``index``: the group's channel map (:class:`FoldGroup`); channels sharing a producer channel get one scale.
@@ -340,7 +350,16 @@ def search_scales(
     n = torch.tensor([n_out])
     _all_sum(errs, n)  # under DDP every rank picks the same scales, on all ranks' tokens
     k = int(torch.argmin(errs))
-    return cands[k][1], cands[k][0], float(errs[k] / n)
+    return ScaleChoice(cands[k][1], cands[k][0], float(errs[k] / n), float(errs[0] / n))
+
+
+def scale_gain(summary: dict[str, Any]) -> float | None:
+    """Median over the searched groups of ``error / unscaled_error`` in a sequential AWQ summary
+    (layer reports of :func:`awq_layer`): 1.0 means the scales bought nothing on their objective,
+    as on a model with few activation outliers; None when no group had a fold to search."""
+    ratios = [g["error"] / g["unscaled_error"] for r in summary["layers"] for g in r.get("groups", [])
+              if g.get("unscaled_error") and g["unscaled_error"] > 0]
+    return float(torch.tensor(ratios).median()) if ratios else None
 
 
 def _common_scope(names: Sequence[str]) -> str:
@@ -530,15 +549,16 @@ def awq_layer(
         scope = _common_scope(g.consumers)
         error = ModuleOutputError(layer.get_submodule(scope), [linears[c] for c in g.consumers], recorded[scope]) \
             if recorded.get(scope) else None
-        s, alpha, err = search_scales(x, [linears[c].weight for c in g.consumers], spec.spec, params,
-                                      output_error=error, index=g.index,
-                                      clip_rows=_sample_rows(x, params.clip_tokens, seed + 1),
-                                      clipped=[_clips(c, linears[c], params) for c in g.consumers])
-        if alpha >= 0:
-            _fold(layer, g.producer, g.consumers, s, g.index, offset=g.offset)
+        pick = search_scales(x, [linears[c].weight for c in g.consumers], spec.spec, params,
+                             output_error=error, index=g.index,
+                             clip_rows=_sample_rows(x, params.clip_tokens, seed + 1),
+                             clipped=[_clips(c, linears[c], params) for c in g.consumers])
+        if pick.alpha >= 0:
+            _fold(layer, g.producer, g.consumers, pick.scales, g.index, offset=g.offset)
             for c in g.consumers:
-                scale_of[c] = s
-        report["groups"].append({"consumers": g.consumers, "producer": g.producer, "alpha": alpha, "error": err,
+                scale_of[c] = pick.scales
+        report["groups"].append({"consumers": g.consumers, "producer": g.producer, "alpha": pick.alpha,
+                                 "error": pick.error, "unscaled_error": pick.unscaled_error,
                                  "inspected": scope or "<layer>"})
     if params.clip:
         clipped: dict[str, torch.Tensor] = {}

@@ -5,6 +5,7 @@ the clip search, and AWQ then GPTQ composed."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from torch import nn
 
 import compress
 from compress.errors import CalibrationError
-from quantization.awq import AWQParams, find_fold_groups, search_clip, search_scales
+from quantization.awq import AWQParams, find_fold_groups, scale_gain, search_clip, search_scales
 from quantization.calibration import float_mode
 from quantization.modules import QuantLinear
 from quantization.primitives import dynamic_qparams, fake_quantize_spec
@@ -143,11 +144,12 @@ def test_scale_search_never_loses_to_rtn_and_favours_salient_channels() -> None:
     w = torch.randn(48, 64, generator=g) * 0.05
     spec = W3.weights
     assert spec is not None
-    s, alpha, err = search_scales(x, [w], spec, AWQParams())
+    pick = search_scales(x, [w], spec, AWQParams(clip=False))
     sc, zp = dynamic_qparams(w, spec)
     rtn_err = float(((x @ fake_quantize_spec(w, sc, zp, spec).t() - x @ w.t()) ** 2).mean())
-    assert alpha >= 0 and err < 0.9 * rtn_err
-    assert float(s[:4].min()) > float(s[4:].max())  # the salient channels are scaled up
+    assert pick.unscaled_error == pytest.approx(rtn_err, rel=1e-4)  # s = 1 is plain rounding
+    assert pick.alpha >= 0 and pick.error < 0.9 * rtn_err
+    assert float(pick.scales[:4].min()) > float(pick.scales[4:].max())  # the salient channels are scaled up
 
 
 def test_scales_are_chosen_for_the_clipped_weights_they_will_get() -> None:
@@ -170,10 +172,11 @@ def test_scales_are_chosen_for_the_clipped_weights_they_will_get() -> None:
         sc, zp = dynamic_qparams(clipped, spec)
         return float(((x @ (fake_quantize_spec(clipped, sc, zp, spec) / s).t() - x @ w.t()) ** 2).mean())
 
-    s_aware, _, err_aware = search_scales(x, [w], spec, AWQParams(), clip_rows=x)
-    s_blind, _, _ = search_scales(x, [w], spec, AWQParams(clip_in_search=False))
-    assert err_aware == pytest.approx(final(s_aware), rel=1e-4)
-    assert final(s_aware) <= final(s_blind) * (1 + 1e-6)
+    aware = search_scales(x, [w], spec, AWQParams(), clip_rows=x)
+    blind = search_scales(x, [w], spec, AWQParams(clip_in_search=False))
+    assert aware.error == pytest.approx(final(aware.scales), rel=1e-4)
+    assert aware.unscaled_error == pytest.approx(final(torch.ones(64)), rel=1e-4)  # judged alike
+    assert final(aware.scales) <= final(blind.scales) * (1 + 1e-6)
 
 
 def test_clip_search_bounds_lie_within_the_range_and_do_not_hurt() -> None:
@@ -225,7 +228,10 @@ def test_scale_search_reads_each_group_at_its_module_output() -> None:
         ("mlp.gate_proj", "mlp.up_proj"): "mlp",
         ("mlp.down_proj",): "mlp.down_proj",
     }
-    assert all(g["error"] >= 0 for r in reports for g in r["groups"] if g["producer"] is not None)
+    searched = [g for r in reports for g in r["groups"] if g["producer"] is not None]
+    assert all(0 <= g["error"] <= g["unscaled_error"] for g in searched)  # s = 1 is always a candidate
+    ratio = scale_gain({"layers": reports})
+    assert ratio is not None and 0 < ratio <= 1
 
 
 def test_a_clip_is_kept_only_where_the_inspected_module_agrees() -> None:
@@ -297,3 +303,22 @@ def test_awq_ranks_choose_the_same_scales_and_clips(tmp_path: Any) -> None:
     alone = compress.awq(_llama(), [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(10))
                                     for _ in range(3)], scheme=W3).state_dict()
     assert any(not torch.equal(alone[n], w0[n]) for n in w0)  # the shards do differ
+
+
+def test_awq_recipe_reports_what_the_scales_bought(tiny_llm_dir: str, tmp_path: Path) -> None:
+    """The report's awq_groups table gives each group's module-output error with its scales and
+    with s = 1 (judged alike), as the GPTQ table gives RTN's and GPTQ's; the stage metric is their
+    median ratio, what a user reads to see whether AWQ's scales helped their model at all."""
+    raw = {
+        "version": 1, "model": {"hf_path": tiny_llm_dir},
+        "data": {"source": "text_lm", "kwargs": {"tokenizer": tiny_llm_dir, "seq_len": 32, "samples": 8},
+                 "calibration_samples": 8, "eval_samples": 8, "calibration_batch_size": 4, "eval_batch_size": 4},
+        "train": {"metric": "perplexity"}, "export": {"enabled": False},
+        "stages": [{"name": "awq", "modifiers": [{"type": "awq", "scheme": "w4_weight_only_g128"}]}],
+    }
+    report = compress.apply(compress.load_recipe(raw), out_dir=tmp_path / "run", quiet=True)
+    stage = report.stages[0]
+    rows = [r for r in stage.tables["awq_groups"] if r["folded_into"] != "-"]
+    assert rows and all(0 <= r["error"] <= r["unscaled_error"] for r in rows)
+    ratios = sorted(r["error"] / r["unscaled_error"] for r in rows)
+    assert stage.metrics["awq_scale_error_ratio"] == pytest.approx(ratios[(len(ratios) - 1) // 2], abs=1e-4)
