@@ -101,6 +101,8 @@ def torch_methods(scheme: Any, data: list[torch.Tensor]) -> dict[str, Callable[[
         "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme, params=GPTQParams(act_order=True)),
         "AWQ": lambda m: compress.awq(m, data, scheme=scheme),
         "AWQ act-only": lambda m: compress.awq(m, data, scheme=scheme, params=AWQParams(duo_scaling=False)),
+        # AWQ's two parts told apart: its scales alone, without the clip search
+        "AWQ scales only": lambda m: compress.awq(m, data, scheme=scheme, params=AWQParams(clip=False)),
         "AWQ+GPTQ": lambda m: compress.gptq(compress.awq(m, data, scheme=scheme), data, scheme=scheme,
                                             params=GPTQParams(act_order=True)),
     }
@@ -409,7 +411,8 @@ def _main_draws(args: argparse.Namespace, n_calib: int, evalw: torch.Tensor) -> 
         f"The reference LLaMA of `llm_quant`; each method calibrated on {n_draws} calibration sets of {n_calib} "
         f"windows (draw 0: the main table's, the first {n_calib}; draw k: {n_calib} of the first {res['pool']} "
         f"calibration windows, sampled with seed k) and evaluated on the same {len(res['fp32'])} held-out windows. "
-        f"AWQ's searches as in `llm_quant` ({_awq_samples()}). RTN needs no calibration: its gap to fp32 is the same on every draw. 'per draw': the share of RTN's "
+        f"AWQ's searches as in `llm_quant` ({_awq_samples()}); 'AWQ scales only': AWQ without its clip search "
+        "(`clip: false`), what its scales alone buy. RTN needs no calibration: its gap to fp32 is the same on every draw. 'per draw': the share of RTN's "
         "perplexity gap each calibrated model closes; '90% interval': of the mean over draws, from 2000 paired "
         "bootstrap resamples of the eval windows (what another held-out sample of this size could show).\n\n"
         + table(rows) + f"\nMachine load: {args.load}.\n"
