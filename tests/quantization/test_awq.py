@@ -194,6 +194,36 @@ def test_clip_search_bounds_lie_within_the_range_and_do_not_hurt() -> None:
     assert err(clipped) <= err(w)
 
 
+@pytest.mark.parametrize(("spec", "rows"), [
+    (QuantSpec(bits=3, granularity="group", group_size=32), 256),  # groups narrower than the rows: Gram path
+    (QuantSpec(bits=4, granularity="channel"), 40),  # a row of 80 wider than the 40 rows: per-row products
+])
+def test_clip_search_picks_each_groups_best_shrink_on_either_path(spec: QuantSpec, rows: int) -> None:
+    """Against a brute force over the shrink grid, the bound found is each (output channel, group)'s
+    least output error on the rows, whichever way the error is computed."""
+    from quantization.primitives import to_groups
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, 80, generator=g) * (1 + 3 * torch.rand(80, generator=g))
+    w = torch.randn(24, 80, generator=g) * 0.05
+    w[::3, 7] = 0.6
+    params = AWQParams(clip_tokens=16)
+    bound = search_clip(x, w, spec, params)
+    gs = 32 if spec.granularity == "group" else 80
+    xt, wg = to_groups(x, gs), to_groups(w, gs)
+    amax = wg.abs().amax(-1)
+
+    def err(b: torch.Tensor) -> torch.Tensor:  # [out, G]
+        cw = torch.maximum(torch.minimum(wg, b.unsqueeze(-1)), -b.unsqueeze(-1))
+        sc, zp = dynamic_qparams(cw.reshape(-1, gs), QuantSpec(bits=spec.bits, granularity="channel"))
+        q = fake_quantize_spec(cw.reshape(-1, gs), sc, zp, QuantSpec(bits=spec.bits, granularity="channel"))
+        return ((torch.einsum("ngk,bgk->bng", xt, q.reshape(wg.shape) - wg)) ** 2).sum(1)
+
+    best = torch.stack([err(amax * (1 - i / 20)) for i in range(10)]).amin(0)
+    assert torch.all(err(bound) <= best * (1 + 1e-4) + 1e-9)
+    assert bool((bound < amax).any())  # clipping pays off somewhere: the check is not of the unclipped max alone
+
+
 def test_awq_then_gptq_keeps_awq_and_rounds_with_gptq() -> None:
     fp = _llama()
     data = _calib()
