@@ -130,13 +130,21 @@ def run_torch(model_dir: str, calib: torch.Tensor, evalw: torch.Tensor, *, calib
     return rows
 
 
-@torch.no_grad()
 def outlier_ratios(model_dir: str, calib: torch.Tensor, *, batch: int = 16) -> list[float]:
-    """For each decoder Linear: its input's largest per-channel mean |x| over the median channel's,
-    on ``calib`` (LLMs with massive activations have channels tens of times the rest)."""
+    """:func:`input_outlier_ratios` of the decoder Linears on ``calib``."""
     from compress.models import load_model
 
     model = load_model({"hf_path": model_dir}).eval()
+    batches = [{"input_ids": calib[i : i + batch]} for i in range(0, len(calib), batch)]
+    return input_outlier_ratios(model, batches, lambda n: ".layers." in f".{n}")
+
+
+@torch.no_grad()
+def input_outlier_ratios(model: nn.Module, batches: list[dict[str, torch.Tensor]],
+                         keep: Callable[[str], bool]) -> list[float]:
+    """For each Linear whose name ``keep`` accepts: its input's largest per-channel mean |x| over the
+    median channel's, on ``batches`` (model kwargs). LLMs with massive activations have channels
+    tens of times the rest; they are what AWQ's scales protect."""
     sums: dict[str, torch.Tensor] = {}
 
     def hook(name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
@@ -147,10 +155,10 @@ def outlier_ratios(model_dir: str, calib: torch.Tensor, *, batch: int = 16) -> l
         return record
 
     handles = [mod.register_forward_pre_hook(hook(n)) for n, mod in model.named_modules()
-               if isinstance(mod, nn.Linear) and ".layers." in f".{n}"]
+               if isinstance(mod, nn.Linear) and keep(n)]
     try:
-        for i in range(0, len(calib), batch):
-            model(input_ids=calib[i : i + batch])
+        for b in batches:
+            model(**b)
     finally:
         for h in handles:
             h.remove()
