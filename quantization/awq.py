@@ -353,7 +353,7 @@ def search_scales(
     return ScaleChoice(cands[k][1], cands[k][0], float(errs[k] / n), float(errs[0] / n))
 
 
-def scale_gain(summary: dict[str, Any]) -> float | None:
+def scale_error_ratio(summary: dict[str, Any]) -> float | None:
     """Median over the searched groups of ``error / unscaled_error`` in a sequential AWQ summary
     (layer reports of :func:`awq_layer`): 1.0 means the scales bought nothing on their objective,
     as on a model with few activation outliers; None when no group had a fold to search."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from compress.errors import CalibrationError
 from compress.modifier import Modifier, ModifierSpec, State, register_modifier
-from quantization.awq import AWQFields, AWQParams, awq_layer, scale_gain
+from quantization.awq import AWQFields, AWQParams, awq_layer, scale_error_ratio
 from quantization.gptq import GPTQFields, GPTQParams
 from quantization.preparation import plan_targets
 from quantization.sequential import linearize, sequential_quantize
@@ -124,9 +124,9 @@ class AWQModifier(_WeightOnlyModifier):
                              "alpha": g["alpha"], "unscaled_error": g.get("unscaled_error"), "error": g.get("error")})
         state.tables["awq_groups"] = rows
         state.metrics["awq_scaled_groups"] = sum(1 for r in rows if r["alpha"] is not None and r["alpha"] >= 0)
-        gain = scale_gain(summary)
-        if gain is not None:
-            state.metrics["awq_scale_error_ratio"] = round(gain, 4)
+        ratio = scale_error_ratio(summary)
+        if ratio is not None:
+            state.metrics["awq_scale_error_ratio"] = round(ratio, 4)
 
 
 __all__ = ["AWQModifier", "AWQSpec", "GPTQModifier", "GPTQSpec"]

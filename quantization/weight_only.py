@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from compress.errors import CalibrationError
-from quantization.awq import AWQParams, awq_layer, scale_gain
+from quantization.awq import AWQParams, awq_layer, scale_error_ratio
 from quantization.calibration import float_mode
 from quantization.gptq import GPTQParams, HessianAccumulator, gptq_quantize, layer_error
 from quantization.modules import QuantLinear
@@ -142,9 +142,9 @@ def awq(
         targets=targets, ignore=ignore, max_batches=max_batches, load=load, release=release, where="awq",
     )
     _log_summary("awq", summary)
-    gain = scale_gain(summary)
-    if gain is not None:
-        log.info("awq: the scales left their groups' module-output error at %.3f of unscaled rounding's (median)", gain)
+    ratio = scale_error_ratio(summary)
+    if ratio is not None:
+        log.info("awq: the scales left their groups' module-output error at %.3f of unscaled rounding's (median)", ratio)
     return model
 
 

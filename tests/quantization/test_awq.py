@@ -14,7 +14,7 @@ from torch import nn
 
 import compress
 from compress.errors import CalibrationError
-from quantization.awq import AWQParams, find_fold_groups, scale_gain, search_clip, search_scales
+from quantization.awq import AWQParams, find_fold_groups, scale_error_ratio, search_clip, search_scales
 from quantization.calibration import float_mode
 from quantization.modules import QuantLinear
 from quantization.primitives import dynamic_qparams, fake_quantize_spec
@@ -260,7 +260,7 @@ def test_scale_search_reads_each_group_at_its_module_output() -> None:
     }
     searched = [g for r in reports for g in r["groups"] if g["producer"] is not None]
     assert all(0 <= g["error"] <= g["unscaled_error"] for g in searched)  # s = 1 is always a candidate
-    ratio = scale_gain({"layers": reports})
+    ratio = scale_error_ratio({"layers": reports})
     assert ratio is not None and 0 < ratio <= 1
 
 
