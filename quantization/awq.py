@@ -415,10 +415,15 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, params: 
     gs = _group_width(w, spec)
     xt = to_groups(x.float(), gs)  # [n, G, gs]
     shrink = torch.tensor([1 - i / params.clip_grid for i in range(max(int(params.max_shrink * params.clip_grid), 1))])
-    # sized by clip_tokens (the rows callers sample up to), not this rank's rows, so DDP ranks take
-    # the same path and all-reduce alike chunks
+    # the Gram matrix pays when groups are narrower than the rows (a few calibration tokens and
+    # wide per-channel rows favour the products); decided on the ranks' mean rows so every DDP
+    # rank takes the same path, and the products' chunks are sized by clip_tokens (the rows
+    # callers sample up to), not this rank's rows, so the ranks all-reduce alike chunks
+    n = torch.tensor([float(xt.shape[0])])
+    _all_sum(n)
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    gram = gs <= float(n) / ranks
     rows = max(xt.shape[0], params.clip_tokens)
-    gram = gs <= rows
     if gram:
         h = torch.einsum("ngk,ngl->gkl", xt, xt)  # [G, gs, gs]
         step = max(1, (64 * 1024 * 1024) // max(4 * 4 * xt.shape[1] * gs, 1))  # four [b, G, gs] temporaries
