@@ -444,7 +444,7 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int, n
         f"{n_eval} held-out windows of {args.seq_len} tokens, {n_calib} calibration windows. Decoder-layer "
         "Linears quantized (lm_head and embeddings float, for every method); symmetric grids with each group's "
         "larger end on the extra level (-8 at 4 bits, a signed scale), as ORT's blockwise quantizer. GPTQ with act_order (static groups); "
-        "AWQ with duo scaling (activation and weight terms, compress's default as AutoAWQ's; 'AWQ act-only': the paper's form, activations alone), grid 20, "
+        "AWQ with duo scaling (activation and weight terms, compress's default as AutoAWQ's; 'AWQ act-only': the paper's form, activations alone; 'AWQ scales only': without the clip search, what the scales alone buy), grid 20, "
         f"{_awq_samples()}, each candidate judged with its weights clip-searched as the clip phase will clip them; GQA's o_proj scaled through v_proj with scales tied per key/value head; clip "
         "search on every Linear, q/k included, each clip kept only where it lowers its group's module-output "
         "error. 'RTN gap closed': how much of RTN's perplexity increase over "

@@ -144,7 +144,7 @@ def awq(
     _log_summary("awq", summary)
     ratio = scale_error_ratio(summary)
     if ratio is not None:
-        log.info("awq: the scales left their groups' module-output error at %.3f of unscaled rounding's (median)", ratio)
+        log.info("awq: with the scales the groups' module-output error is %.3f of theirs with s = 1 (median)", ratio)
     return model
 
 
