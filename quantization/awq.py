@@ -419,15 +419,14 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, params: 
     # wide per-channel rows favour the products); decided on the ranks' mean rows so every DDP
     # rank takes the same path, and the products' chunks are sized by clip_tokens (the rows
     # callers sample up to), not this rank's rows, so the ranks all-reduce alike chunks
-    n = torch.tensor([float(xt.shape[0])])
-    _all_sum(n)
-    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    gram = gs <= float(n) / ranks
-    rows = max(xt.shape[0], params.clip_tokens)
+    rows_ranks = torch.tensor([float(xt.shape[0]), 1.0])
+    _all_sum(rows_ranks)
+    gram = gs <= float(rows_ranks[0] / rows_ranks[1])
     if gram:
         h = torch.einsum("ngk,ngl->gkl", xt, xt)  # [G, gs, gs]
         step = max(1, (64 * 1024 * 1024) // max(4 * 4 * xt.shape[1] * gs, 1))  # four [b, G, gs] temporaries
     else:
+        rows = max(xt.shape[0], params.clip_tokens)
         step = max(1, (64 * 1024 * 1024) // max(4 * rows * xt.shape[1] * gs, 1))  # the [b, n, G] products
     bounds = []
     for o in range(0, w.shape[0], step):
