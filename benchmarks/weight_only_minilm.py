@@ -80,7 +80,7 @@ def run(schemes: list[str]) -> dict[str, Any]:
                          "quantize s": round(secs, 1)})
             log.info("%s %s cosine %.5f (%.0f s)", label, name, cos, secs)
     return {"rows": rows, "outlier_ratios": ratios, "eval_sentences": len(bundle.eval.dataset),  # type: ignore[arg-type]
-            "calibration_sentences": 128}
+            "calibration_sentences": spec.calibration_samples}
 
 
 def main(argv: list[str] | None = None) -> None:
