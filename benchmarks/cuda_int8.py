@@ -186,7 +186,7 @@ def _encoder(hidden: int, layers: int, heads: int, inter: int) -> nn.Module:
 
 def bench_models(spec: dict[str, Any], dev: torch.device, *, warmup: int, runs: int) -> list[dict[str, Any]]:
     import compress
-    from compress.batching import call_model, primary_output
+    from compress.core.batching import call_model, primary_output
     from compress.models.resnet import resnet
     from export.cuda import cast_float_layers, time_side_by_side
     from quantization.api import QuantizeParams

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks._results import median_time_ms, table, write_section
-from compress.batching import split_batch
+from compress.core.batching import split_batch
 from compress.data import build_data
 from compress.models import build_zoo_model
 from compress.recipe import TrainSpec

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from benchmarks._results import table, write_section
-from compress.batching import call_model, primary_output
+from compress.core.batching import call_model, primary_output
+from compress.core.metrics import mean_pool
 from compress.data import build_data
-from compress.metrics import mean_pool
 from compress.models import build_zoo_model
 from compress.recipe import DataSpec
 from export.describe import file_size

@@ -43,7 +43,7 @@ SCHEMES: dict[str, Any] = {
 def window_nll(model: nn.Module, windows: torch.Tensor, *, batch: int = 16) -> torch.Tensor:
     """Summed next-token NLL of each window (float64): every window predicts ``seq_len - 1`` tokens,
     so perplexity is ``exp(sum / (n * (seq_len - 1)))`` and windows can be resampled (bootstrap)."""
-    from compress.metrics import causal_lm_nll
+    from compress.core.metrics import causal_lm_nll
 
     model.eval()
     out: list[torch.Tensor] = []
@@ -255,7 +255,7 @@ def export_fp32(model_dir: str, path: Path, example: torch.Tensor) -> None:
 def ort_perplexity(path: Path, evalw: torch.Tensor, batch: int) -> float:
     import onnxruntime as ort
 
-    from compress.metrics import causal_lm_nll
+    from compress.core.metrics import causal_lm_nll
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2

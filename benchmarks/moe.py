@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import onnxruntime as ort
 
     import compress
-    from compress.moe import unpack_experts
+    from compress.core.moe import unpack_experts
 
     fp = build(args.hidden, args.layers, args.experts, args.vocab)
     unpack_experts(fp)

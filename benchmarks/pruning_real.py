@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compress.moe import unpack_experts
+from compress.core.moe import unpack_experts
 
 Builder = Callable[[], tuple[nn.Module, Any]]
 log = logging.getLogger("benchmarks.pruning_real")

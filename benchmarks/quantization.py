@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from benchmarks._results import table, write_section
+from compress.core.modifier import State
 from compress.data import build_data
 from compress.models import build_zoo_model, load_model
-from compress.modifier import State
 from compress.recipe import DataSpec, ModelSpec, TrainSpec
 from compress.training import Trainer, evaluate
 from quantization import QuantizeParams, QuantScheme, QuantSpec, quantize

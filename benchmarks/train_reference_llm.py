@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from benchmarks.llm_quant import perplexity
+from compress.core.metrics import causal_lm_nll
 from compress.data.lm import TokenWindows, iter_texts, split_files, token_stream, train_tokenizer
-from compress.metrics import causal_lm_nll
 
 log = logging.getLogger("benchmarks.train_reference_llm")
 

@@ -50,7 +50,7 @@ def methods(scheme: str, data: list[Any]) -> dict[str, Callable[[nn.Module], nn.
 
 
 def run(schemes: list[str]) -> dict[str, Any]:
-    from compress.batching import split_batch
+    from compress.core.batching import split_batch
     from compress.data import build_data
     from compress.models import load_model
     from compress.recipe import DataSpec, ModelSpec

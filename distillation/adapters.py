@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ import torch
 from pydantic import ValidationError
 from torch import nn
 
-from compress.batching import call_model, primary_output, split_batch, to_device
-from compress.errors import CompressError, RecipeError
+from compress.core.batching import call_model, primary_output, split_batch, to_device
+from compress.core.errors import CompressError, RecipeError
 from distillation.adapters import AdapterSet
 from distillation.capture import FeatureCapture
 from distillation.losses import (

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from compress.errors import TargetMatchError, did_you_mean
+from compress.core.errors import TargetMatchError, did_you_mean
 
 
 def first_tensor(output: Any) -> torch.Tensor | None:

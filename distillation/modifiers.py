@@ -21,7 +21,7 @@ import torch
 from pydantic import Field, field_serializer, field_validator, model_validator
 from torch import nn
 
-from compress.modifier import Modifier, ModifierSpec, State, register_modifier
+from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
 from distillation.api import Distiller, parse_losses
 from distillation.capture import check_layers
 from distillation.spec import FeatureLoss, KDLoss, LossSpec, TeacherDtype, TeacherSpec, coerce_losses
@@ -113,7 +113,7 @@ class DistillModifier(Modifier[DistillSpec]):
         probe = _first_inputs(state)
         if probe is not None:
             # check the mapping and build adapters before the first step
-            from compress.batching import to_device
+            from compress.core.batching import to_device
 
             self.distiller.probe(to_device(probe, state.device))
         self.distiller.bind_optimizer(state.optimizer)
@@ -151,7 +151,7 @@ class DistillModifier(Modifier[DistillSpec]):
     # ---- helpers ---------------------------------------------------------------------------------
     def _live(self) -> Distiller:
         if self.distiller is None:
-            from compress.errors import CompressError
+            from compress.core.errors import CompressError
 
             raise CompressError(f"{self.where}: the distiller is not set up")
         return self.distiller
@@ -175,7 +175,7 @@ def _first_inputs(state: State) -> Any:
     """One batch of inputs to probe with: the example inputs, else the first calibration or training batch."""
     if state.example_inputs is not None:
         return state.example_inputs
-    from compress.batching import split_batch
+    from compress.core.batching import split_batch
 
     for source in (state.calibration_data, state.train_data):
         if source is None:

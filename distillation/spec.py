@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from compress.errors import did_you_mean
-from compress.recipe import ModelSpec
+from compress.core.errors import did_you_mean
+from compress.core.reference import ModelSpec
 
 
 class LossTerm(BaseModel):

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from compress.batching import call_model
-from compress.errors import CompressError, RecipeError
-from compress.modifier import State
+from compress.core.batching import call_model
+from compress.core.errors import CompressError, RecipeError
+from compress.core.modifier import State
+from compress.core.services import load_model_reference, train_model
 from distillation.spec import TeacherDtype, TeacherSpec
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,6 @@ def build_teacher(spec: TeacherSpec | None, state: State, *, dtype: TeacherDtype
 
 def load_teacher_model(spec: TeacherSpec | Mapping[str, Any], *, where: str = "teacher") -> nn.Module:
     """The (untrained unless it has a checkpoint or HF weights) model a teacher spec describes."""
-    from compress.models import load_model  # heavy (transformers on demand): import only when used
-
     if not isinstance(spec, TeacherSpec):
         from pydantic import ValidationError
 
@@ -128,29 +126,17 @@ def load_teacher_model(spec: TeacherSpec | Mapping[str, Any], *, where: str = "t
             path = ".".join(str(p) for p in err["loc"])
             raise RecipeError(f"{where}{'.' + path if path else ''}: {str(err['msg']).removeprefix('Value error, ')}") from None
     fields = {k: getattr(spec, k) for k in ("name", "kwargs", "hf_path", "checkpoint", "pruning_plan")}
-    return load_model(fields, where=lambda path: f"{where}.{path.removeprefix('model.')}")
+    return load_model_reference(fields, where=lambda path: f"{where}.{path.removeprefix('model.')}")
 
 
 def _train(model: nn.Module, spec: TeacherSpec, state: State, *, where: str) -> None:
     if state.train_data is None:
         raise RecipeError(f"{where}.teacher.train_epochs: training the teacher needs training data, and the run has none")
-    import torch.distributed as dist
-
-    from compress.recipe import TrainSpec
-    from compress.training import Dist, Trainer
-
-    train = TrainSpec(epochs=spec.train_epochs, lr=spec.train_lr or TrainSpec().lr)
-    # under DDP each rank holds a shard of the data: train the teacher data-parallel too, so that
-    # every rank distills from the same teacher
-    ranks = None
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        ranks = Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
     log.info("%s: training teacher '%s' for %g epochs", where, spec.name, spec.train_epochs)
-    result = Trainer(train, device=state.device, distributed=ranks, progress=False).fit(
-        model, state.train_data, epochs=spec.train_epochs, desc="teacher"
-    )
-    if result.final_loss is not None:
-        state.metrics["distill.teacher_train_loss"] = result.final_loss
+    final_loss = train_model(model, state.train_data, epochs=spec.train_epochs, lr=spec.train_lr,
+                             device=state.device, desc="teacher")
+    if final_loss is not None:
+        state.metrics["distill.teacher_train_loss"] = final_loss
     if state.out_dir is not None:
         path = state.out_dir / f"teacher_{state.stage_name or state.stage_index}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.errors import ExportError, UnsupportedModelError
+from compress.core.errors import ExportError, UnsupportedModelError
 from quantization.int4 import (
     Int4Weight,
     activation_quantizers,
@@ -175,7 +175,7 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path) -> Path:
     acts = activation_quantizers(model)
     if acts:
         raise UnsupportedModelError(f"{acts[0]}: quantized activations are not written (weight-only int4 checkpoints)")
-    from compress.moe import expert_blocks
+    from compress.core.moe import expert_blocks
 
     moe = next(iter(expert_blocks(model)), None)
     if moe is not None:  # transformers reads per-model expert names (w1/w3, gate_proj/up_proj) through its own conversions

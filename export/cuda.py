@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.batching import batch_size_of, call_model, primary_output, split_batch, to_device
-from compress.errors import CompressError, ExportError
-from compress.metrics import make_metric
-from compress.profile import state_size_bytes
+from compress.core.batching import batch_size_of, call_model, primary_output, split_batch, to_device
+from compress.core.errors import CompressError, ExportError
+from compress.core.metrics import make_metric
+from compress.core.size import state_size_bytes
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import onnx
 import torch
 from torch import nn
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 from export.records import DECOMPOSED_KEY, ExportRecord, Role
 from export.runtimes import OrtSession, default_threads, ort_coverage
 

@@ -15,8 +15,8 @@ import onnx
 import torch
 from torch import nn
 
-from compress.batching import call_model
-from compress.errors import ExportError
+from compress.core.batching import call_model
+from compress.core.errors import ExportError
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,9 @@ def _dangling_input(proto: onnx.ModelProto) -> str | None:
 
 def set_metadata(proto: onnx.ModelProto, props: Mapping[str, str]) -> None:
     """Set ``metadata_props`` (recipe hash, quant scheme, toolkit version ...); replaces equal keys."""
-    from compress.version import __version__
+    from compress.core.version import __version__
 
-    merged = {"compress.version": __version__, **{str(k): str(v) for k, v in props.items()}}
+    merged = {"compress.core.version": __version__, **{str(k): str(v) for k, v in props.items()}}
     keep = [p for p in proto.metadata_props if p.key not in merged]
     del proto.metadata_props[:]
     for p in keep:

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from compress.errors import CompressError, ExportError
-from compress.precision import float32_weights
+from compress.core.errors import CompressError, ExportError
+from compress.core.precision import float32_weights
 from export.describe import describe_onnx
 from export.qdq import is_quantized, iter_quantizers
 from export.records import ExportRecord, Role, ValidationRecord, slower_note

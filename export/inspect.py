@@ -11,7 +11,7 @@ from pathlib import Path
 import onnx
 from pydantic import ValidationError
 
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 from export import describe
 from export.records import ExportRecord
 from export.runtimes import Coverage

@@ -50,8 +50,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from compress.errors import ExportError, UnsupportedModelError
-from compress.moe import unpack_experts
+from compress.core.errors import ExportError, UnsupportedModelError
+from compress.core.moe import unpack_experts
 from quantization.int4 import (
     Int4Weight,
     activation_quantizers,
@@ -399,7 +399,7 @@ def export_llm_onnx(
     ``"fp32"`` writes all weights in float32; ``"w8a8"`` writes Linears with quantized inputs as
     integer ops (module docstring). The model itself is not modified. ``check`` runs the file once
     in ONNX Runtime against the traced PyTorch module (ExportError when they disagree). The file's
-    ``metadata_props`` carry ``compress.precision`` (int4/int8/fp32), ``compress.kind`` (generation),
+    ``metadata_props`` carry ``compress.core.precision`` (int4/int8/fp32), ``compress.kind`` (generation),
     the toolkit version and ``metadata``; it is written whole or not at all.
     """
     if weights not in ("int4", "fp32", "w8a8"):
@@ -454,7 +454,7 @@ def export_llm_onnx(
 
         proto = onnx.load(str(traced))
         precision = {"int4": "int4" if counts["int4"] else "fp32", "w8a8": "int8", "fp32": "fp32"}[weights]
-        set_metadata(proto, {"compress.precision": precision, "compress.kind": "generation",
+        set_metadata(proto, {"compress.core.precision": precision, "compress.kind": "generation",
                              "compress.model_type": str(m.config.model_type), **(metadata or {})})
         atomic_save(proto, out)
     log.info("LLM ONNX (%s weights: %d W8A8, %d MatMulNBits, %d float Linears) written to %s", weights,

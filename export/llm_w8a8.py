@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.errors import UnsupportedModelError
+from compress.core.errors import UnsupportedModelError
 
 #: op kinds a linear-only placement has entries for: the Linears and the pass-through ops (an
 #: attention output's transpose/reshape) that hand o_proj its quantized input

@@ -24,11 +24,11 @@ import onnx
 import torch
 from torch import nn
 
-from compress.batching import call_model
-from compress.errors import ExportError
-from compress.io import umask_mode
-from compress.moe import unpacked_experts
-from compress.precision import float32_inputs, float32_weights
+from compress.core.batching import call_model
+from compress.core.errors import ExportError
+from compress.core.io import umask_mode
+from compress.core.moe import unpacked_experts
+from compress.core.precision import float32_inputs, float32_weights
 from export import edge, qdq
 from export.records import DECOMPOSED_KEY
 from quantization.hooks import collect_unseen
@@ -158,7 +158,7 @@ def _export(
     decomposed = decomposed_compute(proto) if quantized else {}
     _strip_trace_metadata(proto)
     _rename_io(proto, out_names)
-    props = {"compress.precision": _precision(quantized, fp16), **(metadata or {})}
+    props = {"compress.core.precision": _precision(quantized, fp16), **(metadata or {})}
     if decomposed:  # read by describe_onnx: these float nodes are named with their reason
         props[DECOMPOSED_KEY] = json.dumps(decomposed, sort_keys=True)
     if blocked:  # read by the runtimes: ORT needs one fusion off to run blocked weights as MatMulNBits

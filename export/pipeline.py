@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from compress.errors import ExportError
+from compress.core.errors import ExportError
 from export.describe import describe_onnx
 from export.edge import write_triton_repository
 from export.onnx import export_onnx

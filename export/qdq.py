@@ -26,7 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from compress.errors import ExportError
+from compress.core.errors import ExportError
 from export.qdq_graph import tidy_qdq_graph
 
 log = logging.getLogger(__name__)

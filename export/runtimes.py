@@ -16,8 +16,8 @@ from typing import Any, Protocol
 import numpy as np
 import onnx
 
-from compress.errors import ExportError
-from compress.registry import Registry
+from compress.core.errors import ExportError
+from compress.core.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import pydantic
 import torch
 from torch import nn
 
-from compress.batching import batch_size_of, call_model, primary_output, split_batch
-from compress.errors import CompressError, ExportError, RecipeError
-from compress.precision import float32_weights
+from compress.core.batching import batch_size_of, call_model, primary_output, split_batch
+from compress.core.errors import CompressError, ExportError, RecipeError
+from compress.core.precision import float32_weights
 from export.parity import Parity, resize_batch, to_numpy_feeds
 from export.records import ExportRecord, ThresholdRecord, ValidationRecord, slower_note
 from export.runtimes import RUNTIMES, RuntimeSession, cpu_has_vnni, default_threads, load_session
@@ -35,7 +35,7 @@ _TASK_METRICS = {"classification": "accuracy", "embedding": "embedding_cosine"}
 
 
 def _make_metric(metric: MetricArg, task: str) -> tuple[Any, str] | None:
-    from compress.metrics import FunctionMetric, make_metric
+    from compress.core.metrics import FunctionMetric, make_metric
 
     if callable(metric):
         return FunctionMetric(metric), getattr(metric, "__name__", "metric")

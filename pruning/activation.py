@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.batching import call_model, split_batch, to_device
-from compress.errors import CalibrationError
+from compress.core.batching import call_model, split_batch, to_device
+from compress.core.errors import CalibrationError
 
 
 def _channel_dim(mod: nn.Module, x: torch.Tensor) -> int | None:

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
-from compress.batching import call_model, primary_output, split_batch, to_device
-from compress.errors import CalibrationError, RecipeError, UnsupportedModelError
-from compress.moe import is_packed_experts, unpack_experts
-from compress.targets import select_modules
+from compress.core.batching import call_model, primary_output, split_batch, to_device
+from compress.core.errors import CalibrationError, RecipeError, UnsupportedModelError
+from compress.core.moe import is_packed_experts, unpack_experts
+from compress.core.targets import select_modules
 from pruning.apply import apply_slices, slices_from_keep
 from pruning.counting import count_macs, count_params
 from pruning.graph import DependencyGraph
@@ -186,7 +186,7 @@ class Pruner:
         if packed is not None:  # unpacking here would swap Parameters under a training loop's optimizer
             raise UnsupportedModelError(
                 f"{self.where}: {packed} holds packed MoE experts (3D Parameters), which cannot be sliced per "
-                "channel; call compress.moe.unpack_experts(model) before building the optimizer "
+                "channel; call compress.core.moe.unpack_experts(model) before building the optimizer "
                 "(compress.prune does it itself)")
         graph = trace_graph(model, example_inputs, grouped_conv=self.options.grouped_conv)
         graph.finalize(ignore_modules=_modules_of(model, self.ignore, f"{self.where}: ignore"))
@@ -347,7 +347,7 @@ def prune(
     if optimizer is not None and any(is_packed_experts(m) for m in model.modules()):
         # checked before anything changes: unpacking makes new Parameters the optimizer does not hold
         raise UnsupportedModelError("prune: the model holds packed MoE experts; unpack them into per-expert Linears "
-                                    "(compress.moe.unpack_experts) before building the optimizer")
+                                    "(compress.core.moe.unpack_experts) before building the optimizer")
     unpack_experts(model)
     pruner = Pruner(importance=importance, ignore=ignore, round_to=round_to, options=options)
     params_before, macs_before = count_params(model), count_macs(model, example_inputs)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compress.errors import CompressError, UnsupportedModelError
+from compress.core.errors import CompressError, UnsupportedModelError
 from pruning.attention import PrunedMultiheadAttention, sync_attention_attrs
 from pruning.graph import ELEMENT, DependencyGraph
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.errors import UnsupportedModelError
+from compress.core.errors import UnsupportedModelError
 
 
 class PrunedMultiheadAttention(nn.Module):

@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from compress.errors import CalibrationError
-from compress.registry import Registry
+from compress.core.errors import CalibrationError
+from compress.core.registry import Registry
 from pruning.graph import IN, NORM, OUT, DependencyGraph
 
 Criterion = Callable[[torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]

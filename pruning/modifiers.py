@@ -21,9 +21,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from compress.batching import split_batch
-from compress.errors import CalibrationError, CompressError
-from compress.modifier import Modifier, ModifierSpec, State, register_modifier
+from compress.core.batching import split_batch
+from compress.core.errors import CalibrationError, CompressError
+from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
 from pruning.api import PruneOptions, Pruner, check_ratio, taylor_grads
 from pruning.counting import count_macs, count_params
 from pruning.graph import DependencyGraph
@@ -83,7 +83,7 @@ class PruneSpec(PruneOptions, _PruneWhat):
 
     @model_validator(mode="after")
     def _ratio_or_target(self) -> PruneSpec:
-        from compress.errors import RecipeError
+        from compress.core.errors import RecipeError
 
         try:
             check_ratio(self.ratio, self.target, where="prune")
@@ -130,7 +130,7 @@ class PruneModifier(Modifier[PruneSpec]):
     def plan(self, model: nn.Module) -> list[str]:
         """Layers whose channels this modifier may remove (targets minus ignore; the model's
         outputs are always kept, which only the trace at run time can tell)."""
-        from compress.targets import select_modules
+        from compress.core.targets import select_modules
         from pruning.api import _modules_of
 
         self.pruner.rules(model)  # checks targets/overrides patterns before anything runs
@@ -304,7 +304,7 @@ def _group_key(graph: DependencyGraph, g: Any) -> str:
 
 
 def _batch(inputs: Any) -> int:
-    from compress.batching import batch_size_of
+    from compress.core.batching import batch_size_of
 
     return batch_size_of(inputs)
 
@@ -316,7 +316,7 @@ def _example_inputs(state: State, where: str) -> Any:
         if data is not None:
             for batch in data:
                 inputs, _ = split_batch(batch)
-                from compress.batching import to_device
+                from compress.core.batching import to_device
 
                 return to_device(inputs, state.device)
     raise CalibrationError(f"{where}: pruning needs example inputs (or calibration/training data) to trace the model")

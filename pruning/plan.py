@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from compress.errors import CompressError, RecipeError
+from compress.core.errors import CompressError, RecipeError
 from pruning.apply import Slices, apply_slices
 
 FORMAT = "compress.pruning_plan"
@@ -40,7 +40,7 @@ class PruningPlan:
     def apply(self, model: nn.Module) -> nn.Module:
         """Slice ``model`` (a fresh instance of the unpruned architecture) in place; returns it.
         Packed MoE experts are unpacked first, as :func:`pruning.api.prune` did before cutting."""
-        from compress.moe import unpack_experts
+        from compress.core.moe import unpack_experts
 
         unpack_experts(model)
         for step in self.steps:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.batching import call_model, split_batch, to_device
+from compress.core.batching import call_model, split_batch, to_device
 
 
 def recalibrate_bn(model: nn.Module, data: Iterable[Any], *, batches: int = 8, device: torch.device | str = "cpu") -> int:

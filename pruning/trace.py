@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.batching import call_model
-from compress.errors import UnsupportedModelError
+from compress.core.batching import call_model
+from compress.core.errors import UnsupportedModelError
 from pruning.graph import ELEMENT, DependencyGraph
 from pruning.observe import ObserverMode
 from pruning.rules_split import PendingSplit, resolve

@@ -10,7 +10,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from compress.errors import CalibrationError
+from compress.core.errors import CalibrationError
 from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
 from quantization.correction import bias_correction
 from quantization.graph_prepare import capture_first_call

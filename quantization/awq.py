@@ -49,7 +49,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from compress.precision import float32_inputs, float32_weights
+from compress.core.precision import float32_inputs, float32_weights
 from quantization.calibration import float_mode
 from quantization.modules import QuantLinear
 from quantization.preparation import calibrate_weight

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.batching import call_model, split_batch, to_device
-from compress.errors import CalibrationError
+from compress.core.batching import call_model, split_batch, to_device
+from compress.core.errors import CalibrationError
 from quantization.graph_prepare import ensure_placed
 from quantization.preparation import quantizers, unwrap
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from compress.errors import RecipeError, UnsupportedModelError, did_you_mean
+from compress.core.errors import RecipeError, UnsupportedModelError, did_you_mean
 from quantization.bn import sequential_pairs
 from quantization.fake_quant import FakeQuantizer
 from quantization.hooks import input_quantizer

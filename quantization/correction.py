@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.errors import CalibrationError
+from compress.core.errors import CalibrationError
 from quantization.calibration import ForwardLoop, as_forward_loop
 from quantization.modules import QuantConv1d, QuantConv2d, QuantLinear
 from quantization.preparation import quant_modules, unwrap

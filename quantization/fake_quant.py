@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.errors import CalibrationError, UnsupportedModelError
+from compress.core.errors import CalibrationError, UnsupportedModelError
 from quantization.observers import Observer, build_observer
 from quantization.primitives import (
     MIN_RANGE_SCALE,

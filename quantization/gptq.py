@@ -27,7 +27,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from compress.errors import CalibrationError
+from compress.core.errors import CalibrationError
 from quantization.primitives import fake_quantize, qparams_from_range, to_groups
 from quantization.spec import QuantSpec
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.errors import CalibrationError, CompressError
-from compress.targets import pattern_matches
+from compress.core.errors import CalibrationError, CompressError
+from compress.core.targets import pattern_matches
 from quantization.graph import OpGraph, OpNode, tensor_leaves, trace_graph
 from quantization.hooks import QuantizerGraph, attach, build_quantizers, calibrate_weights, graph_of
 from quantization.placement import Placement, place, weighted_operands

@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from compress.errors import CalibrationError
+from compress.core.errors import CalibrationError
 from quantization.attention import attention_with_weights, decomposed_attention, redirect
 from quantization.fake_quant import FakeQuantizer
 from quantization.graph import ScopeTracker, call_kind, is_unseen, register_mode_file, site_index

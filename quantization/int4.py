@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from compress.errors import UnsupportedModelError
+from compress.core.errors import UnsupportedModelError
 from quantization.primitives import clamp_scale
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.errors import CompressError, UnsupportedModelError
+from compress.core.errors import CompressError, UnsupportedModelError
 from quantization.fake_quant import FakeQuantizer
 from quantization.kernels import ACTIVATIONS, load
 from quantization.primitives import SCALE_EPS

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from compress.errors import UnsupportedModelError
+from compress.core.errors import UnsupportedModelError
 from quantization.fake_quant import FakeQuantizer
 from quantization.spec import QuantSpec
 

@@ -33,7 +33,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 from quantization.graph import OpGraph, OpNode
 
 log = logging.getLogger(__name__)

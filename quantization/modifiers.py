@@ -10,8 +10,8 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from compress.errors import CalibrationError
-from compress.modifier import Modifier, ModifierSpec, State, register_modifier
+from compress.core.errors import CalibrationError
+from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
 from quantization.api import QuantizeParams, post_training_quantize
 from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
 from quantization.fake_quant import FakeQuantizer

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from compress.errors import CalibrationError, RecipeError
-from compress.registry import Registry
+from compress.core.errors import CalibrationError, RecipeError
+from compress.core.registry import Registry
 from quantization.primitives import fake_quantize, qparams_from_range
 from quantization.spec import QuantSpec
 

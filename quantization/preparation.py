@@ -14,8 +14,8 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
-from compress.errors import CompressError
-from compress.targets import select_modules
+from compress.core.errors import CompressError
+from compress.core.targets import select_modules
 from quantization.bn import find_conv_bn_pairs, fold_bn_into_conv
 from quantization.fake_quant import FakeQuantizer
 from quantization.graph import tensor_leaves, trace_graph

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 
 Inputs = Literal["all", "residual", "none"]
 

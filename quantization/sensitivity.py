@@ -24,8 +24,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from compress.batching import call_model, primary_output, split_batch, to_device
-from compress.errors import CalibrationError
+from compress.core.batching import call_model, primary_output, split_batch, to_device
+from compress.core.errors import CalibrationError
 from quantization.fake_quant import FakeQuantizer
 from quantization.hooks import graph_of
 from quantization.preparation import calibrate_weight, quant_modules, unwrap

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.batching import split_batch, to_device
-from compress.errors import CalibrationError, UnsupportedModelError
-from compress.targets import select_modules
+from compress.core.batching import split_batch, to_device
+from compress.core.errors import CalibrationError, UnsupportedModelError
+from compress.core.targets import select_modules
 from quantization.modules import QuantLinear
 from quantization.preparation import plan_targets, prepare, unwrap
 from quantization.spec import QuantScheme
@@ -83,7 +83,7 @@ def linearize(model: nn.Module) -> list[str]:
     """Give every weight the quantizers handle an ``nn.Linear`` of its own: GPT-2's Conv1D
     (:func:`linearize_conv1d`) and transformers' packed MoE experts (compress/moe.py), in
     place; returns the swapped names. Exact in float."""
-    from compress.moe import unpack_experts
+    from compress.core.moe import unpack_experts
 
     root = unwrap(model)
     return linearize_conv1d(root) + unpack_experts(root)

@@ -34,7 +34,7 @@ from pydantic import Field
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from compress.errors import CalibrationError
+from compress.core.errors import CalibrationError
 from quantization.calibration import ForwardLoop, as_forward_loop, float_mode
 from quantization.fake_quant import FakeQuantizer
 from quantization.graph import tensor_leaves

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from compress.errors import RecipeError, did_you_mean
+from compress.core.errors import RecipeError, did_you_mean
 
 Granularity = Literal["tensor", "channel", "token", "group"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.errors import CompressError, UnsupportedModelError
+from compress.core.errors import CompressError, UnsupportedModelError
 from quantization.int4 import Int4Weight, int4_weight, is_int4_weight_only, pack_nibbles
 from quantization.kernels import ACTIVATIONS, load
 

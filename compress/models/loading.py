@@ -12,15 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.errors import CompressError, RecipeError
-from compress.imports import import_object, is_import_path
+from compress.core.errors import CompressError, RecipeError
+from compress.core.imports import import_object, is_import_path
+from compress.core.reference import ModelSpec, Where
 from compress.models.hf import load_hf_model
 from compress.models.zoo import _build
-from compress.recipe import ModelSpec
 
 log = logging.getLogger(__name__)
-
-Where = str | Callable[[str], str]
 
 
 def _at(where: Where, field: str) -> str:

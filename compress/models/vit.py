@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 
 
 class Attention(nn.Module):

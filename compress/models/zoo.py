@@ -8,12 +8,12 @@ from typing import Any
 
 from torch import nn
 
-from compress.errors import RecipeError, did_you_mean
+from compress.core.errors import RecipeError, did_you_mean
+from compress.core.registry import Registry
 from compress.models.mlp import mlp
 from compress.models.mobilenetv2 import MobileNetV2
 from compress.models.resnet import resnet
 from compress.models.vit import ViT
-from compress.registry import Registry
 
 ZOO: Registry[Callable[..., nn.Module]] = Registry("zoo model")
 # an entry is any callable taking keyword arguments: ViT and MobileNetV2 are their own factories

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 
 INSTALL_HINT = "pip install 'compress[triton]'"
 ACTIVATIONS = ("none", "relu", "gelu")

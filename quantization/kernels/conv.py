@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 from quantization.kernels import ACTIVATIONS, check_device
 from quantization.kernels.gemm import (
     INTERPRET_CONFIG,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 from quantization.kernels import ACTIVATIONS, check_device, interpret_mode
 
 INTERPRETED = interpret_mode()  # fixed at import, as Triton fixes it when it decorates the kernels

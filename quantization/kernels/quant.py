@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 from quantization.kernels import check_device
 
 _SINGLE_MAX = 16384

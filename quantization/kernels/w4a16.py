@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 from quantization.kernels import ACTIVATIONS, check_device, interpret_mode
 from quantization.kernels.gemm import GemmConfig, bias_activation, m_bucket
 

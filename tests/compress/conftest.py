@@ -14,8 +14,8 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from compress.modifier import MODIFIERS, Modifier, ModifierSpec, State, register_modifier
-from compress.targets import select_modules
+from compress.core.modifier import MODIFIERS, Modifier, ModifierSpec, State, register_modifier
+from compress.core.targets import select_modules
 
 #: (modifier label, event, stage name, stage_epoch, stage_step) in the order the events arrived
 EVENTS: list[tuple[str, str, str, float, int]] = []

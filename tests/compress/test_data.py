@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from compress.core.errors import RecipeError
 from compress.data import build_data, stratified_indices
 from compress.data.digits import load_digits_tensors
 from compress.data.text import corpus, docstring_sentences
-from compress.errors import RecipeError
 from compress.models import build_zoo_model
 from compress.recipe import DataSpec
 

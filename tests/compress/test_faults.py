@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 import compress
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = {

@@ -17,7 +17,7 @@ import yaml
 
 import compress
 from compress.cli import main
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP = {"name": "mlp", "kwargs": {"hidden": 16, "depth": 1, "num_classes": 10, "in_features": 64}}
@@ -55,7 +55,7 @@ def test_a_local_file_wins_and_a_typo_names_the_closest_shipped_recipe(tmp_path:
 
 
 def test_atomic_writes_respect_the_umask(tmp_path: Path) -> None:
-    from compress.io import atomic_write_text
+    from compress.core.io import atomic_write_text
 
     old = os.umask(0o022)
     try:

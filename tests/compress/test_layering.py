@@ -9,9 +9,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: compress modules any package may use: they import nothing but each other
-CORE = {"compress.errors", "compress.batching", "compress.metrics", "compress.registry", "compress.profile",
-        "compress.io", "compress.imports", "compress.targets", "compress.version", "compress.precision",
-        "compress.moe"}
+CORE = {"compress.core.errors", "compress.core.batching", "compress.core.metrics", "compress.core.registry", "compress.core.size",
+        "compress.core.io", "compress.core.imports", "compress.core.targets", "compress.core.version", "compress.core.precision",
+        "compress.core.moe"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from compress.core.errors import RecipeError
+from compress.core.metrics import make_metric
 from compress.data import build_data
 from compress.data.lm import EOS, TokenWindows, split_files, token_stream, train_tokenizer
-from compress.errors import RecipeError
-from compress.metrics import make_metric
 from compress.models import load_model
 from compress.training import evaluate, task_loss
 

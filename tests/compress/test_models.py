@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from compress.errors import CompressError, RecipeError
+from compress.core.errors import CompressError, RecipeError
+from compress.core.size import count_macs
 from compress.models import ZOO, build_zoo_model, load_model, zoo_kwargs
 from compress.models.vit import Attention
-from compress.profile import count_macs
 from compress.recipe import ModelSpec
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 import compress
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 from compress.recipe import (
     DataSpec,
     ExportSpec,

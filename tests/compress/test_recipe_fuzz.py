@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 from compress.recipe import Recipe, load_recipe
 from compress.session import Session
 

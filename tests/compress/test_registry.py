@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 import pytest
 
-from compress.errors import (
+from compress.core.errors import (
     CalibrationError,
     CompressError,
     ExportError,
@@ -17,15 +17,14 @@ from compress.errors import (
     closest,
     did_you_mean,
 )
-from compress.modifier import (
+from compress.core.modifier import (
     MODIFIERS,
     Modifier,
     ModifierSpec,
-    modifier_class,
-    modifier_types,
     register_modifier,
 )
-from compress.registry import Registry
+from compress.core.registry import Registry
+from compress.modifiers import modifier_class, modifier_types
 
 
 def _fruit() -> Registry[int]:

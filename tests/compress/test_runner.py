@@ -11,7 +11,7 @@ import yaml
 
 import compress
 from compress.cli import main
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 from compress.recipe import load_recipe
 from compress.report import ModelFigures, Report
 from compress.runner import check_thresholds

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import compress
-from compress.errors import CalibrationError, CompressError, TargetMatchError
-from compress.modifier import Modifier, Phase, State, modifier_class
+from compress.core.errors import CalibrationError, CompressError, TargetMatchError
+from compress.core.modifier import Modifier, Phase, State
+from compress.modifiers import modifier_class
 from compress.recipe import load_recipe
 from compress.session import Session, StageResult
 
@@ -631,7 +632,7 @@ def test_modifier_guards_name_the_modifier_and_its_phase(tiny_model: nn.Module) 
 
 
 def test_a_recipe_built_in_code_gets_the_needs_and_order_checks(tiny_model: nn.Module) -> None:
-    from compress.errors import RecipeError
+    from compress.core.errors import RecipeError
     from compress.recipe import Recipe
 
     def built(*stages: dict[str, Any], **top: Any) -> Recipe:

@@ -12,7 +12,7 @@ import torch
 import yaml
 
 import compress
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 from compress.models import load_model
 from compress.recipe import load_recipe
 from compress.state import restore_compressed

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from compress.errors import TargetMatchError
-from compress.targets import pattern_matches, select_modules
+from compress.core.errors import TargetMatchError
+from compress.core.targets import pattern_matches, select_modules
 
 
 class Block(nn.Module):

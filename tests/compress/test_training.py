@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from compress.errors import CompressError, RecipeError
-from compress.metrics import make_metric, mean_pool
+from compress.core.errors import CompressError, RecipeError
+from compress.core.metrics import make_metric, mean_pool
 from compress.recipe import TrainSpec
 from compress.training import Trainer, build_optimizer, build_schedule, evaluate, fit, task_loss
 

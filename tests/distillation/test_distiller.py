@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import compress
-from compress.errors import CompressError, RecipeError, TargetMatchError
+from compress.core.errors import CompressError, RecipeError, TargetMatchError
 from distillation.api import Distiller
 from distillation.teacher import Teacher
 

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.batching import split_batch
+from compress.core.batching import split_batch
+from compress.core.errors import RecipeError, TargetMatchError
 from compress.data import build_data
-from compress.errors import RecipeError, TargetMatchError
 from compress.models import build_zoo_model
 from compress.recipe import load_recipe
 from compress.session import Session

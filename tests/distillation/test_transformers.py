@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 from distillation.api import Distiller
 from distillation.losses import attention_kl, cosine_loss, feature_mse, mean_pool
 

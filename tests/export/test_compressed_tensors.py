@@ -14,7 +14,7 @@ pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")
 
 import compress  # noqa: E402
-from compress.errors import UnsupportedModelError  # noqa: E402
+from compress.core.errors import UnsupportedModelError  # noqa: E402
 from export.compressed_tensors import pack_int32, save_compressed_tensors  # noqa: E402
 from quantization.int4 import dequantize_int4, int4_weight  # noqa: E402
 from quantization.spec import QuantScheme, QuantSpec  # noqa: E402

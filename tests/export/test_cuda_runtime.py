@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # before the kernels are first imported (jit 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import compress
-from compress.errors import ExportError
+from compress.core.errors import ExportError
 from export.cuda import cast_float_layers, validate_cuda
 from quantization.int8 import Int8Linear
 from quantization.modules import QuantLinear
@@ -111,7 +111,7 @@ def test_validate_a_run_folder_with_backend_cuda(tmp_path: Path) -> None:
 
 
 def test_backend_cuda_needs_a_run_folder(tmp_path: Path) -> None:
-    from compress.errors import RecipeError
+    from compress.core.errors import RecipeError
     from compress.validation import validate_run_cuda
 
     f = tmp_path / "m.onnx"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from compress.errors import ExportError
+from compress.core.errors import ExportError
 from compress.models import build_zoo_model
 from export.onnx import export_onnx
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from compress.errors import ExportError
+from compress.core.errors import ExportError
 from export.onnx import export_onnx
 from export.parity import Parity
 from export.qdq import swap_quantizers

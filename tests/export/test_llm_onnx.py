@@ -14,7 +14,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import compress  # noqa: E402
-from compress.errors import ExportError, UnsupportedModelError  # noqa: E402
+from compress.core.errors import ExportError, UnsupportedModelError  # noqa: E402
 from export.llm_onnx import MatMulNBitsLinear, OrtGenerator, export_llm_onnx, generate_ort  # noqa: E402
 from quantization.int4 import Int4Weight, dequantize_int4  # noqa: E402
 from quantization.spec import QuantScheme, QuantSpec  # noqa: E402

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import compress  # noqa: E402
-from compress.errors import ExportError, UnsupportedModelError  # noqa: E402
+from compress.core.errors import ExportError, UnsupportedModelError  # noqa: E402
 from export import llm_w8a8  # noqa: E402
 from export.llm_onnx import export_llm_onnx, generate_ort  # noqa: E402
 

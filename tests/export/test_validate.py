@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 from compress.recipe import Thresholds, ValidateSpec
 from compress.validation import run_validate, validate
 from export.onnx import export_onnx

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from pruning_blocks import Residual, run
 from torch import nn
 
-from compress.errors import RecipeError, TargetMatchError, UnsupportedModelError
+from compress.core.errors import RecipeError, TargetMatchError, UnsupportedModelError
 from pruning.api import PruneOptions, prune
 
 

@@ -105,7 +105,7 @@ def test_activation_importance_reads_what_flows_into_the_next_layer() -> None:
 
 
 def test_activation_importance_needs_data() -> None:
-    from compress.errors import CalibrationError
+    from compress.core.errors import CalibrationError
     from pruning.api import prune
 
     with pytest.raises(CalibrationError, match="activation"):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import compress
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 from compress.models.zoo import build_zoo_model
 
 X = torch.randn(32, 1, 8, 8)
@@ -78,7 +78,8 @@ def test_iterative_schedule_prunes_between_epochs_with_live_optimizer() -> None:
 
 @pytest.mark.parametrize("kind", ["bn_l1", "group_lasso"])
 def test_sparsity_phase_adds_a_penalty_before_the_first_cut(kind: str) -> None:
-    from compress.modifier import State, modifier_class
+    from compress.core.modifier import State
+    from compress.modifiers import modifier_class
 
     spec = modifier_class("prune").spec_cls.model_validate(
         {"type": "prune", "ratio": 0.5, "sparsity": {"kind": kind, "weight": 0.1, "epochs": 1}}

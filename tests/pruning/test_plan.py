@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compress.errors import CompressError, RecipeError
+from compress.core.errors import CompressError, RecipeError
 from compress.models.zoo import build_zoo_model
 from pruning.api import prune
 from pruning.plan import PruningPlan

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import compress
-from compress.errors import CalibrationError
+from compress.core.errors import CalibrationError
 from quantization.awq import AWQParams, find_fold_groups, scale_error_ratio, search_clip, search_scales
 from quantization.calibration import float_mode
 from quantization.modules import QuantLinear

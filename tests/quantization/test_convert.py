@@ -18,7 +18,7 @@ if not torch.cuda.is_available():  # before the kernels are first imported (jit 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import compress
-from compress.errors import RecipeError, UnsupportedModelError
+from compress.core.errors import RecipeError, UnsupportedModelError
 from compress.models.resnet import resnet
 from quantization import calibrate, prepare
 from quantization.convert import convert, convert_with_report
@@ -126,7 +126,7 @@ def test_cpu_without_interpreter_raises_clear_error() -> None:
             raise SystemExit(0)
         from torch import nn
         import compress
-        from compress.errors import CompressError
+        from compress.core.errors import CompressError
         from quantization.convert import convert
         q = compress.quantize(nn.Sequential(nn.Linear(8, 4)), "w8a8", [torch.randn(2, 8)])
         c = convert(q)

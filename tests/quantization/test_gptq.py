@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import compress
-from compress.errors import CalibrationError, RecipeError
+from compress.core.errors import CalibrationError, RecipeError
 from quantization.gptq import GPTQParams, HessianAccumulator, gptq_quantize, layer_error
 from quantization.modules import QuantLinear
 from quantization.primitives import dynamic_qparams, fake_quantize_spec, quantize_spec

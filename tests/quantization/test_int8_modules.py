@@ -14,7 +14,7 @@ from torch import nn
 if not torch.cuda.is_available():  # before the kernels are first imported (jit decides then)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from compress.errors import CompressError, UnsupportedModelError
+from compress.core.errors import CompressError, UnsupportedModelError
 from quantization.calibration import calibrate
 from quantization.int8 import Int8Conv2d, Int8Linear
 from quantization.modules import QUANT_LAYERS

@@ -11,7 +11,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from compress.errors import UnsupportedModelError  # noqa: E402
+from compress.core.errors import UnsupportedModelError  # noqa: E402
 from quantization import QuantizeParams, quantize, set_quantizers, strip  # noqa: E402
 from quantization.kv_cache import attach_kv_quantization, kv_quantizers  # noqa: E402
 from quantization.primitives import dynamic_qparams, fake_quantize_spec  # noqa: E402

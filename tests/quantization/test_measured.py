@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 from export.onnx import export_onnx
 from export.runtimes import ort_coverage
 from quantization import QuantizeParams, quantize

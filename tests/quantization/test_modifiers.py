@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.errors import RecipeError
+from compress.core.errors import RecipeError
 from compress.recipe import load_recipe
 from compress.session import Session
 from quantization import QuantConv2d, QuantLinear, input_quantizer, quantizers, set_quantizers

@@ -14,8 +14,8 @@ import transformers
 from torch import nn
 
 import compress
-from compress.errors import UnsupportedModelError
-from compress.moe import UnpackedExperts, expert_blocks, set_dense, unpack_experts
+from compress.core.errors import UnsupportedModelError
+from compress.core.moe import UnpackedExperts, expert_blocks, set_dense, unpack_experts
 from export.runtimes import ort_coverage
 from quantization.placement import ROUTER_REASON
 

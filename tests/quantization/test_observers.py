@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from compress.errors import CalibrationError, RecipeError
+from compress.core.errors import CalibrationError, RecipeError
 from quantization.observers import build_observer
 from quantization.primitives import fake_quantize, qparams_from_range
 from quantization.spec import QuantSpec

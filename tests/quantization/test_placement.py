@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 from export.onnx import export_onnx
 from export.runtimes import ort_coverage, ort_optimized_graph
 from quantization import QuantizeParams, prepare, quantize, strip

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compress.errors import CalibrationError, CompressError, TargetMatchError
+from compress.core.errors import CalibrationError, CompressError, TargetMatchError
 from quantization import (
     QuantConv2d,
     QuantLinear,

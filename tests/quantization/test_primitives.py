@@ -104,7 +104,7 @@ def test_lsq_scale_gradient_matches_formula() -> None:
 
 
 def test_presets_validate_and_typos_are_named() -> None:
-    from compress.errors import RecipeError
+    from compress.core.errors import RecipeError
 
     assert QuantScheme.preset("w8a8").inputs is not None
     assert QuantScheme.preset("w8_weight_only").inputs is None

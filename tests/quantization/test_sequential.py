@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import compress
-from compress.errors import UnsupportedModelError
+from compress.core.errors import UnsupportedModelError
 from quantization.sequential import DiskOffload, capture_inputs, decoder_layers, linearize_conv1d
 from quantization.spec import QuantScheme, QuantSpec
 

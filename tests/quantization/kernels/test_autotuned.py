@@ -99,7 +99,7 @@ def test_tuned_w4a16_path(m: int, interpret_only: None, monkeypatch: pytest.Monk
 
 
 def test_tuner_says_why_when_no_candidate_runs(interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from compress.errors import CompressError
+    from compress.core.errors import CompressError
 
     w4 = load("w4a16")
     monkeypatch.setattr(w4, "_sm_count", lambda: 4)

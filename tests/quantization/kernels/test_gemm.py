@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 from quantization.kernels import GemmConfig, int8_gemm
 
 # M, N, K chosen so that none is a multiple of the tiles below: every mask is exercised

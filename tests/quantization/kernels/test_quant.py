@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 from quantization.kernels import quantize_per_token, quantize_static
 from quantization.primitives import SCALE_EPS, dynamic_qparams, quantize
 from quantization.spec import QuantSpec

@@ -23,7 +23,7 @@ def test_cpu_tensors_without_interpreter_raise_clear_error() -> None:
         import torch
         if torch.cuda.is_available():
             print("CUDA"); raise SystemExit(0)
-        from compress.errors import CompressError
+        from compress.core.errors import CompressError
         from quantization.kernels import int8_gemm
         a = torch.ones(4, 8, dtype=torch.int8)
         try:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import compress
-from compress.errors import CompressError, UnsupportedModelError
+from compress.core.errors import CompressError, UnsupportedModelError
 from quantization.convert import convert_with_report
 from quantization.int4 import Int4Weight, dequantize_int4, int4_weight, pack_nibbles, unpack_nibbles
 from quantization.kernels import GemmConfig, w4a16_gemm

@@ -2,14 +2,13 @@
 
 A modifier spec (pydantic, ``extra="forbid"``) says *what* to do; a Modifier subclass is its one
 handler and says *how*. Specs are discriminated by their ``type`` literal. Packages register their
-modifiers with :func:`register_modifier`; the recipe loader imports the built-in modifier modules
-lazily, so this module never imports quantization/, pruning/ or distillation/ at import time.
+modifiers with :func:`register_modifier`; compress.modifiers (the top floor) imports the built-in
+modifier packages by name, so this module never imports quantization/, pruning/ or distillation/.
 """
 
 from __future__ import annotations
 
 import enum
-import importlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -20,19 +19,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from compress.errors import CompressError, RecipeError
-from compress.registry import Registry
+from compress.core.errors import CompressError, RecipeError
+from compress.core.registry import Registry
 
 log = logging.getLogger(__name__)
-
-# Modules whose import registers the built-in modifiers. Imported on first registry lookup.
-BUILTIN_MODIFIER_MODULES: tuple[str, ...] = (
-    "quantization.modifiers",
-    "quantization.weight_modifiers",
-    "pruning.modifiers",
-    "distillation.modifiers",
-)
-
 
 class ModifierSpec(BaseModel):
     """Fields every modifier has: its ``type`` and its schedule inside the stage.
@@ -115,10 +105,10 @@ class State:
 
     def forward_loop(self, model: nn.Module, *, max_batches: int | None = None) -> int:
         """Run ``model`` over the calibration batches without grad; returns the sample count."""
-        from compress.batching import batch_size_of, call_model, split_batch, to_device
+        from compress.core.batching import batch_size_of, call_model, split_batch, to_device
 
         if self.calibration_data is None:
-            from compress.errors import CalibrationError
+            from compress.core.errors import CalibrationError
 
             raise CalibrationError("no calibration data: set data.calibration_samples in the recipe")
         seen = 0
@@ -239,7 +229,6 @@ class Modifier(Generic[S]):
 
 
 MODIFIERS: Registry[type[Modifier[Any]]] = Registry("modifier type")
-_builtins_loaded = False
 
 
 def register_modifier(cls: type[Modifier[Any]]) -> type[Modifier[Any]]:
@@ -249,33 +238,6 @@ def register_modifier(cls: type[Modifier[Any]]) -> type[Modifier[Any]]:
         raise TypeError(f"{cls.spec_cls.__name__}.type needs a string default (its Literal)")
     MODIFIERS.add(default, cls)
     return cls
-
-
-def load_builtin_modifiers() -> None:
-    """Import the packages that register built-in modifiers (idempotent)."""
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    _builtins_loaded = True
-    for mod in BUILTIN_MODIFIER_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            # a package still under construction must not break the others
-            if exc.name is not None and mod.startswith(exc.name):
-                log.debug("modifier module %s not available: %s", mod, exc)
-                continue
-            raise
-
-
-def modifier_types() -> list[str]:
-    load_builtin_modifiers()
-    return MODIFIERS.names()
-
-
-def modifier_class(type_name: str) -> type[Modifier[Any]]:
-    load_builtin_modifiers()
-    return MODIFIERS.get(type_name)
 
 
 # ---- order rules: data, checked before the model is touched ---------------------------------

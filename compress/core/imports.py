@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from compress.errors import RecipeError, closest
+from compress.core.errors import RecipeError, closest
 
 
 def is_import_path(name: str) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from compress.batching import batch_size_of, call_model
+from compress.core.batching import batch_size_of, call_model
 
 
 def count_params(model: nn.Module) -> int:

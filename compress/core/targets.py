@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from compress.errors import TargetMatchError
+from compress.core.errors import TargetMatchError
 
 
 def _type_names(module: nn.Module) -> set[str]:

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from compress.batching import batch_size_of, primary_output
-from compress.errors import RecipeError, did_you_mean
-from compress.imports import import_object, is_import_path
-from compress.registry import Registry
+from compress.core.batching import batch_size_of, primary_output
+from compress.core.errors import RecipeError, did_you_mean
+from compress.core.imports import import_object, is_import_path
+from compress.core.registry import Registry
 
 
 class Metric:

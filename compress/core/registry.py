@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from compress.errors import RecipeError, did_you_mean
+from compress.core.errors import RecipeError, did_you_mean
 
 T = TypeVar("T")
 

@@ -1,0 +1,56 @@
+"""Two services the algorithm packages need from the top floor: load a model reference, train a model.
+
+Loading and training are the top floor's work (compress.models, compress.training), but a
+distillation teacher is a model reference, trained first when it has no weights. So the services
+are slots that ``compress/__init__.py`` fills when the package is imported (it always is first:
+every core module lives inside that package), and callers below the top go through
+:func:`load_model_reference` and :func:`train_model` without importing anything above the core.
+Kept free of heavy imports so that ``import compress`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from compress.core.errors import CompressError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from compress.core.reference import ModelSpec, Where
+
+
+class ModelLoader(Protocol):
+    def __call__(self, spec: ModelSpec | Mapping[str, Any], *, where: Where = "model") -> nn.Module: ...
+
+
+class ModelTrainer(Protocol):
+    def __call__(self, model: nn.Module, data: Iterable[Any], *, epochs: float, lr: float | None,
+                 device: torch.device, desc: str) -> float | None: ...
+
+
+_loader: ModelLoader | None = None
+_trainer: ModelTrainer | None = None
+
+
+def provide(*, loader: ModelLoader, trainer: ModelTrainer) -> None:
+    """Fill the two service slots (the top floor does, once, when ``compress`` is imported)."""
+    global _loader, _trainer
+    _loader, _trainer = loader, trainer
+
+
+def load_model_reference(spec: ModelSpec | Mapping[str, Any], *, where: Where = "model") -> nn.Module:
+    """Build the model a ModelSpec (or a mapping of its fields) describes."""
+    if _loader is None:
+        raise CompressError("no model loader is registered: import compress first")
+    return _loader(spec, where=where)
+
+
+def train_model(model: nn.Module, data: Iterable[Any], *, epochs: float, lr: float | None = None,
+                device: torch.device, desc: str) -> float | None:
+    """Train ``model`` on ``data`` with the built-in trainer (data-parallel under torchrun); the final loss."""
+    if _trainer is None:
+        raise CompressError("no trainer is registered: import compress first")
+    return _trainer(model, data, epochs=epochs, lr=lr, device=device, desc=desc)
