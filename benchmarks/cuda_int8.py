@@ -86,7 +86,7 @@ def _int_mm_or_none(a: torch.Tensor, bt: torch.Tensor) -> Callable[[], torch.Ten
 
 
 def _gemm_row(m: int, n: int, k: int, g: torch.Generator, timer: Timer, dev: torch.device) -> dict[str, Any]:
-    from quantization.kernels import int8_gemm, quantize_per_token
+    from quantization.lowering.kernels import int8_gemm, quantize_per_token
 
     x = torch.randn(m, k, generator=g).to(dev)
     w = (torch.randn(n, k, generator=g) * 0.02).to(dev)
@@ -139,7 +139,7 @@ def bench_gemm(shapes: list[tuple[int, int, int]], timer: Timer, dev: torch.devi
 
 
 def _conv_row(case: tuple[int, ...], g: torch.Generator, timer: Timer, dev: torch.device) -> dict[str, Any]:
-    from quantization.kernels import int8_conv2d
+    from quantization.lowering.kernels import int8_conv2d
 
     batch, c, o, k, s, h = case
     pad = k // 2
@@ -190,7 +190,7 @@ def bench_models(spec: dict[str, Any], dev: torch.device, *, warmup: int, runs: 
     from compress.models.resnet import resnet
     from export.cuda import cast_float_layers, time_side_by_side
     from quantization.api import QuantizeParams
-    from quantization.convert import convert_with_report
+    from quantization.lowering.convert import convert_with_report
 
     torch.manual_seed(0)
     rows = []
@@ -291,13 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks.cuda_int8: needs a CUDA GPU (none found); --interpret-smoke checks the script on CPU",
               file=sys.stderr)
         return 2
-    from quantization.kernels import triton_available
+    from quantization.lowering.kernels import triton_available
 
     if not triton_available():
         print("benchmarks.cuda_int8: needs Triton: pip install 'compress[triton]'", file=sys.stderr)
         return 2
-    if args.interpret_smoke and "quantization.kernels.gemm" in sys.modules and not getattr(
-        sys.modules["quantization.kernels.gemm"], "INTERPRETED", False
+    if args.interpret_smoke and "quantization.lowering.kernels.gemm" in sys.modules and not getattr(
+        sys.modules["quantization.lowering.kernels.gemm"], "INTERPRETED", False
     ):
         print("benchmarks.cuda_int8: kernels were loaded before TRITON_INTERPRET was set", file=sys.stderr)
         return 2

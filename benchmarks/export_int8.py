@@ -33,8 +33,8 @@ from compress.recipe import DataSpec
 from export.describe import file_size
 from export.onnx import export_onnx
 from export.parity import Parity, to_numpy_feeds
-from export.runtimes import OrtSession, integer_kernel_count, load_session
-from export.validate import run_session, time_side_by_side
+from export.runtimes import OrtSession, integer_kernel_count, load_session, run_session
+from export.validate import time_side_by_side
 
 log = logging.getLogger("benchmarks.export_int8")
 THREADS = os.cpu_count() or 1

@@ -4,7 +4,7 @@ fp32 size. ``python -m benchmarks.llm_memory`` (writes its RESULTS.md section).
 The model is built on the meta device, so its weights never exist together: the embedding is
 materialized (random init) to feed the first layer, each decoder layer is materialized (random
 init, seeded per layer) just before GPTQ calibrates it, and saved to disk as safetensors and
-dropped to meta right after (quantization.sequential.DiskOffload). lm_head and the final norm are
+dropped to meta right after (quantization.algorithms.sequential.DiskOffload). lm_head and the final norm are
 never materialized (calibration stops at the layers). Peak RSS is measured in a fresh subprocess
 (``resource.getrusage`` ``ru_maxrss``), so nothing of the parent counts.
 """
@@ -51,10 +51,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from quantization.gptq import GPTQParams
-    from quantization.sequential import DiskOffload, sequential_quantize
-    from quantization.spec import resolve_scheme
-    from quantization.weight_only import gptq_layer
+    from quantization.algorithms.gptq import GPTQParams
+    from quantization.algorithms.sequential import DiskOffload, sequential_quantize
+    from quantization.algorithms.weight_only import gptq_layer
+    from quantization.numerics.spec import resolve_scheme
 
     torch.set_num_threads(args.threads)
     cfg = LlamaConfig(**{**CONFIG_1B, "num_hidden_layers": args.layers})

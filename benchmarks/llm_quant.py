@@ -93,8 +93,8 @@ def torch_methods(scheme: Any, data: list[torch.Tensor]) -> dict[str, Callable[[
     """Each PyTorch method by its table name: quantizes a model in place with ``scheme``,
     calibrating on the batches ``data``."""
     import compress
-    from quantization.awq import AWQParams
-    from quantization.gptq import GPTQParams
+    from quantization.algorithms.awq import AWQParams
+    from quantization.algorithms.gptq import GPTQParams
 
     return {
         "RTN": lambda m: compress.quantize(m, scheme, ignore=["lm_head"]),
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _awq_samples() -> str:
     """AWQ's default sample sizes, as the sections state them."""
-    from quantization.awq import AWQParams
+    from quantization.algorithms.awq import AWQParams
 
     p = AWQParams()
     return f"scales searched on up to {p.sample_tokens} calibration tokens and clips on {p.clip_tokens}"

@@ -139,13 +139,13 @@ torch.manual_seed(0)
 n, observer = int(sys.argv[1]), sys.argv[2]
 model = build_zoo_model("mobilenetv2", {"in_channels": 3}).eval()
 scheme = {"preset": "w8a8", "inputs": {"observer": observer}}
-from quantization.spec import resolve_scheme
+from quantization.numerics.spec import resolve_scheme
 prepare(model, resolve_scheme(scheme))
 def batches():
     g = torch.Generator().manual_seed(1)
     for i in range(0, n, 50):
         yield torch.randn(min(50, n - i), 3, 32, 32, generator=g)
-from quantization.calibration import float_mode
+from quantization.numerics.calibration import float_mode
 with float_mode(model), torch.no_grad():
     model(torch.randn(50, 3, 32, 32))  # warm-up: allocator pools as in steady state
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

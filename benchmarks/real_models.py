@@ -107,7 +107,7 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
     from export.onnx import export_onnx
     from export.runtimes import ort_coverage
     from quantization import QuantizeParams
-    from quantization.measured import SpeedCheck
+    from quantization.placement.speed_check import SpeedCheck
 
     suite = SUITES[size]
     sm = suite[name](0)
@@ -191,7 +191,7 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
              "SQNR 7-bit: compress's export with `reduce_range=True` (7-bit weight codes), which a CPU with AVX2 "
              "and no VNNI needs to avoid ORT's u8s8 int16 saturation (README); the machine line names this one's "
              "int8 instructions.", "",
-             "measured: compress with `speed_check` (quantization/measured.py: each layer's ORT integer kernel "
+             "measured: compress with `speed_check` (quantization/placement/speed_check.py: each layer's ORT integer kernel "
              "timed against its float kernel at the serving batch, the slower ones kept float).", "",
              "| model | coverage compress / measured / ORT | SQNR dB compress / measured / ORT (compress 7-bit) | "
              "speedup compress / measured / ORT | size compress / measured / ORT | kept float by measurement |",

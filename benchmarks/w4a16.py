@@ -67,8 +67,8 @@ def _copies(nbytes: int, cuda: bool) -> int:
 
 
 def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: torch.device, cuda: bool) -> list[dict[str, Any]]:
-    from quantization.int4 import Int4Weight, dequantize_int4, pack_nibbles
-    from quantization.kernels import w4a16 as k4
+    from quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
+    from quantization.lowering.kernels import w4a16 as k4
 
     g = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = []
@@ -125,7 +125,7 @@ def compile_variant(arch: int, cfg: Any, x: str = "fp16", **flags: Any) -> dict[
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from quantization.kernels import w4a16 as k
+    from quantization.lowering.kernels import w4a16 as k
 
     fn = k._w4a16_kernel
     names = list(fn.arg_names)
@@ -165,7 +165,7 @@ def compile_check() -> list[dict[str, Any]]:
     """Each representative config (sm90, fp16, zero points), and every specialization (sym, per-feature
     scale gathers, g_idx with ragged K, bf16, fused GELU) on a decode and a tensor-core config for
     sm80 and sm90."""
-    from quantization.kernels.w4a16 import W4Config
+    from quantization.lowering.kernels.w4a16 import W4Config
 
     cfgs = [W4Config(bm, bn, bk, num_stages=3, split_k=split, acc3=acc3, prefetch=pf)
             for bm, bn, bk, split, acc3, pf in COMPILE_CONFIGS]
@@ -227,12 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print("benchmarks.w4a16: needs a CUDA GPU (none found); --interpret-smoke checks the script on CPU", file=sys.stderr)
         return 2
-    from quantization.kernels import triton_available
+    from quantization.lowering.kernels import triton_available
 
     if not triton_available():
         print("benchmarks.w4a16: needs Triton: pip install 'compress[triton]'", file=sys.stderr)
         return 2
-    from quantization.kernels.w4a16 import DEQUANT_MIN_M
+    from quantization.lowering.kernels.w4a16 import DEQUANT_MIN_M
 
     cuda = not args.interpret_smoke
     dev = torch.device("cuda" if cuda else "cpu")

@@ -35,8 +35,8 @@ IGNORE = ["pooler.dense"]
 def methods(scheme: str, data: list[Any]) -> dict[str, Callable[[nn.Module], nn.Module]]:
     """Each method by its table name: quantizes a model in place, calibrating on ``data``."""
     import compress
-    from quantization.awq import AWQParams
-    from quantization.gptq import GPTQParams
+    from quantization.algorithms.awq import AWQParams
+    from quantization.algorithms.gptq import GPTQParams
 
     gp = GPTQParams(act_order=True)
     return {

@@ -51,12 +51,12 @@ _EXPORTS: dict[str, str] = {
     # quantization
     "quantize": "quantization.api",
     "QuantizeParams": "quantization.api",
-    "gptq": "quantization.weight_only",
-    "awq": "quantization.weight_only",
-    "GPTQParams": "quantization.gptq",
-    "AWQParams": "quantization.awq",
-    "QuantSpec": "quantization.spec",
-    "QuantScheme": "quantization.spec",
+    "gptq": "quantization.algorithms.weight_only",
+    "awq": "quantization.algorithms.weight_only",
+    "GPTQParams": "quantization.algorithms.gptq",
+    "AWQParams": "quantization.algorithms.awq",
+    "QuantSpec": "quantization.numerics.spec",
+    "QuantScheme": "quantization.numerics.spec",
     # pruning
     "prune": "pruning.api",
     "PruneResult": "pruning.api",

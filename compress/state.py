@@ -129,7 +129,7 @@ def restore_compressed(build_float: Callable[[], nn.Module], path: Path) -> nn.M
 def _check_placement(model: nn.Module, path: Path) -> None:
     """Every module a restored quantizer placement names must exist: a placement saved against other
     module code (the zoo's former Add/MatMul modules) would otherwise silently quantize nothing there."""
-    from quantization.hooks import graph_of
+    from quantization.placement.mode import graph_of
 
     graph = graph_of(model)
     if graph is None or graph.pending:
@@ -147,8 +147,7 @@ def _prepare_quantizers(model: nn.Module, q: dict[str, Any], *, where: str) -> N
     """Swap in the quantized modules as the run's quantize modifier did, without calibrating."""
     from compress.modifiers import modifier_class
     from quantization import prepare, quantizers
-    from quantization.preparation import FirstLast, plan_targets
-    from quantization.sequential import linearize
+    from quantization.preparation import FirstLast, linearize, plan_targets
 
     spec = modifier_class(q["type"]).spec_cls.model_validate(q["spec"])
     scheme = spec.resolved_scheme()  # type: ignore[attr-defined]
@@ -166,7 +165,7 @@ def _prepare_quantizers(model: nn.Module, q: dict[str, Any], *, where: str) -> N
             first_last=first_last, bn=bn, quantize_ops=quantize_ops, where=where)
     kv_cache = getattr(spec, "kv_cache", None)
     if kv_cache is not None:  # the KV quantizers the run attached (their per-head scales are in the state)
-        from quantization.kv_cache import attach_kv_quantization
+        from quantization.algorithms.kv_cache import attach_kv_quantization
 
         attach_kv_quantization(model, kv_cache)
     flags = q["quantizers"]

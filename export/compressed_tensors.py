@@ -15,7 +15,7 @@ weight-only int4 Linear ``P`` is stored as
 compressed-tensors keeps int4 codes signed (-8..7) with signed zero points; ours for asymmetric
 weights are uint4 (0..15) with zero points 0..15. Both dequantize as ``(q - zp) * scale``, and both
 store ``q + 8`` resp. the unsigned code, so the packed bits are the same nibbles
-(:class:`quantization.int4.Int4Weight`). Everything else (embeddings, norms, lm_head, biases) is
+(:class:`quantization.lowering.int4.Int4Weight`). Everything else (embeddings, norms, lm_head, biases) is
 written as it is in the model. Needs ``pip install 'compress[llm]'`` (the config is built and
 validated with compressed-tensors' own pydantic models).
 """
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import ExportError, UnsupportedModelError
-from quantization.int4 import (
+from quantization.lowering.int4 import (
     Int4Weight,
     activation_quantizers,
     int4_weight,

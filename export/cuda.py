@@ -40,7 +40,7 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "f
 
 
 def _check_device(device: str) -> torch.device:
-    from quantization.kernels import interpret_mode, require_triton
+    from quantization.lowering.kernels import interpret_mode, require_triton
 
     require_triton("runtime 'cuda'")
     dev = torch.device(device)
@@ -56,8 +56,8 @@ def _check_device(device: str) -> torch.device:
 def cast_float_layers(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast the float parameters and buffers of ``model`` to ``dtype`` in place, except those of int8
     modules and quantizers (their scales must stay float32 to keep the integer codes exact)."""
-    from quantization.fake_quant import FakeQuantizer
-    from quantization.int8 import Int8Conv2d, Int8Linear
+    from quantization.lowering.int8 import Int8Conv2d, Int8Linear
+    from quantization.numerics.fake_quant import FakeQuantizer
 
     keep = (Int8Linear, Int8Conv2d, FakeQuantizer)
     skip: set[int] = set()
@@ -194,7 +194,7 @@ def validate_cuda(
     ``fidelity`` (int8 vs fp32), ``latency`` rows ``{batch, float_ms, int8_ms, speedup, cuda_graphs}``,
     ``min_speedup``, ``size`` and the per-layer ``conversion``. Neither input model is modified.
     """
-    from quantization.convert import convert_with_report
+    from quantization.lowering.convert import convert_with_report
 
     dev = _check_device(device)
     if dtype not in _DTYPE_NAMES:

@@ -16,7 +16,7 @@ from torch import nn
 
 from compress.core.errors import CompressError
 from export.records import DECOMPOSED_KEY, ExportRecord, Role
-from export.runtimes import OrtSession, default_threads, ort_coverage
+from export.runtimes import OrtSession, default_threads, ort_coverage, run_session
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,6 @@ class OnnxModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         from export.parity import to_numpy_feeds
-        from export.validate import run_session
 
         inputs: Any = kwargs if kwargs else (args[0] if len(args) == 1 else args)
         feeds = to_numpy_feeds(inputs, self.session.input_names)

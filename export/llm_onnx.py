@@ -52,7 +52,7 @@ from torch import nn
 
 from compress.core.errors import ExportError, UnsupportedModelError
 from compress.core.moe import unpack_experts
-from quantization.int4 import (
+from quantization.lowering.int4 import (
     Int4Weight,
     activation_quantizers,
     dequantize_int4,
@@ -422,7 +422,7 @@ def export_llm_onnx(
         raise UnsupportedModelError("export_llm_onnx(weights='int4'): the model has no weight-only 4-bit layers")
     if weights == "w8a8" and counts["w8a8"] == 0:
         raise UnsupportedModelError("export_llm_onnx(weights='w8a8'): the model has no Linears with quantized inputs")
-    from quantization.hooks import detach
+    from quantization.placement.mode import detach
 
     detach(m)  # its quantizers now live in the swapped layers
     dec = KVDecoder(m).eval()

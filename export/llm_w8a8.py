@@ -210,8 +210,8 @@ class W8A8DynamicLinear(nn.Module):
 def check_w8a8_exportable(model: nn.Module) -> None:
     """Raise UnsupportedModelError naming the first activation quantizer the generation graph
     cannot carry: one placed on an op other than a Linear's input, or a simulated KV cache."""
-    from quantization.hooks import graph_of
-    from quantization.kv_cache import kv_quantizers
+    from quantization.algorithms.kv_cache import kv_quantizers
+    from quantization.placement.mode import graph_of
 
     kv = kv_quantizers(model)
     if kv:
@@ -236,7 +236,7 @@ def w8a8_linear(root: nn.Module, name: str, mod: nn.Module, shared: dict[int, In
     """The export module for the W8A8 layer ``name`` of ``root``, or None when its input is not
     quantized (weight-only layers are handled by the caller). ``shared`` maps the static input
     quantizers seen so far to their export module (filled in here)."""
-    from quantization.hooks import input_quantizer
+    from quantization.placement.mode import input_quantizer
 
     iq: Any = input_quantizer(root, name)
     if iq is None or not iq.enabled:

@@ -31,7 +31,7 @@ from compress.core.moe import unpacked_experts
 from compress.core.precision import float32_inputs, float32_weights
 from export import edge, qdq
 from export.records import DECOMPOSED_KEY
-from quantization.hooks import collect_unseen
+from quantization.placement.mode import collect_unseen
 
 log = logging.getLogger(__name__)
 

@@ -72,7 +72,7 @@ def export_model(
 
 def _kept_float(model: nn.Module) -> dict[str, str]:
     """What the quantizer placement left float on purpose, and why (empty without a placement)."""
-    from quantization.hooks import UNSEEN_REASON
+    from quantization.placement.mode import UNSEEN_REASON
 
     graph = getattr(model, "quantizer_graph", None)
     placement = getattr(graph, "placement", None)

@@ -168,7 +168,7 @@ class QDQSummary:
 
 def _fake_quantizer_cls() -> type | None:
     try:
-        from quantization.fake_quant import FakeQuantizer
+        from quantization.numerics.fake_quant import FakeQuantizer
     except ImportError:  # the quantization package is optional for fp32 export
         return None
     return FakeQuantizer
@@ -204,7 +204,7 @@ def _shift_dtype(scale: torch.Tensor, zp: torch.Tensor, qmin: int, target: str) 
 def _positive_scales(codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor, axis: int, qmin: int, qmax: int,
                      where: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Codes and scales with every scale positive: a low-bit symmetric weight's negative scale
-    (quantization.primitives.qparams_from_range) is moved into its codes, ``q * s = (-q) * (-s)``,
+    (quantization.numerics.primitives.qparams_from_range) is moved into its codes, ``q * s = (-q) * (-s)``,
     which int8 storage holds (4 bits: [-7, 8]). The integer-kernel paths (QLinearConv, QGemm, the
     bias's int32 codes) then see the positive weight scales ORT's own quantizer writes."""
     if bool((zp != 0).any()) or -qmin > 127:
@@ -255,7 +255,7 @@ def _blocked(q: Any, weight: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
 def _functional_weights(model: nn.Module) -> dict[int, torch.Tensor]:
     """Weight quantizers that a placement owns for functionally used weights, by id, with the
     weight each one quantizes (they sit in the quantizer graph, not beside their weight)."""
-    from quantization.hooks import QuantizerGraph
+    from quantization.placement.mode import QuantizerGraph
 
     out: dict[int, torch.Tensor] = {}
     for m in model.modules():

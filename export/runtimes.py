@@ -18,6 +18,7 @@ import onnx
 
 from compress.core.errors import ExportError
 from compress.core.registry import Registry
+from export.parity import resize_batch
 
 log = logging.getLogger(__name__)
 
@@ -247,3 +248,19 @@ def integer_kernel_count(path: Path) -> tuple[int, dict[str, int]]:
     ops = ort_optimized_ops(path)
     ints = {k: v for k, v in sorted(ops.items()) if is_integer_kernel(k)}
     return sum(ints.values()), ints
+
+
+def run_session(session: RuntimeSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Run ``feeds`` through ``session``; a model exported with a static batch runs in chunks of it."""
+    static = {session.input_shapes.get(k, [None])[0] for k in feeds}
+    b0 = next(iter(static)) if len(static) == 1 else None
+    n = next(iter(feeds.values())).shape[0]
+    if not isinstance(b0, int) or b0 == n:
+        return session.run(feeds)
+    chunks: list[list[np.ndarray]] = []
+    for start in range(0, n, b0):
+        part = {k: v[start : start + b0] for k, v in feeds.items()}
+        m = next(iter(part.values())).shape[0]
+        outs = session.run(resize_batch(part, b0) if m < b0 else part)
+        chunks.append([o[:m] for o in outs])
+    return [np.concatenate([c[i] for c in chunks], axis=0) for i in range(len(chunks[0]))]

@@ -25,7 +25,7 @@ from compress.core.errors import CompressError, ExportError, RecipeError
 from compress.core.precision import float32_weights
 from export.parity import Parity, resize_batch, to_numpy_feeds
 from export.records import ExportRecord, ThresholdRecord, ValidationRecord, slower_note
-from export.runtimes import RUNTIMES, RuntimeSession, cpu_has_vnni, default_threads, load_session
+from export.runtimes import RUNTIMES, RuntimeSession, cpu_has_vnni, default_threads, load_session, run_session
 from export.specs import Thresholds, ValidateSpec
 
 log = logging.getLogger(__name__)
@@ -68,22 +68,6 @@ def _take(eval_loader: Iterable[Any], limit: int | None) -> list[tuple[Any, Any]
     if not batches:
         raise CompressError("validate: the eval data is empty")
     return batches
-
-
-def run_session(session: RuntimeSession, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Run ``feeds`` through ``session``; a model exported with a static batch runs in chunks of it."""
-    static = {session.input_shapes.get(k, [None])[0] for k in feeds}
-    b0 = next(iter(static)) if len(static) == 1 else None
-    n = next(iter(feeds.values())).shape[0]
-    if not isinstance(b0, int) or b0 == n:
-        return session.run(feeds)
-    chunks: list[list[np.ndarray]] = []
-    for start in range(0, n, b0):
-        part = {k: v[start : start + b0] for k, v in feeds.items()}
-        m = next(iter(part.values())).shape[0]
-        outs = session.run(resize_batch(part, b0) if m < b0 else part)
-        chunks.append([o[:m] for o in outs])
-    return [np.concatenate([c[i] for c in chunks], axis=0) for i in range(len(chunks[0]))]
 
 
 def _torch_outputs(model: nn.Module | None, batches: list[tuple[Any, Any]]) -> list[Any] | None:

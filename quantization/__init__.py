@@ -1,5 +1,5 @@
 """Quantization: specs, observers, fake-quant modules, preparation, PTQ/QAT modifiers, SmoothQuant,
-sensitivity, and conversion to real int8 modules (``convert``, in quantization/convert.py).
+sensitivity, and conversion to real int8 modules (``convert``, in quantization/lowering/convert.py).
 
 Names are re-exported lazily so that importing this package stays cheap and acyclic.
 """
@@ -10,37 +10,37 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
-    "QuantSpec": "quantization.spec",
-    "QuantScheme": "quantization.spec",
-    "PRESETS": "quantization.spec",
-    "resolve_scheme": "quantization.spec",
-    "FakeQuantizer": "quantization.fake_quant",
-    "QuantLinear": "quantization.modules",
-    "QuantConv1d": "quantization.modules",
-    "QuantConv2d": "quantization.modules",
-    "OBSERVERS": "quantization.observers",
-    "Observer": "quantization.observers",
+    "QuantSpec": "quantization.numerics.spec",
+    "QuantScheme": "quantization.numerics.spec",
+    "PRESETS": "quantization.numerics.spec",
+    "resolve_scheme": "quantization.numerics.spec",
+    "FakeQuantizer": "quantization.numerics.fake_quant",
+    "QuantLinear": "quantization.numerics.modules",
+    "QuantConv1d": "quantization.numerics.modules",
+    "QuantConv2d": "quantization.numerics.modules",
+    "OBSERVERS": "quantization.numerics.observers",
+    "Observer": "quantization.numerics.observers",
     "prepare": "quantization.preparation",
     "strip": "quantization.preparation",
     "quantizers": "quantization.preparation",
     "quant_modules": "quantization.preparation",
     "set_quantizers": "quantization.preparation",
-    "calibrate": "quantization.calibration",
-    "input_quantizer": "quantization.hooks",
-    "Placement": "quantization.placement",
-    "PROFILES": "quantization.profiles",
-    "RuntimeProfile": "quantization.profiles",
-    "trace_graph": "quantization.graph",
+    "calibrate": "quantization.numerics.calibration",
+    "input_quantizer": "quantization.placement.mode",
+    "Placement": "quantization.placement.place",
+    "PROFILES": "quantization.placement.runtimes",
+    "RuntimeProfile": "quantization.placement.runtimes",
+    "trace_graph": "quantization.placement.trace",
     "quantize": "quantization.api",
     "QuantizeParams": "quantization.api",
-    "smooth_quant": "quantization.smoothquant",
-    "bias_correction": "quantization.correction",
-    "layer_sensitivity": "quantization.sensitivity",
-    "convert": "quantization.convert",
-    "gptq": "quantization.weight_only",
-    "awq": "quantization.weight_only",
-    "GPTQParams": "quantization.gptq",
-    "AWQParams": "quantization.awq",
+    "smooth_quant": "quantization.algorithms.smoothquant",
+    "bias_correction": "quantization.algorithms.bias_correction",
+    "layer_sensitivity": "quantization.algorithms.sensitivity",
+    "convert": "quantization.lowering.convert",
+    "gptq": "quantization.algorithms.weight_only",
+    "awq": "quantization.algorithms.weight_only",
+    "GPTQParams": "quantization.algorithms.gptq",
+    "AWQParams": "quantization.algorithms.awq",
 }
 
 __all__ = sorted(_EXPORTS)

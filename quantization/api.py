@@ -11,15 +11,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from compress.core.errors import CalibrationError
-from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
-from quantization.correction import bias_correction
-from quantization.graph_prepare import capture_first_call
-from quantization.kv_cache import KVCache, attach_kv_quantization, check_kv_calls, kv_quantizers
-from quantization.measured import SpeedCheck
+from quantization.algorithms.bias_correction import bias_correction
+from quantization.algorithms.kv_cache import KVCache, attach_kv_quantization, check_kv_calls, kv_quantizers
+from quantization.algorithms.smoothquant import SmoothQuantField, smooth_quant
+from quantization.numerics.calibration import ForwardLoop, as_forward_loop, calibrate
+from quantization.numerics.spec import QuantScheme, resolve_scheme
+from quantization.placement.activations import capture_first_call
+from quantization.placement.runtimes import Target
+from quantization.placement.speed_check import SpeedCheck
 from quantization.preparation import BnMode, FirstLast, prepare
-from quantization.profiles import Target
-from quantization.smoothquant import SmoothQuantField, smooth_quant
-from quantization.spec import QuantScheme, resolve_scheme
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +34,14 @@ class QuantizeParams(BaseModel):
     ``max_batches``: cap on calibration batches when ``forward_loop`` is an iterable.
     ``target``: the runtime whose fusion rules place the activation quantizers (onnxruntime,
     tensorrt, openvino).
-    ``kv_cache``: int8 keys and values entering attention (decoder LLMs; quantization/kv_cache.py):
+    ``kv_cache``: int8 keys and values entering attention (decoder LLMs; quantization/algorithms/kv_cache.py):
     ``per_token`` (a scale per head and token, at run time) or ``per_head`` (static, calibrated).
     ``quantize_embeddings``: store embedding tables as int8 rows (static schemes; a table whose int8
     form loses fidelity stays float, named in ``placement.floats``; ``quantize_ops=False``, the
     layers-only mode, keeps them float too); False keeps them all float.
     ``speed_check``: time each layer's ONNX Runtime integer kernel against its float kernel at the
     traced shape (the batch scaled to ``speed_check.batch``) and keep the layers float where int8 is
-    slower, the times named in ``placement.floats`` (quantization/measured.py; target onnxruntime).
+    slower, the times named in ``placement.floats`` (quantization/placement/speed_check.py; target onnxruntime).
     """
 
     model_config = ConfigDict(extra="forbid")

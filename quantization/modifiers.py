@@ -12,13 +12,23 @@ from torch import nn
 
 from compress.core.errors import CalibrationError
 from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
+from quantization.algorithms.kv_cache import KVCache
+from quantization.algorithms.sensitivity import (
+    Evaluate,
+    accuracy_control,
+    layer_sensitivity,
+    plot_sensitivity,
+    worsening,
+)
+from quantization.algorithms.smoothquant import SmoothQuantField
 from quantization.api import QuantizeParams, post_training_quantize
-from quantization.calibration import ForwardLoop, as_forward_loop, calibrate
-from quantization.fake_quant import FakeQuantizer
-from quantization.graph_prepare import capture_first_call
-from quantization.kv_cache import KVCache
-from quantization.measured import SpeedCheck
-from quantization.modules import QuantConv1d, QuantConv2d
+from quantization.numerics.calibration import ForwardLoop, as_forward_loop, calibrate
+from quantization.numerics.fake_quant import FakeQuantizer
+from quantization.numerics.modules import QuantConv1d, QuantConv2d
+from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
+from quantization.placement.activations import capture_first_call
+from quantization.placement.runtimes import Target
+from quantization.placement.speed_check import SpeedCheck
 from quantization.preparation import (
     FirstLast,
     calibrate_weight,
@@ -27,16 +37,6 @@ from quantization.preparation import (
     quant_modules,
     quantizers,
 )
-from quantization.profiles import Target
-from quantization.sensitivity import (
-    Evaluate,
-    accuracy_control,
-    layer_sensitivity,
-    plot_sensitivity,
-    worsening,
-)
-from quantization.smoothquant import SmoothQuantField
-from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,14 @@ import torch
 from torch import nn
 
 from compress.core.errors import CompressError
+from compress.core.moe import unpack_experts
 from compress.core.targets import select_modules
-from quantization.bn import find_conv_bn_pairs, fold_bn_into_conv
-from quantization.fake_quant import FakeQuantizer
-from quantization.graph import tensor_leaves, trace_graph
-from quantization.graph_prepare import (
+from quantization.algorithms.bn_fold import find_conv_bn_pairs, fold_bn_into_conv
+from quantization.algorithms.kv_cache import remove_kv_quantization
+from quantization.numerics.fake_quant import FakeQuantizer
+from quantization.numerics.modules import QUANT_LAYERS, QUANT_TYPES, QuantConv1d, QuantConv2d
+from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
+from quantization.placement.activations import (
     GraphConfig,
     bn_pairs_from_graph,
     example_args,
@@ -28,13 +31,11 @@ from quantization.graph_prepare import (
     place_graph,
     targeted_fn,
 )
-from quantization.hooks import detach, graph_of, unsmooth
-from quantization.kv_cache import remove_kv_quantization
-from quantization.measured import SpeedCheck, layer_calls, slower_in_int8, time_layers
-from quantization.modules import QUANT_LAYERS, QUANT_TYPES, QuantConv1d, QuantConv2d
-from quantization.placement import ROUTER_REASON, router_layers
-from quantization.profiles import Target, get_profile
-from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
+from quantization.placement.mode import detach, graph_of, unsmooth
+from quantization.placement.place import ROUTER_REASON, router_layers
+from quantization.placement.runtimes import Target, get_profile
+from quantization.placement.speed_check import SpeedCheck, layer_calls, slower_in_int8, time_layers
+from quantization.placement.trace import tensor_leaves, trace_graph
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def plan_targets(
     Exact Linear/Conv1d/Conv2d types are swapped. Subclasses (e.g. MultiheadAttention's out_proj,
     read functionally by its parent) and third-party layers (GPT-2's Conv1D) keep their own
     forward: with static activations their weights are quantized at the call that reads them
-    (quantization/placement.py). ``order``: layer names in data-flow order (from a trace), which
+    (quantization/placement/place.py). ``order``: layer names in data-flow order (from a trace), which
     decides the first and last layer; registration order otherwise.
     """
     model = unwrap(model)
@@ -114,17 +115,17 @@ def prepare(
     QuantConv, which trains with folded weights and exact BN statistics, "keep" leaves it alone.
     ``first_last``: "float" keeps the first and last layer unquantized, "w8" gives them 8-bit
     per-channel weights (useful under 4-bit schemes). Weight quantizers are calibrated here;
-    activation quantizers need :func:`quantization.calibration.calibrate`.
+    activation quantizers need :func:`quantization.numerics.calibration.calibrate`.
 
     Static activation quantizers are placed on the traced graph of the forward pass for the
-    ``target`` runtime (quantization/placement.py): at residual adds, concats, attention matmuls
+    ``target`` runtime (quantization/placement/place.py): at residual adds, concats, attention matmuls
     and weighted ops, functional ones included. ``example_inputs`` (a tensor, tuple or dict) is
     traced now; without it, the first forward pass is (``first_last`` then goes by registration
     order instead of data flow, and BatchNorm pairs only by nn.Sequential adjacency).
     ``quantize_embeddings``: embedding tables get int8 per-row weights (the static-activation path),
     unless that costs fidelity (graph_prepare.TABLE_MIN_SQNR_DB).
     ``speed_check``: time each layer's ORT integer kernel against its float one at the traced shape
-    and keep the layers float where int8 is slower (quantization/measured.py; needs ``example_inputs``).
+    and keep the layers float where int8 is slower (quantization/placement/speed_check.py; needs ``example_inputs``).
     """
     scheme = resolve_scheme(scheme)
     model = unwrap(model)
@@ -137,8 +138,6 @@ def prepare(
     # path does, and the LLM generation export finds Linears. (The graph path could quantize a
     # Conv1D at its functional call, as it does for layers it cannot swap, but that weight is then
     # not a layer of its own.)
-    from quantization.sequential import linearize
-
     linearize(model)
     call = example_args(example_inputs) if example_inputs is not None and graph_mode else None
     graph0 = _trace_eval(model, *call) if call is not None else None
@@ -197,6 +196,35 @@ def prepare(
             place_graph(model, config, *call)
     log.info("%s: prepared %d modules (%s)", where, len(swapped), _summary(swapped))
     return swapped
+
+
+def linearize_conv1d(model: nn.Module) -> list[str]:
+    """Swap transformers' ``Conv1D`` (GPT-2; weight ``[in, out]``) for ``nn.Linear`` with the same
+    Parameters' values transposed (``[out, in]``); returns the swapped names. Exact in float."""
+    root = unwrap(model)
+    swapped = []
+    for name, mod in list(root.named_modules()):
+        if type(mod).__name__ != "Conv1D" or not hasattr(mod, "nf"):
+            continue
+        w = mod.weight
+        lin = nn.Linear(w.shape[0], w.shape[1], bias=mod.bias is not None, device="meta")
+        lin.weight = nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad)
+        if mod.bias is not None:
+            lin.bias = mod.bias
+        lin.train(mod.training)
+        root.set_submodule(name, lin)
+        swapped.append(name)
+    if swapped:
+        log.info("linearized %d Conv1D modules (GPT-2 style) into nn.Linear", len(swapped))
+    return swapped
+
+
+def linearize(model: nn.Module) -> list[str]:
+    """Give every weight the quantizers handle an ``nn.Linear`` of its own: GPT-2's Conv1D
+    (:func:`linearize_conv1d`) and transformers' packed MoE experts (compress/core/moe.py), in
+    place; returns the swapped names. Exact in float."""
+    root = unwrap(model)
+    return linearize_conv1d(root) + unpack_experts(root)
 
 
 def _measure(

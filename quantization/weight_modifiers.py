@@ -1,6 +1,6 @@
 """Recipe modifiers for weight-only LLM quantization: ``type: gptq`` and ``type: awq``.
 
-Both calibrate layer by layer on the stage's calibration batches (quantization/sequential.py) and
+Both calibrate layer by layer on the stage's calibration batches (quantization/algorithms/sequential.py) and
 leave QuantLinear modules with per-group or per-channel weight qparams. In one stage,
 ``[awq, gptq]`` is AWQ's scaling and clipping followed by GPTQ's rounding.
 """
@@ -14,12 +14,12 @@ from torch import nn
 
 from compress.core.errors import CalibrationError
 from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
-from quantization.awq import AWQFields, AWQParams, awq_layer, scale_error_ratio
-from quantization.gptq import GPTQFields, GPTQParams
-from quantization.preparation import plan_targets
-from quantization.sequential import linearize, sequential_quantize
-from quantization.spec import QuantScheme, resolve_scheme
-from quantization.weight_only import DEFAULT_SCHEME, gptq_layer
+from quantization.algorithms.awq import AWQFields, AWQParams, awq_layer, scale_error_ratio
+from quantization.algorithms.gptq import GPTQFields, GPTQParams
+from quantization.algorithms.sequential import sequential_quantize
+from quantization.algorithms.weight_only import DEFAULT_SCHEME, gptq_layer
+from quantization.numerics.spec import QuantScheme, resolve_scheme
+from quantization.preparation import linearize, plan_targets
 
 
 class _WeightOnlySpec(ModifierSpec):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 # Triton picks interpreter or compiler when it first jit-decorates the kernels, i.e. when any module
-# importing them loads (quantization.convert does, at collection of tests far from the kernel tests):
+# importing them loads (quantization.lowering.convert does, at collection of tests far from the kernel tests):
 # set it for the whole session, before anything is collected, and never on a CUDA machine.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

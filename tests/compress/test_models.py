@@ -84,7 +84,7 @@ def test_mobilenetv2_structure() -> None:
 
 def _op_counts(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
     """Tensor ops of one forward pass by kind, as quantizer placement sees them."""
-    from quantization.graph import trace_graph
+    from quantization.placement.trace import trace_graph
 
     counts: dict[str, int] = {}
     for n in trace_graph(model.eval(), (x,), {}).nodes.values():

@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 import compress  # noqa: E402
 from compress.core.errors import UnsupportedModelError  # noqa: E402
 from export.compressed_tensors import pack_int32, save_compressed_tensors  # noqa: E402
-from quantization.int4 import dequantize_int4, int4_weight  # noqa: E402
-from quantization.spec import QuantScheme, QuantSpec  # noqa: E402
+from quantization.lowering.int4 import dequantize_int4, int4_weight  # noqa: E402
+from quantization.numerics.spec import QuantScheme, QuantSpec  # noqa: E402
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 256}

@@ -17,8 +17,8 @@ if not torch.cuda.is_available():  # before the kernels are first imported (jit 
 import compress
 from compress.core.errors import ExportError
 from export.cuda import cast_float_layers, validate_cuda
-from quantization.int8 import Int8Linear
-from quantization.modules import QuantLinear
+from quantization.lowering.int8 import Int8Linear
+from quantization.numerics.modules import QuantLinear
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs compress[triton]")
 
@@ -66,7 +66,7 @@ def test_validate_cuda_on_gpu_fp16() -> None:
 
 def test_cast_float_layers_keeps_int8_scales_fp32() -> None:
     _, q, _ = _setup()
-    from quantization.convert import convert
+    from quantization.lowering.convert import convert
 
     c = cast_float_layers(convert(q), torch.float16)
     assert isinstance(c[0], Int8Linear)

@@ -14,12 +14,19 @@ from torch import nn
 
 import compress
 from compress.core.errors import CalibrationError
-from quantization.awq import AWQParams, find_fold_groups, scale_error_ratio, search_clip, search_scales
-from quantization.calibration import float_mode
-from quantization.modules import QuantLinear
-from quantization.primitives import dynamic_qparams, fake_quantize_spec
-from quantization.sequential import capture_inputs, decoder_layers, linearize_conv1d
-from quantization.spec import QuantScheme, QuantSpec
+from quantization.algorithms.awq import (
+    AWQParams,
+    find_fold_groups,
+    scale_error_ratio,
+    search_clip,
+    search_scales,
+)
+from quantization.algorithms.sequential import capture_inputs, decoder_layers
+from quantization.numerics.calibration import float_mode
+from quantization.numerics.modules import QuantLinear
+from quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec
+from quantization.numerics.spec import QuantScheme, QuantSpec
+from quantization.preparation import linearize_conv1d
 
 W3 = QuantScheme(weights=QuantSpec(bits=3, granularity="group", group_size=32), inputs=None)
 
@@ -156,7 +163,7 @@ def test_scales_are_chosen_for_the_clipped_weights_they_will_get() -> None:
     """With clip_in_search each candidate is judged after the clip search the weights will get;
     the error it reports is that of the final weights, and never above the error of scales chosen
     on rounding alone and clipped afterwards."""
-    from quantization.awq import clip_weight
+    from quantization.algorithms.awq import clip_weight
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(512, 64, generator=g)
@@ -201,7 +208,7 @@ def test_clip_search_bounds_lie_within_the_range_and_do_not_hurt() -> None:
 def test_clip_search_picks_each_groups_best_shrink_on_either_path(spec: QuantSpec, rows: int) -> None:
     """Against a brute force over the shrink grid, the bound found is each (output channel, group)'s
     least output error on the rows, whichever way the error is computed."""
-    from quantization.primitives import to_groups
+    from quantization.numerics.primitives import to_groups
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(rows, 80, generator=g) * (1 + 3 * torch.rand(80, generator=g))
@@ -243,8 +250,8 @@ def test_awq_then_gptq_keeps_awq_and_rounds_with_gptq() -> None:
 def test_scale_search_reads_each_group_at_its_module_output() -> None:
     """q/k/v are judged on the attention block's output (through RoPE and the softmax), gate/up on
     the MLP's, down_proj on its own: AutoAWQ's module2inspect, found from the names, not a table."""
-    from quantization.awq import awq_layer
-    from quantization.sequential import sequential_quantize
+    from quantization.algorithms.awq import awq_layer
+    from quantization.algorithms.sequential import sequential_quantize
 
     reports: list[dict[str, Any]] = []
     sequential_quantize(
@@ -267,8 +274,8 @@ def test_scale_search_reads_each_group_at_its_module_output() -> None:
 def test_a_clip_is_kept_only_where_the_inspected_module_agrees() -> None:
     """The clip search judges each Linear alone; a clip that raises the attention output's error
     (here q_proj cut to a tenth of its range) is rejected, one that changes nothing is kept."""
-    from quantization.awq import _guard_clips, clip_weight
-    from quantization.sequential import sequential_quantize
+    from quantization.algorithms.awq import _guard_clips, clip_weight
+    from quantization.algorithms.sequential import sequential_quantize
 
     seen: list[set[str]] = []
 

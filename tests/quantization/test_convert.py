@@ -21,9 +21,9 @@ import compress
 from compress.core.errors import RecipeError, UnsupportedModelError
 from compress.models.resnet import resnet
 from quantization import calibrate, prepare
-from quantization.convert import convert, convert_with_report
-from quantization.int8 import Int8Conv2d, Int8Linear
-from quantization.modules import QuantConv1d, QuantConv2d
+from quantization.lowering.convert import convert, convert_with_report
+from quantization.lowering.int8 import Int8Conv2d, Int8Linear
+from quantization.numerics.modules import QuantConv1d, QuantConv2d
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs compress[triton]")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,7 +82,7 @@ class _Mixed(nn.Module):
 def test_unconvertible_layers_stay_float_with_logged_reason(caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(2)
     q = compress.quantize(_Mixed().eval(), "w8a8", [torch.randn(2, 4, 6, 6) for _ in range(2)]).eval()
-    with caplog.at_level(logging.INFO, logger="quantization.convert"):
+    with caplog.at_level(logging.INFO, logger="quantization.lowering.convert"):
         c, report = convert_with_report(q)
     by = {r.name: r for r in report}
     assert not by["dw"].converted and "groups=4" in by["dw"].reason
@@ -127,7 +127,7 @@ def test_cpu_without_interpreter_raises_clear_error() -> None:
         from torch import nn
         import compress
         from compress.core.errors import CompressError
-        from quantization.convert import convert
+        from quantization.lowering.convert import convert
         q = compress.quantize(nn.Sequential(nn.Linear(8, 4)), "w8a8", [torch.randn(2, 8)])
         c = convert(q)
         try:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantization import calibrate, input_quantizer, prepare, quantizers
-from quantization.smoothquant import smooth_quant
-from quantization.spec import QuantScheme, QuantSpec
+from quantization.algorithms.smoothquant import smooth_quant
+from quantization.numerics.spec import QuantScheme, QuantSpec
 
 
 def _model() -> nn.Module:

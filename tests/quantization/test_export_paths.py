@@ -15,7 +15,7 @@ import compress
 from export.onnx import export_onnx
 from export.pipeline import _kept_float
 from export.runtimes import ort_coverage, ort_optimized_graph
-from quantization.hooks import UNSEEN_REASON
+from quantization.placement.mode import UNSEEN_REASON
 
 
 class ExportBranch(nn.Module):

@@ -17,10 +17,10 @@ from torch import nn
 
 import compress
 from compress.core.errors import CalibrationError, RecipeError
-from quantization.gptq import GPTQParams, HessianAccumulator, gptq_quantize, layer_error
-from quantization.modules import QuantLinear
-from quantization.primitives import dynamic_qparams, fake_quantize_spec, quantize_spec
-from quantization.spec import QuantScheme, QuantSpec
+from quantization.algorithms.gptq import GPTQParams, HessianAccumulator, gptq_quantize, layer_error
+from quantization.numerics.modules import QuantLinear
+from quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec, quantize_spec
+from quantization.numerics.spec import QuantScheme, QuantSpec
 
 SPECS = {
     "w4g32": QuantSpec(bits=4, granularity="group", group_size=32),
@@ -171,7 +171,7 @@ def test_gptq_on_hf_causal_lms_beats_rtn(arch: str) -> None:
         assert m.weight_quantizer is not None and m.input_quantizer is None
         torch.testing.assert_close(m.weight_quantizer(m.weight), m.weight, atol=0, rtol=0)
     rtn = copy.deepcopy(fp)
-    from quantization.sequential import linearize_conv1d
+    from quantization.preparation import linearize_conv1d
 
     linearize_conv1d(rtn)
     compress.quantize(rtn, W3, ignore=["lm_head"])

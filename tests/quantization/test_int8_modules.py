@@ -15,12 +15,12 @@ if not torch.cuda.is_available():  # before the kernels are first imported (jit 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from compress.core.errors import CompressError, UnsupportedModelError
-from quantization.calibration import calibrate
-from quantization.int8 import Int8Conv2d, Int8Linear
-from quantization.modules import QUANT_LAYERS
+from quantization.lowering.int8 import Int8Conv2d, Int8Linear
+from quantization.numerics.calibration import calibrate
+from quantization.numerics.modules import QUANT_LAYERS
+from quantization.numerics.primitives import quantize
+from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 from quantization.preparation import calibrate_weight
-from quantization.primitives import quantize
-from quantization.spec import QuantScheme, QuantSpec, resolve_scheme
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs compress[triton]")
 

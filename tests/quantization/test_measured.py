@@ -15,8 +15,7 @@ from compress.core.errors import CompressError
 from export.onnx import export_onnx
 from export.runtimes import ort_coverage
 from quantization import QuantizeParams, quantize
-from quantization.graph import trace_graph
-from quantization.measured import (
+from quantization.placement.speed_check import (
     LayerCall,
     SpeedCheck,
     _graphs,
@@ -25,6 +24,7 @@ from quantization.measured import (
     layer_calls,
     time_layers,
 )
+from quantization.placement.trace import trace_graph
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray, *, disable_qdq: bool = False) -> np.ndarray:

@@ -1,5 +1,5 @@
 """nn.MultiheadAttention under graph placement: the tracer and the quantizing mode run it decomposed
-(quantization/attention.py), so its packed ``in_proj_weight``, its ``out_proj`` and its attention
+(quantization/placement/attention.py), so its packed ``in_proj_weight``, its ``out_proj`` and its attention
 matmuls are quantized and ONNX Runtime runs them as integer kernels. Tested on torch's own
 Transformer layers and on the zoo ViT with ``attn="mha"``."""
 
@@ -14,8 +14,9 @@ from torch import nn
 from compress.models.vit import ViT
 from export.onnx import export_onnx
 from export.runtimes import ort_coverage
-from quantization import attention, quantize
-from quantization.graph import GraphTracer
+from quantization import quantize
+from quantization.placement import attention
+from quantization.placement.trace import GraphTracer
 
 #: 7-bit weight codes: ORT's u8s8 kernels on CPUs without VNNI saturate on full 8-bit ones (README)
 SCHEME = {"preset": "w8a8", "weights": {"reduce_range": True}}

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from compress.core.errors import CalibrationError, RecipeError
-from quantization.observers import build_observer
-from quantization.primitives import fake_quantize, qparams_from_range
-from quantization.spec import QuantSpec
+from quantization.numerics.observers import build_observer
+from quantization.numerics.primitives import fake_quantize, qparams_from_range
+from quantization.numerics.spec import QuantSpec
 
 
 def _obs(name: str, **kw: object):

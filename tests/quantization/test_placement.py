@@ -17,8 +17,8 @@ from compress.core.errors import CompressError
 from export.onnx import export_onnx
 from export.runtimes import ort_coverage, ort_optimized_graph
 from quantization import QuantizeParams, prepare, quantize, strip
-from quantization.graph import trace_graph
-from quantization.hooks import decomposed_attention, graph_of
+from quantization.placement.mode import decomposed_attention, graph_of
+from quantization.placement.trace import trace_graph
 
 
 class Residual(nn.Module):

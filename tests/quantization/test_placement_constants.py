@@ -200,7 +200,7 @@ class SinkNorm(nn.Module):
 
 
 def test_variance_plus_eps_stays_float_where_quantizing_it_breaks_normal_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quantization import placement
+    from quantization.placement import place as placement
 
     def batches(n: int, seed: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)

@@ -20,9 +20,9 @@ from quantization import (
     quantizers,
     strip,
 )
-from quantization.hooks import graph_of
-from quantization.primitives import fake_quantize, qparams_from_range
-from quantization.primitives import quantize as quantize_codes
+from quantization.numerics.primitives import fake_quantize, qparams_from_range
+from quantization.numerics.primitives import quantize as quantize_codes
+from quantization.placement.mode import graph_of
 
 
 class Block(nn.Module):
@@ -286,7 +286,7 @@ def test_gpt2_conv1d_layers_become_quantized_linears_under_every_scheme(scheme: 
     graph (weight-only and dynamic schemes used to leave it float with 'prepared 0 modules')."""
     transformers = pytest.importorskip("transformers")
     import compress
-    from quantization.calibration import float_mode
+    from quantization.numerics.calibration import float_mode
 
     torch.manual_seed(0)
     fp = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,

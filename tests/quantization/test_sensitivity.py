@@ -16,8 +16,13 @@ from torch import nn
 from export.onnx import export_onnx
 from export.parity import Parity
 from quantization import QuantizeParams, quantize, set_quantizers
-from quantization.hooks import graph_of
-from quantization.sensitivity import accuracy_control, activation_sites, layer_sensitivity, revert_to_float
+from quantization.algorithms.sensitivity import (
+    accuracy_control,
+    activation_sites,
+    layer_sensitivity,
+    revert_to_float,
+)
+from quantization.placement.mode import graph_of
 
 
 class Block(nn.Module):

@@ -12,8 +12,9 @@ from torch import nn
 
 import compress
 from compress.core.errors import UnsupportedModelError
-from quantization.sequential import DiskOffload, capture_inputs, decoder_layers, linearize_conv1d
-from quantization.spec import QuantScheme, QuantSpec
+from quantization.algorithms.sequential import DiskOffload, capture_inputs, decoder_layers
+from quantization.numerics.spec import QuantScheme, QuantSpec
+from quantization.preparation import linearize_conv1d
 
 W4 = QuantScheme(weights=QuantSpec(bits=4, granularity="group", group_size=32), inputs=None)
 

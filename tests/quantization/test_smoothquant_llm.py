@@ -14,8 +14,8 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from quantization import QuantizeParams, input_quantizer, quantize, set_quantizers, strip  # noqa: E402
-from quantization.hooks import graph_of  # noqa: E402
-from quantization.smoothquant import find_producers  # noqa: E402
+from quantization.algorithms.smoothquant import find_producers  # noqa: E402
+from quantization.placement.mode import graph_of  # noqa: E402
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "vocab_size": 256}

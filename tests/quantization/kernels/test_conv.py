@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.core.errors import CompressError
-from quantization.kernels import GemmConfig, int8_conv2d
+from quantization.lowering.kernels import GemmConfig, int8_conv2d
 
 # (n, c, h, w, o, k, stride, padding, dilation, zero_point): ragged channels and pixels everywhere
 CASES = [

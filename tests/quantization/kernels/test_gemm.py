@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.core.errors import CompressError
-from quantization.kernels import GemmConfig, int8_gemm
+from quantization.lowering.kernels import GemmConfig, int8_gemm
 
 # M, N, K chosen so that none is a multiple of the tiles below: every mask is exercised
 RAGGED = [(37, 45, 70), (1, 33, 100), (16, 16, 64), (70, 19, 33)]

@@ -1,4 +1,4 @@
-"""Activation quantization kernels: codes and scales bit-identical to quantization.primitives."""
+"""Activation quantization kernels: codes and scales bit-identical to quantization.numerics.primitives."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from compress.core.errors import CompressError
-from quantization.kernels import quantize_per_token, quantize_static
-from quantization.primitives import SCALE_EPS, dynamic_qparams, quantize
-from quantization.spec import QuantSpec
+from quantization.lowering.kernels import quantize_per_token, quantize_static
+from quantization.numerics.primitives import SCALE_EPS, dynamic_qparams, quantize
+from quantization.numerics.spec import QuantSpec
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

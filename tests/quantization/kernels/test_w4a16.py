@@ -10,12 +10,12 @@ from torch import nn
 
 import compress
 from compress.core.errors import CompressError, UnsupportedModelError
-from quantization.convert import convert_with_report
-from quantization.int4 import Int4Weight, dequantize_int4, int4_weight, pack_nibbles, unpack_nibbles
-from quantization.kernels import GemmConfig, w4a16_gemm
-from quantization.kernels.w4a16 import W4Config, dequantize_w4
-from quantization.spec import QuantScheme, QuantSpec
-from quantization.w4a16 import W4A16Linear
+from quantization.lowering.convert import convert_with_report
+from quantization.lowering.int4 import Int4Weight, dequantize_int4, int4_weight, pack_nibbles, unpack_nibbles
+from quantization.lowering.kernels import GemmConfig, w4a16_gemm
+from quantization.lowering.kernels.w4a16 import W4Config, dequantize_w4
+from quantization.lowering.w4a16 import W4A16Linear
+from quantization.numerics.spec import QuantScheme, QuantSpec
 
 TILE = GemmConfig(16, 32, 32, group_m=2)
 # the fused kernel's regimes: tensor cores; CUDA cores for 1..4 rows with K split in three (partials

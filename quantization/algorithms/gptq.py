@@ -1,0 +1,176 @@
+"""GPTQ (Frantar et al., 2023): weight rounding that compensates each column's error in the columns
+not yet rounded, through the inverse Hessian of the layer's input (``H = 2 X^T X / n``).
+
+The algorithm is the reference one: columns in blocks of ``block_size``; inside a block each column
+is rounded and its error, scaled by the Cholesky factor of ``H^-1``, is subtracted from the rest of
+the block; the block's accumulated error then updates all later columns at once (one GEMM). ``H`` is
+dampened by ``dampening * mean(diag(H))`` (raised tenfold up to three times if Cholesky still fails).
+
+Scales and zero points: per output channel, computed from the original weight; per group, computed
+when the sweep reaches a group's first column from the weight as updated so far (the reference
+behaviour), or, with ``act_order`` (columns rounded in decreasing ``diag(H)`` order), computed
+beforehand from the original weight for the contiguous groups ("static groups"), so the stored
+format has no column permutation and no g_idx. Rounding is the project's fake-quant arithmetic
+(``primitives.fake_quantize``), so the result lies exactly on the weight quantizer's grid.
+
+The Hessian is accumulated from forward pre-hooks as a running sum ``X^T X`` (in_features^2
+floats per layer, whatever the number of calibration tokens) and summed across ranks under DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from compress.core.errors import CalibrationError
+from quantization.numerics.primitives import fake_quantize, qparams_from_range, to_groups
+from quantization.numerics.spec import QuantSpec
+
+log = logging.getLogger(__name__)
+
+
+class GPTQFields(BaseModel):
+    """The GPTQ knobs, declared once: GPTQParams (API) and the ``gptq`` recipe spec share them."""
+
+    block_size: int = Field(128, ge=1)
+    dampening: float = Field(0.01, gt=0, le=1)
+    act_order: bool = False
+
+
+class GPTQParams(GPTQFields):
+    """GPTQ's knobs: ``block_size`` columns per lazy-batch block, ``dampening`` (fraction of the mean
+    Hessian diagonal added to it), ``act_order`` (round columns in decreasing Hessian-diagonal
+    order, with static groups)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HessianAccumulator:
+    """Running ``X^T X`` and token count of one Linear's inputs, fed by a forward pre-hook."""
+
+    def __init__(self, in_features: int, device: torch.device | str = "cpu") -> None:
+        self.xtx = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        rows = x.detach().reshape(-1, x.shape[-1]).to(self.xtx.device, torch.float32)
+        self.xtx.addmm_(rows.t(), rows)
+        self.count += rows.shape[0]
+
+    def hook(self, _: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        self.add(args[0])
+
+    def all_reduce(self) -> None:
+        """Sum ``X^T X`` and the count over the DDP ranks (no-op outside a process group)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(self.xtx)
+            n = torch.tensor([self.count], dtype=torch.float64, device=self.xtx.device)
+            dist.all_reduce(n)
+            self.count = int(n.item())
+
+    def hessian(self, *, inplace: bool = False) -> torch.Tensor:
+        """``2 X^T X / n`` (the Hessian of the layer's squared output error); ``inplace`` scales the
+        running sum itself (no copy: the accumulator is spent)."""
+        if self.count == 0:
+            raise CalibrationError("gptq: a layer saw no calibration inputs (was it called in the forward loop?)")
+        return self.xtx.mul_(2.0 / self.count) if inplace else self.xtx * (2.0 / self.count)
+
+
+def _qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row min-max qparams of ``w`` ([C, n] -> scale, zero_point of shape [C])."""
+    return qparams_from_range(w.amin(dim=1), w.amax(dim=1), qmin=spec.qmin, qmax=spec.qmax, symmetric=spec.symmetric)
+
+
+def _inverse_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + damp I)^-1``, dampening raised on failure. ``h`` is
+    dampened in place (at most three K x K matrices live at once: ``h``, the factor, the inverse)."""
+    mean_diag = float(torch.mean(torch.diag(h)))
+    added = 0.0
+    damp = dampening
+    for _ in range(4):
+        h.diagonal().add_(damp * mean_diag - added)
+        added = damp * mean_diag
+        try:
+            inv = torch.cholesky_inverse(torch.linalg.cholesky(h))
+            return torch.linalg.cholesky(inv, upper=True)
+        except torch.linalg.LinAlgError:
+            log.warning("gptq: Hessian not positive definite at dampening %.3g; raising it", damp)
+            damp *= 10
+    raise CalibrationError("gptq: the Hessian is not positive definite even with strong dampening")
+
+
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    spec: QuantSpec,
+    params: GPTQParams | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ-round ``weight`` ([out, in]) for ``spec`` (granularity channel or group, axis 0).
+
+    Returns ``(dequantized weight, scale, zero_point)`` with scale/zero_point laid out as the
+    weight quantizer stores them: ``[out]`` per channel, ``[out, ceil(in / group_size)]`` per group.
+    """
+    p = params or GPTQParams()
+    if spec.granularity not in ("channel", "group") or (spec.granularity == "channel" and spec.axis != 0):
+        raise CalibrationError(f"gptq: weights need per-channel (axis 0) or group scales, not {spec.granularity}")
+    w = weight.detach().to(torch.float32).clone()
+    rows, cols = w.shape
+    h = hessian.detach().to(torch.float32, copy=True)
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    gs = min(spec.group_size or cols, cols) if spec.granularity == "group" else cols
+    n_groups = math.ceil(cols / gs)
+    scale = torch.empty(rows, n_groups)
+    zp = torch.empty(rows, n_groups, dtype=torch.int32)
+    if spec.granularity == "channel" or p.act_order:
+        # static: every group's qparams from the original weight, before any update
+        s0, z0 = _qparams(to_groups(w, gs).reshape(-1, gs), spec) if spec.granularity == "group" else _qparams(w, spec)
+        scale[:], zp[:] = s0.reshape(rows, -1), z0.reshape(rows, -1)
+        if spec.granularity == "group" and cols % gs:  # a zero-padded last group: recompute on its real columns
+            s1, z1 = _qparams(w[:, (n_groups - 1) * gs :], spec)
+            scale[:, -1], zp[:, -1] = s1, z1
+    perm = torch.argsort(torch.diag(h), descending=True) if p.act_order else torch.arange(cols)
+    if p.act_order:
+        w, h = w[:, perm], h[perm][:, perm]
+    hinv = _inverse_cholesky(h, p.dampening)
+    del h
+    q = torch.zeros_like(w)
+    dynamic_groups = spec.granularity == "group" and not p.act_order
+    for i1 in range(0, cols, p.block_size):
+        i2 = min(i1 + p.block_size, cols)
+        w1 = w[:, i1:i2].clone()
+        q1 = torch.zeros_like(w1)
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = int(perm[i1 + i])
+            g = col // gs
+            if dynamic_groups and col % gs == 0:
+                # the group's qparams from the weight as updated so far (this block's columns from w1)
+                span = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, : min(gs, cols - col)]
+                scale[:, g], zp[:, g] = _qparams(span, spec)
+            wc = w1[:, i]
+            qc = fake_quantize(wc, scale[:, g], zp[:, g], spec.qmin, spec.qmax)
+            q1[:, i] = qc
+            e = (wc - qc) / hinv1[i, i]
+            w1[:, i:] -= e.unsqueeze(1) @ hinv1[i, i:].unsqueeze(0)
+            err1[:, i] = e
+        q[:, i1:i2] = q1
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    if p.act_order:
+        q = q[:, torch.argsort(perm)]
+    if spec.granularity == "channel":
+        return q.to(weight.dtype), scale[:, 0].contiguous(), zp[:, 0].contiguous()
+    return q.to(weight.dtype), scale, zp
+
+
+def layer_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> float:
+    """The GPTQ objective ``tr((W - Q) H (W - Q)^T) / 2``: the summed squared output error per token."""
+    d = (weight - quantized).float()
+    return float(torch.einsum("ij,jk,ik->", d, hessian.float(), d)) / 2

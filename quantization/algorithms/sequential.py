@@ -1,0 +1,233 @@
+"""Sequential, layer-by-layer calibration of decoder LLMs in bounded memory.
+
+The inputs of the first decoder layer are captured for every calibration batch (the forward stops
+there), then one layer at a time is loaded, prepared (module swap to QuantLinear), calibrated by a
+``process`` function (GPTQ, AWQ, ...) on its recorded inputs, run again *quantized* to produce the
+next layer's inputs (as GPTQ and llm-compressor's sequential pipeline do), and released. With
+``load``/``release`` callbacks the layers can live elsewhere (on disk as safetensors, or not yet
+initialized): peak memory is then about one layer, its Hessians and the activations, not the model.
+
+Decoder layers are found, not named: the ``nn.ModuleList`` holding most parameters whose items are
+all one class (``model.layers`` of Llama/Qwen2/Mistral/Phi, ``transformer.h`` of GPT-2).
+GPT-2's ``Conv1D`` (a Linear with its weight stored transposed) is swapped for an equal
+``nn.Linear`` first (:func:`quantization.preparation.linearize`: GPT-2's Conv1D, packed MoE experts), so every architecture quantizes one way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.core.batching import split_batch, to_device
+from compress.core.errors import CalibrationError, UnsupportedModelError
+from compress.core.targets import select_modules
+from quantization.numerics.modules import QuantLinear
+from quantization.numerics.spec import QuantScheme
+from quantization.preparation import linearize, plan_targets, prepare, unwrap
+
+log = logging.getLogger(__name__)
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+ProcessLayer = Callable[[int, nn.Module, dict[str, QuantLinear], list[Call]], dict[str, Any] | None]
+LayerHook = Callable[[int, nn.Module], None]
+
+
+class _Captured(Exception):
+    """Raised by the first layer's pre-hook to stop the forward once its inputs are recorded."""
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """``(path, ModuleList)`` of the model's repeated blocks (raises UnsupportedModelError if none)."""
+    best: tuple[int, str, nn.ModuleList] | None = None
+    for name, mod in unwrap(model).named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(m) for m in mod}) == 1:
+            n = sum(p.numel() for p in mod.parameters())
+            if best is None or n > best[0]:
+                best = (n, name, mod)
+    if best is None or best[0] == 0:
+        raise UnsupportedModelError(
+            f"sequential calibration: {type(model).__name__} has no list of repeated layers (decoder blocks)"
+        )
+    return best[1], best[2]
+
+
+def _model_inputs(batch: Any, device: torch.device) -> dict[str, Any]:
+    inputs, _ = split_batch(batch)
+    if isinstance(inputs, torch.Tensor):
+        inputs = {"input_ids": inputs}
+    if not isinstance(inputs, Mapping):
+        raise CalibrationError("sequential calibration: batches need input_ids (a tensor or a dict of tensors)")
+    out = dict(to_device(dict(inputs), device))
+    out.setdefault("use_cache", False)  # a KV cache would grow every time a layer is re-run
+    return out
+
+
+def capture_inputs(model: nn.Module, layer: nn.Module, data: Iterable[Any], *, max_batches: int | None = None,
+                   device: torch.device | str = "cpu") -> list[Call]:
+    """The ``(args, kwargs)`` ``layer`` is called with, for each calibration batch; the model's forward
+    stops at ``layer`` (later layers are never run, and may be offloaded or uninitialized)."""
+    calls: list[Call] = []
+
+    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        kw = dict(kwargs)
+        for key in ("past_key_values", "past_key_value", "cache"):  # transformers 4.x / 5.x names of the KV cache
+            if key in kw:
+                kw[key] = None
+        calls.append((tuple(args), kw))
+        raise _Captured
+
+    handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
+    dev = torch.device(device)
+    try:
+        with torch.no_grad():
+            for i, batch in enumerate(data):
+                if max_batches is not None and i >= max_batches:
+                    break
+                with contextlib.suppress(_Captured):
+                    model(**_model_inputs(batch, dev))
+    finally:
+        handle.remove()
+    if not calls:
+        raise CalibrationError("sequential calibration: the calibration data fed no batch (empty calibration set?)")
+    return calls
+
+
+def _hidden_of(call: Call) -> torch.Tensor:
+    args, kwargs = call
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _with_hidden(call: Call, hidden: torch.Tensor) -> Call:
+    args, kwargs = call
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+def _run_layer(layer: nn.Module, calls: Sequence[Call]) -> list[Call]:
+    out = []
+    with torch.no_grad():
+        for call in calls:
+            y = layer(*call[0], **call[1])
+            out.append(_with_hidden(call, y[0] if isinstance(y, (tuple, list)) else y))
+    return out
+
+
+def sequential_quantize(
+    model: nn.Module,
+    data: Iterable[Any],
+    scheme: QuantScheme,
+    process: ProcessLayer,
+    *,
+    targets: Sequence[str] = ("*",),
+    ignore: Sequence[str] = ("lm_head",),
+    max_batches: int | None = None,
+    load: LayerHook | None = None,
+    release: LayerHook | None = None,
+    device: torch.device | str = "cpu",
+    where: str = "sequential",
+) -> dict[str, Any]:
+    """Quantize ``model``'s decoder layers one at a time (in place) with weight-only ``scheme``.
+
+    ``process(i, layer, linears, calls)`` calibrates layer ``i`` (its targeted Linears, already
+    QuantLinear, by name inside the layer; ``calls`` its recorded inputs). ``load(i, layer)`` is
+    called before a layer is touched and ``release(i, layer)`` after its quantized outputs were
+    computed (offloading). Targeted Linears outside the decoder layers (none by default: lm_head is
+    ignored) get round-to-nearest. Returns a summary (per-layer reports, seconds).
+    """
+    if scheme.weights is None or scheme.inputs is not None or scheme.outputs is not None:
+        raise CalibrationError(f"{where}: needs a weight-only scheme (weights set, inputs and outputs null)")
+    t0 = time.perf_counter()
+    root = unwrap(model)
+    linearize(root)
+    path, layers = decoder_layers(root)
+    if any(isinstance(m, QuantLinear) for m in root.modules()):
+        # a second pass (GPTQ after AWQ): the Linears the first pass swapped, as selected here
+        plan: Sequence[str] = list(select_modules(root, targets, ignore=ignore, types=(QuantLinear,), where=f"{where}: targets"))
+    else:
+        plan = list(plan_targets(root, scheme, targets=targets, ignore=ignore, quantize_ops=False, where=where))
+    prefix = f"{path}." if path else ""
+    per_layer: list[list[str]] = [[] for _ in layers]
+    outside: list[str] = []
+    for name in plan:
+        if name.startswith(prefix) and name[len(prefix):].split(".", 1)[0].isdigit():
+            idx, rest = name[len(prefix):].split(".", 1)
+            per_layer[int(idx)].append(rest)
+        else:
+            outside.append(name)
+    if load is not None:
+        load(0, layers[0])
+    calls = capture_inputs(root, layers[0], data, max_batches=max_batches, device=device)
+    reports: list[dict[str, Any]] = []
+    for i, layer in enumerate(layers):
+        if i > 0 and load is not None:
+            load(i, layer)
+        linears = _prepared(layer, per_layer[i], scheme, where=f"{where}: {prefix}{i}")
+        layer.eval()
+        rep = process(i, layer, linears, calls) if linears else None
+        calls = _run_layer(layer, calls)
+        reports.append({"layer": i, "linears": len(linears), **(rep or {})})
+        if release is not None:
+            release(i, layer)
+        log.info("%s: layer %d/%d done (%d linears, %.1f s)", where, i + 1, len(layers), len(linears), time.perf_counter() - t0)
+    if outside:
+        prepare(root, scheme, targets=outside, quantize_ops=False, where=f"{where} (outside decoder layers)")
+        log.info("%s: %d targeted layers outside the decoder layers got round-to-nearest", where, len(outside))
+    return {"layers": reports, "seconds": time.perf_counter() - t0, "quantized_linears": sum(len(p) for p in per_layer)}
+
+
+def _prepared(layer: nn.Module, names: list[str], scheme: QuantScheme, *, where: str) -> dict[str, QuantLinear]:
+    """The layer's targeted Linears as QuantLinear: swapped now, or kept when an earlier pass
+    (AWQ before GPTQ) swapped them with the same weight spec."""
+    if not names:
+        return {}
+    existing = {n: m for n, m in layer.named_modules() if isinstance(m, QuantLinear)}
+    if existing:
+        out = {}
+        for n in names:
+            m = existing.get(n)
+            if m is None or m.weight_quantizer is None:
+                raise CalibrationError(f"{where}.{n}: the layer is partly quantized already; strip() it first")
+            if m.weight_quantizer.spec != scheme.weights:
+                raise CalibrationError(
+                    f"{where}.{n}: already quantized with another weight spec ({m.weight_quantizer.extra_repr()})"
+                )
+            out[n] = m
+        return out
+    swapped = prepare(layer, scheme, targets=names, quantize_ops=False, where=where)
+    return {n: m for n, m in swapped.items() if isinstance(m, QuantLinear)}
+
+
+# ---- offloading -----------------------------------------------------------------------------------
+
+
+class DiskOffload:
+    """``release`` saves a processed layer's state (weights and qparams) to ``dir/layer_{i}.safetensors``
+    and moves the layer to the meta device; :meth:`restore` loads every saved layer back."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, i: int) -> Path:
+        return self.dir / f"layer_{i}.safetensors"
+
+    def release(self, i: int, layer: nn.Module) -> None:
+        from safetensors.torch import save_file
+
+        state = {k: v.detach().contiguous() for k, v in layer.state_dict().items()}
+        save_file(state, str(self.path(i)))
+        layer.to("meta")
+
+    def restore(self, layers: nn.ModuleList) -> None:
+        from safetensors.torch import load_file
+
+        for i, layer in enumerate(layers):
+            layer.load_state_dict(load_file(str(self.path(i))), assign=True)

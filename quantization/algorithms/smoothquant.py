@@ -1,0 +1,376 @@
+"""SmoothQuant (Xiao et al., 2023): move activation outliers into the weights of Linear layers.
+
+Per input feature j, ``s_j = max|X_j|^alpha / max|W_:,j|^(1-alpha)``; the weight is scaled by
+``s`` and the input by ``1/s``, which leaves the float product unchanged but evens out the
+per-channel activation ranges that one per-tensor activation scale must cover. The ``1/s`` lives
+in the input quantizer as ``pre_quant_scale`` (a Mul before QuantizeLinear when exported), so it
+works for post-LN transformers such as BERT, where the LayerNorm output also feeds the residual
+and cannot absorb the factor.
+
+No single alpha suits every layer (and on a model without strong outliers any fixed alpha can
+hurt), so ``alpha="auto"`` picks it per layer: each candidate, and no smoothing at all, is scored
+by the squared error of the layer's quantized output against its float output on a bounded
+reservoir sample of the layer's calibration inputs (ranges fitted on one half, error measured on
+the other), and the best one is kept.
+
+Where the smoothed tensor is made by a module that nothing else reads (a decoder's pre-attention and
+pre-MLP RMSNorm before q/k/v and gate/up) or by an elementwise product with a sibling Linear
+(SwiGLU's ``act(gate) * up`` before down_proj), ``1/s`` is folded into that producer's weight
+instead (the norm's weight, up_proj's output rows): no Mul is left in the model or its export. The
+fold is found in the running model and proved numerically, as AWQ does (quantization/algorithms/awq.py): a
+random factor folded into the candidate must leave the model's outputs unchanged. Elsewhere (a
+post-LN encoder, whose LayerNorm output also feeds the residual) the factor stays a
+``pre_quant_scale``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from compress.core.errors import CalibrationError
+from quantization.numerics.calibration import ForwardLoop, as_forward_loop, float_mode
+from quantization.numerics.fake_quant import FakeQuantizer
+from quantization.numerics.modules import QuantLinear
+from quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec, qparams_from_range
+from quantization.placement.activations import capture_first_call, ensure_placed
+from quantization.placement.mode import input_quantizer, set_smoothing
+from quantization.placement.trace import tensor_leaves
+from quantization.preparation import calibrate_weight, quant_modules, unwrap
+
+log = logging.getLogger(__name__)
+
+#: candidates of ``alpha="auto"``; ``None`` (no smoothing) is always tried as well
+ALPHA_GRID: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+Alpha = float | Literal["auto"]
+#: the recipe / QuantizeParams field: an alpha in [0, 1], "auto", or None (off)
+SmoothQuantField = Annotated[float, Field(ge=0, le=1)] | Literal["auto"] | None
+
+
+class _Reservoir:
+    """A uniform sample of at most ``size`` input rows over the whole forward loop (memory stays
+    ``size x features`` however many batches are seen)."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.size = size
+        self.rows: torch.Tensor | None = None
+        self.seen = 0
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def add(self, x: torch.Tensor) -> None:
+        rows = x.reshape(-1, x.shape[-1]).float().cpu()
+        if self.rows is None:
+            self.rows = rows.new_empty(0, rows.shape[1])
+        free = self.size - len(self.rows)
+        if free > 0:
+            self.rows = torch.cat([self.rows, rows[:free]])
+            self.seen += min(free, len(rows))
+            rows = rows[free:]
+        if len(rows) == 0:
+            return
+        pos = self.seen + torch.arange(len(rows), dtype=torch.float64)
+        slot = (torch.rand(len(rows), generator=self.gen, dtype=torch.float64) * (pos + 1)).long()
+        keep = slot < self.size
+        self.rows[slot[keep]] = rows[keep]
+        self.seen += len(rows)
+
+
+def smooth_quant(
+    model: nn.Module,
+    forward_loop: ForwardLoop | Any,
+    *,
+    alpha: Alpha = 0.5,
+    min_scale: float = 1e-2,
+    sample_rows: int = 512,
+) -> dict[str, torch.Tensor]:
+    """Smooth every QuantLinear that quantizes its input; returns the factors ``s`` by layer name
+    (all ones where ``alpha="auto"`` chose no smoothing). ``1/s`` is folded into the tensor's
+    producer where that is exact (see the module docstring), else kept as the input quantizer's
+    ``pre_quant_scale``.
+
+    Runs ``forward_loop`` once in float to record per-feature activation maxima (O(features)
+    memory; with ``"auto"`` also ``sample_rows`` input rows per group), then rescales weights in
+    place and recalibrates the weight quantizers. Layers that read the same tensor (BERT's query,
+    key and value) get one ``s``, from the maxima of all their weights, so the exported graph
+    quantizes that tensor once. ``s`` is clamped to ``[min_scale, 1/min_scale]`` so that dead
+    features do not blow up the weight.
+    """
+    auto = alpha == "auto"
+    if not auto and not (isinstance(alpha, (int, float)) and 0.0 <= float(alpha) <= 1.0):
+        raise ValueError(f"smoothquant alpha must be in [0, 1] or 'auto' (got {alpha!r})")
+    loop = as_forward_loop(forward_loop)
+    root = unwrap(model)
+    ensure_placed(root, loop)
+    layers = {n: m for n, m in quant_modules(root) if isinstance(m, QuantLinear) and input_quantizer(root, n) is not None}
+    if not layers:
+        return {}
+    amax: dict[str, torch.Tensor] = {}
+    first_input: dict[str, tuple[Any, ...]] = {}
+    samples = {n: _Reservoir(sample_rows, seed=i) for i, n in enumerate(layers)} if auto else {}
+
+    def hook(name: str) -> Any:
+        def fn(_: nn.Module, args: tuple[Any, ...]) -> None:
+            x = args[0].detach()
+            a = x.abs().reshape(-1, x.shape[-1]).amax(0).float()
+            amax[name] = torch.maximum(amax[name], a) if name in amax else a
+            if name not in first_input:  # a fingerprint of the first input: equal for layers that share it
+                flat = x.reshape(-1)
+                first_input[name] = (tuple(x.shape), float(flat.double().sum()), tuple(flat[:16].tolist()))
+            if auto:
+                samples[name].add(x)
+
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
+    try:
+        with float_mode(root), torch.no_grad():
+            loop(model)
+    finally:
+        for h in handles:
+            h.remove()
+    for name in layers:
+        if name not in amax:
+            raise CalibrationError(f"smoothquant: layer '{name}' saw no data during the forward loop")
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name in layers:
+        groups.setdefault(first_input[name], []).append(name)
+    call = capture_first_call(root, loop)
+    producers = find_producers(root, list(groups.values()), *_first_sample(call.args, call.kwargs)) if call else {}
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    scales: dict[str, torch.Tensor] = {}
+    chosen: list[float | None] = []
+    for names in groups.values():
+        mods = [layers[n] for n in names]
+        with torch.no_grad():
+            raw = []
+            for name, mod in zip(names, mods):
+                iq = input_quantizer(root, name)
+                assert iq is not None
+                if iq.pre_quant_scale is not None:  # smoothed before: start again from the raw weight
+                    mod.weight.mul_(iq.pre_quant_scale.to(mod.weight.dtype))
+                    iq.pre_quant_scale = None
+                raw.append(mod.weight.detach().clone())
+            a = torch.stack([amax[n] for n in names]).amax(0)  # the hooks saw the raw input
+            if distributed:  # ranks may calibrate on different shards: every rank must smooth alike
+                torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX)
+            w = torch.stack([r.abs().amax(0).float() for r in raw]).amax(0)
+            if auto:
+                rows = samples[names[0]].rows
+                assert rows is not None
+                best = _pick_alpha(mods, raw, rows, a, w, min_scale, input_quantizer(root, names[0]))
+                if distributed:  # rank 0's choice, so the weights stay identical across ranks
+                    pick = torch.tensor([-1 if best is None else ALPHA_GRID.index(best)], device=a.device)
+                    torch.distributed.broadcast(pick, src=0)
+                    best = None if int(pick) < 0 else ALPHA_GRID[int(pick)]
+                chosen.append(best)
+                s = _factors(a, w, best, min_scale) if best is not None else torch.ones_like(a)
+            else:
+                s = _factors(a, w, float(alpha), min_scale)
+            for mod, r in zip(mods, raw):
+                mod.weight.copy_(r * s.to(r.dtype))
+            producer = producers.get(names[0])
+            if producer is not None and not torch.all(s == 1):
+                made_by = root.get_submodule(producer.name)
+                divide_output_channels(made_by, s, offset=producer.offset)
+                if getattr(made_by, "weight_quantizer", None) is not None:
+                    # a quantized producer (up_proj before down_proj): its rows changed after its own
+                    # weight scales were fitted; stale scales would clip the rows that grew
+                    calibrate_weight(made_by)
+        if producer is not None:
+            set_smoothing(root, names, None)
+        else:
+            set_smoothing(root, names, None if torch.all(s == 1) else (1.0 / s).to(mods[0].weight.device))
+        for name, mod in zip(names, mods):
+            calibrate_weight(mod)
+            scales[name] = s
+    into = {p.name.rsplit(".", 1)[-1] for n in groups.values() if (p := producers.get(n[0])) is not None}
+    folded = sum(1 for names in groups.values() if producers.get(names[0]) is not None)
+    log.info("smoothquant: %d of %d input groups folded into their producer (%s), %d as a Mul before the quantizer",
+             folded, len(groups), ", ".join(sorted(into)), len(groups) - folded)
+    if auto:
+        picked = [v for v in chosen if v is not None]
+        log.info(
+            "smoothquant: auto alpha on %d Linear layers in %d input groups; %d groups smoothed (alphas %s), "
+            "%d left as they were", len(scales), len(groups), len(picked), sorted(set(picked)), len(chosen) - len(picked),
+        )
+    else:
+        log.info("smoothquant: alpha=%.2f on %d Linear layers in %d input groups", float(alpha), len(scales), len(groups))
+    return scales
+
+
+@dataclass(frozen=True)
+class Producer:
+    """The module whose output channels absorb a group's ``1/s``; ``offset``: a norm that scales by
+    ``1 + weight`` (Gemma's RMSNorm), so the factor goes into ``1 + weight``."""
+
+    name: str
+    offset: bool = False
+
+
+def divide_output_channels(mod: nn.Module, s: torch.Tensor, *, offset: bool = False) -> None:
+    """Divide ``mod``'s output channel ``j`` by ``s[j]``: a norm's weight (and bias), a Linear's
+    weight rows (and bias); ``offset``: the norm multiplies by ``1 + weight``."""
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise CalibrationError(f"smoothquant: {type(mod).__name__} has no weight to fold a scale into")
+    with torch.no_grad():
+        if offset:
+            w.copy_((1 + w) / s.to(w.device, w.dtype) - 1)
+        else:
+            w.div_(s.to(w.device, w.dtype).unsqueeze(1) if w.dim() == 2 else s.to(w.device, w.dtype))
+        b = getattr(mod, "bias", None)
+        if isinstance(b, torch.Tensor):
+            b.div_(s.to(b.device, b.dtype))
+
+
+def _first_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call cut to its first sample when every tensor in it has the same leading (batch) size:
+    the fold proofs run one forward per candidate, and one sample proves a fold as well as many."""
+    sizes = {t.shape[0] if t.dim() else -1 for _, t in tensor_leaves(args, kwargs)}
+    if len(sizes) != 1 or next(iter(sizes)) <= 1:
+        return args, kwargs
+    cut: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map(
+        lambda t: t[:1] if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    return cut
+
+
+def _outputs(out: Any) -> torch.Tensor:
+    leaves = [t.detach().float().reshape(-1) for _, t in tensor_leaves(out, {}) if t.is_floating_point()]
+    return torch.cat(leaves) if leaves else torch.zeros(0)
+
+
+@torch.no_grad()
+def find_producers(
+    root: nn.Module, groups: list[list[str]], args: tuple[Any, ...], kwargs: dict[str, Any], *, tol: float = 1e-3
+) -> dict[str, Producer | None]:
+    """For each group of Linears reading one tensor: the module whose output channels can absorb
+    ``1/s`` exactly (by consumer name; None where no fold is exact). A norm's weight is tried as a
+    plain scale, then as an offset one (``1 + weight``).
+
+    Candidates: the module with weights that produced the tensor; when no module did (an
+    elementwise product), Linears of the same parent module with as many outputs as the tensor
+    has features. Each candidate is proved on ``(args, kwargs)``: random factors in [0.5, 2]
+    folded into it (and multiplied into the group's weights) must leave every output of ``root``
+    unchanged to ``tol``, relative; the model is restored after every trial."""
+    mods = dict(root.named_modules())
+    consumers = {n for g in groups for n in g}
+    reads: dict[str, torch.Tensor] = {}
+    produced: dict[int, tuple[str, torch.Tensor]] = {}
+    handles = []
+    for name, mod in mods.items():
+        if name in consumers:
+            handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: reads.setdefault(n, a[0])))
+        if name and any(True for _ in mod.parameters(recurse=False)) and name not in consumers:
+
+            def post(m: nn.Module, a: Any, out: Any, n: str = name) -> None:
+                if isinstance(out, torch.Tensor):
+                    produced.setdefault(id(out), (n, out))  # kept alive: ids stay unique
+
+            handles.append(mod.register_forward_hook(post))
+    try:
+        with float_mode(root):
+            ref = _outputs(root(*args, **kwargs))
+    finally:
+        for h in handles:
+            h.remove()
+    found: dict[str, Producer | None] = {}
+    for group in groups:
+        x = reads.get(group[0])
+        producer: Producer | None = None
+        if x is not None:
+            width = x.shape[-1]
+            hit = produced.get(id(x))
+            if hit is not None:
+                cands = [hit[0]]
+            else:
+                parent = group[0].rpartition(".")[0]
+                cands = [n for n, m in mods.items() if isinstance(m, nn.Linear) and n.rpartition(".")[0] == parent
+                         and n not in group and m.out_features == width]
+            producer = next((Producer(c, off) for c in cands for off in (False, True)
+                             if (not off or not isinstance(mods[c], nn.Linear))
+                             and _fold_is_exact(root, c, group, width, args, kwargs, ref, tol, offset=off)), None)
+        for n in group:
+            found[n] = producer
+    return found
+
+
+def _fold_is_exact(root: nn.Module, producer: str, group: list[str], width: int, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], ref: torch.Tensor, tol: float, *, offset: bool = False) -> bool:
+    p = root.get_submodule(producer)
+    w = getattr(p, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.shape[0] != width or (w.dim() != 2 and tuple(w.shape) != (width,)):
+        return False
+    touched = [p, *(root.get_submodule(n) for n in group)]
+    saved = [{k: v.detach().clone() for k, v in m.named_parameters(recurse=False)} for m in touched]
+    gen = torch.Generator().manual_seed(width)
+    if w.dtype == torch.float32:
+        s = torch.empty(width).uniform_(0.5, 2.0, generator=gen)
+    else:  # bf16/fp16: powers of two scale exactly, so an exact fold changes no bit and rounding hides nothing
+        s = 2.0 ** torch.randint(-1, 2, (width,), generator=gen).float()
+    try:
+        divide_output_channels(p, s, offset=offset)
+        for n in group:
+            cw = root.get_submodule(n).weight
+            assert isinstance(cw, torch.Tensor)  # the groups are QuantLinears
+            cw.mul_(s.to(cw.device, cw.dtype))
+        with float_mode(root):
+            out = _outputs(root(*args, **kwargs))
+        err = float((out - ref).norm() / ref.norm().clamp_min(1e-12)) if out.shape == ref.shape else float("inf")
+    finally:
+        for m, params in zip(touched, saved):
+            for k, v in params.items():
+                getattr(m, k).copy_(v)
+    return err < tol
+
+
+def _factors(amax_x: torch.Tensor, amax_w: torch.Tensor, alpha: float, min_scale: float) -> torch.Tensor:
+    s = (amax_x.clamp(min=1e-8).pow(alpha) / amax_w.clamp(min=1e-8).pow(1 - alpha)).clamp(min_scale, 1 / min_scale)
+    return torch.where((amax_x > 0) & (amax_w > 0), s, torch.ones_like(s))
+
+
+def _pick_alpha(
+    mods: list[QuantLinear], raw: list[torch.Tensor], rows: torch.Tensor, amax_x: torch.Tensor,
+    amax_w: torch.Tensor, min_scale: float, iq: FakeQuantizer | None,
+) -> float | None:
+    """The candidate (``None`` = no smoothing) with the least summed output error of the group's
+    layers on held-out rows.
+
+    The activation range comes from one half of the sample and the error from the other: smoothing
+    can concentrate the range in a few columns whose extremes a sample estimates poorly, and only
+    out-of-sample rows show the clipping that follows.
+    """
+    assert iq is not None
+    x = rows.to(raw[0].device, raw[0].dtype)
+    fit, held = (x[0::2], x[1::2]) if len(x) >= 2 else (x, x)
+    refs = [held @ r.t() for r in raw]
+    best: float | None = None
+    best_err = float("inf")
+    for al in (None, *ALPHA_GRID):
+        s = torch.ones_like(amax_x) if al is None else _factors(amax_x, amax_w, al, min_scale)
+        s = s.to(x.dtype)
+        xs = held / s
+        if iq.spec.dynamic:
+            sc, zp = dynamic_qparams(xs, iq.spec)
+        else:
+            xf = fit / s
+            sc, zp = qparams_from_range(
+                xf.min(), xf.max(), qmin=iq.spec.qmin, qmax=iq.spec.qmax, symmetric=iq.spec.symmetric
+            )
+        xq = fake_quantize_spec(xs, sc, zp, iq.spec) if iq.spec.granularity in ("tensor", "token") else xs
+        err = 0.0
+        for mod, r, ref in zip(mods, raw, refs):
+            ws = r * s.to(r.dtype)
+            wq = mod.weight_quantizer
+            if wq is not None:
+                wsc, wzp = dynamic_qparams(ws, wq.spec)
+                ws = fake_quantize_spec(ws, wsc, wzp, wq.spec)
+            err += float((xq @ ws.t() - ref).pow(2).sum())
+        if err < best_err:
+            best, best_err = al, err
+    return best

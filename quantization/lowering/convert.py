@@ -1,0 +1,170 @@
+"""Conversion of a calibrated (PTQ) or trained (QAT) fake-quant model into real int8 modules.
+
+``convert(model, backend="cuda")`` swaps every QuantLinear / QuantConv2d the int8 kernels can run
+for an Int8Linear / Int8Conv2d computing the same integer codes, and every weight-only int4
+QuantLinear for a W4A16Linear (quantization/lowering/w4a16.py). A layer that cannot be converted
+(weight-only 8-bit or W4A8 schemes, grouped convolutions, per-channel activations, ...) stays as it is,
+a fake-quant layer computing in float, and the reason is logged and reported. QAT BatchNorms held
+by a QuantConv are folded first (on the copy). A ReLU/GELU module that alone consumes a converted
+layer's output is fused into the kernel epilogue and replaced by Identity (found with torch.fx,
+or by nn.Sequential adjacency when the model does not trace).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from compress.core.errors import RecipeError, UnsupportedModelError, did_you_mean
+from quantization.algorithms.bn_fold import sequential_pairs
+from quantization.lowering.int4 import is_int4_weight_only
+from quantization.lowering.int8 import Int8Conv2d, Int8Linear
+from quantization.lowering.kernels import require_triton
+from quantization.lowering.w4a16 import W4A16Linear
+from quantization.numerics.fake_quant import FakeQuantizer
+from quantization.numerics.modules import QUANT_TYPES, QuantConv1d, QuantConv2d, QuantLinear
+from quantization.placement.mode import input_quantizer
+from quantization.preparation import unwrap
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("cuda",)
+_LAYERS = (QuantLinear, QuantConv2d, QuantConv1d)
+
+
+@dataclass(frozen=True)
+class LayerConversion:
+    """What happened to one quantized module: converted to ``int8_type`` or kept float (``reason``)."""
+
+    name: str
+    quant_type: str
+    int8_type: str | None
+    activation: str = "none"
+    reason: str = ""
+
+    @property
+    def converted(self) -> bool:
+        return self.int8_type is not None
+
+
+def _activation_of(mod: nn.Module) -> str | None:
+    if isinstance(mod, nn.ReLU):
+        return "relu"
+    if isinstance(mod, nn.GELU) and mod.approximate == "none":
+        return "gelu"
+    return None
+
+
+def _fusable(layer: nn.Module, act: nn.Module) -> bool:
+    return isinstance(layer, _LAYERS) and _activation_of(act) is not None
+
+
+class _LeafTracer:
+    """A torch.fx tracer that keeps quantized layers and quantizers opaque (built lazily)."""
+
+    @staticmethod
+    def trace(model: nn.Module) -> Any:
+        from torch import fx
+
+        class Tracer(fx.Tracer):
+            def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+                return isinstance(m, (*QUANT_TYPES, FakeQuantizer)) or super().is_leaf_module(m, module_qualified_name)
+
+        return Tracer().trace(model)
+
+
+def fusable_activations(model: nn.Module) -> dict[str, str]:
+    """``{layer_name: activation_module_name}`` for activations that alone consume a layer's output.
+
+    Identity modules in between (folded BatchNorms) are looked through. Uses torch.fx when the
+    model traces, else adjacent children of nn.Sequential containers.
+    """
+    mods = dict(model.named_modules())
+    try:
+        graph = _LeafTracer.trace(model)
+    except Exception as exc:  # fx cannot trace data-dependent control flow; adjacency is still certain
+        log.debug("fx tracing failed (%s); fusing activations by Sequential adjacency only", exc)
+        return sequential_pairs(model, _fusable)
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    pairs: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or _activation_of(mods[str(node.target)]) is None:
+            continue
+        src = node.args[0] if node.args else None
+        while src is not None and getattr(src, "op", None) == "call_module" and isinstance(mods[str(src.target)], nn.Identity):
+            src = src.args[0] if len(src.users) == 1 and src.args else None
+        if src is None or getattr(src, "op", None) != "call_module" or len(src.users) != 1:
+            continue
+        layer, act = str(src.target), str(node.target)
+        if isinstance(mods[layer], _LAYERS) and calls[layer] == 1 and calls[act] == 1:
+            pairs[layer] = act
+    return pairs
+
+
+def _builder(mod: nn.Module) -> Callable[..., nn.Module]:
+    if type(mod) is QuantLinear:
+        # weight-only int4 (w4_weight_only_g128, GPTQ, AWQ) runs the W4A16 kernel (quantization/lowering/w4a16.py)
+        return W4A16Linear.from_quant if is_int4_weight_only(mod) else Int8Linear.from_quant
+    if type(mod) is QuantConv2d:
+        return Int8Conv2d.from_quant
+    raise UnsupportedModelError(f"{type(mod).__name__} has no int8 kernel (Linear and Conv2d do)")
+
+
+def convert_with_report(
+    model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True
+) -> tuple[nn.Module, list[LayerConversion]]:
+    """:func:`convert`, also returning what happened to each quantized module."""
+    if backend not in BACKENDS:
+        raise RecipeError(f"unknown int8 backend '{backend}'; {did_you_mean(backend, BACKENDS)}")
+    require_triton(f"convert(backend='{backend}')")
+    if not inplace:
+        model = copy.deepcopy(model)
+    root = unwrap(model)
+    layers = {n: m for n, m in root.named_modules() if isinstance(m, QUANT_TYPES)}
+    if not layers:
+        raise UnsupportedModelError("convert: the model has no quantized modules; quantize (PTQ or QAT) it first")
+    for mod in layers.values():
+        if isinstance(mod, (QuantConv1d, QuantConv2d)) and mod.bn is not None:
+            mod.fold_bn()  # QAT-attached BatchNorm: merge it so the int8 weight is the folded one
+    acts = fusable_activations(root) if fuse_activations else {}
+    report: list[LayerConversion] = []
+    for name, mod in layers.items():
+        qtype = type(mod).__name__
+        act_name = acts.get(name)
+        act = "none"
+        if act_name is not None and mod.output_quantizer is None:
+            act = _activation_of(root.get_submodule(act_name)) or "none"
+        try:
+            new = _builder(mod)(mod, activation=act, input_quantizer=input_quantizer(root, name))
+        except UnsupportedModelError as exc:
+            log.info("convert: %s (%s) stays float: %s", name, qtype, exc)
+            report.append(LayerConversion(name, qtype, None, reason=str(exc)))
+            continue
+        root.set_submodule(name, new)
+        if act != "none" and act_name is not None:
+            root.set_submodule(act_name, nn.Identity())  # now applied in the kernel epilogue
+        report.append(LayerConversion(name, qtype, type(new).__name__, activation=act))
+    done = sum(r.converted for r in report)
+    n_layers = sum(r.quant_type in {c.__name__ for c in _LAYERS} for r in report)
+    log.info("convert(backend=%s): %d of %d quantized layers now run int8 kernels", backend, done, n_layers)
+    if done == 0:
+        log.warning("convert(backend=%s): no layer could be converted; the model is unchanged", backend)
+    return model, report
+
+
+def convert(model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True) -> nn.Module:
+    """A copy of the fake-quant ``model`` (or ``model`` itself with ``inplace``) running int8 kernels.
+
+    Layers the kernels cannot run stay fake-quant (float) with the reason logged; see
+    :func:`convert_with_report` for the per-layer record. Needs ``compress[triton]``; the converted
+    model runs on CUDA (move it with ``.cuda()`` before or after converting).
+    """
+    return convert_with_report(model, backend=backend, inplace=inplace, fuse_activations=fuse_activations)[0]

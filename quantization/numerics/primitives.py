@@ -1,0 +1,207 @@
+"""Quantization arithmetic: qparams from ranges, quantize / dequantize / fake-quantize, STE and LSQ.
+
+``fake_quantize`` computes ``(clamp(round(x * (1/scale)) + zp, qmin, qmax) - zp) * scale`` in
+float32, the exact arithmetic of torch's ``fake_quantize_per_{tensor,channel}_affine`` CPU kernels
+(multiply by the reciprocal, round half to even), so results are bit-identical to them. Gradients
+are the straight-through estimator: 1 inside [qmin, qmax] and 0 where the value was clamped; when
+``scale`` requires grad, its gradient is LSQ's (Esser et al., 2020).
+
+Layout helpers map any granularity to a 2-D ``[groups, elements]`` view so observers and
+quantizers reduce one way: a row per scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from quantization.numerics.spec import QuantSpec
+
+# Smallest scale: keeps constant or all-zero tensors finite (they quantize to exact zeros).
+SCALE_EPS = float(torch.finfo(torch.float32).eps)
+#: the smallest scale a calibrated range gets: tensors with tiny values (1e-6 activations of a
+#: freshly initialized network) keep their resolution; only an all-zero range hits it
+MIN_RANGE_SCALE = 1e-30
+
+
+def zero_point_of_symmetric(qmin: int, qmax: int) -> int:
+    """0 for signed ranges, the midpoint (128 for uint8) for unsigned ones."""
+    return 0 if qmin < 0 else (qmax + 1) // 2
+
+
+#: signed symmetric grids with fewer levels than this (4 bits and below) put the larger end of the
+#: range on qmin, with a signed scale (see qparams_from_range); at 8 bits the gain is 1/128 of a
+#: step and int8 scales stay amax / 127, positive
+LOW_BIT_LEVELS = 16
+
+
+def qparams_from_range(
+    min_val: torch.Tensor, max_val: torch.Tensor, *, qmin: int, qmax: int, symmetric: bool,
+    min_scale: float = SCALE_EPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero_point)`` (float32, int32) that cover ``[min_val, max_val]`` elementwise.
+
+    The range is widened to include 0 so that zero is exactly representable (padding, ReLU);
+    a degenerate range gets ``min_scale`` rather than a zero or NaN scale (calibrated static
+    ranges pass ``MIN_RANGE_SCALE``; run-time per-token ranges keep ``SCALE_EPS``, as the kernels do).
+    """
+    min_val = torch.clamp(min_val.float(), max=0.0)
+    max_val = torch.clamp(max_val.float(), min=0.0)
+    if symmetric:
+        zp = zero_point_of_symmetric(qmin, qmax)
+        if zp == 0 and qmax - qmin < LOW_BIT_LEVELS:
+            # a signed grid of <= 16 levels puts the range's larger end on its extra level, qmin:
+            # a range led by its positive end gets a negative scale, so its step is max / 8 at 4
+            # bits, not max / 7 (the smaller end is clipped past 7/8 of the larger; ONNX Runtime's
+            # blockwise int4 quantizer does the same). Every dequantizer multiplies by the scale.
+            neg_led = -min_val >= max_val
+            scale = torch.where(neg_led, min_val, max_val) / float(qmin)
+            scale = torch.where(neg_led, scale.clamp(min=min_scale), scale.clamp(max=-min_scale))
+        else:
+            scale = torch.clamp(torch.maximum(-min_val, max_val) / float(qmax - zp), min=min_scale)
+        zero_point = torch.full_like(scale, zp, dtype=torch.int32)
+    else:
+        scale = torch.clamp((max_val - min_val) / float(qmax - qmin), min=min_scale)
+        zero_point = torch.clamp(qmin - torch.round(min_val / scale), qmin, qmax).to(torch.int32)
+    return scale, zero_point
+
+
+def clamp_scale(scale: torch.Tensor, min_scale: float = SCALE_EPS) -> torch.Tensor:
+    """``scale`` with its magnitude at least ``min_scale``, sign kept (low-bit signed grids store
+    negative scales, see :func:`qparams_from_range`)."""
+    return torch.where(scale < 0, scale.clamp(max=-min_scale), scale.clamp(min=min_scale))
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    return x + (torch.round(x) - x).detach()
+
+
+def grad_scale(x: torch.Tensor, factor: float | torch.Tensor) -> torch.Tensor:
+    """``x`` in the forward pass, gradient multiplied by ``factor`` (LSQ's step-size gradient scale)."""
+    y = x * factor
+    return (x - y).detach() + y
+
+
+def lsq_grad_factor(numel_per_scale: int, qmax: int) -> float:
+    """LSQ's gradient scale ``1 / sqrt(N * Qp)`` for a scale that covers ``N`` elements."""
+    return 1.0 / math.sqrt(max(numel_per_scale, 1) * max(qmax, 1))
+
+
+def fake_quantize(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int
+) -> torch.Tensor:
+    """Quantize and dequantize ``x`` with broadcastable ``scale``/``zero_point``; STE gradients."""
+    dtype = x.dtype
+    xf = x.float()
+    zp = zero_point.to(torch.float32)
+    inv = 1.0 / scale.float()
+    q = torch.clamp(_round_ste(xf * inv) + zp, qmin, qmax)
+    return ((q - zp) * scale.float()).to(dtype)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """Integer codes of ``x`` (int8 for signed ranges, uint8 for unsigned); no gradient."""
+    q = torch.clamp(torch.round(x.float() * (1.0 / scale.float())) + zero_point.float(), qmin, qmax)
+    return q.to(torch.int8 if qmin < 0 else torch.uint8)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """Float32 values of integer codes ``q``."""
+    return (q.float() - zero_point.float()) * scale.float()
+
+
+# ---- layouts: one row per scale ------------------------------------------------------------------
+
+
+def to_rows(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``x`` as ``[groups, elements]``, one row per scale of ``spec``'s granularity."""
+    g = spec.granularity
+    if g == "tensor":
+        return x.reshape(1, -1)
+    if g == "channel":
+        return x.movedim(spec.axis, 0).reshape(x.shape[spec.axis], -1)
+    if g == "token":
+        return x.reshape(-1, x.shape[-1])
+    return to_groups(x, group_size_for(x, spec)).reshape(-1, group_size_for(x, spec))
+
+
+def to_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``x`` as ``[C, G, group_size]`` (C = ``x.shape[0]``): consecutive features of each row in
+    groups. A row whose length is not a multiple of ``group_size`` gets a shorter last group,
+    zero-padded here (zero is exact under every scale and inside every widened range)."""
+    rows = x.reshape(x.shape[0], -1)
+    pad = -rows.shape[1] % group_size
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, pad))
+    return rows.reshape(rows.shape[0], -1, group_size)
+
+
+def from_groups(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_groups`: drop the padding and take ``like``'s shape."""
+    n = like[0].numel() if like.dim() > 0 and like.shape[0] > 0 else 0
+    return g.reshape(g.shape[0], -1)[:, :n].reshape(like.shape)
+
+
+def group_size_for(x: torch.Tensor, spec: QuantSpec) -> int:
+    """The effective group size: ``spec.group_size``, or the whole row when a row is shorter."""
+    row = int(x[0].numel()) if x.dim() > 0 and x.shape[0] > 0 else 0
+    gs = spec.group_size or row
+    return row if row <= gs else gs
+
+
+def stat_shape(x: torch.Tensor, spec: QuantSpec) -> tuple[int, ...]:
+    """Shape of the stored scale for ``x``: () per tensor, (C,) per channel, (C, G) per group."""
+    g = spec.granularity
+    if g == "tensor":
+        return ()
+    if g == "channel":
+        return (x.shape[spec.axis],)
+    if g == "group":
+        return (x.shape[0], -(-x[0].numel() // group_size_for(x, spec)))
+    return (*x.shape[:-1], 1)
+
+
+def broadcast_param(p: torch.Tensor, x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """A stored scale/zero_point reshaped to broadcast against ``x`` (or ``x``'s group view)."""
+    g = spec.granularity
+    if g == "tensor" or g == "token":
+        return p
+    if g == "channel":
+        shape = [1] * x.dim()
+        shape[spec.axis] = -1
+        return p.reshape(shape)
+    return p.reshape(*p.shape, 1)  # group: against x.reshape(C, G, group_size)
+
+
+def fake_quantize_spec(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec
+) -> torch.Tensor:
+    """Fake-quantize ``x`` with stored qparams laid out for ``spec``'s granularity."""
+    if spec.granularity == "group":
+        xg = to_groups(x, group_size_for(x, spec))
+        out = fake_quantize(xg, scale.unsqueeze(-1), zero_point.unsqueeze(-1), spec.qmin, spec.qmax)
+        return from_groups(out, x)
+    s = broadcast_param(scale, x, spec)
+    z = broadcast_param(zero_point, x, spec)
+    return fake_quantize(x, s, z, spec.qmin, spec.qmax)
+
+
+def quantize_spec(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Integer codes of ``x`` with stored qparams laid out for ``spec``'s granularity; shape of ``x``."""
+    if spec.granularity == "group":
+        xg = to_groups(x, group_size_for(x, spec))
+        return from_groups(quantize(xg, scale[..., None], zero_point[..., None], spec.qmin, spec.qmax), x)
+    s = broadcast_param(scale, x, spec)
+    z = broadcast_param(zero_point, x, spec)
+    return quantize(x, s, z, spec.qmin, spec.qmax)
+
+
+def dynamic_qparams(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qparams computed from ``x`` itself (dynamic quantization), shaped like :func:`stat_shape`."""
+    rows = to_rows(x.detach(), spec)
+    scale, zp = qparams_from_range(
+        rows.amin(dim=1), rows.amax(dim=1), qmin=spec.qmin, qmax=spec.qmax, symmetric=spec.symmetric
+    )
+    shape = stat_shape(x, spec)
+    return scale.reshape(shape), zp.reshape(shape)

@@ -1,0 +1,641 @@
+"""Quantizer placement on the traced graph, by a runtime profile.
+
+Input: the OpGraph of one forward pass (quantization/placement/trace.py) and a RuntimeProfile
+(quantization/placement/runtimes.py). Output: a ``Placement``, plain data saved with the model:
+
+- one activation quantizer per quantized tensor, shared by every consumer of that tensor, so the
+  exported graph has one Q/DQ pair per tensor; tensors that must share a scale (concat inputs and
+  output, the two sides of pass-through ops such as reshape or max-pool) share one quantizer;
+- ``entries``: for each op call (by its stable key), which operand positions read which
+  quantizer; attention (SDPA) calls get quantizers inside the decomposed attention (``q``, ``k``,
+  ``v`` and the softmax output ``p``);
+- ``weights``: weights used functionally (a parameter passed to ``F.linear``/``addmm``/``@`` outside
+  a swapped layer's own forward: GPT-2's Conv1D, a helper that calls ``F.linear(x, self.qkv.weight)``,
+  nn.MultiheadAttention's packed ``in_proj_weight``) get a weight quantizer at that call; a weight
+  that is a slice of a parameter (``w.split``/``chunk``, as cross-attention slices the packed
+  projection) gets one on the whole parameter, at the slicing call, so its per-channel scales
+  slice along with it;
+- ``floats``: every weighted op, add and attention left in float, with the reason;
+- embedding tables (``F.embedding`` of a 2-D parameter, with ``embeddings``) get a per-row int8
+  weight quantizer (``WeightUse.table``), the table tied to a swapped layer's weight (GPT-2's
+  lm_head) that layer's own, so both read the same codes; graph_prepare keeps a table float when
+  its int8 form would cost fidelity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from quantization.placement.runtimes import RuntimeProfile
+from quantization.placement.trace import Operand, OpGraph, OpNode
+
+#: weighted kinds: (data operand position, weight operand position, weight per-channel axis)
+_WEIGHTED_POS: dict[str, tuple[int, int, int]] = {"linear": (0, 1, 0), "conv": (0, 1, 0), "addmm": (1, 2, 1)}
+
+
+@dataclass
+class WeightUse:
+    """A parameter quantized where it is used functionally: ``param`` names it in the model;
+    ``axis`` is its per-output-channel axis in that use; ``module`` is the swapped layer whose own
+    weight quantizer applies (None: the placement owns a quantizer for it); ``table``: an embedding
+    table read by ``F.embedding`` (int8, one scale per row)."""
+
+    param: str
+    axis: int
+    module: str | None = None
+    table: bool = False
+
+
+@dataclass
+class Placement:
+    """Where the activation (and functional weight) quantizers sit; see the module docstring."""
+
+    target: str
+    activations: dict[str, list[str]] = field(default_factory=dict)
+    entries: dict[str, dict[str, str]] = field(default_factory=dict)
+    weights: dict[str, WeightUse] = field(default_factory=dict)
+    floats: dict[str, str] = field(default_factory=dict)
+    #: every traced op key -> its call site (quantization.placement.trace.call_site); empty in placements saved
+    #: before sites were recorded, which resolve calls by plain per-scope index
+    sites: dict[str, str] = field(default_factory=dict)
+    #: quantized op outputs: ``key/index`` -> ``[quantizer, "reader key|position", ...]``. Applied
+    #: where the op makes them while every reader still reads that quantizer (SmoothQuant or accuracy
+    #: control may change a reader's), so an export that inserts ops between producer and reader
+    #: (transformers' ``repeat_kv`` once a mask exists) keeps the Q right after the producer, where
+    #: the runtime fuses it
+    produced: dict[str, list[str]] = field(default_factory=dict)
+
+    def to_data(self) -> dict[str, Any]:
+        """A plain dict (torch.load(weights_only=True) and JSON can hold it)."""
+        return {
+            "target": self.target,
+            "activations": {k: list(v) for k, v in self.activations.items()},
+            "entries": {k: dict(v) for k, v in self.entries.items()},
+            "weights": {k: [w.param, w.axis, w.module, w.table] for k, w in self.weights.items()},
+            "floats": dict(self.floats),
+            "sites": dict(self.sites),
+            "produced": {k: list(v) for k, v in self.produced.items()},
+        }
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> Placement:
+        return cls(
+            target=str(data["target"]),
+            activations={k: list(v) for k, v in data["activations"].items()},
+            entries={k: dict(v) for k, v in data["entries"].items()},
+            weights={k: WeightUse(v[0], int(v[1]), v[2], bool(v[3]) if len(v) > 3 else False)
+                     for k, v in data["weights"].items()},
+            floats=dict(data.get("floats", {})),
+            sites=dict(data.get("sites", {})),
+            produced={k: list(v) for k, v in data.get("produced", {}).items()},
+        )
+
+
+def weighted_operands(node: OpNode) -> tuple[Operand, Operand, int] | None:
+    """``(data, weight, weight axis)`` of a weighted op call whose weight is a model parameter."""
+    ops = {o.position: o for o in node.operands}
+    if node.kind in _WEIGHTED_POS:
+        d, w, axis = _WEIGHTED_POS[node.kind]
+        data, weight = ops.get(d), ops.get(w)
+        if data is not None and weight is not None and weight.source == "param":
+            return data, weight, axis
+        return None
+    if node.kind == "matmul" and len(node.operands) == 2:
+        a, b = node.operands
+        if b.source == "param" and a.source != "param" and len(b.shape) >= 2:
+            return a, b, len(b.shape) - 1
+    return None
+
+
+#: ops that cut a tensor into pieces of the same rank (a weight sliced from a packed parameter)
+_SLICING = frozenset({"split", "chunk", "narrow", "split_with_sizes", "tensor_split"})
+
+
+def sliced_weight(node: OpNode, producers: dict[str, OpNode]) -> tuple[Operand, OpNode, Operand, int] | None:
+    """``(data, slicing op, parameter operand, axis)`` of a weighted op call whose weight is a slice
+    of a model parameter, cut by one split/chunk/narrow call that keeps the rank."""
+    ops = {o.position: o for o in node.operands}
+    if node.kind not in _WEIGHTED_POS:
+        return None
+    d, w, axis = _WEIGHTED_POS[node.kind]
+    data, weight = ops.get(d), ops.get(w)
+    if data is None or weight is None or weight.source != "op":
+        return None
+    cut = producers.get(str(weight.producer))
+    if cut is None or cut.kind != "reshape" or cut.func not in _SLICING or not cut.operands:
+        return None
+    param = cut.operands[0]
+    if param.source != "param" or param.position != 0 or any(len(s) != len(param.shape) for s in cut.out_shapes):
+        return None
+    return data, cut, param, axis
+
+
+class _Groups:
+    """Union-find over tensor ids."""
+
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+
+    def add(self, t: str) -> None:
+        self.parent.setdefault(t, t)
+
+    def find(self, t: str) -> str:
+        self.add(t)
+        while self.parent[t] != t:
+            self.parent[t] = self.parent[self.parent[t]]
+            t = self.parent[t]
+        return t
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[rb] = ra
+
+
+def _tid(o: Operand) -> str | None:
+    if o.source == "op":
+        return f"{o.producer}/{o.index}"
+    if o.source == "input":
+        return f"<{o.name}>"
+    return None
+
+
+def place(
+    graph: OpGraph,
+    profile: RuntimeProfile,
+    *,
+    targeted: Callable[[str], bool],
+    swapped: set[str],
+    skip_layers: Mapping[str, str] | None = None,
+    quantize_ops: bool = True,
+    embeddings: bool = True,
+    tied: dict[str, str] | None = None,
+) -> Placement:
+    """Place quantizers on ``graph`` for ``profile``.
+
+    ``targeted(scope)``: whether ops running in that module are to be quantized (targets/ignore);
+    ``swapped``: names of layers swapped for quantized modules (they quantize their own weight);
+    ``skip_layers``: layers kept float on purpose (first/last policy, measured placement), not quantized
+    at all, mapped to the reason recorded in ``floats``;
+    ``embeddings``: give embedding tables int8 weight quantizers; ``tied``: parameter name -> the
+    swapped layer whose weight it also is (a tied embedding reads that layer's quantized weight).
+    """
+    pl = Placement(target=profile.name)
+    nodes = list(graph.nodes.values())
+    pl.sites = {n.key: n.site for n in nodes}
+    inside: set[str] = set()
+    for scope, keys in activation_regions(graph).items():
+        inside.update(keys)
+        pl.floats[f"{scope}:activation"] = (
+            f"activation written as {len(keys)} elementwise ops: kept float as one piece, which the runtime "
+            "fuses (ORT: FastGelu, QuickGelu, ...) and runs faster than one integer op per step"
+        )
+    consumers = _consumers(nodes)
+    producers = {n.key: n for n in nodes}
+    sliced = {n.key: sw for n in nodes if (sw := sliced_weight(n, producers)) is not None}
+    weighted_keys = {n.key for n in nodes if weighted_operands(n) is not None} | set(sliced)
+    slice_qids: dict[str, str] = {}  # slicing op -> the quantizer of the whole parameter it cuts
+    groups = _Groups()
+    quantized: set[str] = set()
+    requested_out: list[str] = []
+
+    by_param: dict[str, str] = {}
+
+    def constant_quantizer(n: OpNode, o: Operand) -> str:
+        """One quantizer per parameter (shared by its readers), else one per operand."""
+        if o.source == "param" and o.name:
+            if o.name not in by_param:
+                by_param[o.name] = _new_constant(pl, f"param {o.name}")
+            return by_param[o.name]
+        return _new_constant(pl, f"{n.key} operand {o.position} ({o.source})")
+
+    def quantize(o: Operand) -> bool:
+        t = _tid(o)
+        if t is None or not o.floating:
+            return False
+        groups.add(t)
+        quantized.add(t)
+        return True
+
+    for n in nodes:
+        if n.key in inside:
+            continue
+        if n.kind == "embedding":
+            table = next((o for o in n.operands if o.position == 1), None)
+            if table is not None and table.source == "param" and table.floating and len(table.shape) == 2:
+                if not embeddings:
+                    pl.floats[n.key] = "embedding table kept float (quantize_embeddings: false)"
+                    continue
+                if not quantize_ops:  # the Linear-layers-only mode (what the W8A8 LLM export runs)
+                    pl.floats[n.key] = "embedding table kept float (quantize_ops: false quantizes layers only)"
+                    continue
+                if not targeted(n.scope):
+                    pl.floats[n.key] = "excluded by targets/ignore"
+                    continue
+                qid = f"w{len(pl.weights)}"
+                pl.weights[qid] = WeightUse(table.name or "", 0, (tied or {}).get(table.name or ""), table=True)
+                pl.entries.setdefault(n.key, {})["1"] = qid
+            continue
+        rule = profile.rules.get(n.kind)
+        w = weighted_operands(n)
+        cut = sliced.get(n.key)
+        if cut is not None:
+            w = cut[0], cut[2], cut[3]
+        if w is not None:
+            data, weight, axis = w
+            layer = weight.name.rsplit(".", 1)[0] if weight.name and "." in weight.name else ""
+            skipped = (skip_layers or {}).get(layer) or (skip_layers or {}).get(n.scope)
+            if skipped is not None:
+                pl.floats[n.key] = skipped
+                continue
+            if not targeted(n.scope) or not targeted(layer):
+                pl.floats[n.key] = "excluded by targets/ignore"
+                continue
+            if not data.floating or data.source not in ("op", "input"):
+                pl.floats[n.key] = "its input is not a floating activation"
+                continue
+            if _feeds_topk(n, producers, consumers, weighted_keys):
+                pl.floats[n.key] = ROUTER_REASON
+                continue
+            if cut is not None:
+                # the quantizer runs on the whole parameter, where the slicing op reads it
+                if cut[1].key not in slice_qids:
+                    slice_qids[cut[1].key] = qid = f"w{len(pl.weights)}"
+                    pl.weights[qid] = WeightUse(weight.name or "", axis, layer if layer in swapped else None)
+                    pl.entries.setdefault(cut[1].key, {})[str(weight.position)] = qid
+            elif n.scope != layer or layer not in swapped:
+                module = layer if layer in swapped else None
+                qid = f"w{len(pl.weights)}"
+                pl.weights[qid] = WeightUse(weight.name or "", axis, module)
+                pl.entries.setdefault(n.key, {})[str(weight.position)] = qid
+            quantize(data)
+            if rule is not None and rule.output:
+                requested_out.append(n.key)
+            elif rule is not None and rule.fold_output:
+                out, cons = f"{n.key}/0", consumers.get(f"{n.key}/0", [])
+                if len(cons) == 1 and _foldable(cons[0][0], profile) and out not in _outputs(graph):
+                    requested_out.append(n.key)
+            continue
+        if n.kind == "mha":  # an nn.MultiheadAttention call the modes did not decompose
+            pl.floats[n.key] = str(n.attrs.get("reason", "nn.MultiheadAttention left whole"))
+            continue
+        if rule is None or not quantize_ops:
+            if rule is not None and n.kind in ("add", "sdpa") and n.scope not in swapped:
+                pl.floats[n.key] = "tensor ops are not quantized (quantize_ops: false)"
+            continue
+        if not targeted(n.scope):
+            if n.kind in ("add", "sdpa", "matmul", "cat"):
+                pl.floats[n.key] = "excluded by targets/ignore"
+            continue
+        # an empty operand carries no values (a KV cache's empty past, concatenated on the first step)
+        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating and 0 not in o.shape]
+        if n.kind == "sdpa":
+            if len(n.operands) >= 3 and all(o.floating for o in n.operands[:3]):
+                roles = ["q", "k", "v", "p"]
+                ranges = n.attrs.get("amax", {})
+                add_rule = profile.rules.get("add")
+                if ranges and add_rule is not None and add_rule.constants:
+                    # a float mask or bias is added to the scores: quantized as an add the runtime fuses
+                    lopsided = _lopsided([ranges["scores"], ranges["mask"]])
+                    if lopsided:
+                        pl.floats[f"{n.key}.mask"] = lopsided
+                    else:
+                        roles += ["scores", "mask", "biased"]
+                pl.entries.setdefault(n.key, {}).update({p: _new_internal(pl, f"{n.key}.{p}") for p in roles})
+            else:
+                pl.floats[n.key] = "attention inputs are not floating tensors"
+            continue
+        if n.kind == "matmul":
+            if len(acts) != 2:
+                continue
+            chosen = acts
+        elif n.kind == "add":
+            out_shape = n.out_shapes[0] if n.out_shapes else ()
+            same = [o for o in acts if o.shape == out_shape]
+            if len(n.operands) != 2 or len(same) != 2:
+                if n.scope in swapped:  # a quantized layer's own arithmetic (a QAT conv's BatchNorm bias)
+                    continue
+                lopsided = _lopsided(n.attrs.get("amax", []))
+                if rule.constants and lopsided and len(n.operands) == 2 and acts:
+                    pl.floats[n.key] = lopsided
+                elif rule.constants and len(n.operands) == 2 and acts and all(o.floating for o in n.operands):
+                    for o in n.operands:
+                        if not quantize(o):  # a parameter, buffer, constant or number: a quantizer of its own
+                            pl.entries.setdefault(n.key, {})[str(o.position)] = constant_quantizer(n, o)
+                    if rule.output:
+                        requested_out.append(n.key)
+                elif acts:
+                    pl.floats[n.key] = "one operand is a constant or broadcast (bias, mask, scale)"
+                continue
+            returned = [o for o in same if o.producer in weighted_keys and (o.producer, o.index) in graph.outputs]
+            if returned and rule.output:
+                pl.floats[n.key] = RETURNED_REASON
+                continue
+            outlier = _outlier_operand(n.attrs)
+            if outlier is not None and rule.output:
+                # a fused integer add needs 8-bit inputs and output: keep the whole add float instead
+                pl.floats[n.key] = outlier
+                continue
+            if rule.inputs == "residual":
+                skip = [o for o in same if o.producer not in weighted_keys]
+                chosen = skip if len(skip) == 1 else same
+            else:
+                chosen = same
+        elif n.kind == "cat":
+            if len(acts) != len(n.operands) or not acts:
+                continue
+            chosen = acts
+        else:
+            chosen = acts[:1]
+        if rule.inputs == "none" or not chosen:
+            continue
+        for o in chosen:
+            quantize(o)
+        if rule.shared:
+            tids = [_tid(o) for o in chosen]
+            for t in tids[1:]:
+                groups.union(str(tids[0]), str(t))
+            out = f"{n.key}/0"
+            groups.union(str(tids[0]), out)
+            quantized.add(out)
+        elif rule.output:
+            requested_out.append(n.key)
+
+    # an op whose output the runtime wants quantized: quantize it, after a foldable activation
+    for key in requested_out:
+        t = f"{key}/0"
+        node = producers[key]
+        if node.kind == "conv":
+            # a QAT conv holding its BatchNorm computes the norm inside its own forward: the layer's
+            # output is the norm's
+            inner = [m for m in nodes if m.scope == node.scope and m.kind == "batch_norm"]
+            if inner:
+                t = f"{inner[-1].key}/0"
+        while True:
+            cons = consumers.get(t, [])
+            if len(cons) == 1 and _foldable(cons[0][0], profile) and t not in _outputs(graph) \
+                    and cons[0][0].key not in inside:
+                t = f"{cons[0][0].key}/0"
+                continue
+            break
+        if consumers.get(t):
+            groups.add(t)
+            quantized.add(t)
+        elif key.split(":")[-1].startswith("conv"):
+            pl.floats[key] = "its output is a model output (the runtime needs a quantizer after it to fuse)"
+
+    # pass-through ops: the tensor before shares the quantizer of the tensor after
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(nodes):
+            if n.kind not in profile.pass_through or f"{n.key}/0" not in quantized:
+                continue
+            src = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+            if len(src) != 1:
+                continue
+            t = _tid(src[0])
+            assert t is not None
+            for i in range(n.n_outputs):
+                out = f"{n.key}/{i}"
+                if out in quantized:
+                    groups.union(t, out)
+            if t not in quantized:
+                quantized.add(t)
+                changed = True
+
+    # elementwise ops whose inputs are all quantized by now run as integer kernels too (a chain
+    # extends one op at a time, in graph order); their output gets a quantizer
+    for n in nodes:
+        if n.kind not in profile.extend or not targeted(n.scope) or not quantize_ops or n.key in inside:
+            continue
+        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+        arity = 2 if n.kind == "mul" else 1
+        out = f"{n.key}/0"
+        if len(n.operands) != arity or len(acts) != arity or not consumers.get(out):
+            continue
+        if any(_tid(o) not in quantized for o in acts):
+            continue
+        groups.add(out)
+        quantized.add(out)
+        if n.kind == "silu":
+            pl.entries.setdefault(n.key, {})["g"] = _new_internal(pl, f"{n.key}.g")
+
+    ids: dict[str, str] = {}
+    model_outputs = _outputs(graph)
+    for t in sorted(quantized, key=_order(nodes)):
+        root = groups.find(t)
+        if root not in ids:
+            ids[root] = f"a{len(ids)}"
+        qid = ids[root]
+        pl.activations.setdefault(qid, []).append(t)
+        readers = consumers.get(t, [])
+        for n, o in readers:
+            pl.entries.setdefault(n.key, {}).setdefault(str(o.position), qid)
+        if t.rsplit("/", 1)[0] in producers and t not in model_outputs:  # a model output stays unquantized
+            pl.produced[t] = [qid, *(f"{n.key}|{o.position}" for n, o in readers)]
+    for n in nodes:  # report weighted ops whose input ended up unquantized
+        if n.key in weighted_keys and n.key not in pl.floats:
+            cut = sliced.get(n.key)
+            data_op = cut[0] if cut is not None else weighted_operands(n)[0]  # type: ignore[index]
+            t = _tid(data_op)
+            if t is None or t not in quantized:
+                pl.floats[n.key] = "its input is not quantized"
+    return pl
+
+
+#: recorded op kinds that are elementwise, and other elementwise calls (named as the tracer records
+#: calls it gives no kind) that may make up an activation function
+_ELEMENTWISE_KINDS = frozenset({"add", "sub", "mul", "act", "silu", "sigmoid", "relu", "relu6"})
+_ELEMENTWISE_CALLS = frozenset({
+    "~pow", "~__pow__", "~__rpow__", "~div", "~__truediv__", "~__rtruediv__", "~true_divide", "~exp", "~neg",
+    "~__neg__", "~abs", "~sqrt", "~rsqrt", "~reciprocal", "~log", "~log1p", "~expm1", "~square",
+})
+
+
+def activation_regions(graph: OpGraph) -> dict[str, list[str]]:
+    """``{module scope: op keys}`` for every parameterless module that computes an activation
+    function from elementwise calls (GPT-2's tanh GELU, CLIP's QuickGELU, Mish): at least two ops,
+    one tensor in, one tensor out, every intermediate of the input's shape. Quantizing each step
+    costs a Q/DQ or an integer kernel per op and stops the runtime from fusing the function into one
+    float kernel; outermost qualifying module wins."""
+    by_scope: dict[str, list[OpNode]] = {}
+    for n in graph.nodes.values():
+        parts = n.scope.split(".") if n.scope else []
+        for i in range(1, len(parts) + 1):
+            by_scope.setdefault(".".join(parts[:i]), []).append(n)
+    outputs = _outputs(graph)
+    readers: dict[str, set[str]] = {}
+    for n in graph.nodes.values():
+        for o in n.operands:
+            t = _tid(o)
+            if t is not None:
+                readers.setdefault(t, set()).add(n.key)
+    found: dict[str, list[str]] = {}
+    for scope in sorted(by_scope, key=lambda s: s.count(".")):
+        if any(scope.startswith(f"{f}.") for f in found):
+            continue
+        ops = by_scope[scope]
+        keys = {n.key for n in ops}
+        if len(ops) < 2 or any(n.kind not in _ELEMENTWISE_KINDS and n.kind not in _ELEMENTWISE_CALLS for n in ops):
+            continue
+        if any(o.source == "param" for n in ops for o in n.operands):
+            continue
+        ins = {t for n in ops for o in n.operands if (t := _tid(o)) is not None and t.split("/")[0] not in keys}
+        outs = {f"{n.key}/{i}" for n in ops for i in range(n.n_outputs)}
+        leaving = {t for t in outs if t in outputs or readers.get(t, set()) - keys}
+        if len(ins) != 1 or len(leaving) != 1:
+            continue
+        shape = next(o.shape for n in ops for o in n.operands if _tid(o) in ins)
+        if any(n.out_shapes[:1] != [shape] for n in ops):
+            continue
+        found[scope] = [n.key for n in ops]
+    return found
+
+
+#: an add whose operands' magnitudes differ by more than this stays float: its output's 8-bit scale
+#: follows the larger one, and the smaller falls within one step and is lost. Masks (-1e4, finfo.min)
+#: and RMSNorm's ``var + eps`` (eps 1e-6: a token whose variance rounds to zero gets rsqrt(0)) are the
+#: cases; position embeddings, biases and GELU's ``1 + tanh`` are well inside it.
+MAX_OPERAND_RATIO = 256.0
+
+
+#: a tensor whose largest magnitude is this many times its RMS loses too much to one 8-bit scale:
+#: per-tensor uint8 SQNR is about 52.9 - 20 log10(amax / rms) dB, so 32x is about 23 dB (the
+#: outlier channels of BERT-style FFN outputs; Gaussian-like activations sit near 4-6x)
+MAX_PEAK_TO_RMS = 32.0
+
+
+def _outlier_operand(attrs: dict[str, Any]) -> str | None:
+    """The reason to keep a residual add float when an operand has outliers one scale cannot hold."""
+    worst = max((a / r for a, r in zip(attrs.get("amax", []), attrs.get("rms", []), strict=False) if r > 0),
+                default=0.0)
+    if worst <= MAX_PEAK_TO_RMS:
+        return None
+    return (f"an operand peaks at {worst:.0f}x its RMS (outlier channels): one 8-bit scale would cost about "
+            f"{52.9 - 20 * math.log10(worst):.0f} dB, so the add and its inputs stay float")
+
+
+#: magnitudes at or past float16's largest finite value are mask fills (finfo.min, -inf, -1e9), not
+#: data: an add of two masks (GPT-Neo adds its padding mask to scores already filled with finfo.min)
+#: has no lopsided pair, and its sum overflows to -inf, which no 8-bit scale holds
+MASK_FILL = 65504.0
+
+
+def _lopsided(amax: list[float]) -> str | None:
+    """The reason to keep an add float when one operand dwarfs the other (see MAX_OPERAND_RATIO) or
+    holds mask fill values (MASK_FILL)."""
+    vals = [a for a in amax if a > 0]
+    fill = max(vals, default=0.0)
+    if fill >= MASK_FILL:
+        return (f"an operand reaches {fill:.0e} in magnitude, a mask fill (finfo.min, -inf, -1e9): no 8-bit scale "
+                "holds it, so the add stays float")
+    if len(vals) < 2:
+        return None
+    ratio = max(vals) / min(vals)
+    if ratio <= MAX_OPERAND_RATIO:
+        return None
+    return (f"one operand is {ratio:.0e}x the other in magnitude (a mask or an epsilon): one 8-bit scale "
+            "for the sum would round the smaller away")
+
+
+#: an add reading a weighted op's output that the model also returns (DeiT-with-teacher averages
+#: its two heads' logits and returns each): a Q on that tensor stops ORT fusing the Gemm, whose
+#: output must reach the Q alone, so the add stays float and the Gemm runs as QGemm with a float output
+RETURNED_REASON = ("an operand is a Linear/Conv output the model also returns: quantizing it for this add would "
+                   "stop the runtime fusing that layer (its output must reach the quantizer alone), so the add "
+                   "stays float")
+
+
+#: how many unweighted ops (softmax, sigmoid, a bias add, casts, reshapes) may sit between a
+#: weighted op and the top-k that makes it a router
+ROUTER_DEPTH = 6
+ROUTER_REASON = ("its output feeds a top-k (an MoE router picking experts, or another top-k selection): rounding "
+                 "its weight or input flips the choice near a tie; a router is a tiny share of the weights "
+                 "(ModelOpt and llm-compressor leave MoE gates float too)")
+
+
+def _feeds_topk(n: OpNode, producers: dict[str, OpNode], consumers: dict[str, list[tuple[OpNode, Operand]]],
+                weighted: set[str]) -> bool:
+    """Whether ``n``'s output reaches a ``topk`` through at most ROUTER_DEPTH unweighted ops."""
+    frontier, seen = [n.key], {n.key}
+    for _ in range(ROUTER_DEPTH):
+        nxt = []
+        for key in frontier:
+            node = producers[key]
+            for i in range(node.n_outputs):
+                for c, _ in consumers.get(f"{key}/{i}", []):
+                    if c.func == "topk":
+                        return True
+                    if c.key not in seen and c.key not in weighted:
+                        seen.add(c.key)
+                        nxt.append(c.key)
+        frontier = nxt
+    return False
+
+
+def _consumers(nodes: list[OpNode]) -> dict[str, list[tuple[OpNode, Operand]]]:
+    """The ops reading each produced tensor (by tensor id), with the operand they read it as."""
+    consumers: dict[str, list[tuple[OpNode, Operand]]] = {}
+    for n in nodes:
+        for o in n.operands:
+            t = _tid(o)
+            if t is not None:
+                consumers.setdefault(t, []).append((n, o))
+    return consumers
+
+
+def router_layers(graph: OpGraph) -> set[str]:
+    """The layers whose weighted call feeds a top-k (MoE routers, see :func:`_feeds_topk`), by name."""
+    nodes = list(graph.nodes.values())
+    producers = {n.key: n for n in nodes}
+    consumers = _consumers(nodes)
+    weighted = {n.key for n in nodes if weighted_operands(n) is not None}
+    out = set()
+    for n in nodes:
+        w = weighted_operands(n)
+        if w is not None and w[1].name and "." in w[1].name and _feeds_topk(n, producers, consumers, weighted):
+            out.add(w[1].name.rsplit(".", 1)[0])
+    return out
+
+
+#: quantizer ids of constant operands: calibrated from their value by min/max (hooks.build_quantizers)
+CONSTANT_PREFIX = "c"
+
+
+def _new_constant(pl: Placement, label: str) -> str:
+    qid = f"{CONSTANT_PREFIX}{sum(k.startswith(CONSTANT_PREFIX) for k in pl.activations)}"
+    pl.activations[qid] = [label]
+    return qid
+
+
+def _new_internal(pl: Placement, label: str) -> str:
+    qid = f"s{sum(k.startswith('s') for k in pl.activations)}"
+    pl.activations[qid] = [label]
+    return qid
+
+
+def _foldable(n: OpNode, profile: RuntimeProfile) -> bool:
+    if n.kind not in profile.fold:
+        return False
+    if n.kind == "relu6":
+        return n.attrs.get("min") == 0
+    return True
+
+
+def _outputs(graph: OpGraph) -> set[str]:
+    return {f"{k}/{i}" for k, i in graph.outputs}
+
+
+def _order(nodes: list[OpNode]) -> Callable[[str], tuple[int, str]]:
+    index = {n.key: i for i, n in enumerate(nodes)}
+
+    def key(t: str) -> tuple[int, str]:
+        if t.startswith("<"):
+            return (-1, t)
+        return (index.get(t.rsplit("/", 1)[0], len(index)), t)
+
+    return key
