@@ -57,7 +57,7 @@ def cast_float_layers(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast the float parameters and buffers of ``model`` to ``dtype`` in place, except those of int8
     modules and quantizers (their scales must stay float32 to keep the integer codes exact)."""
     from quantization.lowering.int8 import Int8Conv2d, Int8Linear
-    from quantization.numerics.fake_quant import FakeQuantizer
+    from quantization.view import FakeQuantizer
 
     keep = (Int8Linear, Int8Conv2d, FakeQuantizer)
     skip: set[int] = set()

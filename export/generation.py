@@ -24,10 +24,10 @@ from torch import nn
 from compress.core.errors import CompressError, ExportError
 from compress.core.precision import float32_weights
 from export.describe import describe_onnx
-from export.qdq import is_quantized, iter_quantizers
 from export.records import ExportRecord, Role, ValidationRecord, slower_note
 from export.runtimes import ort_coverage
 from export.specs import ExportSpec, ValidateSpec
+from quantization.view import is_quantized, quantizers
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def generation_weights(model: nn.Module) -> str:
     """``"w8a8"`` when any activation is quantized, ``"int4"`` for weight-only quantized, else ``"fp32"``."""
     if not is_quantized(model):
         return "fp32"
-    enabled = [q for _, q in iter_quantizers(model) if q.enabled]
+    enabled = [q for _, q in quantizers(model) if q.enabled]
     return "w8a8" if any(q.role != "weight" for q in enabled) else "int4"
 
 

@@ -59,6 +59,7 @@ from quantization.lowering.int4 import (
     int4_weight,
     is_int4_weight_only,
 )
+from quantization.view import remove_placement
 
 log = logging.getLogger(__name__)
 
@@ -422,9 +423,7 @@ def export_llm_onnx(
         raise UnsupportedModelError("export_llm_onnx(weights='int4'): the model has no weight-only 4-bit layers")
     if weights == "w8a8" and counts["w8a8"] == 0:
         raise UnsupportedModelError("export_llm_onnx(weights='w8a8'): the model has no Linears with quantized inputs")
-    from quantization.placement.mode import detach
-
-    detach(m)  # its quantizers now live in the swapped layers
+    remove_placement(m)  # its quantizers now live in the swapped layers
     dec = KVDecoder(m).eval()
     inputs, outputs = io_names(dec.n_layers)
     dyn: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"},

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import UnsupportedModelError
+from quantization.view import input_quantizer, view
 
 #: op kinds a linear-only placement has entries for: the Linears and the pass-through ops (an
 #: attention output's transpose/reshape) that hand o_proj its quantized input
@@ -210,34 +211,26 @@ class W8A8DynamicLinear(nn.Module):
 def check_w8a8_exportable(model: nn.Module) -> None:
     """Raise UnsupportedModelError naming the first activation quantizer the generation graph
     cannot carry: one placed on an op other than a Linear's input, or a simulated KV cache."""
-    from quantization.algorithms.kv_cache import kv_quantizers
-    from quantization.placement.mode import graph_of
-
-    kv = kv_quantizers(model)
-    if kv:
+    placed = view(model)
+    if placed.kv_cache:
         raise UnsupportedModelError(
-            f"{next(iter(kv))}: the int8 KV cache is simulated in PyTorch only; export without kv_cache"
+            f"{placed.kv_cache[0]}: the int8 KV cache is simulated in PyTorch only; export without kv_cache"
         )
-    graph = graph_of(model)
-    if graph is None:
-        return
-    for key, entry in graph.placement.entries.items():
+    for key in placed.op_entries:
         kind = key.rpartition(":")[2].split("#")[0]
-        if kind not in _LINEAR_KINDS and entry:
+        if kind not in _LINEAR_KINDS:
             raise UnsupportedModelError(
                 f"{key}: W8A8 generation export quantizes Linear inputs only; this placement also quantizes "
                 "tensor ops (quantize with quantize_ops: false, or a dynamic scheme)"
             )
-    for key, w in graph.placement.weights.items():
-        raise UnsupportedModelError(f"{w.param}: a functionally used weight ({key}) is not exported for generation")
+    for key, param in placed.placed_weights.items():
+        raise UnsupportedModelError(f"{param}: a functionally used weight ({key}) is not exported for generation")
 
 
 def w8a8_linear(root: nn.Module, name: str, mod: nn.Module, shared: dict[int, InputQDQ]) -> nn.Module | None:
     """The export module for the W8A8 layer ``name`` of ``root``, or None when its input is not
     quantized (weight-only layers are handled by the caller). ``shared`` maps the static input
     quantizers seen so far to their export module (filled in here)."""
-    from quantization.placement.mode import input_quantizer
-
     iq: Any = input_quantizer(root, name)
     if iq is None or not iq.enabled:
         return None

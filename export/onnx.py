@@ -31,7 +31,7 @@ from compress.core.moe import unpacked_experts
 from compress.core.precision import float32_inputs, float32_weights
 from export import edge, qdq
 from export.records import DECOMPOSED_KEY
-from quantization.placement.mode import collect_unseen
+from quantization.view import is_quantized, tracking_unseen, view
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _export(
 ) -> Path:
     args, kwargs = _split_inputs(example_inputs)
     outputs = _run_example(model, args, kwargs)
-    quantized = qdq.is_quantized(model)
+    quantized = is_quantized(model)
     blocked = 0
     if quantized:
         target, summary = qdq.swap_quantizers(model, activation_dtype=activation_dtype, reduce_range=reduce_range)
@@ -143,14 +143,12 @@ def _export(
     args, kwargs = _exportable_batch(args, kwargs, dynamic_batch)
     in_names = input_names or _input_names(args, kwargs)
     out_names = output_names or _output_names(outputs)
-    with collect_unseen() as unseen:
+    # calls only the export's path made are recorded on the model: its export record names them
+    with tracking_unseen(model):
         proto = _dynamo_export(target, args, kwargs, in_names, out_names, opset=opset, dynamic_batch=dynamic_batch,
                                quantized=quantized)
     if quantized:
-        qgraph: Any = getattr(model, "quantizer_graph", None)
-        if qgraph is not None:
-            qgraph.unseen.update(unseen)  # calls only the export's path made: its record names them
-        runtime = str(getattr(getattr(qgraph, "placement", None), "target", "onnxruntime"))
+        runtime = view(model).target
         stats = qdq.tidy_qdq_graph(proto, quantize_embeddings=quantize_embeddings, ort_float_weights=runtime == "onnxruntime")
         log.info("QDQ graph passes: %s", stats)
     if simplify:

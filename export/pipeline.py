@@ -14,9 +14,9 @@ from compress.core.errors import ExportError
 from export.describe import describe_onnx
 from export.edge import write_triton_repository
 from export.onnx import export_onnx
-from export.qdq import is_quantized, iter_quantizers
 from export.records import ExportRecord, Role
 from export.specs import ExportSpec
+from quantization.view import is_quantized, quantizers, view
 
 log = logging.getLogger(__name__)
 
@@ -70,22 +70,6 @@ def export_model(
     return records
 
 
-def _kept_float(model: nn.Module) -> dict[str, str]:
-    """What the quantizer placement left float on purpose, and why (empty without a placement)."""
-    from quantization.placement.mode import UNSEEN_REASON
-
-    graph = getattr(model, "quantizer_graph", None)
-    placement = getattr(graph, "placement", None)
-    return {**getattr(placement, "floats", {}), **dict.fromkeys(getattr(graph, "unseen", {}), UNSEEN_REASON)}
-
-
-def _table_quantizers(model: nn.Module) -> set[str]:
-    """The placement's ids of quantizers that hold embedding tables (``quantizer_graph.quantizers.<id>``)."""
-    graph = getattr(model, "quantizer_graph", None)
-    uses = getattr(getattr(graph, "placement", None), "weights", {})
-    return {qid for qid, use in uses.items() if getattr(use, "table", False)}
-
-
 def _export_one(
     model: nn.Module, example_inputs: Any, spec: ExportSpec, path: Path, *, role: Role, fp16: bool,
     metadata: Mapping[str, str] | None, quantized: bool,
@@ -98,16 +82,17 @@ def _export_one(
     )
     rec = describe_onnx(path, role=role)
     if quantized:
-        rec.kept_float = {**rec.kept_float, **_kept_float(model)}
+        placed = view(model)
+        rec.kept_float = {**rec.kept_float, **placed.kept_float}
         if rec.integer_nodes and rec.float_nodes:
             shown = ", ".join(rec.float_nodes[:8]) + (f" (+{len(rec.float_nodes) - 8} more)" if len(rec.float_nodes) > 8 else "")
             log.warning("export: %d Conv/MatMul/Gemm/Add of %s still run in float in ORT: %s", len(rec.float_nodes),
                         path.name, shown)
-        named = [(n, q) for n, q in iter_quantizers(model) if q.enabled]
+        named = [(n, q) for n, q in quantizers(model) if q.enabled]
         enabled = [q for _, q in named]
         weights = [q for q in enabled if q.role == "weight"]
         # embedding tables feed Gathers, not the u8s8 kernels the 7-bit codes are for
-        tables = _table_quantizers(model)
+        tables = placed.tables
         kernel_weights = [q for n, q in named if q.role == "weight" and n.rsplit(".", 1)[-1] not in tables]
         calibrated_7bit = bool(kernel_weights) and all(getattr(q.spec, "reduce_range", False) for q in kernel_weights)
         rec.activation_dtype, rec.reduce_range = spec.activation_dtype, spec.reduce_range or calibrated_7bit

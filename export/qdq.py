@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -28,10 +27,11 @@ from torch import nn
 
 from compress.core.errors import ExportError
 from export.qdq_graph import tidy_qdq_graph
+from quantization.view import FakeQuantizer, functional_weights
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ActivationQDQ", "QDQSummary", "WeightDQ", "is_quantized", "iter_quantizers", "swap_quantizers", "tidy_qdq_graph"]
+__all__ = ["ActivationQDQ", "QDQSummary", "WeightDQ", "swap_quantizers", "tidy_qdq_graph"]
 
 ActDtype = Literal["uint8", "int8"]
 
@@ -166,29 +166,6 @@ class QDQSummary:
     reduce_range: bool = False
 
 
-def _fake_quantizer_cls() -> type | None:
-    try:
-        from quantization.numerics.fake_quant import FakeQuantizer
-    except ImportError:  # the quantization package is optional for fp32 export
-        return None
-    return FakeQuantizer
-
-
-def iter_quantizers(model: nn.Module) -> Iterator[tuple[str, Any]]:
-    """``quantization.preparation.quantizers`` when the quantization package is there, else nothing
-    (it is optional for fp32 export)."""
-    try:
-        from quantization.preparation import quantizers
-    except ImportError:
-        return iter(())
-    return quantizers(model)
-
-
-def is_quantized(model: nn.Module) -> bool:
-    """Whether ``model`` holds at least one enabled fake-quantizer (and so exports as QDQ)."""
-    return any(getattr(q, "enabled", False) for _, q in iter_quantizers(model))
-
-
 def _shift_dtype(scale: torch.Tensor, zp: torch.Tensor, qmin: int, target: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Re-express integer codes in ``target`` (int8 or uint8): an exact shift of the zero point by 128."""
     signed = qmin < 0
@@ -252,23 +229,6 @@ def _blocked(q: Any, weight: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
     return WeightDQ(codes.to(torch.int8), scale.clone(), zp.to(torch.int8), 1, gs)
 
 
-def _functional_weights(model: nn.Module) -> dict[int, torch.Tensor]:
-    """Weight quantizers that a placement owns for functionally used weights, by id, with the
-    weight each one quantizes (they sit in the quantizer graph, not beside their weight)."""
-    from quantization.placement.mode import QuantizerGraph
-
-    out: dict[int, torch.Tensor] = {}
-    for m in model.modules():
-        if isinstance(m, QuantizerGraph):
-            for qid, use in m.placement.weights.items():
-                if use.module is None and qid in m.quantizers:
-                    tensors: dict[str, torch.Tensor] = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-                    w = tensors.get(use.param)
-                    if w is not None:
-                        out[id(m.quantizers[qid])] = w.detach()
-    return out
-
-
 def _check_static(q: Any, where: str) -> None:
     spec = q.spec
     if spec.dynamic:
@@ -284,15 +244,12 @@ def swap_quantizers(model: nn.Module, *, activation_dtype: ActDtype = "uint8", r
     nn.Module, QDQSummary
 ]:
     """A deep copy of ``model`` whose fake-quantizers are replaced by QDQ export modules."""
-    cls = _fake_quantizer_cls()
     out = copy.deepcopy(model).eval()
     summary = QDQSummary(activation_dtype=activation_dtype, reduce_range=reduce_range)
-    if cls is None:
-        return out, summary
-    functional = _functional_weights(out)
+    functional = functional_weights(out)
     for pname, parent in list(out.named_modules()):
         for cname, child in list(parent.named_children()):
-            if not isinstance(child, cls):
+            if not isinstance(child, FakeQuantizer):
                 continue
             where = f"{pname}.{cname}" if pname else cname
             q: Any = child
