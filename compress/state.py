@@ -4,13 +4,13 @@ A run's ``checkpoints/final.pt`` holds ``{"model": state_dict, "epoch": 0, "comp
 tensors and a JSON string only, so ``torch.load(..., weights_only=True)`` reads it and a run folder
 made by someone else cannot execute code. The JSON says how to rebuild the compressed structure:
 
-- ``pruning_plans``: the plans the prune stages made, replayed in order on the fresh float model;
-- ``quantization``: the quantize modifier's spec (scheme, targets, ignore, ...), the modules it left
-  quantized and each quantizer's ``enabled`` flag. The model is prepared again through the same
-  entry point the modifiers use (no calibration), then the state_dict brings the weights and qparams.
-
-:func:`restore_compressed` is the only place that knows how; it is what ``compress validate RUN_DIR
---backend cuda`` uses (modelopt's restore works the same way: config + state, onto the float model).
+``modifiers``, in stage order, each ``{"type", "state"}``: what that modifier's ``save_state`` wrote
+(a prune modifier its pruning plan; a quantize modifier its spec, the layers it left quantized and
+each quantizer's ``enabled`` flag). Restoring replays each one's ``restore_state`` on the fresh float
+model (no calibration), then the state_dict brings the weights and qparams. Each modifier owns its
+save and restore (modelopt's mode descriptors work the same way: config + state, onto the float
+model); this module only iterates. :func:`restore_compressed` is what ``compress validate RUN_DIR
+--backend cuda`` uses. Version 1 files (plans and one quantize spec, apart) still restore.
 """
 
 from __future__ import annotations
@@ -27,36 +27,24 @@ import torch
 from torch import nn
 
 from compress.core.errors import CompressError, RecipeError
+from compress.core.modifier import Modifier
+from compress.modifiers import modifier_class
 
 log = logging.getLogger(__name__)
 
 FORMAT = "compress.compression-state"
-VERSION = 1
+VERSION = 2
 #: the pickled whole module older runs wrote; refused, never loaded
 LEGACY_PICKLE = "final_model.pt"
 
 
-def compression_state(model: nn.Module, modifiers: Sequence[Any]) -> dict[str, Any]:
-    """What :func:`restore_compressed` needs besides the state_dict, as JSON-ready data.
-
-    ``modifiers`` are the session's modifier handlers in stage order; prune handlers contribute
-    their ``pruning_plan``, the quantize handler its spec.
-    """
-    plans = [m.pruning_plan.to_dict() for m in modifiers if getattr(m, "pruning_plan", None) is not None]
-    quant = [m for m in modifiers if getattr(m.spec, "kind", None) == "quantize"]
-    if len(quant) > 1:  # the recipe's order rules allow one quantize modifier per model
+def compression_state(model: nn.Module, modifiers: Sequence[Modifier[Any]]) -> dict[str, Any]:
+    """What :func:`restore_compressed` needs besides the state_dict, as JSON-ready data: each
+    modifier's own :meth:`~compress.core.modifier.Modifier.save_state`, in stage order."""
+    if sum(1 for m in modifiers if m.spec.kind == "quantize") > 1:  # the order rules allow one per model
         raise CompressError("compression state: more than one quantize modifier; cannot describe the model")
-    q: dict[str, Any] | None = None
-    if quant:
-        from quantization import quant_modules, quantizers
-
-        q = {
-            "type": quant[0].spec.type,
-            "spec": quant[0].spec.model_dump(mode="json"),
-            "modules": [n for n, _ in quant_modules(model)],
-            "quantizers": {n: {"enabled": bool(fq.enabled)} for n, fq in quantizers(model)},
-        }
-    return {"format": FORMAT, "version": VERSION, "pruning_plans": plans, "quantization": q}
+    saved = [{"type": m.spec.type, "state": data} for m in modifiers if (data := m.save_state(model)) is not None]
+    return {"format": FORMAT, "version": VERSION, "modifiers": saved}
 
 
 def save_compressed(path: Path, model: nn.Module, modifiers: Sequence[Any]) -> None:
@@ -104,16 +92,17 @@ def restore_compressed(build_float: Callable[[], nn.Module], path: Path) -> nn.M
         state = json.loads(data["compression"])
     except (TypeError, json.JSONDecodeError) as exc:
         raise RecipeError(f"{path}: compression state is not valid JSON ({exc})") from None
-    if state.get("format") != FORMAT or state.get("version") != VERSION:
+    if state.get("format") != FORMAT or state.get("version") not in (1, VERSION):
         raise RecipeError(f"{path}: unknown compression state {state.get('format')!r} v{state.get('version')!r}")
+    saved = _saved_modifiers(state)
     model = build_float()
-    if state["pruning_plans"]:
-        from pruning.plan import PruningPlan
-
-        for i, plan in enumerate(state["pruning_plans"]):
-            PruningPlan.from_dict(plan, where=f"{path}: pruning_plans.{i}").apply(model)
-    if state["quantization"] is not None:
-        _prepare_quantizers(model, state["quantization"], where=str(path))
+    for i, entry in enumerate(saved):
+        where = f"{path}: modifiers.{i}"
+        try:
+            handler = modifier_class(entry["type"])
+        except RecipeError as exc:
+            raise RecipeError(f"{where}: {exc}") from None
+        handler.restore_state(model, entry["state"], where=where)
     sd = data["model"]
     _shape_empty_buffers(model, sd)
     missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -143,35 +132,16 @@ def _check_placement(model: nn.Module, path: Path) -> None:
         )
 
 
-def _prepare_quantizers(model: nn.Module, q: dict[str, Any], *, where: str) -> None:
-    """Swap in the quantized modules as the run's quantize modifier did, without calibrating."""
-    from compress.modifiers import modifier_class
-    from quantization import prepare, quantizers
-    from quantization.preparation import FirstLast, linearize, plan_targets
-
-    spec = modifier_class(q["type"]).spec_cls.model_validate(q["spec"])
-    scheme = spec.resolved_scheme()  # type: ignore[attr-defined]
-    linearize(model)  # as the run's prepare() did first: Conv1D and MoE experts are Linears to plan over
-    kept = set(q["modules"])
-    # the weight-only modifiers (gptq, awq) have no first/last policy and quantize layers only
-    first_last: FirstLast = getattr(spec, "first_last", "quantize")
-    quantize_ops: bool = getattr(spec, "quantize_ops", False)
-    planned = plan_targets(model, scheme, targets=spec.targets, ignore=spec.ignore,  # type: ignore[attr-defined]
-                           first_last=first_last, quantize_ops=quantize_ops, where=where)
-    # layers the run reverted to float (accuracy control) stay float here too
-    reverted = [n for n in planned if n not in kept]
-    bn = getattr(spec, "bn", "fold")  # QAT trains BN folded-in and folds it at its end
-    prepare(model, scheme, targets=spec.targets, ignore=[*spec.ignore, *reverted],  # type: ignore[attr-defined]
-            first_last=first_last, bn=bn, quantize_ops=quantize_ops, where=where)
-    kv_cache = getattr(spec, "kv_cache", None)
-    if kv_cache is not None:  # the KV quantizers the run attached (their per-head scales are in the state)
-        from quantization.algorithms.kv_cache import attach_kv_quantization
-
-        attach_kv_quantization(model, kv_cache)
-    flags = q["quantizers"]
-    for name, fq in quantizers(model):
-        fq.observing = False
-        fq.enabled = bool(flags.get(name, {}).get("enabled", True))
+def _saved_modifiers(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The saved modifiers in stage order; version 1 kept the pruning plans and one quantize
+    modifier's spec apart (their prune stages always came first)."""
+    if state["version"] != 1:
+        return list(state["modifiers"])
+    saved = [{"type": "prune", "state": {"plan": plan}} for plan in state["pruning_plans"]]
+    q = state["quantization"]
+    if q is not None:
+        saved.append({"type": q["type"], "state": {k: q[k] for k in ("spec", "modules", "quantizers")}})
+    return saved
 
 
 def _shape_empty_buffers(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:

@@ -120,6 +120,13 @@ class PruneModifier(Modifier[PruneSpec]):
         self._sizes: dict[str, int] = {}  # group key -> atom count before the first step
         self._rows: list[dict[str, Any]] = []  # per step and group: units and how many went
 
+    def save_state(self, model: nn.Module) -> dict[str, Any]:
+        return {"plan": self.pruning_plan.to_dict()}
+
+    @classmethod
+    def restore_state(cls, model: nn.Module, data: dict[str, Any], *, where: str) -> None:
+        PruningPlan.from_dict(data["plan"], where=f"{where}: plan").apply(model)
+
     # ---- schedule -----------------------------------------------------------------------------
     def _epoch_of(self, k: int) -> float:
         """Stage epoch at which step ``k`` (0-based) runs."""

@@ -12,7 +12,7 @@ from torch import nn
 
 from compress.core.errors import CalibrationError
 from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
-from quantization.algorithms.kv_cache import KVCache
+from quantization.algorithms.kv_cache import KVCache, attach_kv_quantization
 from quantization.algorithms.sensitivity import (
     Evaluate,
     accuracy_control,
@@ -34,8 +34,11 @@ from quantization.preparation import (
     calibrate_weight,
     plan_targets,
     prepare,
+    prepare_saved,
     quant_modules,
     quantizers,
+    saved_quantization,
+    set_saved_flags,
 )
 
 log = logging.getLogger(__name__)
@@ -137,6 +140,15 @@ def _plan(spec: _QuantSpecBase, model: nn.Module, where: str) -> list[str]:
     )
 
 
+def _restore(spec: PTQSpec | QATSpec, model: nn.Module, data: dict[str, Any], *, bn: Literal["fold", "keep"],
+             kv_cache: KVCache | None, where: str) -> None:
+    prepare_saved(model, data, spec.resolved_scheme(), targets=spec.targets, ignore=spec.ignore,
+                  first_last=spec.first_last, quantize_ops=spec.quantize_ops, bn=bn, where=where)
+    if kv_cache is not None:  # the KV quantizers the run attached (their per-head scales are in the state)
+        attach_kv_quantization(model, kv_cache)
+    set_saved_flags(model, data)
+
+
 def _judge(state: State) -> Evaluate | None:
     """The metric function accuracy control and metric sensitivity choose on."""
     return state.select_evaluate or state.evaluate
@@ -150,6 +162,14 @@ class PTQModifier(Modifier[PTQSpec]):
 
     def plan(self, model: nn.Module) -> list[str]:
         return _plan(self.spec, model, self.where)
+
+    def save_state(self, model: nn.Module) -> dict[str, Any]:
+        return saved_quantization(model, self.spec)
+
+    @classmethod
+    def restore_state(cls, model: nn.Module, data: dict[str, Any], *, where: str) -> None:
+        s = PTQSpec.model_validate(data["spec"])
+        _restore(s, model, data, bn=s.bn, kv_cache=s.kv_cache, where=where)
 
     def on_calibrate(self, state: State) -> None:
         s = self.spec
@@ -236,6 +256,14 @@ class QATModifier(Modifier[QATSpec]):
 
     def plan(self, model: nn.Module) -> list[str]:
         return _plan(self.spec, model, self.where)
+
+    def save_state(self, model: nn.Module) -> dict[str, Any]:
+        return saved_quantization(model, self.spec)
+
+    @classmethod
+    def restore_state(cls, model: nn.Module, data: dict[str, Any], *, where: str) -> None:
+        # QAT trains BN folded-in and folds it at its end
+        _restore(QATSpec.model_validate(data["spec"]), model, data, bn="fold", kv_cache=None, where=where)
 
     def on_initialize(self, state: State) -> None:
         s = self.spec

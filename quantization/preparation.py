@@ -227,6 +227,38 @@ def linearize(model: nn.Module) -> list[str]:
     return linearize_conv1d(root) + unpack_experts(root)
 
 
+def saved_quantization(model: nn.Module, spec: Any) -> dict[str, Any]:
+    """What restores a quantize modifier's model: its spec, the layers it left quantized and each
+    quantizer's ``enabled`` flag (the qparams travel in the state_dict)."""
+    return {
+        "spec": spec.model_dump(mode="json"),
+        "modules": [n for n, _ in quant_modules(model)],
+        "quantizers": {n: {"enabled": bool(fq.enabled)} for n, fq in quantizers(model)},
+    }
+
+
+def prepare_saved(model: nn.Module, data: dict[str, Any], scheme: QuantScheme, *, targets: Sequence[str],
+                  ignore: Sequence[str], first_last: FirstLast = "quantize", quantize_ops: bool = False,
+                  bn: Literal["fold", "keep"] = "fold", where: str) -> None:
+    """Swap in the quantized modules :func:`saved_quantization` recorded, as the run did, without
+    calibrating; layers the run reverted to float (accuracy control) stay float."""
+    linearize(model)  # as the run's prepare() did first: Conv1D and MoE experts are Linears to plan over
+    kept = set(data["modules"])
+    planned = plan_targets(model, scheme, targets=targets, ignore=ignore, first_last=first_last,
+                           quantize_ops=quantize_ops, where=where)
+    reverted = [n for n in planned if n not in kept]
+    prepare(model, scheme, targets=targets, ignore=[*ignore, *reverted], first_last=first_last, bn=bn,
+            quantize_ops=quantize_ops, where=where)
+
+
+def set_saved_flags(model: nn.Module, data: dict[str, Any]) -> None:
+    """Calibration over, each quantizer enabled as the run left it."""
+    flags = data["quantizers"]
+    for name, fq in quantizers(model):
+        fq.observing = False
+        fq.enabled = bool(flags.get(name, {}).get("enabled", True))
+
+
 def _measure(
     model: nn.Module, plan: dict[str, QuantSpec | None], graph0: Any, call: Any, check: SpeedCheck, *, target: str,
     graph_mode: bool, where: str,

@@ -19,7 +19,13 @@ from quantization.algorithms.gptq import GPTQFields, GPTQParams
 from quantization.algorithms.sequential import sequential_quantize
 from quantization.algorithms.weight_only import DEFAULT_SCHEME, gptq_layer
 from quantization.numerics.spec import QuantScheme, resolve_scheme
-from quantization.preparation import linearize, plan_targets
+from quantization.preparation import (
+    linearize,
+    plan_targets,
+    prepare_saved,
+    saved_quantization,
+    set_saved_flags,
+)
 
 
 class _WeightOnlySpec(ModifierSpec):
@@ -72,6 +78,16 @@ class _WeightOnlyModifier(Modifier[Any]):
         s = self.spec
         return list(plan_targets(model, s.resolved_scheme(), targets=s.targets, ignore=s.ignore, quantize_ops=False,
                                  where=self.where))
+
+    def save_state(self, model: nn.Module) -> dict[str, Any]:
+        return saved_quantization(model, self.spec)
+
+    @classmethod
+    def restore_state(cls, model: nn.Module, data: dict[str, Any], *, where: str) -> None:
+        s: Any = cls.spec_cls.model_validate(data["spec"])
+        # weight-only: layers only, no first/last policy
+        prepare_saved(model, data, s.resolved_scheme(), targets=s.targets, ignore=s.ignore, where=where)
+        set_saved_flags(model, data)
 
     def _run(self, state: State, process: Any) -> dict[str, Any]:
         s = self.spec

@@ -177,6 +177,17 @@ class Modifier(Generic[S]):
         """Names of the modules this modifier would touch (for ``--dry-run``)."""
         return []
 
+    # ---- saved state: structure as data (compress/state.py iterates over the modifiers) ---------
+    def save_state(self, model: nn.Module) -> dict[str, Any] | None:
+        """JSON-ready data from which :meth:`restore_state` rebuilds, on the fresh float model, the
+        structure this modifier gave ``model`` (None: no structure changed; the state_dict suffices)."""
+        return None
+
+    @classmethod
+    def restore_state(cls, model: nn.Module, data: dict[str, Any], *, where: str) -> None:
+        """Rebuild on ``model`` what :meth:`save_state` described, before the saved state_dict is loaded."""
+        raise CompressError(f"{where}: modifier type '{cls.spec_cls.model_fields['type'].default}' saves no state")
+
     # ---- schedule ----------------------------------------------------------------------------
     def active(self, state: State) -> bool:
         """Whether the schedule covers the current stage epoch/step."""

@@ -54,6 +54,39 @@ def test_final_state_restores_the_pruned_quantized_model(run_dir: Path) -> None:
     assert not (run_dir / "checkpoints" / "final_model.pt").exists()
 
 
+def test_each_modifier_saves_its_own_state_in_stage_order(run_dir: Path) -> None:
+    import json
+
+    data = torch.load(run_dir / "checkpoints" / "final.pt", weights_only=True)
+    state = json.loads(data["compression"])
+    assert state["version"] == 2
+    assert [m["type"] for m in state["modifiers"]] == ["prune", "ptq"]
+    assert state["modifiers"][0]["state"]["plan"]["steps"]
+    assert state["modifiers"][1]["state"]["spec"]["first_last"] == "float"
+
+
+def test_a_version_1_state_still_restores(run_dir: Path, tmp_path: Path) -> None:
+    """Runs saved before each modifier owned its state kept the plans and the quantize spec apart."""
+    import json
+
+    from quantization import quantizers
+
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    data = torch.load(run_dir / "checkpoints" / "final.pt", weights_only=True)
+    mods = json.loads(data["compression"])["modifiers"]
+    q = mods[1]["state"]
+    data["compression"] = json.dumps({
+        "format": "compress.compression-state", "version": 1, "pruning_plans": [mods[0]["state"]["plan"]],
+        "quantization": {"type": "ptq", "spec": q["spec"], "modules": q["modules"], "quantizers": q["quantizers"]},
+    })
+    torch.save(data, tmp_path / "v1.pt")
+    old = restore_compressed(lambda: load_model(recipe.model), tmp_path / "v1.pt")
+    new = restore_compressed(lambda: load_model(recipe.model), run_dir / "checkpoints" / "final.pt")
+    x = torch.randn(4, 1, 8, 8, generator=torch.Generator().manual_seed(3))
+    assert len(list(quantizers(old))) == len(list(quantizers(new))) > 0
+    assert torch.equal(old(x), new(x))
+
+
 def test_a_placement_naming_missing_modules_is_refused(run_dir: Path, tmp_path: Path) -> None:
     """A final.pt saved when the zoo's residual add was a module (``layer1.0.add``): its placement
     keys would silently match nothing, so restoring it is an error that says so."""
