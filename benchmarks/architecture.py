@@ -612,10 +612,11 @@ def main(argv: list[str] | None = None) -> None:
 
         section = (
             "## Code structure (`python -m benchmarks.architecture`)\n\n"
-            f"Measured at commit `{data['commit']}`. Route: `compress.load_recipe` + `compress.apply` on the script's own "
-            "recipe (ResNet width 16 on digits, untrained, one PTQ stage, fp32 + int8 ONNX export, ONNX Runtime "
-            "validation, report), run in a fresh interpreter under `sys.setprofile`; static figures from `ast` "
-            "over every .py file of the five packages.\n\n" + md
+            f"Measured at commit `{data['commit']}`. "
+            + ("Route: `compress.load_recipe` + `compress.apply` on the script's own recipe (ResNet width 16 on "
+               "digits, untrained, one PTQ stage, fp32 + int8 ONNX export, ONNX Runtime validation, report), run "
+               "in a fresh interpreter under `sys.setprofile`; " if data["route"] is not None else "Route not run; ")
+            + "static figures from `ast` over every .py file of the five packages.\n\n" + md
         )
         write_section("architecture", section, data)
 
