@@ -1,0 +1,625 @@
+"""Code-structure figures, for before/after comparisons of an architecture refactor.
+
+    python -m benchmarks.architecture [--json PATH] [--no-results] [--no-route]
+
+Two kinds of figures, both found by walking the five packages (compress, quantization, pruning,
+distillation, export), never from a list of module names, so the script runs unchanged on a tree
+whose files have moved into subfolders:
+
+1. the ``compress apply`` PTQ route, run once in a fresh subprocess under ``sys.setprofile`` (and
+   ``threading.setprofile``) around ``load_recipe`` + ``apply``: a small recipe written by this script
+   (ResNet width 16 on scikit-learn digits, the model as built (``train.epochs: 0``), one PTQ stage,
+   fp32 + QDQ int8 ONNX export, ONNX Runtime validation, the run report). Every Python call whose
+   code lies in a project file is recorded: the files the route executes code in, the package
+   crossings (caller's and callee's frames in project files of different top-level packages), the
+   returns to a file the route had left, and the project modules imported from ``import compress`` on;
+2. the static import graph (``ast``) over every ``.py`` file of the packages: module-level and
+   function-local imports, relative imports resolved, ``from pkg import name`` resolved to the
+   submodule when ``pkg/name.py`` (or ``pkg/name/``) exists, and ``importlib.import_module("literal")``
+   calls; import cycles are its strongly connected components of more than one module.
+
+Plus README.md's line count and the number of pages under docs/ (when there is a docs/).
+
+This module imports nothing from the project at import time: the route's subprocess imports it
+first and counts project modules from zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES: tuple[str, ...] = ("compress", "quantization", "pruning", "distillation", "export")
+
+# the route's recipe: only fields that exist in the recipe schema as it stands (model, data, train,
+# one ptq stage, export, validate); small enough to run in seconds on a laptop CPU
+ROUTE_RECIPE = """\
+version: 1
+name: arch_route
+description: benchmarks/architecture.py's PTQ route (structure figures, not accuracy)
+model:
+  name: resnet
+  kwargs: {width: 16, depth: 1, num_classes: 10, in_channels: 1}
+data:
+  source: digits
+  calibration_samples: 64
+  eval_samples: 128
+train:
+  epochs: 0
+  seed: 0
+  device: cpu
+stages:
+  - name: ptq
+    modifiers:
+      - type: ptq
+        scheme: {preset: w8a8, weights: {reduce_range: true}}
+        observer: percentile
+        num_batches: 2
+export:
+  dynamic_batch: true
+  baseline: true
+validate:
+  runtimes: [onnxruntime]
+  batch_sizes: [1]
+  warmup: 1
+  runs: 3
+  thresholds:
+    max_accuracy_drop: 0.05
+"""
+
+
+# ---- module discovery ---------------------------------------------------------------------------
+
+
+def package_files(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` file under the packages (``__init__.py`` names its
+    package). Folders without ``__init__.py`` are walked too (namespace packages)."""
+    out: dict[str, Path] = {}
+    for pkg in packages:
+        base = root / pkg
+        if not base.is_dir():
+            continue
+        for path in sorted(base.rglob("*.py")):
+            rel = path.relative_to(root)
+            if any(part == "__pycache__" or part.startswith(".") for part in rel.parts):
+                continue
+            parts = list(rel.with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _top(module: str) -> str:
+    return module.split(".", 1)[0]
+
+
+# ---- static import graph ------------------------------------------------------------------------
+
+
+@dataclass
+class ImportEdge:
+    source: str
+    target: str
+    line: int
+    kind: str  # "import" (an import statement) or "importlib" (import_module("literal"))
+    local: bool  # inside a function body
+    type_checking: bool = False
+
+
+@dataclass
+class StaticFigures:
+    modules: int
+    files_per_package: dict[str, int]
+    lines_of_code: int
+    edges: list[ImportEdge] = field(default_factory=list)
+    cycles: list[list[str]] = field(default_factory=list)
+    module_level_cycles: list[list[str]] = field(default_factory=list)  # from module-level imports alone
+    local_imports: int = 0  # import statements inside function bodies that import a project module
+    local_imports_cross_package: int = 0  # ... whose target is in another top-level package
+    local_imports_all: int = 0  # import statements inside function bodies, third-party ones included
+    importlib_literal: int = 0  # importlib.import_module("literal") calls naming a project module
+    importlib_dynamic: int = 0  # import_module(...) calls whose argument is not a literal
+    type_checking_imports: int = 0  # project imports under ``if TYPE_CHECKING:`` (left out of the graph)
+
+    def graph(self, *, local: bool = True) -> dict[str, set[str]]:
+        """Module -> the modules it imports at run time (``local=False``: module-level imports alone)."""
+        g: dict[str, set[str]] = {}
+        for e in self.edges:
+            if not e.type_checking and e.source != e.target and (local or not e.local):
+                g.setdefault(e.source, set()).add(e.target)
+        return g
+
+    def summary(self) -> dict[str, Any]:
+        g = self.graph()
+        pkg_edges = Counter(
+            f"{_top(a)} -> {_top(b)}" for a, targets in g.items() for b in targets if _top(a) != _top(b)
+        )
+        return {
+            "modules": self.modules,
+            "files_per_package": self.files_per_package,
+            "lines_of_code": self.lines_of_code,
+            "import_edges": sum(len(t) for t in g.values()),
+            "import_edges_cross_package": sum(1 for a, t in g.items() for b in t if _top(a) != _top(b)),
+            "package_edges": dict(sorted(pkg_edges.items())),
+            "import_cycles": len(self.cycles),
+            "modules_in_cycles": sum(len(c) for c in self.cycles),
+            "largest_cycle": max((len(c) for c in self.cycles), default=0),
+            "cycles": self.cycles,
+            "import_cycles_module_level": len(self.module_level_cycles),
+            "module_level_cycles": self.module_level_cycles,
+            "function_local_imports": self.local_imports,
+            "function_local_imports_cross_package": self.local_imports_cross_package,
+            "function_local_imports_all": self.local_imports_all,
+            "importlib_literal_calls": self.importlib_literal,
+            "importlib_dynamic_calls": self.importlib_dynamic,
+            "type_checking_imports": self.type_checking_imports,
+        }
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The project module ``name`` names, else its longest project prefix (``pkg.mod.attr`` -> ``pkg.mod``)."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        cand = ".".join(parts[:i])
+        if cand in modules:
+            return cand
+    return None
+
+
+def _base_package(module: str, path: Path, level: int) -> str:
+    """The package a relative import of ``level`` dots in ``module`` starts from."""
+    pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for _ in range(level - 1):
+        pkg = pkg.rpartition(".")[0]
+    return pkg
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _is_import_module_call(node: ast.Call) -> bool:
+    f = node.func
+    return (isinstance(f, ast.Attribute) and f.attr == "import_module") or (
+        isinstance(f, ast.Name) and f.id in ("import_module", "__import__")
+    )
+
+
+class _ImportVisitor(ast.NodeVisitor):
+    def __init__(self, module: str, path: Path, modules: dict[str, Path], figures: StaticFigures) -> None:
+        self.module, self.path, self.modules, self.fig = module, path, modules, figures
+        self.depth = 0  # function nesting
+        self.type_checking = 0
+
+    # -- scopes
+    def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_FunctionDef = _function
+    visit_AsyncFunctionDef = _function
+    visit_Lambda = _function
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):
+            self.type_checking += 1
+            for stmt in node.body:
+                self.visit(stmt)
+            self.type_checking -= 1
+            for stmt in node.orelse:
+                self.visit(stmt)
+        else:
+            self.generic_visit(node)
+
+    # -- imports
+    def _add(self, targets: list[str], line: int, kind: str) -> None:
+        targets = sorted(set(targets))
+        if self.depth and kind != "importlib":
+            self.fig.local_imports_all += 1
+        if not targets:
+            return
+        if self.type_checking:
+            self.fig.type_checking_imports += 1
+        elif self.depth and kind != "importlib":
+            self.fig.local_imports += 1
+            if any(_top(t) != _top(self.module) for t in targets):
+                self.fig.local_imports_cross_package += 1
+        for t in targets:
+            self.fig.edges.append(ImportEdge(self.module, t, line, kind, bool(self.depth), bool(self.type_checking)))
+
+    def visit_Import(self, node: ast.Import) -> None:
+        found = [_resolve(a.name, self.modules) for a in node.names]
+        self._add([t for t in found if t], node.lineno, "import")
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level:
+            base = _base_package(self.module, self.path, node.level)
+            src = f"{base}.{node.module}" if node.module and base else (node.module or base)
+        else:
+            src = node.module or ""
+        targets: list[str] = []
+        for alias in node.names:
+            sub = f"{src}.{alias.name}" if src else alias.name
+            if alias.name != "*" and sub in self.modules:
+                targets.append(sub)
+            else:
+                t = _resolve(src, self.modules)
+                if t:
+                    targets.append(t)
+        self._add(targets, node.lineno, "import")
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if _is_import_module_call(node) and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                name = arg.value
+                if name.startswith("."):  # import_module(".x", "pkg") / import_module(".x", __package__)
+                    pkg_arg = node.args[1] if len(node.args) > 1 else None
+                    pkg = pkg_arg.value if isinstance(pkg_arg, ast.Constant) and isinstance(pkg_arg.value, str) else None
+                    level = len(name) - len(name.lstrip("."))
+                    base = pkg or _base_package(self.module, self.path, 1)
+                    for _ in range(level - 1):
+                        base = base.rpartition(".")[0]
+                    name = f"{base}.{name.lstrip('.')}" if name.lstrip(".") else base
+                t = _resolve(name, self.modules)
+                if t:
+                    self.fig.importlib_literal += 1
+                    self._add([t], node.lineno, "importlib")
+            else:
+                self.fig.importlib_dynamic += 1
+        self.generic_visit(node)
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components (iterative), each sorted; only those of size > 1."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    counter = 0
+    nodes = sorted(set(graph) | {t for ts in graph.values() for t in ts})
+    for start in nodes:
+        if start in index:
+            continue
+        work: list[tuple[str, Iterable[str]]] = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            advanced = False
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    advanced = True
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return sorted(out, key=lambda c: (-len(c), c))
+
+
+def static_imports(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> StaticFigures:
+    """The import graph of every ``.py`` file under ``packages`` of ``root``, and its cycles."""
+    packages = tuple(packages)
+    modules = package_files(root, packages)
+    per_pkg = Counter(_top(m) for m in modules)
+    fig = StaticFigures(modules=len(modules), files_per_package={p: per_pkg.get(p, 0) for p in packages},
+                        lines_of_code=0)
+    for module, path in sorted(modules.items()):
+        text = path.read_text(encoding="utf-8")
+        fig.lines_of_code += len(text.splitlines())
+        tree = ast.parse(text, filename=str(path))
+        _ImportVisitor(module, path, modules, fig).visit(tree)
+    fig.cycles = strongly_connected(fig.graph())
+    fig.module_level_cycles = strongly_connected(fig.graph(local=False))
+    return fig
+
+
+# ---- the route under the profiler (runs in a fresh subprocess) ---------------------------------
+
+
+class _RouteProfiler:
+    def __init__(self, root: Path, packages: Iterable[str]) -> None:
+        self.root = str(root.resolve())
+        self.packages = set(packages)
+        self._files: dict[str, tuple[str, str] | None] = {}  # co_filename -> (relpath, package) | None
+        self.calls = 0
+        self.files: Counter[str] = Counter()
+        self.files_beyond_import: set[str] = set()  # files where a function (not only module code) ran
+        self.crossings: Counter[tuple[str, str]] = Counter()  # (caller file, callee file), immediate caller
+        self.via_library: Counter[tuple[str, str]] = Counter()  # nearest project frame through library frames
+        self.reentries = 0
+        self.transitions: set[tuple[str, str]] = set()  # distinct (file left, file entered) steps of the sequence
+        self.sequence_length = 0
+        self._last: dict[int, str] = {}
+        self._visited: dict[int, set[str]] = {}
+
+    def _classify(self, filename: str) -> tuple[str, str] | None:
+        try:
+            return self._files[filename]
+        except KeyError:
+            pass
+        info: tuple[str, str] | None = None
+        if filename.endswith(".py"):
+            real = os.path.realpath(filename)
+            if real.startswith(self.root + os.sep):
+                rel = os.path.relpath(real, self.root).replace(os.sep, "/")
+                pkg = rel.split("/", 1)[0]
+                if pkg in self.packages and "/" in rel:
+                    info = (rel, pkg)
+        self._files[filename] = info
+        return info
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        info = self._classify(code.co_filename)
+        if info is None:
+            return
+        rel, pkg = info
+        self.calls += 1
+        self.files[rel] += 1
+        if code.co_name != "<module>":
+            self.files_beyond_import.add(rel)
+        back = frame.f_back
+        if back is not None:
+            binfo = self._classify(back.f_code.co_filename)
+            if binfo is not None:
+                if binfo[1] != pkg:
+                    self.crossings[binfo[0], rel] += 1
+            else:
+                up: FrameType | None = back.f_back
+                for _ in range(64):
+                    if up is None:
+                        break
+                    uinfo = self._classify(up.f_code.co_filename)
+                    if uinfo is not None:
+                        if uinfo[1] != pkg:
+                            self.via_library[uinfo[0], rel] += 1
+                        break
+                    up = up.f_back
+        tid = threading.get_ident()
+        last = self._last.get(tid)
+        if last != rel:
+            if last is not None:
+                self.transitions.add((last, rel))
+            self._last[tid] = rel
+            self.sequence_length += 1
+            visited = self._visited.setdefault(tid, set())
+            if rel in visited:
+                self.reentries += 1
+            visited.add(rel)
+
+    def figures(self) -> dict[str, Any]:
+        def pkg_edges(pairs: Counter[tuple[str, str]]) -> dict[str, int]:
+            c: Counter[str] = Counter()
+            for (a, b), n in pairs.items():
+                c[f"{a.split('/', 1)[0]} -> {b.split('/', 1)[0]}"] += n
+            return dict(sorted(c.items()))
+
+        per_pkg = Counter(f.split("/", 1)[0] for f in self.files)
+        return {
+            "project_calls": self.calls,
+            "files_executed": len(self.files),
+            "files_executed_beyond_import": len(self.files_beyond_import),
+            "files_per_package": {p: per_pkg.get(p, 0) for p in sorted(self.packages)},
+            "crossing_calls": sum(self.crossings.values()),
+            "crossing_pairs": len(self.crossings),
+            "package_edges": pkg_edges(self.crossings),
+            "crossing_calls_via_library": sum(self.via_library.values()),
+            "crossing_pairs_via_library": len(self.via_library),
+            "package_edges_via_library": pkg_edges(self.via_library),
+            "file_sequence_length": self.sequence_length,
+            "returns_to_left_file": self.reentries,
+            "file_transitions": len(self.transitions),
+            "files": sorted(self.files),
+            "crossings": [{"caller": a, "callee": b, "calls": n} for (a, b), n in sorted(self.crossings.items())],
+        }
+
+
+def _route_child(recipe_path: str, out_json: str, run_dir: str) -> None:
+    """Body of the route's subprocess: import compress, then profile load_recipe + apply."""
+    before = set(sys.modules)
+    t0 = time.perf_counter()
+    import compress
+
+    import_s = time.perf_counter() - t0
+    prof = _RouteProfiler(ROOT, PACKAGES)
+    t0 = time.perf_counter()
+    threading.setprofile(prof)
+    sys.setprofile(prof)
+    try:
+        recipe = compress.load_recipe(recipe_path, overrides=[])
+        report = compress.apply(recipe, out_dir=run_dir, quiet=True)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    route_s = time.perf_counter() - t0
+    imported = sorted(m for m in set(sys.modules) - before if _top(m) in PACKAGES)
+    figures = prof.figures()
+    figures.update({
+        "modules_imported": len(imported),
+        "modules_imported_list": imported,
+        "import_compress_seconds": round(import_s, 3),
+        "route_seconds_profiled": round(route_s, 3),
+        "exports": [str(e.path) for e in report.exports],
+        "validations": len(report.validation),
+        "report_written": (Path(run_dir) / "report.json").is_file(),
+    })
+    Path(out_json).write_text(json.dumps(figures, indent=1))
+
+
+def measure_route(root: Path = ROOT, timeout: float = 900) -> dict[str, Any]:
+    """Run the PTQ route in a fresh interpreter and return its figures."""
+    with tempfile.TemporaryDirectory(prefix="arch_route_") as tmp:
+        recipe = Path(tmp) / "arch_route.yaml"
+        recipe.write_text(ROUTE_RECIPE)
+        out = Path(tmp) / "route.json"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+        cmd = [sys.executable, "-m", "benchmarks.architecture", "--route-child", str(recipe), str(out), str(Path(tmp) / "run")]
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"route subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        data: dict[str, Any] = json.loads(out.read_text())
+        return data
+
+
+# ---- docs ---------------------------------------------------------------------------------------
+
+
+def docs_figures(root: Path = ROOT) -> dict[str, Any]:
+    readme = root / "README.md"
+    docs = root / "docs"
+    pages = sorted(p for p in docs.rglob("*") if p.is_file() and p.suffix in (".md", ".rst", ".txt")) if docs.is_dir() else []
+    return {
+        "readme_lines": len(readme.read_text(encoding="utf-8").splitlines()) if readme.is_file() else 0,
+        "docs_pages": len(pages) if docs.is_dir() else None,
+    }
+
+
+def git_commit(root: Path = ROOT) -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *PACKAGES], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")
+
+
+# ---- output ---------------------------------------------------------------------------------------
+
+
+def _rows(data: dict[str, Any]) -> list[tuple[str, Any]]:
+    s, d = data["static"], data["docs"]
+    rows: list[tuple[str, Any]] = []
+    r = data.get("route")
+    if r is not None:
+        rows += [
+            ("route: project files executed", r["files_executed"]),
+            ("route: ... in which a function ran (not only import)", r["files_executed_beyond_import"]),
+            ("route: project calls (call events)", r["project_calls"]),
+            ("route: package crossings (call events)", r["crossing_calls"]),
+            ("route: package crossings (distinct caller->callee file pairs)", r["crossing_pairs"]),
+            ("route: package edges (distinct pkg -> pkg)", len(r["package_edges"])),
+            ("route: crossings via library frames (events / file pairs)",
+             f"{r['crossing_calls_via_library']} / {r['crossing_pairs_via_library']}"),
+            ("route: returns to a file it had left", r["returns_to_left_file"]),
+            ("route: file sequence length (consecutive repeats collapsed)", r["file_sequence_length"]),
+            ("route: distinct file -> file steps in that sequence", r["file_transitions"]),
+            ("route: project modules imported (from `import compress` on)", r["modules_imported"]),
+        ]
+    rows += [
+        ("static: modules (.py files)", s["modules"]),
+        ("static: lines of code", s["lines_of_code"]),
+        ("static: import edges (file level, all runtime imports)", s["import_edges"]),
+        ("static: ... crossing top-level packages", s["import_edges_cross_package"]),
+        ("static: package edges (distinct pkg -> pkg)", len(s["package_edges"])),
+        ("static: import cycles (SCCs > 1 module)", s["import_cycles"]),
+        ("static: ... from module-level imports alone", s["import_cycles_module_level"]),
+        ("static: modules in cycles / largest cycle", f"{s['modules_in_cycles']} / {s['largest_cycle']}"),
+        ("static: function-local project imports", s["function_local_imports"]),
+        ("static: ... crossing top-level packages", s["function_local_imports_cross_package"]),
+        ("static: importlib.import_module(\"literal\") edges / non-literal calls",
+         f"{s['importlib_literal_calls']} / {s['importlib_dynamic_calls']}"),
+        ("static: TYPE_CHECKING-only project imports (not in graph)", s["type_checking_imports"]),
+        ("README.md lines", d["readme_lines"]),
+        ("docs/ pages", d["docs_pages"] if d["docs_pages"] is not None else "no docs/"),
+    ]
+    return rows
+
+
+def markdown(data: dict[str, Any]) -> str:
+    lines = ["| figure | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in _rows(data)]
+    s = data["static"]
+    out = "\n".join(lines) + "\n"
+    if s["cycles"]:
+        out += "\nImport cycles:\n\n" + "\n".join(f"- {' <-> '.join(c)}" for c in s["cycles"]) + "\n"
+    r = data.get("route")
+    if r is not None and r["package_edges"]:
+        out += "\nRoute package edges (call events): " + ", ".join(f"{k}: {v}" for k, v in r["package_edges"].items()) + "\n"
+    return out
+
+
+def measure(route: bool = True, root: Path = ROOT) -> dict[str, Any]:
+    data: dict[str, Any] = {"commit": git_commit(root)}
+    data["static"] = static_imports(root).summary()
+    data["docs"] = docs_figures(root)
+    data["route"] = measure_route(root) if route else None
+    return data
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    ap.add_argument("--no-results", action="store_true", help="do not write benchmarks/RESULTS.md")
+    ap.add_argument("--no-route", action="store_true", help="static figures only (no PTQ run)")
+    ap.add_argument("--route-child", nargs=3, metavar=("RECIPE", "OUT_JSON", "RUN_DIR"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.route_child:
+        _route_child(*args.route_child)
+        return
+    data = measure(route=not args.no_route)
+    md = markdown(data)
+    print(f"commit {data['commit']}\n")
+    print(md)
+    if args.json:
+        args.json.write_text(json.dumps(data, indent=1))
+    if not args.no_results:
+        from benchmarks._results import write_section
+
+        section = (
+            "## Code structure (`python -m benchmarks.architecture`)\n\n"
+            f"Measured at commit `{data['commit']}`. "
+            + ("Route: `compress.load_recipe` + `compress.apply` on the script's own recipe (ResNet width 16 on "
+               "digits, untrained, one PTQ stage, fp32 + int8 ONNX export, ONNX Runtime validation, report), run "
+               "in a fresh interpreter under `sys.setprofile`; " if data["route"] is not None else "Route not run; ")
+            + "static figures from `ast` over every .py file of the five packages.\n\n" + md
+        )
+        write_section("architecture", section, data)
+
+
+if __name__ == "__main__":
+    main()
