@@ -116,7 +116,7 @@ class ImportEdge:
     source: str
     target: str
     line: int
-    kind: str  # "import" (an import statement) or "importlib" (import_module("literal"))
+    kind: str  # "import" (a statement), "importlib" (import_module("literal")) or "named" (a module's name in a string)
     local: bool  # inside a function body
     type_checking: bool = False
 
@@ -135,6 +135,7 @@ class StaticFigures:
     importlib_literal: int = 0  # importlib.import_module("literal") calls naming a project module
     importlib_dynamic: int = 0  # import_module(...) calls whose argument is not a literal
     type_checking_imports: int = 0  # project imports under ``if TYPE_CHECKING:`` (left out of the graph)
+    named_modules: int = 0  # string constants that are a project module's name (lazy loads by name)
 
     def graph(self, *, local: bool = True) -> dict[str, set[str]]:
         """Module -> the modules it imports at run time (``local=False``: module-level imports alone)."""
@@ -168,6 +169,7 @@ class StaticFigures:
             "importlib_literal_calls": self.importlib_literal,
             "importlib_dynamic_calls": self.importlib_dynamic,
             "type_checking_imports": self.type_checking_imports,
+            "named_module_strings": self.named_modules,
         }
 
 
@@ -207,6 +209,7 @@ class _ImportVisitor(ast.NodeVisitor):
         self.module, self.path, self.modules, self.fig = module, path, modules, figures
         self.depth = 0  # function nesting
         self.type_checking = 0
+        self.import_args: set[int] = set()  # import_module("literal") arguments, counted as importlib edges
 
     # -- scopes
     def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> None:
@@ -232,13 +235,14 @@ class _ImportVisitor(ast.NodeVisitor):
     # -- imports
     def _add(self, targets: list[str], line: int, kind: str) -> None:
         targets = sorted(set(targets))
-        if self.depth and kind != "importlib":
+        statement = kind == "import"
+        if self.depth and statement:
             self.fig.local_imports_all += 1
         if not targets:
             return
         if self.type_checking:
             self.fig.type_checking_imports += 1
-        elif self.depth and kind != "importlib":
+        elif self.depth and statement:
             self.fig.local_imports += 1
             if any(_top(t) != _top(self.module) for t in targets):
                 self.fig.local_imports_cross_package += 1
@@ -266,8 +270,18 @@ class _ImportVisitor(ast.NodeVisitor):
                     targets.append(t)
         self._add(targets, node.lineno, "import")
 
+    def visit_Constant(self, node: ast.Constant) -> None:
+        # a module named in a string (a list of modules imported by name later, a lazy re-export
+        # map) is a dependency no import statement shows
+        # (dotted names only: a bare "compress" or "export" is a word more often than a module)
+        if isinstance(node.value, str) and "." in node.value and node.value in self.modules and node.value != self.module \
+                and id(node) not in self.import_args:
+            self.fig.named_modules += 1
+            self._add([node.value], node.lineno, "named")
+
     def visit_Call(self, node: ast.Call) -> None:
         if _is_import_module_call(node) and node.args:
+            self.import_args.add(id(node.args[0]))
             arg = node.args[0]
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                 name = arg.value
@@ -564,6 +578,7 @@ def _rows(data: dict[str, Any]) -> list[tuple[str, Any]]:
         ("static: importlib.import_module(\"literal\") edges / non-literal calls",
          f"{s['importlib_literal_calls']} / {s['importlib_dynamic_calls']}"),
         ("static: TYPE_CHECKING-only project imports (not in graph)", s["type_checking_imports"]),
+        ("static: modules named in strings (loaded by name; edges in the graph)", s.get("named_module_strings", 0)),
         ("README.md lines", d["readme_lines"]),
         ("docs/ pages", d["docs_pages"] if d["docs_pages"] is not None else "no docs/"),
     ]
