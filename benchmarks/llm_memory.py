@@ -51,9 +51,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from quantization.algorithms.gptq import GPTQParams
+    from quantization.algorithms.gptq import GPTQParams, gptq_layer
     from quantization.algorithms.sequential import DiskOffload, sequential_quantize
-    from quantization.algorithms.weight_only import gptq_layer
     from quantization.numerics.spec import resolve_scheme
 
     torch.set_num_threads(args.threads)

@@ -34,7 +34,7 @@ from compress.data import build_data
 from compress.models import build_zoo_model
 from compress.recipe import TrainSpec
 from compress.training import Trainer, evaluate, seed_everything
-from pruning.api import PruneOptions, prune
+from pruning.api import PruneParams, prune
 from pruning.counting import count_macs, count_params
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -178,7 +178,7 @@ def bench_model(name: str, data: Any, *, ratios: list[float], epochs: float, ft_
             try:
                 if tool == "compress":
                     prune(model, x, ratio=ratio, importance="l2", round_to=round_to, data=data.calibration,
-                          options=PruneOptions(seed=0))
+                          params=PruneParams(seed=0))
                 else:
                     _tp_prune(model, x, ratio, round_to)
                 with torch.no_grad():
@@ -242,7 +242,7 @@ def bench_minilm(*, samples: int, tmp: Path) -> list[dict[str, Any]]:
     heads = ["re:.*attention\\.self\\.(query|key|value)"]
     for label, ratio, importance in (("12->8 heads", 0.34, "l1"), ("12->8 heads", 0.34, "random"), ("12->6 heads", 0.5, "l1")):
         model = copy.deepcopy(base)
-        res = prune(model, example, ratio=ratio, importance=importance, options=PruneOptions(targets=heads, seed=0))
+        res = prune(model, example, ratio=ratio, importance=importance, params=PruneParams(targets=heads, seed=0))
         cos = torch.nn.functional.cosine_similarity(_embeddings(model, data.eval), ref, dim=-1)
         row = {
             "model": "all-MiniLM-L6-v2",

@@ -153,7 +153,7 @@ def main() -> None:
     log.setLevel(logging.INFO)
     torch.set_num_threads(1)
     from benchmarks._results import table, write_section
-    from pruning.api import PruneOptions, prune
+    from pruning.api import PruneParams, prune
     from pruning.counting import count_params
 
     if args.quick:
@@ -172,10 +172,10 @@ def main() -> None:
     example = {"input_ids": held_ids[:2]}
 
     settings: list[tuple[str, float, dict[str, Any]]] = [
-        ("MLP channels", 0.25, {"options": PruneOptions(targets=MLP)}),
-        ("MLP channels", 0.5, {"options": PruneOptions(targets=MLP)}),
-        ("GQA groups", 0.25, {"options": PruneOptions(targets=HEADS)}),
-        ("GQA groups", 0.5, {"options": PruneOptions(targets=HEADS)}),
+        ("MLP channels", 0.25, {"options": PruneParams(targets=MLP)}),
+        ("MLP channels", 0.5, {"options": PruneParams(targets=MLP)}),
+        ("GQA groups", 0.25, {"options": PruneParams(targets=HEADS)}),
+        ("GQA groups", 0.5, {"options": PruneParams(targets=HEADS)}),
         ("heads+MLP+embedding to params 0.6", 0.0, {"target": {"params": 0.6}}),
     ]
     rows: list[dict[str, Any]] = []

@@ -51,8 +51,8 @@ _EXPORTS: dict[str, str] = {
     # quantization
     "quantize": "quantization.api",
     "QuantizeParams": "quantization.api",
-    "gptq": "quantization.algorithms.weight_only",
-    "awq": "quantization.algorithms.weight_only",
+    "gptq": "quantization.algorithms.gptq",
+    "awq": "quantization.algorithms.awq",
     "GPTQParams": "quantization.algorithms.gptq",
     "AWQParams": "quantization.algorithms.awq",
     "QuantSpec": "quantization.numerics.spec",
@@ -60,6 +60,7 @@ _EXPORTS: dict[str, str] = {
     # pruning
     "prune": "pruning.api",
     "PruneResult": "pruning.api",
+    "PruneParams": "pruning.api",
     "PruningPlan": "pruning.plan",
     # distillation
     "Distiller": "distillation.api",

@@ -18,7 +18,7 @@ from compress.core.errors import RecipeError
 from export.records import ValidationRecord
 
 
-def resolve_data(data: Any, *, batch_size: int = 32) -> Any:
+def eval_batches(data: Any, *, batch_size: int = 32) -> Any:
     """An iterable of ``(inputs, targets)`` eval batches from a source name, a DataSpec or an iterable."""
     from compress.recipe import DataSpec
 
@@ -53,7 +53,7 @@ def validate(
     name (``"digits"``) or a DataSpec."""
     from export.validate import validate as run
 
-    return run(onnx_path, reference=reference, data=resolve_data(data), baseline=baseline, runtimes=runtimes,
+    return run(onnx_path, reference=reference, data=eval_batches(data), baseline=baseline, runtimes=runtimes,
                batch_sizes=batch_sizes, warmup=warmup, runs=runs, threads=threads, eval_samples=eval_samples,
                task=task, metric=metric)
 

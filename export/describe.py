@@ -96,7 +96,7 @@ def onnx_reference(path: Path) -> OnnxModule:
     return OnnxModule(path)
 
 
-def resolve_data(data: Any, model_path: Path, *, eval_samples: int | None) -> Any:
+def check_eval_batches(data: Any, model_path: Path, *, eval_samples: int | None) -> Any:
     """``data`` checked to be an iterable of ``(inputs, targets)`` eval batches (data source names
     are resolved on compress's side: ``compress.validate``)."""
     if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):

@@ -355,11 +355,11 @@ def validate(
     """Validate one ONNX file: parity with ``reference``, accuracy on ``data``, latency, size.
 
     ``reference``: the PyTorch model it came from, or a reference ONNX file (run in onnxruntime;
-    it is then also the ``baseline`` the speedup is measured against). ``data``: a data source
-    name ("digits"), a DataSpec, an iterable of ``(inputs, targets)`` batches, or None for random
-    inputs shaped like the model's (parity and latency only).
+    it is then also the ``baseline`` the speedup is measured against). ``data``: an iterable of
+    ``(inputs, targets)`` batches, or None for random inputs shaped like the model's (parity and
+    latency only); ``compress.validate`` also takes a data source name ("digits") or a DataSpec.
     """
-    from export.describe import describe_onnx, onnx_reference, random_batches, resolve_data
+    from export.describe import check_eval_batches, describe_onnx, onnx_reference, random_batches
 
     path = Path(onnx_path)
     if not path.is_file():
@@ -374,7 +374,7 @@ def validate(
     records = [describe_onnx(path, role="final")]
     if baseline is not None:
         records.append(describe_onnx(Path(baseline), role="baseline"))
-    loader = resolve_data(data, path, eval_samples=eval_samples) if data is not None else random_batches(path)
+    loader = check_eval_batches(data, path, eval_samples=eval_samples) if data is not None else random_batches(path)
     try:
         spec = ValidateSpec.model_validate({
             "runtimes": list(runtimes), "batch_sizes": list(batch_sizes), "warmup": warmup, "runs": runs,

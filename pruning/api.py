@@ -13,7 +13,15 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
-from compress.core.batching import call_model, primary_output, split_batch, to_device
+from compress.core.batching import (
+    CalibrationData,
+    as_batches,
+    call_model,
+    is_forward_function,
+    primary_output,
+    split_batch,
+    to_device,
+)
 from compress.core.errors import CalibrationError, RecipeError, UnsupportedModelError
 from compress.core.moe import is_packed_experts, unpack_experts
 from compress.core.targets import select_modules
@@ -29,7 +37,7 @@ from pruning.trace import iter_tensors, trace_graph
 log = logging.getLogger(__name__)
 
 
-class PruneOptions(BaseModel):
+class PruneParams(BaseModel):
     """Advanced knobs of :func:`prune` (and fields of the ``prune`` recipe modifier).
 
     ``mode``: ``local`` removes the ratio from every coupled group, ``global`` ranks all groups'
@@ -166,7 +174,7 @@ class Pruner:
         importance: str = "l2",
         ignore: Sequence[str] = (),
         round_to: int = 1,
-        options: PruneOptions | None = None,
+        params: PruneParams | None = None,
         where: str = "prune",
     ) -> None:
         IMPORTANCE.get(importance)
@@ -175,7 +183,7 @@ class Pruner:
         self.importance = importance
         self.ignore = list(ignore)
         self.round_to = round_to
-        self.options = options or PruneOptions()
+        self.params = params or PruneParams()
         self.where = where
         #: groups the last cut left whole because cutting them broke the model (modules, reason)
         self.pinned: list[dict[str, Any]] = []
@@ -188,12 +196,12 @@ class Pruner:
                 f"{self.where}: {packed} holds packed MoE experts (3D Parameters), which cannot be sliced per "
                 "channel; call compress.core.moe.unpack_experts(model) before building the optimizer "
                 "(compress.prune does it itself)")
-        graph = trace_graph(model, example_inputs, grouped_conv=self.options.grouped_conv)
+        graph = trace_graph(model, example_inputs, grouped_conv=self.params.grouped_conv)
         graph.finalize(ignore_modules=_modules_of(model, self.ignore, f"{self.where}: ignore"))
         return graph
 
     def rules(self, model: nn.Module) -> SelectionRules:
-        o = self.options
+        o = self.params
         eligible = None if o.targets == ["*"] else frozenset(_modules_of(model, o.targets, f"{self.where}: targets"))
         for pattern in o.overrides:
             _modules_of(model, [pattern], f"{self.where}: overrides")
@@ -209,7 +217,7 @@ class Pruner:
         grads: Mapping[str, torch.Tensor] | None = None,
         base_sizes: Mapping[int, int] | None = None,
     ) -> np.ndarray:
-        scores = atom_scores(graph, model, self.importance, grads=grads, seed=self.options.seed)
+        scores = atom_scores(graph, model, self.importance, grads=grads, seed=self.params.seed)
         rules = self.rules(model)
         if target is not None:
             metric, frac = next(iter(target.items()))
@@ -328,9 +336,9 @@ def prune(
     importance: str = "l2",
     ignore: Sequence[str] = (),
     round_to: int = 1,
-    options: PruneOptions | None = None,
+    params: PruneParams | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    data: Iterable[Any] | None = None,
+    data: CalibrationData | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> PruneResult:
     """Remove ``ratio`` of the channels (or reach ``target``, e.g. ``{"macs": 0.5}`` of the original)
@@ -339,9 +347,10 @@ def prune(
     ``example_inputs`` (a tensor, tuple or dict of keyword inputs) is run once to trace the channel
     dependencies. ``ignore`` lists module patterns whose outputs keep every channel (the model's
     outputs always do). ``round_to`` keeps channel counts multiples of N. ``optimizer`` state is
-    sliced along with the parameters. ``data`` (batches) feeds ``importance="taylor"`` (with
-    ``loss_fn``, default cross-entropy), ``importance="activation"`` (Minitron: activation
-    magnitudes, inputs only) and BatchNorm recalibration after the cut.
+    sliced along with the parameters. ``data`` (batches, or a forward function ``fn(model)``, as
+    every one-shot call takes) feeds ``importance="activation"`` (Minitron: activation magnitudes,
+    inputs only) and BatchNorm recalibration after the cut; ``importance="taylor"`` needs batches
+    of ``(inputs, targets)`` (with ``loss_fn``, default cross-entropy).
     """
     check_ratio(ratio, target)
     if optimizer is not None and any(is_packed_experts(m) for m in model.modules()):
@@ -349,27 +358,31 @@ def prune(
         raise UnsupportedModelError("prune: the model holds packed MoE experts; unpack them into per-expert Linears "
                                     "(compress.core.moe.unpack_experts) before building the optimizer")
     unpack_experts(model)
-    pruner = Pruner(importance=importance, ignore=ignore, round_to=round_to, options=options)
+    if importance == "taylor" and data is not None and is_forward_function(data):
+        raise CalibrationError("prune: importance='taylor' needs batches of (inputs, targets), not a forward function")
+    # a forward function runs on the model as it is now: what it feeds the model is what the steps below replay
+    batches = as_batches(data, model) if data is not None else None
+    pruner = Pruner(importance=importance, ignore=ignore, round_to=round_to, params=params)
     params_before, macs_before = count_params(model), count_macs(model, example_inputs)
     graph = pruner.trace(model, example_inputs)
     grads = None
     if importance == "taylor":
-        if data is None:
+        if batches is None:
             raise CalibrationError("prune: importance='taylor' needs data (batches of (inputs, targets))")
         device = next(model.parameters()).device
-        grads = taylor_grads(model, data, loss_fn=loss_fn, batches=pruner.options.taylor_batches, device=device)
+        grads = taylor_grads(model, batches, loss_fn=loss_fn, batches=pruner.params.taylor_batches, device=device)
     elif importance == "activation":
-        if data is None:
+        if batches is None:
             raise CalibrationError("prune: importance='activation' needs data (calibration batches)")
         from pruning.activation import activation_stats
 
         device = next(model.parameters()).device
-        grads = activation_stats(model, data, batches=pruner.options.activation_batches, device=device)
+        grads = activation_stats(model, batches, batches=pruner.params.activation_batches, device=device)
     keep = pruner.select(model, graph, ratio=ratio, target=target, grads=grads)
     slices = pruner.cut(model, graph, keep, example_inputs, optimizer=optimizer)
-    if data is not None and pruner.options.bn_recalibration_batches:
+    if batches is not None and pruner.params.bn_recalibration_batches:
         device = next(model.parameters()).device
-        recalibrate_bn(model, data, batches=pruner.options.bn_recalibration_batches, device=device)
+        recalibrate_bn(model, batches, batches=pruner.params.bn_recalibration_batches, device=device)
     plan = PruningPlan()
     plan.add_step(slices)
     result = PruneResult(

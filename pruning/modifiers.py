@@ -24,7 +24,7 @@ from torch import nn
 from compress.core.batching import split_batch
 from compress.core.errors import CalibrationError, CompressError
 from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
-from pruning.api import PruneOptions, Pruner, check_ratio, taylor_grads
+from pruning.api import PruneParams, Pruner, check_ratio, taylor_grads
 from pruning.counting import count_macs, count_params
 from pruning.graph import DependencyGraph
 from pruning.plan import PruningPlan
@@ -55,13 +55,13 @@ class _PruneWhat(ModifierSpec):
     round_to: int = Field(1, ge=1)
 
 
-# The fields of PruneOptions (and its overrides check) come by inheritance. The bases stand in this
+# The fields of PruneParams (and its overrides check) come by inheritance. The bases stand in this
 # order so that the fields keep the order the resolved recipe lists them in: ModifierSpec's, then
-# _PruneWhat's, then PruneOptions', then this class's own.
-class PruneSpec(PruneOptions, _PruneWhat):
+# _PruneWhat's, then PruneParams', then this class's own.
+class PruneSpec(PruneParams, _PruneWhat):
     """Structured pruning: remove ``ratio`` (in [0, 1)) of each coupled group's channels, or prune
     until the model has ``target`` of its original size, e.g. ``{macs: 0.5}`` or ``{params: 0.3}``.
-    See :class:`pruning.api.PruneOptions` for mode, max_ratio, targets and overrides."""
+    See :class:`pruning.api.PruneParams` for mode, max_ratio, targets and overrides."""
 
     steps: int = Field(1, ge=1)
     interval_epochs: float = Field(1.0, gt=0)
@@ -91,8 +91,8 @@ class PruneSpec(PruneOptions, _PruneWhat):
             raise ValueError(str(exc).removeprefix("prune: ")) from None
         return self
 
-    def options(self) -> PruneOptions:
-        return PruneOptions(**{name: getattr(self, name) for name in PruneOptions.model_fields})
+    def params(self) -> PruneParams:
+        return PruneParams(**{name: getattr(self, name) for name in PruneParams.model_fields})
 
     def progress(self, k: int) -> float:
         """Fraction of the final sparsity reached after step ``k`` (1-based) of ``steps``."""
@@ -109,7 +109,7 @@ class PruneModifier(Modifier[PruneSpec]):
     def __init__(self, spec: PruneSpec, *, where: str = "") -> None:
         super().__init__(spec, where=where)
         self.pruner = Pruner(
-            importance=spec.importance, ignore=spec.ignore, round_to=spec.round_to, options=spec.options(), where=self.where
+            importance=spec.importance, ignore=spec.ignore, round_to=spec.round_to, params=spec.params(), where=self.where
         )
         self.pruning_plan = PruningPlan()
         self.done = 0

@@ -37,8 +37,8 @@ _EXPORTS: dict[str, str] = {
     "bias_correction": "quantization.algorithms.bias_correction",
     "layer_sensitivity": "quantization.algorithms.sensitivity",
     "convert": "quantization.lowering.convert",
-    "gptq": "quantization.algorithms.weight_only",
-    "awq": "quantization.algorithms.weight_only",
+    "gptq": "quantization.algorithms.gptq",
+    "awq": "quantization.algorithms.awq",
     "GPTQParams": "quantization.algorithms.gptq",
     "AWQParams": "quantization.algorithms.awq",
 }

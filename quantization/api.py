@@ -1,20 +1,20 @@
-"""One-shot post-training quantization: ``compress.quantize(model, scheme, forward_loop)``."""
+"""One-shot post-training quantization: ``compress.quantize(model, scheme, data)``."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from compress.core.batching import CalibrationData, ForwardLoop, as_forward_loop
 from compress.core.errors import CalibrationError
 from quantization.algorithms.bias_correction import bias_correction
 from quantization.algorithms.kv_cache import KVCache, attach_kv_quantization, check_kv_calls, kv_quantizers
 from quantization.algorithms.smoothquant import SmoothQuantField, smooth_quant
-from quantization.numerics.calibration import ForwardLoop, as_forward_loop, calibrate
+from quantization.numerics.calibration import calibrate
 from quantization.numerics.spec import QuantScheme, resolve_scheme
 from quantization.placement.activations import capture_first_call
 from quantization.placement.runtimes import Target
@@ -61,7 +61,7 @@ class QuantizeParams(BaseModel):
 def quantize(
     model: nn.Module,
     scheme: QuantScheme | str = "w8a8",
-    forward_loop: ForwardLoop | Iterable[Any] | None = None,
+    data: CalibrationData | None = None,
     *,
     targets: Sequence[str] = ("*",),
     ignore: Sequence[str] = (),
@@ -70,17 +70,17 @@ def quantize(
     """Prepare ``model`` (in place) with fake-quant modules and calibrate it; returns it.
 
     ``scheme`` is a QuantScheme or a preset name (w8a8, w8a8_dynamic, w8_weight_only,
-    w4_weight_only_g128). ``forward_loop`` is ``fn(model)`` that runs calibration batches, or an
-    iterable of batches; it may be None only when nothing needs data (weight-only or dynamic
+    w4_weight_only_g128). ``data``: calibration batches (an iterable of tensors, ``(inputs, targets)``
+    tuples or dicts, such as a DataLoader) or a forward function ``fn(model)``; it may be None only when nothing needs data (weight-only or dynamic
     activations without SmoothQuant or bias correction). ``quantization.strip`` undoes it.
     """
     scheme = resolve_scheme(scheme)
     p = params or QuantizeParams()
     needs_data = (scheme.static_activations or p.smoothquant is not None or p.bias_correction
                   or p.kv_cache == "per_head")
-    if forward_loop is None and needs_data:
-        raise CalibrationError("quantize: this scheme and params need calibration data; pass forward_loop")
-    loop = as_forward_loop(forward_loop, max_batches=p.max_batches) if forward_loop is not None else None
+    if data is None and needs_data:
+        raise CalibrationError("quantize: this scheme and params need calibration data; pass data")
+    loop = as_forward_loop(data, max_batches=p.max_batches) if data is not None else None
     post_training_quantize(model, scheme, loop, targets=targets, ignore=ignore, params=p)
     return model
 

@@ -10,6 +10,7 @@ import torch
 from pydantic import Field, field_validator
 from torch import nn
 
+from compress.core.batching import ForwardLoop, as_forward_loop
 from compress.core.errors import CalibrationError
 from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
 from quantization.algorithms.kv_cache import KVCache, attach_kv_quantization
@@ -22,7 +23,7 @@ from quantization.algorithms.sensitivity import (
 )
 from quantization.algorithms.smoothquant import SmoothQuantField
 from quantization.api import QuantizeParams, post_training_quantize
-from quantization.numerics.calibration import ForwardLoop, as_forward_loop, calibrate
+from quantization.numerics.calibration import calibrate
 from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.modules import QuantConv1d, QuantConv2d
 from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme

@@ -6,8 +6,9 @@ keyword inputs), ``targets`` a Tensor or None. A bare Tensor or dict is a batch 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -72,3 +73,65 @@ def batch_size_of(inputs: Any) -> int:
     if isinstance(inputs, (tuple, list)):
         return batch_size_of(inputs[0])
     raise TypeError(f"cannot tell the batch size of {type(inputs).__name__}")
+
+
+# ---- calibration data: one convention for every one-shot call -----------------------------------
+
+#: ``fn(model)`` that runs the model over calibration batches
+ForwardLoop = Callable[[nn.Module], Any]
+#: what every one-shot call takes as calibration data: an iterable of batches (tensors, ``(inputs,
+#: targets)`` tuples, dicts such as Hugging Face tokenized batches; a DataLoader of any of them), or
+#: a forward function ``fn(model)`` that runs the model itself
+CalibrationData = Iterable[Any] | ForwardLoop
+
+
+def is_forward_function(data: Any) -> bool:
+    """Whether calibration ``data`` is a forward function rather than an iterable of batches."""
+    return callable(data) and not isinstance(data, Iterable)
+
+
+def as_forward_loop(data: CalibrationData, *, max_batches: int | None = None) -> ForwardLoop:
+    """A ``forward_loop(model)`` from calibration data: a forward function as it is, an iterable run
+    batch by batch without grad (inputs moved to the model's device)."""
+    if is_forward_function(data):
+        return cast(ForwardLoop, data)
+    batches = cast(Iterable[Any], data)
+
+    def loop(model: nn.Module) -> int:
+        p = next(model.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+        n = 0
+        with torch.no_grad():
+            for i, batch in enumerate(batches):
+                if max_batches is not None and i >= max_batches:
+                    break
+                inputs, _ = split_batch(batch)
+                call_model(model, to_device(inputs, device))
+                n += 1
+        return n
+
+    return loop
+
+
+def as_batches(data: CalibrationData, model: nn.Module, *, max_batches: int | None = None) -> Iterable[Any]:
+    """The calibration batches themselves (what layer-by-layer algorithms replay): an iterable as it
+    is; a forward function is run once, without grad, and each call it makes to ``model`` is kept
+    as a dict of its arguments bound to ``forward``'s parameter names (a model run whole: pass
+    batches when the model only fits layer by layer)."""
+    if not is_forward_function(data):
+        return cast(Iterable[Any], data)
+    signature = inspect.signature(model.forward)
+    recorded: list[dict[str, Any]] = []
+
+    def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if max_batches is None or len(recorded) < max_batches:
+            bound = signature.bind(*args, **kwargs)
+            recorded.append(dict(bound.arguments))
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            cast(ForwardLoop, data)(model)
+    finally:
+        handle.remove()
+    return recorded

@@ -49,7 +49,15 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from compress.core.batching import CalibrationData, as_batches
 from compress.core.precision import float32_inputs, float32_weights
+from quantization.algorithms.sequential import (
+    DEFAULT_SCHEME,
+    Call,
+    LayerHook,
+    log_summary,
+    sequential_quantize,
+)
 from quantization.algorithms.smoothquant import divide_output_channels
 from quantization.numerics.calibration import float_mode
 from quantization.numerics.modules import QuantLinear
@@ -61,12 +69,11 @@ from quantization.numerics.primitives import (
     qparams_from_range,
     to_groups,
 )
-from quantization.numerics.spec import QuantSpec
+from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 from quantization.preparation import calibrate_weight
 
 log = logging.getLogger(__name__)
 
-Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 class AWQFields(BaseModel):
@@ -597,3 +604,35 @@ def awq_layer(
     for lin in linears.values():
         calibrate_weight(lin)
     return report
+
+
+def awq(
+    model: nn.Module,
+    data: CalibrationData,
+    *,
+    scheme: QuantScheme | str = DEFAULT_SCHEME,
+    targets: Sequence[str] = ("*",),
+    ignore: Sequence[str] = ("lm_head",),
+    params: AWQParams | None = None,
+    max_batches: int | None = None,
+    load: LayerHook | None = None,
+    release: LayerHook | None = None,
+) -> nn.Module:
+    """AWQ weight-only quantization of a decoder LLM (in place), one layer at a time; returns it.
+
+    Scales are folded into the preceding norm or Linear wherever the layer proves the fold exact;
+    weights are clipped per group; the weight quantizers then hold round-to-nearest qparams of the
+    scaled, clipped weights (run :func:`gptq` afterwards for GPTQ rounding instead).
+    """
+    p = params or AWQParams()
+    s = resolve_scheme(scheme)
+    summary = sequential_quantize(
+        model, as_batches(data, model, max_batches=max_batches), s,
+        lambda i, layer, lin, calls: awq_layer(layer, lin, calls, p, seed=i),
+        targets=targets, ignore=ignore, max_batches=max_batches, load=load, release=release, where="awq",
+    )
+    log_summary("awq", summary)
+    ratio = scale_error_ratio(summary)
+    if ratio is not None:
+        log.info("awq: with the scales the groups' module-output error is %.3f of theirs with s = 1 (median)", ratio)
+    return model

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from compress.core.batching import ForwardLoop, as_forward_loop
 from compress.core.errors import CalibrationError
-from quantization.numerics.calibration import ForwardLoop, as_forward_loop
 from quantization.numerics.modules import QuantConv1d, QuantConv2d, QuantLinear
 from quantization.preparation import quant_modules, unwrap
 

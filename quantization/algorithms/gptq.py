@@ -15,21 +15,37 @@ format has no column permutation and no g_idx. Rounding is the project's fake-qu
 
 The Hessian is accumulated from forward pre-hooks as a running sum ``X^T X`` (in_features^2
 floats per layer, whatever the number of calibration tokens) and summed across ranks under DDP.
+
+All of GPTQ is here: the column sweep (:func:`gptq_quantize`), one decoder layer's Linears
+(:func:`gptq_layer`) and the one-shot ``compress.gptq`` (:func:`gptq`), which runs it layer by layer
+(quantization/algorithms/sequential.py); the ``gptq`` recipe modifier calls the same layer function.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from compress.core.batching import CalibrationData, as_batches
 from compress.core.errors import CalibrationError
+from quantization.algorithms.sequential import (
+    DEFAULT_SCHEME,
+    Call,
+    LayerHook,
+    log_summary,
+    sequential_quantize,
+)
+from quantization.numerics.calibration import float_mode
+from quantization.numerics.modules import QuantLinear
 from quantization.numerics.primitives import fake_quantize, qparams_from_range, to_groups
-from quantization.numerics.spec import QuantSpec
+from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 
 log = logging.getLogger(__name__)
 
@@ -174,3 +190,85 @@ def layer_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Te
     """The GPTQ objective ``tr((W - Q) H (W - Q)^T) / 2``: the summed squared output error per token."""
     d = (weight - quantized).float()
     return float(torch.einsum("ij,jk,ik->", d, hessian.float(), d)) / 2
+
+
+@torch.no_grad()
+def gptq_layer(layer: nn.Module, linears: dict[str, QuantLinear], calls: Sequence[Call], params: GPTQParams) -> dict[str, Any]:
+    """GPTQ on one layer's Linears in place, from Hessians of their float inputs over ``calls``
+    (summed across DDP ranks). Returns the summed GPTQ objective before (RTN) and after."""
+    # Linears that read one tensor (q/k/v, gate/up) share one accumulator: one K x K sum, one GEMM
+    accs: list[HessianAccumulator] = []
+    owner: dict[str, int] = {}
+    fed: dict[int, tuple[torch.Tensor, int]] = {}  # id(input) -> (input kept alive, accumulator) per call
+
+    def hook(name: str, m: QuantLinear) -> Any:
+        def fn(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            x = args[0]
+            seen = fed.get(id(x))
+            if name not in owner:
+                if seen is None:
+                    accs.append(HessianAccumulator(m.in_features, device=m.weight.device))
+                owner[name] = seen[1] if seen is not None else len(accs) - 1
+            k = owner[name]
+            if seen is None or seen[1] != k:
+                fed[id(x)] = (x, k)
+                accs[k].add(x)
+
+        return fn
+
+    handles = [m.register_forward_pre_hook(hook(n, m)) for n, m in linears.items()]
+    try:
+        with float_mode(layer):
+            for args, kwargs in calls:
+                layer(*args, **kwargs)
+                fed.clear()
+    finally:
+        for handle in handles:
+            handle.remove()
+    rtn_err = gptq_err = 0.0
+    for k, a in enumerate(accs):
+        names = [n for n, o in owner.items() if o == k and linears[n].weight_quantizer is not None]
+        a.all_reduce()
+        h = a.hessian(inplace=True)
+        for n in names:
+            m = linears[n]
+            wq = m.weight_quantizer
+            assert wq is not None
+            rtn_err += layer_error(m.weight, wq(m.weight), h)
+            q, scale, zp = gptq_quantize(m.weight, h, wq.spec, params)
+            gptq_err += layer_error(m.weight, q, h)
+            m.weight.data.copy_(q)
+            wq.set_qparams(scale, zp)
+        accs[k] = HessianAccumulator(0)  # free the K x K sum now, not at the end of the layer
+    return {"rtn_error": rtn_err, "gptq_error": gptq_err}
+
+
+def gptq(
+    model: nn.Module,
+    data: CalibrationData,
+    *,
+    scheme: QuantScheme | str = DEFAULT_SCHEME,
+    targets: Sequence[str] = ("*",),
+    ignore: Sequence[str] = ("lm_head",),
+    params: GPTQParams | None = None,
+    max_batches: int | None = None,
+    load: LayerHook | None = None,
+    release: LayerHook | None = None,
+) -> nn.Module:
+    """GPTQ weight-only quantization of a decoder LLM (in place), one layer at a time; returns it.
+
+    ``data``: calibration batches (input_ids tensors, or dicts / ``(inputs, labels)`` as the data
+    sources yield; a DataLoader of them) or a forward function ``fn(model)``, run once to record the
+    model's inputs (the whole model runs then: pass batches when it only fits layer by layer). ``scheme``: a weight-only QuantScheme or preset (``w4_weight_only_g128``,
+    ``w4_weight_only``, ``w3_weight_only_g128``, ``w8_weight_only``). ``params``: GPTQParams
+    (block size, dampening, act_order). ``load``/``release``: per-layer offloading callbacks.
+    """
+    p = params or GPTQParams()
+    s = resolve_scheme(scheme)
+    summary = sequential_quantize(
+        model, as_batches(data, model, max_batches=max_batches), s,
+        lambda i, layer, lin, calls: gptq_layer(layer, lin, calls, p),
+        targets=targets, ignore=ignore, max_batches=max_batches, load=load, release=release, where="gptq",
+    )
+    log_summary("gptq", summary)
+    return model

@@ -34,6 +34,9 @@ from quantization.preparation import linearize, plan_targets, prepare, unwrap
 
 log = logging.getLogger(__name__)
 
+#: the scheme the layer-by-layer weight-only algorithms (GPTQ, AWQ) default to
+DEFAULT_SCHEME = "w4_weight_only_g128"
+
 Call = tuple[tuple[Any, ...], dict[str, Any]]
 ProcessLayer = Callable[[int, nn.Module, dict[str, QuantLinear], list[Call]], dict[str, Any] | None]
 LayerHook = Callable[[int, nn.Module], None]
@@ -231,3 +234,8 @@ class DiskOffload:
 
         for i, layer in enumerate(layers):
             layer.load_state_dict(load_file(str(self.path(i))), assign=True)
+
+
+def log_summary(name: str, summary: dict[str, Any]) -> None:
+    """Log a :func:`sequential_quantize` summary on one line."""
+    log.info("%s: %d Linears in %d layers, %.1f s", name, summary["quantized_linears"], len(summary["layers"]), summary["seconds"])

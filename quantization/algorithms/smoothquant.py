@@ -34,8 +34,9 @@ from pydantic import Field
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from compress.core.batching import ForwardLoop, as_forward_loop
 from compress.core.errors import CalibrationError
-from quantization.numerics.calibration import ForwardLoop, as_forward_loop, float_mode
+from quantization.numerics.calibration import float_mode
 from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.modules import QuantLinear
 from quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec, qparams_from_range

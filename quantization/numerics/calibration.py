@@ -3,43 +3,18 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from torch import nn
 
-from compress.core.batching import call_model, split_batch, to_device
+from compress.core.batching import CalibrationData, as_forward_loop
 from compress.core.errors import CalibrationError
 from quantization.placement.activations import ensure_placed
 from quantization.preparation import quantizers, unwrap
 
 log = logging.getLogger(__name__)
-
-ForwardLoop = Callable[[nn.Module], Any]
-
-
-def as_forward_loop(data: ForwardLoop | Iterable[Any], *, max_batches: int | None = None) -> ForwardLoop:
-    """A ``forward_loop(model)`` from a callable or an iterable of batches (``(inputs, targets)``,
-    a tensor or a dict of tensors); inputs move to the model's device."""
-    if callable(data) and not isinstance(data, Iterable):
-        return data
-
-    def loop(model: nn.Module) -> int:
-        p = next(model.parameters(), None)
-        device = p.device if p is not None else torch.device("cpu")
-        n = 0
-        with torch.no_grad():
-            for i, batch in enumerate(data):
-                if max_batches is not None and i >= max_batches:
-                    break
-                inputs, _ = split_batch(batch)
-                call_model(model, to_device(inputs, device))
-                n += 1
-        return n
-
-    return loop
 
 
 @contextmanager
@@ -59,7 +34,7 @@ def float_mode(model: nn.Module) -> Iterator[None]:
             q.enabled, q.observing = en, ob
 
 
-def calibrate(model: nn.Module, forward_loop: ForwardLoop | Iterable[Any], *, where: str = "calibration") -> None:
+def calibrate(model: nn.Module, forward_loop: CalibrationData, *, where: str = "calibration") -> None:
     """Observe activations over ``forward_loop`` (float forward, quantizers off), then set qparams.
 
     Raises CalibrationError when the loop feeds no data, when a quantizer saw none (its module was

@@ -11,7 +11,7 @@ from pruning_blocks import Residual, run
 from torch import nn
 
 from compress.core.errors import RecipeError, TargetMatchError, UnsupportedModelError
-from pruning.api import PruneOptions, prune
+from pruning.api import PruneParams, prune
 
 
 @pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5])
@@ -43,8 +43,8 @@ def test_unknown_importance_suggests_the_closest() -> None:
     ("kwargs", "field"),
     [
         ({"ignore": ["nothing.here"]}, "ignore"),
-        ({"options": PruneOptions(targets=["re:layer9.*"])}, "targets"),
-        ({"options": PruneOptions(overrides={"stem.9": 0.2})}, "overrides"),
+        ({"options": PruneParams(targets=["re:layer9.*"])}, "targets"),
+        ({"options": PruneParams(overrides={"stem.9": 0.2})}, "overrides"),
     ],
 )
 def test_pattern_matching_nothing(kwargs: dict, field: str) -> None:

