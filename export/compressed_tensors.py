@@ -7,7 +7,7 @@ distinct weight scheme, the unquantized Linears in ``ignore``) and ``model.safet
 weight-only int4 Linear ``P`` is stored as
 
 - ``P.weight_packed`` int32 ``[N, K/8]``: codes + 8 as unsigned nibbles, element ``i`` of a word at
-  bits ``4i..4i+3`` (compressed-tensors' dense packing);
+  bits ``4i..4i+3``, packed by compressed-tensors' own ``pack_to_int32``;
 - ``P.weight_scale`` ``[N, G]`` (group) or ``[N, 1]`` (channel), in the model's dtype;
 - ``P.weight_zero_point`` int32 ``[ceil(N/8), G]`` (asymmetric only; packed along the output dim);
 - ``P.weight_shape`` int64 ``[2]``.
@@ -37,7 +37,6 @@ from quantization.lowering.int4 import (
     activation_quantizers,
     int4_weight,
     is_int4_weight_only,
-    pack_nibbles,
 )
 
 log = logging.getLogger(__name__)
@@ -51,15 +50,12 @@ def require_compressed_tensors(what: str = "compressed-tensors export") -> None:
         raise ExportError(f"{what} needs the compressed-tensors package: {INSTALL_HINT}")
 
 
-def pack_int32(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[R, C]`` codes 0..15 -> int32 ``[R, ceil(C/8)]``: 8 nibbles a word, the first lowest."""
-    r, c = codes.shape
-    pad = (-c) % 8
-    if pad:
-        codes = torch.nn.functional.pad(codes, (0, pad))
-    b = pack_nibbles(codes).to(torch.int64).reshape(r, -1, 4)  # 4 bytes a word, little-endian
-    words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()  # int32's bit pattern
+def pack_int32(codes: torch.Tensor, *, packed_dim: int = 1) -> torch.Tensor:
+    """uint8 codes 0..15 packed 8 to an int32 along ``packed_dim``, by compressed-tensors' own packer
+    (it takes signed int4 and adds 8 back: our codes are exactly its ``q + 8``)."""
+    from compressed_tensors.compressors import pack_to_int32
+
+    return pack_to_int32((codes.to(torch.int16) - 8).to(torch.int8), 4, packed_dim=0 if packed_dim == 0 else 1)
 
 
 def _strategy(w: Int4Weight, k: int, where: str) -> dict[str, Any]:
@@ -111,7 +107,7 @@ def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], di
         tensors[f"{name}.weight_scale"] = w.scale.to(dtype).contiguous()
         tensors[f"{name}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
         if not w.symmetric:
-            tensors[f"{name}.weight_zero_point"] = pack_int32(w.zero_point.T.contiguous()).T.contiguous()
+            tensors[f"{name}.weight_zero_point"] = pack_int32(w.zero_point, packed_dim=0)
         quant_prefixes.append(name + ".")
     if not args:
         raise UnsupportedModelError("compressed-tensors export: the model has no quantized layers; quantize it first")

@@ -42,15 +42,15 @@ def _quantized(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if getattr(m, "weight_quantizer", None) is not None}
 
 
-def test_pack_int32_is_the_library_packing() -> None:
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+def test_packed_codes_unpack_to_ours_with_the_library() -> None:
+    from compressed_tensors.compressors import unpack_from_int32
 
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (5, 43), generator=g, dtype=torch.uint8)  # ragged: 43 = 5 words + 3 nibbles
-    ours = pack_int32(codes)
-    theirs = pack_to_int32((codes.to(torch.int16) - 8).to(torch.int8), 4)
-    assert torch.equal(ours, theirs)
-    assert torch.equal(pack_int32(codes.T.contiguous()).T, pack_to_int32((codes.to(torch.int16) - 8).to(torch.int8), 4, packed_dim=0))
+    back = unpack_from_int32(pack_int32(codes), 4, codes.shape)
+    assert torch.equal(back.to(torch.int16) + 8, codes.to(torch.int16))  # the library holds q - 8, signed
+    # packed along dim 0 (zero points): the same words as packing the transpose along dim 1
+    assert torch.equal(pack_int32(codes, packed_dim=0), pack_int32(codes.T.contiguous()).T)
 
 
 @pytest.mark.parametrize(("kind", "group"), [("llama", 32), ("qwen2", None)], ids=["llama-gqa-g32", "qwen2-per-channel"])
