@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: compress modules any package may use: they import nothing but each other
 CORE = {"compress.core.errors", "compress.core.batching", "compress.core.metrics", "compress.core.registry", "compress.core.size",
         "compress.core.io", "compress.core.imports", "compress.core.targets", "compress.core.version", "compress.core.precision",
-        "compress.core.moe"}
+        "compress.core.moe", "compress.core.tracing"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
