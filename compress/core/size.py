@@ -135,7 +135,12 @@ def count_macs(model: nn.Module, example_inputs: Any) -> int:
     """Multiply-accumulates of one forward pass per sample: every conv, linear, matmul (``@``,
     ``bmm``, ``einsum``) and attention call (SDPA, ``nn.MultiheadAttention``), seen by a torch-function
     mode, so models written with plain tensor ops count fully; elementwise ops and norms are left
-    out, as in the usual MACs convention."""
+    out, as in the usual MACs convention.
+
+    Not ``torch.utils.flop_counter.FlopCounterMode``: it counts at aten level and, on CPU, misses
+    ``nn.MultiheadAttention``'s fused eval path (``_native_multi_head_attention``: 0 MACs) and the
+    fused SDPA kernel (BERT and GPT-2 lose their attention products), so its figures are lower on
+    models this one counts exactly (it agrees on convs, linears and decomposed attention)."""
     counter = _MacCounter()
     was = model.training
     model.eval()
