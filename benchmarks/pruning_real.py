@@ -113,7 +113,7 @@ def names() -> list[str]:
 
 
 def run(model: nn.Module, x: Any) -> list[torch.Tensor]:
-    from pruning.trace import iter_tensors
+    from compress.core.tracing import iter_tensors
 
     with torch.no_grad():
         out = model(**x) if isinstance(x, dict) else model(x)

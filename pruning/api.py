@@ -25,6 +25,7 @@ from compress.core.batching import (
 from compress.core.errors import CalibrationError, RecipeError, UnsupportedModelError
 from compress.core.moe import is_packed_experts, unpack_experts
 from compress.core.targets import select_modules
+from compress.core.tracing import iter_tensors
 from pruning.apply import apply_slices, slices_from_keep
 from pruning.counting import count_macs, count_params
 from pruning.graph import DependencyGraph
@@ -32,7 +33,7 @@ from pruning.importance import IMPORTANCE, atom_scores
 from pruning.plan import PruningPlan
 from pruning.recalibrate import recalibrate_bn
 from pruning.select import CostModel, SelectionRules, choose, override_pairs, search_ratio
-from pruning.trace import iter_tensors, trace_graph
+from pruning.trace import trace_graph
 
 log = logging.getLogger(__name__)
 

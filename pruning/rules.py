@@ -1,29 +1,34 @@
-"""Per-op rules of the dependency tracer: how each torch op moves and couples channel labels.
+"""Per-op rules of the dependency tracer for ops without parameters: elementwise, layout (reshape,
+split, select), reductions, pooling and padding; how each moves and couples channel labels.
 
 Label tensors hold item ids per element (-1: none). Layout ops are replayed on the labels; mixing
-ops (conv, linear, norms, matmul) join items; an op with labeled inputs and no rule raises
-UnsupportedModelError, never a guess.
+ops (conv, linear, norms: ``rules_modules``; matmul, attention: ``rules_attention``) join items; an
+op with labeled inputs and no rule raises UnsupportedModelError, never a guess (``pruning.trace``
+holds the table of which rule runs for which op).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
 
-from pruning.graph import NORM
-from pruning.rules_split import PendingSplit, factor, resolve, splits_outer
-from pruning.trace import iter_tensors
-
-if TYPE_CHECKING:
-    from pruning.trace import Tracer
+from compress.core.tracing import iter_tensors
+from pruning.rule_helpers import (
+    PendingSplit,
+    Rule,
+    RuleTracer,
+    arg,
+    const_along,
+    factor,
+    pin_if_shaped,
+    resolve,
+    splits_outer,
+    varies,
+)
 
 log = logging.getLogger(__name__)
-
-Rule = Callable[["Tracer", str, Callable[..., Any], tuple[Any, ...], dict[str, Any], Any], None]
 
 UNARY = {
     "relu", "relu6", "gelu", "silu", "sigmoid", "tanh", "hardswish", "hardsigmoid", "hardtanh", "leaky_relu",
@@ -66,79 +71,10 @@ NO_LABELS = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
 ARG = {"argmax", "argmin", "argsort", "topk", "sort", "nonzero", "multinomial"}
 
 
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any = None) -> Any:
-    if len(args) > i:
-        return args[i]
-    return kwargs.get(name, default)
-
-
-def _along(items: torch.Tensor, dim: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """1-D ``items`` laid along ``dim`` and broadcast to ``shape``."""
-    dim = dim % len(shape)
-    view = [1] * len(shape)
-    view[dim] = items.numel()
-    return items.view(view).expand(shape)
-
-
-def _couple(tr: Tracer, labels: torch.Tensor | None, dim: int, items: torch.Tensor) -> None:
-    """Join item ``items[c]`` with every label at index ``c`` of ``dim``."""
-    if labels is None:
-        return
-    if labels.shape[dim] != items.numel():
-        raise tr.unsupported("couple", f"expected {items.numel()} channels on dim {dim}, got {labels.shape[dim]}")
-    tr.graph.union_tensors(labels, _along(items, dim, tuple(labels.shape)))
-
-
-def _varies(tr: Tracer, labels: torch.Tensor, dim: int) -> bool:
-    """Whether labels (as sets) differ along ``dim``."""
-    if labels.shape[dim] <= 1:
-        return False
-    r = tr.graph.roots(labels)
-    return bool((r.amax(dim) != r.amin(dim)).any())
-
-
-def _const_along(labels: torch.Tensor, dims: tuple[int, ...], keepdim: bool = True) -> torch.Tensor:
-    """Label per reduced slice when all ids along ``dims`` agree, else -1."""
-    if not dims:
-        return labels
-    mx = labels.amax(dim=dims, keepdim=keepdim)
-    mn = labels.amin(dim=dims, keepdim=keepdim)
-    return torch.where(mx == mn, mx, torch.full_like(mx, -1))
-
-
-def _pin_if_shaped(tr: Tracer, res: torch.Tensor, const: torch.Tensor, op: str) -> None:
-    """A constant operand whose shape spans varying channels would stop fitting after pruning."""
-    if const.numel() <= 1:
-        return
-    pad = res.dim() - const.dim()
-    for d in range(const.dim()):
-        if const.shape[d] > 1 and _varies(tr, res, d + pad):
-            tr.graph.pin(res, f"'{op}' with a fixed-shape tensor {tr.where()}")
-            return
-
-
-# ---- module functionals ---------------------------------------------------------------------
-
-
-def _norm_items(tr: Tracer, tensors: list[Any], size: int, mod: str) -> torch.Tensor | None:
-    """Join per-channel params/buffers (bias, BN statistics) into one item per channel."""
-    first: torch.Tensor | None = None
-    for t in tensors:
-        name = tr.param_name(t) if isinstance(t, torch.Tensor) else None
-        if name is None or t.dim() != 1 or t.numel() != size:
-            continue
-        items = tr.graph.item_labels(tr.graph.coord(name, 0, size, NORM, mod))
-        if first is None:
-            first = items
-        else:
-            tr.graph.union_tensors(first, items)
-    return first
-
-
 # ---- generic ops ------------------------------------------------------------------------------
 
 
-def unary(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def unary(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     x = next(iter_tensors(args))
     lab = tr.labels(x)
     if lab is None or not isinstance(out, torch.Tensor):
@@ -148,7 +84,7 @@ def unary(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[
     tr.set_labels(out, lab)
 
 
-def elementwise(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def elementwise(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     if not isinstance(out, torch.Tensor):
         return
     shape = tuple(out.shape)
@@ -169,11 +105,11 @@ def elementwise(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs:
     for other in labs[1:]:
         res = torch.where(res >= 0, res, other)
     for c in consts:
-        _pin_if_shaped(tr, res, c, name)
+        pin_if_shaped(tr, res, c, name)
     tr.set_labels(out, res)
 
 
-def _replay(tr: Tracer, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _replay(tr: RuleTracer, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Call ``func`` with every floating tensor replaced by its labels (index tensors kept)."""
 
     def sub(o: Any) -> Any:
@@ -217,16 +153,16 @@ def _blocks(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], lis
 
 
 def _reshape_constraints(
-    tr: Tracer, name: str, lab_in: torch.Tensor, lab_out: torch.Tensor, pending: PendingSplit | None
+    tr: RuleTracer, name: str, lab_in: torch.Tensor, lab_out: torch.Tensor, pending: PendingSplit | None
 ) -> PendingSplit | None:
     """Constraints of a reshape; returns the split of a channel dim it starts, if any."""
     started = None
     for din, dout in _blocks(tuple(lab_in.shape), tuple(lab_out.shape)):
         if len(din) > 1 and len(dout) == 1 and pending is not None and not pending.resolved:
-            if any(_varies(tr, lab_in, d) for d in din):
+            if any(varies(tr, lab_in, d) for d in din):
                 resolve(tr, pending, pieces=True)  # a split merged back (channel shuffle)
             continue
-        if len(dout) < 2 or not any(_varies(tr, lab_in, d) for d in din):
+        if len(dout) < 2 or not any(varies(tr, lab_in, d) for d in din):
             continue
         if len(din) > 1:
             # a many-to-many reshape of channels has no index mapping that pruning could keep
@@ -245,7 +181,7 @@ def _shape_arg(args: tuple[Any, ...]) -> list[Any]:
     return rest
 
 
-def _width_attributes(tr: Tracer, name: str, args: tuple[Any, ...], lab_out: torch.Tensor) -> None:
+def _width_attributes(tr: RuleTracer, name: str, args: tuple[Any, ...], lab_out: torch.Tensor) -> None:
     """Record module int attributes that a reshape passes as the size of a channel dim.
 
     ``x.reshape(n, self.hidden_dim, -1)`` or ``view(b, n, self.num_heads, self.head_dim)``: the
@@ -257,9 +193,9 @@ def _width_attributes(tr: Tracer, name: str, args: tuple[Any, ...], lab_out: tor
     if len(shape) != lab_out.dim():
         return
     for d, size in enumerate(shape):
-        if not isinstance(size, int) or isinstance(size, bool) or size <= 1 or not _varies(tr, lab_out, d):
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 1 or not varies(tr, lab_out, d):
             continue
-        if any(type(s) is int and s == size and _varies(tr, lab_out, j) for j, s in enumerate(shape) if j != d):
+        if any(type(s) is int and s == size and varies(tr, lab_out, j) for j, s in enumerate(shape) if j != d):
             continue  # two channel dims of that value: which one an attribute sizes is not knowable
         held = _attribute_holding(tr, size)
         if held:
@@ -267,7 +203,7 @@ def _width_attributes(tr: Tracer, name: str, args: tuple[Any, ...], lab_out: tor
             tr.graph.width_attrs.append((held, lab_out.movedim(d, -1).reshape(-1, lab_out.shape[d])))
 
 
-def _attribute_holding(tr: Tracer, size: int) -> list[tuple[str, str]]:
+def _attribute_holding(tr: RuleTracer, size: int) -> list[tuple[str, str]]:
     """The int attributes of value ``size`` on the innermost running module that has any.
 
     One module may hold several (GPT-2's ``split_size == embed_dim``, Conv1D's ``nf == nx``):
@@ -281,7 +217,7 @@ def _attribute_holding(tr: Tracer, size: int) -> list[tuple[str, str]]:
     return []
 
 
-def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def layout(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     replayed = _replay(tr, func, args, kwargs)
     outs, labs = list(iter_tensors(out)), list(iter_tensors(replayed))
     if len(outs) != len(labs):
@@ -302,9 +238,9 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
     elif name in SPLIT and len(labs) > 1:
         same = all(tuple(lab.shape) == tuple(labs[0].shape) for lab in labs)
         sizes_fixed = name in ("split", "split_with_sizes") or (
-            name == "tensor_split" and not isinstance(_arg(args, kwargs, 1, "indices_or_sections"), int)
+            name == "tensor_split" and not isinstance(arg(args, kwargs, 1, "indices_or_sections"), int)
         )
-        size = _arg(args, kwargs, 1, "split_size_or_sections")
+        size = arg(args, kwargs, 1, "split_size_or_sections")
         dims = [d for d in range(lab_in.dim()) if any(lab.dim() == lab_in.dim() and lab.shape[d] != lab_in.shape[d] for lab in labs)]
         held = _attribute_holding(tr, size) if sizes_fixed and same and type(size) is int and len(dims) == 1 else []
         if held:
@@ -314,7 +250,7 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
             tr.graph.width_attrs.append((held, labs[0].movedim(dims[0], -1).reshape(-1, labs[0].shape[dims[0]])))
         elif sizes_fixed:
             # split(x, 12) keeps cutting at 12 after pruning: channels of a split dim stay
-            if any(_varies(tr, lab_in, d) for d in dims):
+            if any(varies(tr, lab_in, d) for d in dims):
                 tr.graph.pin(lab_in, f"'{name}' at fixed sizes {tr.where()}")
         elif same:
             # code splits at fixed fractions: each piece must lose the same local indices
@@ -323,7 +259,7 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
         else:
             dims = [d for d in range(lab_in.dim()) if all(lab.dim() == lab_in.dim() for lab in labs)
                     and any(lab.shape[d] != lab_in.shape[d] for lab in labs)]
-            if any(_varies(tr, lab_in, d) for d in dims):
+            if any(varies(tr, lab_in, d) for d in dims):
                 tr.graph.pin(lab_in, f"'{name}' into unequal channel pieces {tr.where()}")
     elif name in SELECT:
         tensor_index = any(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in iter_tensors(args[1:]))
@@ -335,7 +271,7 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
                 tr.graph.union_tensors(lab_in, lab_in.narrow(d, 0, 1).expand_as(lab_in))
         r_in = set(torch.unique(tr.graph.roots(lab_in)).tolist()) - {-1}
         r_out = set(torch.unique(tr.graph.roots(labs[0])).tolist()) - {-1}
-        indexes_channels = tensor_index and (idims is None or any(_varies(tr, lab_in, d) for d in idims)) and len(r_in) > 1
+        indexes_channels = tensor_index and (idims is None or any(varies(tr, lab_in, d) for d in idims)) and len(r_in) > 1
         if r_in - r_out or indexes_channels:
             # a fixed index/slice into channels would select other channels after pruning
             tr.graph.pin(lab_in, f"'{name}' selecting channels {tr.where()}")
@@ -350,7 +286,7 @@ def layout(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
 def _indexed_dims(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> list[int] | None:
     """Dims an integer tensor indexes (``t[idx]``, ``t[:, idx]``, ``index_select``); None if unclear."""
     if name == "index_select":
-        return [int(_arg(args, kwargs, 1, "dim")) % ndim]
+        return [int(arg(args, kwargs, 1, "dim")) % ndim]
     if name != "getitem" or len(args) < 2:
         return None
     key = args[1] if isinstance(args[1], tuple) else (args[1],)
@@ -363,17 +299,17 @@ def _indexed_dims(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ndim
     return out
 
 
-def _dims(arg: Any, ndim: int) -> tuple[int, ...] | None:
-    if arg is None:
+def _dims(dims: Any, ndim: int) -> tuple[int, ...] | None:
+    if dims is None:
         return None
-    if isinstance(arg, int):
-        return (arg % ndim,)
-    if isinstance(arg, (tuple, list)) and all(isinstance(d, int) for d in arg):
-        return tuple(d % ndim for d in arg)
+    if isinstance(dims, int):
+        return (dims % ndim,)
+    if isinstance(dims, (tuple, list)) and all(isinstance(d, int) for d in dims):
+        return tuple(d % ndim for d in dims)
     return None
 
 
-def reduce(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def reduce(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     x = args[0]
     lab = tr.labels(x)
     if lab is None:
@@ -382,22 +318,22 @@ def reduce(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
         elementwise(tr, name, func, args, kwargs, out)
         return
     dpos, kpos = (2, 3) if name in ("norm", "vector_norm", "linalg_vector_norm", "linalg_norm") else (1, 2)
-    dim_arg = _arg(args, kwargs, dpos, "dim")
-    keepdim = bool(_arg(args, kwargs, kpos, "keepdim", False)) if name not in ("std", "var", "std_mean", "var_mean") else bool(kwargs.get("keepdim", False))
+    dim_arg = arg(args, kwargs, dpos, "dim")
+    keepdim = bool(arg(args, kwargs, kpos, "keepdim", False)) if name not in ("std", "var", "std_mean", "var_mean") else bool(kwargs.get("keepdim", False))
     outs = [t for t in iter_tensors(out) if t.is_floating_point()]
     if dim_arg is None:
         return  # a full reduction: the scalar has no channel identity
     dims = _dims(dim_arg, x.dim())
     if dims is None:
         raise tr.unsupported(name, f"cannot read its dims {dim_arg!r}")
-    res = _const_along(lab, dims, keepdim=keepdim)
+    res = const_along(lab, dims, keepdim=keepdim)
     for t in outs:
         if tuple(t.shape) != tuple(res.shape):
             raise tr.unsupported(name, "unexpected output shape")
         tr.set_labels(t, res)
 
 
-def spatial(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def spatial(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     x = args[0] if args else kwargs["input"]
     lab = tr.labels(x)
     if lab is None:
@@ -406,29 +342,29 @@ def spatial(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dic
     lead = 2 if x.dim() >= 3 else 1
     if tuple(y.shape[:lead]) != tuple(x.shape[:lead]):
         raise tr.unsupported(name, f"it changes the channel dim ({tuple(x.shape)} -> {tuple(y.shape)})")
-    res = _const_along(lab, tuple(range(lead, x.dim())))
+    res = const_along(lab, tuple(range(lead, x.dim())))
     if bool((res < 0).any() & (lab >= 0).any()):
         tr.graph.pin(lab, f"'{name}' over channel-varying dims {tr.where()}")
     tr.set_labels(y, res.expand(y.shape))
 
 
-def pad(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def pad(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     """``F.pad`` pads the last ``len(pad) // 2`` dims, whatever the layout (Swin pads (B, H, W, C) with
     (0, 0, 0, pad_r, 0, pad_b)): only dims it actually pads must not hold channels."""
     x = args[0] if args else kwargs["input"]
     lab = tr.labels(x)
-    widths = _arg(args, kwargs, 1, "pad")
+    widths = arg(args, kwargs, 1, "pad")
     if lab is None or not isinstance(out, torch.Tensor):
         return
     padded = [x.dim() - 1 - i // 2 for i, w in enumerate(widths) if w != 0]
     padded = sorted({d for d in padded if d >= 0})
-    res = _const_along(lab, tuple(padded))
+    res = const_along(lab, tuple(padded))
     if bool((res < 0).any() & (lab >= 0).any()):
         tr.graph.pin(lab, f"'{name}' over channel-varying dims {tr.where()}")
     tr.set_labels(out, res.expand(out.shape))
 
 
-def setitem(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def setitem(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     target, value = args[0], args[2] if len(args) > 2 else None
     lab = tr.labels(target)
     vlab = tr.labels(value) if isinstance(value, torch.Tensor) else None
@@ -438,11 +374,11 @@ def setitem(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dic
             tr.graph.pin(lab, f"'__setitem__' {tr.where()}")
 
 
-def no_labels(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def no_labels(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     """New tensors built from a shape: no channel identity."""
 
 
-def arg_op(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def arg_op(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     """Indices into channels change meaning after pruning: pin what they index."""
     lab = tr.labels(args[0])
     if lab is not None:
@@ -452,63 +388,15 @@ def arg_op(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
             tr.set_labels(t, lab)
 
 
-def _generic_rules() -> dict[str, Rule]:
-    from pruning import rules_attention as ra
-
-    table: dict[str, Rule] = {}
-    table.update(dict.fromkeys(UNARY, unary))
-    table.update(dict.fromkeys(ELEMENTWISE, elementwise))
-    table.update(dict.fromkeys(RESHAPE | LAYOUT | SPLIT | SELECT, layout))
-    table.update(dict.fromkeys(REDUCE, reduce))
-    table.update(dict.fromkeys(SPATIAL, spatial))
-    table["pad"] = pad
-    table.update(dict.fromkeys(NO_LABELS, no_labels))
-    table.update(dict.fromkeys(ARG, arg_op))
-    table.update(ra.RULES)
-    table["setitem"] = setitem
-    return table
-
-
-_RULES: dict[str, Rule] = {}
-
-
-def handle(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    """Apply the rule for op ``name``; ops on unlabeled tensors only are left alone."""
-    if not _RULES:
-        _RULES.update(_generic_rules())
-    from pruning.rules_modules import MODULE_OPS
-
-    module_rule = MODULE_OPS.get(name)
-    if module_rule is not None:
-        settle(tr, args, kwargs)
-        module_rule(tr, name, func, args, kwargs, out)
-        return
-    if name == "setitem":
-        setitem(tr, name, func, args, kwargs, out)
-        return
-    if not any(True for _ in iter_tensors(out)):
-        return  # sizes, dtypes, flags: no tensor comes out
-    if not any(tr.labels(t) is not None for t in iter_tensors((args, kwargs))):
-        return
-    rule = _RULES.get(name)
-    if rule is None:
-        raise tr.unsupported(name)
-    if rule is not layout:
-        settle(tr, args, kwargs)
-    rule(tr, name, func, args, kwargs, out)
-
-
-def settle(tr: Tracer, args: Any, kwargs: Any) -> None:
-    """A split channel dim reaching a computing op: its outer rows are the units (heads)."""
-    if tr.pending:
-        for t in iter_tensors((args, kwargs)):
-            p = tr.pending.get(id(t))
-            if p is not None:
-                resolve(tr, p, pieces=False)
-
-
-def leaf_rule(mod: nn.Module) -> Callable[..., None] | None:
-    """A rule for a module traced as a whole (its internals are not followed), or None."""
-    from pruning import rules_attention as ra
-
-    return ra.LEAVES.get(type(mod))
+#: the rules of ops without parameters, by folded op name (see :func:`pruning.trace.func_name`)
+RULES: dict[str, Rule] = {
+    **dict.fromkeys(UNARY, unary),
+    **dict.fromkeys(ELEMENTWISE, elementwise),
+    **dict.fromkeys(RESHAPE | LAYOUT | SPLIT | SELECT, layout),
+    **dict.fromkeys(REDUCE, reduce),
+    **dict.fromkeys(SPATIAL, spatial),
+    "pad": pad,
+    **dict.fromkeys(NO_LABELS, no_labels),
+    **dict.fromkeys(ARG, arg_op),
+    "setitem": setitem,
+}

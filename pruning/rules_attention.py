@@ -6,22 +6,29 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from pruning.attention import PrunedMultiheadAttention
 from pruning.graph import IN, OUT
-from pruning.rules import _along, _const_along, _couple, _norm_items, _pin_if_shaped, _varies
-
-if TYPE_CHECKING:
-    from pruning.trace import Tracer
+from pruning.rule_helpers import (
+    Rule,
+    RuleTracer,
+    along,
+    const_along,
+    couple,
+    linear_t,
+    norm_items,
+    pin_if_shaped,
+    varies,
+)
 
 log = logging.getLogger(__name__)
 
 
-def matmul_labels(tr: Tracer, a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor | None:
+def matmul_labels(tr: RuleTracer, a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor | None:
     """Couple the contracted dim of ``a @ b`` (labels, >= 2-D) and return the output's labels.
 
     An output element takes ``b``'s column label when that is one id along the contraction (the
@@ -38,14 +45,14 @@ def matmul_labels(tr: Tracer, a: torch.Tensor, b: torch.Tensor, op: str) -> torc
     B = b.broadcast_to((*batch, *b.shape[-2:]))
     g = tr.graph
     # channels contracted against a tensor without channels (an input, a constant) cannot shrink
-    if bool((B < 0).all()) and _varies(tr, A, -1):
+    if bool((B < 0).all()) and varies(tr, A, -1):
         g.pin(A, f"'{op}' contracting channels with a fixed tensor {tr.where()}")
-    if bool((A < 0).all()) and _varies(tr, B, -2):
+    if bool((A < 0).all()) and varies(tr, B, -2):
         g.pin(B, f"'{op}' contracting channels with a fixed tensor {tr.where()}")
     g.union_tensors(A, A[..., :1, :].expand_as(A))
     g.union_tensors(B, B[..., :, :1].expand_as(B))
     g.union_tensors(A[..., 0, :], B[..., :, 0])
-    varying = any(_varies(tr, A, d) or _varies(tr, B, d) for d in range(len(batch)))
+    varying = any(varies(tr, A, d) or varies(tr, B, d) for d in range(len(batch)))
     rep: torch.Tensor | None = None
     if varying:
         # a head dim: everything in head h of a goes with head h of b
@@ -68,13 +75,11 @@ def matmul_labels(tr: Tracer, a: torch.Tensor, b: torch.Tensor, op: str) -> torc
     return out
 
 
-def matmul(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def matmul(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     a, b = (args[1], args[0]) if name == "__rmatmul__" else (args[0], args[1])
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         raise tr.unsupported(name, "non-tensor operand")
     if tr.is_param(b) and b.dim() == 2 and not tr.is_param(a) and a.dim() >= 1:
-        from pruning.rules_modules import linear_t
-
         linear_t(tr, name, a, b, None, out)  # x @ W: a Linear stored transposed
         return
     if tr.is_param(a) or tr.is_param(b):
@@ -89,7 +94,7 @@ def matmul(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
         tr.set_labels(out, lab.reshape(out.shape))
 
 
-def sdpa(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def sdpa(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     q, k, v = (args[i] if len(args) > i else kwargs[n] for i, n in enumerate(("query", "key", "value")))
     ql, kl, vl = (tr.labels_or_blank(t) for t in (q, k, v))
     if kwargs.get("enable_gqa") and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
@@ -105,7 +110,7 @@ def sdpa(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[s
             # a learned additive bias per head (T5's relative position bias): its heads are these heads
             tr.graph.union_tensors(scores, mlab.broadcast_to(scores.shape))
         else:
-            _pin_if_shaped(tr, scores, mask, name)
+            pin_if_shaped(tr, scores, mask, name)
     res = matmul_labels(tr, scores, vl, name) if scores is not None else None
     if res is not None:
         tr.set_labels(out, res.reshape(out.shape))
@@ -135,7 +140,7 @@ def _einsum_spec(eq: str, ndims: list[int]) -> tuple[list[str], str] | None:
     return out_ins, rhs
 
 
-def einsum(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def einsum(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     """``einsum`` with one or two operands, as a permute/reduce or a batched matmul of the labels."""
     eq = args[0]
     ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
@@ -154,7 +159,7 @@ def einsum(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
     if len(ops) == 1:
         t, lab = ins[0], labs[0]
         gone = tuple(i for i, c in enumerate(t) if c not in rhs)
-        red = _const_along(lab, gone, keepdim=False)
+        red = const_along(lab, gone, keepdim=False)
         kept = [c for c in t if c in rhs]
         tr.set_labels(out, red.permute(*[kept.index(c) for c in rhs]))
         return
@@ -188,10 +193,10 @@ def _einsum_reduce(lab: torch.Tensor, t: str, others: str) -> tuple[torch.Tensor
     gone = tuple(i for i, c in enumerate(t) if c not in others)
     if not gone:
         return lab, t
-    return _const_along(lab, gone, keepdim=False), "".join(c for c in t if c in others)
+    return const_along(lab, gone, keepdim=False), "".join(c for c in t if c in others)
 
 
-def baddbmm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def baddbmm(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     """``beta * input + alpha * batch1 @ batch2`` (Bloom's ALiBi scores): the product's labels, and
     the added term's: joined when it has channels, else it pins what its shape spans (per-head
     slopes computed for the unpruned head count would stop fitting)."""
@@ -204,15 +209,15 @@ def baddbmm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dic
         if ilab is not None:
             tr.graph.union_tensors(lab, ilab.broadcast_to(lab.shape))
         else:
-            _pin_if_shaped(tr, lab, inp, name)
+            pin_if_shaped(tr, lab, inp, name)
     tr.set_labels(out, lab.reshape(out.shape))
 
 
-def unsupported_matmul(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def unsupported_matmul(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     raise tr.unsupported(name, "write it as matmul/linear to make it prunable")
 
 
-RULES = {
+RULES: dict[str, Rule] = {
     "matmul": matmul,
     "mm": matmul,
     "bmm": matmul,
@@ -232,7 +237,7 @@ def _mha_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Ten
     return [args[i] if len(args) > i else kwargs[n] for i, n in enumerate(names)]
 
 
-def mha_leaf(tr: Tracer, m: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+def mha_leaf(tr: RuleTracer, m: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
     """q/k/v input channels, per-head rows of in_proj and columns of out_proj, output channels."""
     inputs = _mha_inputs(args, kwargs)
     attn_out = output[0] if isinstance(output, tuple) else output
@@ -253,7 +258,7 @@ def mha_leaf(tr: Tracer, m: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
     e_out = m.out_proj.weight.shape[0]
     cin = g.item_labels(g.coord(wn, 1, e_in, IN, mod))
     rows = g.item_labels(g.coord(wn, 0, 3 * inner, OUT, mod))
-    bias = _norm_items(tr, [m.in_proj_bias], 3 * inner, mod)
+    bias = norm_items(tr, [m.in_proj_bias], 3 * inner, mod)
     if bias is not None:
         g.union_tensors(rows, bias)
     on = str(tr.param_name(m.out_proj.weight))
@@ -263,12 +268,12 @@ def mha_leaf(tr: Tracer, m: Any, args: tuple[Any, ...], kwargs: dict[str, Any], 
         s = slice(k * hd, (k + 1) * hd)
         g.union_all(torch.cat([rows[s], rows[inner:][s], rows[2 * inner :][s], ocols[s]]))
     oitems = g.item_labels(g.coord(on, 0, e_out, OUT, omod))
-    obias = _norm_items(tr, [m.out_proj.bias], e_out, omod)
+    obias = norm_items(tr, [m.out_proj.bias], e_out, omod)
     if obias is not None:
         g.union_tensors(oitems, obias)
     for t in inputs:
-        _couple(tr, tr.labels(t), -1, cin)
-    tr.set_labels(attn_out, _along(oitems, -1, tuple(attn_out.shape)))
+        couple(tr, tr.labels(t), -1, cin)
+    tr.set_labels(attn_out, along(oitems, -1, tuple(attn_out.shape)))
     tokens_q, tokens_k = inputs[0].numel() // e_in, inputs[1].numel() // e_in
     g.mac_records.append(("weight", (tokens_q + 2 * tokens_k) * inner * e_in, (wn,)))
     g.mac_records.append(("weight", tokens_q * inner * e_out, (on,)))

@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from compress.core.tracing import iter_tensors
 from pruning.graph import IN, NORM, OUT, VIRTUAL
-from pruning.rules import Rule, _along, _arg, _couple, _norm_items
-from pruning.trace import iter_tensors
-
-if TYPE_CHECKING:
-    from pruning.trace import Tracer
+from pruning.rule_helpers import Rule, RuleTracer, along, arg, couple, linear_t, norm_items
 
 
-def _weight(tr: Tracer, w: Any, x: Any, op: str) -> str | None:
+def _weight(tr: RuleTracer, w: Any, x: Any, op: str) -> str | None:
     name = tr.param_name(w)
     if name is None and isinstance(x, torch.Tensor) and tr.labels(x, bare=False) is not None:
         raise tr.unsupported(op, "its weight is not a parameter of the model")
     return name
 
 
-def conv(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
-    groups = int(_arg(args, kwargs, 6, "groups", 1))
+def conv(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x, w, b = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "weight"), arg(args, kwargs, 2, "bias")
+    groups = int(arg(args, kwargs, 6, "groups", 1))
     wn = _weight(tr, w, x, name)
     if wn is None:
         return
@@ -56,19 +53,19 @@ def conv(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[s
             for k in range(groups):
                 g.union_all(torch.cat([ins[k * ipg : (k + 1) * ipg], outs[k * opg : (k + 1) * opg]]))
     out_items = g.item_labels(wout)
-    bias_items = _norm_items(tr, [b], cout, mod)
+    bias_items = norm_items(tr, [b], cout, mod)
     if bias_items is not None:
         g.union_tensors(out_items, bias_items)
     cdim = 1 if x.dim() == w.dim() else 0
-    _couple(tr, tr.labels(x), cdim, ins)
-    tr.set_labels(out, _along(out_items, cdim, tuple(out.shape)))
+    couple(tr, tr.labels(x), cdim, ins)
+    tr.set_labels(out, along(out_items, cdim, tuple(out.shape)))
     per_out = (w[0].numel() if not transposed else w.shape[1] * w[0, 0].numel()) if w.dim() > 1 else 1
     macs = out.numel() * per_out if not transposed else x.numel() * w[0].numel()
     g.mac_records.append(("weight", int(macs), (wn,)))
 
 
-def linear(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x, w, b = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+def linear(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x, w, b = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "weight"), arg(args, kwargs, 2, "bias")
     wn = _weight(tr, w, x, name)
     if wn is None:
         return
@@ -76,32 +73,16 @@ def linear(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict
     g = tr.graph
     nout, nin = w.shape
     out_items = g.item_labels(g.coord(wn, 0, nout, OUT, mod))
-    bias_items = _norm_items(tr, [b], nout, mod)
+    bias_items = norm_items(tr, [b], nout, mod)
     if bias_items is not None:
         g.union_tensors(out_items, bias_items)
-    _couple(tr, tr.labels(x), -1, g.item_labels(g.coord(wn, 1, nin, IN, mod)))
-    tr.set_labels(out, _along(out_items, -1, tuple(out.shape)))
+    couple(tr, tr.labels(x), -1, g.item_labels(g.coord(wn, 1, nin, IN, mod)))
+    tr.set_labels(out, along(out_items, -1, tuple(out.shape)))
     g.mac_records.append(("weight", int(out.numel() * nin), (wn,)))
 
 
-def linear_t(tr: Tracer, name: str, x: Any, w: torch.Tensor, b: Any, out: Any) -> None:
-    """``x @ W`` / ``addmm(b, x, W)`` with a bare (in, out) weight: a Linear stored transposed
-    (transformers' Conv1D in GPT-2)."""
-    wn = str(tr.param_name(w))
-    mod = wn.rsplit(".", 1)[0]
-    g = tr.graph
-    nin, nout = w.shape
-    out_items = g.item_labels(g.coord(wn, 1, nout, OUT, mod))
-    bias_items = _norm_items(tr, [b], nout, mod)
-    if bias_items is not None:
-        g.union_tensors(out_items, bias_items)
-    _couple(tr, tr.labels(x), -1, g.item_labels(g.coord(wn, 0, nin, IN, mod)))
-    tr.set_labels(out, _along(out_items, -1, tuple(out.shape)))
-    g.mac_records.append(("weight", int(out.numel() * nin), (wn,)))
-
-
-def addmm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    b, x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "mat1"), _arg(args, kwargs, 2, "mat2")
+def addmm(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    b, x, w = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "mat1"), arg(args, kwargs, 2, "mat2")
     if tr.is_param(w) and w.dim() == 2 and not tr.is_param(x) and (not isinstance(b, torch.Tensor) or b.dim() <= 1):
         linear_t(tr, name, x, w, b, out)
         return
@@ -109,30 +90,30 @@ def addmm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[
         raise tr.unsupported(name, "only addmm(bias, x, weight) with a weight parameter is supported")
 
 
-def _passthrough_norm(tr: Tracer, x: torch.Tensor, out: torch.Tensor, dim: int, items: torch.Tensor | None) -> None:
+def _passthrough_norm(tr: RuleTracer, x: torch.Tensor, out: torch.Tensor, dim: int, items: torch.Tensor | None) -> None:
     lab = tr.labels(x)
     if items is None:
         if lab is not None:
             tr.set_labels(out, lab)
         return
-    _couple(tr, lab, dim, items)
-    along = _along(items, dim, tuple(out.shape))
-    tr.set_labels(out, along if lab is None else torch.where(lab >= 0, lab, along))
+    couple(tr, lab, dim, items)
+    laid = along(items, dim, tuple(out.shape))
+    tr.set_labels(out, laid if lab is None else torch.where(lab >= 0, lab, laid))
 
 
-def batch_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x = _arg(args, kwargs, 0, "input")
-    params = [_arg(args, kwargs, i, n) for i, n in ((1, "running_mean"), (2, "running_var"), (3, "weight"), (4, "bias"))]
+def batch_norm(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x = arg(args, kwargs, 0, "input")
+    params = [arg(args, kwargs, i, n) for i, n in ((1, "running_mean"), (2, "running_var"), (3, "weight"), (4, "bias"))]
     names = [tr.param_name(p) for p in params if isinstance(p, torch.Tensor)]
     mod = next((n.rsplit(".", 1)[0] for n in names if n), tr.module_name())
     dim = 1 if x.dim() > 1 else 0
-    _passthrough_norm(tr, x, out, dim, _norm_items(tr, params, x.shape[dim], mod))
+    _passthrough_norm(tr, x, out, dim, norm_items(tr, params, x.shape[dim], mod))
 
 
-def layer_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x, shape = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "normalized_shape")
-    w = _arg(args, kwargs, 2, "weight")
-    b = _arg(args, kwargs, 3, "bias") if name == "layer_norm" else None
+def layer_norm(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x, shape = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "normalized_shape")
+    w = arg(args, kwargs, 2, "weight")
+    b = arg(args, kwargs, 3, "bias") if name == "layer_norm" else None
     lab = tr.labels(x)
     if len(tuple(shape)) != 1 or tr.param_name(w) is None:
         # the normalized shape is fixed in the module: those channels cannot shrink
@@ -141,12 +122,12 @@ def layer_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: 
             tr.set_labels(out, lab)
         return
     mod = str(tr.param_name(w)).rsplit(".", 1)[0]
-    _passthrough_norm(tr, x, out, -1, _norm_items(tr, [w, b], x.shape[-1], mod))
+    _passthrough_norm(tr, x, out, -1, norm_items(tr, [w, b], x.shape[-1], mod))
 
 
-def group_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x, groups = _arg(args, kwargs, 0, "input"), int(_arg(args, kwargs, 1, "num_groups"))
-    w, b = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias")
+def group_norm(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x, groups = arg(args, kwargs, 0, "input"), int(arg(args, kwargs, 1, "num_groups"))
+    w, b = arg(args, kwargs, 2, "weight"), arg(args, kwargs, 3, "bias")
     lab = tr.labels(x)
     if tr.param_name(w) is None:
         if lab is not None:
@@ -155,7 +136,7 @@ def group_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: 
         return
     mod = str(tr.param_name(w)).rsplit(".", 1)[0]
     c = x.shape[1]
-    items = _norm_items(tr, [w, b], c, mod)
+    items = norm_items(tr, [w, b], c, mod)
     assert items is not None
     per = c // groups
     for k in range(groups):  # statistics are per group: a group goes whole
@@ -163,8 +144,8 @@ def group_norm(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: 
     _passthrough_norm(tr, x, out, 1, items)
 
 
-def prelu(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    x, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+def prelu(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    x, w = arg(args, kwargs, 0, "input"), arg(args, kwargs, 1, "weight")
     wn = tr.param_name(w)
     items = None
     if wn is not None and w.numel() > 1:
@@ -172,16 +153,16 @@ def prelu(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[
     _passthrough_norm(tr, x, out, 1 if x.dim() > 1 else 0, items)
 
 
-def embedding(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-    w = _arg(args, kwargs, 1, "weight")
+def embedding(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    w = arg(args, kwargs, 1, "weight")
     wn = tr.param_name(w)
     if wn is None:
         return
     c = tr.graph.coord(wn, 1, w.shape[1], OUT, wn.rsplit(".", 1)[0])
-    tr.set_labels(out, _along(tr.graph.item_labels(c), -1, tuple(out.shape)))
+    tr.set_labels(out, along(tr.graph.item_labels(c), -1, tuple(out.shape)))
 
 
-def mha_functional(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+def mha_functional(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
     if any(tr.labels(t, bare=False) is not None for t in iter_tensors(args[:3])):
         raise tr.unsupported(name, "call it through nn.MultiheadAttention")
 

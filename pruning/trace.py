@@ -5,14 +5,16 @@ under ``no_grad`` too, through Python control flow and Hugging Face models that 
 capture. Every floating tensor the model computes carries a *label tensor* of the same shape
 holding item ids (-1: no channel identity). Shape ops (view, permute, cat, split, index...) are
 replayed on the labels, so index mappings through concat, chunk, flatten and head reshapes come
-out exact; mixing ops (conv, linear, norms, matmul) join items by rules in :mod:`pruning.rules`.
+out exact; mixing ops (conv, linear, norms, matmul) join items by rules (:mod:`pruning.rules` for
+ops without parameters, :mod:`pruning.rules_modules`, :mod:`pruning.rules_attention`; what they
+share is :mod:`pruning.rule_helpers`). This module holds the table of which rule runs for which op.
 An op the rules do not know stops the trace with UnsupportedModelError naming it and its module.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,19 +22,22 @@ from torch import nn
 
 from compress.core.batching import call_model
 from compress.core.errors import UnsupportedModelError
+from compress.core.tracing import ObserverMode, iter_tensors, op_name
+from pruning import rules, rules_attention, rules_modules
 from pruning.graph import ELEMENT, DependencyGraph
-from pruning.observe import ObserverMode
-from pruning.rules_split import PendingSplit, resolve
+from pruning.rule_helpers import PendingSplit, Rule, resolve
 
 log = logging.getLogger(__name__)
 
 
 def func_name(func: Callable[..., Any]) -> str:
-    """A normalized op name: ``__radd__``/``add_``/``Tensor.add`` -> ``add``; getters by property."""
-    name = getattr(func, "__name__", None) or str(func)
-    if name == "__get__":
-        owner = getattr(func, "__self__", None)
-        return "get:" + str(getattr(owner, "__name__", "?"))
+    """The op name the rules key on: a function, its method and its operator and in-place forms fold
+    into one (``__radd__``/``__iadd__``/``add_``/``Tensor.add`` -> ``add``), except the reflected
+    operators whose operand order matters; property reads are ``get:<property>`` (see
+    compress.core.tracing.op_name, which gives the name as written)."""
+    name = op_name(func)
+    if name.startswith("get:"):
+        return name
     if name in ("__rmatmul__", "__rsub__", "__rtruediv__", "__rdiv__", "__rpow__"):
         return name  # operand order matters
     if name.startswith("__") and name.endswith("__"):
@@ -44,16 +49,19 @@ def func_name(func: Callable[..., Any]) -> str:
     return name
 
 
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors in nested args/outputs (tuples, lists, dicts, HF ModelOutput)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from iter_tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from iter_tensors(o)
+def _rule_table() -> dict[str, Rule]:
+    table: dict[str, Rule] = dict(rules.RULES)
+    table.update(rules_attention.RULES)
+    table["setitem"] = rules.setitem
+    return table
+
+
+#: the rule of each op without parameters, by :func:`func_name`
+RULES: dict[str, Rule] = _rule_table()
+#: the rules of ops that own parameters (conv, linear, norms...): they run even on unlabeled inputs
+MODULE_OPS: dict[str, Rule] = rules_modules.MODULE_OPS
+#: modules traced as a whole (their internals are not followed), by type
+LEAVES: dict[type[nn.Module], Callable[..., None]] = rules_attention.LEAVES
 
 
 class Tracer(ObserverMode):
@@ -75,11 +83,8 @@ class Tracer(ObserverMode):
         self.stack: list[tuple[str, nn.Module]] = []
         self.leaf_depth = 0
         self.calls: dict[str, int] = {}
-        #: tensor id -> the channel split it carries, while the unit is undecided (rules_split)
+        #: tensor id -> the channel split it carries, while the unit is undecided (rule_helpers)
         self.pending: dict[int, PendingSplit] = {}
-        from pruning import rules
-
-        self._rules = rules
 
     # ---- labels ------------------------------------------------------------------------------
     def set_labels(self, t: torch.Tensor, labels: torch.Tensor) -> None:
@@ -140,15 +145,49 @@ class Tracer(ObserverMode):
             return
         name = func_name(func)
         self.calls[name] = self.calls.get(name, 0) + 1
-        self._rules.handle(self, name, func, args, kwargs, out)
+        handle(self, name, func, args, kwargs, out)
+
+
+def handle(tr: Tracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+    """Apply the rule for op ``name``; ops on unlabeled tensors only are left alone."""
+    module_rule = MODULE_OPS.get(name)
+    if module_rule is not None:
+        settle(tr, args, kwargs)
+        module_rule(tr, name, func, args, kwargs, out)
+        return
+    if name == "setitem":
+        rules.setitem(tr, name, func, args, kwargs, out)
+        return
+    if not any(True for _ in iter_tensors(out)):
+        return  # sizes, dtypes, flags: no tensor comes out
+    if not any(tr.labels(t) is not None for t in iter_tensors((args, kwargs))):
+        return
+    rule = RULES.get(name)
+    if rule is None:
+        raise tr.unsupported(name)
+    if rule is not rules.layout:
+        settle(tr, args, kwargs)
+    rule(tr, name, func, args, kwargs, out)
+
+
+def settle(tr: Tracer, args: Any, kwargs: Any) -> None:
+    """A split channel dim reaching a computing op: its outer rows are the units (heads)."""
+    if tr.pending:
+        for t in iter_tensors((args, kwargs)):
+            p = tr.pending.get(id(t))
+            if p is not None:
+                resolve(tr, p, pieces=False)
+
+
+def leaf_rule(mod: nn.Module) -> Callable[..., None] | None:
+    """A rule for a module traced as a whole (its internals are not followed), or None."""
+    return LEAVES.get(type(mod))
 
 
 def _hooks(tracer: Tracer, model: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
-    from pruning import rules
-
     handles = []
     for name, mod in model.named_modules():
-        leaf = rules.leaf_rule(mod)
+        leaf = leaf_rule(mod)
 
         def pre(m: nn.Module, args: Any, kwargs: Any, *, _n: str = name, _leaf: bool = leaf is not None) -> None:
             tracer.stack.append((_n, m))

@@ -17,6 +17,7 @@ from torch import nn
 from compress.core.errors import CompressError
 from compress.core.moe import unpack_experts
 from compress.core.targets import select_modules
+from compress.core.tracing import tensor_leaves
 from quantization.algorithms.bn_fold import find_conv_bn_pairs, fold_bn_into_conv
 from quantization.algorithms.kv_cache import remove_kv_quantization
 from quantization.numerics.fake_quant import FakeQuantizer
@@ -35,7 +36,7 @@ from quantization.placement.mode import detach, graph_of, unsmooth
 from quantization.placement.place import ROUTER_REASON, router_layers
 from quantization.placement.runtimes import Target, get_profile
 from quantization.placement.speed_check import SpeedCheck, layer_calls, slower_in_int8, time_layers
-from quantization.placement.trace import tensor_leaves, trace_graph
+from quantization.placement.trace import trace_graph
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +271,7 @@ def _measure(
         raise CompressError(f"{where}: speed_check applies to schemes with static activations (e.g. w8a8)")
     if graph0 is None:
         raise CompressError(f"{where}: speed_check needs the traced shapes: pass example inputs or calibration data")
-    leaves = tensor_leaves(*call)
+    leaves = tensor_leaves((call[0], call[1] or {}))
     example_batch = int(leaves[0][1].shape[0]) if leaves and leaves[0][1].dim() else None
     layers = {n: model.get_submodule(n) for n in plan}
     timings = time_layers(layers, layer_calls(graph0, layers), check, example_batch=example_batch)

@@ -36,13 +36,13 @@ from torch.utils import _pytree as pytree
 
 from compress.core.batching import ForwardLoop, as_forward_loop
 from compress.core.errors import CalibrationError
+from compress.core.tracing import tensor_leaves
 from quantization.numerics.calibration import float_mode
 from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.modules import QuantLinear
 from quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec, qparams_from_range
 from quantization.placement.activations import capture_first_call, ensure_placed
 from quantization.placement.mode import input_quantizer, set_smoothing
-from quantization.placement.trace import tensor_leaves
 from quantization.preparation import calibrate_weight, quant_modules, unwrap
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ def divide_output_channels(mod: nn.Module, s: torch.Tensor, *, offset: bool = Fa
 def _first_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call cut to its first sample when every tensor in it has the same leading (batch) size:
     the fold proofs run one forward per candidate, and one sample proves a fold as well as many."""
-    sizes = {t.shape[0] if t.dim() else -1 for _, t in tensor_leaves(args, kwargs)}
+    sizes = {t.shape[0] if t.dim() else -1 for _, t in tensor_leaves((args, kwargs or {}))}
     if len(sizes) != 1 or next(iter(sizes)) <= 1:
         return args, kwargs
     cut: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map(
@@ -242,7 +242,7 @@ def _first_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[
 
 
 def _outputs(out: Any) -> torch.Tensor:
-    leaves = [t.detach().float().reshape(-1) for _, t in tensor_leaves(out, {}) if t.is_floating_point()]
+    leaves = [t.detach().float().reshape(-1) for _, t in tensor_leaves(out) if t.is_floating_point()]
     return torch.cat(leaves) if leaves else torch.zeros(0)
 
 

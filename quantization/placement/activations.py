@@ -21,11 +21,12 @@ from torch import nn
 
 from compress.core.errors import CalibrationError, CompressError
 from compress.core.targets import pattern_matches
+from compress.core.tracing import tensor_leaves
 from quantization.numerics.spec import QuantSpec
 from quantization.placement.mode import QuantizerGraph, attach, build_quantizers, calibrate_weights, graph_of
 from quantization.placement.place import Placement, place, weighted_operands
 from quantization.placement.runtimes import get_profile
-from quantization.placement.trace import OpGraph, OpNode, tensor_leaves, trace_graph
+from quantization.placement.trace import OpGraph, OpNode, trace_graph
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kw
     build_quantizers(qg)
     calibrate_weights(qg, model)
     keep_lossy_tables_float(qg, model)
-    device = next((t.device for _, t in tensor_leaves(args, kwargs)), None)
+    device = next((t.device for _, t in tensor_leaves((args, kwargs or {}))), None)
     if device is not None:
         qg.to(device)
     log.info(

@@ -32,13 +32,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
+from compress.core import tracing
+from compress.core.tracing import ObserverMode, iter_tensors, op_name, tensor_leaves
 from quantization.placement import attention
 
 # ---- op kinds ---------------------------------------------------------------------------------------
-# The name of the function or method decides the kind; ``None`` kinds are not recorded as ops.
+# The name of the function or method as written (compress.core.tracing.op_name: ``add_``, ``__iadd__``
+# and ``add`` are listed one by one, since an in-place activation such as ``sigmoid_`` is not placed)
+# decides the kind; ``None`` kinds are not recorded as ops.
 _KIND_BY_NAME: dict[str, str] = {}
 
 
@@ -74,7 +76,7 @@ _kinds("act", "hardsigmoid", "gelu", "hardswish", "tanh", "leaky_relu", "elu", "
 _kinds("reshape", "reshape", "view", "flatten", "transpose", "permute", "contiguous", "squeeze", "unsqueeze",
        "__getitem__", "split", "chunk", "unbind", "expand", "narrow", "movedim", "t", "view_as", "reshape_as",
        "flatten", "unflatten", "repeat_interleave", "expand_as", "pixel_shuffle", "pixel_unshuffle",
-       "channel_shuffle", "roll", "select", "split_with_sizes", "tensor_split", "T", "mT")
+       "channel_shuffle", "roll", "select", "split_with_sizes", "tensor_split", "get:T", "get:mT")
 _kinds("pad", "pad")
 _kinds("dropout", "dropout", "dropout1d", "dropout2d", "alpha_dropout")
 
@@ -100,10 +102,7 @@ def op_kind(func: Any) -> str | None:
         return "max_pool"
     if func is F.adaptive_max_pool1d or func is F.adaptive_max_pool2d:
         return "max_pool"
-    name = getattr(func, "__name__", None)
-    if name == "__get__":  # Tensor.T / .mT properties arrive as getset descriptors
-        name = getattr(getattr(func, "__self__", None), "__name__", None)
-    return _KIND_BY_NAME.get(name) if isinstance(name, str) else None
+    return _KIND_BY_NAME.get(op_name(func))  # Tensor.T / .mT reads arrive as "get:T" / "get:mT"
 
 
 # ---- the traced graph -----------------------------------------------------------------------------
@@ -162,7 +161,7 @@ class OpGraph:
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TORCH_MODULES = os.path.join(_TORCH_DIR, "nn", "modules") + os.sep
 #: files of the modes that intercept calls: never a call site
-_MODE_FILES: set[str] = {__file__}
+_MODE_FILES: set[str] = {__file__, tracing.__file__}
 
 
 def register_mode_file(path: str) -> None:
@@ -274,13 +273,7 @@ class ScopeTracker:
             self.counts.clear()
 
 
-def tensor_leaves(args: Any, kwargs: Any) -> list[tuple[int, torch.Tensor]]:
-    """``(flat position, tensor)`` of every tensor in ``(args, kwargs)``."""
-    leaves = pytree.tree_leaves((args, kwargs or {}))
-    return [(i, t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-
-
-class GraphTracer(TorchFunctionMode):
+class GraphTracer(ObserverMode):
     """Records an OpGraph of every forward pass run inside it (the model itself runs unchanged)."""
 
     def __init__(self, root: nn.Module) -> None:
@@ -301,7 +294,7 @@ class GraphTracer(TorchFunctionMode):
             self._keep.append(out)  # keep the id from being reused during the trace
 
     def mark_inputs(self, args: Any, kwargs: Any) -> None:
-        self._inputs_refs = [t for _, t in tensor_leaves(args, kwargs)]
+        self._inputs_refs = [t for _, t in tensor_leaves((args, kwargs or {}))]
         self.inputs = {id(t): k for k, t in enumerate(self._inputs_refs)}
 
     def _source(self, pos: int, t: torch.Tensor) -> Operand:
@@ -323,14 +316,18 @@ class GraphTracer(TorchFunctionMode):
         if run is not None:  # nn.MultiheadAttention: its decomposition's calls are the ops
             with self:
                 return run()
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def observe(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Record one call after it ran (the mode is off while it runs, so nothing else is counted
+        between the call and its key)."""
         kind = call_kind(func)
         key, scope = self.scopes.key(kind)
         site = call_site()
-        leaves = tensor_leaves(args, kwargs)
-        out = func(*args, **kwargs)
-        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        leaves = tensor_leaves((args, kwargs))
+        outs = list(iter_tensors(out))
         if not outs:  # size(), dim(), item(): no tensor flows on from here
-            return out
+            return
         operands = [self._source(p, t) for p, t in leaves]
         if kind in _SCALAR_OPERAND_KINDS and "alpha" not in kwargs:
             operands += [Operand(p, "scalar") for p, v in enumerate(args) if _is_number(v)]
@@ -340,14 +337,12 @@ class GraphTracer(TorchFunctionMode):
         self.graph.nodes[key] = node
         for i, t in enumerate(outs):
             self._made_ids[id(t)] = (weakref.ref(t), (key, i))
-        return out
 
     def mark_outputs(self, out: Any) -> None:
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                hit = self._made_ids.get(id(t))
-                if hit is not None and hit[0]() is t:
-                    self.graph.outputs.add(hit[1])
+        for t in iter_tensors(out):
+            hit = self._made_ids.get(id(t))
+            if hit is not None and hit[0]() is t:
+                self.graph.outputs.add(hit[1])
 
 
 #: op kinds whose Python number operands are recorded (as "scalar" operands)
