@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from compress.core.io import atomic_write_text
+from compress.core.machine import cpu_name, int8_isa
 from export.records import ExportRecord, ThresholdRecord, ValidationRecord
 
 log = logging.getLogger(__name__)
@@ -91,35 +92,14 @@ def machine() -> dict[str, Any]:
 
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    named, flags = False, set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not named:  # the first core's: all cores list the same
-                cpu, named = line.split(":", 1)[1].strip(), True
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform()}
-    if flags:
-        info["int8_isa"] = _int8_isa(flags)
+    info: dict[str, Any] = {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform()}
+    isa = int8_isa()
+    if isa is not None:
+        info["int8_isa"] = isa
     with contextlib.suppress(ValueError, OSError):
         info["memory_gib"] = round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30, 1)
     info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return info
-
-
-def _int8_isa(flags: set[str]) -> str:
-    """The CPU's int8 dot-product instructions, which decide ORT's int8 speed and whether its u8s8
-    kernels saturate (AVX2 without VNNI sums pairs of products in int16)."""
-    if "amx_int8" in flags:
-        return "AMX-INT8"
-    if "avx512_vnni" in flags:
-        return "AVX-512 VNNI"
-    if "avx_vnni" in flags:
-        return "AVX-VNNI"
-    return "AVX2 without VNNI" if "avx2" in flags else "no AVX2"
 
 
 # ---- rendering ------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ from torch import nn
 
 from compress.core.errors import ExportError, UnsupportedModelError
 from compress.core.moe import unpack_experts
+from compress.core.ort import inference_session, session_options
 from quantization.lowering.int4 import (
     Int4Weight,
     activation_quantizers,
@@ -475,14 +476,13 @@ def _check_in_ort(path: Path, dec: KVDecoder, *, tol: float | None) -> None:
     by that and rare rounding ties; a difference above ``tol`` (of the largest output) means the
     graph is wrong and raises ExportError. ORT's int8-activation compute inside MatMulNBits
     (accuracy_level 4, ``tol`` None) is only reported (its SQNR), since it is meant to differ."""
-    import onnxruntime as ort
 
     torch.manual_seed(0)
     inputs = dec.dummy_inputs(2, 4, 5)
     past = [torch.randn_like(t) for t in inputs[2:]]
     with torch.no_grad():
         ref = dec(inputs[0], inputs[1], *past)
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    sess = inference_session(path)
     names = [i.name for i in sess.get_inputs()]
     got = sess.run(None, dict(zip(names, [t.numpy() for t in (inputs[0], inputs[1], *past)])))
     worst = 0.0
@@ -511,13 +511,8 @@ class OrtGenerator:
     """Greedy generation on an :func:`export_llm_onnx` file: ``prefill`` then ``step`` per token."""
 
     def __init__(self, path: str | Path, *, threads: int | None = None) -> None:
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        if threads is not None:
-            so.intra_op_num_threads = threads
-            so.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        so = session_options(threads=threads, inter_op_threads=1 if threads is not None else None)
+        self.session = inference_session(path, so)
         names = [i.name for i in self.session.get_inputs()]
         past = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
         if names[:2] != ["input_ids", "attention_mask"] or not past:

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 from compress.core.errors import ExportError
+from compress.core.ort import inference_session, session_options
 from compress.core.registry import Registry
 from export.parity import resize_batch
 
@@ -87,22 +88,11 @@ class OrtSession:
     """An onnxruntime InferenceSession with all graph optimizations on."""
 
     def __init__(self, path: Path, threads: int, *, providers: list[str] | None = None) -> None:
-        import onnxruntime as ort
-
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.intra_op_num_threads = threads
-        so.inter_op_num_threads = 1
-        so.log_severity_level = 3
         # idle pool threads of one session spin and steal the cores of the next when sessions are
         # timed interleaved (side by side); measured 2-3x inflated MiniLM latency with spinning on
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        try:
-            self.sess = ort.InferenceSession(
-                str(path), so, providers=providers or ort_providers(), disabled_optimizers=ort_disabled_optimizers(path)
-            )
-        except Exception as exc:
-            raise ExportError(f"onnxruntime cannot load '{path}': {str(exc).splitlines()[0]}") from exc
+        so = session_options(threads=threads, inter_op_threads=1, spinning=False)
+        self.sess = inference_session(path, so, providers=providers or ort_providers(),
+                                      disabled_optimizers=ort_disabled_optimizers(path))
         self.input_names = [i.name for i in self.sess.get_inputs()]
         self.input_shapes = _onnx_shapes(self.sess.get_inputs())
         self.device = "onnxruntime:" + self.sess.get_providers()[0].removesuffix("ExecutionProvider")
@@ -146,15 +136,6 @@ class OpenVinoSession:
 RUNTIMES.add("openvino", lambda path, threads: OpenVinoSession(path, threads))
 
 
-def cpu_has_vnni() -> bool | None:
-    """Whether this x86 CPU has VNNI (int8 dot products without int16 saturation); None if unknown."""
-    try:
-        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        return None
-    return any(f in flags.split() for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
-
-
 # ---- integer kernels in ORT's optimized graph ----------------------------------------------------------
 _INTEGER_OPS = {
     "ConvInteger", "MatMulInteger", "QGemm", "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QAttention",
@@ -169,20 +150,11 @@ def is_integer_kernel(op_type: str) -> bool:
 
 def ort_optimized_graph(path: Path) -> onnx.ModelProto:
     """The graph ORT actually runs on CPU after its optimizations (incl. QDQ fusion)."""
-    import onnxruntime as ort
-
     with tempfile.TemporaryDirectory() as tmp:
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
-        so.log_severity_level = 3
-        so.intra_op_num_threads = 1
-        try:
-            ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"],
-                                 disabled_optimizers=ort_disabled_optimizers(path))
-        except Exception as exc:
-            raise ExportError(f"onnxruntime cannot load '{path}': {str(exc).splitlines()[0]}") from exc
-        return onnx.load(so.optimized_model_filepath, load_external_data=False)
+        optimized = Path(tmp) / "optimized.onnx"
+        inference_session(path, session_options(threads=1, optimized_path=optimized),
+                          disabled_optimizers=ort_disabled_optimizers(path))
+        return onnx.load(str(optimized), load_external_data=False)
 
 
 def ort_optimized_ops(path: Path) -> Counter[str]:

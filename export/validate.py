@@ -22,10 +22,11 @@ from torch import nn
 
 from compress.core.batching import batch_size_of, call_model, primary_output, split_batch
 from compress.core.errors import CompressError, ExportError, RecipeError
+from compress.core.machine import has_vnni
 from compress.core.precision import float32_weights
 from export.parity import Parity, resize_batch, to_numpy_feeds
 from export.records import ExportRecord, ThresholdRecord, ValidationRecord, slower_note
-from export.runtimes import RUNTIMES, RuntimeSession, cpu_has_vnni, default_threads, load_session, run_session
+from export.runtimes import RUNTIMES, RuntimeSession, default_threads, load_session, run_session
 from export.specs import Thresholds, ValidateSpec
 
 log = logging.getLogger(__name__)
@@ -191,7 +192,7 @@ def validate_exports(
             )
         for vr, rec in zip(results[-len(records):], records):
             if (runtime == "onnxruntime" and rec.precision == "int8" and rec.reduce_range is False
-                    and vr.device.endswith(":CPU") and cpu_has_vnni() is False):
+                    and vr.device.endswith(":CPU") and has_vnni() is False):
                 vr.notes.append("CPU without VNNI: ORT's u8s8 kernels can saturate 8-bit weights; "
                                 "export.reduce_range=true trades one weight bit for exact integer sums")
         example = to_numpy_feeds(batches[0][0], sessions[records[0].role].input_names)

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from compress.core.errors import CompressError
+from compress.core.ort import inference_session, session_options
 from quantization.placement.trace import OpGraph, OpNode
 
 log = logging.getLogger(__name__)
@@ -218,16 +219,10 @@ def _graphs(m: nn.Module, shape: list[int]) -> tuple[Any, Any, list[int]] | None
 
 def _profile(model: Any, shape: list[int], *, threads: int, runs: int, tmp: Path, tag: str) -> list[tuple[str, float]]:
     """``(op, median microseconds)`` of each node ORT ran for ``model``, in execution order."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.log_severity_level = 3
-    so.enable_profiling = True
-    so.profile_file_prefix = str(tmp / tag)
-    if tag == "float":  # else ORT quantizes the float weight itself and fuses DQ -> Conv -> Q into QLinearConv
-        so.add_session_config_entry("session.disable_quant_qdq", "1")
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    # the float model with quantize_qdq off: else ORT quantizes the float weight itself and fuses
+    # DQ -> Conv -> Q into QLinearConv
+    so = session_options(threads=threads, profile_prefix=tmp / tag, quantize_qdq=tag != "float")
+    sess = inference_session(model.SerializeToString(), so)
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     for _ in range(runs):
         sess.run(None, {"x": x})

@@ -43,9 +43,9 @@ def test_records_per_runtime_and_role(records: Any) -> None:
     assert base.parity["max_abs_diff"] < 1e-4  # fp32 export against the fp32 model
     assert abs(final.accuracy - final.reference_accuracy) <= 0.02
     assert base.accuracy == pytest.approx(base.reference_accuracy, abs=1e-9)
-    from export.runtimes import cpu_has_vnni
+    from compress.core.machine import has_vnni
 
-    assert any("VNNI" in n for n in final.notes) == (cpu_has_vnni() is False)
+    assert any("VNNI" in n for n in final.notes) == (has_vnni() is False)
     assert not any("VNNI" in n for n in base.notes)
 
 
