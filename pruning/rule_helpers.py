@@ -138,15 +138,21 @@ def norm_items(tr: RuleTracer, tensors: list[Any], size: int, mod: str) -> torch
 def linear_t(tr: RuleTracer, name: str, x: Any, w: torch.Tensor, b: Any, out: Any) -> None:
     """``x @ W`` / ``addmm(b, x, W)`` with a bare (in, out) weight: a Linear stored transposed
     (transformers' Conv1D in GPT-2)."""
-    wn = str(tr.param_name(w))
+    dense(tr, str(tr.param_name(w)), tuple(w.shape), x, b, out, out_axis=1)
+
+
+def dense(tr: RuleTracer, wn: str, shape: tuple[int, ...], x: Any, b: Any, out: Any, *, out_axis: int) -> None:
+    """A dense layer's channels: weight ``wn`` of 2-D ``shape`` has its outputs on ``out_axis`` (0 for
+    ``nn.Linear``'s ``[out, in]``, 1 for a weight stored ``[in, out]``); the bias follows the outputs,
+    the input's last dim couples to the weight's inputs."""
     mod = wn.rsplit(".", 1)[0]
     g = tr.graph
-    nin, nout = w.shape
-    out_items = g.item_labels(g.coord(wn, 1, nout, OUT, mod))
+    nout, nin = shape[out_axis], shape[1 - out_axis]
+    out_items = g.item_labels(g.coord(wn, out_axis, nout, OUT, mod))
     bias_items = norm_items(tr, [b], nout, mod)
     if bias_items is not None:
         g.union_tensors(out_items, bias_items)
-    couple(tr, tr.labels(x), -1, g.item_labels(g.coord(wn, 0, nin, IN, mod)))
+    couple(tr, tr.labels(x), -1, g.item_labels(g.coord(wn, 1 - out_axis, nin, IN, mod)))
     tr.set_labels(out, along(out_items, -1, tuple(out.shape)))
     g.mac_records.append(("weight", int(out.numel() * nin), (wn,)))
 

@@ -8,7 +8,7 @@ import torch
 
 from compress.core.tracing import iter_tensors
 from pruning.graph import IN, NORM, OUT, VIRTUAL
-from pruning.rule_helpers import Rule, RuleTracer, along, arg, couple, linear_t, norm_items
+from pruning.rule_helpers import Rule, RuleTracer, along, arg, couple, dense, linear_t, norm_items
 
 
 def _weight(tr: RuleTracer, w: Any, x: Any, op: str) -> str | None:
@@ -69,16 +69,7 @@ def linear(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: 
     wn = _weight(tr, w, x, name)
     if wn is None:
         return
-    mod = wn.rsplit(".", 1)[0]
-    g = tr.graph
-    nout, nin = w.shape
-    out_items = g.item_labels(g.coord(wn, 0, nout, OUT, mod))
-    bias_items = norm_items(tr, [b], nout, mod)
-    if bias_items is not None:
-        g.union_tensors(out_items, bias_items)
-    couple(tr, tr.labels(x), -1, g.item_labels(g.coord(wn, 1, nin, IN, mod)))
-    tr.set_labels(out, along(out_items, -1, tuple(out.shape)))
-    g.mac_records.append(("weight", int(out.numel() * nin), (wn,)))
+    dense(tr, wn, tuple(w.shape), x, b, out, out_axis=0)
 
 
 def addmm(tr: RuleTracer, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
