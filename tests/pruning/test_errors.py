@@ -43,8 +43,8 @@ def test_unknown_importance_suggests_the_closest() -> None:
     ("kwargs", "field"),
     [
         ({"ignore": ["nothing.here"]}, "ignore"),
-        ({"options": PruneParams(targets=["re:layer9.*"])}, "targets"),
-        ({"options": PruneParams(overrides={"stem.9": 0.2})}, "overrides"),
+        ({"params": PruneParams(targets=["re:layer9.*"])}, "targets"),
+        ({"params": PruneParams(overrides={"stem.9": 0.2})}, "overrides"),
     ],
 )
 def test_pattern_matching_nothing(kwargs: dict, field: str) -> None:

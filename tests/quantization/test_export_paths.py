@@ -13,9 +13,9 @@ from torch import nn
 
 import compress
 from export.onnx import export_onnx
-from export.pipeline import _kept_float
 from export.runtimes import ort_coverage, ort_optimized_graph
 from quantization.placement.mode import UNSEEN_REASON
+from quantization.view import view
 
 
 class ExportBranch(nn.Module):
@@ -57,7 +57,7 @@ def test_export_only_calls_do_not_shift_the_placed_quantizers(tmp_path: Path) ->
     # the export-only add stays float, and the export names it with the reason
     unseen = list(q.quantizer_graph.unseen)
     assert len(unseen) == 1 and unseen[0].startswith(":add@ExportBranch.forward+"), unseen
-    assert _kept_float(q)[unseen[0]] == UNSEEN_REASON
+    assert view(q).kept_float[unseen[0]] == UNSEEN_REASON
     assert len(ort_coverage(path).float_nodes) == 1
 
 

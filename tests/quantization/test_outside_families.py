@@ -20,8 +20,8 @@ import transformers
 
 import compress
 from export.describe import describe_onnx
-from export.pipeline import _kept_float
 from export.runtimes import ort_coverage
+from quantization.view import view
 
 SCHEME = {"preset": "w8a8", "weights": {"reduce_range": True}}  # exact u8s8 sums without VNNI (README)
 TEXT = dict(vocab_size=256)
@@ -96,7 +96,7 @@ def test_family_outside_the_suite_quantizes_and_runs_in_integers(family: str, tm
     cov = ort_coverage(path)
     assert [n for n in cov.float_nodes if not n.startswith("Add:")] == [], cov.float_nodes
     # every add ORT runs in float is named with its reason (placement, export-only call, exporter's op)
-    kept = {**describe_onnx(path).kept_float, **_kept_float(q)}
+    kept = {**describe_onnx(path).kept_float, **view(q).kept_float}
     named = [k for k in kept if ":add" in k or k.startswith("ONNX Add:")]
     assert len(cov.float_nodes) <= len(named), (cov.float_nodes, kept)
     assert cov.integer > 0
