@@ -108,6 +108,42 @@ def _top(module: str) -> str:
     return module.split(".", 1)[0]
 
 
+# ---- floors ------------------------------------------------------------------------------------------
+
+ALGORITHMS = ("quantization", "pruning", "distillation")
+#: bottom to top: a module may import and call its own floor and those below it
+FLOORS = ("core", "algorithms", "export", "top")
+
+
+def floor(module: str, core: Iterable[str] = ()) -> str:
+    """The floor of ``module``: compress/core/ (plus any module named in ``core``, for trees from before
+    that folder existed), the algorithm packages, export/, or compress's top."""
+    if module == "compress.core" or module.startswith("compress.core.") or module in set(core):
+        return "core"
+    top = _top(module)
+    return "algorithms" if top in ALGORITHMS else "export" if top == "export" else "top"
+
+
+def _file_module(rel: str) -> str:
+    return rel.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def floor_crossings(crossings: list[dict[str, Any]], core: Iterable[str] = ()) -> dict[str, Any]:
+    """The route's calls between files sorted by floor: downward, upward (a lower floor calling a
+    higher one: what the floors forbid for imports; callbacks handed down arrive this way too),
+    and the file pairs of the upward ones."""
+    core = set(core)
+    rank = {f: i for i, f in enumerate(FLOORS)}
+    out: dict[str, Any] = {"down_calls": 0, "up_calls": 0, "same_floor_calls": 0, "up_pairs": []}
+    for c in crossings:
+        a, b = (rank[floor(_file_module(c[k]), core)] for k in ("caller", "callee"))
+        key = "down_calls" if a > b else "up_calls" if a < b else "same_floor_calls"
+        out[key] += c["calls"]
+        if a < b:
+            out["up_pairs"].append(f"{c['caller']} -> {c['callee']} ({c['calls']})")
+    return out
+
+
 # ---- static import graph ------------------------------------------------------------------------
 
 
@@ -557,6 +593,8 @@ def _rows(data: dict[str, Any]) -> list[tuple[str, Any]]:
             ("route: package crossings (call events)", r["crossing_calls"]),
             ("route: package crossings (distinct caller->callee file pairs)", r["crossing_pairs"]),
             ("route: package edges (distinct pkg -> pkg)", len(r["package_edges"])),
+            ("route: calls down / up between floors (core < algorithms < export < top)",
+             f"{r['floors']['down_calls']} / {r['floors']['up_calls']}" if "floors" in r else "-"),
             ("route: crossings via library frames (events / file pairs)",
              f"{r['crossing_calls_via_library']} / {r['crossing_pairs_via_library']}"),
             ("route: returns to a file it had left", r["returns_to_left_file"]),
@@ -570,6 +608,7 @@ def _rows(data: dict[str, Any]) -> list[tuple[str, Any]]:
         ("static: import edges (file level, all runtime imports)", s["import_edges"]),
         ("static: ... crossing top-level packages", s["import_edges_cross_package"]),
         ("static: package edges (distinct pkg -> pkg)", len(s["package_edges"])),
+        ("static: import edges pointing up a floor", len(s.get("upward_import_edges", []))),
         ("static: import cycles (SCCs > 1 module)", s["import_cycles"]),
         ("static: ... from module-level imports alone", s["import_cycles_module_level"]),
         ("static: modules in cycles / largest cycle", f"{s['modules_in_cycles']} / {s['largest_cycle']}"),
@@ -585,24 +624,38 @@ def _rows(data: dict[str, Any]) -> list[tuple[str, Any]]:
     return rows
 
 
-def markdown(data: dict[str, Any]) -> str:
-    lines = ["| figure | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in _rows(data)]
-    s = data["static"]
-    out = "\n".join(lines) + "\n"
-    if s["cycles"]:
-        out += "\nImport cycles:\n\n" + "\n".join(f"- {' <-> '.join(c)}" for c in s["cycles"]) + "\n"
-    r = data.get("route")
-    if r is not None and r["package_edges"]:
-        out += "\nRoute package edges (call events): " + ", ".join(f"{k}: {v}" for k, v in r["package_edges"].items()) + "\n"
-    return out
+def markdown(data: dict[str, Any], before: dict[str, Any] | None = None) -> str:
+    """The figures as a table; with ``before`` (an earlier run's JSON) a column for each."""
+    if before is None:
+        lines = ["| figure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in _rows(data)]
+    else:
+        old = dict(_rows(before))
+        lines = [f"| figure | before (`{before['commit']}`) | now (`{data['commit']}`) |", "|---|---|---|"]
+        lines += [f"| {k} | {old.get(k, '-')} | {v} |" for k, v in _rows(data)]
+    out = ""
+    for label, d in ([("before", before)] if before is not None else []) + [("now", data)]:
+        s, r = d["static"], d.get("route")
+        if s["cycles"]:
+            out += f"\nImport cycles ({label}):\n\n" + "\n".join(f"- {' <-> '.join(c)}" for c in s["cycles"]) + "\n"
+        if r is not None and r["package_edges"]:
+            out += (f"\nRoute package edges, call events ({label}): "
+                    + ", ".join(f"{k}: {v}" for k, v in r["package_edges"].items()) + "\n")
+        if r is not None and r.get("floors", {}).get("up_pairs"):
+            out += f"\nRoute calls up a floor ({label}): " + ", ".join(r["floors"]["up_pairs"]) + "\n"
+    return "\n".join(lines) + "\n" + out
 
 
-def measure(route: bool = True, root: Path = ROOT) -> dict[str, Any]:
+def measure(route: bool = True, root: Path = ROOT, core: Iterable[str] = ()) -> dict[str, Any]:
     data: dict[str, Any] = {"commit": git_commit(root)}
-    data["static"] = static_imports(root).summary()
+    fig = static_imports(root)
+    data["static"] = fig.summary()
+    rank = {f: i for i, f in enumerate(FLOORS)}
+    data["static"]["upward_import_edges"] = sorted(
+        {f"{a} -> {b}" for a, ts in fig.graph().items() for b in ts if rank[floor(a, core)] < rank[floor(b, core)]})
     data["docs"] = docs_figures(root)
     data["route"] = measure_route(root) if route else None
+    if data["route"] is not None:
+        data["route"]["floors"] = floor_crossings(data["route"]["crossings"], core)
     return data
 
 
@@ -611,13 +664,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path, help="also write the figures as JSON here")
     ap.add_argument("--no-results", action="store_true", help="do not write benchmarks/RESULTS.md")
     ap.add_argument("--no-route", action="store_true", help="static figures only (no PTQ run)")
+    ap.add_argument("--core-modules", default="",
+                    help="comma-separated modules that count as the core floor (a tree from before compress/core/)")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the tree to measure (default: this one)")
+    ap.add_argument("--before", type=Path, help="an earlier run's JSON (--json) to show beside this one")
     ap.add_argument("--route-child", nargs=3, metavar=("RECIPE", "OUT_JSON", "RUN_DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.route_child:
         _route_child(*args.route_child)
         return
-    data = measure(route=not args.no_route)
-    md = markdown(data)
+    core = [m for m in args.core_modules.split(",") if m]
+    data = measure(route=not args.no_route, root=args.root.resolve(), core=core)
+    data["core_modules"] = core
+    before = json.loads(args.before.read_text()) if args.before else None
+    md = markdown(data, before)
     print(f"commit {data['commit']}\n")
     print(md)
     if args.json:
@@ -631,7 +691,12 @@ def main(argv: list[str] | None = None) -> None:
             + ("Route: `compress.load_recipe` + `compress.apply` on the script's own recipe (ResNet width 16 on "
                "digits, untrained, one PTQ stage, fp32 + int8 ONNX export, ONNX Runtime validation, report), run "
                "in a fresh interpreter under `sys.setprofile`; " if data["route"] is not None else "Route not run; ")
-            + "static figures from `ast` over every .py file of the five packages.\n\n" + md
+            + "static figures from `ast` over every .py file of the five packages. Floors: compress/core/ < "
+            "quantization, pruning, distillation < export < compress's top"
+            + (f"; the before column is the same script run on `{before['commit']}`, whose core floor is the "
+               f"modules its own layering test named core ({', '.join(before.get('core_modules', []))})"
+               if before is not None else "")
+            + ".\n\n" + md
         )
         write_section("architecture", section, data)
 
