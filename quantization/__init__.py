@@ -1,5 +1,13 @@
-"""Quantization: specs, observers, fake-quant modules, preparation, PTQ/QAT modifiers, SmoothQuant,
-sensitivity, and conversion to real int8 modules (``convert``, in quantization/lowering/convert.py).
+"""Quantization, in rooms named for what they hold:
+
+- ``numerics/``: specs, the arithmetic, observers, the FakeQuantizer, quantized layers, calibration;
+- ``placement/``: the graph trace, the runtimes' rule tables, placement, the runtime mode,
+  attention written out, the speed check;
+- ``algorithms/``: SmoothQuant, bias correction, BN folding, GPTQ, AWQ, the KV cache, sensitivity
+  and accuracy control, layer-by-layer calibration;
+- ``lowering/``: conversion to int8 / int4 modules and the Triton kernels;
+- ``preparation.py`` (module swap, strip, save and restore), ``api.py`` (``compress.quantize``), the
+  recipe modifiers, and ``view.py``: what export reads of a quantized model.
 
 Names are re-exported lazily so that importing this package stays cheap and acyclic.
 """

@@ -182,269 +182,314 @@ def place(
     at all, mapped to the reason recorded in ``floats``;
     ``embeddings``: give embedding tables int8 weight quantizers; ``tied``: parameter name -> the
     swapped layer whose weight it also is (a tied embedding reads that layer's quantized weight).
+
+    The passes, in order (:class:`_Placer`): each op's inputs by its kind (embedding tables,
+    weighted ops, attention, adds, concats, matmuls, the rest), the outputs the runtime wants
+    quantized, pass-through ops sharing their neighbours' quantizers, elementwise ops extended into
+    integer chains, then one quantizer id per group of tensors.
     """
-    pl = Placement(target=profile.name)
-    nodes = list(graph.nodes.values())
-    pl.sites = {n.key: n.site for n in nodes}
-    inside: set[str] = set()
-    for scope, keys in activation_regions(graph).items():
-        inside.update(keys)
-        pl.floats[f"{scope}:activation"] = (
-            f"activation written as {len(keys)} elementwise ops: kept float as one piece, which the runtime "
-            "fuses (ORT: FastGelu, QuickGelu, ...) and runs faster than one integer op per step"
-        )
-    consumers = _consumers(nodes)
-    producers = {n.key: n for n in nodes}
-    sliced = {n.key: sw for n in nodes if (sw := sliced_weight(n, producers)) is not None}
-    weighted_keys = {n.key for n in nodes if weighted_operands(n) is not None} | set(sliced)
-    slice_qids: dict[str, str] = {}  # slicing op -> the quantizer of the whole parameter it cuts
-    groups = _Groups()
-    quantized: set[str] = set()
-    requested_out: list[str] = []
+    placer = _Placer(graph, profile, targeted=targeted, swapped=swapped, skip_layers=skip_layers or {},
+                     quantize_ops=quantize_ops, embeddings=embeddings, tied=tied or {})
+    for n in placer.nodes:
+        if n.key not in placer.inside:
+            placer.op(n)
+    placer.output_quantizers()
+    placer.pass_through()
+    placer.extend_chains()
+    placer.assign_ids()
+    placer.report_unquantized()
+    return placer.pl
 
-    by_param: dict[str, str] = {}
 
-    def constant_quantizer(n: OpNode, o: Operand) -> str:
+class _Placer:
+    """The state :func:`place`'s passes share: the placement being built, the graph's indexes, and
+    the quantized tensors with their scale-sharing groups."""
+
+    def __init__(self, graph: OpGraph, profile: RuntimeProfile, *, targeted: Callable[[str], bool], swapped: set[str],
+                 skip_layers: Mapping[str, str], quantize_ops: bool, embeddings: bool, tied: dict[str, str]) -> None:
+        self.graph, self.profile, self.targeted, self.swapped = graph, profile, targeted, swapped
+        self.skip_layers, self.quantize_ops, self.embeddings, self.tied = skip_layers, quantize_ops, embeddings, tied
+        self.pl = pl = Placement(target=profile.name)
+        self.nodes = nodes = list(graph.nodes.values())
+        pl.sites = {n.key: n.site for n in nodes}
+        self.inside: set[str] = set()
+        for scope, keys in activation_regions(graph).items():
+            self.inside.update(keys)
+            pl.floats[f"{scope}:activation"] = (
+                f"activation written as {len(keys)} elementwise ops: kept float as one piece, which the runtime "
+                "fuses (ORT: FastGelu, QuickGelu, ...) and runs faster than one integer op per step"
+            )
+        self.consumers = _consumers(nodes)
+        self.producers = {n.key: n for n in nodes}
+        self.sliced = {n.key: sw for n in nodes if (sw := sliced_weight(n, self.producers)) is not None}
+        self.weighted_keys = {n.key for n in nodes if weighted_operands(n) is not None} | set(self.sliced)
+        self.slice_qids: dict[str, str] = {}  # slicing op -> the quantizer of the whole parameter it cuts
+        self.groups = _Groups()
+        self.quantized: set[str] = set()
+        self.requested_out: list[str] = []
+        self.by_param: dict[str, str] = {}
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def constant_quantizer(self, n: OpNode, o: Operand) -> str:
         """One quantizer per parameter (shared by its readers), else one per operand."""
         if o.source == "param" and o.name:
-            if o.name not in by_param:
-                by_param[o.name] = _new_constant(pl, f"param {o.name}")
-            return by_param[o.name]
-        return _new_constant(pl, f"{n.key} operand {o.position} ({o.source})")
+            if o.name not in self.by_param:
+                self.by_param[o.name] = _new_constant(self.pl, f"param {o.name}")
+            return self.by_param[o.name]
+        return _new_constant(self.pl, f"{n.key} operand {o.position} ({o.source})")
 
-    def quantize(o: Operand) -> bool:
+    def quantize(self, o: Operand) -> bool:
         t = _tid(o)
         if t is None or not o.floating:
             return False
-        groups.add(t)
-        quantized.add(t)
+        self.groups.add(t)
+        self.quantized.add(t)
         return True
 
-    for n in nodes:
-        if n.key in inside:
-            continue
+    def new_weight(self, key: str, position: int, use: WeightUse) -> str:
+        qid = f"w{len(self.pl.weights)}"
+        self.pl.weights[qid] = use
+        self.pl.entries.setdefault(key, {})[str(position)] = qid
+        return qid
+
+    # ---- pass 1: each op's inputs, by kind ----------------------------------------------------
+    def op(self, n: OpNode) -> None:
+        pl, profile = self.pl, self.profile
         if n.kind == "embedding":
-            table = next((o for o in n.operands if o.position == 1), None)
-            if table is not None and table.source == "param" and table.floating and len(table.shape) == 2:
-                if not embeddings:
-                    pl.floats[n.key] = "embedding table kept float (quantize_embeddings: false)"
-                    continue
-                if not quantize_ops:  # the Linear-layers-only mode (what the W8A8 LLM export runs)
-                    pl.floats[n.key] = "embedding table kept float (quantize_ops: false quantizes layers only)"
-                    continue
-                if not targeted(n.scope):
-                    pl.floats[n.key] = "excluded by targets/ignore"
-                    continue
-                qid = f"w{len(pl.weights)}"
-                pl.weights[qid] = WeightUse(table.name or "", 0, (tied or {}).get(table.name or ""), table=True)
-                pl.entries.setdefault(n.key, {})["1"] = qid
-            continue
+            self.embedding(n)
+            return
         rule = profile.rules.get(n.kind)
-        w = weighted_operands(n)
-        cut = sliced.get(n.key)
-        if cut is not None:
-            w = cut[0], cut[2], cut[3]
+        cut = self.sliced.get(n.key)
+        w = (cut[0], cut[2], cut[3]) if cut is not None else weighted_operands(n)
         if w is not None:
-            data, weight, axis = w
-            layer = weight.name.rsplit(".", 1)[0] if weight.name and "." in weight.name else ""
-            skipped = (skip_layers or {}).get(layer) or (skip_layers or {}).get(n.scope)
-            if skipped is not None:
-                pl.floats[n.key] = skipped
-                continue
-            if not targeted(n.scope) or not targeted(layer):
-                pl.floats[n.key] = "excluded by targets/ignore"
-                continue
-            if not data.floating or data.source not in ("op", "input"):
-                pl.floats[n.key] = "its input is not a floating activation"
-                continue
-            if _feeds_topk(n, producers, consumers, weighted_keys):
-                pl.floats[n.key] = ROUTER_REASON
-                continue
-            if cut is not None:
-                # the quantizer runs on the whole parameter, where the slicing op reads it
-                if cut[1].key not in slice_qids:
-                    slice_qids[cut[1].key] = qid = f"w{len(pl.weights)}"
-                    pl.weights[qid] = WeightUse(weight.name or "", axis, layer if layer in swapped else None)
-                    pl.entries.setdefault(cut[1].key, {})[str(weight.position)] = qid
-            elif n.scope != layer or layer not in swapped:
-                module = layer if layer in swapped else None
-                qid = f"w{len(pl.weights)}"
-                pl.weights[qid] = WeightUse(weight.name or "", axis, module)
-                pl.entries.setdefault(n.key, {})[str(weight.position)] = qid
-            quantize(data)
-            if rule is not None and rule.output:
-                requested_out.append(n.key)
-            elif rule is not None and rule.fold_output:
-                out, cons = f"{n.key}/0", consumers.get(f"{n.key}/0", [])
-                if len(cons) == 1 and _foldable(cons[0][0], profile) and out not in _outputs(graph):
-                    requested_out.append(n.key)
-            continue
+            self.weighted(n, rule, w, cut)
+            return
         if n.kind == "mha":  # an nn.MultiheadAttention call the modes did not decompose
             pl.floats[n.key] = str(n.attrs.get("reason", "nn.MultiheadAttention left whole"))
-            continue
-        if rule is None or not quantize_ops:
-            if rule is not None and n.kind in ("add", "sdpa") and n.scope not in swapped:
+            return
+        if rule is None or not self.quantize_ops:
+            if rule is not None and n.kind in ("add", "sdpa") and n.scope not in self.swapped:
                 pl.floats[n.key] = "tensor ops are not quantized (quantize_ops: false)"
-            continue
-        if not targeted(n.scope):
+            return
+        if not self.targeted(n.scope):
             if n.kind in ("add", "sdpa", "matmul", "cat"):
                 pl.floats[n.key] = "excluded by targets/ignore"
-            continue
+            return
+        if n.kind == "sdpa":
+            self.sdpa(n)
+            return
         # an empty operand carries no values (a KV cache's empty past, concatenated on the first step)
         acts = [o for o in n.operands if o.source in ("op", "input") and o.floating and 0 not in o.shape]
-        if n.kind == "sdpa":
-            if len(n.operands) >= 3 and all(o.floating for o in n.operands[:3]):
-                roles = ["q", "k", "v", "p"]
-                ranges = n.attrs.get("amax", {})
-                add_rule = profile.rules.get("add")
-                if ranges and add_rule is not None and add_rule.constants:
-                    # a float mask or bias is added to the scores: quantized as an add the runtime fuses
-                    lopsided = _lopsided([ranges["scores"], ranges["mask"]])
-                    if lopsided:
-                        pl.floats[f"{n.key}.mask"] = lopsided
-                    else:
-                        roles += ["scores", "mask", "biased"]
-                pl.entries.setdefault(n.key, {}).update({p: _new_internal(pl, f"{n.key}.{p}") for p in roles})
-            else:
-                pl.floats[n.key] = "attention inputs are not floating tensors"
-            continue
         if n.kind == "matmul":
-            if len(acts) != 2:
-                continue
-            chosen = acts
+            chosen = acts if len(acts) == 2 else []
         elif n.kind == "add":
-            out_shape = n.out_shapes[0] if n.out_shapes else ()
-            same = [o for o in acts if o.shape == out_shape]
-            if len(n.operands) != 2 or len(same) != 2:
-                if n.scope in swapped:  # a quantized layer's own arithmetic (a QAT conv's BatchNorm bias)
-                    continue
-                lopsided = _lopsided(n.attrs.get("amax", []))
-                if rule.constants and lopsided and len(n.operands) == 2 and acts:
-                    pl.floats[n.key] = lopsided
-                elif rule.constants and len(n.operands) == 2 and acts and all(o.floating for o in n.operands):
-                    for o in n.operands:
-                        if not quantize(o):  # a parameter, buffer, constant or number: a quantizer of its own
-                            pl.entries.setdefault(n.key, {})[str(o.position)] = constant_quantizer(n, o)
-                    if rule.output:
-                        requested_out.append(n.key)
-                elif acts:
-                    pl.floats[n.key] = "one operand is a constant or broadcast (bias, mask, scale)"
-                continue
-            returned = [o for o in same if o.producer in weighted_keys and (o.producer, o.index) in graph.outputs]
-            if returned and rule.output:
-                pl.floats[n.key] = RETURNED_REASON
-                continue
-            outlier = _outlier_operand(n.attrs)
-            if outlier is not None and rule.output:
-                # a fused integer add needs 8-bit inputs and output: keep the whole add float instead
-                pl.floats[n.key] = outlier
-                continue
-            if rule.inputs == "residual":
-                skip = [o for o in same if o.producer not in weighted_keys]
-                chosen = skip if len(skip) == 1 else same
-            else:
-                chosen = same
+            chosen = self.add_inputs(n, rule, acts)
         elif n.kind == "cat":
-            if len(acts) != len(n.operands) or not acts:
-                continue
-            chosen = acts
+            chosen = acts if acts and len(acts) == len(n.operands) else []
         else:
             chosen = acts[:1]
         if rule.inputs == "none" or not chosen:
-            continue
+            return
         for o in chosen:
-            quantize(o)
+            self.quantize(o)
         if rule.shared:
             tids = [_tid(o) for o in chosen]
             for t in tids[1:]:
-                groups.union(str(tids[0]), str(t))
+                self.groups.union(str(tids[0]), str(t))
             out = f"{n.key}/0"
-            groups.union(str(tids[0]), out)
-            quantized.add(out)
+            self.groups.union(str(tids[0]), out)
+            self.quantized.add(out)
         elif rule.output:
-            requested_out.append(n.key)
+            self.requested_out.append(n.key)
 
-    # an op whose output the runtime wants quantized: quantize it, after a foldable activation
-    for key in requested_out:
-        t = f"{key}/0"
-        node = producers[key]
-        if node.kind == "conv":
-            # a QAT conv holding its BatchNorm computes the norm inside its own forward: the layer's
-            # output is the norm's
-            inner = [m for m in nodes if m.scope == node.scope and m.kind == "batch_norm"]
-            if inner:
-                t = f"{inner[-1].key}/0"
-        while True:
-            cons = consumers.get(t, [])
-            if len(cons) == 1 and _foldable(cons[0][0], profile) and t not in _outputs(graph) \
-                    and cons[0][0].key not in inside:
-                t = f"{cons[0][0].key}/0"
+    def embedding(self, n: OpNode) -> None:
+        table = next((o for o in n.operands if o.position == 1), None)
+        if table is None or table.source != "param" or not table.floating or len(table.shape) != 2:
+            return
+        if not self.embeddings:
+            self.pl.floats[n.key] = "embedding table kept float (quantize_embeddings: false)"
+        elif not self.quantize_ops:  # the Linear-layers-only mode (what the W8A8 LLM export runs)
+            self.pl.floats[n.key] = "embedding table kept float (quantize_ops: false quantizes layers only)"
+        elif not self.targeted(n.scope):
+            self.pl.floats[n.key] = "excluded by targets/ignore"
+        else:
+            self.new_weight(n.key, 1, WeightUse(table.name or "", 0, self.tied.get(table.name or ""), table=True))
+
+    def weighted(self, n: OpNode, rule: Any, w: tuple[Operand, Operand, int],
+                 cut: tuple[Operand, OpNode, Operand, int] | None) -> None:
+        pl = self.pl
+        data, weight, axis = w
+        layer = weight.name.rsplit(".", 1)[0] if weight.name and "." in weight.name else ""
+        skipped = self.skip_layers.get(layer) or self.skip_layers.get(n.scope)
+        if skipped is not None:
+            pl.floats[n.key] = skipped
+            return
+        if not self.targeted(n.scope) or not self.targeted(layer):
+            pl.floats[n.key] = "excluded by targets/ignore"
+            return
+        if not data.floating or data.source not in ("op", "input"):
+            pl.floats[n.key] = "its input is not a floating activation"
+            return
+        if _feeds_topk(n, self.producers, self.consumers, self.weighted_keys):
+            pl.floats[n.key] = ROUTER_REASON
+            return
+        if cut is not None:
+            # the quantizer runs on the whole parameter, where the slicing op reads it
+            if cut[1].key not in self.slice_qids:
+                self.slice_qids[cut[1].key] = self.new_weight(
+                    cut[1].key, weight.position,
+                    WeightUse(weight.name or "", axis, layer if layer in self.swapped else None))
+        elif n.scope != layer or layer not in self.swapped:
+            self.new_weight(n.key, weight.position,
+                            WeightUse(weight.name or "", axis, layer if layer in self.swapped else None))
+        self.quantize(data)
+        if rule is not None and rule.output:
+            self.requested_out.append(n.key)
+        elif rule is not None and rule.fold_output:
+            out, cons = f"{n.key}/0", self.consumers.get(f"{n.key}/0", [])
+            if len(cons) == 1 and _foldable(cons[0][0], self.profile) and out not in _outputs(self.graph):
+                self.requested_out.append(n.key)
+
+    def sdpa(self, n: OpNode) -> None:
+        if len(n.operands) < 3 or not all(o.floating for o in n.operands[:3]):
+            self.pl.floats[n.key] = "attention inputs are not floating tensors"
+            return
+        roles = ["q", "k", "v", "p"]
+        ranges = n.attrs.get("amax", {})
+        add_rule = self.profile.rules.get("add")
+        if ranges and add_rule is not None and add_rule.constants:
+            # a float mask or bias is added to the scores: quantized as an add the runtime fuses
+            lopsided = _lopsided([ranges["scores"], ranges["mask"]])
+            if lopsided:
+                self.pl.floats[f"{n.key}.mask"] = lopsided
+            else:
+                roles += ["scores", "mask", "biased"]
+        self.pl.entries.setdefault(n.key, {}).update({p: _new_internal(self.pl, f"{n.key}.{p}") for p in roles})
+
+    def add_inputs(self, n: OpNode, rule: Any, acts: list[Operand]) -> list[Operand]:
+        """The operands of an add to quantize (none: it stays float, or was handled here)."""
+        pl = self.pl
+        out_shape = n.out_shapes[0] if n.out_shapes else ()
+        same = [o for o in acts if o.shape == out_shape]
+        if len(n.operands) != 2 or len(same) != 2:
+            if n.scope in self.swapped:  # a quantized layer's own arithmetic (a QAT conv's BatchNorm bias)
+                return []
+            lopsided = _lopsided(n.attrs.get("amax", []))
+            if rule.constants and lopsided and len(n.operands) == 2 and acts:
+                pl.floats[n.key] = lopsided
+            elif rule.constants and len(n.operands) == 2 and acts and all(o.floating for o in n.operands):
+                for o in n.operands:
+                    if not self.quantize(o):  # a parameter, buffer, constant or number: a quantizer of its own
+                        pl.entries.setdefault(n.key, {})[str(o.position)] = self.constant_quantizer(n, o)
+                if rule.output:
+                    self.requested_out.append(n.key)
+            elif acts:
+                pl.floats[n.key] = "one operand is a constant or broadcast (bias, mask, scale)"
+            return []
+        returned = [o for o in same if o.producer in self.weighted_keys and (o.producer, o.index) in self.graph.outputs]
+        if returned and rule.output:
+            pl.floats[n.key] = RETURNED_REASON
+            return []
+        outlier = _outlier_operand(n.attrs)
+        if outlier is not None and rule.output:
+            # a fused integer add needs 8-bit inputs and output: keep the whole add float instead
+            pl.floats[n.key] = outlier
+            return []
+        if rule.inputs == "residual":
+            skip = [o for o in same if o.producer not in self.weighted_keys]
+            return skip if len(skip) == 1 else same
+        return same
+
+    # ---- pass 2: an op whose output the runtime wants quantized, after a foldable activation ----
+    def output_quantizers(self) -> None:
+        for key in self.requested_out:
+            t = f"{key}/0"
+            node = self.producers[key]
+            if node.kind == "conv":
+                # a QAT conv holding its BatchNorm computes the norm inside its own forward: the layer's
+                # output is the norm's
+                inner = [m for m in self.nodes if m.scope == node.scope and m.kind == "batch_norm"]
+                if inner:
+                    t = f"{inner[-1].key}/0"
+            while True:
+                cons = self.consumers.get(t, [])
+                if len(cons) == 1 and _foldable(cons[0][0], self.profile) and t not in _outputs(self.graph) \
+                        and cons[0][0].key not in self.inside:
+                    t = f"{cons[0][0].key}/0"
+                    continue
+                break
+            if self.consumers.get(t):
+                self.groups.add(t)
+                self.quantized.add(t)
+            elif key.split(":")[-1].startswith("conv"):
+                self.pl.floats[key] = "its output is a model output (the runtime needs a quantizer after it to fuse)"
+
+    # ---- pass 3: pass-through ops: the tensor before shares the quantizer of the tensor after ----
+    def pass_through(self) -> None:
+        changed = True
+        while changed:
+            changed = False
+            for n in reversed(self.nodes):
+                if n.kind not in self.profile.pass_through or f"{n.key}/0" not in self.quantized:
+                    continue
+                src = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+                if len(src) != 1:
+                    continue
+                t = _tid(src[0])
+                assert t is not None
+                for i in range(n.n_outputs):
+                    out = f"{n.key}/{i}"
+                    if out in self.quantized:
+                        self.groups.union(t, out)
+                if t not in self.quantized:
+                    self.quantized.add(t)
+                    changed = True
+
+    # ---- pass 4: elementwise ops whose inputs are all quantized by now run as integer kernels too
+    # (a chain extends one op at a time, in graph order); their output gets a quantizer
+    def extend_chains(self) -> None:
+        for n in self.nodes:
+            if n.kind not in self.profile.extend or not self.targeted(n.scope) or not self.quantize_ops \
+                    or n.key in self.inside:
                 continue
-            break
-        if consumers.get(t):
-            groups.add(t)
-            quantized.add(t)
-        elif key.split(":")[-1].startswith("conv"):
-            pl.floats[key] = "its output is a model output (the runtime needs a quantizer after it to fuse)"
-
-    # pass-through ops: the tensor before shares the quantizer of the tensor after
-    changed = True
-    while changed:
-        changed = False
-        for n in reversed(nodes):
-            if n.kind not in profile.pass_through or f"{n.key}/0" not in quantized:
+            acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+            arity = 2 if n.kind == "mul" else 1
+            out = f"{n.key}/0"
+            if len(n.operands) != arity or len(acts) != arity or not self.consumers.get(out):
                 continue
-            src = [o for o in n.operands if o.source in ("op", "input") and o.floating]
-            if len(src) != 1:
+            if any(_tid(o) not in self.quantized for o in acts):
                 continue
-            t = _tid(src[0])
-            assert t is not None
-            for i in range(n.n_outputs):
-                out = f"{n.key}/{i}"
-                if out in quantized:
-                    groups.union(t, out)
-            if t not in quantized:
-                quantized.add(t)
-                changed = True
+            self.groups.add(out)
+            self.quantized.add(out)
+            if n.kind == "silu":
+                self.pl.entries.setdefault(n.key, {})["g"] = _new_internal(self.pl, f"{n.key}.g")
 
-    # elementwise ops whose inputs are all quantized by now run as integer kernels too (a chain
-    # extends one op at a time, in graph order); their output gets a quantizer
-    for n in nodes:
-        if n.kind not in profile.extend or not targeted(n.scope) or not quantize_ops or n.key in inside:
-            continue
-        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
-        arity = 2 if n.kind == "mul" else 1
-        out = f"{n.key}/0"
-        if len(n.operands) != arity or len(acts) != arity or not consumers.get(out):
-            continue
-        if any(_tid(o) not in quantized for o in acts):
-            continue
-        groups.add(out)
-        quantized.add(out)
-        if n.kind == "silu":
-            pl.entries.setdefault(n.key, {})["g"] = _new_internal(pl, f"{n.key}.g")
+    # ---- pass 5: one quantizer id per group, read by every consumer of its tensors --------------
+    def assign_ids(self) -> None:
+        pl = self.pl
+        ids: dict[str, str] = {}
+        model_outputs = _outputs(self.graph)
+        for t in sorted(self.quantized, key=_order(self.nodes)):
+            root = self.groups.find(t)
+            if root not in ids:
+                ids[root] = f"a{len(ids)}"
+            qid = ids[root]
+            pl.activations.setdefault(qid, []).append(t)
+            readers = self.consumers.get(t, [])
+            for n, o in readers:
+                pl.entries.setdefault(n.key, {}).setdefault(str(o.position), qid)
+            if t.rsplit("/", 1)[0] in self.producers and t not in model_outputs:  # a model output stays unquantized
+                pl.produced[t] = [qid, *(f"{n.key}|{o.position}" for n, o in readers)]
 
-    ids: dict[str, str] = {}
-    model_outputs = _outputs(graph)
-    for t in sorted(quantized, key=_order(nodes)):
-        root = groups.find(t)
-        if root not in ids:
-            ids[root] = f"a{len(ids)}"
-        qid = ids[root]
-        pl.activations.setdefault(qid, []).append(t)
-        readers = consumers.get(t, [])
-        for n, o in readers:
-            pl.entries.setdefault(n.key, {}).setdefault(str(o.position), qid)
-        if t.rsplit("/", 1)[0] in producers and t not in model_outputs:  # a model output stays unquantized
-            pl.produced[t] = [qid, *(f"{n.key}|{o.position}" for n, o in readers)]
-    for n in nodes:  # report weighted ops whose input ended up unquantized
-        if n.key in weighted_keys and n.key not in pl.floats:
-            cut = sliced.get(n.key)
-            data_op = cut[0] if cut is not None else weighted_operands(n)[0]  # type: ignore[index]
-            t = _tid(data_op)
-            if t is None or t not in quantized:
-                pl.floats[n.key] = "its input is not quantized"
-    return pl
+    def report_unquantized(self) -> None:
+        """Weighted ops whose input ended up unquantized are named in ``floats``."""
+        for n in self.nodes:
+            if n.key in self.weighted_keys and n.key not in self.pl.floats:
+                cut = self.sliced.get(n.key)
+                data_op = cut[0] if cut is not None else weighted_operands(n)[0]  # type: ignore[index]
+                t = _tid(data_op)
+                if t is None or t not in self.quantized:
+                    self.pl.floats[n.key] = "its input is not quantized"
 
 
 #: recorded op kinds that are elementwise, and other elementwise calls (named as the tracer records
