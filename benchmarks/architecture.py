@@ -606,14 +606,14 @@ def _rows(data: dict[str, Any]) -> list[tuple[str, Any]]:
         ("static: modules (.py files)", s["modules"]),
         ("static: lines of code", s["lines_of_code"]),
         ("static: import edges (file level, all runtime imports)", s["import_edges"]),
-        ("static: ... crossing top-level packages", s["import_edges_cross_package"]),
+        ("static: import edges crossing top-level packages", s["import_edges_cross_package"]),
         ("static: package edges (distinct pkg -> pkg)", len(s["package_edges"])),
         ("static: import edges pointing up a floor", len(s.get("upward_import_edges", []))),
         ("static: import cycles (SCCs > 1 module)", s["import_cycles"]),
         ("static: ... from module-level imports alone", s["import_cycles_module_level"]),
         ("static: modules in cycles / largest cycle", f"{s['modules_in_cycles']} / {s['largest_cycle']}"),
         ("static: function-local project imports", s["function_local_imports"]),
-        ("static: ... crossing top-level packages", s["function_local_imports_cross_package"]),
+        ("static: function-local imports crossing top-level packages", s["function_local_imports_cross_package"]),
         ("static: importlib.import_module(\"literal\") edges / non-literal calls",
          f"{s['importlib_literal_calls']} / {s['importlib_dynamic_calls']}"),
         ("static: TYPE_CHECKING-only project imports (not in graph)", s["type_checking_imports"]),
@@ -696,7 +696,10 @@ def main(argv: list[str] | None = None) -> None:
             + (f"; the before column is the same script run on `{before['commit']}`, whose core floor is the "
                f"modules its own layering test named core ({', '.join(before.get('core_modules', []))})"
                if before is not None else "")
-            + ".\n\n" + md
+            + ". Torch dispatching an op to a TorchFunctionMode counts as a call into the file that defines "
+            "the mode's `__torch_function__`, so every traced op counts a crossing when that mode's base class "
+            "lives in another package, and a base class calling its subclass's override counts a call up a floor."
+            + "\n\n" + md
         )
         write_section("architecture", section, data)
 
