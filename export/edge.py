@@ -110,7 +110,7 @@ def set_metadata(proto: onnx.ModelProto, props: Mapping[str, str]) -> None:
     """Set ``metadata_props`` (recipe hash, quant scheme, toolkit version ...); replaces equal keys."""
     from compress.core.version import __version__
 
-    merged = {"compress.core.version": __version__, **{str(k): str(v) for k, v in props.items()}}
+    merged = {"compress.version": __version__, **{str(k): str(v) for k, v in props.items()}}
     keep = [p for p in proto.metadata_props if p.key not in merged]
     del proto.metadata_props[:]
     for p in keep:

@@ -401,7 +401,7 @@ def export_llm_onnx(
     ``"fp32"`` writes all weights in float32; ``"w8a8"`` writes Linears with quantized inputs as
     integer ops (module docstring). The model itself is not modified. ``check`` runs the file once
     in ONNX Runtime against the traced PyTorch module (ExportError when they disagree). The file's
-    ``metadata_props`` carry ``compress.core.precision`` (int4/int8/fp32), ``compress.kind`` (generation),
+    ``metadata_props`` carry ``compress.precision`` (int4/int8/fp32), ``compress.kind`` (generation),
     the toolkit version and ``metadata``; it is written whole or not at all.
     """
     if weights not in ("int4", "fp32", "w8a8"):
@@ -454,7 +454,7 @@ def export_llm_onnx(
 
         proto = onnx.load(str(traced))
         precision = {"int4": "int4" if counts["int4"] else "fp32", "w8a8": "int8", "fp32": "fp32"}[weights]
-        set_metadata(proto, {"compress.core.precision": precision, "compress.kind": "generation",
+        set_metadata(proto, {"compress.precision": precision, "compress.kind": "generation",
                              "compress.model_type": str(m.config.model_type), **(metadata or {})})
         atomic_save(proto, out)
     log.info("LLM ONNX (%s weights: %d W8A8, %d MatMulNBits, %d float Linears) written to %s", weights,
@@ -482,7 +482,7 @@ def _check_in_ort(path: Path, dec: KVDecoder, *, tol: float | None) -> None:
     past = [torch.randn_like(t) for t in inputs[2:]]
     with torch.no_grad():
         ref = dec(inputs[0], inputs[1], *past)
-    sess = inference_session(path)
+    sess = inference_session(path, session_options(log_severity=2))
     names = [i.name for i in sess.get_inputs()]
     got = sess.run(None, dict(zip(names, [t.numpy() for t in (inputs[0], inputs[1], *past)])))
     worst = 0.0
@@ -511,7 +511,7 @@ class OrtGenerator:
     """Greedy generation on an :func:`export_llm_onnx` file: ``prefill`` then ``step`` per token."""
 
     def __init__(self, path: str | Path, *, threads: int | None = None) -> None:
-        so = session_options(threads=threads, inter_op_threads=1 if threads is not None else None)
+        so = session_options(threads=threads, inter_op_threads=1 if threads is not None else None, log_severity=2)
         self.session = inference_session(path, so)
         names = [i.name for i in self.session.get_inputs()]
         past = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]

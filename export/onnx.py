@@ -156,7 +156,7 @@ def _export(
     decomposed = decomposed_compute(proto) if quantized else {}
     _strip_trace_metadata(proto)
     _rename_io(proto, out_names)
-    props = {"compress.core.precision": _precision(quantized, fp16), **(metadata or {})}
+    props = {"compress.precision": _precision(quantized, fp16), **(metadata or {})}
     if decomposed:  # read by describe_onnx: these float nodes are named with their reason
         props[DECOMPOSED_KEY] = json.dumps(decomposed, sort_keys=True)
     if blocked:  # read by the runtimes: ORT needs one fusion off to run blocked weights as MatMulNBits

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -71,6 +72,10 @@ class PruneParams(BaseModel):
             if not 0 <= r < 1:
                 raise ValueError(f"override ratio for '{k}' must be in [0, 1), got {r}")
         return v
+
+
+#: the former name of :class:`PruneParams` (deprecated)
+PruneOptions = PruneParams
 
 
 @dataclass
@@ -341,6 +346,7 @@ def prune(
     optimizer: torch.optim.Optimizer | None = None,
     data: CalibrationData | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    options: PruneParams | None = None,
 ) -> PruneResult:
     """Remove ``ratio`` of the channels (or reach ``target``, e.g. ``{"macs": 0.5}`` of the original)
     from every coupled group of ``model``, in place, and return a :class:`PruneResult`.
@@ -353,6 +359,9 @@ def prune(
     inputs only) and BatchNorm recalibration after the cut; ``importance="taylor"`` needs batches
     of ``(inputs, targets)`` (with ``loss_fn``, default cross-entropy).
     """
+    if options is not None:
+        warnings.warn("prune(options=...) is deprecated: pass params=PruneParams(...)", DeprecationWarning, stacklevel=2)
+        params = options if params is None else params
     check_ratio(ratio, target)
     if optimizer is not None and any(is_packed_experts(m) for m in model.modules()):
         # checked before anything changes: unpacking makes new Parameters the optimizer does not hold
@@ -361,9 +370,15 @@ def prune(
     unpack_experts(model)
     if importance == "taylor" and data is not None and is_forward_function(data):
         raise CalibrationError("prune: importance='taylor' needs batches of (inputs, targets), not a forward function")
-    # a forward function runs on the model as it is now: what it feeds the model is what the steps below replay
-    batches = as_batches(data, model) if data is not None else None
     pruner = Pruner(importance=importance, ignore=ignore, round_to=round_to, params=params)
+    batches: Iterable[Any] | None = None
+    if data is not None and is_forward_function(data):
+        # run on the model as it is now, for as many batches as the steps below read (none: not at all)
+        needed = max(pruner.params.activation_batches if importance == "activation" else 0,
+                     pruner.params.bn_recalibration_batches)
+        batches = as_batches(data, model, max_batches=needed) if needed else None
+    elif data is not None:
+        batches = cast(Iterable[Any], data)  # batches as given: each step reads its own count
     params_before, macs_before = count_params(model), count_macs(model, example_inputs)
     graph = pruner.trace(model, example_inputs)
     grads = None

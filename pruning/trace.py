@@ -52,7 +52,6 @@ def func_name(func: Callable[..., Any]) -> str:
 def _rule_table() -> dict[str, Rule]:
     table: dict[str, Rule] = dict(rules.RULES)
     table.update(rules_attention.RULES)
-    table["setitem"] = rules.setitem
     return table
 
 

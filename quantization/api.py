@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -66,6 +67,7 @@ def quantize(
     targets: Sequence[str] = ("*",),
     ignore: Sequence[str] = (),
     params: QuantizeParams | None = None,
+    forward_loop: CalibrationData | None = None,
 ) -> nn.Module:
     """Prepare ``model`` (in place) with fake-quant modules and calibrate it; returns it.
 
@@ -74,6 +76,10 @@ def quantize(
     tuples or dicts, such as a DataLoader) or a forward function ``fn(model)``; it may be None only when nothing needs data (weight-only or dynamic
     activations without SmoothQuant or bias correction). ``quantization.strip`` undoes it.
     """
+    if forward_loop is not None:
+        warnings.warn("quantize(forward_loop=...) is deprecated: pass the calibration data as data=",
+                      DeprecationWarning, stacklevel=2)
+        data = forward_loop if data is None else data
     scheme = resolve_scheme(scheme)
     p = params or QuantizeParams()
     needs_data = (scheme.static_activations or p.smoothquant is not None or p.bias_correction

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.architecture import (
-    PACKAGES,
-    ROOT,
-    markdown,
-    package_files,
-    static_imports,
-    strongly_connected,
-)
+from benchmarks.architecture import markdown
+from benchmarks.import_graph import PACKAGES, ROOT, package_files, static_imports, strongly_connected
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.architecture import ROOT, StaticFigures, floor, static_imports, strongly_connected
+from benchmarks.import_graph import ROOT, StaticFigures, floor, static_imports, strongly_connected
 
 #: what export/ may read of the algorithm packages: one read view, and the lowering room (integer
 #: modules and kernels, which exports of real int8 / int4 compute are built from)
@@ -64,7 +64,7 @@ def test_no_import_cycle_between_files(repo: StaticFigures) -> None:
     assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
 
 
-def test_the_check_sees_every_kind_of_upward_import(repo: StaticFigures) -> None:
+def test_every_floor_imports_the_core(repo: StaticFigures) -> None:
     # the check has material: the packages exist and the core is imported from every floor
     assert {floor(e.source) for e in repo.edges if floor(e.target) == "core"} == {"core", "algorithms", "export", "top"}
 

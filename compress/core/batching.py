@@ -6,12 +6,15 @@ keyword inputs), ``targets`` a Tensor or None. A bare Tensor or dict is a batch 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import torch
 from torch import nn
+
+from compress.core.errors import CalibrationError
 
 Inputs = torch.Tensor | Mapping[str, torch.Tensor]
 
@@ -113,24 +116,40 @@ def as_forward_loop(data: CalibrationData, *, max_batches: int | None = None) ->
     return loop
 
 
+class _Enough(Exception):
+    """Raised inside the model once a forward function has fed the batches asked for."""
+
+
 def as_batches(data: CalibrationData, model: nn.Module, *, max_batches: int | None = None) -> Iterable[Any]:
     """The calibration batches themselves (what layer-by-layer algorithms replay): an iterable as it
     is; a forward function is run once, without grad, and each call it makes to ``model`` is kept
-    as a dict of its arguments bound to ``forward``'s parameter names (a model run whole: pass
-    batches when the model only fits layer by layer)."""
+    as a dict of keyword arguments (its arguments bound to ``forward``'s parameter names, extra
+    keywords merged in). The model runs whole, up to ``max_batches`` calls: pass batches when it
+    only fits layer by layer."""
     if not is_forward_function(data):
         return cast(Iterable[Any], data)
     signature = inspect.signature(model.forward)
+    kinds = {name: p.kind for name, p in signature.parameters.items()}
     recorded: list[dict[str, Any]] = []
 
     def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if max_batches is None or len(recorded) < max_batches:
-            bound = signature.bind(*args, **kwargs)
-            recorded.append(dict(bound.arguments))
+        if max_batches is not None and len(recorded) >= max_batches:
+            raise _Enough
+        batch: dict[str, Any] = {}
+        for name, value in signature.bind(*args, **kwargs).arguments.items():
+            if kinds[name] is inspect.Parameter.VAR_KEYWORD:
+                batch.update(value)
+            elif kinds[name] is inspect.Parameter.VAR_POSITIONAL:
+                if value:  # positional extras have no name to replay them by
+                    raise CalibrationError(f"calibration: the forward function calls {type(model).__name__} with "
+                                           f"{len(value)} positional arguments past its named ones; pass batches instead")
+            else:
+                batch[name] = value
+        recorded.append(batch)
 
     handle = model.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.suppress(_Enough):
             cast(ForwardLoop, data)(model)
     finally:
         handle.remove()

@@ -222,7 +222,7 @@ def _profile(model: Any, shape: list[int], *, threads: int, runs: int, tmp: Path
     # the float model with quantize_qdq off: else ORT quantizes the float weight itself and fuses
     # DQ -> Conv -> Q into QLinearConv
     so = session_options(threads=threads, profile_prefix=tmp / tag, quantize_qdq=tag != "float")
-    sess = inference_session(model.SerializeToString(), so)
+    sess = inference_session(model.SerializeToString(), so, wrap_errors=False)
     x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     for _ in range(runs):
         sess.run(None, {"x": x})

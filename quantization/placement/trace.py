@@ -283,6 +283,7 @@ class GraphTracer(ObserverMode):
         self.graph = OpGraph()
         self.params = {id(t): n for n, t in [*root.named_parameters(), *root.named_buffers()]}
         self._made_ids: dict[int, tuple[weakref.ref[Any], tuple[str, int]]] = {}
+        self._key: tuple[str, str, str, str] = ("", "", "", "")  # the running call's kind, key, scope, site
         self.inputs: dict[int, int] = {}
         self._keep: list[Any] = []
         self.scopes.on_quantizer = self._quantized_weight
@@ -316,14 +317,16 @@ class GraphTracer(ObserverMode):
         if run is not None:  # nn.MultiheadAttention: its decomposition's calls are the ops
             with self:
                 return run()
+        # the call's key is taken before it runs, as the quantizing mode takes it: a call that raises
+        # (and whose error the model catches) still uses its index in both
+        kind = call_kind(func)
+        self._key = (kind, *self.scopes.key(kind), call_site())
         return super().__torch_function__(func, types, args, kwargs)
 
     def observe(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """Record one call after it ran (the mode is off while it runs, so nothing else is counted
-        between the call and its key)."""
-        kind = call_kind(func)
-        key, scope = self.scopes.key(kind)
-        site = call_site()
+        """Record one call after it ran, under the key taken before it (the mode is off while it
+        runs, so no other call is counted in between)."""
+        kind, key, scope, site = self._key
         leaves = tensor_leaves((args, kwargs))
         outs = list(iter_tensors(out))
         if not outs:  # size(), dim(), item(): no tensor flows on from here

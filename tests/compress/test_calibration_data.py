@@ -117,3 +117,48 @@ def test_a_forward_function_is_recorded_as_bound_arguments() -> None:
     assert all(torch.equal(x["input1"], a) and torch.equal(x["input2"], b) for x in batches)
     assert as_forward_loop(batches)(model) == 2  # the recorded batches replay through the loop
     assert list(as_batches(lambda m: [m(a, b) for _ in range(5)], model, max_batches=3)).__len__() == 3
+
+
+class _Kw(nn.Module):
+    """A forward with extra keywords, as every Hugging Face model has (``**kwargs``)."""
+
+    def forward(self, x: torch.Tensor, *extra: Any, scale: float = 1.0, **kw: Any) -> torch.Tensor:
+        return x * scale * (2 if kw.get("double") else 1)
+
+
+def test_recorded_extra_keywords_replay_as_keywords() -> None:
+    x = torch.randn(3)
+    model = _Kw()
+    (batch,) = as_batches(lambda m: m(x, scale=3.0, double=True), model)
+    assert set(batch) == {"x", "scale", "double"}
+    torch.testing.assert_close(model(**batch), x * 6)
+
+
+def test_positional_extras_are_refused_and_recording_stops_at_max_batches() -> None:
+    x = torch.randn(3)
+    with pytest.raises(compress.CalibrationError, match="positional arguments past its named ones"):
+        as_batches(lambda m: m(x, x), _Kw())
+    calls: list[int] = []
+
+    def forward(model: nn.Module) -> None:
+        for i in range(10):
+            calls.append(i)
+            model(x)
+
+    assert len(list(as_batches(forward, _Kw(), max_batches=3))) == 3
+    assert calls == [0, 1, 2, 3]  # the fourth call is stopped in the model; the loop goes no further
+
+
+def test_the_former_keywords_still_work_with_a_warning() -> None:
+    from pruning.api import PruneOptions
+
+    torch.manual_seed(0)
+    fp = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    x = torch.randn(16, 12)
+    with pytest.warns(DeprecationWarning, match="forward_loop"):
+        old = compress.quantize(copy.deepcopy(fp), "w8a8", forward_loop=list(x.split(8)))
+    new = compress.quantize(copy.deepcopy(fp), "w8a8", list(x.split(8)))
+    torch.testing.assert_close(old(x), new(x), atol=0, rtol=0)
+    with pytest.warns(DeprecationWarning, match="options"):
+        pruned = compress.prune(copy.deepcopy(fp), x[:2], ratio=0.5, options=PruneOptions(max_ratio=0.25))
+    assert PruneOptions is compress.PruneParams and pruned.model[0].out_features == 24

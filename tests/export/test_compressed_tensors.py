@@ -47,6 +47,9 @@ def test_packed_codes_unpack_to_ours_with_the_library() -> None:
 
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (5, 43), generator=g, dtype=torch.uint8)  # ragged: 43 = 5 words + 3 nibbles
+    # the layout vLLM reads: 8 codes a word, the first in the lowest nibble
+    words = pack_int32(torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]], dtype=torch.uint8))
+    assert words.tolist() == [[0x76543210], [0xFEDCBA98 - 2**32]]
     back = unpack_from_int32(pack_int32(codes), 4, codes.shape)
     assert torch.equal(back.to(torch.int16) + 8, codes.to(torch.int16))  # the library holds q - 8, signed
     # packed along dim 0 (zero points): the same words as packing the transpose along dim 1

@@ -35,10 +35,10 @@ def test_metadata_props(int8_path: Path, fp32_path: Path) -> None:
 
     for path, role in ((int8_path, "final"), (fp32_path, "baseline")):
         props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
-        assert props["compress.core.version"] == compress.__version__
+        assert props["compress.version"] == compress.__version__
         assert props["recipe.hash"] == "abc123" and props["compress.role"] == role
     props = {p.key: p.value for p in onnx.load(str(int8_path)).metadata_props}
-    assert props["compress.core.precision"] == "int8-qdq"
+    assert props["compress.precision"] == "int8-qdq"
 
 
 def test_triton_repository(trained_resnet: Any, digits: Any, tmp_path: Path) -> None:

@@ -44,9 +44,9 @@ def test_int4_generation_files_are_validated_against_pytorch_and_the_fp32_file(t
 
     for r in recs:  # the files say what they are, as the single-pass exports do; no temp files are left
         props = {p.key: p.value for p in onnx.load(str(r.path), load_external_data=False).metadata_props}
-        assert {k: props.get(k) for k in ("compress.role", "compress.core.precision", "compress.kind", "recipe")} == {
-            "compress.role": r.role, "compress.core.precision": r.precision, "compress.kind": "generation", "recipe": "r1"}
-        assert "compress.core.version" in props
+        assert {k: props.get(k) for k in ("compress.role", "compress.precision", "compress.kind", "recipe")} == {
+            "compress.role": r.role, "compress.precision": r.precision, "compress.kind": "generation", "recipe": "r1"}
+        assert "compress.version" in props
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.fp32.onnx", "m.int4.onnx"]
     assert recs[0].integer_ops == {"MatMulNBits": 14}  # 2 layers x q/k/v/o/gate/up/down; lm_head float
     # named as float: per layer the two attention matmuls, and lm_head (weight-only: activations are float)
