@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from compress.core.errors import CompressError, RecipeError, ValidationFailed
+from compress.core.errors import CompressError, RecipeError, ValidationFailed, storage_error
 
 if TYPE_CHECKING:
     from compress.report import Report
@@ -256,12 +256,8 @@ COMMANDS = {"apply": _cmd_apply, "validate": _cmd_validate, "inspect": _cmd_insp
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``compress`` console script."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # the run's loggers speak at INFO into run.log; the console shows INFO unless --quiet
-    quiet = bool(getattr(args, "quiet", False))
-    for h in logging.getLogger().handlers:
-        h.setLevel(logging.WARNING if quiet else logging.INFO)
     debug = args.debug or os.environ.get("COMPRESS_DEBUG") == "1"
+    _console_logging(quiet=bool(getattr(args, "quiet", False)), debug=debug)
     try:
         _check_package()
         return COMMANDS[args.command](args)
@@ -270,6 +266,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"compress: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # disk full, no permission: the user's to fix, in one line
+        storage = storage_error(exc)
+        if storage is None or debug:
+            raise
+        print(f"compress: error: {storage}", file=sys.stderr)
+        return storage.exit_code
     except KeyboardInterrupt:
         print("compress: interrupted", file=sys.stderr)
         return 130
@@ -285,6 +287,34 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"(the traceback: rerun as 'compress --debug {args.command} ...'; a run's run.log holds it too)",
               file=sys.stderr)
         return 1
+
+
+class _ConsoleFormatter(logging.Formatter):
+    """One line per record on the console: tracebacks belong in run.log (``--debug`` shows them)."""
+
+    def __init__(self, *, debug: bool) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+        self.debug = debug
+
+    def format(self, record: logging.LogRecord) -> str:
+        if self.debug:
+            return super().format(record)
+        plain = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None, "stack_info": None})
+        return super().format(plain)
+
+
+def _console_logging(*, quiet: bool, debug: bool) -> None:
+    """The console handler: INFO unless --quiet; records meant for run.log only stay off it; under
+    torchrun only rank 0 speaks (the other ranks' lines go to their run.log files)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(logging.StreamHandler())
+    root.setLevel(logging.WARNING)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    for h in root.handlers:
+        h.setLevel(logging.WARNING if quiet else logging.INFO)
+        h.setFormatter(_ConsoleFormatter(debug=debug))
+        h.addFilter(lambda rec: not getattr(rec, "file_only", False) and (rank0 or rec.levelno >= logging.ERROR))
 
 
 def _check_package() -> None:

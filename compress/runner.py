@@ -10,7 +10,6 @@ import copy
 import logging
 import math
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -23,11 +22,12 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
-from compress.core.errors import RecipeError
+from compress.core.errors import RecipeError, RunFolderError, storage_error
 from compress.core.io import atomic_write_text
 from compress.core.size import count_macs, count_params, deployed_size_bytes
 from compress.recipe import Recipe, load_recipe
 from compress.report import ModelFigures, Report, StageReport, machine, versions
+from compress.run_folder import RunFolder
 from compress.session import Session, StageResult
 from compress.state import save_compressed
 from compress.training import (
@@ -42,6 +42,7 @@ from compress.training import (
 from export.records import ThresholdRecord
 
 log = logging.getLogger(__name__)
+FILE_ONLY = {"file_only": True}  # a log record for run.log, kept off the console (see compress.cli)
 LOGGERS = ("compress", "quantization", "pruning", "distillation", "export")
 
 
@@ -71,6 +72,12 @@ class _Run:
         self.higher_is_better = make_metric(self.metric, where=recipe.where("train.metric")).higher_is_better
         self.reference: nn.Module | None = None
         self.report: Report | None = None  # the run's report as far as it got (written on a failure too)
+        self.folder: RunFolder | None = None  # rank 0's run folder (records what the run wrote)
+
+    def record(self) -> None:
+        """List the files written so far as the run's own (rank 0)."""
+        if self.folder is not None:
+            self.folder.record()
 
     @property
     def train_loader(self) -> DataLoader[Any]:
@@ -141,18 +148,6 @@ def _log_to(path: Path | None, quiet: bool) -> Iterator[None]:
             h.close()
 
 
-def _prepare_out_dir(out_dir: Path, *, overwrite: bool, resume: bool) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:
-        return  # under torchrun rank 0 alone owns the folder; the others would see its first files
-    if out_dir.exists() and not out_dir.is_dir():
-        raise RecipeError(f"--out {out_dir}: exists and is not a folder")
-    if out_dir.exists() and any(out_dir.iterdir()) and not (overwrite or resume):
-        raise RecipeError(f"--out {out_dir}: run folder exists and is not empty; pass --overwrite or --resume")
-    if resume and not (out_dir / "recipe.yaml").is_file():
-        what = "does not exist" if not out_dir.exists() else "is not a run folder (no recipe.yaml)"
-        raise RecipeError(f"--resume: {out_dir} {what}; nothing to resume (drop --resume to start a run)")
-
-
 def _check_same_recipe(recipe: Recipe, out_dir: Path) -> None:
     """--resume continues the run its folder describes: a different recipe would mix two runs."""
     import yaml
@@ -166,17 +161,6 @@ def _check_same_recipe(recipe: Recipe, out_dir: Path) -> None:
             f"--resume: the recipe differs from {out_dir / 'recipe.yaml'} in {', '.join(differ)}; "
             "resume with the run's own recipe (compress apply RUN/recipe.yaml --resume) or start a new run"
         )
-
-
-def _clear_unfinished(out_dir: Path) -> None:
-    """Before a resumed run: drop what a killed attempt may have left (temp files of interrupted
-    writes, exports and reports of an earlier attempt), so that only this run's finished outputs
-    are ever in the folder, and report.json, written last, marks a complete run."""
-    for p in [*out_dir.rglob("*.tmp"), *out_dir.rglob(".*.tmp"), *out_dir.rglob("*.tmp.png")]:
-        p.unlink(missing_ok=True)
-    for name in ("report.json", "report.md", "accuracy_vs_size.png"):
-        (out_dir / name).unlink(missing_ok=True)
-    shutil.rmtree(out_dir / "export", ignore_errors=True)
 
 
 def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -208,34 +192,51 @@ def apply(
     t0 = time.perf_counter()
     r = recipe if isinstance(recipe, Recipe) and not overrides else load_recipe(recipe, overrides=overrides or [])
     out = Path(out_dir)
-    _prepare_out_dir(out, overwrite=overwrite, resume=resume)
-    run = _Run(r, device=device, quiet=quiet)  # bad model/data input raises here, before the folder is touched
-    main = run.dist.is_main
-    if main:
+    folder = RunFolder(out)
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone owns the folder under torchrun
+        folder.check(overwrite=overwrite, resume=resume)
         if resume:
             _check_same_recipe(r, out)
-            _clear_unfinished(out)
-        if overwrite and out.exists() and not resume:
-            shutil.rmtree(out)
-        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "recipe.yaml", r.to_yaml())
+    run = _Run(r, device=device, quiet=quiet)  # bad model/data input raises here, before the folder is touched
+    main = run.dist.is_main
+    run.folder = folder if main else None
+    if main:
+        if resume:
+            folder.clear_unfinished()
+        elif overwrite and folder.is_run():
+            folder.clear()
+        try:
+            (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out / "recipe.yaml", r.to_yaml())
+            folder.record()
+        except OSError as exc:
+            raise RunFolderError(f"--out {out}: cannot write the run folder ({exc.strerror or exc})") from None
     try:
-        with _log_to(out / "run.log" if main else None, quiet):
+        # rank 0 writes run.log; under torchrun every other rank its own file beside it
+        with _log_to(out / ("run.log" if main else f"run.rank{run.dist.rank}.log"), quiet):
             try:
                 report = _run(run, out, resume=resume)
             except Exception as exc:
-                # the traceback belongs in run.log (the console shows one line), and the folder gets a
-                # report that says the run failed and where it got to; then re-raise
-                log.exception("run failed")
+                # the traceback belongs in run.log only (the console's one line is the CLI's), and the
+                # folder gets a report that says the run failed and where it got to; then re-raise
+                log.error("run failed: %s: %s", type(exc).__name__, exc, exc_info=True, extra=FILE_ONLY)
+                storage = storage_error(exc)
                 if main:
                     failed = run.report or Report(recipe=r.to_dict(), versions=versions(), machine=machine())
-                    failed.error = f"{type(exc).__name__}: {exc}"
+                    failed.error = str(storage) if storage else f"{type(exc).__name__}: {exc}"
                     failed.seconds = time.perf_counter() - t0
-                    failed.write(out)
+                    try:
+                        failed.write(out)
+                        folder.record()
+                    except OSError as again:  # the disk that filled up takes no report either
+                        log.warning("could not write the failed run's report: %s", again.strerror or again)
+                if storage is not None:
+                    raise storage from exc
                 raise
             report.seconds = time.perf_counter() - t0
             if main:
                 report.write(out)
+                folder.record()
             if run.dist.enabled:
                 report = _share_report(report)
     finally:
@@ -276,13 +277,18 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
                 opt.load_state_dict(state["optimizer"])
             start = int(state["epoch"])
             log.info("resumed baseline training at epoch %d", start)
-        trainer.checkpoint = lambda m, o, e: save_checkpoint(last, m, o, e)
+        def checkpoint(m: nn.Module, o: torch.optim.Optimizer | None, e: int) -> None:
+            save_checkpoint(last, m, o, e)
+            run.record()
+
+        trainer.checkpoint = checkpoint
         res = trainer.fit(model, run.train_loader, epochs=r.train.epochs, optimizer=opt, start_epoch=start,
                           desc="baseline")
         trainer.checkpoint = None
         log.info("baseline trained: %d epochs, final loss %s, %.1f s", res.epochs, res.final_loss, res.seconds)
         if main:
             save_checkpoint(baseline_ckpt, model, None, int(r.train.epochs))
+            run.record()
     run.reference = copy.deepcopy(model).eval()
     for p in run.reference.parameters():
         p.requires_grad_(False)
@@ -311,6 +317,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
             model=run.figures(s.model, accuracy=acc), seconds=time.perf_counter() - stage_t[0],
         ))
         log.info("stage '%s': %s %s", res.name, run.metric, acc)
+        run.record()
         stage_t[0] = time.perf_counter()
 
     session.on_stage_end(on_end)
@@ -325,6 +332,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
         # weights plus the compression state as data (pruning plans, quantizer config): restorable
         # with weights_only=True (compress.state.restore_compressed), never a pickled module
         save_compressed(ckpt_dir / "final.pt", model, [m for stage in session.modifiers for m in stage])
+        run.record()
 
     # ---- export, validation and thresholds: rank 0 alone; the others receive its report ----
     if main:
@@ -347,6 +355,7 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
     records = export_model(model, _to(run.data.example_inputs, torch.device("cpu")), r.export, out / "export",
                            name=r.name, baseline=reference, metadata=meta)
     report.exports = [rec.model_copy(update={"path": _rel(rec.path, out)}) for rec in records]
+    run.record()
     if not r.validate_.enabled or run.data.eval is None:
         return
     if r.export.generation:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import CompressError, RecipeError
+from compress.core.io import atomic_torch_save
 from compress.core.modifier import Modifier
 from compress.modifiers import modifier_class
 
@@ -50,10 +50,7 @@ def compression_state(model: nn.Module, modifiers: Sequence[Modifier[Any]]) -> d
 def save_compressed(path: Path, model: nn.Module, modifiers: Sequence[Any]) -> None:
     """Atomically write ``model``'s state_dict and its compression state to ``path``."""
     state = compression_state(model, modifiers)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": model.state_dict(), "epoch": 0, "compression": json.dumps(state)}, tmp)
-    os.replace(tmp, path)
+    atomic_torch_save({"model": model.state_dict(), "epoch": 0, "compression": json.dumps(state)}, path)
 
 
 def safe_torch_load(path: Path) -> Any:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from compress.core.batching import call_model, primary_output, split_batch, to_device
 from compress.core.errors import CompressError
+from compress.core.io import atomic_torch_save
 from compress.core.metrics import make_metric
 from compress.recipe import TrainSpec
 
@@ -339,12 +340,9 @@ def fit(
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, epoch: int) -> None:
     """Atomically write model and optimizer state with the epoch they reached."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {"model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer else None, "epoch": epoch}, tmp
+    atomic_torch_save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer else None, "epoch": epoch}, path
     )
-    os.replace(tmp, path)
 
 
 def train_for(model: nn.Module, data: Iterable[Any], *, epochs: float, lr: float | None,

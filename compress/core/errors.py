@@ -28,9 +28,27 @@ class UnsupportedModelError(CompressError):
 
 
 class CalibrationError(CompressError):
-    """Calibration data is missing, empty or non-finite."""
+    """Calibration data is missing, empty, non-finite or not what the model takes."""
 
-    exit_code = 1
+    exit_code = 2
+
+
+class DataError(CompressError):
+    """Data (a data source, a batch, a loss) is unusable: wrong shape, non-finite, labels the model
+    cannot predict. Names the data source and, during training, the step."""
+
+    exit_code = 2
+
+
+class RunFolderError(RecipeError):
+    """The run folder (``--out``) may not be written, cleared or resumed as asked (an argument
+    error, hence a RecipeError)."""
+
+
+class StorageError(CompressError):
+    """A file could not be written: disk full, no permission, read-only file system."""
+
+    exit_code = 2
 
 
 class ExportError(CompressError):
@@ -43,6 +61,21 @@ class ValidationFailed(CompressError):
     """A validation threshold set in the recipe was missed."""
 
     exit_code = 3
+
+
+# errno values that mean the user's disk or permissions, not a bug of ours
+_STORAGE_ERRNOS = {"ENOSPC", "EDQUOT", "EACCES", "EPERM", "EROFS", "EFBIG", "EMFILE"}
+
+
+def storage_error(exc: BaseException) -> StorageError | None:
+    """A StorageError (exit 2, one line naming the file) for an OSError the user's machine caused
+    (disk full, no permission, read-only); None for anything else."""
+    import errno
+
+    if not isinstance(exc, OSError) or errno.errorcode.get(exc.errno or -1) not in _STORAGE_ERRNOS:
+        return None
+    where = f"'{exc.filename}'" if exc.filename else "a file"
+    return StorageError(f"cannot write {where}: {exc.strerror or exc}")
 
 
 def closest(name: str, choices: list[str] | tuple[str, ...] | set[str]) -> str | None:

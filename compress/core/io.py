@@ -33,3 +33,17 @@ def umask_mode() -> int:
 def atomic_write_text(path: Path, text: str) -> None:
     """Text form of :func:`atomic_write_bytes` (UTF-8)."""
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_torch_save(obj: object, path: Path) -> None:
+    """``torch.save`` through a temporary file and a rename; a failed write (disk full) leaves no file."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

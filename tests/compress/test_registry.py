@@ -111,7 +111,8 @@ def test_error_taxonomy_and_exit_codes() -> None:
         2,
         2,
     ]
-    assert [c.exit_code for c in (CalibrationError, ExportError, ValidationFailed)] == [1, 1, 3]
+    # bad calibration data is the user's to fix (2); a failed export is ours (1)
+    assert [c.exit_code for c in (CalibrationError, ExportError, ValidationFailed)] == [2, 1, 3]
 
 
 # ---- the modifier registry --------------------------------------------------------------------

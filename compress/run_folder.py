@@ -1,0 +1,175 @@
+"""The run folder: what ``compress apply`` may create, replace and delete.
+
+A run folder carries a marker, ``.compress-run.json``, listing every file the run wrote. ``--overwrite``
+and ``--resume`` delete only files on that list (and the run's own interrupted ``*.tmp`` writes), and
+only in a folder that carries the marker; a file the run did not write is never removed: the run
+is refused instead, naming it. The current folder, its parents, ``/``, the home folder and a
+repository root are never cleared, marker or not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from compress.core.errors import RunFolderError
+from compress.core.io import atomic_write_text
+from compress.core.version import __version__
+
+MARKER = ".compress-run.json"
+
+
+def is_temp(path: Path) -> bool:
+    """Whether ``path`` (relative to the run folder) is an interrupted write of the run, safe to delete:
+    ``.name.XXXX.tmp`` (core.io, export), ``name.pt.tmp`` (checkpoints), ``name.tmp.png`` (the plot),
+    or a file in an LLM export's ``.llm_onnx.XXXX`` scratch folder. A user's ``notes.tmp`` is none of these."""
+    name = path.name
+    if (name.startswith(".") and name.endswith(".tmp")) or name.endswith((".pt.tmp", ".tmp.png")):
+        return True
+    return any(part.startswith(".llm_onnx.") for part in path.parts[:-1])
+
+
+def _files(root: Path) -> set[str]:
+    """Relative POSIX paths of the files under ``root`` (links are files here; never followed)."""
+    out: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        base = Path(dirpath)
+        out.update((base / f).relative_to(root).as_posix() for f in filenames)
+        out.update((base / d).relative_to(root).as_posix() for d in dirnames if (base / d).is_symlink())
+    return out
+
+
+def _protected(out: Path) -> str | None:
+    """Why ``out`` may never be cleared, or None."""
+    real = out.resolve()
+    if real == Path(real.anchor):
+        return "it is the file-system root"
+    if real == Path.home().resolve():
+        return "it is the home folder"
+    if Path.cwd().resolve().is_relative_to(real):
+        return "it is the current folder or one of its parents"
+    if (real / ".git").exists():
+        return "it is a repository root (it holds .git)"
+    return None
+
+
+class RunFolder:
+    """One run's folder. Every method is a no-op check or a write on rank 0 only (the caller decides)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.marker = self.path / MARKER
+        # files found in the folder that the run did not write (a resumed run's folder may hold the
+        # user's notes): never recorded as the run's unless the run itself rewrites them
+        self._foreign: dict[str, int] = {}
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def is_run(self) -> bool:
+        """Whether the folder carries the marker of a compress run."""
+        return self.marker.is_file()
+
+    def written(self) -> set[str]:
+        """The files the run recorded as its own."""
+        if not self.is_run():
+            return set()
+        try:
+            data = json.loads(self.marker.read_text(encoding="utf-8"))
+            return {str(f) for f in data["files"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            raise RunFolderError(
+                f"{self.marker}: the run marker is unreadable; cannot tell the run's files from others "
+                "(move what you need out of the folder and delete it yourself, or choose another --out)"
+            ) from None
+
+    def foreign(self) -> list[str]:
+        """Files in the folder the run did not write (sorted)."""
+        ours = self.written() | {MARKER}
+        return sorted(f for f in _files(self.path) if f not in ours and not is_temp(Path(f)))
+
+    # ---- checks before anything is touched ----------------------------------------------------------
+    def check(self, *, overwrite: bool, resume: bool) -> None:
+        """Refuse, before any work, a folder this run must not write into or clear."""
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise RunFolderError(f"--out {p}: exists and is not a folder")
+        empty = not p.exists() or not any(p.iterdir())
+        if resume:
+            if not (p / "recipe.yaml").is_file():
+                what = "does not exist" if not p.exists() else "is not a run folder (no recipe.yaml)"
+                raise RunFolderError(f"--resume: {p} {what}; nothing to resume (drop --resume to start a run)")
+            self._foreign = {f: (p / f).lstat().st_mtime_ns for f in self.foreign()}
+            return
+        if empty:
+            return
+        if not overwrite:
+            raise RunFolderError(f"--out {p}: run folder exists and is not empty; pass --overwrite or --resume")
+        why = _protected(p)
+        if why:
+            raise RunFolderError(f"--out {p} --overwrite: refusing to clear this folder, {why}; choose another --out")
+        if not self.is_run():
+            raise RunFolderError(
+                f"--out {p} --overwrite: not a compress run folder (no {MARKER}); refusing to delete what "
+                "it holds; choose another --out or empty it yourself"
+            )
+        self._refuse_foreign("--overwrite")
+
+    def _refuse_foreign(self, flag: str) -> None:
+        foreign = self.foreign()
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise RunFolderError(
+                f"--out {self.path} {flag}: {shown} {'was' if len(foreign) == 1 else 'were'} not written by the "
+                "run; move them out of the folder or choose another --out"
+            )
+
+    # ---- writes ------------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """Delete the previous run's files (for ``--overwrite``): only the recorded ones, then the
+        folders they leave empty. The folder itself stays."""
+        ours = self.written()
+        for rel in sorted(ours):
+            (self.path / rel).unlink(missing_ok=True)
+        self._remove_temps()
+        self.marker.unlink(missing_ok=True)
+        self._prune_empty_dirs()
+
+    def clear_unfinished(self, keep: tuple[str, ...] = ("recipe.yaml", "checkpoints/", "run.log")) -> None:
+        """Before a resumed run: drop the interrupted writes of a killed attempt and the earlier
+        attempt's outputs (reports, exports), so that report.json, written last, marks a complete run.
+        Only files the run recorded are removed; anything else stays."""
+        self._remove_temps()
+        for rel in sorted(self.written()):
+            if not rel.startswith(keep) and rel != MARKER:
+                (self.path / rel).unlink(missing_ok=True)
+        self._prune_empty_dirs()
+
+    def _remove_temps(self) -> None:
+        for rel in _files(self.path):
+            if is_temp(Path(rel)):
+                (self.path / rel).unlink(missing_ok=True)
+        for scratch in self.path.rglob(".llm_onnx.*"):
+            if scratch.is_dir() and not scratch.is_symlink():
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    def _prune_empty_dirs(self) -> None:
+        for dirpath, _, _ in sorted(os.walk(self.path), key=lambda t: -len(t[0])):
+            d = Path(dirpath)
+            if d != self.path and not d.is_symlink() and not any(d.iterdir()):
+                d.rmdir()
+
+    def _still_foreign(self, rel: str) -> bool:
+        mtime = self._foreign.get(rel)
+        return mtime is not None and (self.path / rel).lstat().st_mtime_ns == mtime
+
+    def record(self) -> None:
+        """Add every file now in the folder to the run's list. Called at each point the run has
+        written something (after setup, checkpoints, stages, export, at the end), so a run killed
+        in between leaves at most its last few files unlisted."""
+        files = (self.written() if self.is_run() else set()) | {
+            f for f in _files(self.path)
+            if not is_temp(Path(f)) and f != MARKER and not self._still_foreign(f)
+        }
+        payload = {"format": 1, "tool": "compress", "version": __version__, "files": sorted(files)}
+        atomic_write_text(self.marker, json.dumps(payload, indent=1) + "\n")

@@ -1,0 +1,167 @@
+"""The fault suite of the reliability issue: nothing of the user's is ever deleted, every bad input
+exits 2 in one line, nothing half-written survives a failure.
+
+Each test drives what a user did (the CLI or the Python API) and checks the exit code, the message
+and what is left on disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import compress
+from compress.cli import main
+from compress.core.errors import RunFolderError
+from compress.run_folder import MARKER
+
+TINY: dict[str, Any] = {
+    "version": 1,
+    "name": "tiny",
+    "model": {"name": "mlp", "kwargs": {"hidden": 16, "depth": 1, "num_classes": 10, "in_features": 64}},
+    "data": {"source": "digits", "calibration_samples": 32, "eval_samples": 64},
+    "train": {"epochs": 1, "batch_size": 64, "lr": 0.1, "seed": 0},
+    "export": {"enabled": False},
+}
+
+
+def _recipe(tmp_path: Path, data: dict[str, Any] | None = None) -> Path:
+    p = tmp_path / "recipe.yaml"
+    p.write_text(yaml.safe_dump(data or TINY, sort_keys=False))
+    return p
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _one_error_line(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("compress: error:"), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run folder, made once; tests copy it."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    compress.apply(TINY, out_dir=out, quiet=True)
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---- 1. data loss ------------------------------------------------------------------------------------
+
+
+def test_overwrite_refuses_a_folder_the_run_did_not_make(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_recipe.yaml").write_text("name: mine\n")
+    (work / "notes.txt").write_text("months of notes")
+    torch.save({"w": torch.ones(2)}, work / "model.pt")
+    before = _tree(work)
+    rc = main(["apply", str(_recipe(tmp_path)), "--out", str(work), "--overwrite", "--quiet"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "not a compress run folder" in line and str(work) in line
+    assert _tree(work) == before
+
+
+def test_overwrite_refuses_the_current_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    here = tmp_path / "here"
+    here.mkdir()
+    recipe = _recipe(tmp_path)
+    monkeypatch.chdir(here)
+    # even a real run folder: the current folder is never cleared
+    assert main(["apply", str(recipe), "--out", ".", "--quiet"]) == 0
+    (here / "mine.txt").write_text("keep")
+    before = _tree(here)
+    rc = main(["apply", str(recipe), "--out", ".", "--overwrite", "--quiet"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "current folder" in line
+    assert _tree(here) == before
+
+
+def test_overwrite_refuses_a_repository_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "train.py").write_text("print('mine')\n")
+    before = _tree(repo)
+    rc = main(["apply", str(_recipe(tmp_path)), "--out", str(repo), "--overwrite", "--quiet"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "repository root" in line
+    assert _tree(repo) == before
+
+
+def test_overwrite_replaces_only_the_runs_files(finished: Path, tmp_path: Path) -> None:
+    out = _copy(finished, tmp_path / "run")
+    (out / "checkpoints" / "old_extra.pt.tmp").write_bytes(b"half")  # an interrupted write of the run
+    report = compress.apply(TINY, out_dir=out, overwrite=True, quiet=True)
+    assert report.baseline.accuracy is not None
+    assert not (out / "checkpoints" / "old_extra.pt.tmp").exists()
+    written = set(json.loads((out / MARKER).read_text())["files"])
+    assert {"recipe.yaml", "report.json", "report.md", "run.log", "checkpoints/final.pt"} <= written
+
+
+def test_overwrite_names_a_users_file_in_a_run_folder(finished: Path, tmp_path: Path) -> None:
+    out = _copy(finished, tmp_path / "run")
+    (out / "checkpoints" / "my_best.pt").write_bytes(b"the user's")
+    before = _tree(out)
+    with pytest.raises(RunFolderError, match=r"checkpoints/my_best\.pt was not written by the run"):
+        compress.apply(TINY, out_dir=out, overwrite=True, quiet=True)
+    assert _tree(out) == before
+
+
+def test_resume_keeps_a_users_file_and_never_adopts_it(finished: Path, tmp_path: Path) -> None:
+    out = _copy(finished, tmp_path / "run")
+    (out / "export").mkdir(exist_ok=True)
+    (out / "export" / "notes.md").write_text("mine")
+    compress.apply(TINY, out_dir=out, resume=True, quiet=True)
+    assert (out / "export" / "notes.md").read_text() == "mine"
+    assert "export/notes.md" not in json.loads((out / MARKER).read_text())["files"]
+    # so a later --overwrite still refuses rather than deleting it
+    with pytest.raises(RunFolderError, match="notes.md"):
+        compress.apply(TINY, out_dir=out, overwrite=True, quiet=True)
+
+
+def test_out_that_cannot_be_created_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc = main(["apply", str(_recipe(tmp_path)), "--out", str(blocker / "run"), "--quiet"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "--out" in line
+
+
+def test_disk_full_is_one_line_and_leaves_no_half_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    real_save = torch.save
+
+    def full(obj: Any, f: Any, *a: Any, **k: Any) -> None:
+        if str(f).endswith(".tmp") and "final.pt" in str(f):
+            Path(f).write_bytes(b"half a checkpoint")
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", full)
+    out = tmp_path / "run"
+    rc = main(["apply", str(_recipe(tmp_path)), "--out", str(out), "--quiet"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "No space left on device" in line and "final.pt" in line
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+    assert not (out / "checkpoints" / "final.pt").exists()
+    assert "Traceback" in (out / "run.log").read_text()  # the traceback is kept, in run.log
