@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     from quantization.lowering.kernels import triton_available
 
     if not triton_available():
-        print("benchmarks.cuda_int8: needs Triton: pip install 'compress[triton]'", file=sys.stderr)
+        print("benchmarks.cuda_int8: needs Triton: pip install -e '.[triton]'", file=sys.stderr)
         return 2
     if args.interpret_smoke and "quantization.lowering.kernels.gemm" in sys.modules and not getattr(
         sys.modules["quantization.lowering.kernels.gemm"], "INTERPRETED", False

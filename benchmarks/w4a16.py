@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     from quantization.lowering.kernels import triton_available
 
     if not triton_available():
-        print("benchmarks.w4a16: needs Triton: pip install 'compress[triton]'", file=sys.stderr)
+        print("benchmarks.w4a16: needs Triton: pip install -e '.[triton]'", file=sys.stderr)
         return 2
     from quantization.lowering.kernels.w4a16 import DEQUANT_MIN_M
 

@@ -77,8 +77,10 @@ def versions() -> dict[str, str]:
     """Versions of the libraries that decide results."""
     import importlib.metadata as md
 
-    out = {"python": platform.python_version()}
-    for dist in ("compress", "torch", "onnx", "onnxruntime", "onnxscript", "transformers", "openvino", "triton"):
+    from compress.core.version import __version__
+
+    out = {"python": platform.python_version(), "compress": __version__}
+    for dist in ("torch", "onnx", "onnxruntime", "onnxscript", "transformers", "openvino", "triton"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:

@@ -16,7 +16,7 @@ compressed-tensors keeps int4 codes signed (-8..7) with signed zero points; ours
 weights are uint4 (0..15) with zero points 0..15. Both dequantize as ``(q - zp) * scale``, and both
 store ``q + 8`` resp. the unsigned code, so the packed bits are the same nibbles
 (:class:`quantization.lowering.int4.Int4Weight`). Everything else (embeddings, norms, lm_head, biases) is
-written as it is in the model. Needs ``pip install 'compress[llm]'`` (the config is built and
+written as it is in the model. Needs the ``llm`` extra (``pip install 'compress-toolkit[llm]'``) (the config is built and
 validated with compressed-tensors' own pydantic models).
 """
 
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import ExportError, UnsupportedModelError
+from compress.core.imports import install_hint
 from quantization.lowering.int4 import (
     Int4Weight,
     activation_quantizers,
@@ -41,7 +42,7 @@ from quantization.lowering.int4 import (
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'compress[llm]'"
+INSTALL_HINT = install_hint("llm")
 
 
 def require_compressed_tensors(what: str = "compressed-tensors export") -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 from compress.core.errors import ExportError
+from compress.core.imports import install_hint
 from compress.core.ort import inference_session, session_options
 from compress.core.registry import Registry
 from export.parity import resize_batch
@@ -112,7 +113,7 @@ class OpenVinoSession:
         try:
             import openvino as ov
         except ImportError:
-            raise ExportError("runtime 'openvino' needs the openvino package: pip install 'compress[openvino]'") from None
+            raise ExportError(f"runtime 'openvino' needs the openvino package: {install_hint('openvino')}") from None
         core = ov.Core()
         try:
             model = core.read_model(str(path))

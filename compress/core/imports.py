@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 from compress.core.errors import RecipeError, closest
@@ -35,3 +36,24 @@ def import_object(path: str, *, where: str, what: str = "factory") -> Any:
             raise RecipeError(f"{where}: module '{module_name}' has no attribute '{attr}'{tip}")
         obj = getattr(obj, part)
     return obj
+
+
+#: the name on the package index; the import package stays ``compress`` (PyPI's ``compress`` is
+#: an unrelated project)
+DISTRIBUTION = "compress-toolkit"
+
+
+def install_hint(extra: str) -> str:
+    """The pip command that adds the optional dependencies ``extra`` to *this* installation: the
+    clone's path when ``compress`` runs from a source checkout (``pip install -e '.[hf]'``), the
+    index name otherwise."""
+    root = Path(__file__).resolve().parents[2]  # compress/core/imports.py -> the project root
+    project = root / "pyproject.toml"
+    try:
+        from_clone = project.is_file() and f'name = "{DISTRIBUTION}"' in project.read_text(encoding="utf-8")
+    except OSError:
+        from_clone = False
+    if from_clone:
+        shown = "." if root == Path.cwd().resolve() else str(root)
+        return f"pip install -e '{shown}[{extra}]'"
+    return f"pip install '{DISTRIBUTION}[{extra}]'"

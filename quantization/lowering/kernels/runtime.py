@@ -12,8 +12,9 @@ from types import ModuleType
 import torch
 
 from compress.core.errors import CompressError
+from compress.core.imports import install_hint
 
-INSTALL_HINT = "pip install 'compress[triton]'"
+INSTALL_HINT = install_hint("triton")
 ACTIVATIONS = ("none", "relu", "gelu")
 
 

@@ -18,7 +18,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_TRITON:
         return
-    skip = pytest.mark.skip(reason="triton is not installed (pip install 'compress[triton]')")
+    skip = pytest.mark.skip(reason="triton is not installed (pip install 'compress-toolkit[triton]', or -e '.[triton]' in a clone)")
     for item in items:
         if "quantization/kernels" in str(item.fspath):
             item.add_marker(skip)
