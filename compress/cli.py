@@ -167,7 +167,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     try:
         kwargs = json.loads(args.data_kwargs)
     except json.JSONDecodeError as exc:
-        raise CompressError(f"--data-kwargs: not valid JSON ({exc.msg})") from None
+        raise RecipeError(f"--data-kwargs: not valid JSON ({exc.msg} at column {exc.colno})") from None
     records = run_validate(
         Path(args.model), reference=Path(args.reference) if args.reference else None, data=args.data,
         data_kwargs=kwargs, runtimes=args.runtime or ["onnxruntime"], backend=args.backend, batch_sizes=sizes,

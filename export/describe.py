@@ -14,7 +14,7 @@ import onnx
 import torch
 from torch import nn
 
-from compress.core.errors import CompressError
+from compress.core.errors import CompressError, DataError, RecipeError
 from export.records import DECOMPOSED_KEY, ExportRecord, Role
 from export.runtimes import OrtSession, default_threads, ort_coverage, run_session
 
@@ -35,7 +35,7 @@ def describe_onnx(path: Path, *, role: Role = "final", count_integer: bool = Tru
     try:
         m = onnx.load(str(path), load_external_data=False)
     except Exception as exc:
-        raise CompressError(f"'{path}' is not a readable ONNX model: {str(exc).splitlines()[0]}") from None
+        raise RecipeError(f"'{path}' is not a readable ONNX model: {str(exc).splitlines()[0]}") from None
     ops = {n.op_type for n in m.graph.node}
     qdq = "DequantizeLinear" in ops or "QuantizeLinear" in ops
     fp16 = any(t.data_type == onnx.TensorProto.FLOAT16 for t in m.graph.initializer)
@@ -90,21 +90,100 @@ class OnnxModule(nn.Module):
         return torch.from_numpy(np.ascontiguousarray(run_session(self.session, feeds)[0]))
 
 
-def onnx_reference(path: Path) -> OnnxModule:
+def onnx_reference(path: Path, *, model: Path | None = None) -> OnnxModule:
+    """``path`` run in onnxruntime as a module; with ``model``, its outputs must be shaped like the
+    model's (a reference of another task cannot measure parity)."""
     if not path.is_file():
         raise CompressError(f"reference model '{path}' not found")
+    if model is not None:
+        ours, theirs = _io_shapes(model, "output"), _io_shapes(path, "output")
+        if ours and theirs and not _fits(theirs[0][1], ours[0][1]):
+            raise DataError(
+                f"--reference {path}: its output '{theirs[0][0]}' has shape {_show(theirs[0][1])}, the model's "
+                f"'{ours[0][0]}' has {_show(ours[0][1])}; a reference must compute the same outputs"
+            )
     return OnnxModule(path)
+
+
+Dims = list[int | str]
+
+
+def _io_shapes(path: Path, kind: str) -> list[tuple[str, Dims]]:
+    """(name, dims) of a model's graph inputs (initializers excluded) or outputs; symbolic dims as names."""
+    m = onnx.load(str(path), load_external_data=False)
+    init = {t.name for t in m.graph.initializer}
+    values = m.graph.input if kind == "input" else m.graph.output
+    return [
+        (v.name, [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in v.type.tensor_type.shape.dim])
+        for v in values if v.name not in init
+    ]
+
+
+def _fits(shape: Any, dims: Dims) -> bool:
+    """Whether a concrete ``shape`` fits ``dims`` (same rank, equal wherever both are fixed)."""
+    shape = list(shape)
+    return len(shape) == len(dims) and all(
+        not isinstance(d, int) or not isinstance(s, int) or d == 0 or s == 0 or d == s for s, d in zip(shape, dims)
+    )
+
+
+def _show(dims: Any) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
 
 
 def check_eval_batches(data: Any, model_path: Path, *, eval_samples: int | None) -> Any:
     """``data`` checked to be an iterable of ``(inputs, targets)`` eval batches (data source names
-    are resolved on compress's side: ``compress.validate``)."""
+    are resolved on compress's side: ``compress.validate``); each batch is then checked against the
+    model's inputs as it is read (DataError naming the input and both shapes), and labels the
+    model's output cannot predict are warned about once."""
     if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
         raise CompressError(
             f"validate: data must be an iterable of (inputs, targets) batches, not {type(data).__name__} "
             "(compress.validate also takes a data source name such as 'digits')"
         )
-    return data
+    return _CheckedBatches(data, model_path)
+
+
+class _CheckedBatches:
+    """Re-iterable view of eval batches that checks each against the model's declared inputs."""
+
+    def __init__(self, data: Any, model_path: Path) -> None:
+        self.data = data
+        self.model_path = model_path
+        self.inputs = _io_shapes(model_path, "input")
+        outputs = _io_shapes(model_path, "output")
+        last = outputs[0][1][-1] if outputs and outputs[0][1] else None
+        # a classifier's class count: the first output's last dim, when static and > 1
+        self.classes = last if isinstance(last, int) and last > 1 and len(outputs[0][1]) == 2 else None
+        self.warned = False
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.data:
+            self._check(batch)
+            yield batch
+
+    def _check(self, batch: Any) -> None:
+        inputs, targets = (batch[0], batch[1]) if isinstance(batch, (tuple, list)) and len(batch) == 2 else (batch, None)
+        tensors = (
+            [inputs[n] for n, _ in self.inputs if n in inputs] if isinstance(inputs, dict)
+            else [inputs] if hasattr(inputs, "shape") else list(inputs) if isinstance(inputs, (tuple, list)) else []
+        )
+        for (name, dims), t in zip(self.inputs, tensors):
+            if hasattr(t, "shape") and not _fits(tuple(t.shape), dims):
+                raise DataError(
+                    f"validate data: input '{name}' of {self.model_path.name} takes shape {_show(dims)}, the data "
+                    f"gives {_show(tuple(t.shape))}; use a data source of the model's input shape"
+                )
+        if self.classes is not None and torch.is_tensor(targets) and not targets.is_floating_point() \
+                and targets.numel() and not self.warned and int(targets.max()) >= self.classes:
+            self.warned = True
+            log.warning(
+                "validate data: label %d but %s predicts %d classes: the data's label set does not fit the "
+                "model, accuracy is not meaningful", int(targets.max()), self.model_path.name, self.classes,
+            )
 
 
 _ONNX_TO_NUMPY = {

@@ -370,7 +370,7 @@ def validate(
         ref_module = reference
     else:
         ref_path = Path(reference)
-        ref_module = onnx_reference(ref_path)
+        ref_module = onnx_reference(ref_path, model=path)
         baseline = baseline or ref_path
     records = [describe_onnx(path, role="final")]
     if baseline is not None:

@@ -186,3 +186,52 @@ def test_install_hints_name_this_project(tmp_path: Path, monkeypatch: pytest.Mon
     # an install from the index: the index name
     monkeypatch.setattr(imports, "__file__", str(tmp_path / "site-packages" / "compress" / "core" / "imports.py"))
     assert imports.install_hint("triton") == "pip install 'compress-toolkit[triton]'"
+
+
+# ---- 3. bad input: exit 2, one line -----------------------------------------------------------------
+
+
+def _onnx_classifier(path: Path, classes: int) -> Path:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, classes)).eval()
+    compress.export_onnx(model, torch.randn(2, 1, 8, 8), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def classifiers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("onnx")
+    return _onnx_classifier(d / "ten.onnx", 10), _onnx_classifier(d / "seven.onnx", 7)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expect"),
+    [
+        (["--data", "synthetic", "--data-kwargs", '{"shape": [32]}'], "input 'input' of ten.onnx takes shape"),
+        (["--data-kwargs", "{bad"], "--data-kwargs: not valid JSON"),
+        (["--reference", "SEVEN"], "a reference must compute the same outputs"),
+    ],
+    ids=["data-shape", "data-kwargs-json", "reference-shape"],
+)
+def test_validate_bad_input_is_one_line_exit_2(classifiers: tuple[Path, Path], argv: list[str], expect: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    ten, seven = classifiers
+    argv = [str(seven) if a == "SEVEN" else a for a in argv]
+    rc = main(["validate", str(ten), "--runs", "1", "--batch-sizes", "1", *argv])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and expect in line
+
+
+def test_inspect_of_a_garbage_onnx_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "g.onnx"
+    bad.write_text("garbage")
+    assert main(["inspect", str(bad)]) == 2
+    assert "is not a readable ONNX model" in _one_error_line(capsys.readouterr().err)
+
+
+def test_labels_the_model_cannot_predict_are_warned(classifiers: tuple[Path, Path],
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    _ten, seven = classifiers
+    with caplog.at_level("WARNING"):
+        compress.validate(seven, data="digits", batch_sizes=[1], runs=1, warmup=0)
+    assert any("predicts 7 classes" in r.getMessage() for r in caplog.records), caplog.text
