@@ -216,7 +216,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
         print(inspect_onnx(path))
     elif path.suffix in (".pt", ".pth"):
-        from compress.state import safe_torch_load
+        from compress.core.io import safe_torch_load
 
         state = safe_torch_load(path)
         sd = state.get("model", state) if isinstance(state, dict) else {}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import CompressError, RecipeError
-from compress.core.io import atomic_torch_save
+from compress.core.io import atomic_torch_save, safe_torch_load
 from compress.core.modifier import Modifier
 from compress.modifiers import modifier_class
 
@@ -51,22 +50,6 @@ def save_compressed(path: Path, model: nn.Module, modifiers: Sequence[Any]) -> N
     """Atomically write ``model``'s state_dict and its compression state to ``path``."""
     state = compression_state(model, modifiers)
     atomic_torch_save({"model": model.state_dict(), "epoch": 0, "compression": json.dumps(state)}, path)
-
-
-def safe_torch_load(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)`` with one-line errors: a file that needs code to load
-    (a pickled module) is refused, a truncated or foreign one named."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # torch's own message is six lines with terminal colour codes; say what it means
-        raise RecipeError(
-            f"{path}: holds pickled Python objects, not only tensors (e.g. a module saved with torch.save(model)); "
-            "compress loads state with weights_only=True and will not run code from a file"
-        ) from None
-    except Exception as exc:  # a truncated or foreign file is the user's input
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise RecipeError(f"{path}: not a readable checkpoint ({type(exc).__name__}: {first})") from None
 
 
 def load_state_file(path: Path) -> dict[str, Any]:

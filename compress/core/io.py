@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -47,3 +48,40 @@ def atomic_torch_save(obj: object, path: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def safe_torch_load(path: Path, *, where: str | None = None) -> Any:
+    """``torch.load(path, weights_only=True)`` with one-line RecipeErrors: a file that needs code to
+    load (a pickled module) is refused, and never with torch's advice to turn the check off; a
+    truncated or foreign file is named. ``where`` prefixes the message (a recipe field and line)."""
+    import pickle
+
+    import torch
+
+    from compress.core.errors import RecipeError
+
+    at = f"{where}: " if where else ""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "Unsupported global" not in str(exc) and not _looks_pickled(path):  # a foreign or broken file
+            why = str(exc).split("WeightsUnpickler error:")[-1].strip().splitlines()
+            raise RecipeError(f"{at}{path}: not a readable checkpoint ({(why or [''])[0][:200]})") from None
+        raise RecipeError(
+            f"{at}{path}: holds pickled Python objects, not only tensors (e.g. a module saved with "
+            "torch.save(model)); compress loads with weights_only=True and will not run code from a file: "
+            "save model.state_dict() instead"
+        ) from None
+    except Exception as exc:  # a truncated or foreign file is the user's input
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise RecipeError(f"{at}{path}: not a readable checkpoint ({type(exc).__name__}: {first})") from None
+
+
+def _looks_pickled(path: Path) -> bool:
+    """Whether the file starts like a pickle (protocol 2+) or torch's zip format."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError:
+        return False
+    return head[:1] == b"\x80" or head == b"PK"

@@ -85,7 +85,9 @@ def load_hf_model(path: str, kwargs: dict[str, Any] | None = None, *, where: str
     auto = transformers.AutoModelForCausalLM if _is_causal_lm(directory) else transformers.AutoModel
     try:
         model = auto.from_pretrained(str(directory), local_files_only=True, **(kwargs or {}))
-    except (OSError, ValueError, TypeError) as exc:
+    except Exception as exc:  # a bad config.json raises whatever transformers' validators raise
+        if isinstance(exc, CompressError):
+            raise
         why = " ".join(str(exc).split())[:300]
         raise RecipeError(f"{where}: cannot load a Hugging Face model from '{directory}' ({why})") from None
     if not isinstance(model, nn.Module):

@@ -14,6 +14,7 @@ from torch import nn
 
 from compress.core.errors import CompressError, RecipeError
 from compress.core.imports import import_object, is_import_path
+from compress.core.io import safe_torch_load
 from compress.core.reference import ModelSpec, Where
 from compress.models.hf import load_hf_model
 from compress.models.zoo import _build
@@ -62,6 +63,9 @@ def _from_name(name: str, kwargs: Mapping[str, Any], *, where: str, kwarg_where:
         model = factory(**kwargs)
     except TypeError as exc:
         raise RecipeError(f"{where}: factory '{name}' rejected kwargs {sorted(kwargs)} ({exc})") from None
+    except Exception as exc:  # the user's factory failed: name it and the recipe line, not our code
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise RecipeError(f"{where}: model factory '{name}' raised {why}") from None
     if not isinstance(model, nn.Module):
         raise RecipeError(
             f"{where}: factory '{name}' returned a {type(model).__name__}, not a torch nn.Module"
@@ -94,11 +98,7 @@ def load_checkpoint(model: nn.Module, path: str, *, where: str = "checkpoint") -
     p = Path(path)
     if not p.is_file():
         raise RecipeError(f"{where}: checkpoint '{path}' not found")
-    try:
-        obj = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # unpickling errors come in many types; all mean "not a usable checkpoint"
-        why = " ".join(str(exc).split())[:200]
-        raise RecipeError(f"{where}: cannot read checkpoint '{path}' ({type(exc).__name__}: {why})") from None
+    obj = safe_torch_load(p, where=where)
     if isinstance(obj, Mapping):
         for key in ("model", "state_dict"):
             if isinstance(obj.get(key), Mapping):

@@ -222,7 +222,7 @@ def test_checkpoint_errors(tmp_path) -> None:
     with pytest.raises(RecipeError, match=r"missing key 'fc.bias'"):
         load_model(ModelSpec(name="resnet", kwargs={"width": 8}, checkpoint=str(tmp_path / "partial.pt")))
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(RecipeError, match=r"cannot read checkpoint"):
+    with pytest.raises(RecipeError, match=r"junk.pt: not a readable checkpoint"):
         load_model(ModelSpec(name="resnet", checkpoint=str(tmp_path / "junk.pt")))
 
 

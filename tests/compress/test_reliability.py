@@ -235,3 +235,36 @@ def test_labels_the_model_cannot_predict_are_warned(classifiers: tuple[Path, Pat
     with caplog.at_level("WARNING"):
         compress.validate(seven, data="digits", batch_sizes=[1], runs=1, warmup=0)
     assert any("predicts 7 classes" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_user_factory_that_raises_names_the_factory_and_the_recipe_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "userfac.py").write_text("def make():\n    raise RuntimeError('weights file missing')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = _recipe(tmp_path, {**TINY, "model": {"name": "userfac:make"}})
+    rc = main(["apply", str(recipe), "--out", str(tmp_path / "run"), "--quiet"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "recipe.yaml:4: model.name" in line and "'userfac:make' raised RuntimeError" in line
+    assert not (tmp_path / "run").exists()  # found before the folder is touched
+
+
+def test_an_hf_directory_with_an_invalid_config_is_bad_input(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": "big"}))
+    recipe = _recipe(tmp_path, {**TINY, "model": {"hf_path": str(hf)}})
+    rc = main(["apply", str(recipe), "--out", str(tmp_path / "run"), "--quiet"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "model.hf_path" in line and "hidden_size" in line
+
+
+def test_a_pickled_module_is_refused_without_advice_to_turn_safety_off(tmp_path: Path) -> None:
+    from compress.core.errors import RecipeError
+
+    torch.save(torch.nn.Linear(64, 10), tmp_path / "module.pt")  # a whole module: needs code to load
+    with pytest.raises(RecipeError) as info:
+        compress.load_model({"name": "mlp", "checkpoint": str(tmp_path / "module.pt")})
+    msg = str(info.value)
+    assert "will not run code" in msg and "weights_only set to False" not in msg and "\n" not in msg
