@@ -11,7 +11,7 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 from torch import nn
 
 from compress.core.batching import (
@@ -20,11 +20,13 @@ from compress.core.batching import (
     call_model,
     is_forward_function,
     primary_output,
+    require_module,
     split_batch,
     to_device,
 )
 from compress.core.errors import CalibrationError, RecipeError, UnsupportedModelError
 from compress.core.moe import is_packed_experts, unpack_experts
+from compress.core.params import ApiParams
 from compress.core.targets import select_modules
 from compress.core.tracing import iter_tensors
 from pruning.apply import apply_slices, slices_from_keep
@@ -39,7 +41,7 @@ from pruning.trace import trace_graph
 log = logging.getLogger(__name__)
 
 
-class PruneParams(BaseModel):
+class PruneParams(ApiParams):
     """Advanced knobs of :func:`prune` (and fields of the ``prune`` recipe modifier).
 
     ``mode``: ``local`` removes the ratio from every coupled group, ``global`` ranks all groups'
@@ -362,6 +364,10 @@ def prune(
     if options is not None:
         warnings.warn("prune(options=...) is deprecated: pass params=PruneParams(...)", DeprecationWarning, stacklevel=2)
         params = options if params is None else params
+    require_module(model, "prune: model")
+    if example_inputs is None:
+        raise RecipeError("prune: example_inputs is None; pass one batch the model takes (a tensor, a tuple "
+                          "or a dict of keyword inputs): it is run once to trace the channel dependencies")
     check_ratio(ratio, target)
     if optimizer is not None and any(is_packed_experts(m) for m in model.modules()):
         # checked before anything changes: unpacking makes new Parameters the optimizer does not hold

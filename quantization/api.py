@@ -7,11 +7,12 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from torch import nn
 
-from compress.core.batching import CalibrationData, ForwardLoop, as_forward_loop
+from compress.core.batching import CalibrationData, ForwardLoop, as_forward_loop, require_module
 from compress.core.errors import CalibrationError
+from compress.core.params import ApiParams
 from quantization.algorithms.bias_correction import bias_correction
 from quantization.algorithms.kv_cache import KVCache, attach_kv_quantization, check_kv_calls, kv_quantizers
 from quantization.algorithms.smoothquant import SmoothQuantField, smooth_quant
@@ -25,7 +26,7 @@ from quantization.preparation import BnMode, FirstLast, prepare
 log = logging.getLogger(__name__)
 
 
-class QuantizeParams(BaseModel):
+class QuantizeParams(ApiParams):
     """Advanced knobs of :func:`quantize` (and of the ``ptq`` modifier).
 
     ``first_last``: quantize / keep in ``float`` / give ``w8`` weights to the first and last layer.
@@ -80,6 +81,7 @@ def quantize(
         warnings.warn("quantize(forward_loop=...) is deprecated: pass the calibration data as data=",
                       DeprecationWarning, stacklevel=2)
         data = forward_loop if data is None else data
+    require_module(model, "quantize: model")
     scheme = resolve_scheme(scheme)
     p = params or QuantizeParams()
     needs_data = (scheme.static_activations or p.smoothquant is not None or p.bias_correction

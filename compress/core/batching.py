@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from compress.core.errors import CalibrationError
+from compress.core.errors import CalibrationError, RecipeError
 
 Inputs = torch.Tensor | Mapping[str, torch.Tensor]
 
@@ -93,12 +94,37 @@ def is_forward_function(data: Any) -> bool:
     return callable(data) and not isinstance(data, Iterable)
 
 
+def require_module(model: Any, where: str = "model") -> nn.Module:
+    """``model`` itself when it is a torch module; a one-line RecipeError otherwise (a name or a
+    path where a module belongs, say)."""
+    if not isinstance(model, nn.Module):
+        hint = " (compress.load_model builds one from a zoo name or a path)" if isinstance(model, (str, Path)) else ""
+        raise RecipeError(f"{where}: expected a torch nn.Module, got {type(model).__name__} {model!r:.60}{hint}")
+    return model
+
+
+def check_calibration_data(data: Any, where: str = "data") -> Iterable[Any]:
+    """``data`` as an iterable of batches; a one-line CalibrationError for what is not one. A single
+    tensor is refused: iterating it would feed its rows one by one, each the wrong shape."""
+    if torch.is_tensor(data):
+        raise CalibrationError(
+            f"{where}: one tensor of shape {list(data.shape)} where an iterable of batches belongs; pass "
+            "[tensor] for a single batch, or a DataLoader"
+        )
+    if isinstance(data, (str, bytes)) or not isinstance(data, Iterable):
+        raise CalibrationError(
+            f"{where}: {type(data).__name__} is not calibration data (an iterable of batches, such as a list of "
+            "tensors or a DataLoader, or a forward function fn(model))"
+        )
+    return data
+
+
 def as_forward_loop(data: CalibrationData, *, max_batches: int | None = None) -> ForwardLoop:
     """A ``forward_loop(model)`` from calibration data: a forward function as it is, an iterable run
     batch by batch without grad (inputs moved to the model's device)."""
     if is_forward_function(data):
         return cast(ForwardLoop, data)
-    batches = cast(Iterable[Any], data)
+    batches = check_calibration_data(data)
 
     def loop(model: nn.Module) -> int:
         p = next(model.parameters(), None)
@@ -126,8 +152,9 @@ def as_batches(data: CalibrationData, model: nn.Module, *, max_batches: int | No
     as a dict of keyword arguments (its arguments bound to ``forward``'s parameter names, extra
     keywords merged in). The model runs whole, up to ``max_batches`` calls: pass batches when it
     only fits layer by layer."""
+    require_module(model)
     if not is_forward_function(data):
-        return cast(Iterable[Any], data)
+        return check_calibration_data(data)
     signature = inspect.signature(model.forward)
     kinds = {name: p.kind for name, p in signature.parameters.items()}
     recorded: list[dict[str, Any]] = []

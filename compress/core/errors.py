@@ -78,6 +78,22 @@ def storage_error(exc: BaseException) -> StorageError | None:
     return StorageError(f"cannot write {where}: {exc.strerror or exc}")
 
 
+def validation_message(exc: Exception) -> str:
+    """A pydantic ValidationError as one line: ``field.path: what is wrong (got X)``, without the
+    documentation URL and the multi-line layout."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return " ".join(str(exc).split())
+    err = errors()[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()))
+    msg = str(err.get("msg", "")).removeprefix("Value error, ")
+    if err.get("type") == "extra_forbidden":
+        msg = "unknown field"
+    got = err.get("input")
+    shown = f" (got {got!r})" if err.get("type") not in ("missing",) and not isinstance(got, dict) else ""
+    return f"{loc}: {msg}{shown}" if loc else f"{msg}{shown}"
+
+
 def closest(name: str, choices: list[str] | tuple[str, ...] | set[str]) -> str | None:
     """The closest valid name to a typo, or None when nothing is close."""
     import difflib

@@ -75,11 +75,15 @@ def select_modules(
         if selected and not ignored:
             out[name] = mod
     if require_match:
-        missing = [p for p, hit in hit_t.items() if not hit] + [p for p, hit in hit_i.items() if not hit]
-        if missing:
-            kinds = f" of type {'/'.join(t.__name__ for t in types)}" if types else ""
+        missing_t = [p for p, hit in hit_t.items() if not hit]
+        missing_i = [p for p, hit in hit_i.items() if not hit]
+        if missing_t or missing_i:
+            kinds = f" of type {'/'.join(t.__name__ for t in types)}" if types and missing_t else ""
+            # name the list the pattern came from: callers pass where as "...: targets"
+            at = where if missing_t else (where[: -len("targets")] + "ignore" if where.endswith("targets")
+                                           else f"{where}: ignore")
             raise TargetMatchError(
-                f"{where}: pattern '{missing[0]}' matches no module{kinds} in {type(model).__name__}"
+                f"{at}: pattern '{(missing_t or missing_i)[0]}' matches no module{kinds} in {type(model).__name__}"
                 f" (module names look like: {_examples(n for n, _ in named)})"
             )
     return out

@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from compress.core.batching import CalibrationData, as_batches
+from compress.core.params import ApiParams
 from compress.core.precision import float32_inputs, float32_weights
 from quantization.algorithms.sequential import (
     DEFAULT_SCHEME,
@@ -90,7 +91,7 @@ class AWQFields(BaseModel):
     clip_in_search: bool = True
 
 
-class AWQParams(AWQFields):
+class AWQParams(AWQFields, ApiParams):
     """AWQ's knobs: ``grid`` alphas in [0, 1) for the scale search, ``duo_scaling`` (weight term in
     the scales, as AutoAWQ; off: activations alone, as the paper), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
     skipping Linears matching ``clip_ignore`` (each clip is kept only where it lowers the error at

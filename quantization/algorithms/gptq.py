@@ -35,6 +35,7 @@ from torch import nn
 
 from compress.core.batching import CalibrationData, as_batches
 from compress.core.errors import CalibrationError
+from compress.core.params import ApiParams
 from quantization.algorithms.sequential import (
     DEFAULT_SCHEME,
     Call,
@@ -58,7 +59,7 @@ class GPTQFields(BaseModel):
     act_order: bool = False
 
 
-class GPTQParams(GPTQFields):
+class GPTQParams(GPTQFields, ApiParams):
     """GPTQ's knobs: ``block_size`` columns per lazy-batch block, ``dampening`` (fraction of the mean
     Hessian diagonal added to it), ``act_order`` (round columns in decreasing Hessian-diagonal
     order, with static groups)."""

@@ -18,11 +18,13 @@ Conventions (read by export and the int8 converter, keep stable):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from compress.core.errors import RecipeError, did_you_mean
+from compress.core.errors import RecipeError, did_you_mean, validation_message
 
 Granularity = Literal["tensor", "channel", "token", "group"]
 
@@ -151,6 +153,11 @@ def resolve_scheme(scheme: QuantScheme | str | dict[str, Any]) -> QuantScheme:
         return scheme
     if isinstance(scheme, str):
         return QuantScheme.preset(scheme)
+    if not isinstance(scheme, Mapping):
+        raise RecipeError(
+            f"scheme: {type(scheme).__name__} {scheme!r} is not a QuantScheme, a preset name or a mapping "
+            f"(presets: {', '.join(sorted(PRESETS))})"
+        )
     data = dict(scheme)
     base = data.pop("preset", None)
     if base is not None:
@@ -161,4 +168,7 @@ def resolve_scheme(scheme: QuantScheme | str | dict[str, Any]) -> QuantScheme:
             else:
                 merged[key] = val
         data = merged
-    return QuantScheme.model_validate(data)
+    try:
+        return QuantScheme.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise RecipeError(f"scheme: {validation_message(exc)}") from None

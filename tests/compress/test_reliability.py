@@ -268,3 +268,41 @@ def test_a_pickled_module_is_refused_without_advice_to_turn_safety_off(tmp_path:
         compress.load_model({"name": "mlp", "checkpoint": str(tmp_path / "module.pt")})
     msg = str(info.value)
     assert "will not run code" in msg and "weights_only set to False" not in msg and "\n" not in msg
+
+
+# ---- 3b. the Python API: one-line CompressErrors, not TypeErrors from deep inside --------------------
+
+_CONV = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(144, 10))
+_X = torch.randn(4, 1, 8, 8)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "expect"),
+    [
+        (lambda: compress.quantize(_CONV, 8, [_X]), "RecipeError", "scheme: int 8 is not a QuantScheme"),
+        (lambda: compress.quantize(_CONV, "w8a8", [_X], params=compress.QuantizeParams(target="gpu")),
+         "RecipeError", "QuantizeParams: target:"),
+        (lambda: compress.quantize("resnet", "w8a8", [_X]), "RecipeError", "quantize: model: expected a torch nn.Module"),
+        (lambda: compress.quantize(_CONV, "w8a8", _X), "CalibrationError", "one tensor of shape [4, 1, 8, 8]"),
+        (lambda: compress.gptq(_CONV, _X), "CalibrationError", "one tensor of shape"),
+        (lambda: compress.prune(_CONV, example_inputs=None, ratio=0.5), "RecipeError", "prune: example_inputs is None"),
+        (lambda: compress.quantize(_CONV, "w8a8", [_X], ignore=["x"]), "TargetMatchError",
+         "quantize: ignore: pattern 'x'"),
+    ],
+    ids=["scheme-int", "params-target", "model-string", "tensor-as-data", "gptq-tensor", "prune-no-example",
+         "ignore-names-ignore"],
+)
+def test_api_bad_input_is_a_one_line_compress_error(call: Any, error: str, expect: str) -> None:
+    import copy
+
+    from compress.core.errors import CompressError
+
+    global _CONV
+    saved = copy.deepcopy(_CONV)
+    try:
+        with pytest.raises(CompressError) as info:
+            call()
+    finally:
+        _CONV = saved
+    assert type(info.value).__name__ == error and expect in str(info.value), str(info.value)
+    assert "\n" not in str(info.value) and "errors.pydantic.dev" not in str(info.value)
