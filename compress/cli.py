@@ -81,10 +81,10 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     from compress.runner import apply, plan
 
     recipe = load_recipe(args.recipe, overrides=args.overrides)
-    _check_device(args.device, recipe)
     out = args.out or f"runs/{recipe.name}"
     if args.dry_run:
-        print(_render_plan(plan(recipe)))
+        # the same checks the run makes before training: a dry run that passes does not stop on them
+        print(_render_plan(plan(recipe, device=args.device), overrides=args.overrides))
         return 0
     report = apply(recipe, out_dir=out, device=args.device, overwrite=args.overwrite, resume=args.resume,
                    quiet=args.quiet)
@@ -135,21 +135,16 @@ def _n(x: int | None) -> str:
     return "-" if x is None else f"{x:,}"
 
 
-def _check_device(flag: str | None, recipe: Any) -> None:
-    """A CUDA request on a machine without CUDA is bad input, found before any work (--dry-run too)."""
-    import torch
-
-    if (flag or recipe.train.device) == "cuda" and not torch.cuda.is_available():
-        where = "--device cuda" if flag else f"{recipe.where('train.device')}: 'cuda'"
-        raise RecipeError(f"{where}: this machine has no CUDA device (torch {torch.__version__})")
-
-
 def _f(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
 
 
-def _render_plan(p: dict[str, Any]) -> str:
+def _render_plan(p: dict[str, Any], *, overrides: Sequence[str] = ()) -> str:
     lines = [f"recipe {p['recipe']}: model {p['model']} ({p['params']:,} params)"]
+    if overrides:
+        lines.append("  overrides applied: " + ", ".join(overrides))
+    if p.get("data"):
+        lines.append(f"  data: {p['data']}")
     for s in p["stages"]:
         length = f"{s['steps']} steps" if s["steps"] else (f"{s['epochs']} epochs" if s["epochs"] else "one-shot")
         lines.append(f"  stage {s['stage']} ({length})")
@@ -266,6 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"compress: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        # the reader went away (`compress inspect X | head`): stop quietly, as a SIGPIPE'd tool does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except OSError as exc:  # disk full, no permission: the user's to fix, in one line
         storage = storage_error(exc)
         if storage is None or debug:
@@ -275,11 +275,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("compress: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        # the reader went away (`compress inspect X | head`): stop quietly, as a SIGPIPE'd tool does
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 141
     except Exception as exc:
         if debug:
             raise

@@ -138,7 +138,19 @@ class Recipe(StrictSpec):
         return self.model_dump(mode="json", by_alias=True, serialize_as_any=True)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        """The resolved recipe as YAML; whole-number floats (``epochs: 3``) written as integers."""
+        return yaml.safe_dump(_whole_numbers(self.to_dict()), sort_keys=False)
+
+
+def _whole_numbers(data: Any) -> Any:
+    """``data`` with floats that are whole numbers as ints: float fields (epochs) read as written."""
+    if isinstance(data, dict):
+        return {k: _whole_numbers(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_whole_numbers(v) for v in data]
+    if isinstance(data, float) and data.is_integer() and abs(data) < 2**53:
+        return int(data)
+    return data
 
 
 # ---- modifiers --------------------------------------------------------------------------------

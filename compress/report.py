@@ -142,8 +142,13 @@ def render_markdown(report: Report, *, plot_name: str | None = None) -> str:
         out.append(f"{r.recipe['description']}\n")
     if r.error:
         out.append(f"**The run FAILED**: {r.error} (the traceback is in run.log).\n")
-    verdict = "all thresholds passed" if all(t.passed for t in r.thresholds) else "THRESHOLDS MISSED"
-    out.append(f"Metric: `{r.metric}`. {len(r.thresholds)} threshold(s): {verdict}."
+    if r.error:  # a failed run checked nothing: no verdict
+        verdict = "not checked (the run failed)"
+    elif not r.thresholds:
+        verdict = "none set"
+    else:
+        verdict = "all passed" if all(t.passed for t in r.thresholds) else "THRESHOLDS MISSED"
+    out.append(f"Metric: `{r.metric}`. Thresholds: {verdict}."
                + (f" Run time {r.seconds:.1f} s." if r.seconds else "") + "\n")
     out.append("## Model\n")
     files = {e.role: e.size_bytes for e in r.exports}

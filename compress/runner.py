@@ -25,6 +25,8 @@ from tqdm import tqdm
 from compress.core.errors import RecipeError, RunFolderError, storage_error
 from compress.core.io import atomic_write_text
 from compress.core.size import count_macs, count_params, deployed_size_bytes
+from compress.core.tracing import iter_tensors
+from compress.preflight import check_data_fits, check_recipe
 from compress.recipe import Recipe, load_recipe
 from compress.report import ModelFigures, Report, StageReport, machine, versions
 from compress.run_folder import RunFolder
@@ -163,14 +165,23 @@ def _check_same_recipe(recipe: Recipe, out_dir: Path) -> None:
         )
 
 
-def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None) -> dict[str, Any]:
-    """The resolved plan of a recipe without running it: stages and the modules each modifier matches."""
+def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None, device: str | None = None) -> dict[
+    str, Any
+]:
+    """The resolved plan of a recipe without running it: stages and the modules each modifier matches,
+    after the checks ``apply`` makes before training (field conflicts, this machine, data vs model)."""
     r = recipe if isinstance(recipe, Recipe) and not overrides else load_recipe(recipe, overrides=overrides or [])
+    from compress.data import build_data
     from compress.models import load_model
 
+    check_recipe(r, device=device)
+    data = build_data(r.data, batch_size=r.train.batch_size, seed=r.data.seed, where=r.where)
     model = load_model(r.model, where=r.where)
+    check_data_fits(r, model, data.example_inputs)
     session = Session(r, model)
-    return {"recipe": r.name, "model": type(model).__name__, "params": count_params(model), "stages": session.plan()}
+    shapes = ", ".join(str(list(t.shape)) for t in iter_tensors(data.example_inputs))
+    return {"recipe": r.name, "model": type(model).__name__, "params": count_params(model), "stages": session.plan(),
+            "data": f"{r.data.source}, batches of {shapes or 'no example inputs'}"}
 
 
 def apply(
@@ -191,6 +202,7 @@ def apply(
     """
     t0 = time.perf_counter()
     r = recipe if isinstance(recipe, Recipe) and not overrides else load_recipe(recipe, overrides=overrides or [])
+    check_recipe(r, device=device)
     out = Path(out_dir)
     folder = RunFolder(out)
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone owns the folder under torchrun
@@ -198,6 +210,7 @@ def apply(
         if resume:
             _check_same_recipe(r, out)
     run = _Run(r, device=device, quiet=quiet)  # bad model/data input raises here, before the folder is touched
+    check_data_fits(r, run.model, run.data.example_inputs)
     main = run.dist.is_main
     run.folder = folder if main else None
     if main:
@@ -211,6 +224,8 @@ def apply(
             folder.record()
         except OSError as exc:
             raise RunFolderError(f"--out {out}: cannot write the run folder ({exc.strerror or exc})") from None
+    if run.dist.enabled:  # the other ranks write their logs only into the folder rank 0 has prepared
+        torch.distributed.barrier()
     try:
         # rank 0 writes run.log; under torchrun every other rank its own file beside it
         with _log_to(out / ("run.log" if main else f"run.rank{run.dist.rank}.log"), quiet):
@@ -258,6 +273,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
     ckpt_dir = out / "checkpoints"
     model = run.model.to(run.device)
     trainer = Trainer(r.train, device=run.device, distributed=run.dist, progress=not run.quiet)
+    trainer.data_name = f"data '{r.data.source}'"
 
     # ---- baseline ----
     baseline_ckpt = ckpt_dir / "baseline.pt"

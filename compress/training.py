@@ -24,7 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from compress.core.batching import call_model, primary_output, split_batch, to_device
-from compress.core.errors import CompressError
+from compress.core.errors import CompressError, DataError
 from compress.core.io import atomic_torch_save
 from compress.core.metrics import make_metric
 from compress.recipe import TrainSpec
@@ -172,6 +172,22 @@ class Trainer:
         self.dist = distributed or Dist()
         self.progress = progress and self.dist.is_main
         self.checkpoint = checkpoint
+        #: how errors name the training data (the runner sets the recipe's data source)
+        self.data_name = "the training data"
+
+    def _non_finite(self, loss: torch.Tensor, inputs: Any, *, desc: str, epoch: int, step: int) -> None:
+        """Stop at the step where the loss stops being a number, naming the cause: the batch itself
+        (NaN/inf in the data) or the training (finite data, diverging loss)."""
+        from compress.core.tracing import iter_tensors
+
+        at = f"{desc}: epoch {epoch + 1}, batch {step + 1}"
+        bad = [t for t in iter_tensors(inputs) if t.is_floating_point() and not torch.isfinite(t).all()]
+        if bad:
+            n = sum(int((~torch.isfinite(t)).sum()) for t in bad)
+            raise DataError(f"{at}: the batch from {self.data_name} holds {n} NaN/inf values; the loss is "
+                            f"{float(loss.detach())}; clean the data (nothing was trained on this batch)")
+        raise DataError(f"{at}: the loss became {float(loss.detach())} on finite data from {self.data_name}: the "
+                        f"training diverged; lower the learning rate (train.lr) or check the model")
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if not self.dist.enabled:
@@ -229,6 +245,8 @@ class Trainer:
                     loss = task_loss(outputs, targets, label_smoothing=self.spec.label_smoothing)
                     if session is not None:
                         loss = session.loss(loss, inputs=inputs, outputs=outputs)
+                if not torch.isfinite(loss.detach()).all():
+                    self._non_finite(loss, inputs, desc=desc, epoch=epoch, step=seen)
                 if not loss.requires_grad:
                     raise CompressError(
                         f"{desc}: the loss has no gradient (unlabelled data and no distillation term to train on)"

@@ -119,6 +119,20 @@ def check_calibration_data(data: Any, where: str = "data") -> Iterable[Any]:
     return data
 
 
+def _check_finite(inputs: Any, index: int) -> None:
+    """NaN/inf in a calibration batch would become NaN scales; name the batch instead."""
+    for leaf in _leaves(inputs):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not torch.isfinite(leaf).all():
+            n = int((~torch.isfinite(leaf)).sum())
+            raise CalibrationError(f"data: calibration batch {index + 1} holds {n} NaN/inf values; clean the data")
+
+
+def _leaves(tree: Any) -> list[Any]:
+    from torch.utils import _pytree as pytree
+
+    return list(pytree.tree_leaves(tree))
+
+
 def as_forward_loop(data: CalibrationData, *, max_batches: int | None = None) -> ForwardLoop:
     """A ``forward_loop(model)`` from calibration data: a forward function as it is, an iterable run
     batch by batch without grad (inputs moved to the model's device)."""
@@ -135,6 +149,7 @@ def as_forward_loop(data: CalibrationData, *, max_batches: int | None = None) ->
                 if max_batches is not None and i >= max_batches:
                     break
                 inputs, _ = split_batch(batch)
+                _check_finite(inputs, i)
                 call_model(model, to_device(inputs, device))
                 n += 1
         return n

@@ -306,3 +306,104 @@ def test_api_bad_input_is_a_one_line_compress_error(call: Any, error: str, expec
         _CONV = saved
     assert type(info.value).__name__ == error and expect in str(info.value), str(info.value)
     assert "\n" not in str(info.value) and "errors.pydantic.dev" not in str(info.value)
+
+
+# ---- 4. conflicts found before training, by the run and by --dry-run alike ---------------------------
+
+
+@pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "apply"])
+def test_a_dynamic_scheme_with_qdq_export_is_refused_before_training(
+        tmp_path: Path, dry: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = _recipe(tmp_path, {**TINY, "export": {"enabled": True},
+                                "stages": [{"name": "ptq", "modifiers": [{"type": "ptq", "scheme": "w8a8"}]}]})
+    out = tmp_path / "run"
+    rc = main(["apply", str(recipe), "--out", str(out), "--quiet",
+               "--set", "stages.0.modifiers.0.scheme=w8a8_dynamic", *(["--dry-run"] if dry else [])])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "stages.0.modifiers.0.scheme" in line and "no QDQ ONNX form" in line
+    assert not out.exists()  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "apply"])
+def test_data_that_does_not_fit_the_model_is_named_before_training(
+        tmp_path: Path, dry: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    wrong = {**TINY, "model": {"name": "mlp", "kwargs": {"hidden": 16, "depth": 1, "num_classes": 10, "in_features": 32}}}
+    out = tmp_path / "run"
+    rc = main(["apply", str(_recipe(tmp_path, wrong)), "--out", str(out), "--quiet", *(["--dry-run"] if dry else [])])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "data.source" in line and "digits" in line and "do not fit the model" in line
+    assert not out.exists()
+
+
+def test_dry_run_shows_the_overrides_it_applied(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = _recipe(tmp_path)
+    assert main(["apply", str(recipe), "--dry-run"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["apply", str(recipe), "--dry-run", "--set", "train.epochs=2"]) == 0
+    shown = capsys.readouterr().out
+    assert "overrides applied: train.epochs=2" in shown and "overrides" not in plain
+
+
+def test_a_failed_run_claims_no_threshold_verdict_and_the_recipe_reads_as_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import compress.runner as runner
+
+    def broken(*a: Any, **k: Any) -> None:
+        raise RuntimeError("export broke")
+
+    monkeypatch.setattr(runner, "_export_and_validate", broken)
+    recipe = {**TINY, "train": {**TINY["train"], "epochs": 1}, "export": {"enabled": True},
+              "validate": {"thresholds": {"max_accuracy_drop": 0.5}}}
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError):
+        compress.apply(recipe, out_dir=out, quiet=True)
+    md = (out / "report.md").read_text()
+    assert "The run FAILED" in md and "Thresholds: not checked (the run failed)" in md and "passed" not in md
+    assert "epochs: 1\n" in (out / "recipe.yaml").read_text()
+
+
+# ---- 5. numbers: NaN stops the run where it appears ---------------------------------------------------
+
+
+def test_nan_in_training_data_stops_at_the_step_naming_the_data() -> None:
+    from compress.core.errors import DataError
+    from compress.recipe import TrainSpec
+    from compress.training import Trainer
+
+    x = torch.randn(8, 64)
+    bad = x.clone()
+    bad[3, 5] = float("nan")
+    loader = [(x, torch.zeros(8, dtype=torch.long)), (bad, torch.zeros(8, dtype=torch.long))]
+    model = torch.nn.Linear(64, 10)
+    trainer = Trainer(TrainSpec(epochs=1, lr=0.1), device=torch.device("cpu"), progress=False)
+    trainer.data_name = "data 'mine'"
+    before = model.weight.detach().clone()
+    with pytest.raises(DataError, match=r"train: epoch 1, batch 2: the batch from data 'mine' holds 1 NaN/inf"):
+        trainer.fit(model, loader, epochs=1)
+    assert not torch.equal(before, model.weight)  # batch 1 trained; the NaN batch stopped it
+    assert torch.isfinite(model.weight).all()  # and nothing of it reached the weights
+
+
+def test_a_diverging_loss_is_named_as_such() -> None:
+    from compress.core.errors import DataError
+    from compress.recipe import TrainSpec
+    from compress.training import Trainer
+
+    x = torch.full((8, 64), 1e30)  # finite data ...
+    model = torch.nn.Linear(64, 10)
+    with torch.no_grad():
+        model.weight.fill_(1e10)  # ... and weights whose product overflows float32
+    trainer = Trainer(TrainSpec(epochs=1, lr=0.1), device=torch.device("cpu"), progress=False)
+    with pytest.raises(DataError, match="the training diverged"):
+        trainer.fit(model, [(x, torch.zeros(8, dtype=torch.long))], epochs=1)
+
+
+def test_nan_in_calibration_data_names_the_batch_not_a_quantizer() -> None:
+    from compress.core.errors import CalibrationError
+
+    x = torch.randn(4, 1, 8, 8)
+    bad = x.clone()
+    bad[0, 0, 0, 0] = float("inf")
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
+    with pytest.raises(CalibrationError, match="calibration batch 2 holds 1 NaN/inf"):
+        compress.quantize(model, "w8a8", [x, bad])

@@ -1,0 +1,99 @@
+"""Checks a run makes before any work: every conflict between recipe fields, this machine and the
+data that would otherwise surface minutes later (after training, at export or validation).
+
+``compress apply`` runs them before training and ``--dry-run`` runs the same ones, so a dry run
+that passes means the run will not stop on any of these. Each failure is a RecipeError naming the
+recipe field and its line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.core.errors import RecipeError
+from compress.core.imports import install_hint
+from compress.recipe import Recipe
+
+
+def check_recipe(recipe: Recipe, *, device: str | None = None) -> None:
+    """The conflicts a recipe can have with itself and with this machine (no model, no data)."""
+    check_device(recipe, device)
+    _check_schemes_export(recipe)
+    _check_runtimes(recipe)
+
+
+def check_device(recipe: Recipe, flag: str | None) -> None:
+    """A CUDA request on a machine without CUDA."""
+    if (flag or recipe.train.device) == "cuda" and not torch.cuda.is_available():
+        where = "--device cuda" if flag else f"{recipe.where('train.device')}: 'cuda'"
+        raise RecipeError(f"{where}: this machine has no CUDA device (torch {torch.__version__})")
+
+
+def _check_schemes_export(recipe: Recipe) -> None:
+    """Dynamic (per-token) activations have no static QDQ form: the single-pass ONNX export would
+    refuse them after training; the generation export (decoder LLMs) writes them as MatMulInteger."""
+    export = recipe.export
+    if not export.enabled or export.generation:
+        return
+    for i, stage in enumerate(recipe.stages):
+        for j, spec in enumerate(stage.modifiers):
+            resolve = getattr(spec, "resolved_scheme", None)
+            if resolve is None:
+                continue
+            inputs = resolve().inputs
+            if inputs is not None and inputs.dynamic:
+                raise RecipeError(
+                    f"{recipe.where(f'stages.{i}.modifiers.{j}.scheme')}: dynamic ({inputs.granularity}) activations "
+                    "have no QDQ ONNX form, so the export after training would fail; use a static scheme "
+                    "(w8a8), export.generation: true for a decoder LLM, or export.enabled: false"
+                )
+
+
+def _check_runtimes(recipe: Recipe) -> None:
+    v = recipe.validate_
+    if not v.enabled or not recipe.export.enabled:
+        return
+    for k, rt in enumerate(v.runtimes):
+        if rt == "openvino" and importlib.util.find_spec("openvino") is None:
+            raise RecipeError(
+                f"{recipe.where(f'validate.runtimes.{k}')}: runtime 'openvino' is not installed here; "
+                f"{install_hint('openvino')}, or drop it from validate.runtimes"
+            )
+        if rt == "cuda":
+            if not torch.cuda.is_available():
+                raise RecipeError(f"{recipe.where(f'validate.runtimes.{k}')}: runtime 'cuda' needs a CUDA device")
+            if importlib.util.find_spec("triton") is None:
+                raise RecipeError(
+                    f"{recipe.where(f'validate.runtimes.{k}')}: runtime 'cuda' runs the Triton int8 kernels; "
+                    f"{install_hint('triton')}"
+                )
+
+
+def check_data_fits(recipe: Recipe, model: nn.Module, example_inputs: Any) -> None:
+    """The data's batches run through the model (one forward on the example batch, no grad, CPU),
+    so a data source of another input shape is named now, not at the first training step."""
+    if example_inputs is None:
+        return
+    from compress.core.batching import call_model, to_device
+    from compress.core.tracing import iter_tensors
+
+    p = next(model.parameters(), None)
+    device = p.device if p is not None else torch.device("cpu")
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            call_model(model, to_device(example_inputs, device))
+    except Exception as exc:  # any failure of the user's model on the user's data is a mismatch to report
+        shapes = ", ".join(str(list(t.shape)) for t in iter_tensors(example_inputs)) or "?"
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:240]
+        raise RecipeError(
+            f"{recipe.where('data.source')}: batches of data '{recipe.data.source}' (inputs {shapes}) do not fit "
+            f"the model ({why})"
+        ) from None
+    finally:
+        model.train(was_training)
