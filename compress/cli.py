@@ -126,9 +126,14 @@ def summary(report: Report, *, out: Path) -> str:
     return "\n".join(lines)
 
 
+#: validation notes that change what a user should do with the file: shown on the console
+WARNING_NOTES = ("measured slower", "CPU without VNNI")
+
+
 def _slower_warnings(v: ValidationRecord) -> list[str]:
-    """A warning line for each 'measured slower than fp32' note of validation record ``v``."""
-    return [f"  warning: {v.runtime} {n}" for n in v.notes if n.startswith(f"{v.precision} measured slower")]
+    """A warning line for each note of ``v`` that asks for action (slower than fp32, saturation)."""
+    return [f"  warning: {v.runtime} {v.role} {v.precision}: {n}" for n in v.notes
+            if any(k in n for k in WARNING_NOTES)]
 
 
 def _n(x: int | None) -> str:
@@ -171,10 +176,30 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(records, indent=2, default=str))
     else:
-        from compress.report import md_table
-
-        print(md_table(records))
+        print(_compact_table(records))
+        for row in records:
+            for note in str(row.get("notes") or "").split("; "):
+                if any(k in note for k in WARNING_NOTES):
+                    print(f"warning: {row['runtime']} {row['model']}: {note}")
     return 0
+
+
+def _compact_table(rows: list[dict[str, Any]]) -> str:
+    """The validate rows a person reads on a terminal: one line per file and runtime, rounded;
+    ``--json`` has every column."""
+    batches = sorted({int(k[1:-3]) for r in rows for k in r if k.startswith("b") and k.endswith("_ms")})
+    head = ["model", "runtime", "precision", "metric", "sqnr dB", *[f"b{b} ms" for b in batches], "speedup", "MB"]
+    body = []
+    for r in rows:
+        spd = next((r.get(f"b{b}_speedup") for b in reversed(batches) if r.get(f"b{b}_speedup")), None)
+        acc = "-" if r.get("accuracy") is None else f"{r['metric']} {_f(r['accuracy'])}"
+        body.append([r["model"], r["runtime"], r["precision"], acc,
+                     "-" if r.get("sqnr_db") is None else "exact" if r["sqnr_db"] >= 999 else f"{r['sqnr_db']:.1f}",
+                     *["-" if r.get(f"b{b}_ms") is None else f"{r[f'b{b}_ms']:.3g}" for b in batches],
+                     "-" if spd is None else f"{spd:.2f}x",
+                     "-" if r.get("size_bytes") is None else f"{r['size_bytes'] / 1e6:.2f}"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body])
 
 
 def _int_list(text: str, flag: str) -> list[int]:

@@ -55,7 +55,29 @@ def describe_onnx(path: Path, *, role: Role = "final", count_integer: bool = Tru
         path=path, format=fmt, role=role, precision=precision, size_bytes=file_size(path), integer_nodes=ints,
         integer_ops=int_ops, float_nodes=floats, opset=opset, dynamic_batch=dyn, inputs=[i.name for i in inputs],
         outputs=[o.name for o in m.graph.output], kept_float=_decomposed_reasons(m, floats),
+        reduce_range=_weights_7bit(m) if qdq else None,
     )
+
+
+def _weights_7bit(m: onnx.ModelProto) -> bool | None:
+    """Whether every int8 weight feeding a DequantizeLinear fits 7 bits ([-64, 63]: the codes of
+    ``reduce_range``, exact in ORT's u8s8 kernels on CPUs without VNNI); None when no weight is
+    stored inline (external data is not read here)."""
+    from onnx import numpy_helper
+
+    init = {t.name: t for t in m.graph.initializer}
+    seen = False
+    for n in m.graph.node:
+        t = init.get(n.input[0]) if n.op_type == "DequantizeLinear" and n.input else None
+        if t is None or t.data_type != onnx.TensorProto.INT8 or t.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        codes = numpy_helper.to_array(t)
+        if codes.size < 16:  # a bias or a scalar: not a GEMM weight
+            continue
+        seen = True
+        if codes.min() < -64 or codes.max() > 63:
+            return False
+    return True if seen else None
 
 
 def _decomposed_reasons(m: onnx.ModelProto, float_nodes: list[str]) -> dict[str, str]:

@@ -407,3 +407,20 @@ def test_nan_in_calibration_data_names_the_batch_not_a_quantizer() -> None:
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
     with pytest.raises(CalibrationError, match="calibration batch 2 holds 1 NaN/inf"):
         compress.quantize(model, "w8a8", [x, bad])
+
+
+@pytest.mark.parametrize("reduce_range", [False, True], ids=["8-bit-codes", "7-bit-codes"])
+def test_validate_says_when_8bit_weights_can_saturate_on_this_cpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], reduce_range: bool) -> None:
+    import export.validate as ev
+
+    monkeypatch.setattr(ev, "has_vnni", lambda: False)  # the CPU the issue measured on
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    data = [torch.randn(8, 1, 8, 8) for _ in range(4)]
+    scheme = {"preset": "w8a8", "weights": {"reduce_range": reduce_range}}
+    compress.quantize(model, scheme, data)
+    path = compress.export_onnx(model.eval(), data[0], tmp_path / "m.int8.onnx")
+    assert main(["validate", str(path), "--runs", "1", "--batch-sizes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert ("warning: onnxruntime m.int8.onnx: CPU without VNNI" in out) is (not reduce_range), out
