@@ -45,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
     a.add_argument("--resume", action="store_true", help="continue a run folder from its checkpoints")
     a.add_argument("--quiet", action="store_true", help="no progress bars")
+    a.add_argument("--threads", type=int, help="intra-op CPU threads per process (the recipe's train.threads; "
+                   "default: torch's, shared among ranks under torchrun)")
 
     v = sub.add_parser("validate", help="validate an exported ONNX model in a runtime (or a run on the CUDA int8 kernels)")
     v.add_argument("model", help="ONNX model file; with --backend cuda, a run folder of `compress apply`")
@@ -80,6 +82,12 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     from compress.recipe import load_recipe
     from compress.runner import apply, plan
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise RecipeError(f"--threads: must be >= 1, got {args.threads}")
+        args.overrides.append(f"train.threads={args.threads}")
+    if not args.dry_run:  # a first line at once: building the model and data can take a while
+        log.info("apply %s: loading the recipe, model and data", args.recipe)
     recipe = load_recipe(args.recipe, overrides=args.overrides)
     out = args.out or f"runs/{recipe.name}"
     if args.dry_run:
@@ -310,10 +318,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class _ConsoleFormatter(logging.Formatter):
-    """One line per record on the console: tracebacks belong in run.log (``--debug`` shows them)."""
+    """One line per record on the console: tracebacks belong in run.log (``--debug`` shows them).
+    Redirected to a file, each line starts with the time (a log read later needs it)."""
 
     def __init__(self, *, debug: bool) -> None:
-        super().__init__("%(levelname)s %(name)s: %(message)s")
+        stamp = "" if sys.stderr.isatty() else "%(asctime)s "
+        super().__init__(stamp + "%(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
         self.debug = debug
 
     def format(self, record: logging.LogRecord) -> str:
@@ -331,6 +341,10 @@ def _console_logging(*, quiet: bool, debug: bool) -> None:
         root.addHandler(logging.StreamHandler())
     root.setLevel(logging.WARNING)
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    from compress.core.progress import LOGGERS
+
+    for name in LOGGERS:  # the toolkit's own INFO lines reach the console from the first one
+        logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.INFO)
     for h in root.handlers:
         h.setLevel(logging.WARNING if quiet else logging.INFO)
         h.setFormatter(_ConsoleFormatter(debug=debug))

@@ -72,6 +72,9 @@ class TrainSpec(StrictSpec):
     seed: int = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
     metric: str = "accuracy"
+    #: intra-op CPU threads per process; None: torch's default alone, the cores shared among the
+    #: ranks under torchrun (threads do not change results, so --resume ignores this field)
+    threads: int | None = Field(None, ge=1)
 
 
 class Stage(StrictSpec):

@@ -6,6 +6,7 @@ build model and data -> train or load the baseline -> stages (via a Session fed 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -24,6 +25,8 @@ from tqdm import tqdm
 
 from compress.core.errors import RecipeError, RunFolderError, storage_error
 from compress.core.io import atomic_write_text
+from compress.core.machine import set_threads
+from compress.core.progress import LOGGERS, fig, seconds
 from compress.core.size import count_macs, count_params, deployed_size_bytes
 from compress.core.tracing import iter_tensors
 from compress.preflight import check_data_fits, check_recipe
@@ -45,7 +48,6 @@ from export.records import ThresholdRecord
 
 log = logging.getLogger(__name__)
 FILE_ONLY = {"file_only": True}  # a log record for run.log, kept off the console (see compress.cli)
-LOGGERS = ("compress", "quantization", "pruning", "distillation", "export")
 
 
 class _Run:
@@ -60,6 +62,7 @@ class _Run:
         self.quiet = quiet or not sys.stderr.isatty()
         self.device = resolve_device(device or recipe.train.device)
         self.dist: Dist = init_distributed(self.device)
+        set_threads(recipe.train.threads, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         seed_everything(recipe.train.seed)
         self.data = build_data(
             recipe.data, batch_size=recipe.train.batch_size, seed=recipe.data.seed,
@@ -155,7 +158,12 @@ def _check_same_recipe(recipe: Recipe, out_dir: Path) -> None:
     import yaml
 
     saved = yaml.safe_load((out_dir / "recipe.yaml").read_text(encoding="utf-8"))
+    with contextlib.suppress(RecipeError):  # through the current schema: fields added since are no difference
+        saved = load_recipe(saved).to_dict()
     now = recipe.to_dict()
+    for d in (saved, now):
+        if isinstance(d, dict) and isinstance(d.get("train"), dict):
+            d["train"].pop("threads", None)  # how many threads ran it does not change the run
     if saved != now:
         keys = sorted({*saved, *now} if isinstance(saved, dict) else now)
         differ = [k for k in keys if not isinstance(saved, dict) or saved.get(k) != now.get(k)]
@@ -301,7 +309,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
         res = trainer.fit(model, run.train_loader, epochs=r.train.epochs, optimizer=opt, start_epoch=start,
                           desc="baseline")
         trainer.checkpoint = None
-        log.info("baseline trained: %d epochs, final loss %s, %.1f s", res.epochs, res.final_loss, res.seconds)
+        log.info("baseline trained: %d epochs, final loss %s, %s", res.epochs, fig(res.final_loss), seconds(res.seconds))
         if main:
             save_checkpoint(baseline_ckpt, model, None, int(r.train.epochs))
             run.record()
@@ -310,7 +318,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
         p.requires_grad_(False)
     report = run.report = Report(recipe=r.to_dict(), versions=versions(), machine=machine(), metric=run.metric)
     report.baseline = run.figures(model, accuracy=run.evaluate(model))
-    log.info("baseline %s: %s", run.metric, report.baseline.accuracy)
+    log.info("baseline %s: %s", run.metric, fig(report.baseline.accuracy))
 
     # ---- stages ----
     calib = run.data.calibration
@@ -332,7 +340,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
             artifacts=[str(Path(a).relative_to(out)) if Path(a).is_relative_to(out) else a for a in res.artifacts],
             model=run.figures(s.model, accuracy=acc), seconds=time.perf_counter() - stage_t[0],
         ))
-        log.info("stage '%s': %s %s", res.name, run.metric, acc)
+        log.info("stage '%s' done: %s %s (%s)", res.name, run.metric, fig(acc), seconds(time.perf_counter() - stage_t[0]))
         run.record()
         stage_t[0] = time.perf_counter()
 

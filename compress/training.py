@@ -27,6 +27,7 @@ from compress.core.batching import call_model, primary_output, split_batch, to_d
 from compress.core.errors import CompressError, DataError
 from compress.core.io import atomic_torch_save
 from compress.core.metrics import make_metric
+from compress.core.progress import Eta, fig
 from compress.recipe import TrainSpec
 
 if TYPE_CHECKING:
@@ -229,6 +230,7 @@ class Trainer:
         result = FitResult()
         t0 = time.perf_counter()
         wrapped, wrapped_params = self._wrap(model), _param_ids(model)
+        eta = Eta(n_epochs - start_epoch)
         for epoch in range(start_epoch, n_epochs):
             if _param_ids(model) != wrapped_params:  # a modifier reshaped the model: DDP must re-register
                 wrapped, wrapped_params = self._wrap(model), _param_ids(model)
@@ -277,7 +279,8 @@ class Trainer:
                     break
             result.epochs += 1
             result.losses.append(running / max(seen, 1))
-            log.info("%s epoch %d/%d loss %.4f", desc, epoch + 1, n_epochs, result.losses[-1])
+            log.info("%s epoch %d/%d: loss %s (%s)", desc, epoch + 1, n_epochs, fig(result.losses[-1]),
+                     eta.line(epoch + 1 - start_epoch))
             if self.checkpoint is not None and self.dist.is_main:
                 self.checkpoint(model, opt, epoch + 1)
             if session is not None:

@@ -150,7 +150,7 @@ def _export(
     if quantized:
         runtime = view(model).target
         stats = qdq.tidy_qdq_graph(proto, quantize_embeddings=quantize_embeddings, ort_float_weights=runtime == "onnxruntime")
-        log.info("QDQ graph passes: %s", stats)
+        log.info("QDQ graph passes: %s", ", ".join(f"{k} {v}" for k, v in stats.items() if v) or "nothing to do")
     if simplify:
         proto = edge.simplify(proto)
     decomposed = decomposed_compute(proto) if quantized else {}

@@ -24,6 +24,7 @@ from compress.core.batching import batch_size_of, call_model, primary_output, sp
 from compress.core.errors import CompressError, ExportError, RecipeError
 from compress.core.machine import has_vnni
 from compress.core.precision import float32_weights
+from compress.core.progress import fig
 from export.parity import Parity, resize_batch, to_numpy_feeds
 from export.records import ExportRecord, ThresholdRecord, ValidationRecord, slower_note
 from export.runtimes import RUNTIMES, RuntimeSession, default_threads, load_session, run_session
@@ -208,8 +209,9 @@ def validate_exports(
                 slow = {f"batch {b}": x for b, x in vr.speedup.items() if x is not None and x < 1.0}
                 if slow and vr.precision != "fp32":
                     vr.notes.append(slower_note(vr.precision, slow))
-            log.info("%s %s (%s): accuracy %s, latency %s ms, threads %d", runtime, vr.role, vr.precision,
-                     vr.accuracy, {k: round(v, 3) if v else v for k, v in vr.latency_ms.items()}, threads)
+            lat_text = ", ".join(f"b{k} {fig(v)} ms" for k, v in vr.latency_ms.items())
+            log.info("%s %s (%s): %s %s; %s; %d threads", runtime, vr.role, vr.precision, vr.metric,
+                     fig(vr.accuracy), lat_text or "no latency", threads)
     return results
 
 

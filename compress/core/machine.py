@@ -49,3 +49,22 @@ def has_vnni() -> bool | None:
     """Whether this x86 CPU has int8 dot products without int16 saturation; None if unknown."""
     isa = int8_isa()
     return None if isa is None else isa in ("AMX-INT8", "AVX-512 VNNI", "AVX-VNNI")
+
+
+def set_threads(threads: int | None, *, local_ranks: int = 1) -> int:
+    """Set torch's intra-op threads for this process and return them: ``threads`` when given; else,
+    with several ranks on this node, the cores this process may use shared among them (so ranks do
+    not oversubscribe the CPU); else torch's default."""
+    import os
+
+    import torch
+
+    if threads is None and local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:
+            cores = os.cpu_count() or 1
+        threads = max(1, cores // local_ranks)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
