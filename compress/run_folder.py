@@ -41,6 +41,18 @@ def _files(root: Path) -> set[str]:
     return out
 
 
+def _legacy_name(rel: str) -> bool:
+    """Whether ``rel`` is a name a run wrote before runs recorded their files."""
+    top, _, rest = rel.partition("/")
+    if not rest:
+        return top in ("recipe.yaml", "report.json", "report.md", "accuracy_vs_size.png", "run.log")
+    if top == "checkpoints":
+        return "/" not in rest and rest.endswith(".pt")
+    if top == "export":
+        return rest.endswith((".onnx", ".onnx.data", ".json", ".txt", ".pbtxt", ".xml", ".bin", ".tokenizer.json"))
+    return top == "artifacts"
+
+
 def _protected(out: Path) -> str | None:
     """Why ``out`` may never be cleared, or None."""
     real = out.resolve()
@@ -70,8 +82,17 @@ class RunFolder:
         """Whether the folder carries the marker of a compress run."""
         return self.marker.is_file()
 
+    def is_legacy_run(self) -> bool:
+        """A run folder written before the marker existed: recipe.yaml with run.log or report.json."""
+        p = self.path
+        return (not self.is_run() and (p / "recipe.yaml").is_file()
+                and ((p / "run.log").is_file() or (p / "report.json").is_file()))
+
     def written(self) -> set[str]:
-        """The files the run recorded as its own."""
+        """The files the run recorded as its own (for a pre-marker run folder: the files at the names
+        such a run wrote)."""
+        if self.is_legacy_run():
+            return {f for f in _files(self.path) if _legacy_name(f)}
         if not self.is_run():
             return set()
         try:
@@ -108,7 +129,7 @@ class RunFolder:
         why = _protected(p)
         if why:
             raise RunFolderError(f"--out {p} --overwrite: refusing to clear this folder, {why}; choose another --out")
-        if not self.is_run():
+        if not self.is_run() and not self.is_legacy_run():
             raise RunFolderError(
                 f"--out {p} --overwrite: not a compress run folder (no {MARKER}); refusing to delete what "
                 "it holds; choose another --out or empty it yourself"

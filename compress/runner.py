@@ -224,7 +224,7 @@ def apply(
     if main:
         if resume:
             folder.clear_unfinished()
-        elif overwrite and folder.is_run():
+        elif overwrite and (folder.is_run() or folder.is_legacy_run()):
             folder.clear()
         try:
             (out / "checkpoints").mkdir(parents=True, exist_ok=True)

@@ -424,3 +424,15 @@ def test_validate_says_when_8bit_weights_can_saturate_on_this_cpu(
     assert main(["validate", str(path), "--runs", "1", "--batch-sizes", "1"]) == 0
     out = capsys.readouterr().out
     assert ("warning: onnxruntime m.int8.onnx: CPU without VNNI" in out) is (not reduce_range), out
+
+
+def test_overwrite_takes_a_run_folder_from_before_the_marker(finished: Path, tmp_path: Path) -> None:
+    out = _copy(finished, tmp_path / "run")
+    (out / MARKER).unlink()  # what an earlier version left: the run's files at their names, no list
+    compress.apply(TINY, out_dir=out, overwrite=True, quiet=True)
+    assert (out / MARKER).is_file() and (out / "report.json").is_file()
+    (out / MARKER).unlink()
+    (out / "my_notes.txt").write_text("mine")
+    with pytest.raises(RunFolderError, match=r"my_notes\.txt was not written by the run"):
+        compress.apply(TINY, out_dir=out, overwrite=True, quiet=True)
+    assert (out / "my_notes.txt").read_text() == "mine"
