@@ -119,6 +119,21 @@ def check_calibration_data(data: Any, where: str = "data") -> Iterable[Any]:
     return data
 
 
+def _bar(batches: Iterable[Any], cap: int | None) -> Iterable[Any]:
+    """A progress bar over calibration batches on a terminal (rank 0); the batches as they are otherwise."""
+    import os
+    import sys
+
+    from tqdm import tqdm
+
+    if isinstance(batches, tqdm) or not sys.stderr.isatty() or int(os.environ.get("RANK", "0")) != 0:
+        return batches  # a bar already (compress apply's, which --quiet turns off), or no terminal
+
+    n = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+    total = min(n, cap) if n is not None and cap is not None else (n or cap)
+    return tqdm(batches, desc="calibrate", total=total, leave=False, unit="batch")
+
+
 def _check_finite(inputs: Any, index: int) -> None:
     """NaN/inf in a calibration batch would become NaN scales; name the batch instead."""
     for leaf in _leaves(inputs):
@@ -145,7 +160,7 @@ def as_forward_loop(data: CalibrationData, *, max_batches: int | None = None) ->
         device = p.device if p is not None else torch.device("cpu")
         n = 0
         with torch.no_grad():
-            for i, batch in enumerate(batches):
+            for i, batch in enumerate(_bar(batches, max_batches)):
                 if max_batches is not None and i >= max_batches:
                     break
                 inputs, _ = split_batch(batch)
