@@ -252,7 +252,7 @@ def apply(
                         failed.write(out)
                         folder.record()
                     except OSError as again:  # the disk that filled up takes no report either
-                        log.warning("could not write the failed run's report: %s", again.strerror or again)
+                        log.warning("could not write the failed run's report: %s", again.strerror or again, extra=FILE_ONLY)
                 if storage is not None:
                     raise storage from exc
                 raise

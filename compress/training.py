@@ -28,6 +28,7 @@ from compress.core.errors import CompressError, DataError
 from compress.core.io import atomic_torch_save
 from compress.core.metrics import make_metric
 from compress.core.progress import Eta, fig
+from compress.core.tracing import iter_tensors
 from compress.recipe import TrainSpec
 
 if TYPE_CHECKING:
@@ -179,8 +180,6 @@ class Trainer:
     def _non_finite(self, loss: torch.Tensor, inputs: Any, *, desc: str, epoch: int, step: int) -> None:
         """Stop at the step where the loss stops being a number, naming the cause: the batch itself
         (NaN/inf in the data) or the training (finite data, diverging loss)."""
-        from compress.core.tracing import iter_tensors
-
         at = f"{desc}: epoch {epoch + 1}, batch {step + 1}"
         bad = [t for t in iter_tensors(inputs) if t.is_floating_point() and not torch.isfinite(t).all()]
         if bad:
@@ -331,6 +330,9 @@ def evaluate(
         inputs, targets = split_batch(to_device(batch, dev))
         if m.needs_targets and targets is None:
             raise CompressError(f"metric '{metric}' needs labelled data; use a fidelity metric such as embedding_cosine")
+        bad = sum(int((~torch.isfinite(t)).sum()) for t in iter_tensors(inputs) if t.is_floating_point())
+        if bad:  # a metric over NaN inputs would be a number that means nothing
+            raise DataError(f"eval: batch {i + 1} holds {bad} NaN/inf values; clean the evaluation data")
         out = call_model(model, inputs)
         ref = call_model(reference, inputs) if m.needs_reference and reference is not None else None
         m.update(out, targets, inputs=inputs, reference=ref)

@@ -64,7 +64,7 @@ class ValidationFailed(CompressError):
 
 
 # errno values that mean the user's disk or permissions, not a bug of ours
-_STORAGE_ERRNOS = {"ENOSPC", "EDQUOT", "EACCES", "EPERM", "EROFS", "EFBIG", "EMFILE"}
+_STORAGE_ERRNOS = {"ENOSPC", "EDQUOT", "EACCES", "EPERM", "EROFS", "EFBIG", "EMFILE", "EIO"}
 
 
 def storage_error(exc: BaseException) -> StorageError | None:

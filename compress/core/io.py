@@ -45,9 +45,27 @@ def atomic_torch_save(obj: object, path: Path) -> None:
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)
+    except RuntimeError as exc:  # torch's zip writer reports a failed write (a full disk) as RuntimeError
+        tmp.unlink(missing_ok=True)
+        raise write_failure(path, exc) from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_failure(path: Path, exc: BaseException) -> OSError:
+    """An OSError for a write that failed inside a library (torch, onnx): ENOSPC when the file
+    system is (nearly) full, EIO otherwise; the CLI reports either as one line (exit 2)."""
+    import errno
+    import shutil
+
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    if free is not None and free < 4 << 20:
+        return OSError(errno.ENOSPC, f"No space left on device ({free} bytes free)", str(path))
+    return OSError(errno.EIO, f"write failed ({' '.join(str(exc).split())[:160]})", str(path))
 
 
 def safe_torch_load(path: Path, *, where: str | None = None) -> Any:

@@ -189,6 +189,9 @@ def _from_factory(spec: DataSpec, *, where: str) -> Splits:
         raise RecipeError(
             f"{where}: factory '{spec.source}' rejected kwargs {sorted(spec.kwargs)} ({exc})"
         ) from None
+    except Exception as exc:  # the user's factory failed: name it and the recipe line
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        raise RecipeError(f"{where}: data factory '{spec.source}' raised {why}") from None
     if isinstance(out, Mapping):
         bad = [k for k in out if k not in _SPLITS]
         if bad or not out:
