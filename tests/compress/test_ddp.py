@@ -49,11 +49,15 @@ def _run(tmp: Path, nproc: int) -> tuple[dict, dict, str]:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-               "-m", "compress.cli", "apply", str(recipe), "--out", str(out), "--quiet"]
+               "-m", "compress.cli", "apply", str(recipe), "--out", str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         stdout = proc.stdout
+        # the console speaks for rank 0 alone; every rank keeps its own log in the run folder
+        assert proc.stderr.count("baseline epoch 1/3") == 1, proc.stderr[-3000:]
+        assert "baseline epoch 1/3" in (out / "run.log").read_text()
+        assert "baseline epoch 1/3" in (out / "run.rank1.log").read_text()
     report = json.loads((out / "report.json").read_text())
     state = torch.load(out / "checkpoints" / "baseline.pt", weights_only=True)["model"]
     assert sorted(p.name for p in (out / "export").iterdir()) == ["ddp.fp32.onnx", "ddp.int8.onnx"]
