@@ -194,7 +194,8 @@ class _CheckedBatches:
             else [inputs] if hasattr(inputs, "shape") else list(inputs) if isinstance(inputs, (tuple, list)) else []
         )
         for (name, dims), t in zip(self.inputs, tensors):
-            if hasattr(t, "shape") and not _fits(tuple(t.shape), dims):
+            # the batch dim is free: validation cuts batches to a static-batch model's size
+            if hasattr(t, "shape") and (len(t.shape) != len(dims) or not _fits(tuple(t.shape)[1:], dims[1:])):
                 raise DataError(
                     f"validate data: input '{name}' of {self.model_path.name} takes shape {_show(dims)}, the data "
                     f"gives {_show(tuple(t.shape))}; use a data source of the model's input shape"
