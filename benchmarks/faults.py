@@ -240,6 +240,7 @@ def fault_table() -> list[dict[str, Any]]:
             after = _snapshot(watch)
             if watch.name == "full":
                 subprocess.run(["umount", str(watch)], check=False)
+            msg = msg.replace(str(d), "<tmp>").replace(base, "<tmp>")
             rows.append({"input": what, "exit": rc, "message": msg.replace("|", "\\|")[:220],
                          "left": _left(before, after)})
             print(f"{rc:>3}  {what}: {msg[:120]}", flush=True)

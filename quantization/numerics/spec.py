@@ -101,6 +101,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _g128(bits: int, *, symmetric: bool = True) -> QuantSpec:
+    return QuantSpec(bits=bits, granularity="group", group_size=128, symmetric=symmetric)
+
+
+#: the preset names of llm-compressor, vLLM and compressed-tensors, with their meaning there (upper
+#: case, as they write them; ours are lower case): WnA16 are weight-only groups of 128, symmetric;
+#: W8A8 (alias INT8) is int8 per-channel weights with *dynamic per-token* int8 activations, which
+#: our lower-case ``w8a8`` (static per-tensor activations, for ONNX QDQ) is not.
+ECOSYSTEM_PRESETS: dict[str, dict[str, Any]] = {
+    "W3A16": {"weights": _g128(3), "inputs": None},
+    "W4A16": {"weights": _g128(4), "inputs": None},
+    "W4A16_ASYM": {"weights": _g128(4, symmetric=False), "inputs": None},
+    "W8A16": {"weights": _g128(8), "inputs": None},
+    "W4A8": {"weights": _g128(4), "inputs": _A_TOKEN},
+    "W8A8": {"weights": _w(), "inputs": _A_TOKEN},
+    "INT8": {"weights": _w(), "inputs": _A_TOKEN},
+}
+
+
 class QuantScheme(BaseModel):
     """What a quantized layer quantizes: its weights, its inputs and (optionally) its outputs.
 
@@ -136,10 +155,19 @@ class QuantScheme(BaseModel):
     @classmethod
     def preset(cls, name: str) -> QuantScheme:
         """One of the named presets: w8a8, w8a8_dynamic, w8_weight_only, w4_weight_only_g128,
-        w4_weight_only (per channel), w3_weight_only_g128."""
-        if name not in PRESETS:
-            raise RecipeError(f"unknown quantization scheme '{name}'; {did_you_mean(name, list(PRESETS))}")
-        return cls(**PRESETS[name])
+        w4_weight_only (per channel), w3_weight_only_g128; or an llm-compressor / vLLM name
+        (W4A16, W4A16_ASYM, W8A16, W3A16, W4A8, W8A8, INT8: see ``ECOSYSTEM_PRESETS``)."""
+        if name in PRESETS:
+            return cls(**PRESETS[name])
+        # exact upper case, or any case that is not one of ours (``w4a16``; but ``w8a8`` is ours)
+        key = name if name in ECOSYSTEM_PRESETS else name.upper()
+        if key in ECOSYSTEM_PRESETS and (key == name or name.lower() not in PRESETS):
+            return cls(**ECOSYSTEM_PRESETS[key])
+        names = [*PRESETS, *ECOSYSTEM_PRESETS]
+        if name.upper().startswith(("FP8", "NVFP4", "MXFP4")):
+            raise RecipeError(f"quantization scheme '{name}': floating-point formats are not available here; "
+                              f"integer presets: {', '.join(names)}")
+        raise RecipeError(f"unknown quantization scheme '{name}'; {did_you_mean(name, names)}")
 
     @property
     def static_activations(self) -> bool:

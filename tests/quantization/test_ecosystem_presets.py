@@ -1,0 +1,41 @@
+"""The llm-compressor / vLLM preset names mean here what they mean in compressed-tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+from compress.core.errors import RecipeError
+from quantization.numerics.spec import ECOSYSTEM_PRESETS, QuantScheme, QuantSpec
+
+
+def _same(ours: QuantSpec | None, theirs: object | None) -> None:
+    assert (ours is None) == (theirs is None)
+    if ours is None or theirs is None:
+        return
+    raw = theirs.strategy  # type: ignore[attr-defined]
+    strategy = str(getattr(raw, "value", raw))  # group, channel, token (an enum or its value)
+    assert ours.bits == theirs.num_bits  # type: ignore[attr-defined]
+    assert ours.symmetric == theirs.symmetric  # type: ignore[attr-defined]
+    assert ours.dynamic == bool(theirs.dynamic)  # type: ignore[attr-defined]
+    assert ours.granularity == strategy
+    if strategy == "group":
+        assert ours.group_size == theirs.group_size  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", sorted(ECOSYSTEM_PRESETS))
+def test_each_name_matches_compressed_tensors(name: str) -> None:
+    ct = pytest.importorskip("compressed_tensors.quantization.quant_scheme")
+    theirs = ct.PRESET_SCHEMES[name]
+    ours = QuantScheme.preset(name)
+    _same(ours.weights, theirs.get("weights"))
+    _same(ours.inputs, theirs.get("input_activations"))
+
+
+def test_lower_case_names_stay_ours_and_others_resolve_case_insensitively() -> None:
+    assert QuantScheme.preset("w8a8").inputs is not None and not QuantScheme.preset("w8a8").inputs.dynamic
+    assert QuantScheme.preset("W8A8").inputs is not None and QuantScheme.preset("W8A8").inputs.dynamic
+    assert QuantScheme.preset("w4a16") == QuantScheme.preset("W4A16")
+    with pytest.raises(RecipeError, match="floating-point formats are not available"):
+        QuantScheme.preset("FP8")
+    with pytest.raises(RecipeError, match="did you mean 'W4A16'"):
+        QuantScheme.preset("W4A61")
