@@ -103,9 +103,73 @@ def require_module(model: Any, where: str = "model") -> nn.Module:
     return model
 
 
+def model_batch(batch: Any, index: int = 0, where: str = "data") -> Any:
+    """A calibration batch as a model takes it. A dataset row (a dict of lists or of 1-D tensors, as a
+    Hugging Face ``datasets.Dataset`` yields, raw or ``with_format("torch")``) becomes a batch of one;
+    a field the model cannot take (text, None) is named in a CalibrationError."""
+    if not isinstance(batch, Mapping):
+        return batch
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        v = value
+        if isinstance(v, (list, tuple)) and v and not isinstance(v[0], (str, bytes)):
+            try:
+                v = torch.tensor(v)
+            except (TypeError, ValueError) as exc:
+                raise CalibrationError(
+                    f"{where}: field '{key}' of calibration batch {index + 1} is not a rectangular list of numbers "
+                    f"({exc}); pad the sequences to one length (e.g. DataCollatorWithPadding)"
+                ) from None
+        if isinstance(v, (str, bytes)) or (isinstance(v, (list, tuple)) and v and isinstance(v[0], (str, bytes))):
+            raise CalibrationError(
+                f"{where}: field '{key}' of calibration batch {index + 1} holds text; calibration needs token ids: "
+                f"tokenize first (dataset.map(lambda r: tokenizer(r['{key}']), remove_columns=['{key}']))"
+            )
+        if not isinstance(v, torch.Tensor):
+            raise CalibrationError(
+                f"{where}: field '{key}' of calibration batch {index + 1} holds {type(v).__name__}, not a tensor "
+                "or a list of numbers; drop that column"
+            )
+        out[key] = v
+    ids = out.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() == 1:  # one row of a dataset: make it a batch of one
+        out = {k: t.unsqueeze(0) if t.dim() == 1 else t for k, t in out.items()}
+    return out
+
+
+class _ModelBatches:
+    """Re-iterable view of calibration data whose batches go through :func:`model_batch`; a failure of
+    the data's own iterator (a DataLoader that cannot collate) is named as the data's."""
+
+    def __init__(self, data: Iterable[Any], where: str) -> None:
+        self.data, self.where = data, where
+
+    def __len__(self) -> int:
+        return len(self.data)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Any:
+        it = iter(self.data)
+        i = 0
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except CalibrationError:
+                raise
+            except Exception as exc:  # the user's loader failed to make a batch
+                why = " ".join(f"{type(exc).__name__}: {exc}".split())[:240]
+                raise CalibrationError(f"{self.where}: making calibration batch {i + 1} failed ({why})") from None
+            inputs, targets = split_batch(batch)
+            inputs = model_batch(inputs, i, self.where)
+            yield inputs if targets is None else (inputs, targets)
+            i += 1
+
+
 def check_calibration_data(data: Any, where: str = "data") -> Iterable[Any]:
-    """``data`` as an iterable of batches; a one-line CalibrationError for what is not one. A single
-    tensor is refused: iterating it would feed its rows one by one, each the wrong shape."""
+    """``data`` as an iterable of model batches (see :func:`model_batch`); a one-line
+    CalibrationError for what is not one. A single tensor is refused: iterating it would feed its
+    rows one by one, each the wrong shape."""
     if torch.is_tensor(data):
         raise CalibrationError(
             f"{where}: one tensor of shape {list(data.shape)} where an iterable of batches belongs; pass "
@@ -116,7 +180,7 @@ def check_calibration_data(data: Any, where: str = "data") -> Iterable[Any]:
             f"{where}: {type(data).__name__} is not calibration data (an iterable of batches, such as a list of "
             "tensors or a DataLoader, or a forward function fn(model))"
         )
-    return data
+    return _ModelBatches(data, where)
 
 
 def _bar(batches: Iterable[Any], cap: int | None) -> Iterable[Any]:
@@ -126,10 +190,13 @@ def _bar(batches: Iterable[Any], cap: int | None) -> Iterable[Any]:
 
     from tqdm import tqdm
 
-    if isinstance(batches, tqdm) or not sys.stderr.isatty() or int(os.environ.get("RANK", "0")) != 0:
+    inner = getattr(batches, "data", batches)
+    if isinstance(inner, tqdm) or not sys.stderr.isatty() or int(os.environ.get("RANK", "0")) != 0:
         return batches  # a bar already (compress apply's, which --quiet turns off), or no terminal
-
-    n = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
+    try:
+        n: int | None = len(batches)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
     total = min(n, cap) if n is not None and cap is not None else (n or cap)
     return tqdm(batches, desc="calibrate", total=total, leave=False, unit="batch")
 
