@@ -85,7 +85,8 @@ def validation_message(exc: Exception) -> str:
     if not callable(errors):
         return " ".join(str(exc).split())
     err = errors()[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()))
+    # union branches add tags such as 'constrained-float' or "literal['auto']": not field names
+    loc = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, str) or p.isidentifier())
     msg = str(err.get("msg", "")).removeprefix("Value error, ")
     if err.get("type") == "extra_forbidden":
         msg = "unknown field"
