@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from compress.core.batching import require_module
 from compress.core.errors import CompressError
 from compress.core.modifier import Modifier, State
 from compress.modifiers import modifier_class
@@ -98,6 +99,7 @@ class Session:
         # a Recipe built in code (no source) has not been through load_recipe's needs and order
         # checks: run them, so that such a recipe fails here and not halfway through a run
         self.recipe = recipe if isinstance(recipe, Recipe) and recipe.source is not None else load_recipe(recipe)
+        require_module(model, "Session: model")
         if device is None:
             p = next(model.parameters(), None)
             device = p.device if p is not None else torch.device("cpu")

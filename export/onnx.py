@@ -24,8 +24,8 @@ import onnx
 import torch
 from torch import nn
 
-from compress.core.batching import call_model
-from compress.core.errors import ExportError
+from compress.core.batching import call_model, require_module
+from compress.core.errors import ExportError, RecipeError
 from compress.core.io import umask_mode
 from compress.core.moe import unpacked_experts
 from compress.core.precision import float32_inputs, float32_weights
@@ -70,8 +70,9 @@ def export_onnx(
     Raises ExportError naming the cause for anything that stops a correct file being written.
     """
     path = Path(path)
+    require_module(model, "export_onnx: model")
     if activation_dtype not in ("uint8", "int8"):
-        raise ExportError(f"activation_dtype must be 'uint8' or 'int8', got '{activation_dtype}'")
+        raise RecipeError(f"activation_dtype must be 'uint8' or 'int8', got '{activation_dtype}'")
     _check_writable(path)
     with unpacked_experts(model):
         # transformers' packed MoE experts run a grouped-matmul op ONNX has no function for: as
@@ -182,7 +183,7 @@ def _split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
         return (example_inputs,), {}
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs), {}
-    raise ExportError(
+    raise RecipeError(
         f"example_inputs must be a tensor, a tuple of tensors or a dict of tensors, got {type(example_inputs).__name__}"
     )
 

@@ -366,7 +366,7 @@ def validate(
 
     path = Path(onnx_path)
     if not path.is_file():
-        raise CompressError(f"validate: model file '{path}' not found")
+        raise RecipeError(f"validate: model file '{path}' not found")
     ref_module: nn.Module | None
     if reference is None or isinstance(reference, nn.Module):
         ref_module = reference

@@ -300,9 +300,12 @@ _X = torch.randn(4, 1, 8, 8)
         (lambda: compress.prune(_CONV, example_inputs=None, ratio=0.5), "RecipeError", "prune: example_inputs is None"),
         (lambda: compress.quantize(_CONV, "w8a8", [_X], ignore=["x"]), "TargetMatchError",
          "quantize: ignore: pattern 'x'"),
+        (lambda: compress.export_onnx("resnet", _X, "/tmp/never.onnx"), "RecipeError", "export_onnx: model: expected"),
+        (lambda: compress.Session(TINY, "resnet"), "RecipeError", "Session: model: expected a torch nn.Module"),
+        (lambda: compress.validate("/no/such.onnx"), "RecipeError", "model file '/no/such.onnx' not found"),
     ],
     ids=["scheme-int", "params-target", "model-string", "tensor-as-data", "gptq-tensor", "prune-no-example",
-         "ignore-names-ignore"],
+         "ignore-names-ignore", "export-string", "session-string", "validate-missing"],
 )
 def test_api_bad_input_is_a_one_line_compress_error(call: Any, error: str, expect: str) -> None:
     import copy
