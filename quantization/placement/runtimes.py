@@ -74,10 +74,12 @@ ONNXRUNTIME = RuntimeProfile(
     },
     fold=frozenset({"relu", "relu6"}),
     pass_through=frozenset({"reshape", "max_pool", "dropout", "pad"}),
-    extend=frozenset({"silu", "sigmoid", "mul"}),  # QLinearSigmoid, QLinearMul
+    # QLinearSigmoid, QLinearMul, QLinearSoftmax, QLinearLeakyRelu; hardsigmoid has no integer kernel,
+    # but its output quantized makes ``x * hardsigmoid(x)`` a QLinearMul (as quantize_static places it)
+    extend=frozenset({"silu", "sigmoid", "mul", "softmax", "leaky_relu", "hardsigmoid"}),
     description="ONNX Runtime CPU QDQ fusion (QLinearConv, QLinearMatMul/MatMulIntegerToFloat, QGemm, "
-    "QLinearAdd, QLinearConcat, QLinearAveragePool; QLinearSigmoid/QLinearMul between quantized "
-    "tensors); Relu/Clip fold into the Q before them",
+    "QLinearAdd, QLinearConcat, QLinearAveragePool; QLinearSigmoid/QLinearMul/QLinearSoftmax/"
+    "QLinearLeakyRelu between quantized tensors); Relu/Clip fold into the Q before them",
 )
 
 TENSORRT = RuntimeProfile(
