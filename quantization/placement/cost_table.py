@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,8 +114,16 @@ def shipped_tables(path: Path = TABLE_FILE) -> dict[str, CostTable]:
     return {k: table_from_data(v) for k, v in data.get("onnxruntime", {}).items()}
 
 
+#: set to ``off`` to use no shipped table (every layer int8 unless ``speed_check`` says otherwise); the
+#: test suite does, so that its placements do not depend on the CPU it runs on
+ENV_SWITCH = "COMPRESS_COST_TABLE"
+
+
 def table_for(isa: str | None) -> CostTable | None:
-    """The shipped ORT CPU table for ``isa`` (compress.core.machine.int8_isa's names), None if none."""
+    """The shipped ORT CPU table for ``isa`` (compress.core.machine.int8_isa's names), None if none
+    (or if the ``COMPRESS_COST_TABLE`` environment variable is ``off``)."""
+    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("off", "0", "false", "none"):
+        return None
     key = isa_key(isa)
     return shipped_tables().get(key) if key is not None else None
 
