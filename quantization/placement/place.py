@@ -471,7 +471,7 @@ class _Placer:
             self.quantized.add(out)
             for o in consts:
                 self.pl.entries.setdefault(n.key, {})[str(o.position)] = self.constant_quantizer(n, o)
-            if kind == "silu":
+            if kind in ("silu", "hardswish"):  # run as x * q(gate(x)): a QLinearMul with a quantized gate
                 self.pl.entries.setdefault(n.key, {})["g"] = _new_internal(self.pl, f"{n.key}.g")
 
     def on_grid(self, o: Operand) -> bool:

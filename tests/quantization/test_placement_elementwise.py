@@ -75,6 +75,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], str, str]] = {
     # name: (op module, the integer kernel it must run as, the float op it must not leave)
     "hardswish_as_mul": (HardSwishMul, "QLinearMul", "Mul"),
     "scalar_mul": (lambda: Op(lambda x: x * 0.5), "QLinearMul", "Mul"),
+    "hardswish": (lambda: Op(F.hardswish), "QLinearMul", "Mul"),
     "leaky_relu": (lambda: Op(lambda x: F.leaky_relu(x, 0.1)), "QLinearLeakyRelu", "LeakyRelu"),
     "softmax": (lambda: Op(lambda x: F.softmax(x, dim=1)), "QLinearSoftmax", "Softmax"),
     "sigmoid": (lambda: Op(torch.sigmoid), "QLinearSigmoid", "Sigmoid"),
