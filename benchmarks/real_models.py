@@ -189,7 +189,12 @@ def _machine() -> str:
 def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: str = "small") -> None:
     what = ("the small configs (benchmarks/hf_suite.py SUITE; the tests run them at one layer)" if size == "small" else
             "published base widths with fewer blocks (benchmarks/hf_suite.py SERVING)")
+    loaded = "load average" in machine and any(
+        float(w) > 1.5 for w in machine.replace(",", " ").split() if w.replace(".", "", 1).isdigit() and "." in w)
     lines = [SECTION[size], "",
+             *(["Timings taken under load (a shared machine, other jobs running): the same placement measured "
+                "up to about 20% apart between columns in one run (compare `compress` and `all int8` where no layer "
+                "was kept float), so read speedups as +-0.2x.", ""] if loaded else []),
              f"`python -m benchmarks.real_models --size {size}` on {machine}; {what}; ORT {threads} thread(s); "
              "serving batch: 32 images or 8 sequences of max(64, calibration length) tokens; latency = "
              "interleaved medians after warm-up. Coverage = integer kernels / (integer + "
@@ -287,6 +292,10 @@ def main(argv: list[str] | None = None) -> None:
         row["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         print(json.dumps({k: v for k, v in row.items() if k not in ("float_nodes",)}), flush=True)
         rows.append(row)
+    import os
+
+    # the machine is shared: say how loaded it was when the timings ended, too
+    machine += f", {os.getloadavg()[0]:.1f} at the end" if hasattr(os, "getloadavg") else ""
     out = JSON_OUT[args.size]
     if args.merge and out.exists():
         new = {r["model"]: r for r in rows}
