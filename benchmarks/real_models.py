@@ -32,13 +32,15 @@ import numpy as np
 import torch
 
 from benchmarks.hf_suite import SERVING, SUITE, SuiteModel
+from benchmarks.pattern_models import PATTERNS
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 JSON_OUT = {"small": Path(__file__).parent / "results" / "real_models.json",
             "serving": Path(__file__).parent / "results" / "real_models_serving.json"}
 SECTION = {"small": "## Real models: quantizer placement vs ORT quantize_static",
            "serving": "## Real models at serving width: int8 speed vs ORT quantize_static"}
-SUITES = {"small": SUITE, "serving": SERVING}
+#: the two patterns of issue 32 (benchmarks/pattern_models.py) run with both suites
+SUITES: dict[str, dict[str, Any]] = {"small": {**SUITE, **PATTERNS}, "serving": {**SERVING, **PATTERNS}}
 
 
 def _feeds(sess: Any, x: Any) -> dict[str, np.ndarray]:
@@ -113,6 +115,7 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
     sm = suite[name](0)
     fp = copy.deepcopy(sm.model)
     fm = copy.deepcopy(sm.model)
+    am = copy.deepcopy(sm.model)
     serving = _serving_input(sm)
     # the speed check scales the traced batch; for text, tokens per Linear call are what count
     calib = sm.calibration[0]["input_ids"] if sm.kind == "text" else sm.calibration[0]
@@ -120,8 +123,11 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         f32, ours, theirs = d / "fp32.onnx", d / "ours.int8.onnx", d / "ort.int8.onnx"
-        measured = d / "ours.measured.int8.onnx"
+        measured, every = d / "ours.measured.int8.onnx", d / "ours.all.int8.onnx"
         export_onnx(fp, sm.example, f32)
+        # every layer int8 (the cost table off): what the default's keep-float decisions change
+        qa = compress.quantize(am, "w8a8", sm.calibration, params=QuantizeParams(cost_table=False))
+        export_onnx(qa, sm.example, every)
         t0 = time.perf_counter()
         q = compress.quantize(sm.model, "w8a8", sm.calibration)
         t_quant = time.perf_counter() - t0
@@ -137,16 +143,16 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
         _ort_static(f32, theirs, sm.calibration)
         t_ort = time.perf_counter() - t0
         held = suite[name](7).calibration[:2]  # other inputs, same shapes
-        files = {"fp32": f32, "compress": ours, "measured": measured, "ort": theirs}
+        files = {"fp32": f32, "compress": ours, "all_int8": every, "measured": measured, "ort": theirs}
         sessions = {k: _session(p, threads) for k, p in files.items()}
         rr = _session(ours_rr, threads)
-        sq: dict[str, list[float]] = {"compress": [], "measured": [], "ort": [], "compress_7bit": []}
+        sq: dict[str, list[float]] = {"compress": [], "all_int8": [], "measured": [], "ort": [], "compress_7bit": []}
         for x in held:
             ref = sessions["fp32"].run(None, _feeds(sessions["fp32"], x))[0]
             for k in sq:
                 s = rr if k == "compress_7bit" else sessions[k]
                 sq[k].append(_sqnr(ref, s.run(None, _feeds(s, x))[0]))
-        cov = {k: ort_coverage(files[k]) for k in ("compress", "measured", "ort")}
+        cov = {k: ort_coverage(files[k]) for k in ("compress", "all_int8", "measured", "ort")}
         lat = _time(sessions, serving, rounds, reps=3 if size == "small" else 1)
         nbytes = {k: p.stat().st_size for k, p in files.items()}
     placement = q.quantizer_graph.placement
@@ -155,15 +161,17 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
         "kind": sm.kind,
         "coverage": {k: round(c.share, 3) for k, c in cov.items()},
         "integer_kernels": {k: c.integer for k, c in cov.items()},
+        "integer_ops": {k: dict(c.integer_ops) for k, c in cov.items()},
         "float_nodes": {k: c.float_nodes for k, c in cov.items()},
         "kept_float": placement.floats,
         "sqnr_db": {k: round(statistics.mean(v), 2) for k, v in sq.items()},
         "latency_ms": {k: round(v, 3) for k, v in lat.items()},
-        "speedup": {k: round(lat["fp32"] / lat[k], 3) for k in ("compress", "measured", "ort")},
+        "speedup": {k: round(lat["fp32"] / lat[k], 3) for k in ("compress", "all_int8", "measured", "ort")},
         "size_ratio": {k: round(nbytes[k] / nbytes["fp32"], 3) for k in ("compress", "measured", "ort")},
         "quantize_s": {"compress": round(t_quant, 2), "measured": round(t_measured, 2), "ort": round(t_ort, 2)},
         "measured_float": {k: v for k, v in qm.quantizer_graph.placement.floats.items()
                            if v.startswith("kept float by measured placement")},
+        "table_float": {k: v for k, v in placement.floats.items() if v.startswith("kept float by the cost table")},
     }
 
 
@@ -181,7 +189,12 @@ def _machine() -> str:
 def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: str = "small") -> None:
     what = ("the small configs (benchmarks/hf_suite.py SUITE; the tests run them at one layer)" if size == "small" else
             "published base widths with fewer blocks (benchmarks/hf_suite.py SERVING)")
+    loaded = "load average" in machine and any(
+        float(w) > 1.5 for w in machine.replace(",", " ").split() if w.replace(".", "", 1).isdigit() and "." in w)
     lines = [SECTION[size], "",
+             *(["Timings taken under load (a shared machine, other jobs running): the same placement measured "
+                "up to about 20% apart between columns in one run (compare `compress` and `all int8` where no layer "
+                "was kept float), so read speedups as +-0.2x.", ""] if loaded else []),
              f"`python -m benchmarks.real_models --size {size}` on {machine}; {what}; ORT {threads} thread(s); "
              "serving batch: 32 images or 8 sequences of max(64, calibration length) tokens; latency = "
              "interleaved medians after warm-up. Coverage = integer kernels / (integer + "
@@ -191,30 +204,41 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
              "SQNR 7-bit: compress's export with `reduce_range=True` (7-bit weight codes), which a CPU with AVX2 "
              "and no VNNI needs to avoid ORT's u8s8 int16 saturation (README); the machine line names this one's "
              "int8 instructions.", "",
-             "measured: compress with `speed_check` (quantization/placement/speed_check.py: each layer's ORT integer kernel "
-             "timed against its float kernel at the serving batch, the slower ones kept float).", "",
-             "| model | coverage compress / measured / ORT | SQNR dB compress / measured / ORT (compress 7-bit) | "
-             "speedup compress / measured / ORT | size compress / measured / ORT | kept float by measurement |",
-             "|---|---|---|---|---|---|"]
+             "compress: the default (w8a8; the shipped cost table keeps float the layers it says run slower in int8 "
+             "on this CPU's ISA, quantization/placement/cost_table.py); all int8: the cost table off; measured: "
+             "`speed_check` (each layer's ORT integer kernel timed against its float kernel at the serving batch, "
+             "the slower ones kept float). Integer kernels: every QLinear*/QGemm/MatMulIntegerToFloat node of ORT's "
+             "optimized graph (ORT fuses DQ -> op -> Q into them); the QLinear* breakdown is in the JSON.", "",
+             "| model | coverage compress / measured / ORT | integer kernels compress / ORT | QLinearMul / QLinearAdd compress "
+             "vs ORT | SQNR dB compress / measured / ORT (compress 7-bit) | speedup compress / all int8 / measured / ORT | "
+             "size compress / measured / ORT | kept float by table / by measurement |",
+             "|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | |")
             continue
         c, s, v, z = r["coverage"], r["sqnr_db"], r["speedup"], r["size_ratio"]
+        ops = r.get("integer_ops", {})
+        n_int = {k: sum(ops.get(k, {}).values()) for k in ("compress", "ort")}
+        mul = {k: ops.get(k, {}).get("QLinearMul", 0) for k in ("compress", "ort")}
+        add = {k: ops.get(k, {}).get("QLinearAdd", 0) for k in ("compress", "ort")}
         lines.append(f"| {r['model']} | {c['compress']:.2f} / {c.get('measured', nan):.2f} / {c['ort']:.2f} | "
+                     f"{n_int['compress']} / {n_int['ort']} | {mul['compress']} / {add['compress']} vs "
+                     f"{mul['ort']} / {add['ort']} | "
                      f"{s['compress']:.1f} / {s.get('measured', nan):.1f} / {s['ort']:.1f} "
                      f"({s.get('compress_7bit', nan):.1f}) | "
-                     f"{v['compress']:.2f}x / {v.get('measured', nan):.2f}x / {v['ort']:.2f}x | "
+                     f"{v['compress']:.2f}x / {v.get('all_int8', nan):.2f}x / {v.get('measured', nan):.2f}x / "
+                     f"{v['ort']:.2f}x | "
                      f"{z['compress']:.2f} / {z.get('measured', nan):.2f} / {z['ort']:.2f} | "
-                     f"{len(r.get('measured_float', {}))} |")
+                     f"{len(r.get('table_float', {}))} / {len(r.get('measured_float', {}))} |")
     ok = [r for r in rows if "error" not in r]
     if ok:
-        keys = [k for k in ("compress", "measured", "ort") if all(k in r["speedup"] for r in ok)]
+        keys = [k for k in ("compress", "all_int8", "measured", "ort") if all(k in r["speedup"] for r in ok)]
         med = {k: statistics.median(r["speedup"][k] for r in ok) for k in keys}
-        cov = {k: statistics.median(r["coverage"][k] for r in ok) for k in keys}
+        cov = {k: statistics.median(r["coverage"][k] for r in ok) for k in keys if k in ok[0]["coverage"]}
         slower = {k: [r["model"] for r in ok if r["speedup"][k] < 1.0] for k in keys}
-        lines += ["", f"Medians over {len(ok)} models: coverage " + ", ".join(f"{cov[k]:.2f} ({k})" for k in keys)
+        lines += ["", f"Medians over {len(ok)} models: coverage " + ", ".join(f"{cov[k]:.2f} ({k})" for k in cov)
                   + "; speedup " + ", ".join(f"{med[k]:.2f}x ({k})" for k in keys) + ". Slower than fp32: "
                   + "; ".join(f"{k} {', '.join(slower[k]) or 'none'}" for k in keys) + "."]
     stamps = {r.get("measured_at", "the first run (no time kept)") for r in rows}
@@ -222,10 +246,16 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
         lines += ["", "Rows measured at different times (load differs between them): " + "; ".join(
             f"{t}: {', '.join(r['model'] for r in rows if r.get('measured_at', 'the first run (no time kept)') == t)}"
             for t in sorted(stamps))]
-    floats = [f"- {r['model']}: " + "; ".join(f"`{k}`: {v}" for k, v in r["kept_float"].items())
-              for r in ok if r["kept_float"]]
+    floats = [f"- {r['model']}: " + "; ".join(f"`{k}`: {v}" for k, v in r["kept_float"].items()
+                                            if k not in r.get("table_float", {}))
+              for r in ok if set(r["kept_float"]) - set(r.get("table_float", {}))]
     if floats:
         lines += ["", "Left float by compress's placement, with its reason:", *floats]
+    tabled = [f"- {r['model']}: " + "; ".join(f"`{k}`: {v.removeprefix('kept float by the cost table ')}"
+                                              for k, v in r["table_float"].items())
+              for r in ok if r.get("table_float")]
+    if tabled:
+        lines += ["", "Kept float by the cost table (the default), with the table row it read:", *tabled]
     timed = [f"- {r['model']}: " + "; ".join(f"`{k}`: {v.removeprefix('kept float by measured placement: ')}"
                                              for k, v in r["measured_float"].items())
              for r in ok if r.get("measured_float")]
@@ -262,6 +292,10 @@ def main(argv: list[str] | None = None) -> None:
         row["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         print(json.dumps({k: v for k, v in row.items() if k not in ("float_nodes",)}), flush=True)
         rows.append(row)
+    import os
+
+    # the machine is shared: say how loaded it was when the timings ended, too
+    machine += f", {os.getloadavg()[0]:.1f} at the end" if hasattr(os, "getloadavg") else ""
     out = JSON_OUT[args.size]
     if args.merge and out.exists():
         new = {r["model"]: r for r in rows}

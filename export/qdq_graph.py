@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 log = logging.getLogger(__name__)
 
@@ -305,12 +306,18 @@ def merge_duplicate_pairs(g: _Graph) -> int:
     return removed
 
 
-def matmul_bias_to_gemm(g: _Graph) -> int:
+def matmul_bias_to_gemm(g: _Graph, shapes: Mapping[str, tuple[int | None, ...]] | None = None) -> int:
     """``Add(MatMul(DQ(x), DQ(W)), b)`` (a Linear on 3-D input, as the exporter writes it) ->
     ``Reshape(Gemm(DQ(Reshape(q_x, [-1, K])), DQ(W), b), [..., N])``: ORT fuses the Gemm with its bias
     into one QGemm, where the MatMul form leaves a float Add after MatMulIntegerToFloat. The reshape
-    runs on the 8-bit codes, so the DequantizeLinear still feeds the Gemm directly."""
+    runs on the 8-bit codes, so the DequantizeLinear still feeds the Gemm directly.
+
+    ``shapes`` (tensor -> dims, None where symbolic; :func:`static_shapes`): where at most one dim of
+    ``x`` is symbolic (the batch), the output shape is a constant (``[-1, S, N]``); only where more
+    are does the pass compute it at run time (Shape, Slice, Concat), which the float export does not
+    have and ORT cannot fold away (the windowed-attention Swin: 16 Shape chains per 4 blocks)."""
     done = 0
+    shapes = shapes or {}
     for n in list(g.g.node):
         if n.op_type != "MatMul":
             continue
@@ -332,21 +339,31 @@ def matmul_bias_to_gemm(g: _Graph) -> int:
         k, cols = w.shape
         u = {s_: g.unique(f"{n.name}_{s_}") for s_ in ("shape", "lead", "flat", "codes2d", "x2d", "gemm", "outshape",
                                                     "k", "n", "start", "end")}
-        g.set_init(u["k"], np.array([-1, k], dtype=np.int64))
-        g.set_init(u["n"], np.array([cols], dtype=np.int64))
-        g.set_init(u["start"], np.array([0], dtype=np.int64))
-        g.set_init(u["end"], np.array([-1], dtype=np.int64))
         codes = dqx.input[0]
         dq_args = list(dqx.input[1:])
-        new = [
-            helper.make_node("Shape", [codes], [u["shape"]], name=u["shape"]),
-            helper.make_node("Slice", [u["shape"], u["start"], u["end"]], [u["lead"]], name=u["lead"]),
-            helper.make_node("Reshape", [codes, u["k"]], [u["codes2d"]], name=u["codes2d"]),
-            helper.make_node("DequantizeLinear", [u["codes2d"], *dq_args], [u["x2d"]], name=u["x2d"]),
-            helper.make_node("Gemm", [u["x2d"], n.input[1], bias_name], [u["gemm"]], name=u["gemm"]),
-            helper.make_node("Concat", [u["lead"], u["n"]], [u["outshape"]], name=u["outshape"], axis=0),
-            helper.make_node("Reshape", [u["gemm"], u["outshape"]], [add.output[0]], name=f"{n.name}_out"),
-        ]
+        lead = shapes.get(codes, (None, None, None))[:-1]
+        if len(lead) == 1:  # already 2-D: the Gemm takes the DequantizeLinear as it is
+            new = [helper.make_node("Gemm", [n.input[0], n.input[1], bias_name], [add.output[0]], name=u["gemm"])]
+        else:
+            g.set_init(u["k"], np.array([-1, k], dtype=np.int64))
+            flat = [helper.make_node("Reshape", [codes, u["k"]], [u["codes2d"]], name=u["codes2d"]),
+                    helper.make_node("DequantizeLinear", [u["codes2d"], *dq_args], [u["x2d"]], name=u["x2d"]),
+                    helper.make_node("Gemm", [u["x2d"], n.input[1], bias_name], [u["gemm"]], name=u["gemm"])]
+            if sum(d is None for d in lead) <= 1:  # static but for one dim: a constant shape, as fp32's
+                g.set_init(u["outshape"], np.array([-1 if d is None else d for d in lead] + [cols], dtype=np.int64))
+                new = [*flat, helper.make_node("Reshape", [u["gemm"], u["outshape"]], [add.output[0]],
+                                               name=f"{n.name}_out")]
+            else:
+                g.set_init(u["n"], np.array([cols], dtype=np.int64))
+                g.set_init(u["start"], np.array([0], dtype=np.int64))
+                g.set_init(u["end"], np.array([-1], dtype=np.int64))
+                new = [
+                    helper.make_node("Shape", [codes], [u["shape"]], name=u["shape"]),
+                    helper.make_node("Slice", [u["shape"], u["start"], u["end"]], [u["lead"]], name=u["lead"]),
+                    *flat,
+                    helper.make_node("Concat", [u["lead"], u["n"]], [u["outshape"]], name=u["outshape"], axis=0),
+                    helper.make_node("Reshape", [u["gemm"], u["outshape"]], [add.output[0]], name=f"{n.name}_out"),
+                ]
         idx = list(g.g.node).index(n)
         g.g.node.remove(n)
         g.g.node.remove(add)
@@ -625,6 +642,121 @@ def _constant(g: _Graph, name: str) -> np.ndarray | None:
     return None
 
 
+#: deterministic ops a constant subgraph may hold (index and mask arithmetic, table gathers, layout)
+_PURE = frozenset({
+    "Constant", "Identity", "Gather", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Flatten", "Slice", "Concat",
+    "Expand", "Tile", "Cast", "Shape", "Range", "ConstantOfShape", "Equal", "Not", "Where", "Add", "Sub", "Mul", "Div",
+    "Neg", "ScatterND", "QuantizeLinear", "DequantizeLinear",
+})
+
+#: a constant subgraph is evaluated at export only up to this many input elements
+_MAX_CONSTANT_NUMEL = 1 << 22
+
+
+def _constant_subgraph(g: _Graph, name: str) -> list[onnx.NodeProto] | None:
+    """The nodes computing ``name`` from initializers alone through :data:`_PURE` ops, in graph
+    order (None where a graph input, a non-pure op or too large a constant is upstream)."""
+    seen: dict[str, onnx.NodeProto] = {}
+    stack, numel = [name], 0
+    while stack:
+        t = stack.pop()
+        if not t or t in g.init:
+            numel += int(np.prod(g.init[t].dims)) if t else 0
+            continue
+        node = g.producer.get(t)
+        if node is None or node.op_type not in _PURE:
+            return None
+        if node.output[0] in seen:
+            continue
+        seen[node.output[0]] = node
+        stack.extend(node.input)
+    if not seen or numel > _MAX_CONSTANT_NUMEL:
+        return None
+    return [n for n in g.g.node if n.output and n.output[0] in seen]
+
+
+def fold_constant_subgraphs(g: _Graph) -> int:
+    """A quantizer's input computed from constants only (Swin's relative-position bias gathered from
+    its table and permuted, a shift mask built from zeros and filled) -> one initializer, so
+    :func:`fold_constant_quantize` stores its codes. The float export gets the same folding from ORT's
+    optimizer; the int8 one does not, because ORT does not fold through QuantizeLinear and leaves the
+    Gather/Reshape/Transpose/Unsqueeze chain running on every call."""
+    from onnx.reference import ReferenceEvaluator
+
+    done = 0
+    for q in list(g.g.node):
+        if q.op_type != "QuantizeLinear" or _constant(g, q.input[0]) is not None or q.input[0] in g.outputs:
+            continue
+        nodes = _constant_subgraph(g, q.input[0])
+        if nodes is None:
+            continue
+        used = {i for n in nodes for i in n.input if i in g.init}
+        sub = helper.make_graph(
+            nodes, "constant", [], [helper.make_tensor_value_info(q.input[0], TensorProto.UNDEFINED, None)],
+            [i for i in g.g.initializer if i.name in used])
+        try:
+            value = ReferenceEvaluator(helper.make_model(sub, opset_imports=[helper.make_opsetid("", 21)])).run(None, {})[0]  # type: ignore[index]
+        except Exception as exc:  # a subgraph the reference cannot run stays as it is
+            log.debug("constant subgraph of %s not folded: %s", q.input[0], exc)
+            continue
+        if not isinstance(value, np.ndarray) or value.dtype != np.float32:
+            continue
+        g.producer[q.input[0]].output[0] = g.unique(f"{q.input[0]}_unfolded")
+        g.set_init(q.input[0], value)
+        g.refresh()
+        done += 1
+    if done:  # the chains nothing reads any more
+        changed = True
+        while changed:
+            changed = False
+            for n in list(g.g.node):
+                if n.op_type in _PURE and not any(g.consumers.get(o) or o in g.outputs for o in n.output):
+                    g.g.node.remove(n)
+                    changed = True
+            g.refresh()
+    return done
+
+
+_LAYOUT = frozenset({"Reshape", "Transpose", "Unsqueeze", "Squeeze", "Flatten", "Expand"})
+
+
+def layout_into_constant_codes(g: _Graph) -> int:
+    """``Unsqueeze(DQ(codes))`` (any :data:`_LAYOUT` op on a per-tensor dequantized initializer) ->
+    ``DQ(Unsqueeze(codes))`` with the new codes stored: the last layout step of a constant operand
+    (the bias's ``unsqueeze(0)``) then runs at export, and the add still reads a DequantizeLinear."""
+    from onnx.reference import ReferenceEvaluator
+
+    done = 0
+    for n in list(g.g.node):
+        if n.op_type not in _LAYOUT or not n.input:
+            continue
+        dq = g.producer.get(n.input[0])
+        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in g.init:
+            continue
+        if any(i not in g.init for i in [*dq.input[1:], *n.input[1:]] if i) or g.array(dq.input[1]).ndim:
+            continue
+        if len(g.consumers.get(dq.output[0], [])) != 1:
+            continue
+        used = [i for i in n.input if i]
+        sub = helper.make_graph([helper.make_node(n.op_type, list(n.input), ["y"], **{
+            a.name: helper.get_attribute_value(a) for a in n.attribute})], "layout", [],
+            [helper.make_tensor_value_info("y", TensorProto.UNDEFINED, None)],
+            [g.init[i] for i in used[1:]] + [numpy_helper.from_array(g.array(dq.input[0]), n.input[0])])
+        try:
+            codes = ReferenceEvaluator(helper.make_model(sub, opset_imports=[helper.make_opsetid("", 21)])).run(None, {})[0]  # type: ignore[index]
+        except Exception as exc:  # left as it is
+            log.debug("layout of %s not folded: %s", n.name, exc)
+            continue
+        name = g.unique(f"{dq.input[0]}_{n.op_type.lower()}")
+        g.set_init(name, np.asarray(codes))
+        g.g.node.remove(n)
+        dq.input[0] = name
+        dq.output[0] = n.output[0]
+        g.refresh()
+        done += 1
+    return done
+
+
 def fold_constant_quantize(g: _Graph) -> int:
     """``QuantizeLinear(constant)`` -> its integer codes as an initializer: a constant operand placed
     with a quantizer of its own (a position embedding, ``eps`` of ``var + eps``, an attention bias) is
@@ -668,6 +800,51 @@ def remove_unused_initializers(g: _Graph) -> int:
     return len(dead)
 
 
+def fold_constant_where(g: _Graph, shapes: Mapping[str, tuple[int | None, ...]]) -> int:
+    """``Where(c, x, y)`` with a constant ``c`` that is all True (or all False) -> ``x`` (or ``y``),
+    where that operand already has the output's shape. The decomposed attention's ``masked_fill`` of
+    a boolean mask that masks nothing (no padding, fixed shapes) leaves such Wheres, which the float
+    export's SDPA does not have."""
+    done = 0
+    for n in list(g.g.node):
+        if n.op_type != "Where" or n.output[0] in g.outputs:
+            continue
+        c = _constant(g, n.input[0])
+        if c is None or c.dtype != np.bool_ or not (c.all() or not c.any()):
+            continue
+        pick = n.input[1] if c.all() else n.input[2]
+        want = shapes.get(n.output[0])
+        if want is None or shapes.get(pick) != want:
+            continue
+        g.rewire(n.output[0], pick)
+        g.g.node.remove(n)
+        g.refresh()
+        done += 1
+    return done
+
+
+def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int | None, ...]]:
+    """Each tensor's dims by ONNX shape inference (on a copy), None for a symbolic or unknown dim;
+    tensors of unknown rank are left out."""
+    # the exporter's value_info predates the passes that edit weights (fold_weight_slices): infer anew
+    kept = list(model.graph.value_info)
+    del model.graph.value_info[:]
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model)
+    except Exception as exc:  # a graph inference cannot read only loses the constant shapes
+        log.debug("shape inference failed (%s): Linear outputs keep run-time shapes", exc)
+        return {}
+    finally:
+        model.graph.value_info.extend(kept)
+    out: dict[str, tuple[int | None, ...]] = {}
+    g = inferred.graph
+    for v in [*g.input, *g.value_info, *g.output]:
+        t = v.type.tensor_type
+        if t.HasField("shape"):
+            out[v.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim)
+    return out
+
+
 def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False, ort_float_weights: bool = True) -> dict[str, int]:
     """Run the QDQ passes in place; returns how many edits each made. ``ort_float_weights``: give
     layers ORT will not fuse float weights (only for files ORT runs: other runtimes fuse otherwise)."""
@@ -675,14 +852,20 @@ def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False,
     stats = {
         "int8_embedding_tables": quantize_embedding_tables(g) if quantize_embeddings else 0,
         "int8_gathers": gather_int8_tables(g),
+        "constant_subgraphs": fold_constant_subgraphs(g),
         "constant_codes": fold_constant_quantize(g),
+        "constant_layouts": layout_into_constant_codes(g),
         "unused_initializers": remove_unused_initializers(g),
         "weight_slices": fold_weight_slices(g),
         "blocked_gemms": blocked_gemm_to_matmul(g),
         "weight_transposes": fold_weight_transposes(g),
         "int4_weights": pack_int4(g),
         "redundant_pairs": merge_duplicate_pairs(g),
-        "bias_gemms": matmul_bias_to_gemm(g),
+    }
+    shapes = static_shapes(model)
+    stats |= {
+        "constant_wheres": fold_constant_where(g, shapes),
+        "bias_gemms": matmul_bias_to_gemm(g, shapes),
         "pads_into_convs": pads_into_convs(g),
         # weight-only models (no activation Q) keep int8 weights: their point is the file size
         "float_weights": float_weights_for_float_layers(g)

@@ -44,6 +44,9 @@ class QuantizeParams(ApiParams):
     ``speed_check``: time each layer's ONNX Runtime integer kernel against its float kernel at the
     traced shape (the batch scaled to ``speed_check.batch``) and keep the layers float where int8 is
     slower, the times named in ``placement.floats`` (quantization/placement/speed_check.py; target onnxruntime).
+    ``cost_table``: without ``speed_check``, keep float the layers that the shipped ORT CPU cost table
+    for this CPU's int8 instructions says run slower in int8 (quantization/placement/cost_table.py):
+    nothing is timed at quantize time, so the placement is reproducible; False quantizes them all.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -58,6 +61,7 @@ class QuantizeParams(ApiParams):
     kv_cache: KVCache | None = None
     quantize_embeddings: bool = True
     speed_check: SpeedCheck | None = None
+    cost_table: bool = True
 
 
 def quantize(
@@ -110,7 +114,7 @@ def post_training_quantize(
     swapped = prepare(
         model, scheme, targets=targets, ignore=ignore, first_last=p.first_last, bn=p.bn,
         quantize_ops=p.quantize_ops, target=p.target, quantize_embeddings=p.quantize_embeddings,
-        example_inputs=example, speed_check=p.speed_check, where=where,
+        example_inputs=example, speed_check=p.speed_check, cost_table=p.cost_table, where=where,
     )
     if p.kv_cache is not None:
         attach_kv_quantization(model, p.kv_cache)

@@ -88,7 +88,9 @@ class PTQSpec(_QuantSpecBase):
     values entering attention to int8; ``sensitivity`` ("metric" or "sqnr") adds a per-layer table and plot;
     ``max_accuracy_drop`` (metric units, e.g. 0.005 = half a point of accuracy) keeps the most
     sensitive layers in float until the drop fits. ``speed_check`` (``{batch: 32, threads: 1}``) times
-    each layer's ONNX Runtime integer kernel against its float one and keeps the slower ones float.
+    each layer's ONNX Runtime integer kernel against its float one and keeps the slower ones float;
+    without it, ``cost_table`` (default on) keeps float the layers the shipped ORT CPU cost table says
+    run slower in int8, timing nothing.
     """
 
     type: Literal["ptq"] = "ptq"
@@ -102,6 +104,7 @@ class PTQSpec(_QuantSpecBase):
     sensitivity: Literal["none", "metric", "sqnr"] = "none"
     max_accuracy_drop: float | None = Field(None, ge=0)
     speed_check: SpeedCheck | None = None
+    cost_table: bool = True
 
 
 class QATSpec(_QuantSpecBase):
@@ -190,7 +193,8 @@ class PTQModifier(Modifier[PTQSpec]):
             float_metric = judge(model)
         params = QuantizeParams(first_last=s.first_last, bn=s.bn, quantize_ops=s.quantize_ops, target=s.target,
                                 quantize_embeddings=s.quantize_embeddings, smoothquant=s.smoothquant,
-                                bias_correction=s.bias_correction, kv_cache=s.kv_cache, speed_check=s.speed_check)
+                                bias_correction=s.bias_correction, kv_cache=s.kv_cache, speed_check=s.speed_check,
+                                cost_table=s.cost_table)
         swapped = post_training_quantize(model, scheme, loop, targets=s.targets, ignore=s.ignore, params=params,
                                          where=self.where)
         state.metrics["quantized_modules"] = len(swapped)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import CompressError
+from compress.core.machine import int8_isa
 from compress.core.moe import unpack_experts
 from compress.core.targets import select_modules
 from compress.core.tracing import tensor_leaves
@@ -32,6 +33,7 @@ from quantization.placement.activations import (
     place_graph,
     targeted_fn,
 )
+from quantization.placement.cost_table import slower_by_table, table_for
 from quantization.placement.mode import detach, graph_of, unsmooth
 from quantization.placement.place import ROUTER_REASON, router_layers
 from quantization.placement.runtimes import Target, get_profile
@@ -108,6 +110,7 @@ def prepare(
     quantize_embeddings: bool = True,
     example_inputs: Any = None,
     speed_check: SpeedCheck | None = None,
+    cost_table: bool = True,
     where: str = "quantize",
 ) -> dict[str, nn.Module]:
     """Swap the targeted layers of ``model`` (in place) for quantized ones; returns them by name.
@@ -127,6 +130,9 @@ def prepare(
     unless that costs fidelity (graph_prepare.TABLE_MIN_SQNR_DB).
     ``speed_check``: time each layer's ORT integer kernel against its float one at the traced shape
     and keep the layers float where int8 is slower (quantization/placement/speed_check.py; needs ``example_inputs``).
+    ``cost_table``: without ``speed_check``, keep float the layers the shipped ORT CPU cost table for this
+    CPU's int8 instructions says run slower in int8 (quantization/placement/cost_table.py; onnxruntime
+    target, static activations, traced shapes); nothing is timed, so the placement is reproducible.
     """
     scheme = resolve_scheme(scheme)
     model = unwrap(model)
@@ -160,6 +166,14 @@ def prepare(
         for name in slow:
             del plan[name]
         skip.update(slow)
+    elif cost_table and graph_mode and target == "onnxruntime" and graph0 is not None:
+        table = table_for(int8_isa())
+        if table is not None:
+            layers = {n: model.get_submodule(n) for n in plan}
+            slow = slower_by_table(layers, layer_calls(graph0, layers), table)
+            for name in slow:
+                del plan[name]
+            skip.update(slow)
     pairs = find_conv_bn_pairs(model) if bn != "keep" else {}
     if graph0 is not None and bn != "keep":
         pairs.update(bn_pairs_from_graph(model, graph0))

@@ -20,6 +20,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The default keep-float decisions read the shipped cost table of this CPU's int8 instructions
+# (quantization/placement/cost_table.py): toy layers a test builds would then stay float on one machine
+# and not another. Tests of placement rules run with every layer int8 on every machine; the table's
+# own tests (tests/quantization/test_cost_table.py) give it a table of their own. Subprocesses inherit it.
+os.environ.setdefault("COMPRESS_COST_TABLE", "off")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread() -> Iterator[None]:
     before = torch.get_num_threads()

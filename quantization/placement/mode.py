@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -274,7 +275,8 @@ class QuantizeMode(TorchFunctionMode):
         if "q" in entry:  # attention, decomposed with its own quantizers inside
             return self._attention(func, entry, args, kwargs)
         if "g" in entry:  # SiLU as x * q(sigmoid(x)): what ORT runs as QLinearSigmoid + QLinearMul
-            return args[0] * self.apply(entry["g"], torch.sigmoid(args[0]))
+            gate = F.hardsigmoid if getattr(func, "__name__", "") == "hardswish" else torch.sigmoid  # hardswish too
+            return args[0] * self.apply(entry["g"], gate(args[0]))
         return func(*args, **kwargs)
 
     def _attention(self, func: Any, entry: dict[str, str], args: Any, kwargs: dict[str, Any]) -> Any:

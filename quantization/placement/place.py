@@ -446,23 +446,51 @@ class _Placer:
                     changed = True
 
     # ---- pass 4: elementwise ops whose inputs are all quantized by now run as integer kernels too
-    # (a chain extends one op at a time, in graph order); their output gets a quantizer
+    # (a chain extends one op at a time, in graph order); their output gets a quantizer. A product's
+    # other operand may be a one-element constant (attention's ``q * scale``, a Python number): it
+    # gets a quantizer of its own, which holds its one value exactly (ORT's QLinearMul reads it as a
+    # quantized initializer); a constant tensor stays float (a per-channel layer scale spans decades
+    # one 8-bit scale cannot hold)
     def extend_chains(self) -> None:
         for n in self.nodes:
-            if n.kind not in self.profile.extend or not self.targeted(n.scope) or not self.quantize_ops \
+            kind = n.func if n.kind in ("act", "softmax") else n.kind  # hardsigmoid, leaky_relu: by their call
+            if kind not in self.profile.extend or not self.targeted(n.scope) or not self.quantize_ops \
                     or n.key in self.inside:
                 continue
             acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
-            arity = 2 if n.kind == "mul" else 1
+            arity = 2 if kind == "mul" else 1
             out = f"{n.key}/0"
-            if len(n.operands) != arity or len(acts) != arity or not self.consumers.get(out):
+            if len(n.operands) != arity or not acts or not self.consumers.get(out):
                 continue
-            if any(_tid(o) not in self.quantized for o in acts):
+            consts = [o for o in n.operands if o not in acts]
+            if consts and (any(not o.floating or math.prod(o.shape) != 1 for o in consts) or len(acts) != 1):
+                continue
+            if not all(self.on_grid(o) for o in acts):
                 continue
             self.groups.add(out)
             self.quantized.add(out)
-            if n.kind == "silu":
+            for o in consts:
+                self.pl.entries.setdefault(n.key, {})[str(o.position)] = self.constant_quantizer(n, o)
+            if kind in ("silu", "hardswish"):  # run as x * q(gate(x)): a QLinearMul with a quantized gate
                 self.pl.entries.setdefault(n.key, {})["g"] = _new_internal(self.pl, f"{n.key}.g")
+
+    def on_grid(self, o: Operand) -> bool:
+        """Whether a tensor is quantized, or made by pass-through ops (a select, a reshape) from one
+        that is: then it is on that quantizer's grid and shares it (attention's ``q = qkv[0]``)."""
+        t = _tid(o)
+        if t is None:
+            return False
+        if t in self.quantized:
+            return True
+        prod = self.producers.get(str(o.producer)) if o.source == "op" else None
+        if prod is None or prod.kind not in self.profile.pass_through or prod.key in self.inside:
+            return False
+        src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+        if len(src) != 1 or not self.on_grid(src[0]):
+            return False
+        self.groups.union(str(_tid(src[0])), t)
+        self.quantized.add(t)
+        return True
 
     # ---- pass 5: one quantizer id per group, read by every consumer of its tensors --------------
     def assign_ids(self) -> None:
@@ -537,8 +565,26 @@ def activation_regions(graph: OpGraph) -> dict[str, list[str]]:
         shape = next(o.shape for n in ops for o in n.operands if _tid(o) in ins)
         if any(n.out_shapes[:1] != [shape] for n in ops):
             continue
+        if _gated(ops, ins):
+            continue
         found[scope] = [n.key for n in ops]
     return found
+
+
+#: gates whose product with their own input a runtime runs in integer (QLinearSigmoid or a float
+#: gate between Q/DQ, then QLinearMul): hardswish as ``x * hardsigmoid(x)``, SiLU as ``x * sigmoid(x)``
+_GATES = frozenset({"sigmoid", "hardsigmoid"})
+
+
+def _gated(ops: list[OpNode], ins: set[str]) -> bool:
+    """Whether a region is ``x * gate(x)`` (two ops): quantize_static runs its product as
+    QLinearMul, so it is left to the integer-chain pass instead of kept float as one piece."""
+    if len(ops) != 2:
+        return False
+    gate, mul = ops
+    if mul.kind != "mul" or (gate.func if gate.kind == "act" else gate.kind) not in _GATES:
+        return False
+    return {_tid(o) for o in mul.operands} == {*ins, f"{gate.key}/0"}
 
 
 #: an add whose operands' magnitudes differ by more than this stays float: its output's 8-bit scale

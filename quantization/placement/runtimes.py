@@ -22,7 +22,8 @@ profile says, per op kind (see quantization/placement/trace.py):
 Q clamps the same range); ``pass_through``: ops after which a tensor keeps its quantizer (the
 runtime drops DQ -> op -> Q with equal scales around them); ``extend``: elementwise ops with an
 integer kernel that pays off only when their inputs are quantized anyway (between two integer
-convs): they get an output quantizer then, and SiLU runs as ``x * sigmoid(x)`` with one on the gate.
+convs): they get an output quantizer then, and SiLU (hardswish) runs as ``x * sigmoid(x)``
+(``x * hardsigmoid(x)``) with one on the gate.
 """
 
 from __future__ import annotations
@@ -74,10 +75,12 @@ ONNXRUNTIME = RuntimeProfile(
     },
     fold=frozenset({"relu", "relu6"}),
     pass_through=frozenset({"reshape", "max_pool", "dropout", "pad"}),
-    extend=frozenset({"silu", "sigmoid", "mul"}),  # QLinearSigmoid, QLinearMul
+    # QLinearSigmoid, QLinearMul, QLinearSoftmax, QLinearLeakyRelu; hardsigmoid has no integer kernel,
+    # but its output quantized makes ``x * hardsigmoid(x)`` a QLinearMul (as quantize_static places it)
+    extend=frozenset({"silu", "sigmoid", "mul", "softmax", "leaky_relu", "hardsigmoid", "hardswish"}),
     description="ONNX Runtime CPU QDQ fusion (QLinearConv, QLinearMatMul/MatMulIntegerToFloat, QGemm, "
-    "QLinearAdd, QLinearConcat, QLinearAveragePool; QLinearSigmoid/QLinearMul between quantized "
-    "tensors); Relu/Clip fold into the Q before them",
+    "QLinearAdd, QLinearConcat, QLinearAveragePool; QLinearSigmoid/QLinearMul/QLinearSoftmax/"
+    "QLinearLeakyRelu between quantized tensors); Relu/Clip fold into the Q before them",
 )
 
 TENSORRT = RuntimeProfile(

@@ -349,7 +349,7 @@ class GraphTracer(ObserverMode):
 
 
 #: op kinds whose Python number operands are recorded (as "scalar" operands)
-_SCALAR_OPERAND_KINDS = frozenset({"add"})
+_SCALAR_OPERAND_KINDS = frozenset({"add", "mul"})
 
 
 def _is_number(v: Any) -> bool:

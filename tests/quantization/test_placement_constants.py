@@ -64,7 +64,10 @@ def test_constant_and_broadcast_operands_are_quantized_for_onnxruntime(tmp_path:
     pl = q.quantizer_graph.placement
     consts = {qid: ts[0] for qid, ts in pl.activations.items() if qid.startswith("c")}
     assert any(t == "param pos" for t in consts.values()), consts
-    assert [t for t in consts.values() if "(scalar)" in t] == [":add#3 operand 1 (scalar)"], consts  # GELU's 1.0
+    scalars = [t for t in consts.values() if "(scalar)" in t]
+    assert ":add#3 operand 1 (scalar)" in scalars, consts  # GELU's 1.0
+    # and the products by a number whose other operand is quantized run as QLinearMul (issue 32)
+    assert all(t == ":add#3 operand 1 (scalar)" or t.startswith(":mul#") for t in scalars), consts
     # var + eps stays float, for its measured reason: eps is 1e-6, the variance about 1
     assert list(pl.floats) == [":add#1"] and "in magnitude" in pl.floats[":add#1"], pl.floats
     path = export_onnx(q, x, tmp_path / "c.onnx")

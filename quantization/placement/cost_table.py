@@ -1,0 +1,147 @@
+"""Keep-float decisions from a shipped cost table: which layers run slower in int8 than in float on
+the target runtime and CPU, without timing anything on the user's machine.
+
+``speed_check`` (quantization/placement/speed_check.py) times each layer on the machine that
+quantizes, so two runs (or two machines) may decide differently. The table here holds the same
+measurement made once per runtime and int8 instruction set by ``python -m benchmarks.cost_table``:
+each row one layer shape (a Linear's rows x in x out, a conv's channels, kernel, groups and output
+size), its float and int8 kernel times inside an int8 model (:func:`speed_check._island_cost`) and
+their ratio. A layer's speedup is read off the row nearest to it (log-distance over the shape
+features, within its kind); a layer below ``min_speedup`` stays float, the row named in the reason.
+The answer depends only on the layer's traced shape, the table and the ISA the table is chosen for,
+so quantizing twice gives the same placement. ``speed_check`` refines it when asked.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from compress.core.errors import CompressError
+from quantization.placement.speed_check import LayerCall
+
+log = logging.getLogger(__name__)
+
+TABLE_FILE = Path(__file__).with_name("data") / "ort_cpu_costs.json"
+
+
+def isa_key(isa: str | None) -> str | None:
+    """The table's key for an int8 instruction set (compress.core.machine.int8_isa)."""
+    if isa is None:
+        return None
+    if isa in ("AMX-INT8", "AVX-512 VNNI", "AVX-VNNI"):
+        return "vnni" if isa != "AMX-INT8" else "amx"
+    return "avx2" if isa == "AVX2 without VNNI" else None
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the table is keyed by: ``kind`` (linear, conv, depthwise) and the sizes that set a
+    kernel's cost."""
+
+    kind: str
+    features: tuple[float, ...]
+
+    def distance(self, other: LayerShape) -> float:
+        return sum(abs(math.log2(max(a, 1.0)) - math.log2(max(b, 1.0)))
+                   for a, b in zip(self.features, other.features, strict=True))
+
+
+def layer_shape(m: nn.Module, in_shape: tuple[int, ...] | list[int]) -> LayerShape | None:
+    """The table key of a Linear or Conv2d at its traced input shape (None for other layers)."""
+    if isinstance(m, nn.Linear):
+        rows = math.prod(in_shape[:-1]) if len(in_shape) > 1 else 1
+        return LayerShape("linear", (float(rows), float(m.in_features), float(m.out_features)))
+    if isinstance(m, nn.Conv2d) and len(in_shape) == 4:
+        k = float(m.kernel_size[0] * m.kernel_size[1])
+        pixels = float(in_shape[0] * in_shape[2] * in_shape[3]) / float(m.stride[0] * m.stride[1])
+        if m.groups == m.in_channels and m.groups > 1:
+            return LayerShape("depthwise", (float(m.in_channels), k, pixels))
+        if m.groups == 1:
+            return LayerShape("conv", (float(m.in_channels), float(m.out_channels), k, pixels))
+    return None
+
+
+@dataclass(frozen=True)
+class Row:
+    shape: LayerShape
+    float_us: float
+    int8_us: float
+
+    @property
+    def speedup(self) -> float:
+        return self.float_us / max(self.int8_us, 1e-9)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """One runtime's and ISA's measured rows (see the module docstring)."""
+
+    runtime: str
+    isa: str
+    machine: str
+    rows: tuple[Row, ...]
+
+    def nearest(self, shape: LayerShape) -> Row | None:
+        same = [r for r in self.rows if r.shape.kind == shape.kind]
+        return min(same, key=lambda r: (r.shape.distance(shape), r.shape.features)) if same else None
+
+
+def table_from_data(data: Mapping[str, Any]) -> CostTable:
+    rows = tuple(Row(LayerShape(r["kind"], tuple(float(f) for f in r["features"])), float(r["float_us"]),
+                     float(r["int8_us"])) for r in data["rows"])
+    return CostTable(str(data["runtime"]), str(data["isa"]), str(data.get("machine", "")), rows)
+
+
+@functools.cache
+def shipped_tables(path: Path = TABLE_FILE) -> dict[str, CostTable]:
+    """The shipped tables by ISA key (empty where the file is absent)."""
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CompressError(f"cost table {path}: unreadable ({exc})") from None
+    return {k: table_from_data(v) for k, v in data.get("onnxruntime", {}).items()}
+
+
+#: set to ``off`` to use no shipped table (every layer int8 unless ``speed_check`` says otherwise); the
+#: test suite does, so that its placements do not depend on the CPU it runs on
+ENV_SWITCH = "COMPRESS_COST_TABLE"
+
+
+def table_for(isa: str | None) -> CostTable | None:
+    """The shipped ORT CPU table for ``isa`` (compress.core.machine.int8_isa's names), None if none
+    (or if the ``COMPRESS_COST_TABLE`` environment variable is ``off``)."""
+    if os.environ.get(ENV_SWITCH, "").strip().lower() in ("off", "0", "false", "none"):
+        return None
+    key = isa_key(isa)
+    return shipped_tables().get(key) if key is not None else None
+
+
+def slower_by_table(layers: Mapping[str, nn.Module], calls: Mapping[str, LayerCall], table: CostTable, *,
+                    min_speedup: float = 1.0) -> dict[str, str]:
+    """``{layer: reason}`` for the layers whose nearest table row says int8 is not ``min_speedup``
+    times faster than float; a layer a max-pool follows stays int8 (see speed_check.slower_in_int8)."""
+    slow: dict[str, str] = {}
+    for name, mod in layers.items():
+        call = calls.get(name)
+        shape = layer_shape(mod, call.shape) if call is not None else None
+        row = table.nearest(shape) if shape is not None else None
+        if call is None or row is None or call.pooled or call.model_output or row.speedup >= min_speedup:
+            continue
+        feats = "x".join(f"{f:g}" for f in row.shape.features)
+        slow[name] = (f"kept float by the cost table ({table.runtime}, {table.isa}): the nearest measured "
+                      f"{row.shape.kind} ({feats}) ran int8 {row.int8_us:.0f} us vs float {row.float_us:.0f} us "
+                      f"({row.speedup:.2f}x)")
+    log.info("cost table (%s, %s): %d of %d layers keep float", table.runtime, table.isa, len(slow), len(layers))
+    return slow

@@ -1,0 +1,114 @@
+"""Default keep-float decisions from the shipped ORT CPU cost table (issue 32): nothing is timed at
+quantize time, the same model gets the same placement, ``cost_table=False`` and ``speed_check`` override."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import quantization.preparation as preparation
+from compress.core.errors import CompressError
+from quantization import QuantizeParams, quantize
+from quantization.placement import cost_table as ct
+from quantization.placement import speed_check
+from quantization.placement.mode import graph_of
+from quantization.placement.speed_check import SpeedCheck
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.body = nn.Conv2d(16, 64, 3, padding=1)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.body(torch.relu(self.stem(x))))
+        return self.head(y.mean((2, 3)))
+
+
+def _data(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 3, 16, 16, generator=g) for _ in range(2)]
+
+
+def _row(kind: str, feats: tuple[float, ...], float_us: float, int8_us: float) -> ct.Row:
+    return ct.Row(ct.LayerShape(kind, feats), float_us, int8_us)
+
+
+#: the stem's shape (3 -> 16, 3x3, 4 x 16 x 16 pixels) slower in int8, the rest faster
+TABLE = ct.CostTable("onnxruntime", "test ISA", "test", (
+    _row("conv", (3, 16, 9, 1024), 50.0, 90.0),
+    _row("conv", (16, 64, 9, 1024), 400.0, 150.0),
+    _row("linear", (4, 64, 10), 5.0, 4.0),
+))
+
+
+def _floats(q: nn.Module) -> dict[str, str]:
+    g = graph_of(q)
+    assert g is not None
+    return g.placement.floats
+
+
+def _no_timing(*a: Any, **k: Any) -> Any:
+    raise AssertionError("a kernel was timed at quantize time")
+
+
+def test_table_keeps_slow_layers_float_without_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(preparation, "table_for", lambda isa: TABLE)
+    monkeypatch.setattr(speed_check, "_profile", _no_timing)
+    torch.manual_seed(0)
+    floats = [_floats(quantize(Net().eval(), "w8a8", _data())) for _ in range(2)]
+    assert floats[0] == floats[1]  # reproducible: a table lookup, not a measurement
+    assert list(floats[0]) == ["stem:conv#0"], floats[0]
+    assert "cost table (onnxruntime, test ISA)" in floats[0]["stem:conv#0"] and "0.56x" in floats[0]["stem:conv#0"]
+    torch.manual_seed(0)
+    off = _floats(quantize(Net().eval(), "w8a8", _data(), params=QuantizeParams(cost_table=False)))
+    assert "stem:conv#0" not in off, off
+
+
+def test_speed_check_refines_instead_of_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(preparation, "table_for", _no_timing)  # not consulted when speed_check is given
+    timed: list[str] = []
+
+    def fake_time(layers: Any, calls: Any, check: Any, *, example_batch: Any) -> list[speed_check.LayerTiming]:
+        timed.extend(layers)
+        return [speed_check.LayerTiming(n, list(calls[n].shape), "Conv", 10.0, "QLinearConv", 5.0) for n in layers]
+
+    monkeypatch.setattr(preparation, "time_layers", fake_time)
+    q = quantize(Net().eval(), "w8a8", _data(), params=QuantizeParams(speed_check=SpeedCheck()))
+    assert timed and not _floats(q)
+
+
+def test_nearest_row_and_layer_keys() -> None:
+    conv = ct.layer_shape(nn.Conv2d(3, 16, 3, padding=1), [4, 3, 16, 16])
+    assert conv == ct.LayerShape("conv", (3.0, 16.0, 9.0, 1024.0))
+    dw = ct.layer_shape(nn.Conv2d(8, 8, 5, groups=8), [2, 8, 10, 10])
+    assert dw is not None and dw.kind == "depthwise"
+    lin = ct.layer_shape(nn.Linear(64, 10), [2, 3, 64])
+    assert lin == ct.LayerShape("linear", (6.0, 64.0, 10.0))
+    assert ct.layer_shape(nn.Conv2d(8, 16, 3, groups=2), [1, 8, 4, 4]) is None  # grouped: not in the table
+    row = TABLE.nearest(ct.LayerShape("conv", (4.0, 16.0, 9.0, 900.0)))
+    assert row is not None and row.shape.features[0] == 3.0
+    assert TABLE.nearest(ct.LayerShape("depthwise", (8.0, 9.0, 100.0))) is None
+
+
+def test_shipped_table_loads_for_known_isas(tmp_path: Any) -> None:
+    tables = ct.shipped_tables()
+    assert tables, "quantization/placement/data/ort_cpu_costs.json holds no table"
+    for key, t in tables.items():
+        assert key in ("avx2", "vnni", "amx") and t.runtime == "onnxruntime"
+        assert {r.shape.kind for r in t.rows} == {"linear", "conv", "depthwise"}
+        assert all(r.float_us > 0 and r.int8_us > 0 for r in t.rows)
+    assert ct.isa_key("AVX2 without VNNI") == "avx2" and ct.isa_key("AVX-512 VNNI") == "vnni"
+    assert ct.isa_key(None) is None and ct.table_for("no AVX2") is None
+    with pytest.MonkeyPatch.context() as mp:  # the suite runs with the switch off (tests/conftest.py)
+        mp.setenv(ct.ENV_SWITCH, "on")
+        assert ct.table_for(next(t.isa for t in tables.values())) is not None
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(CompressError, match=r"bad\.json"):
+        ct.shipped_tables(bad)
