@@ -14,9 +14,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from export.genai import genai_config, write_runtime_files  # noqa: E402
+
 import compress  # noqa: E402
 from compress.core.errors import ExportError  # noqa: E402
-from export.genai import genai_config, write_runtime_files  # noqa: E402
 from export.llm_onnx import export_llm_onnx, generate_ort  # noqa: E402
 
 
