@@ -217,18 +217,23 @@ class KVDecoder(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
         self.rope_scaling = float(getattr(rot, "attention_scaling", 1.0))
         self.windows = sliding_windows(cfg)
+        #: a ``position_ids`` input after the mask (what Optimum feeds) instead of positions from the mask
+        self.explicit_positions = False
 
     @property
     def base(self) -> Any:
         return getattr(self.lm, self.layout.base)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``rest``: ``position_ids`` ``[B, S]`` first when :attr:`explicit_positions`, then the past."""
         base, lay = self.base, self.layout
         b, s = input_ids.shape
+        past = rest[1:] if self.explicit_positions else rest
         p = past[0].shape[2]
-        # positions count real tokens only (left padding), as transformers' generate derives them
-        seen = torch.cumsum(attention_mask, dim=-1) - 1
-        pos = seen[:, p:].clamp(min=0)  # [B, S]
+        if self.explicit_positions:
+            pos = rest[0]
+        else:  # positions count real tokens only (left padding), as transformers' generate derives them
+            pos = positions(attention_mask, s)
         t = p + s
         causal = torch.arange(t, device=input_ids.device)[None, :] > (torch.arange(s, device=input_ids.device) + p)[:, None]
         masked = causal[None] | (attention_mask[:, None, :] == 0)  # [B, S, T]: future keys and padding
@@ -298,10 +303,20 @@ class KVDecoder(nn.Module):
 
     def dummy_inputs(self, batch: int, past: int, new: int) -> tuple[torch.Tensor, ...]:
         ids = torch.randint(0, int(self.lm.config.vocab_size), (batch, new))
-        return (ids, torch.ones(batch, past + new, dtype=torch.long), *self.empty_past(batch, past))
+        return self.feed(ids, torch.ones(batch, past + new, dtype=torch.long), self.empty_past(batch, past))
+
+    def feed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, past: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The forward's arguments for one step: ``position_ids`` from the mask where the graph takes them."""
+        pos = (positions(attention_mask, input_ids.shape[1]),) if self.explicit_positions else ()
+        return (input_ids, attention_mask, *pos, *past)
 
     def empty_past(self, batch: int, length: int = 0) -> list[torch.Tensor]:
         return [torch.zeros(batch, self.n_kv, length, self.head_dim) for _ in range(2 * self.n_layers)]
+
+
+def positions(attention_mask: torch.Tensor, new: int) -> torch.Tensor:
+    """``[B, new]`` positions of the last ``new`` tokens: real tokens counted, left padding at 0."""
+    return (torch.cumsum(attention_mask, dim=-1) - 1)[:, attention_mask.shape[1] - new :].clamp(min=0)
 
 
 def check_decoder(model: nn.Module) -> Any:
@@ -409,10 +424,10 @@ def _float_linears(model: nn.Module) -> None:
         model.set_submodule(name, _ScaledLinear(lin, pre))
 
 
-def io_names(n_layers: int) -> tuple[list[str], list[str]]:
+def io_names(n_layers: int, *, position_ids: bool = False) -> tuple[list[str], list[str]]:
     past = [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
     present = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
-    return ["input_ids", "attention_mask", *past], ["logits", *present]
+    return ["input_ids", "attention_mask", *(["position_ids"] if position_ids else []), *past], ["logits", *present]
 
 
 def export_llm_onnx(
@@ -424,6 +439,7 @@ def export_llm_onnx(
     opset: int = 17,
     check: bool = True,
     metadata: Mapping[str, str] | None = None,
+    position_ids: bool = False,
 ) -> Path:
     """Write ``model`` (a transformers causal LM of a :data:`LAYOUTS` family, float or fake-quant)
     as a single ONNX file with past/present key-value tensors. Returns the path.
@@ -434,7 +450,9 @@ def export_llm_onnx(
     integer ops (module docstring). The model itself is not modified. ``check`` runs the file once
     in ONNX Runtime against the traced PyTorch module (ExportError when they disagree). The file's
     ``metadata_props`` carry ``compress.precision`` (int4/int8/fp32), ``compress.kind`` (generation),
-    the toolkit version and ``metadata``; it is written whole or not at all.
+    the toolkit version and ``metadata``; it is written whole or not at all. ``position_ids`` adds
+    that input after ``attention_mask`` (``[B, S]`` int64, what Optimum's ORTModelForCausalLM feeds;
+    without it the graph derives positions from the mask).
     """
     if weights not in ("int4", "fp32", "w8a8"):
         raise ExportError(f"export_llm_onnx: weights must be 'int4', 'fp32' or 'w8a8' (got {weights!r})")
@@ -465,10 +483,15 @@ def export_llm_onnx(
         raise UnsupportedModelError("export_llm_onnx(weights='w8a8'): the model has no Linears with quantized inputs")
     remove_placement(m)  # its quantizers now live in the swapped layers
     dec = KVDecoder(m).eval()
-    inputs, outputs = io_names(dec.n_layers)
+    dec.explicit_positions = position_ids
+    if float_reference is not None:
+        float_reference.explicit_positions = position_ids
+    inputs, outputs = io_names(dec.n_layers, position_ids=position_ids)
     dyn: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"},
                                       "attention_mask": {0: "batch", 1: "total_sequence"}}
-    for name in inputs[2:]:
+    if position_ids:
+        dyn["position_ids"] = {0: "batch", 1: "sequence"}
+    for name in inputs[3 if position_ids else 2 :]:
         dyn[name] = {0: "batch", 2: "past_sequence"}
     for name in outputs[1:]:
         dyn[name] = {0: "batch", 2: "total_sequence"}
@@ -571,18 +594,18 @@ def _check_in_ort(path: Path, dec: KVDecoder, *, float_check: bool, float_dec: K
     # ranges static activation scales were calibrated on, where W8A8 clips and the yardstick means little
     ids = torch.randint(0, vocab, (2, 1))
     with torch.no_grad():
-        logits, *past = dec(ids, torch.ones_like(ids), *dec.empty_past(2))
+        logits, *past = dec(*dec.feed(ids, torch.ones_like(ids), dec.empty_past(2)))
         for _ in range(7):
             nxt = logits[:, -1].argmax(-1, keepdim=True)
             ids = torch.cat([ids, nxt], dim=1)
-            logits, *past = dec(nxt, torch.ones_like(ids), *past)
+            logits, *past = dec(*dec.feed(nxt, torch.ones_like(ids), past))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # the second prompt left-padded
 
     def torch_run(d: KVDecoder) -> Any:
         def run(i: torch.Tensor, m: torch.Tensor, past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
             with torch.no_grad():
-                logits, *present = d(i, m, *past)
+                logits, *present = d(*d.feed(i, m, past))
             return logits, present
         return run
 
@@ -590,7 +613,7 @@ def _check_in_ort(path: Path, dec: KVDecoder, *, float_check: bool, float_dec: K
     names = [i.name for i in sess.get_inputs()]
 
     def ort_run(i: torch.Tensor, m: torch.Tensor, past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        out = sess.run(None, dict(zip(names, [t.numpy() for t in (i, m, *past)])))
+        out = sess.run(None, dict(zip(names, [t.numpy() for t in dec.feed(i, m, past)])))
         return torch.from_numpy(out[0]), [torch.from_numpy(o) for o in out[1 : 1 + n_past]]
 
     # the decode tokens are the reference's greedy ones, fed to every run alike so positions align
@@ -655,6 +678,7 @@ class OrtGenerator:
         if names[:2] != ["input_ids", "attention_mask"] or not past:
             raise ExportError(f"{path}: not an export_llm_onnx file (inputs {names[:3]}...)")
         self.past_names = [i.name for i in past]
+        self.position_ids = "position_ids" in names
         self.n_kv, self.head_dim = int(past[0].shape[1]), int(past[0].shape[3])
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.past: list[np.ndarray] = []
@@ -679,6 +703,8 @@ class OrtGenerator:
 
     def _run(self, ids: np.ndarray, past: list[np.ndarray]) -> np.ndarray:
         feed = {"input_ids": ids.astype(np.int64), "attention_mask": self.mask, **dict(zip(self.past_names, past))}
+        if self.position_ids:
+            feed["position_ids"] = positions(torch.from_numpy(self.mask), ids.shape[1]).numpy()
         logits, *present = self.session.run(self.output_names, feed)
         self.past = present
         return logits[:, -1]

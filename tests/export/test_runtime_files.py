@@ -14,10 +14,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from export.genai import genai_config, write_runtime_files  # noqa: E402
-
 import compress  # noqa: E402
 from compress.core.errors import ExportError  # noqa: E402
+from export.genai import genai_config, write_runtime_files  # noqa: E402
 from export.llm_onnx import export_llm_onnx, generate_ort  # noqa: E402
 
 
@@ -39,11 +38,12 @@ def _model(kind: str, vocab: int) -> Any:
     return compress.quantize(cls(cfg(**common)).eval(), scheme, ignore=["lm_head"])
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_genai_loads_the_folder_and_generates_our_tokens(kind: str, tokenizer: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "position_ids"), [("llama", False), ("qwen2", True)])
+def test_genai_loads_the_folder_and_generates_our_tokens(kind: str, position_ids: bool, tokenizer: Any,
+                                                         tmp_path: Path) -> None:
     og = pytest.importorskip("onnxruntime_genai", reason="pip install 'compress[genai]'")
     model = _model(kind, len(tokenizer))
-    path = export_llm_onnx(model, tmp_path / "model.int4.onnx")
+    path = export_llm_onnx(model, tmp_path / "model.int4.onnx", position_ids=position_ids)
     written = {p.name for p in write_runtime_files(path, model, tokenizer=tokenizer)}
     assert {"genai_config.json", "config.json", "tokenizer.json", "tokenizer_config.json"} <= written
     ids = torch.randint(3, len(tokenizer), (1, 6), generator=torch.Generator().manual_seed(1))
