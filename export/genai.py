@@ -43,7 +43,7 @@ def genai_config(onnx_path: str | Path, config: Any, *, max_length: int | None =
         raise ExportError(f"{path}: not an export_llm_onnx graph of a {layers}-layer model (inputs {inputs[:3]}...)")
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    context = int(max_length or getattr(config, "max_position_embeddings", 2048))
+    context: int = max_length or int(getattr(config, "max_position_embeddings", None) or 2048)
     eos = _token_id(getattr(config, "eos_token_id", None))
     pad = _token_id(getattr(config, "pad_token_id", None))
     first_eos = eos[0] if isinstance(eos, list) else eos

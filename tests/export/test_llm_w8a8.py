@@ -95,6 +95,7 @@ def test_export_check_catches_a_wrong_graph(tmp_path: Path, monkeypatch: pytest.
         export_llm_onnx(_model("llama", STATIC, quantize_ops=False), tmp_path / "bad.onnx", weights="w8a8")
 
 
+@pytest.mark.slow  # about a minute on an idle 2-core CPU (the 135M model is copied and traced)
 def test_real_smollm2_smoothquant_w8a8_export_passes_its_check(smollm2: Any, tmp_path: Path,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     # SmolLM2-135M (30 layers, massive activations) after SmoothQuant: rounding ties flipped by ORT's
