@@ -94,7 +94,8 @@ def save_gguf(model: nn.Module, path: str | Path, *, tokenizer: Any) -> Path:
     base: Any = model.model
     tensor("token_embd.weight", base.embed_tokens.weight.detach().float().numpy())
     tensor("output_norm.weight", base.norm.weight.detach().float().numpy())
-    tied = model.lm_head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()  # type: ignore[union-attr]
+    head: Any = model.lm_head
+    tied = head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
     counts = {"quantized": 0, "float": 0}
     for i, layer in enumerate(base.layers):
         for sub, short in _LAYER.items():
@@ -112,7 +113,6 @@ def save_gguf(model: nn.Module, path: str | Path, *, tokenizer: Any) -> Path:
             if isinstance(bias, torch.Tensor):
                 tensor(f"blk.{i}.{short}.bias", bias.detach().float().numpy(), None, heads_of)
     if not tied:
-        head: Any = model.lm_head
         if getattr(head, "weight_quantizer", None) is not None:
             data, qtype = gguf_blocks(head, where="lm_head")
             tensor("output.weight", data, qtype)
