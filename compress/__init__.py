@@ -71,6 +71,9 @@ _EXPORTS: dict[str, str] = {
     "export_llm_onnx": "export.llm_onnx",
     "generate_ort": "export.llm_onnx",
     "save_compressed_tensors": "export.compressed_tensors",
+    # the LLM runtimes' files (issue 31): llama.cpp GGUF, ORT GenAI / Optimum folders
+    "save_gguf": "export.gguf_file",
+    "write_runtime_files": "export.genai",
 }
 
 __all__ = sorted(_EXPORTS)

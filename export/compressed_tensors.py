@@ -64,11 +64,6 @@ def _strategy(w: Int4Weight, k: int, where: str) -> dict[str, Any]:
         raise UnsupportedModelError(f"{where}: act_order with a g_idx permutation is not written (static groups are)")
     if w.num_groups == 1:
         return {"strategy": "channel", "group_size": None}
-    if k % w.group_size:
-        raise UnsupportedModelError(
-            f"{where}: {k} input features are not a multiple of group_size {w.group_size}; compressed-tensors "
-            "requires whole groups"
-        )
     return {"strategy": "group", "group_size": w.group_size}
 
 
@@ -90,6 +85,7 @@ def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], di
     args: dict[str, dict[str, Any]] = {}
     quant_prefixes: list[str] = []
     plain: list[str] = []
+    ragged: list[str] = []
     for name, mod in model.named_modules():
         wq = getattr(mod, "weight_quantizer", None)
         if wq is None:
@@ -103,6 +99,15 @@ def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], di
             )
         w = int4_weight(mod, where=name)
         n, k = w.shape
+        if w.num_groups > 1 and k % w.group_size:
+            # compressed-tensors quantizes whole groups only (its forward raises on a shorter last one);
+            # llm-compressor's escape is to leave such a layer out: it goes into ``ignore`` with our
+            # fake-quant values as its float weight, so the loaded model computes what ours does
+            log.warning("%s: %d input features are not a multiple of group_size %d: written in float (listed in "
+                        "ignore), as llm-compressor leaves such layers", name, k, w.group_size)
+            ragged.append(name)
+            tensors[f"{name}.weight"] = mod.quantized_weight().detach().to(dtype).contiguous()
+            continue
         args[name] = _scheme_args(w, k, name, wq.spec.observer)
         tensors[f"{name}.weight_packed"] = pack_int32(w.codes)
         tensors[f"{name}.weight_scale"] = w.scale.to(dtype).contiguous()
@@ -111,18 +116,19 @@ def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], di
             tensors[f"{name}.weight_zero_point"] = pack_int32(w.zero_point, packed_dim=0)
         quant_prefixes.append(name + ".")
     if not args:
-        raise UnsupportedModelError("compressed-tensors export: the model has no quantized layers; quantize it first")
+        raise UnsupportedModelError("compressed-tensors export: the model has no quantized layers whole groups can "
+                                    f"hold; quantize it first{' (or choose a group size dividing ' + ragged[0] + ')' if ragged else ''}")
     seen: dict[int, str] = {}
     for key, t in model.state_dict().items():
         prefix = key.rsplit(".", 1)[0] + "."
-        if "_quantizer." in key or (key.endswith(".weight") and prefix in quant_prefixes):
+        if "_quantizer." in key or (key.endswith(".weight") and (prefix in quant_prefixes or prefix[:-1] in ragged)):
             continue
         ptr = t.data_ptr()
         if ptr in seen and t.numel() > 0:  # tied weights (lm_head = embed_tokens): stored once, retied on load
             continue
         seen[ptr] = key
         tensors[key] = t.detach().contiguous().clone()
-    return tensors, args, plain
+    return tensors, args, plain + ragged
 
 
 def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str]) -> dict[str, Any]:
@@ -156,12 +162,16 @@ def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str]) -> d
     }
 
 
-def save_compressed_tensors(model: nn.Module, out_dir: str | Path) -> Path:
+def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None) -> Path:
     """Write ``model`` (a transformers model quantized weight-only int4) as a compressed-tensors checkpoint.
 
     Layers must be weight-only 4-bit QuantLinears (GPTQ, AWQ, RTN ``w4_weight_only_g128``, per
-    group or per channel); other Linears are stored in float and listed in ``ignore``. Returns the
-    folder, loadable with ``AutoModelForCausalLM.from_pretrained`` (compressed-tensors installed).
+    group or per channel); other Linears are stored in float and listed in ``ignore``, and so are
+    layers whose width is not a multiple of their group size (compressed-tensors has no shorter
+    last group; llm-compressor ignores such layers), written with their fake-quant values. The
+    model's ``generation_config.json`` and, given a transformers ``tokenizer``, its files go beside.
+    Returns the folder, loadable with ``AutoModelForCausalLM.from_pretrained`` (compressed-tensors
+    installed).
     """
     require_compressed_tensors()
     from safetensors.torch import save_file
@@ -185,5 +195,10 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path) -> Path:
     cfg["quantization_config"] = quantization_config(args, plain)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
     save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    gen = getattr(model, "generation_config", None)
+    if gen is not None and hasattr(gen, "save_pretrained"):
+        gen.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     log.info("compressed-tensors checkpoint: %d int4 layers, %d float Linears, written to %s", len(args), len(plain), out)
     return out

@@ -50,7 +50,8 @@ def export_generation(
 ) -> list[ExportRecord]:
     """Write ``out_dir/NAME.{int4,w8a8,fp32}.onnx`` for ``model`` and, with ``spec.baseline``, the fp32
     ``baseline`` as ``NAME.fp32.onnx``; each file is checked in ONNX Runtime against the traced module
-    and carries ``compress.role`` and ``metadata`` in its metadata_props."""
+    and carries ``compress.role`` and ``metadata`` in its metadata_props. Beside them, the runtime
+    files of the final one (:func:`export.genai.write_runtime_files`: genai_config.json, config.json)."""
     from export.llm_onnx import export_llm_onnx
 
     out_dir = Path(out_dir)
@@ -73,6 +74,12 @@ def export_generation(
             rec.integer_nodes, rec.integer_ops, rec.float_nodes = (sum(cov.integer_ops.values()), cov.integer_ops,
                                                                     cov.float_nodes)
         records.append(rec.model_copy(update={"format": fmt, "precision": precision}))
+        if role == "final" and hasattr(getattr(m, "config", None), "to_dict"):
+            from export.genai import write_runtime_files
+
+            # genai_config.json (naming the final file), config.json, generation_config.json: the
+            # folder then loads in ONNX Runtime GenAI as it is
+            write_runtime_files(path, m)
         log.info("export %s: %s %s, %d bytes", role, path.name, fmt, rec.size_bytes)
     return records
 

@@ -164,7 +164,7 @@ def convert(model: nn.Module, *, backend: str = "cuda", inplace: bool = False, f
     """A copy of the fake-quant ``model`` (or ``model`` itself with ``inplace``) running int8 kernels.
 
     Layers the kernels cannot run stay fake-quant (float) with the reason logged; see
-    :func:`convert_with_report` for the per-layer record. Needs ``compress[triton]``; the converted
+    :func:`convert_with_report` for the per-layer record. Needs ``the triton extra``; the converted
     model runs on CUDA (move it with ``.cuda()`` before or after converting).
     """
     return convert_with_report(model, backend=backend, inplace=inplace, fuse_activations=fuse_activations)[0]

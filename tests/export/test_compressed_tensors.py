@@ -120,3 +120,24 @@ def test_quantized_activations_are_refused_not_dropped(tmp_path: Path) -> None:
                        inputs=QuantSpec(granularity="token", dynamic=True))
     with pytest.raises(UnsupportedModelError, match="quantized activations"):
         save_compressed_tensors(_model("llama", w4a8), tmp_path / "x")
+
+
+def test_groups_not_dividing_the_width_are_written_as_llm_compressor_does(tmp_path: Path) -> None:
+    # g48 on a 64-wide model: q/k/v/o and gate/up (64 inputs) have a shorter last group, down_proj
+    # (144 inputs) whole groups; compressed-tensors refuses ragged groups, so those layers go to
+    # ``ignore`` in float with our fake-quant values, and the reloaded model computes ours exactly
+    from compress.data.lm import iter_texts, split_files, train_tokenizer
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**SMALL, "intermediate_size": 144})
+    fq = compress.quantize(transformers.LlamaForCausalLM(cfg).eval(), _w4(48, symmetric=True), ignore=["lm_head"])
+    tok = train_tokenizer(iter_texts(split_files(0)["train"][:1]), vocab_size=256)
+    out = save_compressed_tensors(fq, tmp_path / "ckpt", tokenizer=tok)
+    assert {"generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.self_attn.q_proj" in qc["ignore"] and "model.layers.0.mlp.down_proj" not in qc["ignore"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, fq(ids).logits, atol=0, rtol=0)
+    assert transformers.AutoTokenizer.from_pretrained(out)("def f")["input_ids"] == tok("def f")["input_ids"]

@@ -20,7 +20,7 @@ from export.cuda import cast_float_layers, validate_cuda
 from quantization.lowering.int8 import Int8Linear
 from quantization.numerics.modules import QuantLinear
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs compress[triton]")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 
 
 def _setup() -> tuple[nn.Module, nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:

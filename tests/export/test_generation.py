@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs compress[hf]")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the hf extra")
 
 
 def _llama() -> torch.nn.Module:
@@ -47,7 +47,12 @@ def test_int4_generation_files_are_validated_against_pytorch_and_the_fp32_file(t
         assert {k: props.get(k) for k in ("compress.role", "compress.precision", "compress.kind", "recipe")} == {
             "compress.role": r.role, "compress.precision": r.precision, "compress.kind": "generation", "recipe": "r1"}
         assert "compress.version" in props
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.fp32.onnx", "m.int4.onnx"]
+    # beside them the final file's runtime files: ORT GenAI's config names it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "genai_config.json", "generation_config.json",
+                                                          "m.fp32.onnx", "m.int4.onnx"]
+    import json
+
+    assert json.loads((tmp_path / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "m.int4.onnx"
     assert recs[0].integer_ops == {"MatMulNBits": 14}  # 2 layers x q/k/v/o/gate/up/down; lm_head float
     # named as float: per layer the two attention matmuls, and lm_head (weight-only: activations are float)
     assert sum("MatMul" in n.split(":")[0] for n in recs[0].float_nodes) == 5  # FusedMatMul: scaled q @ k^T

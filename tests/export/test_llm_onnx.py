@@ -130,3 +130,16 @@ def test_export_checks_the_file_in_ort(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(llm_onnx._MatMulNBitsFn, "symbolic", staticmethod(no_zero_points))
     with pytest.raises(ExportError, match="differ from the PyTorch model"):
         export_llm_onnx(_model("llama", _w4(32, symmetric=False)), tmp_path / "bad.onnx")
+
+
+def test_position_ids_input_generates_the_same_tokens(tmp_path: Path) -> None:
+    # Optimum's ORTModelForCausalLM feeds position_ids (without it: its legacy-model warning); the
+    # graph with that input computes what the mask-derived one does, left padding included
+    model = _model("qwen2", _w4(32, symmetric=True))
+    plain = export_llm_onnx(model, tmp_path / "plain.onnx")
+    explicit = export_llm_onnx(model, tmp_path / "pos.onnx", position_ids=True)
+    names = [i.name for i in onnx.load(str(explicit)).graph.input]
+    assert names[:4] == ["input_ids", "attention_mask", "position_ids", "past_key_values.0.key"]
+    ids, mask = _prompts(5)
+    want = generate_ort(plain, ids, attention_mask=mask, max_new_tokens=6)
+    assert torch.equal(generate_ort(explicit, ids, attention_mask=mask, max_new_tokens=6), want)

@@ -93,3 +93,24 @@ def test_export_check_catches_a_wrong_graph(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setattr(llm_w8a8._QDQFn, "symbolic", staticmethod(no_zero_point))
     with pytest.raises(ExportError, match="does not compute the model"):
         export_llm_onnx(_model("llama", STATIC, quantize_ops=False), tmp_path / "bad.onnx", weights="w8a8")
+
+
+@pytest.mark.slow  # about a minute on an idle 2-core CPU (the 135M model is copied and traced)
+def test_real_smollm2_smoothquant_w8a8_export_passes_its_check(smollm2: Any, tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    # SmolLM2-135M (30 layers, massive activations) after SmoothQuant: rounding ties flipped by ORT's
+    # exact int32 sums cascade through the static quantizers, which an elementwise tolerance refused
+    # (0.39 of the largest logit); judged against the quantization's own error, the file passes
+    import logging
+    import os
+
+    model_dir, tok = smollm2
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok(Path(os.__file__).read_text()[:20000], return_tensors="pt").input_ids[0]
+    data = [ids[i * 64 : (i + 1) * 64][None] for i in range(4)]
+    q = compress.quantize(model, STATIC, data, ignore=["lm_head"],
+                          params=compress.QuantizeParams(quantize_ops=False, smoothquant=0.5))
+    with caplog.at_level(logging.INFO, logger="export.llm_onnx"):
+        export_llm_onnx(q, tmp_path / "smollm2.w8a8.onnx", weights="w8a8")
+    line = next(r.getMessage() for r in caplog.records if "logits SQNR" in r.getMessage())
+    assert "quantization vs float" in line, line

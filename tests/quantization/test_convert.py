@@ -25,7 +25,7 @@ from quantization.lowering.convert import convert, convert_with_report
 from quantization.lowering.int8 import Int8Conv2d, Int8Linear
 from quantization.numerics.modules import QuantConv1d, QuantConv2d
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs compress[triton]")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -22,7 +22,7 @@ from quantization.numerics.primitives import quantize
 from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 from quantization.preparation import calibrate_weight
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs compress[triton]")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 
 
 @pytest.fixture(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs compress[hf]")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the hf extra")
 
 from torch import nn  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Triton int8 kernels for CUDA: W8A8 GEMM and convolution with fused epilogues, activation quantization.
 
 Nothing here imports Triton at import time: ``import quantization`` must work without the
-``compress[triton]`` extra. The kernel modules (``gemm``, ``quant``, ``conv``) import Triton and are
+``the triton extra`` extra. The kernel modules (``gemm``, ``quant``, ``conv``) import Triton and are
 loaded on first use through :func:`load`.
 
 Design, shared by all kernels:
