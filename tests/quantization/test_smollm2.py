@@ -93,10 +93,11 @@ def test_awq_g128_on_576_features(two_layers, caplog: pytest.LogCaptureFixture) 
 
     model, calib, _ = two_layers
     model = copy.deepcopy(model)
+    model.model.layers = model.model.layers[:1]  # AWQ's searches cost ~10 CPU s a layer whatever the tokens
     with caplog.at_level(logging.INFO, logger="quantization.algorithms.sequential"):
-        awq(model, calib, scheme=G128)
+        awq(model, [calib[0][:, :64]], scheme=G128)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("awq: layer ")]
-    assert len(lines) == 2 and all(", error RTN " in ln for ln in lines), lines
+    assert len(lines) == 1 and ", error RTN " in lines[0], lines
     q = _q_proj(model)
     if q.weight_quantizer.pre_quant_scale is not None:
         pytest.fail("AWQ left a pre_quant_scale on q_proj instead of folding its scales into the norm")
