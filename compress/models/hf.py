@@ -190,7 +190,8 @@ def _is_causal_lm(directory: Path) -> bool:
 
 
 def load_hf_model(path: str, kwargs: dict[str, Any] | None = None, *, where: str = "hf_path") -> nn.Module:
-    """``AutoModel.from_pretrained`` on a local directory (or ``package:DIST``) with
+    """``AutoModel.from_pretrained`` on a local directory (or ``package:DIST``, or a ``.gguf`` file:
+    :func:`resolve_hf_path`) with
     ``local_files_only=True`` (``AutoModelForCausalLM`` when the config names a causal-LM
     architecture); ``kwargs`` go to ``from_pretrained`` (e.g. ``attn_implementation``)."""
     directory = resolve_hf_path(path, where=where)
@@ -207,7 +208,8 @@ def load_hf_model(path: str, kwargs: dict[str, Any] | None = None, *, where: str
 
 
 def load_tokenizer(path: str = MINILM, *, where: str = "tokenizer") -> Any:
-    """``AutoTokenizer.from_pretrained`` on a local directory (or ``package:DIST``), offline."""
+    """``AutoTokenizer.from_pretrained`` on a local directory (or ``package:DIST``, or a ``.gguf``
+    file: :func:`resolve_hf_path`), offline."""
     directory = resolve_hf_path(path, where=where)
     transformers = _transformers(where)
     try:
