@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--no-w8a8", action="store_true")
+    p.add_argument("--by-method", action="store_true",
+                   help="rows ordered by method, then scheme (every RTN row first), not by scheme")
     p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running, run under nice")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -140,9 +142,12 @@ def main(argv: list[str] | None = None) -> None:
         _write(args, rows, len(calib))
 
     add("fp32", "fp32", fp, 0.0, None)
-    todo = [(s, m, methods(SCHEMES[s], data)[m]) for s in args.schemes for m in args.methods]
-    if not args.no_w8a8:  # after the first scheme's rows: a long run that is cut short still has it
-        todo.insert(len(args.methods), ("W8A8 static", "SmoothQuant", w8a8(data)))
+    if args.by_method:  # every scheme's RTN first, then every scheme's GPTQ, ...
+        todo = [(s, m, methods(SCHEMES[s], data)[m]) for m in args.methods for s in args.schemes]
+    else:
+        todo = [(s, m, methods(SCHEMES[s], data)[m]) for s in args.schemes for m in args.methods]
+    if not args.no_w8a8:  # after the first group of rows: a long run that is cut short still has it
+        todo.insert(len(args.schemes if args.by_method else args.methods), ("W8A8 static", "SmoothQuant", w8a8(data)))
     for scheme, method, fn in todo:
         model = copy.deepcopy(fp)
         with PeakRSS() as mem:
