@@ -33,8 +33,9 @@ log = logging.getLogger("benchmarks.llm_gptq_variants")
 
 def _set_grid(kind: str) -> None:
     """compress's grid, or compressed-tensors' symmetric one patched into every reader of
-    ``qparams_from_range`` (the weight observer, GPTQ's group qparams)."""
+    ``qparams_from_range`` (the fake quantizer and observers: RTN; GPTQ's group qparams)."""
     import quantization.algorithms.gptq as gptq_mod
+    import quantization.numerics.fake_quant as fq_mod
     import quantization.numerics.observers as obs_mod
     import quantization.numerics.primitives as prim
 
@@ -50,7 +51,7 @@ def _set_grid(kind: str) -> None:
         return orig(min_val, max_val, qmin=qmin, qmax=qmax, symmetric=symmetric, min_scale=min_scale)
 
     fn = standard if kind == "llm-compressor" else orig
-    for mod in (prim, obs_mod, gptq_mod):
+    for mod in (prim, obs_mod, fq_mod, gptq_mod):
         mod.qparams_from_range = fn  # type: ignore[attr-defined]
 
 
