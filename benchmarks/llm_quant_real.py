@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.metadata
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,7 +124,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--by-method", action="store_true",
                    help="rows ordered by method, then scheme (every RTN row first), not by scheme")
     p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running, run under nice")
+    p.add_argument("--report-only", metavar="JSON",
+                   help="rewrite the section from a run's results/llm_quant_real.json (its rows and arguments)")
     args = p.parse_args(argv)
+    if args.report_only:
+        saved = json.loads(Path(args.report_only).read_text())
+        _write(argparse.Namespace(**saved["args"]), saved["rows"], saved["args"]["calib"])
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     from compress.data.lm import text_lm
@@ -191,6 +199,10 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int) -
         f"torch threads: {args.threads}.\n\n"
         + table(out) + f"\nMachine load: {args.load}.\n"
     )
+    planned = 1 + len(args.schemes) * len(args.methods) + (0 if args.no_w8a8 else 1)
+    if len(rows) < planned:
+        md += (f"\nThis run stopped after {len(rows)} of its {planned} planned rows (rows ordered "
+               + ("by method, every scheme's RTN first" if args.by_method else "by scheme") + ").\n")
     write_section("llm_quant_real", md, {"rows": rows, "args": vars(args)})
 
 
