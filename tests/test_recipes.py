@@ -26,7 +26,11 @@ def shrink(data: dict[str, Any]) -> dict[str, Any]:
         # a shipped real model (all-MiniLM-L6-v2): its first layers, with their real weights.
         # SmoothQuant, calibration, head pruning and the export work on every layer alike, and
         # all 6 made these the slowest recipe tests (the two exports trace every layer)
+        # SmolLM2 (30 layers) likewise keeps its first 2
         model.setdefault("kwargs", {}).setdefault("num_hidden_layers", MINILM_TEST_LAYERS)
+        # with 2 of SmolLM2's 30 layers its float embedding table is most of the file: the size
+        # threshold is set for the whole model
+        d.get("validate", {}).get("thresholds", {}).pop("max_size_ratio", None)
     train = d.setdefault("train", {})
     train["epochs"] = min(train.get("epochs", 0), 2)
     data_spec = d.setdefault("data", {})

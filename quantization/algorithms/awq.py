@@ -342,13 +342,22 @@ def search_scales(
     clip_now = params.clip and params.clip_in_search and any(flags)
     xs = (clip_rows if clip_rows is not None else _sample_rows(x, params.clip_tokens, 1)).float() if clip_now else x
 
+    # the clip search's per-group Gram matrices of the rows, once: a candidate's rows are x / s,
+    # whose Gram is this one divided by s_k s_l, not a new product over every row per candidate
+    gs = _group_width(w, spec)
+    gram0 = _clip_gram(xs, gs) if clip_now else None
+
     def prepared(s: torch.Tensor) -> torch.Tensor:
         """The scaled weights as the later clip phase will leave them (clipping changes which
         scales round best: judged without it, the winner is often not the best once clipped)."""
+        gram = None
+        if gram0 is not None:
+            inv = to_groups((1.0 / s)[None], gs)[0]  # [G, gs]
+            gram = gram0 * inv[:, :, None] * inv[:, None, :]
         parts = []
         for wi, flag in zip(ws, flags, strict=True):
             ws_ = wi * s
-            parts.append(clip_weight(ws_, search_clip(xs / s, ws_, spec, params), spec)
+            parts.append(clip_weight(ws_, search_clip(xs / s, ws_, spec, params, gram=gram), spec)
                          if clip_now and flag else ws_)
         return torch.cat(parts, dim=0)
 
@@ -410,28 +419,38 @@ def _all_sum(*tensors: torch.Tensor) -> None:
             dist.all_reduce(t)
 
 
+def _clip_gram(x: torch.Tensor, gs: int) -> torch.Tensor | None:
+    """Per-group Gram matrices ``[G, gs, gs]`` of rows ``x`` when :func:`search_clip` reads the error
+    from them, else None. The Gram matrix pays when groups are narrower than the rows (a few
+    calibration tokens and wide per-channel rows favour the products); decided on the ranks' mean
+    rows so every DDP rank takes the same path."""
+    xt = to_groups(x.float(), gs)  # [n, G, gs]
+    rows_ranks = torch.tensor([float(xt.shape[0]), 1.0])
+    _all_sum(rows_ranks)
+    if gs > float(rows_ranks[0] / rows_ranks[1]):
+        return None
+    return torch.einsum("ngk,ngl->gkl", xt, xt)
+
+
 @torch.no_grad()
-def search_clip(x: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, params: AWQParams) -> torch.Tensor:
+def search_clip(x: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, params: AWQParams,
+                *, gram: torch.Tensor | None = None) -> torch.Tensor:
     """Per (output channel, group) clipping bound of ``weight`` minimizing each group's output error on
     rows ``x``; returns the bound ``[out, G]`` (the unclipped max where clipping does not help).
 
     A group's error over the rows is ``d^T (X_g^T X_g) d`` for its weight change ``d``, so with
     groups narrower than the rows it is read from each group's Gram matrix, built once, instead of
     from every row's product for every shrink step: the same bounds for about n / group size less
-    arithmetic (AWQ's scale search runs this once per scale candidate)."""
+    arithmetic (AWQ's scale search runs this once per scale candidate). ``gram``: those matrices
+    already computed for ``x`` (:func:`_clip_gram`), as the scale search derives them per candidate."""
     w = weight.detach().float()
     gs = _group_width(w, spec)
     xt = to_groups(x.float(), gs)  # [n, G, gs]
     shrink = torch.tensor([1 - i / params.clip_grid for i in range(max(int(params.max_shrink * params.clip_grid), 1))])
-    # the Gram matrix pays when groups are narrower than the rows (a few calibration tokens and
-    # wide per-channel rows favour the products); decided on the ranks' mean rows so every DDP
-    # rank takes the same path, and the products' chunks are sized by clip_tokens (the rows
-    # callers sample up to), not this rank's rows, so the ranks all-reduce alike chunks
-    rows_ranks = torch.tensor([float(xt.shape[0]), 1.0])
-    _all_sum(rows_ranks)
-    gram = gs <= float(rows_ranks[0] / rows_ranks[1])
-    if gram:
-        h = torch.einsum("ngk,ngl->gkl", xt, xt)  # [G, gs, gs]
+    # the products' chunks are sized by clip_tokens (the rows callers sample up to), not this
+    # rank's rows, so the DDP ranks all-reduce alike chunks
+    h = gram if gram is not None else _clip_gram(x, gs)
+    if h is not None:
         step = max(1, (64 * 1024 * 1024) // max(4 * 4 * xt.shape[1] * gs, 1))  # four [b, G, gs] temporaries
     else:
         rows = max(xt.shape[0], params.clip_tokens)
@@ -439,7 +458,7 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, params: 
     bounds = []
     for o in range(0, w.shape[0], step):
         wg = to_groups(w[o : o + step], gs)  # [b, G, gs]
-        ref = None if gram else torch.einsum("ngk,bgk->bng", xt, wg)
+        ref = None if h is not None else torch.einsum("ngk,bgk->bng", xt, wg)
         amax = wg.abs().amax(dim=-1)  # [b, G]
         errs = []
         for f in shrink.tolist():

@@ -170,6 +170,7 @@ def sequential_quantize(
     calls = capture_inputs(root, layers[0], data, max_batches=max_batches, device=device)
     reports: list[dict[str, Any]] = []
     for i, layer in enumerate(layers):
+        t_layer = time.perf_counter()
         if i > 0 and load is not None:
             load(i, layer)
         linears = _prepared(layer, per_layer[i], scheme, where=f"{where}: {prefix}{i}")
@@ -179,11 +180,38 @@ def sequential_quantize(
         reports.append({"layer": i, "linears": len(linears), **(rep or {})})
         if release is not None:
             release(i, layer)
-        log.info("%s: layer %d/%d done (%d linears, %.1f s)", where, i + 1, len(layers), len(linears), time.perf_counter() - t0)
+        log.info("%s", progress_line(where, i, len(layers), reports[-1], time.perf_counter() - t_layer,
+                                     time.perf_counter() - t0))
     if outside:
         prepare(root, scheme, targets=outside, quantize_ops=False, where=f"{where} (outside decoder layers)")
         log.info("%s: %d targeted layers outside the decoder layers got round-to-nearest", where, len(outside))
     return {"layers": reports, "seconds": time.perf_counter() - t0, "quantized_linears": sum(len(p) for p in per_layer)}
+
+
+def _fmt_s(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def progress_line(where: str, i: int, total: int, report: Mapping[str, Any], seconds: float, elapsed: float) -> str:
+    """One plain progress line per decoder layer: index/total, the layer's seconds, elapsed and ETA
+    (the mean layer time so far times the layers left), and the layer's output error before and
+    after the algorithm when its report has them (GPTQ: ``rtn_error``/``gptq_error``, the summed
+    ``tr(dW H dW^T)/2``; AWQ: the searched groups' ``unscaled_error``/``error``)."""
+    eta = elapsed / (i + 1) * (total - i - 1)
+    line = (f"{where}: layer {i + 1}/{total} ({report.get('linears', 0)} Linears) {seconds:.1f} s, "
+            f"elapsed {_fmt_s(elapsed)}, ETA {_fmt_s(eta)}")
+    before = after = None
+    if "rtn_error" in report and "gptq_error" in report:
+        before, after = float(report["rtn_error"]), float(report["gptq_error"])
+    elif report.get("groups"):
+        searched = [g for g in report["groups"] if g.get("unscaled_error") is not None]
+        if searched:
+            before = sum(float(g["unscaled_error"]) for g in searched)
+            after = sum(float(g["error"]) for g in searched)
+    if before is not None and after is not None:
+        change = f" ({(after - before) / before:+.0%})" if before > 0 else ""
+        line += f", error RTN {before:.3g} -> {after:.3g}{change}"
+    return line
 
 
 def _prepared(layer: nn.Module, names: list[str], scheme: QuantScheme, *, where: str) -> dict[str, QuantLinear]:

@@ -96,6 +96,12 @@ def fake_quantize(
     xf = x.float()
     zp = zero_point.to(torch.float32)
     inv = 1.0 / scale.float()
+    if not torch.is_grad_enabled() or not (x.requires_grad or scale.requires_grad):
+        # no gradient to carry: plain rounding, in place (the searches of GPTQ, AWQ and the
+        # observers call this thousands of times); the same values as the STE path
+        q = xf * inv
+        q.round_().add_(zp).clamp_(qmin, qmax).sub_(zp)
+        return q.mul_(scale.float()).to(dtype)
     q = torch.clamp(_round_ste(xf * inv) + zp, qmin, qmax)
     return ((q - zp) * scale.float()).to(dtype)
 

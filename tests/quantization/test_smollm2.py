@@ -1,0 +1,104 @@
+"""GPTQ and AWQ on the real SmolLM2-135M weights (2 of its 30 decoder layers, a few short windows):
+groups of 128 on 576 input features (a shorter last group of 64) in fake-quant, GPTQ, AWQ and the
+int4 lowering the exports read, and the per-layer progress line."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from compress.data.lm import split_files, token_stream
+
+G128 = "w4_weight_only_g128"
+
+
+@pytest.fixture(scope="module")
+def two_layers(smollm2_dir: str) -> tuple[nn.Module, list[torch.Tensor], torch.Tensor]:
+    from compress.models import load_model, load_tokenizer
+
+    model = load_model({"hf_path": smollm2_dir}).eval()
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    tok = load_tokenizer(smollm2_dir)
+    files = split_files(0)
+    calib = token_stream(files["calibration"], tok, max_tokens=4 * 128).reshape(4, 128)
+    held_out = token_stream(files["eval"], tok, max_tokens=2 * 128).reshape(2, 128)
+    return model, [calib[:2], calib[2:]], held_out
+
+
+def _q_proj(model: nn.Module) -> nn.Module:
+    return model.model.layers[0].self_attn.q_proj
+
+
+def _check_int4_lowering(lin: nn.Module) -> None:
+    """The int4 form every export reads dequantizes to the fake-quant weight exactly, nibbles round-trip."""
+    from quantization.lowering.int4 import dequantize_int4, int4_weight, pack_nibbles, unpack_nibbles
+
+    w4 = int4_weight(lin)
+    k = lin.weight.shape[1]
+    assert w4.scale.shape == (lin.weight.shape[0], -(-k // 128))
+    wq = lin.weight_quantizer
+    assert torch.equal(dequantize_int4(w4), wq(lin.weight.detach()))
+    assert torch.equal(unpack_nibbles(pack_nibbles(w4.codes), k), w4.codes)
+
+
+def test_gptq_g128_on_576_features_and_progress_lines(two_layers, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    from compress import gptq
+
+    model, calib, _ = two_layers
+    model = copy.deepcopy(model)
+    with caplog.at_level(logging.INFO, logger="quantization.algorithms.sequential"):
+        gptq(model, calib, scheme=G128)
+    lines = [r.getMessage() for r in caplog.records if re.match(r"gptq: layer \d+/2 ", r.getMessage())]
+    assert len(lines) == 2, lines
+    pattern = r"gptq: layer (\d)/2 \(7 Linears\) [\d.]+ s, elapsed \d+ s, ETA \d+ s, error RTN (\S+) -> (\S+) \(-\d+%\)"
+    for i, line in enumerate(lines):
+        m = re.fullmatch(pattern, line)
+        assert m and m.group(1) == str(i + 1), line
+        assert float(m.group(3)) < float(m.group(2))  # GPTQ lowers the layer's output error below RTN's
+    q = _q_proj(model)
+    assert q.weight.shape[1] == 576 and q.weight_quantizer.scale.shape == (576, 5)
+    _check_int4_lowering(q)
+    _check_int4_lowering(model.model.layers[1].mlp.down_proj)  # 1536 = 12 x 128: full groups
+
+
+def test_fake_quant_short_last_group_is_its_own_group(two_layers) -> None:  # type: ignore[no-untyped-def]
+    from compress import quantize
+    from quantization.numerics.primitives import fake_quantize, qparams_from_range
+
+    model = two_layers[0]
+    model = copy.deepcopy(model)
+    quantize(model, G128, ignore=["lm_head"])
+    q = _q_proj(model)
+    wq = q.weight_quantizer
+    w = q.weight.detach()
+    tail = w[:, 512:]  # the last 64 features: one group of its own, not padded into a wider range
+    spec = wq.spec
+    s, z = wq.scale.reshape(576, 5)[:, 4], wq.zero_point.reshape(576, 5)[:, 4]
+    got = wq(w)[:, 512:]
+    assert torch.equal(got, fake_quantize(tail, s[:, None], z[:, None], spec.qmin, spec.qmax))
+    # the scale fits the group's own range (min-max grid or a search below it), never a wider one
+    s_mm, _ = qparams_from_range(tail.amin(1), tail.amax(1), qmin=spec.qmin, qmax=spec.qmax, symmetric=spec.symmetric)
+    assert bool((s.abs() <= s_mm.abs() * (1 + 1e-6)).all())
+    _check_int4_lowering(q)
+
+
+def test_awq_g128_on_576_features(two_layers, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    from compress import awq
+
+    model, calib, _ = two_layers
+    model = copy.deepcopy(model)
+    model.model.layers = model.model.layers[:1]  # AWQ's searches cost ~10 CPU s a layer whatever the tokens
+    with caplog.at_level(logging.INFO, logger="quantization.algorithms.sequential"):
+        awq(model, [calib[0][:, :64]], scheme=G128)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("awq: layer ")]
+    assert len(lines) == 1 and ", error RTN " in lines[0], lines
+    q = _q_proj(model)
+    if q.weight_quantizer.pre_quant_scale is not None:
+        pytest.fail("AWQ left a pre_quant_scale on q_proj instead of folding its scales into the norm")
+    _check_int4_lowering(q)
