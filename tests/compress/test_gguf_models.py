@@ -96,7 +96,7 @@ def test_missing_gguf_package_names_the_extra(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF")
-    with pytest.raises(CompressError, match=r"needs the gguf package; install it with: pip install 'compress\[llm\]'"):
+    with pytest.raises(CompressError, match=r"needs the gguf package; install it with: pip install (-e '.*\[llm\]'|'compress-toolkit\[llm\]')"):
         resolve_hf_path(str(f), where="model.hf_path")
 
 
