@@ -451,3 +451,22 @@ def test_overwrite_takes_a_run_folder_from_before_the_marker(finished: Path, tmp
     with pytest.raises(RunFolderError, match=r"my_notes\.txt was not written by the run"):
         compress.apply(TINY, out_dir=out, overwrite=True, quiet=True)
     assert (out / "my_notes.txt").read_text() == "mine"
+
+
+def test_preflight_names_a_runtime_that_is_not_installed_and_lets_cuda_skip_without_a_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from compress.core.errors import RecipeError
+    from compress.preflight import check_recipe
+    from compress.recipe import load_recipe
+
+    recipe = load_recipe(_recipe(tmp_path, {**TINY, "export": {"enabled": True},
+                                            "validate": {"runtimes": ["onnxruntime", "openvino", "cuda"]}}))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
+    with pytest.raises(RecipeError, match=r"recipe.yaml:\d+: validate.runtimes.1: runtime 'openvino' is not installed"):
+        check_recipe(recipe)
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_recipe(recipe)  # cuda without a GPU: validation skips it with a note, as a portable recipe needs
