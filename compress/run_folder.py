@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 from compress.core.errors import RunFolderError
@@ -149,35 +148,35 @@ class RunFolder:
     def clear(self) -> None:
         """Delete the previous run's files (for ``--overwrite``): only the recorded ones, then the
         folders they leave empty. The folder itself stays."""
-        ours = self.written()
-        for rel in sorted(ours):
+        gone = [*self.written(), *self._remove_temps()]
+        for rel in gone:
             (self.path / rel).unlink(missing_ok=True)
-        self._remove_temps()
         self.marker.unlink(missing_ok=True)
-        self._prune_empty_dirs()
+        self._prune_empty_dirs(gone)
 
     def clear_unfinished(self, keep: tuple[str, ...] = ("recipe.yaml", "checkpoints/", "run.log")) -> None:
         """Before a resumed run: drop the interrupted writes of a killed attempt and the earlier
         attempt's outputs (reports, exports), so that report.json, written last, marks a complete run.
         Only files the run recorded are removed; anything else stays."""
-        self._remove_temps()
-        for rel in sorted(self.written()):
-            if not rel.startswith(keep) and rel != MARKER:
-                (self.path / rel).unlink(missing_ok=True)
-        self._prune_empty_dirs()
+        gone = [*self._remove_temps(), *(r for r in self.written() if not r.startswith(keep) and r != MARKER)]
+        for rel in gone:
+            (self.path / rel).unlink(missing_ok=True)
+        self._prune_empty_dirs(gone)
 
-    def _remove_temps(self) -> None:
-        for rel in _files(self.path):
-            if is_temp(Path(rel)):
-                (self.path / rel).unlink(missing_ok=True)
-        for scratch in self.path.rglob(".llm_onnx.*"):
-            if scratch.is_dir() and not scratch.is_symlink():
-                shutil.rmtree(scratch, ignore_errors=True)
+    def _remove_temps(self) -> list[str]:
+        """Delete the run's interrupted writes; their relative paths."""
+        temps = sorted(rel for rel in _files(self.path) if is_temp(Path(rel)))
+        for rel in temps:
+            (self.path / rel).unlink(missing_ok=True)
+        return temps
 
-    def _prune_empty_dirs(self) -> None:
-        for dirpath, _, _ in sorted(os.walk(self.path), key=lambda t: -len(t[0])):
-            d = Path(dirpath)
-            if d != self.path and not d.is_symlink() and not any(d.iterdir()):
+    def _prune_empty_dirs(self, removed: list[str]) -> None:
+        """Remove the folders the removed files leave empty, deepest first; a folder of the user's
+        that held none of them stays, empty or not."""
+        dirs = {parent for rel in removed for parent in Path(rel).parents if parent != Path(".")}
+        for rel_dir in sorted(dirs, key=lambda d: -len(d.parts)):
+            d = self.path / rel_dir
+            if d.is_dir() and not d.is_symlink() and not any(d.iterdir()):
                 d.rmdir()
 
     def _still_foreign(self, rel: str) -> bool:

@@ -111,7 +111,9 @@ def test_overwrite_refuses_a_repository_root(tmp_path: Path, capsys: pytest.Capt
 def test_overwrite_replaces_only_the_runs_files(finished: Path, tmp_path: Path) -> None:
     out = _copy(finished, tmp_path / "run")
     (out / "checkpoints" / "old_extra.pt.tmp").write_bytes(b"half")  # an interrupted write of the run
+    (out / "my_empty_dir").mkdir()  # the user's, holding nothing: not the run's to remove either
     report = compress.apply(TINY, out_dir=out, overwrite=True, quiet=True)
+    assert (out / "my_empty_dir").is_dir()
     assert report.baseline.accuracy is not None
     assert not (out / "checkpoints" / "old_extra.pt.tmp").exists()
     written = set(json.loads((out / MARKER).read_text())["files"])
