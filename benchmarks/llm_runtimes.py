@@ -74,7 +74,7 @@ def main() -> None:
 
     import compress
     from compress.core.ort import inference_session, session_options
-    from export.genai import write_runtime_files
+    from export.genai import genai_greedy, write_runtime_files
     from export.gguf_file import save_gguf
     from export.llm_onnx import export_llm_onnx, generate_ort
 
@@ -151,14 +151,7 @@ def main() -> None:
         write_runtime_files(p4, q4, tokenizer=tok)
         prompt = ids[:1, :24]
         want = generate_ort(p4, prompt, max_new_tokens=16)[0].tolist()
-        gm = og.Model(str(p4.parent))
-        params = og.GeneratorParams(gm)
-        params.set_search_options(max_length=len(want), do_sample=False)
-        gen = og.Generator(gm, params)
-        gen.append_tokens(prompt.numpy().astype(np.int32))
-        while not gen.is_done():
-            gen.generate_next_token()
-        seq = [int(t) for t in gen.get_sequence(0)]
+        seq = genai_greedy(p4.parent, prompt.numpy(), max_length=len(want))
         rows.append({"what": f"ONNX Runtime GenAI {og.__version__}: og.Model(folder) greedy, 24-token prompt + 16",
                      "result": f"tokens equal to generate_ort: {seq == want[: len(seq)]} ({len(seq) - 24} generated)"})
     md = ("## LLM exports in their runtimes' clients, real SmolLM2-135M (`python -m benchmarks.llm_runtimes`)\n\n"

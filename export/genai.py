@@ -20,6 +20,7 @@ from typing import Any
 import onnx
 
 from compress.core.errors import ExportError
+from compress.core.imports import install_hint
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +105,23 @@ def write_runtime_files(onnx_path: str | Path, model: Any, *, tokenizer: Any = N
         written.extend(Path(p) for p in tokenizer.save_pretrained(out))
     log.info("runtime files beside %s: %s", path.name, ", ".join(p.name for p in written))
     return written
+
+
+def genai_greedy(folder: str | Path, prompt: Any, *, max_length: int) -> list[int]:
+    """Greedy token ids (prompt included) that ONNX Runtime GenAI generates from ``folder`` (what
+    :func:`write_runtime_files` wrote) for one ``prompt`` (``[1, T]`` token ids), up to
+    ``max_length`` tokens or its EOS. Needs ``onnxruntime-genai`` (the ``llm`` extra)."""
+    import numpy as np
+
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        raise ExportError(f"ONNX Runtime GenAI is not installed; {install_hint('llm')}") from None
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=max_length, do_sample=False)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.asarray(prompt, dtype=np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    return [int(t) for t in gen.get_sequence(0)]

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 import compress  # noqa: E402
 from compress.core.errors import ExportError  # noqa: E402
-from export.genai import genai_config, write_runtime_files  # noqa: E402
+from export.genai import genai_config, genai_greedy, write_runtime_files  # noqa: E402
 from export.llm_onnx import export_llm_onnx, generate_ort  # noqa: E402
 
 
@@ -48,18 +47,11 @@ def test_genai_loads_the_folder_and_generates_our_tokens(kind: str, position_ids
     assert {"genai_config.json", "config.json", "tokenizer.json", "tokenizer_config.json"} <= written
     ids = torch.randint(3, len(tokenizer), (1, 6), generator=torch.Generator().manual_seed(1))
     want = generate_ort(path, ids, max_new_tokens=10)[0].tolist()
-    gm = og.Model(str(tmp_path))
-    params = og.GeneratorParams(gm)
-    params.set_search_options(max_length=len(want), do_sample=False)
-    gen = og.Generator(gm, params)
-    gen.append_tokens(ids.numpy().astype(np.int32))
-    while not gen.is_done():
-        gen.generate_next_token()
-    got = [int(t) for t in gen.get_sequence(0)]
+    got = genai_greedy(tmp_path, ids.numpy(), max_length=len(want))
     # GenAI stops at an EOS token (2); up to there the sequences are the same token by token
     assert got == want[: len(got)] and (len(got) == len(want) or got[-1] == 2), (got, want)
     text = "def f(x):\n    return x"
-    assert list(og.Tokenizer(gm).encode(text)) == tokenizer(text)["input_ids"]
+    assert list(og.Tokenizer(og.Model(str(tmp_path))).encode(text)) == tokenizer(text)["input_ids"]
 
 
 def test_genai_config_names_the_graph_and_refuses_other_files(tokenizer: Any, tmp_path: Path) -> None:
