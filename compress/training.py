@@ -23,12 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from compress.core.batching import call_model, primary_output, split_batch, to_device
+from compress.core.batching import call_model, count_non_finite, primary_output, split_batch, to_device
 from compress.core.errors import CompressError, DataError
 from compress.core.io import atomic_torch_save
 from compress.core.metrics import make_metric
 from compress.core.progress import Eta, fig
-from compress.core.tracing import iter_tensors
 from compress.recipe import TrainSpec
 
 if TYPE_CHECKING:
@@ -181,9 +180,8 @@ class Trainer:
         """Stop at the step where the loss stops being a number, naming the cause: the batch itself
         (NaN/inf in the data) or the training (finite data, diverging loss)."""
         at = f"{desc}: epoch {epoch + 1}, batch {step + 1}"
-        bad = [t for t in iter_tensors(inputs) if t.is_floating_point() and not torch.isfinite(t).all()]
-        if bad:
-            n = sum(int((~torch.isfinite(t)).sum()) for t in bad)
+        n = count_non_finite(inputs)
+        if n:
             raise DataError(f"{at}: the batch from {self.data_name} holds {n} NaN/inf values; the loss is "
                             f"{float(loss.detach())}; clean the data (nothing was trained on this batch)")
         raise DataError(f"{at}: the loss became {float(loss.detach())} on finite data from {self.data_name}: the "
@@ -330,7 +328,7 @@ def evaluate(
         inputs, targets = split_batch(to_device(batch, dev))
         if m.needs_targets and targets is None:
             raise CompressError(f"metric '{metric}' needs labelled data; use a fidelity metric such as embedding_cosine")
-        bad = sum(int((~torch.isfinite(t)).sum()) for t in iter_tensors(inputs) if t.is_floating_point())
+        bad = count_non_finite(inputs)
         if bad:  # a metric over NaN inputs would be a number that means nothing
             raise DataError(f"eval: batch {i + 1} holds {bad} NaN/inf values; clean the evaluation data")
         out = call_model(model, inputs)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import CalibrationError, RecipeError
+from compress.core.tracing import iter_tensors
 
 Inputs = torch.Tensor | Mapping[str, torch.Tensor]
 
@@ -201,18 +202,9 @@ def _bar(batches: Iterable[Any], cap: int | None) -> Iterable[Any]:
     return tqdm(batches, desc="calibrate", total=total, leave=False, unit="batch")
 
 
-def _check_finite(inputs: Any, index: int) -> None:
-    """NaN/inf in a calibration batch would become NaN scales; name the batch instead."""
-    for leaf in _leaves(inputs):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not torch.isfinite(leaf).all():
-            n = int((~torch.isfinite(leaf)).sum())
-            raise CalibrationError(f"data: calibration batch {index + 1} holds {n} NaN/inf values; clean the data")
-
-
-def _leaves(tree: Any) -> list[Any]:
-    from torch.utils import _pytree as pytree
-
-    return list(pytree.tree_leaves(tree))
+def count_non_finite(batch: Any) -> int:
+    """NaN/inf values in the floating-point tensors of ``batch`` (any nesting of tuples, lists, dicts)."""
+    return sum(int((~torch.isfinite(t)).sum()) for t in iter_tensors(batch) if t.is_floating_point())
 
 
 def as_forward_loop(data: CalibrationData, *, max_batches: int | None = None) -> ForwardLoop:
@@ -231,7 +223,9 @@ def as_forward_loop(data: CalibrationData, *, max_batches: int | None = None) ->
                 if max_batches is not None and i >= max_batches:
                     break
                 inputs, _ = split_batch(batch)
-                _check_finite(inputs, i)
+                bad = count_non_finite(inputs)
+                if bad:  # NaN scales would follow: name the batch instead
+                    raise CalibrationError(f"data: calibration batch {i + 1} holds {bad} NaN/inf values; clean the data")
                 call_model(model, to_device(inputs, device))
                 n += 1
         return n
