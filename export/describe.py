@@ -118,7 +118,7 @@ def onnx_reference(path: Path, *, model: Path | None = None) -> OnnxModule:
     if not path.is_file():
         raise CompressError(f"reference model '{path}' not found")
     if model is not None:
-        ours, theirs = _io_shapes(model, "output"), _io_shapes(path, "output")
+        ours, theirs = _io_shapes(model)[1], _io_shapes(path)[1]
         if ours and theirs and not _fits(theirs[0][1], ours[0][1]):
             raise DataError(
                 f"--reference {path}: its output '{theirs[0][0]}' has shape {_show(theirs[0][1])}, the model's "
@@ -130,15 +130,17 @@ def onnx_reference(path: Path, *, model: Path | None = None) -> OnnxModule:
 Dims = list[int | str]
 
 
-def _io_shapes(path: Path, kind: str) -> list[tuple[str, Dims]]:
-    """(name, dims) of a model's graph inputs (initializers excluded) or outputs; symbolic dims as names."""
+def _io_shapes(path: Path) -> tuple[list[tuple[str, Dims]], list[tuple[str, Dims]]]:
+    """(name, dims) of a model's graph inputs (initializers excluded) and outputs, from one read of
+    the file; symbolic dims as their names."""
     m = onnx.load(str(path), load_external_data=False)
     init = {t.name for t in m.graph.initializer}
-    values = m.graph.input if kind == "input" else m.graph.output
-    return [
-        (v.name, [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in v.type.tensor_type.shape.dim])
-        for v in values if v.name not in init
-    ]
+
+    def dims(v: Any) -> Dims:
+        return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in v.type.tensor_type.shape.dim]
+
+    return ([(v.name, dims(v)) for v in m.graph.input if v.name not in init],
+            [(v.name, dims(v)) for v in m.graph.output])
 
 
 def _fits(shape: Any, dims: Dims) -> bool:
@@ -172,8 +174,7 @@ class _CheckedBatches:
     def __init__(self, data: Any, model_path: Path) -> None:
         self.data = data
         self.model_path = model_path
-        self.inputs = _io_shapes(model_path, "input")
-        outputs = _io_shapes(model_path, "output")
+        self.inputs, outputs = _io_shapes(model_path)
         last = outputs[0][1][-1] if outputs and outputs[0][1] else None
         # a classifier's class count: the first output's last dim, when static and > 1
         self.classes = last if isinstance(last, int) and last > 1 and len(outputs[0][1]) == 2 else None
