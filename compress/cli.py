@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from compress.core.errors import CompressError, RecipeError, ValidationFailed, storage_error
+from compress.core.progress import fig
 
 if TYPE_CHECKING:
     from compress.report import Report
@@ -102,7 +103,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
         return ValidationFailed.exit_code if missed else 0
     print(summary(report, out=Path(out)))
     if missed:
-        raise ValidationFailed(", ".join(f"{t.name} {_f(t.value)} vs limit {_f(t.limit)}" for t in missed))
+        raise ValidationFailed(", ".join(f"{t.name} {fig(t.value)} vs limit {fig(t.limit)}" for t in missed))
     return 0
 
 
@@ -110,27 +111,27 @@ def summary(report: Report, *, out: Path) -> str:
     """The closing lines of ``compress apply``: accuracy, size, runtime figures, thresholds."""
     b, f = report.baseline, report.final
     name = report.recipe.get("name", "recipe")
-    lines = [f"{name}: baseline {report.metric} {_f(b.accuracy)} -> final {_f(f.accuracy)}; "
+    lines = [f"{name}: baseline {report.metric} {fig(b.accuracy)} -> final {fig(f.accuracy)}; "
              f"params {_n(b.params)} -> {_n(f.params)}; {report.seconds or 0:.1f} s; report: {out / 'report.md'}"]
     for v in report.validation:
         if v.generation is not None:  # a KV-cache generation file: prefill, decode, greedy tokens
             g = v.generation
             lines.append(
-                f"  {v.runtime} {v.role} {v.precision}: prefill {_f(g['prefill_ms'])} ms"
-                + (f" ({_f(g['prefill_speedup'])}x)" if "prefill_speedup" in g else "")
-                + f"; decode {_f(g['decode_ms_per_token'])} ms/token, {g['tokens_per_s']:.0f} tokens/s"
-                + (f" ({_f(g['decode_speedup'])}x)" if "decode_speedup" in g else "")
-                + f"; greedy tokens = PyTorch {_f(v.parity.get('top1_agreement'))}"
+                f"  {v.runtime} {v.role} {v.precision}: prefill {fig(g['prefill_ms'])} ms"
+                + (f" ({fig(g['prefill_speedup'])}x)" if "prefill_speedup" in g else "")
+                + f"; decode {fig(g['decode_ms_per_token'])} ms/token, {g['tokens_per_s']:.0f} tokens/s"
+                + (f" ({fig(g['decode_speedup'])}x)" if "decode_speedup" in g else "")
+                + f"; greedy tokens = PyTorch {fig(v.parity.get('top1_agreement'))}"
             )
             lines += _slower_warnings(v)
             continue
-        lat = ", ".join(f"b{k} {_f(ms)} ms" for k, ms in v.latency_ms.items())
-        spd = ", ".join(f"b{k} {_f(x)}x" for k, x in (v.speedup or {}).items())
-        lines.append(f"  {v.runtime} {v.role} {v.precision}: {report.metric} {_f(v.accuracy)}"
+        lat = ", ".join(f"b{k} {fig(ms)} ms" for k, ms in v.latency_ms.items())
+        spd = ", ".join(f"b{k} {fig(x)}x" for k, x in (v.speedup or {}).items())
+        lines.append(f"  {v.runtime} {v.role} {v.precision}: {report.metric} {fig(v.accuracy)}"
                      + (f"; latency {lat}" if lat else "") + (f"; speedup {spd}" if spd else ""))
         lines += _slower_warnings(v)
     for t in report.thresholds:
-        lines.append(f"  threshold {t.name}: {_f(t.value)} (limit {_f(t.limit)}) {'ok' if t.passed else 'MISSED'}")
+        lines.append(f"  threshold {t.name}: {fig(t.value)} (limit {fig(t.limit)}) {'ok' if t.passed else 'MISSED'}")
     return "\n".join(lines)
 
 
@@ -146,10 +147,6 @@ def _slower_warnings(v: ValidationRecord) -> list[str]:
 
 def _n(x: int | None) -> str:
     return "-" if x is None else f"{x:,}"
-
-
-def _f(x: float | None) -> str:
-    return "-" if x is None else f"{x:.4g}"
 
 
 def _render_plan(p: dict[str, Any], *, overrides: Sequence[str] = ()) -> str:
@@ -200,7 +197,7 @@ def _compact_table(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in rows:
         spd = next((r.get(f"b{b}_speedup") for b in reversed(batches) if r.get(f"b{b}_speedup")), None)
-        acc = "-" if r.get("accuracy") is None else f"{r['metric']} {_f(r['accuracy'])}"
+        acc = "-" if r.get("accuracy") is None else f"{r['metric']} {fig(r['accuracy'])}"
         body.append([r["model"], r["runtime"], r["precision"], acc,
                      "-" if r.get("sqnr_db") is None else "exact" if r["sqnr_db"] >= 999 else f"{r['sqnr_db']:.1f}",
                      *["-" if r.get(f"b{b}_ms") is None else f"{r[f'b{b}_ms']:.3g}" for b in batches],
