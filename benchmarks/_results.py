@@ -72,3 +72,11 @@ def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def gap_closed(value: float, rtn: float | None, base: float) -> str:
+    """The share of round-to-nearest's perplexity gap over ``base`` (fp32) that ``value`` closes, as
+    ``"45%"``; ``-`` when there is no RTN row or no gap."""
+    if rtn is None or rtn <= base:
+        return "-"
+    return f"{(rtn - value) / (rtn - base):.0%}"

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks._results import table, write_section
+from benchmarks._results import gap_closed, table, write_section
 from benchmarks.llm_quant import perplexity
 from benchmarks.llm_quant_real import prose_windows
 
@@ -127,11 +127,8 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     rtn = {r["grid"]: r for r in rows if r["variant"] == "RTN"}
     out = []
     for r in rows:
-        closed = []
-        for key in ("stdlib", "prose"):
-            ref = rtn.get(r["grid"])
-            ok = ref is not None and r["variant"] not in ("RTN", "fp32") and ref[key] > base[key]
-            closed.append(f"{(ref[key] - r[key]) / (ref[key] - base[key]):.0%}" if ok and ref else "-")
+        ref = rtn.get(r["grid"]) if r["variant"] not in ("RTN", "fp32") else None
+        closed = [gap_closed(r[key], ref[key] if ref else None, base[key]) for key in ("stdlib", "prose")]
         out.append({"variant": r["variant"], "grid": r["grid"] if r["variant"] != "fp32" else "-",
                     "ppl stdlib": f"{r['stdlib']:.3f}", "ppl prose": f"{r['prose']:.3f}",
                     "gap closed (stdlib / prose)": " / ".join(closed),

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks._results import table, write_section
+from benchmarks._results import gap_closed, table, write_section
 from benchmarks.llm_quant import perplexity
 
 log = logging.getLogger("benchmarks.llm_quant_real")
@@ -171,13 +171,8 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int) -
     rtn = {r["scheme"]: r for r in rows if r["method"] == "RTN"}
     out = []
     for r in rows:
-        closed = []
-        for key in ("ppl stdlib", "ppl prose"):
-            ref = rtn.get(r["scheme"])
-            if ref is None or r["method"] in ("RTN", "fp32") or ref[key] <= base[key]:
-                closed.append("-")
-            else:
-                closed.append(f"{(ref[key] - r[key]) / (ref[key] - base[key]):.0%}")
+        ref = rtn.get(r["scheme"]) if r["method"] not in ("RTN", "fp32") else None
+        closed = [gap_closed(r[key], ref[key] if ref else None, base[key]) for key in ("ppl stdlib", "ppl prose")]
         out.append({
             "scheme": r["scheme"], "method": r["method"], "ppl stdlib": f"{r['ppl stdlib']:.3f}",
             "ppl prose": f"{r['ppl prose']:.3f}", "RTN gap closed (stdlib / prose)": " / ".join(closed),
