@@ -5,7 +5,6 @@ runs the PyTorch model on the project's int8 kernels, export/cuda.py, and export
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -18,6 +17,7 @@ import onnx
 
 from compress.core.errors import ExportError
 from compress.core.imports import install_hint
+from compress.core.machine import usable_cores
 from compress.core.ort import inference_session, session_options
 from compress.core.registry import Registry
 from export.parity import resize_batch
@@ -42,10 +42,7 @@ RUNTIMES: Registry[Loader] = Registry("runtime")
 
 def default_threads() -> int:
     """All cores this process may use."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    return usable_cores()
 
 
 def load_session(runtime: str, path: Path, *, threads: int | None = None) -> RuntimeSession:

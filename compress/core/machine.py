@@ -51,6 +51,16 @@ def has_vnni() -> bool | None:
     return None if isa is None else isa in ("AMX-INT8", "AVX-512 VNNI", "AVX-VNNI")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all cores where that is unknown)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def set_threads(threads: int | None, *, local_ranks: int = 1) -> int:
     """Set torch's intra-op threads for this process and return them: ``threads`` when given; else,
     with several ranks on this node, the cores this process may use shared among them (so ranks do
@@ -60,11 +70,7 @@ def set_threads(threads: int | None, *, local_ranks: int = 1) -> int:
     import torch
 
     if threads is None and local_ranks > 1 and "OMP_NUM_THREADS" not in os.environ:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:
-            cores = os.cpu_count() or 1
-        threads = max(1, cores // local_ranks)
+        threads = max(1, usable_cores() // local_ranks)
     if threads is not None:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
