@@ -44,10 +44,17 @@ def _check_schemes_export(recipe: Recipe) -> None:
             resolve = getattr(spec, "resolved_scheme", None)
             if resolve is None:
                 continue
-            inputs = resolve().inputs
+            scheme = resolve()
+            where = recipe.where(f'stages.{i}.modifiers.{j}.scheme')
+            if any(s is not None and s.is_float for s in (scheme.weights, scheme.inputs, scheme.outputs)):
+                raise RecipeError(
+                    f"{where}: float8 schemes have no ONNX (CPU) export, so the export after training would "
+                    "fail; set export.enabled: false and validate on a GPU: compress validate RUN_DIR --backend cuda"
+                )
+            inputs = scheme.inputs
             if inputs is not None and inputs.dynamic:
                 raise RecipeError(
-                    f"{recipe.where(f'stages.{i}.modifiers.{j}.scheme')}: dynamic ({inputs.granularity}) activations "
+                    f"{where}: dynamic ({inputs.granularity}) activations "
                     "have no QDQ ONNX form, so the export after training would fail; use a static scheme "
                     "(w8a8), export.generation: true for a decoder LLM, or export.enabled: false"
                 )

@@ -56,10 +56,13 @@ def _check_device(device: str) -> torch.device:
 def cast_float_layers(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast the float parameters and buffers of ``model`` to ``dtype`` in place, except those of int8
     modules and quantizers (their scales must stay float32 to keep the integer codes exact)."""
+    from quantization.lowering.fp8 import FP8Linear
     from quantization.lowering.int8 import Int8Conv2d, Int8Linear
+    from quantization.lowering.w4a16 import W4A16Linear
     from quantization.view import FakeQuantizer
 
-    keep = (Int8Linear, Int8Conv2d, FakeQuantizer)
+    # float8 codes count as floating point to torch; W4A16's group scales stay float32 like int8's
+    keep = (Int8Linear, Int8Conv2d, FP8Linear, W4A16Linear, FakeQuantizer)
     skip: set[int] = set()
     for m in model.modules():
         if isinstance(m, keep):

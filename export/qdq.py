@@ -231,6 +231,11 @@ def _blocked(q: Any, weight: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
 
 def _check_static(q: Any, where: str) -> None:
     spec = q.spec
+    if spec.is_float:
+        raise ExportError(
+            f"{where}: float8 (fp8_e4m3) quantization has no ONNX Runtime CPU kernels; run it on CUDA "
+            "(compress.convert(model, backend='cuda')), or use an int8 scheme for ONNX export"
+        )
     if spec.dynamic:
         raise ExportError(
             f"{where}: dynamic ({spec.granularity}) activation quantization has no static QDQ form; "

@@ -1,8 +1,9 @@
 """Conversion of a calibrated (PTQ) or trained (QAT) fake-quant model into real int8 modules.
 
 ``convert(model, backend="cuda")`` swaps every QuantLinear / QuantConv2d the int8 kernels can run
-for an Int8Linear / Int8Conv2d computing the same integer codes, and every weight-only int4
-QuantLinear for a W4A16Linear (quantization/lowering/w4a16.py). A layer that cannot be converted
+for an Int8Linear / Int8Conv2d computing the same integer codes, every weight-only int4
+QuantLinear for a W4A16Linear (quantization/lowering/w4a16.py) and every float8 QuantLinear for an
+FP8Linear (quantization/lowering/fp8.py). A layer that cannot be converted
 (weight-only 8-bit or W4A8 schemes, grouped convolutions, per-channel activations, ...) stays as it is,
 a fake-quant layer computing in float, and the reason is logged and reported. QAT BatchNorms held
 by a QuantConv are folded first (on the copy). A ReLU/GELU module that alone consumes a converted
@@ -22,6 +23,7 @@ from torch import nn
 
 from compress.core.errors import RecipeError, UnsupportedModelError, did_you_mean
 from quantization.algorithms.bn_fold import sequential_pairs
+from quantization.lowering.fp8 import FP8Linear
 from quantization.lowering.int4 import is_int4_weight_only
 from quantization.lowering.int8 import Int8Conv2d, Int8Linear
 from quantization.lowering.kernels import require_triton
@@ -109,11 +111,20 @@ def fusable_activations(model: nn.Module) -> dict[str, str]:
     return pairs
 
 
+def _is_fp8(mod: nn.Module) -> bool:
+    wq = getattr(mod, "weight_quantizer", None)
+    return wq is not None and wq.spec.is_float
+
+
 def _builder(mod: nn.Module) -> Callable[..., nn.Module]:
     if type(mod) is QuantLinear:
+        if _is_fp8(mod):
+            return FP8Linear.from_quant  # float8 e4m3: cuBLASLt's _scaled_mm (quantization/lowering/fp8.py)
         # weight-only int4 (w4_weight_only_g128, GPTQ, AWQ) runs the W4A16 kernel (quantization/lowering/w4a16.py)
         return W4A16Linear.from_quant if is_int4_weight_only(mod) else Int8Linear.from_quant
     if type(mod) is QuantConv2d:
+        if _is_fp8(mod):
+            raise UnsupportedModelError("fp8 convolutions have no kernel here (fp8 Linear layers do)")
         return Int8Conv2d.from_quant
     raise UnsupportedModelError(f"{type(mod).__name__} has no int8 kernel (Linear and Conv2d do)")
 

@@ -66,8 +66,8 @@ class _Int8Base(nn.Module):
         if iq is None or not iq.enabled:
             raise UnsupportedModelError("its inputs are not quantized (weight-only); there is no W8A8 kernel for it")
         s = iq.spec
-        if s.bits != 8:
-            raise UnsupportedModelError(f"its inputs are {s.bits}-bit")
+        if s.bits != 8 or s.is_float:
+            raise UnsupportedModelError(f"its inputs are {s.bits}-bit {s.dtype}; the int8 kernels take 8-bit integers")
         shift = 128 if s.dtype == "uint8" else 0  # uint8 codes run as int8 codes minus 128
         self.qmin, self.qmax = iq.qmin - shift, iq.qmax - shift
         self.input_zero_point = 0

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from quantization.numerics.spec import QuantSpec
+from quantization.numerics.spec import FP8_E4M3_MAX, QuantSpec
 
 # Smallest scale: keeps constant or all-zero tensors finite (they quantize to exact zeros).
 SCALE_EPS = float(torch.finfo(torch.float32).eps)
@@ -106,6 +106,27 @@ def fake_quantize(
     return ((q - zp) * scale.float()).to(dtype)
 
 
+def fake_quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Fake-quantize ``x`` to float8 e4m3 with broadcastable ``scale``: ``e4m3(clamp(x / scale)) *
+    scale`` in float32, rounding to the nearest e4m3 value (ties to even, torch's cast, which the
+    CUDA kernels share); straight-through gradients inside [-448, 448]."""
+    dtype = x.dtype
+    lim = float(FP8_E4M3_MAX)
+    xs = x.float() * (1.0 / scale.float())
+    if not torch.is_grad_enabled() or not (x.requires_grad or scale.requires_grad):
+        q = xs.clamp_(-lim, lim).to(torch.float8_e4m3fn).float()
+        return q.mul_(scale.float()).to(dtype)
+    xc = torch.clamp(xs, -lim, lim)
+    q = xc + (xc.to(torch.float8_e4m3fn).float() - xc).detach()
+    return (q * scale.float()).to(dtype)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 codes of ``x`` (``torch.float8_e4m3fn``) with broadcastable ``scale``; no gradient."""
+    lim = float(FP8_E4M3_MAX)
+    return torch.clamp(x.float() * (1.0 / scale.float()), -lim, lim).to(torch.float8_e4m3fn)
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
     """Integer codes of ``x`` (int8 for signed ranges, uint8 for unsigned); no gradient."""
     q = torch.clamp(torch.round(x.float() * (1.0 / scale.float())) + zero_point.float(), qmin, qmax)
@@ -189,16 +210,21 @@ def fake_quantize_spec(
         out = fake_quantize(xg, scale.unsqueeze(-1), zero_point.unsqueeze(-1), spec.qmin, spec.qmax)
         return from_groups(out, x)
     s = broadcast_param(scale, x, spec)
+    if spec.is_float:
+        return fake_quantize_fp8(x, s)
     z = broadcast_param(zero_point, x, spec)
     return fake_quantize(x, s, z, spec.qmin, spec.qmax)
 
 
 def quantize_spec(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Integer codes of ``x`` with stored qparams laid out for ``spec``'s granularity; shape of ``x``."""
+    """Codes of ``x`` (integers; float8 for fp8 specs) with stored qparams laid out for ``spec``'s
+    granularity; shape of ``x``."""
     if spec.granularity == "group":
         xg = to_groups(x, group_size_for(x, spec))
         return from_groups(quantize(xg, scale[..., None], zero_point[..., None], spec.qmin, spec.qmax), x)
     s = broadcast_param(scale, x, spec)
+    if spec.is_float:
+        return quantize_fp8(x, s)
     z = broadcast_param(zero_point, x, spec)
     return quantize(x, s, z, spec.qmin, spec.qmax)
 

@@ -2,7 +2,8 @@
 
 Conventions (read by export and the int8 converter, keep stable):
 - ``qmin``/``qmax`` follow from ``dtype`` and ``bits``: int8 is [-2^(b-1), 2^(b-1)-1], uint8 is
-  [0, 2^b-1]; ``narrow_range`` drops the most negative int level (int8 [-127, 127]);
+  [0, 2^b-1]; ``fp8_e4m3`` (OCP E4M3FN, 8 bits, always symmetric) is [-448, 448], its largest
+  finite value, and rounds to the nearest e4m3 value rather than to an integer; ``narrow_range`` drops the most negative int level (int8 [-127, 127]);
   ``reduce_range`` keeps 8-bit int8 codes in [-64, 63] (ORT's reduce_range: on x86 CPUs without
   VNNI, u8s8 kernels add pairs of products in int16, which 7-bit weights cannot overflow).
 - Symmetric specs use ``scale = amax / (qmax - zero_point)`` with zero_point 0 (int8) or 2^(b-1)
@@ -27,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from compress.core.errors import RecipeError, did_you_mean, validation_message
 
 Granularity = Literal["tensor", "channel", "token", "group"]
+#: the largest finite float8 e4m3fn value: fp8 scales are amax / 448
+FP8_E4M3_MAX = 448
 
 
 class QuantSpec(BaseModel):
@@ -40,7 +43,7 @@ class QuantSpec(BaseModel):
 
     bits: Literal[3, 4, 8] = 8
     symmetric: bool = True
-    dtype: Literal["int8", "uint8"] = "int8"
+    dtype: Literal["int8", "uint8", "fp8_e4m3"] = "int8"
     narrow_range: bool = False
     reduce_range: bool = False
     granularity: Granularity = "tensor"
@@ -58,6 +61,10 @@ class QuantSpec(BaseModel):
             raise ValueError(f"group_size is only used with granularity 'group' (got '{self.granularity}')")
         if self.granularity == "token" and not self.dynamic:
             raise ValueError("granularity 'token' is computed at run time: set dynamic: true")
+        if self.dtype == "fp8_e4m3" and (self.bits != 8 or not self.symmetric or self.narrow_range
+                                         or self.reduce_range or self.granularity == "group"):
+            raise ValueError("fp8_e4m3 is 8-bit and symmetric, per tensor, channel or token "
+                             "(no narrow_range, reduce_range or groups)")
         if self.narrow_range and self.dtype == "uint8":
             raise ValueError("narrow_range applies to int8 only")
         if self.reduce_range and (self.dtype != "int8" or self.bits != 8 or self.narrow_range):
@@ -65,7 +72,14 @@ class QuantSpec(BaseModel):
         return self
 
     @property
+    def is_float(self) -> bool:
+        """Whether codes are floating point (fp8) rather than integers."""
+        return self.dtype == "fp8_e4m3"
+
+    @property
     def qmin(self) -> int:
+        if self.dtype == "fp8_e4m3":
+            return -FP8_E4M3_MAX
         if self.dtype == "uint8":
             return 0
         if self.reduce_range:
@@ -74,6 +88,8 @@ class QuantSpec(BaseModel):
 
     @property
     def qmax(self) -> int:
+        if self.dtype == "fp8_e4m3":
+            return FP8_E4M3_MAX
         if self.reduce_range:
             return 63
         return 2**self.bits - 1 if self.dtype == "uint8" else 2 ** (self.bits - 1) - 1
@@ -90,6 +106,7 @@ def _w(**kw: Any) -> QuantSpec:
 # uint8 asymmetric activations: what ORT's u8s8 kernels want on CPUs without VNNI (DESIGN.md).
 _A_STATIC = QuantSpec(dtype="uint8", symmetric=False, granularity="tensor")
 _A_TOKEN = QuantSpec(dtype="int8", symmetric=True, granularity="token", dynamic=True)
+_FP8 = QuantSpec(dtype="fp8_e4m3")
 
 PRESETS: dict[str, dict[str, Any]] = {
     "w8a8": {"weights": _w(), "inputs": _A_STATIC},
@@ -108,7 +125,8 @@ def _g128(bits: int, *, symmetric: bool = True) -> QuantSpec:
 #: the preset names of llm-compressor, vLLM and compressed-tensors, with their meaning there (upper
 #: case, as they write them; ours are lower case): WnA16 are weight-only groups of 128, symmetric;
 #: W8A8 (alias INT8) is int8 per-channel weights with *dynamic per-token* int8 activations, which
-#: our lower-case ``w8a8`` (static per-tensor activations, for ONNX QDQ) is not.
+#: our lower-case ``w8a8`` (static per-tensor activations, for ONNX QDQ) is not; FP8 and
+#: FP8_DYNAMIC are float8 e4m3 (CUDA: torch._scaled_mm on Hopper and Ada).
 ECOSYSTEM_PRESETS: dict[str, dict[str, Any]] = {
     "W3A16": {"weights": _g128(3), "inputs": None},
     "W4A16": {"weights": _g128(4), "inputs": None},
@@ -117,6 +135,11 @@ ECOSYSTEM_PRESETS: dict[str, dict[str, Any]] = {
     "W4A8": {"weights": _g128(4), "inputs": _A_TOKEN},
     "W8A8": {"weights": _w(), "inputs": _A_TOKEN},
     "INT8": {"weights": _w(), "inputs": _A_TOKEN},
+    # compressed-tensors' meanings: FP8 is static per-tensor weights and inputs, FP8_DYNAMIC
+    # per-channel weights with dynamic per-token inputs (the one that needs no calibration data)
+    "FP8": {"weights": _FP8, "inputs": _FP8},
+    "FP8_DYNAMIC": {"weights": _FP8.with_(granularity="channel"),
+                    "inputs": _FP8.with_(granularity="token", dynamic=True)},
 }
 
 
@@ -156,7 +179,7 @@ class QuantScheme(BaseModel):
     def preset(cls, name: str) -> QuantScheme:
         """One of the named presets: w8a8, w8a8_dynamic, w8_weight_only, w4_weight_only_g128,
         w4_weight_only (per channel), w3_weight_only_g128; or an llm-compressor / vLLM name
-        (W4A16, W4A16_ASYM, W8A16, W3A16, W4A8, W8A8, INT8: see ``ECOSYSTEM_PRESETS``)."""
+        (W4A16, W4A16_ASYM, W8A16, W3A16, W4A8, W8A8, INT8, FP8, FP8_DYNAMIC: see ``ECOSYSTEM_PRESETS``)."""
         if name in PRESETS:
             return cls(**PRESETS[name])
         # exact upper case, or any case that is not one of ours (``w4a16``; but ``w8a8`` is ours)
@@ -164,9 +187,9 @@ class QuantScheme(BaseModel):
         if key in ECOSYSTEM_PRESETS and (key == name or name.lower() not in PRESETS):
             return cls(**ECOSYSTEM_PRESETS[key])
         names = [*PRESETS, *ECOSYSTEM_PRESETS]
-        if name.upper().startswith(("FP8", "NVFP4", "MXFP4")):
-            raise RecipeError(f"quantization scheme '{name}': floating-point formats are not available here; "
-                              f"integer presets: {', '.join(names)}")
+        if name.upper().startswith(("NVFP4", "MXFP4", "FP4")):
+            raise RecipeError(f"quantization scheme '{name}': 4-bit floating-point formats are not available here; "
+                              f"presets: {', '.join(names)}")
         raise RecipeError(f"unknown quantization scheme '{name}'; {did_you_mean(name, names)}")
 
     @property

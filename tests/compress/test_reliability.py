@@ -328,16 +328,17 @@ def test_api_bad_input_is_a_one_line_compress_error(call: Any, error: str, expec
 # ---- 4. conflicts found before training, by the run and by --dry-run alike ---------------------------
 
 
+@pytest.mark.parametrize("scheme,why", [("w8a8_dynamic", "no QDQ ONNX form"), ("FP8", "float8 schemes have no ONNX")])
 @pytest.mark.parametrize("dry", [True, False], ids=["dry-run", "apply"])
-def test_a_dynamic_scheme_with_qdq_export_is_refused_before_training(
-        tmp_path: Path, dry: bool, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_scheme_without_qdq_form_with_export_is_refused_before_training(
+        tmp_path: Path, dry: bool, scheme: str, why: str, capsys: pytest.CaptureFixture[str]) -> None:
     recipe = _recipe(tmp_path, {**TINY, "export": {"enabled": True},
                                 "stages": [{"name": "ptq", "modifiers": [{"type": "ptq", "scheme": "w8a8"}]}]})
     out = tmp_path / "run"
     rc = main(["apply", str(recipe), "--out", str(out), "--quiet",
-               "--set", "stages.0.modifiers.0.scheme=w8a8_dynamic", *(["--dry-run"] if dry else [])])
+               "--set", f"stages.0.modifiers.0.scheme={scheme}", *(["--dry-run"] if dry else [])])
     line = _one_error_line(capsys.readouterr().err)
-    assert rc == 2 and "stages.0.modifiers.0.scheme" in line and "no QDQ ONNX form" in line
+    assert rc == 2 and "stages.0.modifiers.0.scheme" in line and why in line
     assert not out.exists()  # nothing trained, nothing written
 
 

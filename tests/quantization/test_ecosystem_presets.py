@@ -18,6 +18,8 @@ def _same(ours: QuantSpec | None, theirs: object | None) -> None:
     assert ours.symmetric == theirs.symmetric  # type: ignore[attr-defined]
     assert ours.dynamic == bool(theirs.dynamic)  # type: ignore[attr-defined]
     assert ours.granularity == strategy
+    kind = theirs.type  # type: ignore[attr-defined]
+    assert ours.is_float == (str(getattr(kind, "value", kind)) == "float")  # FP8's e4m3 vs the int presets
     if strategy == "group":
         assert ours.group_size == theirs.group_size  # type: ignore[attr-defined]
 
@@ -35,7 +37,7 @@ def test_lower_case_names_stay_ours_and_others_resolve_case_insensitively() -> N
     assert QuantScheme.preset("w8a8").inputs is not None and not QuantScheme.preset("w8a8").inputs.dynamic
     assert QuantScheme.preset("W8A8").inputs is not None and QuantScheme.preset("W8A8").inputs.dynamic
     assert QuantScheme.preset("w4a16") == QuantScheme.preset("W4A16")
-    with pytest.raises(RecipeError, match="floating-point formats are not available"):
-        QuantScheme.preset("FP8")
+    with pytest.raises(RecipeError, match="4-bit floating-point formats are not available"):
+        QuantScheme.preset("NVFP4")
     with pytest.raises(RecipeError, match="did you mean 'W4A16'"):
         QuantScheme.preset("W4A61")

@@ -1,7 +1,7 @@
 # mypy: disable-error-code="no-untyped-def"
 # (Triton kernels annotate only their constexpr parameters; the rest are typed by the JIT.)
 """Activation quantization kernels: fused dynamic per-token (absmax, scale, round, pack in one pass)
-and static per-tensor (one scale and zero point).
+and static per-tensor (one scale and zero point), to int8 codes or to float8 e4m3 codes.
 
 Both reproduce ``quantization.numerics.primitives`` exactly: ``q = clamp(round(x * (1/scale)) + zp, qmin,
 qmax)`` in float32 with round-half-to-even, and for dynamic symmetric rows ``scale =
@@ -20,9 +20,11 @@ import triton
 import triton.language as tl
 
 from compress.core.errors import CompressError
-from quantization.lowering.kernels.runtime import check_device
+from quantization.lowering.kernels.runtime import check_device, interpret_mode
 
+INTERPRETED: tl.constexpr = tl.constexpr(interpret_mode())
 _SINGLE_MAX = 16384
+_FP8_MAX = 448  # the largest finite float8 e4m3fn value
 
 
 @triton.jit
@@ -30,6 +32,30 @@ def _round_clamp(v, lo, hi):
     # clamp first (integer bounds commute with rounding), then round half-to-even exactly
     v = tl.minimum(tl.maximum(v, lo), hi)
     return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _e4m3_grid(v):
+    """float32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still float32.
+
+    The interpreter's float32 -> e4m3 cast drops the carry when rounding up crosses a power of two
+    (124.2 became 64); rounding here first leaves the cast nothing to round."""
+    e = ((v.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32)
+    e = tl.maximum(e, 127 - 6)  # below 2^-6 the grid is the subnormal one, steps of 2^-9
+    ulp = ((e - 3) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3): 3 mantissa bits
+    return ((v / ulp + 12582912.0) - 12582912.0) * ulp
+
+
+@triton.jit
+def _to_codes(v, lo, hi, FP8: tl.constexpr):
+    # fp8: clamp to the e4m3 range, round to nearest-even (torch's cast does the same); the GPU's
+    # cast rounds correctly by itself, the interpreter's needs the grid first
+    if FP8:
+        v = tl.minimum(tl.maximum(v, lo), hi)
+        if INTERPRETED:
+            v = _e4m3_grid(v)
+        return v.to(tl.float8e4nv)
+    return _round_clamp(v, lo, hi).to(tl.int8)
 
 
 @triton.jit
@@ -46,7 +72,7 @@ def _load_scaled(ptrs, mask, pqs_ptrs, HAS_PQS: tl.constexpr):
 def _per_token_kernel(
     x_ptr, q_ptr, scale_ptr, pqs_ptr, K, stride_xm, stride_xk, stride_qm,
     QMIN: tl.constexpr, QMAX: tl.constexpr, EPS: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr,
-    HAS_PQS: tl.constexpr,
+    HAS_PQS: tl.constexpr, FP8: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
@@ -60,8 +86,7 @@ def _per_token_kernel(
         # approximate (up to 2 ulp) and moved a scale by one ulp in the CUDA tests
         scale = tl.maximum(tl.math.div_rn(amax, QMAX), EPS)
         inv = tl.math.div_rn(1.0, scale)
-        q = _round_clamp(x * inv, QMIN, QMAX)
-        tl.store(q_row + cols, q.to(tl.int8), mask=mask)
+        tl.store(q_row + cols, _to_codes(x * inv, QMIN, QMAX, FP8), mask=mask)
     else:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -73,20 +98,23 @@ def _per_token_kernel(
         for k0 in range(0, K, BLOCK_K):
             mask = cols + k0 < K
             x = _load_scaled(x_row + (cols + k0) * stride_xk, mask, pqs_ptr + cols + k0, HAS_PQS)
-            tl.store(q_row + cols + k0, _round_clamp(x * inv, QMIN, QMAX).to(tl.int8), mask=mask)
+            tl.store(q_row + cols + k0, _to_codes(x * inv, QMIN, QMAX, FP8), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
 @triton.jit
 def _static_kernel(x_ptr, q_ptr, scale_ptr, pqs_ptr, numel, K, zp, QMIN: tl.constexpr, QMAX: tl.constexpr,
-                   BLOCK: tl.constexpr, HAS_PQS: tl.constexpr):
+                   BLOCK: tl.constexpr, HAS_PQS: tl.constexpr, FP8: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = _load_scaled(x_ptr + offs, mask, pqs_ptr + offs % K, HAS_PQS)
     inv = tl.math.div_rn(1.0, tl.load(scale_ptr))
     # zp is a runtime argument: one compiled kernel serves every layer's zero point
-    q = _round_clamp(x * inv, QMIN - zp, QMAX - zp) + zp
-    tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
+    if FP8:
+        tl.store(q_ptr + offs, _to_codes(x * inv, QMIN, QMAX, FP8), mask=mask)
+    else:
+        q = _round_clamp(x * inv, QMIN - zp, QMAX - zp) + zp
+        tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
 
 
 def _check_float(x: torch.Tensor, what: str) -> None:
@@ -110,20 +138,23 @@ def quantize_per_token(
     qmax: int = 127,
     eps: float = 1.1920928955078125e-07,
     pre_scale: torch.Tensor | None = None,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric dynamic quantization of each row of ``x`` (all dims but the last are rows).
 
-    Returns int8 codes shaped like ``x`` and float32 scales ``[rows]``; ``scale = max(absmax / qmax,
-    eps)``. Rows may be strided; the codes are contiguous. ``pre_scale`` (one factor per column,
-    SmoothQuant's) multiplies ``x`` first, in ``x``'s dtype.
+    Returns int8 codes (``fp8``: float8 e4m3 codes, range [-448, 448]) shaped like ``x`` and float32
+    scales ``[rows]``; ``scale = max(absmax / qmax, eps)``. Rows may be strided; the codes are
+    contiguous. ``pre_scale`` (one factor per column, SmoothQuant's) multiplies ``x`` first, in ``x``'s dtype.
     """
     _check_float(x, "quantize_per_token")
-    if not -128 <= qmin < 0 < qmax <= 127:
+    if fp8:
+        qmin, qmax = -_FP8_MAX, _FP8_MAX
+    elif not -128 <= qmin < 0 < qmax <= 127:
         raise CompressError(f"quantize_per_token: symmetric int8 range expected, got [{qmin}, {qmax}]")
     k = x.shape[-1] if x.dim() else 1
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn if fp8 else torch.int8, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     pqs = _pre_scale(pre_scale, k, x, "quantize_per_token")
     if m and k:
@@ -132,8 +163,8 @@ def quantize_per_token(
         warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
         _per_token_kernel[(m,)](
             x2, q, scale, pqs if pqs is not None else scale, k, x2.stride(0), x2.stride(1), q.stride(0),
-            QMIN=qmin, QMAX=float(qmax), EPS=float(eps), BLOCK_K=block, SINGLE=single, HAS_PQS=pqs is not None,
-            num_warps=warps,
+            QMIN=float(qmin) if fp8 else qmin, QMAX=float(qmax), EPS=float(eps), BLOCK_K=block, SINGLE=single,
+            HAS_PQS=pqs is not None, FP8=fp8, num_warps=warps,
         )
     elif m:
         scale.fill_(eps)
@@ -148,14 +179,20 @@ def quantize_static(
     qmin: int = -128,
     qmax: int = 127,
     pre_scale: torch.Tensor | None = None,
+    fp8: bool = False,
 ) -> torch.Tensor:
-    """int8 codes of ``x`` with one scale and zero point (int8 code space), contiguous like ``x``.
+    """int8 codes of ``x`` with one scale and zero point (int8 code space), contiguous like ``x``;
+    ``fp8``: float8 e4m3 codes (symmetric, range [-448, 448], ``zero_point`` 0).
 
     ``x`` keeps its memory format (a channels-last NCHW tensor gives channels-last codes).
     ``pre_scale`` (one factor per last-dim column) multiplies ``x`` first, in ``x``'s dtype.
     """
     _check_float(x, "quantize_static")
-    if not -128 <= qmin <= zero_point <= qmax <= 127:
+    if fp8:
+        qmin, qmax = -_FP8_MAX, _FP8_MAX
+        if zero_point:
+            raise CompressError(f"quantize_static: fp8 codes are symmetric (zero_point 0, got {zero_point})")
+    elif not -128 <= qmin <= zero_point <= qmax <= 127:
         raise CompressError(f"quantize_static: need -128 <= qmin <= zero_point <= qmax <= 127 (got {qmin}, {zero_point}, {qmax})")
     fmt = (
         torch.channels_last
@@ -163,7 +200,7 @@ def quantize_static(
         else None
     )
     xc = x if fmt is not None else x.contiguous()
-    q = torch.empty_like(xc, dtype=torch.int8)
+    q = torch.empty_like(xc, dtype=torch.float8_e4m3fn if fp8 else torch.int8)
     s = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(-1)
     if s.numel() != 1:
         raise CompressError(f"quantize_static: one scale expected (got {s.numel()})")
@@ -174,7 +211,7 @@ def quantize_static(
         block = 1024
         # flat indexing over storage: valid for contiguous and channels-last alike (pre_scale: contiguous)
         _static_kernel[(triton.cdiv(n, block),)](
-            xc, q, s, pqs if pqs is not None else s, n, k, int(zero_point), QMIN=qmin, QMAX=qmax, BLOCK=block,
-            HAS_PQS=pqs is not None,
+            xc, q, s, pqs if pqs is not None else s, n, k, int(zero_point), QMIN=float(qmin) if fp8 else qmin,
+            QMAX=float(qmax) if fp8 else qmax, BLOCK=block, HAS_PQS=pqs is not None, FP8=fp8,
         )
     return q
