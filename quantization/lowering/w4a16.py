@@ -11,14 +11,62 @@ accumulation order.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from compress.core.errors import CompressError, UnsupportedModelError
-from quantization.lowering.int4 import Int4Weight, int4_weight, is_int4_weight_only, pack_nibbles
+from quantization.lowering.int4 import (
+    Int4Weight,
+    int4_weight,
+    is_int4_weight_only,
+    pack_nibbles,
+    unpack_nibbles,
+)
 from quantization.lowering.kernels import ACTIVATIONS, load
+
+log = logging.getLogger(__name__)
+
+#: group sizes PyTorch's int4 kernel (tinygemm, ``aten._weight_int4pack_mm``) takes
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+BACKENDS = ("auto", "triton", "tinygemm")
+
+
+def tinygemm_refusal(n: int, k: int, group_size: int, has_g_idx: bool) -> str | None:
+    """Why PyTorch's int4 kernel cannot run this weight (None when it can)."""
+    if has_g_idx:
+        return "act_order's g_idx reorders groups; tinygemm takes contiguous groups"
+    if group_size not in TINYGEMM_GROUPS or k % group_size:
+        return f"tinygemm takes groups of {'/'.join(map(str, TINYGEMM_GROUPS))} dividing K (got {group_size}, K={k})"
+    if n % 8 or k % 32:
+        return f"tinygemm needs N % 8 == 0 and K % 32 == 0 (got N={n}, K={k})"
+    return None
+
+
+def tinygemm_pack(packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, k: int) -> tuple[
+    torch.Tensor, torch.Tensor, int
+]:
+    """Our packed int4 weight as tinygemm's operands on ``packed``'s (CUDA) device: the tiled int4
+    weight, the bf16 ``[G, N, 2]`` scales-and-zeros and the inner K-tile count.
+
+    tinygemm dequantizes ``(u - 8) * s + z`` with a float zero ``z``; ours is ``(u - zp) * s``,
+    so ``z = (8 - zp) * s`` (0 for symmetric int4). Scales and zeros are rounded to bf16 there."""
+    codes = unpack_nibbles(packed, k)  # [N, K] uint8, 0..15
+    # tinygemm's packer wants the even feature in the high nibble (ours keeps it in the low one)
+    hi_first = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8).contiguous()
+    inner = 8 if k % 128 == 0 else 4 if k % 64 == 0 else 2
+    tiled = torch.ops.aten._convert_weight_to_int4pack(hi_first, inner)
+    return tiled, tinygemm_scales_and_zeros(scale, zero_point), inner
+
+
+def tinygemm_scales_and_zeros(scale: torch.Tensor, zero_point: torch.Tensor | None) -> torch.Tensor:
+    """tinygemm's bf16 ``[G, N, 2]`` operand for our ``[N, G]`` scales and uint8 zero points: it
+    dequantizes ``(u - 8) * s + z``, ours ``(u - zp) * s``, so ``z = (8 - zp) * s``."""
+    s = scale.float()
+    zeros = torch.zeros_like(s) if zero_point is None else (8.0 - zero_point.float()) * s
+    return torch.stack([s.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
 
 
 class W4A16Linear(nn.Module):
@@ -34,6 +82,18 @@ class W4A16Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.activation = "none"
+        self.backend = "auto"
+        self._tinygemm_refusal: str | None = "not built"
+
+    def set_backend(self, backend: str) -> W4A16Linear:
+        """Which kernel runs: ``triton`` (ours, exact scales), ``tinygemm`` (PyTorch's
+        ``_weight_int4pack_mm``, bf16 scales) or ``auto`` (the faster per shape for bf16 inputs)."""
+        if backend not in BACKENDS:
+            raise CompressError(f"W4A16Linear: backend '{backend}' unknown; valid: {', '.join(BACKENDS)}")
+        if backend == "tinygemm" and self._tinygemm_refusal is not None:
+            raise UnsupportedModelError(f"W4A16Linear: {self._tinygemm_refusal}")
+        self.backend = backend
+        return self
 
     @classmethod
     def from_int4(cls, w: Int4Weight, bias: torch.Tensor | None, *, activation: str = "none") -> W4A16Linear:
@@ -47,6 +107,7 @@ class W4A16Linear(nn.Module):
         sym = bool((w.zero_point == 8).all())
         new.register_buffer("weight_zero_point", None if sym else w.zero_point.contiguous())
         new.register_buffer("g_idx", w.g_idx)
+        new._tinygemm_refusal = tinygemm_refusal(n, k, w.group_size, w.g_idx is not None)
         new.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         if activation not in ACTIVATIONS:
             raise CompressError(f"unknown fused activation '{activation}'; valid: {', '.join(ACTIVATIONS)}")
@@ -64,8 +125,41 @@ class W4A16Linear(nn.Module):
         new = cls.from_int4(int4_weight(mod), mod.bias, activation=activation)
         return new.to(mod.weight.device)
 
+    def _tinygemm_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """tinygemm's weight layout, built on first use on the device (the packer runs on CUDA only)."""
+        dev = self.weight_packed.device
+        cached = getattr(self, "_tinygemm", None)
+        if cached is None or cached[0].device != dev:
+            tiled, sz, _ = tinygemm_pack(self.weight_packed, self.weight_scale, self.weight_zero_point, self.in_features)
+            cached = (tiled, sz)
+            self._tinygemm = cached
+        return cached
+
+    def _run_tinygemm(self, x2: torch.Tensor) -> torch.Tensor:
+        tiled, sz = self._tinygemm_operands()
+        y = torch.ops.aten._weight_int4pack_mm(x2.to(torch.bfloat16), tiled, self.group_size, sz)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        if self.activation == "relu":
+            y = torch.relu_(y)
+        elif self.activation == "gelu":
+            y = torch.nn.functional.gelu(y)
+        return y.to(x2.dtype)
+
+    def _use_tinygemm(self, x2: torch.Tensor) -> bool:
+        if self.backend == "triton" or not x2.is_cuda or self._tinygemm_refusal is not None:
+            return False
+        if self.backend == "tinygemm":
+            return True
+        # auto: tinygemm rounds scales to bf16, so it is a candidate only for bf16 activations (whose
+        # own rounding is as coarse); the faster of the two at this shape wins, timed once
+        return x2.dtype == torch.bfloat16 and _faster_is_tinygemm(self, x2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self._use_tinygemm(x2):
+            return self._run_tinygemm(x2).reshape(*lead, self.out_features)
         y = load("w4a16").w4a16_gemm(
             x.reshape(-1, self.in_features), self.weight_packed, scale=self.weight_scale, group_size=self.group_size,
             zero_point=self.weight_zero_point, g_idx=self.g_idx, bias=self.bias, activation=self.activation,
@@ -77,5 +171,30 @@ class W4A16Linear(nn.Module):
         act = ", act_order" if self.g_idx is not None else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, int4 {zp} g{self.group_size}{act}, "
-            f"act={self.activation}"
+            f"act={self.activation}, backend={self.backend}"
         )
+
+
+_FASTER: dict[tuple[Any, ...], bool] = {}
+
+
+def _faster_is_tinygemm(layer: W4A16Linear, x2: torch.Tensor) -> bool:
+    """Whether tinygemm beats our kernel at this layer's shape and M bucket (timed once per key)."""
+    from quantization.lowering.kernels.gemm import m_bucket
+
+    key = (m_bucket(x2.shape[0]), layer.out_features, layer.in_features, layer.group_size, x2.dtype,
+           layer.weight_zero_point is not None, layer.bias is not None, layer.activation)
+    if key not in _FASTER:
+        from triton.testing import do_bench
+
+        def ours() -> torch.Tensor:
+            return load("w4a16").w4a16_gemm(
+                x2, layer.weight_packed, scale=layer.weight_scale, group_size=layer.group_size,
+                zero_point=layer.weight_zero_point, g_idx=layer.g_idx, bias=layer.bias, activation=layer.activation)
+
+        t_ours = float(do_bench(ours, warmup=5, rep=20, return_mode="median"))
+        t_tg = float(do_bench(lambda: layer._run_tinygemm(x2), warmup=5, rep=20, return_mode="median"))
+        _FASTER[key] = t_tg < t_ours
+        log.info("W4A16 [%d x %d] M<=%d: tinygemm %.4f ms, triton %.4f ms: %s", layer.out_features,
+                 layer.in_features, key[0], t_tg, t_ours, "tinygemm" if _FASTER[key] else "triton")
+    return _FASTER[key]

@@ -194,3 +194,49 @@ def test_convert_runs_a_transformers_llama_on_the_kernel(device: str) -> None:
         ref = fq(ids).logits
         y = conv.to(device)(ids.to(device)).logits.cpu()
     torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+def test_tinygemm_scales_and_zeros_reproduce_our_dequantized_weight(asym: bool) -> None:
+    """tinygemm dequantizes (u - 8) * s + z: our zero convention, checked through PyTorch's CPU
+    int4 kernel (same formula, CPU packing) against our exact weight, to bf16 rounding."""
+    from quantization.lowering.w4a16 import tinygemm_scales_and_zeros
+
+    g = torch.Generator().manual_seed(3)
+    w = _int4(64, 256, 64, asym=asym, act_order=False, g=g)
+    sz = tinygemm_scales_and_zeros(w.scale, None if not asym else w.zero_point)
+    assert sz.shape == (4, 64, 2) and sz.dtype == torch.bfloat16
+    tiled = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 2)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, tiled, 64, sz).float()
+    ref = x.float() @ dequantize_int4(w).t()
+    assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()  # bf16 scales, bf16 output
+
+
+def test_tinygemm_refusals_name_the_constraint() -> None:
+    from quantization.lowering.w4a16 import tinygemm_refusal
+
+    assert tinygemm_refusal(4096, 4096, 128, False) is None
+    assert "g_idx" in str(tinygemm_refusal(4096, 4096, 128, True))
+    assert "groups of" in str(tinygemm_refusal(576, 576, 128, False))  # SmolLM2's 576: ragged last group
+    layer = W4A16Linear.from_int4(_int4(16, 96, 48, asym=False, act_order=False, g=torch.Generator().manual_seed(0)), None)
+    with pytest.raises(UnsupportedModelError, match="tinygemm takes groups"):
+        layer.set_backend("tinygemm")
+    with pytest.raises(CompressError, match="backend 'marlin' unknown"):
+        layer.set_backend("marlin")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_tinygemm_backend_matches_the_triton_kernel_on_cuda(asym: bool, m: int) -> None:
+    g = torch.Generator().manual_seed(4)
+    w = _int4(256, 512, 128, asym=asym, act_order=False, g=g)
+    layer = W4A16Linear.from_int4(w, torch.randn(256, generator=g)).cuda()
+    x = torch.randn(m, 512, generator=g).cuda().to(torch.bfloat16)
+    ref = layer.set_backend("triton")(x).float()
+    y = layer.set_backend("tinygemm")(x).float()
+    assert (y - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    auto = layer.set_backend("auto")(x).float()  # whichever is faster: one of the two
+    assert (auto - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
