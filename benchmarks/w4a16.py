@@ -66,6 +66,21 @@ def _copies(nbytes: int, cuda: bool) -> int:
     return max(1, min(32, -(-2 * l2 // nbytes)))
 
 
+def _tinygemm_calls(q4: list[Any], x: torch.Tensor, group: int, k: int) -> list[Any] | None:
+    """PyTorch's int4 kernel on the same weights (bf16 activations: the dtype it takes), or None
+    where this build has no CUDA kernel for it."""
+    from quantization.lowering.w4a16 import tinygemm_pack
+
+    try:
+        ops = [tinygemm_pack(p, s, None, k)[:2] for p, s, _ in q4]
+        xb = x.to(torch.bfloat16)
+        torch.ops.aten._weight_int4pack_mm(xb, ops[0][0], group, ops[0][1])
+    except RuntimeError as exc:
+        log.warning("tinygemm unavailable: %s", exc)
+        return None
+    return [lambda t=t, sz=sz, xb=xb: torch.ops.aten._weight_int4pack_mm(xb, t, group, sz) for t, sz in ops]
+
+
 def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: torch.device, cuda: bool) -> list[dict[str, Any]]:
     from quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
     from quantization.lowering.kernels import w4a16 as k4
@@ -94,8 +109,12 @@ def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: tor
             # first calls tune the fused kernel for this shape, outside the timed graphs
             y_sym, y_asym, y_deq = calls("fused")[0](), calls("fused", True)[0](), calls("dequant")[0]()
             auto = "dequant" if m >= k4.DEQUANT_MIN_M else "fused"
-            t = graph_time_ms({"fp16": [lambda x=x, w=w: F.linear(x, w) for w in w16s], "fused": calls("fused"),
-                               "fused_zp": calls("fused", True), "dequant": calls("dequant")}, dev)
+            variants = {"fp16": [lambda x=x, w=w: F.linear(x, w) for w in w16s], "fused": calls("fused"),
+                        "fused_zp": calls("fused", True), "dequant": calls("dequant")}
+            tg = _tinygemm_calls(q4, x, group, k) if cuda else None
+            if tg is not None:
+                variants["tinygemm"] = tg
+            t = graph_time_ms(variants, dev)
             t_fp16, t_fused, t_fused_zp, t_deq = t["fp16"], t["fused"], t["fused_zp"], t["dequant"]
             t_auto = t_fused if auto == "fused" else t_deq
             cfg = k4._TUNED.get(k4.tune_key(m, n, k, group, x.dtype)) if cuda else None
@@ -107,6 +126,8 @@ def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: tor
                 "config": None if cfg is None else (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} split{cfg.split_k}"
                                                    + " acc3" * cfg.acc3 + " prefetch" * cfg.prefetch),
                 "copies": len(q4),
+                "tinygemm_ms": t.get("tinygemm"), "speedup_tinygemm": t_fp16 / t["tinygemm"] if "tinygemm" in t else None,
+                "best": min(("auto", t_auto), ("tinygemm", t.get("tinygemm") or float("inf")), key=lambda kv: kv[1])[0],
                 "sqnr_db": min(sqnr_db(x.double() @ w16.double().T, y_sym),
                                sqnr_db(x.double() @ deq_asym.double().T, y_asym),
                                sqnr_db(x.double() @ w16.double().T, y_deq)),
@@ -191,15 +212,20 @@ def _markdown(data: dict[str, Any]) -> str:
         "`fused`: one kernel, weight dequantized in registers (tuned tile and split-K in the config column); "
         "`dequant`: dequantize once, then cuBLAS; `auto`: what `w4a16_gemm` runs (dequant from "
         f"M = {data.get('dequant_min_m', '?')}). GB/s: int4 weight and scale bytes per fused call over its time. "
-        "SQNR: kernel output vs fp64 on the same int4 weight (the kernel's rounding, not quantization error).",
+        "SQNR: kernel output vs fp64 on the same int4 weight (the kernel's rounding, not quantization error). "
+        "`tinygemm`: PyTorch's int4 kernel (`aten._weight_int4pack_mm`) on the same weights with bf16 "
+        "activations and bf16 scales, the library baseline; `tg x`: fp16 ms over its ms.",
         "",
-        "| N x K | M | fp16 ms | fused ms | fused+zp ms | dequant ms | auto | speedup | +zp | fused GB/s | fused config | SQNR dB |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|",
+        "| N x K | M | fp16 ms | fused ms | fused+zp ms | dequant ms | auto | speedup | +zp | tinygemm ms | tg x "
+        "| fused GB/s | fused config | SQNR dB |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in data["rows"]:
+        tg = r.get("tinygemm_ms")
+        tg_cells = f"{tg:.4f} | {r['speedup_tinygemm']:.2f}x" if tg else "- | -"
         lines.append(
             f"| {r['N']}x{r['K']} | {r['M']} | {r['fp16_ms']:.4f} | {r['fused_ms']:.4f} | {r['fused_zp_ms']:.4f} | "
-            f"{r['dequant_ms']:.4f} | {r['auto']} | {r['speedup']:.2f}x | {r['speedup_zp']:.2f}x | "
+            f"{r['dequant_ms']:.4f} | {r['auto']} | {r['speedup']:.2f}x | {r['speedup_zp']:.2f}x | {tg_cells} | "
             f"{r['fused_GBps']:.0f} | {r['config']} | {r['sqnr_db']:.1f} |"
         )
     return "\n".join(lines)
@@ -212,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-check", action="store_true",
                     help="compile every config for sm80/sm90 without a GPU (checks the CUDA path builds)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--tokens", type=int, nargs="*", default=None, help=f"rows M to measure (default {TOKENS})")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.compile_check:
@@ -237,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = not args.interpret_smoke
     dev = torch.device("cuda" if cuda else "cpu")
     shapes, tokens, group = (LLAMA7B, TOKENS, GROUP) if cuda else (SMOKE["shapes"], SMOKE["tokens"], SMOKE["group"])
+    tokens = args.tokens or tokens
     data: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu (TRITON_INTERPRET smoke)",
         "group": group,

@@ -19,14 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from compress.core.errors import RecipeError, UnsupportedModelError, did_you_mean
 from quantization.algorithms.bn_fold import sequential_pairs
 from quantization.lowering.fp8 import FP8Linear
 from quantization.lowering.int4 import is_int4_weight_only
-from quantization.lowering.int8 import Int8Conv2d, Int8Linear
+from quantization.lowering.int8 import Int8Conv2d, Int8Linear, StaticQDQ
 from quantization.lowering.kernels import require_triton
+from quantization.lowering.speed import keep_float_reason, layer_input_shapes
 from quantization.lowering.w4a16 import W4A16Linear
 from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.modules import QUANT_TYPES, QuantConv1d, QuantConv2d, QuantLinear
@@ -129,10 +131,28 @@ def _builder(mod: nn.Module) -> Callable[..., nn.Module]:
     raise UnsupportedModelError(f"{type(mod).__name__} has no int8 kernel (Linear and Conv2d do)")
 
 
+def _float_inputs(example: Any, dtype: torch.dtype) -> Any:
+    if isinstance(example, torch.Tensor):
+        return example.to(dtype) if example.is_floating_point() else example
+    if isinstance(example, dict):
+        return {k: _float_inputs(v, dtype) for k, v in example.items()}
+    if isinstance(example, (tuple, list)):
+        return type(example)(_float_inputs(v, dtype) for v in example)
+    return example
+
+
 def convert_with_report(
-    model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True
+    model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True,
+    speed_check: Any = None, speed_dtype: torch.dtype = torch.float16,
+    speed_timer: Callable[..., tuple[float, float]] | None = None,
 ) -> tuple[nn.Module, list[LayerConversion]]:
-    """:func:`convert`, also returning what happened to each quantized module."""
+    """:func:`convert`, also returning what happened to each quantized module.
+
+    ``speed_check``: example inputs (on the model's device). Each converted layer is then timed at
+    the shape these inputs give it against its float form in ``speed_dtype``; a layer whose kernel
+    is slower stays float (a plain Linear/Conv with the original weights) and the report says so
+    with both times (quantization/lowering/speed.py). ``speed_timer`` replaces the timing (tests).
+    """
     if backend not in BACKENDS:
         raise RecipeError(f"unknown int8 backend '{backend}'; {did_you_mean(backend, BACKENDS)}")
     require_triton(f"convert(backend='{backend}')")
@@ -146,6 +166,10 @@ def convert_with_report(
         if isinstance(mod, (QuantConv1d, QuantConv2d)) and mod.bn is not None:
             mod.fold_bn()  # QAT-attached BatchNorm: merge it so the int8 weight is the folded one
     acts = fusable_activations(root) if fuse_activations else {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    if speed_check is not None:
+        dtype = next((p.dtype for p in root.parameters() if p.is_floating_point()), torch.float32)
+        shapes = layer_input_shapes(root, list(layers), _float_inputs(speed_check, dtype))
     report: list[LayerConversion] = []
     for name, mod in layers.items():
         qtype = type(mod).__name__
@@ -159,10 +183,20 @@ def convert_with_report(
             log.info("convert: %s (%s) stays float: %s", name, qtype, exc)
             report.append(LayerConversion(name, qtype, None, reason=str(exc)))
             continue
+        if name in shapes and isinstance(mod, _LAYERS):
+            why = keep_float_reason(name, new, mod, shapes[name], speed_dtype, timer=speed_timer)
+            if why is not None:
+                log.info("convert: %s (%s) stays float: %s", name, qtype, why)
+                root.set_submodule(name, mod.to_float())
+                report.append(LayerConversion(name, qtype, None, reason=why))
+                continue
         root.set_submodule(name, new)
         if act != "none" and act_name is not None:
             root.set_submodule(act_name, nn.Identity())  # now applied in the kernel epilogue
         report.append(LayerConversion(name, qtype, type(new).__name__, activation=act))
+    fused = _fuse_static_quantizers(root) if done_any(report) else 0
+    if fused:
+        log.info("convert: %d activation quantizers kept for float consumers now run as one kernel each", fused)
     done = sum(r.converted for r in report)
     n_layers = sum(r.quant_type in {c.__name__ for c in _LAYERS} for r in report)
     log.info("convert(backend=%s): %d of %d quantized layers now run int8 kernels", backend, done, n_layers)
@@ -171,11 +205,37 @@ def convert_with_report(
     return model, report
 
 
-def convert(model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True) -> nn.Module:
+def done_any(report: list[LayerConversion]) -> bool:
+    return any(r.converted for r in report)
+
+
+def _fuse_static_quantizers(root: nn.Module) -> int:
+    """Swap the static per-tensor activation quantizers left in the converted model (placed on
+    tensors that float ops read, or output quantizers) for their one-kernel form."""
+    count = 0
+    inside = {id(q) for m in root.modules() if isinstance(m, QUANT_TYPES) for q in m.modules() if q is not m}
+    for name, mod in list(root.named_modules()):
+        # a fake-quant layer kept float reads its own quantizers' specs: those stay FakeQuantizers
+        if not isinstance(mod, FakeQuantizer) or mod.role == "weight" or not mod.enabled or id(mod) in inside:
+            continue
+        try:
+            new = StaticQDQ.from_quantizer(mod)
+        except UnsupportedModelError:
+            continue
+        root.set_submodule(name, new)
+        count += 1
+    return count
+
+
+def convert(model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True,
+            speed_check: Any = None, speed_dtype: torch.dtype = torch.float16) -> nn.Module:
     """A copy of the fake-quant ``model`` (or ``model`` itself with ``inplace``) running int8 kernels.
 
-    Layers the kernels cannot run stay fake-quant (float) with the reason logged; see
-    :func:`convert_with_report` for the per-layer record. Needs ``the triton extra``; the converted
-    model runs on CUDA (move it with ``.cuda()`` before or after converting).
+    Layers the kernels cannot run stay fake-quant (float) with the reason logged; with
+    ``speed_check`` (example inputs on the GPU) layers whose kernel is slower than their float form
+    in ``speed_dtype`` at their input shape stay float too. See :func:`convert_with_report` for the
+    per-layer record. Needs the triton extra; the converted model runs on CUDA (move it with
+    ``.cuda()`` before or after converting).
     """
-    return convert_with_report(model, backend=backend, inplace=inplace, fuse_activations=fuse_activations)[0]
+    return convert_with_report(model, backend=backend, inplace=inplace, fuse_activations=fuse_activations,
+                               speed_check=speed_check, speed_dtype=speed_dtype)[0]

@@ -229,3 +229,34 @@ class Int8Conv2d(_Int8Base):
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, dilation={self.dilation}, {self._input_repr()}"
         )
+
+
+class StaticQDQ(nn.Module):
+    """A calibrated per-tensor activation fake quantizer as one kernel pass (CUDA; CPU under the
+    interpreter): what a converted model keeps where a float consumer reads a quantized tensor (a
+    residual add after an int8 convolution), instead of the quantizer's chain of eager ops."""
+
+    scale: torch.Tensor
+
+    def __init__(self, scale: torch.Tensor, zero_point: int, qmin: int, qmax: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", scale.detach().float().reshape(1).clone())
+        self.zero_point, self.qmin, self.qmax = zero_point, qmin, qmax
+
+    @classmethod
+    def from_quantizer(cls, q: FakeQuantizer) -> StaticQDQ:
+        """The one-pass form of ``q``, or UnsupportedModelError why it has none."""
+        s = q.spec
+        if s.dynamic or s.granularity != "tensor" or s.is_float or s.bits != 8:
+            raise UnsupportedModelError(f"only static per-tensor 8-bit integer quantizers fuse (got {s.granularity})")
+        if not q.calibrated or q.learnable or q.pre_quant_scale is not None or q.observing:
+            raise UnsupportedModelError("the quantizer is uncalibrated, learning, observing or pre-scaled")
+        scale = q.scale.detach().float().clamp(min=SCALE_EPS)
+        return cls(scale, int(q.zero_point.reshape(-1)[0]), q.qmin, q.qmax).to(scale.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return load("quant").fake_quantize_static(x, scale=self.scale, zero_point=self.zero_point, qmin=self.qmin,
+                                                 qmax=self.qmax)
+
+    def extra_repr(self) -> str:
+        return f"scale={float(self.scale):.4g}, zero_point={self.zero_point}, range=[{self.qmin}, {self.qmax}]"

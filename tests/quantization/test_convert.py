@@ -140,3 +140,31 @@ def test_cpu_without_interpreter_raises_clear_error() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     if not torch.cuda.is_available():
         assert "ERR quantize_static run on CUDA devices (got a cpu tensor)" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_speed_check_keeps_slower_layers_float_with_both_times_and_converts_the_rest() -> None:
+    """The decision, with the timing replaced: a layer whose kernel is slower than its float form at
+    the shape the model gives it stays a plain float layer, named with both times and the shape."""
+    import compress
+    from quantization.lowering.convert import convert_with_report
+    from quantization.lowering.int8 import Int8Linear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)).eval()
+    x = torch.randn(8, 32)
+    fq = compress.quantize(model, "w8a8", [x])
+    seen: list[tuple[int, ...]] = []
+
+    def timer(q: nn.Module, f: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, dev: torch.device) -> tuple[float, float]:
+        seen.append(shape)
+        assert isinstance(q, Int8Linear) and type(f) is nn.Linear and f.weight.dtype == dtype
+        return (2.0, 1.0) if shape[-1] == 64 else (1.0, 2.0)  # the second layer's kernel "is slower"
+
+    conv, report = convert_with_report(fq, speed_check=x, speed_dtype=torch.float16, speed_timer=timer)
+    assert sorted(seen) == [(8, 32), (8, 64)]
+    by_name = {r.name: r for r in report}
+    assert by_name["0"].converted and isinstance(conv[0], Int8Linear)
+    assert not by_name["2"].converted and type(conv[2]) is nn.Linear
+    assert "2.0000 ms" in by_name["2"].reason and "[8, 64]" in by_name["2"].reason and "fp16" in by_name["2"].reason
+    assert conv[2].weight.dtype == torch.float32  # the timing cast a copy, not the model's weight
+    assert torch.equal(conv[2].weight, fq[2].weight)

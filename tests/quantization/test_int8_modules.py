@@ -168,3 +168,40 @@ def test_bad_input_dtype_raises(device: str) -> None:
     il = Int8Linear.from_quant(_linear("w8a8")).to(device)
     with pytest.raises(CompressError, match="float16, bfloat16 or float32"):
         il(torch.randn(2, 70, dtype=torch.float64, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_static_qdq_is_the_fake_quantizer_in_one_pass(device: str, dtype: torch.dtype) -> None:
+    from quantization.lowering.int8 import StaticQDQ
+    from quantization.numerics.fake_quant import FakeQuantizer
+
+    q = FakeQuantizer(QuantSpec(dtype="uint8", symmetric=False, granularity="tensor"))
+    q.observing = True
+    q.enabled = False
+    q(torch.randn(64) * 3 + 1)
+    q.finish_calibration()
+    x = (torch.randn(2, 8, 5, 6) * 4).to(dtype).contiguous(memory_format=torch.channels_last)
+    ref = q(x.float()).to(dtype) if dtype != torch.float32 else q(x)
+    y = StaticQDQ.from_quantizer(q).to(device)(x.to(device))
+    assert y.is_contiguous(memory_format=torch.channels_last) and y.dtype == dtype
+    assert torch.equal(y.cpu(), ref)
+
+
+def test_converted_resnet_runs_its_kept_quantizers_as_one_kernel_with_parity() -> None:
+    import compress
+    from compress.models.resnet import resnet
+    from quantization.api import QuantizeParams
+    from quantization.lowering.convert import convert_with_report
+    from quantization.lowering.int8 import StaticQDQ
+    from quantization.numerics.fake_quant import FakeQuantizer
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    fq = compress.quantize(resnet(width=8, depth=2, in_channels=3).eval(), "w8a8", [x],
+                           params=QuantizeParams(first_last="float")).eval()
+    conv, _ = convert_with_report(fq)
+    assert not any(isinstance(m, FakeQuantizer) and m.enabled and m.role != "weight" for m in conv.modules())
+    assert sum(isinstance(m, StaticQDQ) for m in conv.modules()) > 0
+    with torch.no_grad():
+        ref, y = fq(x), conv(x)
+    assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()

@@ -215,3 +215,30 @@ def quantize_static(
             QMAX=float(qmax) if fp8 else qmax, BLOCK=block, HAS_PQS=pqs is not None, FP8=fp8,
         )
     return q
+
+
+@triton.jit
+def _qdq_kernel(x_ptr, y_ptr, scale_ptr, numel, zp, QMIN: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr)
+    inv = tl.math.div_rn(1.0, s)
+    q = _round_clamp(x * inv, QMIN - zp, QMAX - zp)  # codes minus the zero point
+    tl.store(y_ptr + offs, (q * s).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def fake_quantize_static(x: torch.Tensor, *, scale: torch.Tensor, zero_point: int, qmin: int, qmax: int) -> torch.Tensor:
+    """``(clamp(round(x / scale) + zp, qmin, qmax) - zp) * scale`` in float32, cast to ``x``'s dtype:
+    the fake quantizer's per-tensor forward as one pass (a placed activation quantizer that a
+    converted model keeps for a float consumer, e.g. a residual add). Memory format is kept."""
+    _check_float(x, "fake_quantize_static")
+    fmt = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+    xc = x if fmt else x.contiguous()
+    y = torch.empty_like(xc)
+    n = xc.numel()
+    if n:
+        block = 1024
+        _qdq_kernel[(triton.cdiv(n, block),)](xc, y, scale.reshape(1).float(), n, int(zero_point), QMIN=qmin,
+                                              QMAX=qmax, BLOCK=block)
+    return y
