@@ -47,15 +47,17 @@ def _e4m3_grid(v):
 
 
 @triton.jit
-def _to_codes(v, lo, hi, FP8: tl.constexpr):
+def _store_codes(ptrs, v, lo, hi, mask, FP8: tl.constexpr):
     # fp8: clamp to the e4m3 range, round to nearest-even (torch's cast does the same); the GPU's
-    # cast rounds correctly by itself, the interpreter's needs the grid first
+    # cast rounds correctly by itself, the interpreter's needs the grid first. (One store per
+    # branch: Triton's compiler wants one return type from a jit function.)
     if FP8:
-        v = tl.minimum(tl.maximum(v, lo), hi)
+        c = tl.minimum(tl.maximum(v, lo), hi)
         if INTERPRETED:
-            v = _e4m3_grid(v)
-        return v.to(tl.float8e4nv)
-    return _round_clamp(v, lo, hi).to(tl.int8)
+            c = _e4m3_grid(c)
+        tl.store(ptrs, c.to(tl.float8e4nv), mask=mask)
+    else:
+        tl.store(ptrs, _round_clamp(v, lo, hi).to(tl.int8), mask=mask)
 
 
 @triton.jit
@@ -86,7 +88,7 @@ def _per_token_kernel(
         # approximate (up to 2 ulp) and moved a scale by one ulp in the CUDA tests
         scale = tl.maximum(tl.math.div_rn(amax, QMAX), EPS)
         inv = tl.math.div_rn(1.0, scale)
-        tl.store(q_row + cols, _to_codes(x * inv, QMIN, QMAX, FP8), mask=mask)
+        _store_codes(q_row + cols, x * inv, QMIN, QMAX, mask, FP8)
     else:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -98,7 +100,7 @@ def _per_token_kernel(
         for k0 in range(0, K, BLOCK_K):
             mask = cols + k0 < K
             x = _load_scaled(x_row + (cols + k0) * stride_xk, mask, pqs_ptr + cols + k0, HAS_PQS)
-            tl.store(q_row + cols + k0, _to_codes(x * inv, QMIN, QMAX, FP8), mask=mask)
+            _store_codes(q_row + cols + k0, x * inv, QMIN, QMAX, mask, FP8)
     tl.store(scale_ptr + row, scale)
 
 
@@ -111,7 +113,7 @@ def _static_kernel(x_ptr, q_ptr, scale_ptr, pqs_ptr, numel, K, zp, QMIN: tl.cons
     inv = tl.math.div_rn(1.0, tl.load(scale_ptr))
     # zp is a runtime argument: one compiled kernel serves every layer's zero point
     if FP8:
-        tl.store(q_ptr + offs, _to_codes(x * inv, QMIN, QMAX, FP8), mask=mask)
+        _store_codes(q_ptr + offs, x * inv, QMIN, QMAX, mask, FP8)
     else:
         q = _round_clamp(x * inv, QMIN - zp, QMAX - zp) + zp
         tl.store(q_ptr + offs, q.to(tl.int8), mask=mask)
