@@ -70,7 +70,7 @@ def _convert(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.device, 
 
     params = QuantizeParams(first_last=first_last, quantize_ops=False)
     fq = compress.quantize(copy.deepcopy(fp32), scheme, calib, params=params).eval()
-    model, report = convert_with_report(fq)
+    model, report = convert_with_report(fq, placed="drop")
     model = cast_float_layers(model.to(dev), dtype).eval()
     kinds: dict[str, int] = {}
     for r in report:
@@ -207,8 +207,12 @@ def bench_resnet(spec: dict[str, Any], schemes: list[str], dev: torch.device, ru
         x16 = x32.half().contiguous(memory_format=cl)
         for s in schemes:
             # the stem (3 channels) and classifier stay float, as usual for CNNs; speed_check keeps
-            # every conv whose int8 kernel is slower than cuDNN fp16 at its shape in fp16
-            models[s], info[s] = _convert_checked(fp32, s, calib, dev, x16)
+            # every conv whose int8 kernel is slower than cuDNN fp16 at its shape in fp16. Two
+            # deployments: placed quantizers dropped (what validate --backend cuda reports), and
+            # kept as one-kernel passes (exactly the fake-quant model's arithmetic)
+            for placed in ("drop", "fuse"):
+                key = s if placed == "drop" else f"{s} (parity)"
+                models[key], info[key] = _convert_checked(fp32, s, calib, dev, x16, placed)
         with torch.no_grad():
             outs = {k: m(x32 if k == "fp32" else x16).float() for k, m in models.items()}
         fns = {k: (lambda m=m, x16=x16: m(x16)) for k, m in models.items() if k != "fp32"}
@@ -217,14 +221,14 @@ def bench_resnet(spec: dict[str, Any], schemes: list[str], dev: torch.device, ru
 
 
 def _convert_checked(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.device,
-                     example: torch.Tensor) -> tuple[nn.Module, dict[str, Any]]:
+                     example: torch.Tensor, placed: str) -> tuple[nn.Module, dict[str, Any]]:
     import compress
     from export.cuda import cast_float_layers
     from quantization.api import QuantizeParams
     from quantization.lowering.convert import convert_with_report
 
     fq = compress.quantize(copy.deepcopy(fp32), scheme, calib, params=QuantizeParams(first_last="float")).eval()
-    model, report = convert_with_report(fq, speed_check=example, speed_dtype=torch.float16)
+    model, report = convert_with_report(fq, speed_check=example, speed_dtype=torch.float16, placed=placed)
     model = cast_float_layers(model.to(dev), torch.float16).eval().to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     kinds: dict[str, int] = {}
     reasons: dict[str, int] = {}

@@ -6,7 +6,9 @@ checked for accuracy, parity and speed against the same model in fp16.
 - accuracy (the task metric) of the fp32 reference, the reference in fp16/bf16, the fake-quant
   model and the int8 model (fp16/bf16 activations, as deployed);
 - parity of the int8 model with the fake-quant model it came from, both with fp32 activations:
-  only float accumulation order differs, so SQNR is high (>60 dB typical) and argmax agreement ~1;
+  only float accumulation order differs, so SQNR is high (>60 dB typical) and argmax agreement ~1
+  (this copy keeps every activation quantizer; the deployed copy drops those that emulate integer
+  ops CUDA runs in float, and keeps float, by timing, the layers whose kernels are slower);
 - fidelity of the int8 model to fp32: SQNR, mean cosine, top-1 agreement;
 - latency of the reference in fp16 and of the int8 model, timed side by side (alternating runs,
   CUDA events, median), through CUDA graphs for batches up to ``cuda_graph_max_batch`` so that
@@ -188,8 +190,15 @@ def validate_cuda(
     dtype: torch.dtype = torch.float16,
     cuda_graph_max_batch: int = 32,
     device: str = "cuda",
+    speed_check: bool = True,
 ) -> dict[str, Any]:
     """Convert the fake-quant ``model`` to int8 kernels and validate it against ``reference`` (fp32).
+
+    Two conversions: one that keeps every placed activation quantizer (``parity``: the kernels
+    against the fake-quant model, exact up to accumulation order) and the deployed one, whose
+    accuracy, fidelity and latency are reported: the activation quantizers that only emulate
+    integer ops CUDA runs in float are dropped, and with ``speed_check`` every layer whose kernel is
+    slower than ``dtype`` at the shape of the first eval batch stays float, named with both times.
 
     ``metric`` names a compress metric (None: fidelity only); ``dtype`` is the deployed activation
     type of both the float baseline and the int8 model. Returns a JSON-ready dict: ``accuracy``
@@ -207,12 +216,16 @@ def validate_cuda(
     half = _DTYPE_NAMES[dtype]
     fq = copy.deepcopy(model).to(dev).eval()
     ref32 = copy.deepcopy(reference).to(dev).eval()
-    i8_32, report = convert_with_report(fq)
+    i8_32, capable = convert_with_report(fq)
     i8_32 = i8_32.to(dev).eval()
-    i8_h = cast_float_layers(copy.deepcopy(i8_32), dtype).eval()
+    example = None
+    if speed_check and dev.type == "cuda":
+        example = split_batch(to_device(next(iter(eval_loader)), dev))[0]
+    deployed, report = convert_with_report(fq, placed="drop", speed_check=example, speed_dtype=dtype)
+    i8_h = cast_float_layers(deployed.to(dev), dtype).eval()
     ref_h = copy.deepcopy(ref32).to(dtype).eval()
     converted = [r for r in report if r.converted]
-    if not converted:
+    if not any(r.converted for r in capable):
         raise ExportError("runtime 'cuda': no layer of the model could be converted to int8 kernels")
     models: dict[str, nn.Module] = {"fp32": ref32, **({half: ref_h} if half != "fp32" else {}), "fakequant": fq, "int8": i8_h, "int8_fp32": i8_32}
     metrics = {k: make_metric(metric) for k in models if k != "int8_fp32"} if metric else {}

@@ -38,6 +38,7 @@ from quantization.preparation import unwrap
 log = logging.getLogger(__name__)
 
 BACKENDS = ("cuda",)
+PLACED = ("fuse", "drop")
 _LAYERS = (QuantLinear, QuantConv2d, QuantConv1d)
 
 
@@ -144,7 +145,7 @@ def _float_inputs(example: Any, dtype: torch.dtype) -> Any:
 def convert_with_report(
     model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True,
     speed_check: Any = None, speed_dtype: torch.dtype = torch.float16,
-    speed_timer: Callable[..., tuple[float, float]] | None = None,
+    speed_timer: Callable[..., tuple[float, float]] | None = None, placed: str = "fuse",
 ) -> tuple[nn.Module, list[LayerConversion]]:
     """:func:`convert`, also returning what happened to each quantized module.
 
@@ -152,7 +153,16 @@ def convert_with_report(
     the shape these inputs give it against its float form in ``speed_dtype``; a layer whose kernel
     is slower stays float (a plain Linear/Conv with the original weights) and the report says so
     with both times (quantization/lowering/speed.py). ``speed_timer`` replaces the timing (tests).
+
+    ``placed``: what becomes of the activation quantizers placed on tensors (not owned by a layer;
+    the ONNX placement puts them where ONNX Runtime has integer ops, e.g. residual adds). ``fuse``
+    keeps them, each as one kernel pass, so the converted model computes exactly what the
+    fake-quant model does (parity checks); ``drop`` removes them, since CUDA runs those ops in
+    float: every int8 layer still quantizes its own input with the calibrated parameters, so only
+    the emulation of integer adds goes, and with it a pass over each tensor (deployment).
     """
+    if placed not in PLACED:
+        raise RecipeError(f"convert: placed='{placed}' unknown; valid: {', '.join(PLACED)}")
     if backend not in BACKENDS:
         raise RecipeError(f"unknown int8 backend '{backend}'; {did_you_mean(backend, BACKENDS)}")
     require_triton(f"convert(backend='{backend}')")
@@ -194,9 +204,10 @@ def convert_with_report(
         if act != "none" and act_name is not None:
             root.set_submodule(act_name, nn.Identity())  # now applied in the kernel epilogue
         report.append(LayerConversion(name, qtype, type(new).__name__, activation=act))
-    fused = _fuse_static_quantizers(root) if done_any(report) else 0
+    fused = _fuse_static_quantizers(root, drop=placed == "drop") if done_any(report) else 0
     if fused:
-        log.info("convert: %d activation quantizers kept for float consumers now run as one kernel each", fused)
+        log.info("convert: %d placed activation quantizers %s", fused,
+                 "dropped (CUDA runs their ops in float)" if placed == "drop" else "now run as one kernel each")
     done = sum(r.converted for r in report)
     n_layers = sum(r.quant_type in {c.__name__ for c in _LAYERS} for r in report)
     log.info("convert(backend=%s): %d of %d quantized layers now run int8 kernels", backend, done, n_layers)
@@ -209,17 +220,22 @@ def done_any(report: list[LayerConversion]) -> bool:
     return any(r.converted for r in report)
 
 
-def _fuse_static_quantizers(root: nn.Module) -> int:
+def _fuse_static_quantizers(root: nn.Module, *, drop: bool = False) -> int:
     """Swap the static per-tensor activation quantizers left in the converted model (placed on
-    tensors that float ops read, or output quantizers) for their one-kernel form."""
+    tensors that float ops read, or output quantizers) for their one-kernel form, or with ``drop``
+    remove them (those carrying SmoothQuant's factor stay: a float reader needs the factor)."""
     count = 0
     inside = {id(q) for m in root.modules() if isinstance(m, QUANT_TYPES) for q in m.modules() if q is not m}
     for name, mod in list(root.named_modules()):
         # a fake-quant layer kept float reads its own quantizers' specs: those stay FakeQuantizers
         if not isinstance(mod, FakeQuantizer) or mod.role == "weight" or not mod.enabled or id(mod) in inside:
             continue
+        if drop and mod.pre_quant_scale is None and not mod.observing:
+            root.set_submodule(name, nn.Identity())
+            count += 1
+            continue
         try:
-            new = StaticQDQ.from_quantizer(mod)
+            new: nn.Module = StaticQDQ.from_quantizer(mod)
         except UnsupportedModelError:
             continue
         root.set_submodule(name, new)
@@ -228,14 +244,15 @@ def _fuse_static_quantizers(root: nn.Module) -> int:
 
 
 def convert(model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True,
-            speed_check: Any = None, speed_dtype: torch.dtype = torch.float16) -> nn.Module:
+            speed_check: Any = None, speed_dtype: torch.dtype = torch.float16, placed: str = "fuse") -> nn.Module:
     """A copy of the fake-quant ``model`` (or ``model`` itself with ``inplace``) running int8 kernels.
 
     Layers the kernels cannot run stay fake-quant (float) with the reason logged; with
     ``speed_check`` (example inputs on the GPU) layers whose kernel is slower than their float form
-    in ``speed_dtype`` at their input shape stay float too. See :func:`convert_with_report` for the
-    per-layer record. Needs the triton extra; the converted model runs on CUDA (move it with
+    in ``speed_dtype`` at their input shape stay float too; ``placed="drop"`` removes the activation
+    quantizers that only emulate integer ops CUDA runs in float. See :func:`convert_with_report`
+    for the per-layer record. Needs the triton extra; the converted model runs on CUDA (move it with
     ``.cuda()`` before or after converting).
     """
     return convert_with_report(model, backend=backend, inplace=inplace, fuse_activations=fuse_activations,
-                               speed_check=speed_check, speed_dtype=speed_dtype)[0]
+                               speed_check=speed_check, speed_dtype=speed_dtype, placed=placed)[0]

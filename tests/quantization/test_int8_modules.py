@@ -205,3 +205,28 @@ def test_converted_resnet_runs_its_kept_quantizers_as_one_kernel_with_parity() -
     with torch.no_grad():
         ref, y = fq(x), conv(x)
     assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+
+
+def test_placed_drop_removes_the_emulated_integer_ops_and_keeps_every_int8_layer() -> None:
+    import compress
+    from compress.core.errors import RecipeError
+    from compress.models.resnet import resnet
+    from quantization.api import QuantizeParams
+    from quantization.lowering.convert import convert_with_report
+    from quantization.lowering.int8 import StaticQDQ
+    from quantization.numerics.fake_quant import FakeQuantizer
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 16)
+    fp = resnet(width=8, depth=2, in_channels=3).eval()
+    fq = compress.quantize(fp, "w8a8", [x], params=QuantizeParams(first_last="float")).eval()
+    _, rep_f = convert_with_report(fq)
+    dropped, rep_d = convert_with_report(fq, placed="drop")
+    assert [r.converted for r in rep_f] == [r.converted for r in rep_d]
+    assert not any(isinstance(m, (StaticQDQ, FakeQuantizer)) for m in dropped.modules())
+    with torch.no_grad():
+        ref, y = fq(x), dropped(x)
+    cos = F.cosine_similarity(ref.flatten(1), y.flatten(1)).min().item()
+    assert cos > 0.99 and not torch.equal(ref, y)  # the same int8 layers, minus the add emulation
+    with pytest.raises(RecipeError, match="placed='keep' unknown"):
+        convert_with_report(fq, placed="keep")
