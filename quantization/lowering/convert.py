@@ -17,7 +17,7 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from quantization.lowering.fp8 import FP8Linear
 from quantization.lowering.int4 import is_int4_weight_only
 from quantization.lowering.int8 import Int8Conv2d, Int8Linear, StaticQDQ
 from quantization.lowering.kernels import require_triton
+from quantization.lowering.shared_input import share_input_codes
 from quantization.lowering.speed import keep_float_reason, layer_input_shapes
 from quantization.lowering.w4a16 import W4A16Linear
 from quantization.numerics.fake_quant import FakeQuantizer
@@ -204,6 +205,12 @@ def convert_with_report(
         if act != "none" and act_name is not None:
             root.set_submodule(act_name, nn.Identity())  # now applied in the kernel epilogue
         report.append(LayerConversion(name, qtype, type(new).__name__, activation=act))
+    shared = share_input_codes(
+        (m for m in root.modules() if isinstance(m, (Int8Linear, Int8Conv2d, FP8Linear))),
+        lambda m: cast(Any, m).input_signature(),
+    )
+    if shared:
+        log.info("convert: %d layers share their input quantization with another reader of the same tensor", shared)
     fused = _fuse_static_quantizers(root, drop=placed == "drop") if done_any(report) else 0
     if fused:
         log.info("convert: %d placed activation quantizers %s", fused,

@@ -23,6 +23,7 @@ from torch import nn
 
 from compress.core.errors import CompressError, UnsupportedModelError
 from quantization.lowering.kernels import load
+from quantization.lowering.shared_input import SharedCodes
 from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.primitives import SCALE_EPS
 
@@ -111,6 +112,15 @@ class FP8Linear(nn.Module):
         new.output_quantizer = copy.deepcopy(mod.output_quantizer)
         return new.to(weight.device)
 
+    shared_codes: SharedCodes | None = None
+
+    def input_signature(self) -> tuple[Any, ...]:
+        """What determines this layer's input codes (see quantization/lowering/shared_input.py)."""
+        pqs = self.pre_quant_scale
+        return (type(self).__name__, self.input_mode,
+                tuple(self.input_scale.reshape(-1).tolist()) if self.input_mode == "static" else None,
+                None if pqs is None else tuple(pqs.reshape(-1).tolist()))
+
     def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         quant = load("quant")
         pqs = self.pre_quant_scale
@@ -128,7 +138,11 @@ class FP8Linear(nn.Module):
         if x.dtype not in _OUT_DTYPES:
             raise CompressError(f"FP8Linear: inputs must be float16, bfloat16 or float32 (got {x.dtype})")
         lead = x.shape[:-1]
-        xq, sa = self._quantize_input(x.reshape(-1, self.in_features))
+        flat = x.reshape(-1, self.in_features)
+        if self.shared_codes is not None:
+            xq, sa = self.shared_codes.get(x, lambda: self._quantize_input(flat))
+        else:
+            xq, sa = self._quantize_input(flat)
         y = fp8_gemm(xq, self.weight_fp8, a_scale=sa, b_scale=self.weight_scale, bias=self.bias, out_dtype=x.dtype)
         y = y.reshape(*lead, self.out_features)
         return self.output_quantizer(y) if self.output_quantizer is not None else y

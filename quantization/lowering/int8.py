@@ -21,6 +21,7 @@ from torch import nn
 
 from compress.core.errors import CompressError, UnsupportedModelError
 from quantization.lowering.kernels import ACTIVATIONS, load
+from quantization.lowering.shared_input import SharedCodes
 from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.primitives import SCALE_EPS
 
@@ -93,6 +94,22 @@ class _Int8Base(nn.Module):
         pqs = iq.pre_quant_scale
         self.register_buffer("pre_quant_scale", None if pqs is None else pqs.detach().float().clone())
 
+    shared_codes: SharedCodes | None = None
+
+    def input_signature(self) -> tuple[Any, ...]:
+        """What determines this layer's input codes: layers with equal signatures reading the same
+        tensor can share one quantization (quantization/lowering/shared_input.py)."""
+        pqs = self.pre_quant_scale
+        return (type(self).__name__, self.input_mode, self.qmin, self.qmax, self.input_zero_point,
+                tuple(self.input_scale.reshape(-1).tolist()) if self.input_mode == "static" else None,
+                None if pqs is None else tuple(pqs.reshape(-1).tolist()))
+
+    def _codes(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes of ``flat`` (a view of ``x``), shared with the layers of the same signature."""
+        if self.shared_codes is None:
+            return self._quantize_input(flat)
+        return self.shared_codes.get(x, lambda: self._quantize_input(flat))
+
     def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """int8 codes and scale(s) of ``x`` as the fake-quant input quantizer would produce them."""
         quant = load("quant")
@@ -160,7 +177,7 @@ class Int8Linear(_Int8Base):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = self._out_dtype(x)
         lead = x.shape[:-1]
-        xq, sa = self._quantize_input(x.reshape(-1, self.in_features))
+        xq, sa = self._codes(x, x.reshape(-1, self.in_features))
         y = load("gemm").int8_gemm(
             xq.reshape(-1, self.in_features), self.weight_q, a_scale=sa, b_scale=self.weight_scale, bias=self.bias,
             a_zero_point=self.input_zero_point, b_colsum=self.weight_colsum, activation=self.activation,
@@ -216,7 +233,7 @@ class Int8Conv2d(_Int8Base):
         if x.dim() != 4:
             raise CompressError(f"Int8Conv2d: expects NCHW input (got {x.dim()}-D)")
         # channels-last codes: a no-op when the previous int8 layer already produced channels-last
-        xq, sa = self._quantize_input(x.contiguous(memory_format=torch.channels_last))
+        xq, sa = self._codes(x, x.contiguous(memory_format=torch.channels_last))
         y = load("conv").int8_conv2d(
             xq, self.weight_q, a_scale=sa, w_scale=self.weight_scale, bias=self.bias,
             a_zero_point=self.input_zero_point, w_colsum=self.weight_colsum, stride=self.stride,

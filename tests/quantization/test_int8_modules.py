@@ -230,3 +230,61 @@ def test_placed_drop_removes_the_emulated_integer_ops_and_keeps_every_int8_layer
     assert cos > 0.99 and not torch.equal(ref, y)  # the same int8 layers, minus the add emulation
     with pytest.raises(RecipeError, match="placed='keep' unknown"):
         convert_with_report(fq, placed="keep")
+
+
+@pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC"])
+def test_layers_reading_one_tensor_quantize_it_once(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v read one normed tensor and gate/up another: one quantization each, not three and two;
+    the codes are the same, so the output is unchanged."""
+    pytest.importorskip("transformers")
+    import copy
+
+    import compress
+    from quantization.lowering.convert import convert_with_report
+    from quantization.lowering.kernels import load
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 96, (2, 8))
+    fq = compress.quantize(copy.deepcopy(model), scheme, [{"input_ids": ids}]).eval()
+    conv, _ = convert_with_report(fq)
+    attn, mlp = conv.model.layers[0].self_attn, conv.model.layers[0].mlp
+    assert attn.q_proj.shared_codes is attn.k_proj.shared_codes is attn.v_proj.shared_codes is mlp.gate_proj.shared_codes
+    quant = load("quant")
+    calls = []
+    real = quant.quantize_per_token
+    monkeypatch.setattr(quant, "quantize_per_token", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        y = conv(input_ids=ids).logits
+        assert len(calls) == 2 * 4 + 1  # per layer: qkv, o, gate/up, down; then lm_head (7 per layer unshared)
+        for m in conv.modules():
+            m.__dict__.pop("shared_codes", None)
+        unshared = conv(input_ids=ids).logits
+    assert len(calls) == 2 * 4 + 1 + 2 * 7 + 1
+    assert torch.equal(y, unshared)
+
+
+def test_shared_codes_are_reused_only_for_the_same_unchanged_tensor() -> None:
+    from quantization.lowering.shared_input import SharedCodes
+
+    cache, calls = SharedCodes(), []
+
+    def quantize(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return t * 2
+
+    with torch.no_grad():
+        x = torch.ones(4)
+        assert torch.equal(cache.get(x, lambda: quantize(x)), torch.full((4,), 2.0)) and len(calls) == 1
+        cache.get(x, lambda: quantize(x))
+        assert len(calls) == 1  # same object, unchanged: reused
+        x.add_(1)  # in place: its version moves
+        assert torch.equal(cache.get(x, lambda: quantize(x)), torch.full((4,), 4.0)) and len(calls) == 2
+        y = x.clone()  # equal values, another tensor
+        cache.get(y, lambda: quantize(y))
+        assert len(calls) == 3
+    cache.get(y, lambda: quantize(y))  # with autograd on nothing is cached (training reads change)
+    assert len(calls) == 4
