@@ -239,10 +239,11 @@ def test_layers_reading_one_tensor_quantize_it_once(scheme: str, monkeypatch: py
     pytest.importorskip("transformers")
     import copy
 
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     import compress
     from quantization.lowering.convert import convert_with_report
     from quantization.lowering.kernels import load
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
