@@ -268,6 +268,14 @@ def _markdown(data: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _write(data: dict[str, Any], path: Path) -> None:
+    from benchmarks._results import write_section
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str))
+    write_section("cuda_e2e", _markdown(data), data)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.cuda_e2e", description=__doc__.splitlines()[0])
     ap.add_argument("--interpret-smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny widths")
@@ -301,14 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             data["errors"].append(f"{part}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         if cuda:
             torch.cuda.empty_cache()
+            _write(data, args.json)  # after each model: a run stopped by its time limit keeps what it measured
     log.info("done in %.0f s", time.time() - t0)
-    if cuda:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=2, default=str))
-        from benchmarks._results import write_section
-
-        write_section("cuda_e2e", _markdown(data), data)
-    else:
+    if not cuda:
         print(_markdown(data))
     return 1 if data["errors"] and not data["rows"] else 0
 

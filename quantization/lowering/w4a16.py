@@ -87,7 +87,8 @@ class W4A16Linear(nn.Module):
 
     def set_backend(self, backend: str) -> W4A16Linear:
         """Which kernel runs: ``triton`` (ours, exact scales), ``tinygemm`` (PyTorch's
-        ``_weight_int4pack_mm``, bf16 scales) or ``auto`` (the faster per shape for bf16 inputs)."""
+        ``_weight_int4pack_mm``, computing in bf16) or ``auto`` (the faster per shape, timed once,
+        for fp16/bf16 inputs; fp32 inputs keep ours)."""
         if backend not in BACKENDS:
             raise CompressError(f"W4A16Linear: backend '{backend}' unknown; valid: {', '.join(BACKENDS)}")
         if backend == "tinygemm" and self._tinygemm_refusal is not None:
@@ -151,9 +152,10 @@ class W4A16Linear(nn.Module):
             return False
         if self.backend == "tinygemm":
             return True
-        # auto: tinygemm rounds scales to bf16, so it is a candidate only for bf16 activations (whose
-        # own rounding is as coarse); the faster of the two at this shape wins, timed once
-        return x2.dtype == torch.bfloat16 and _faster_is_tinygemm(self, x2)
+        # auto: the faster of the two at this shape, timed once. tinygemm computes in bf16 (scales,
+        # zeros, activations): for fp16 models that rounding (2^-9 relative) sits far below the
+        # int4 weights' own error; fp32 inputs ask for exact arithmetic and keep ours
+        return x2.dtype in (torch.float16, torch.bfloat16) and _faster_is_tinygemm(self, x2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
