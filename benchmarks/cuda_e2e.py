@@ -93,12 +93,19 @@ def _time(fns: dict[str, Callable[[], Any]], dev: torch.device, *, runs: int) ->
     return ms
 
 
+# Some transformers releases (5.17) write a StaticCache at its own running length, not at the
+# cache_position given, so every call of a step (warm-up, capture, each graph replay) takes a new
+# slot: the cache gets room for all of them. A static cache's attention spans its whole length
+# (masked), so the room costs every variant alike.
+_CACHE_ROOM = 256
+
+
 def _llama(spec: dict[str, Any]) -> nn.Module:
     from transformers import LlamaConfig, LlamaModel
 
     cfg = LlamaConfig(hidden_size=spec["hidden"], intermediate_size=spec["inter"], num_attention_heads=spec["heads"],
                       num_key_value_heads=spec["kv_heads"], num_hidden_layers=spec["layers"],
-                      vocab_size=spec["vocab"], max_position_embeddings=spec["context"] + 64)
+                      vocab_size=spec["vocab"], max_position_embeddings=spec["context"] + 2 * _CACHE_ROOM)
     torch.manual_seed(0)
     return LlamaModel(cfg).eval()
 
@@ -119,7 +126,8 @@ def _rows_for(name: str, fns: dict[str, Callable[[], Any]], outs: dict[str, torc
     return rows
 
 
-def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs: int) -> list[dict[str, Any]]:
+def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs: int,
+                rows: list[dict[str, Any]]) -> None:
     from transformers import StaticCache
 
     fp32 = _llama(spec).to(dev)
@@ -129,7 +137,6 @@ def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, run
     for s in schemes:  # quantized on the GPU: calibration and weight grids of 7B-wide layers
         models[s], info[s] = _convert(fp32, s, calib, dev, torch.float16)
         log.info("llama %s: %s", s, info[s])
-    rows: list[dict[str, Any]] = []
     g = torch.Generator().manual_seed(1)
     for t in spec["prefill"]:
         ids = torch.randint(0, spec["vocab"], (1, t), generator=g).to(dev)
@@ -144,7 +151,7 @@ def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, run
         pos = torch.tensor([ctx], device=dev)
         outs, fns = {}, {}
         for k, m in models.items():
-            cache = StaticCache(config=m.config, max_cache_len=ctx + 8)
+            cache = StaticCache(config=m.config, max_cache_len=ctx + _CACHE_ROOM)
             with torch.no_grad():
                 m(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(ctx, device=dev))
                 outs[k] = m(input_ids=step, past_key_values=cache, use_cache=True, cache_position=pos).last_hidden_state.float()
@@ -154,10 +161,10 @@ def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, run
                     input_ids=step, past_key_values=cache, use_cache=True, cache_position=pos)
         rows += _rows_for("llama", fns, outs, dev, runs, {"phase": "decode", "batch": b, "tokens": ctx}, info)
         del fns, outs
-    return rows
 
 
-def bench_bert(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs: int) -> list[dict[str, Any]]:
+def bench_bert(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs: int,
+               rows: list[dict[str, Any]]) -> None:
     from transformers import BertConfig, BertModel
 
     cfg = BertConfig(hidden_size=spec["hidden"], num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
@@ -170,14 +177,12 @@ def bench_bert(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs
     info = {}
     for s in schemes:
         models[s], info[s] = _convert(fp32, s, calib, dev, torch.float16)
-    rows: list[dict[str, Any]] = []
     for b in spec["batch"]:
         ids = torch.randint(0, 30522, (b, spec["seq"])).to(dev)
         with torch.no_grad():
             outs = {k: m(input_ids=ids).last_hidden_state.float() for k, m in models.items()}
         fns = {k: (lambda m=m, ids=ids: m(input_ids=ids)) for k, m in models.items() if k != "fp32"}
         rows += _rows_for("bert-base", fns, outs, dev, runs, {"phase": "encode", "batch": b, "tokens": spec["seq"]}, info)
-    return rows
 
 
 def _resnet() -> tuple[str, nn.Module]:
@@ -192,7 +197,8 @@ def _resnet() -> tuple[str, nn.Module]:
         return "resnet (compress zoo)", resnet(width=8, depth=2, in_channels=3).eval()
 
 
-def bench_resnet(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs: int) -> list[dict[str, Any]]:
+def bench_resnet(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs: int,
+                 rows: list[dict[str, Any]]) -> None:
     name, fp32 = _resnet()
     fp32 = fp32.to(dev)
     size = spec["image"]
@@ -201,7 +207,6 @@ def bench_resnet(spec: dict[str, Any], schemes: list[str], dev: torch.device, ru
     models: dict[str, nn.Module] = {"fp32": copy.deepcopy(fp32).to(dev),
                                     "fp16": copy.deepcopy(fp32).to(dev).half().to(memory_format=cl)}  # type: ignore[call-overload]
     info = {}
-    rows: list[dict[str, Any]] = []
     for b in spec["batch"]:
         x32 = torch.randn(b, 3, size, size).to(dev)
         x16 = x32.half().contiguous(memory_format=cl)
@@ -210,14 +215,13 @@ def bench_resnet(spec: dict[str, Any], schemes: list[str], dev: torch.device, ru
             # every conv whose int8 kernel is slower than cuDNN fp16 at its shape in fp16. Two
             # deployments: placed quantizers dropped (what validate --backend cuda reports), and
             # kept as one-kernel passes (exactly the fake-quant model's arithmetic)
-            for placed in ("drop", "fuse"):
+            for placed in ("drop", "fuse") if spec.get("parity") else ("drop",):
                 key = s if placed == "drop" else f"{s} (parity)"
                 models[key], info[key] = _convert_checked(fp32, s, calib, dev, x16, placed)
         with torch.no_grad():
             outs = {k: m(x32 if k == "fp32" else x16).float() for k, m in models.items()}
         fns = {k: (lambda m=m, x16=x16: m(x16)) for k, m in models.items() if k != "fp32"}
         rows += _rows_for(name, fns, outs, dev, runs, {"phase": "classify", "batch": b, "tokens": size}, info)
-    return rows
 
 
 def _convert_checked(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.device,
@@ -269,8 +273,18 @@ def _markdown(data: dict[str, Any]) -> str:
 
 
 def _write(data: dict[str, Any], path: Path) -> None:
+    """Write the JSON and the RESULTS.md section, keeping the rows of models this run did not
+    measure when an earlier run on the same GPU did (each model may run in its own process: a
+    device-side assert in one poisons the CUDA context for the rest)."""
     from benchmarks._results import write_section
 
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old.get("gpu") == data["gpu"]:
+            mine = {r["part"] for r in data["rows"]} | set(data.get("parts", []))
+            kept = [r for r in old.get("rows", []) if r.get("part") not in mine]
+            data = {**data, "rows": kept + data["rows"],
+                    "errors": [e for e in old.get("errors", []) if e.split(":")[0] not in mine] + data["errors"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str))
     write_section("cuda_e2e", _markdown(data), data)
@@ -282,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=["llama", "bert", "resnet"], choices=["llama", "bert", "resnet"])
     ap.add_argument("--layers", type=int, default=None, help="decoder layers of the Llama stack")
     ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--resnet-parity", action="store_true",
+                    help="also time the ResNet with its placed quantizers kept (exact fake-quant arithmetic)")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/cuda_e2e.json"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -296,17 +312,21 @@ def main(argv: list[str] | None = None) -> int:
     plan = copy.deepcopy(SMOKE if args.interpret_smoke else FULL)
     if args.layers:
         plan["llama"]["layers"] = args.layers
+    plan["resnet"]["parity"] = args.resnet_parity
     runs = args.runs if cuda else 1
     data: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0) if cuda else "cpu (TRITON_INTERPRET smoke)",
                             "plan": plan, "rows": [], "errors": []}
-    benches = {"llama": bench_llama, "bert": bench_bert, "resnet": bench_resnet}
+    benches: dict[str, Callable[..., None]] = {"llama": bench_llama, "bert": bench_bert, "resnet": bench_resnet}
     t0 = time.time()
+    data["parts"] = list(args.only)
     for part in args.only:
+        rows: list[dict[str, Any]] = []  # filled as measured: a failure keeps the rows before it
         try:
-            data["rows"] += benches[part](plan[part], plan["schemes"][part], dev, runs)
+            benches[part](plan[part], plan["schemes"][part], dev, runs, rows)
         except Exception as exc:  # one model failing must not lose the others' figures
             log.error("%s failed: %s", part, traceback.format_exc())
             data["errors"].append(f"{part}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        data["rows"] += [{**r, "part": part} for r in rows]
         if cuda:
             torch.cuda.empty_cache()
             _write(data, args.json)  # after each model: a run stopped by its time limit keeps what it measured

@@ -178,6 +178,13 @@ def fp8_gemm(
         sb = sb.expand(1, n).contiguous() if sb.numel() == 1 else sb
     if m == 0:
         return torch.empty((0, n), device=a.device, dtype=out_dtype)
+    if out_dtype == torch.float32 and rowwise:
+        # cuBLASLt's row-wise scaling writes bf16 only; fp32 callers (parity checks) want fp32:
+        # unit scales with an fp32 result, then the scales and bias in fp32 here
+        one = torch.ones((), device=a.device, dtype=torch.float32)
+        y = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        y = y * sa * sb
+        return y if bias is None else y + bias.float()
     dtype = out_dtype
     if (dtype, rowwise) in _REFUSED:
         dtype = torch.bfloat16

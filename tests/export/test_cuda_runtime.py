@@ -59,9 +59,15 @@ def test_validate_cuda_on_cpu_interpreter() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_validate_cuda_on_gpu_fp16() -> None:
     fp, q, data = _setup()
-    r = validate_cuda(q, eval_loader=data, reference=fp, batch_sizes=[1, 8], warmup=2, runs=5)
+    # the kernels themselves: no layer kept float by timing (at these toy widths fp16 wins)
+    r = validate_cuda(q, eval_loader=data, reference=fp, batch_sizes=[1, 8], warmup=2, runs=5, speed_check=False)
     _check(r, batches=[1, 8])
     assert r["float_dtype"] == "fp16" and all(row["cuda_graphs"] for row in r["latency"])
+    # the default deployment times each layer: every layer it keeps float says why, with both times
+    r = validate_cuda(q, eval_loader=data, reference=fp, batch_sizes=[8], warmup=2, runs=5)
+    kept = r["conversion"]["float_layers"]
+    assert r["conversion"]["int8_layers"] + len(kept) == 3
+    assert all(k["reason"].startswith("speed check: its kernel took") for k in kept)
 
 
 def test_cast_float_layers_keeps_int8_scales_fp32() -> None:

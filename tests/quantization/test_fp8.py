@@ -122,8 +122,16 @@ def test_fp8_linear_on_a_transformers_decoder_matches_its_fake_quant_model(devic
     with torch.no_grad():
         ref, y, fp = fq(input_ids=ids).logits, conv(input_ids=ids).logits, model.to(device)(input_ids=ids).logits
     # same codes, same scales: only the GEMM's accumulation order differs from the fake-quant model
+    # (fp32 activations: cuBLASLt's fp32 result, scaled in fp32)
     assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     assert (y - fp).abs().max().item() > 1e-3  # and it is quantized: not the float model
+    if device == "cuda":  # deployed dtypes: cuBLASLt's epilogue, within fp8's own error of the fake-quant model
+        from export.cuda import cast_float_layers
+
+        half = cast_float_layers(copy.deepcopy(conv), torch.float16)  # keeps the fp8 codes and fp32 scales
+        with torch.no_grad():
+            y16 = half(input_ids=ids).logits.float()
+        assert (y16 - ref).norm() < 0.5 * (fp - ref).norm()
 
 
 def test_fp8_has_no_onnx_export_and_says_so_in_one_line() -> None:
