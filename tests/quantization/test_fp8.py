@@ -121,17 +121,22 @@ def test_fp8_linear_on_a_transformers_decoder_matches_its_fake_quant_model(devic
     fq, conv, ids = fq.to(device), conv.to(device), ids.to(device)
     with torch.no_grad():
         ref, y, fp = fq(input_ids=ids).logits, conv(input_ids=ids).logits, model.to(device)(input_ids=ids).logits
-    # same codes, same scales: only the GEMM's accumulation order differs from the fake-quant model
-    # (fp32 activations: cuBLASLt's fp32 result, scaled in fp32)
-    assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
-    assert (y - fp).abs().max().item() > 1e-3  # and it is quantized: not the float model
-    if device == "cuda":  # deployed dtypes: cuBLASLt's epilogue, within fp8's own error of the fake-quant model
+    if device == "cpu":
+        # same codes, same scales, and on CPU the same fp32 arithmetic: the fake-quant model's output
+        assert (y - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    else:
+        # cuBLASLt accumulates fp8 products in its own order; in a random decoder a last-bit change
+        # moves a few activations across an fp8 rounding boundary (steps of 1/8 relative) and the
+        # difference grows layer by layer (the H200 showed 2.6% of the logits' max). What must hold:
+        # much closer to the fake-quant model than the float model is, in fp32 and deployed in fp16
         from export.cuda import cast_float_layers
 
         half = cast_float_layers(copy.deepcopy(conv), torch.float16)  # keeps the fp8 codes and fp32 scales
         with torch.no_grad():
             y16 = half(input_ids=ids).logits.float()
-        assert (y16 - ref).norm() < 0.5 * (fp - ref).norm()
+        for out in (y, y16):
+            assert (out - ref).norm() < 0.5 * (fp - ref).norm()
+    assert (y - fp).abs().max().item() > 1e-3  # and it is quantized: not the float model
 
 
 def test_fp8_has_no_onnx_export_and_says_so_in_one_line() -> None:
