@@ -131,8 +131,67 @@ def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], di
     return tensors, args, plain + ragged
 
 
-def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str]) -> dict[str, Any]:
-    """The config.json ``quantization_config`` llm-compressor writes, validated by compressed-tensors."""
+def fp8_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[str]]:
+    """``(tensors, args_by_layer, unquantized_linears)`` of an fp8 model (FP8_DYNAMIC, or fp8 weights
+    alone): each layer ``P`` as ``P.weight`` float8_e4m3fn codes and ``P.weight_scale`` (``[N, 1]``
+    per channel, ``[1]`` per tensor, float32), the inputs' per-token dynamic scheme in its args."""
+    tensors: dict[str, torch.Tensor] = {}
+    args: dict[str, dict[str, Any]] = {}
+    plain: list[str] = []
+    done: set[str] = set()
+    for name, mod in model.named_modules():
+        wq = getattr(mod, "weight_quantizer", None)
+        if wq is None:
+            if isinstance(mod, nn.Linear):
+                plain.append(name)
+            continue
+        s = wq.spec
+        if not s.is_float or s.granularity not in ("channel", "tensor"):
+            raise UnsupportedModelError(f"{name}: an fp8 checkpoint holds fp8 layers only (it is {s.bits}-bit {s.dtype} "
+                                        f"per {s.granularity})")
+        iq = getattr(mod, "input_quantizer", None)
+        a: dict[str, Any] = {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+                                         "strategy": s.granularity, "observer": s.observer}}
+        if iq is not None and iq.enabled:
+            if not (iq.spec.is_float and iq.spec.dynamic and iq.spec.granularity == "token") or iq.pre_quant_scale is not None:
+                raise UnsupportedModelError(f"{name}: only dynamic per-token fp8 inputs are written (FP8_DYNAMIC); "
+                                            f"its inputs are {iq.spec.dtype} per {iq.spec.granularity}")
+            a["input_activations"] = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                      "strategy": "token", "observer": None}
+        with torch.no_grad():
+            codes = wq.int_repr(mod.weight.detach().float())
+            scale = wq.scale.detach().float()
+        n = codes.shape[0]
+        tensors[f"{name}.weight"] = codes.contiguous()
+        tensors[f"{name}.weight_scale"] = (scale.reshape(n, 1) if scale.numel() == n else scale.reshape(1)).clone()
+        args[name] = a
+        done.add(name + ".")
+    if not args:
+        raise UnsupportedModelError("compressed-tensors export: the model has no fp8 layers")
+    others = [n for n in activation_quantizers(model) if not any(n.startswith(p) for p in done)]
+    if others:
+        raise UnsupportedModelError(f"{others[0]}: an activation quantizer outside the fp8 layers is not written")
+    seen: dict[int, str] = {}
+    for key, t in model.state_dict().items():
+        prefix = key.rsplit(".", 1)[0] + "."
+        if "_quantizer." in key or (key.endswith(".weight") and prefix in done):
+            continue
+        ptr = t.data_ptr()
+        if ptr in seen and t.numel() > 0:
+            continue
+        seen[ptr] = key
+        tensors[key] = t.detach().contiguous().clone()
+    return tensors, args, plain
+
+
+def _is_fp8_model(model: nn.Module) -> bool:
+    return any(getattr(getattr(m, "weight_quantizer", None), "spec", None) is not None
+               and m.weight_quantizer.spec.is_float for m in model.modules())  # type: ignore[union-attr]
+
+
+def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str], *, fmt: str = "pack-quantized") -> dict[str, Any]:
+    """The config.json ``quantization_config`` llm-compressor writes, validated by compressed-tensors.
+    ``args`` per layer: weight-args (int4), or ``{"weights": ..., "input_activations": ...}`` (fp8)."""
     require_compressed_tensors()
     import compressed_tensors
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
@@ -146,11 +205,13 @@ def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str]) -> d
     config_groups: dict[str, Any] = {}
     for i, (key, names) in enumerate(groups.items()):
         targets = ["Linear"] if len(groups) == 1 else sorted(names)
+        a = key_args[key]
+        parts = a if "weights" in a else {"weights": a}
         config_groups[f"group_{i}"] = QuantizationScheme(
-            targets=targets, weights=QuantizationArgs(**key_args[key]), format="pack-quantized"
+            targets=targets, format=fmt, **{k: QuantizationArgs(**v) for k, v in parts.items()}
         )
     qc = QuantizationConfig(
-        config_groups=config_groups, format="pack-quantized", quantization_status="compressed", ignore=sorted(ignore),
+        config_groups=config_groups, format=fmt, quantization_status="compressed", ignore=sorted(ignore),
     )
     data = qc.model_dump(exclude={"quant_method"})
     return {
@@ -163,10 +224,11 @@ def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str]) -> d
 
 
 def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None) -> Path:
-    """Write ``model`` (a transformers model quantized weight-only int4) as a compressed-tensors checkpoint.
+    """Write ``model`` (a transformers model quantized weight-only int4, or fp8) as a compressed-tensors checkpoint.
 
     Layers must be weight-only 4-bit QuantLinears (GPTQ, AWQ, RTN ``w4_weight_only_g128``, per
-    group or per channel); other Linears are stored in float and listed in ``ignore``, and so are
+    group or per channel; ``pack-quantized``) or fp8 ones (``FP8_DYNAMIC``, or fp8 weights alone;
+    ``float-quantized``, what vLLM serves on Hopper); other Linears are stored in float and listed in ``ignore``, and so are
     layers whose width is not a multiple of their group size (compressed-tensors has no shorter
     last group; llm-compressor ignores such layers), written with their fake-quant values. The
     model's ``generation_config.json`` and, given a transformers ``tokenizer``, its files go beside.
@@ -179,7 +241,8 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise UnsupportedModelError("compressed-tensors export needs a transformers model (one with a .config)")
-    acts = activation_quantizers(model)
+    fp8 = _is_fp8_model(model)
+    acts = [] if fp8 else activation_quantizers(model)
     if acts:
         raise UnsupportedModelError(f"{acts[0]}: quantized activations are not written (weight-only int4 checkpoints)")
     from compress.core.moe import expert_blocks
@@ -188,11 +251,11 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     if moe is not None:  # transformers reads per-model expert names (w1/w3, gate_proj/up_proj) through its own conversions
         raise UnsupportedModelError(f"{moe}: MoE experts were unpacked into per-expert Linears for quantization; "
                                     "the compressed-tensors writer does not write transformers' expert checkpoint names")
-    tensors, args, plain = compressed_state_dict(model)
+    tensors, args, plain = fp8_state_dict(model) if fp8 else compressed_state_dict(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = config.to_dict()
-    cfg["quantization_config"] = quantization_config(args, plain)
+    cfg["quantization_config"] = quantization_config(args, plain, fmt="float-quantized" if fp8 else "pack-quantized")
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
     save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     gen = getattr(model, "generation_config", None)
@@ -200,5 +263,6 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
         gen.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    log.info("compressed-tensors checkpoint: %d int4 layers, %d float Linears, written to %s", len(args), len(plain), out)
+    log.info("compressed-tensors checkpoint: %d %s layers, %d float Linears, written to %s", len(args),
+             "fp8" if fp8 else "int4", len(plain), out)
     return out

@@ -141,3 +141,43 @@ def test_groups_not_dividing_the_width_are_written_as_llm_compressor_does(tmp_pa
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, fq(ids).logits, atol=0, rtol=0)
     assert transformers.AutoTokenizer.from_pretrained(out)("def f")["input_ids"] == tok("def f")["input_ids"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fp8_dynamic_is_written_float_quantized_and_transformers_runs_it_as_ours(kind: str, tmp_path: Path) -> None:
+    """FP8_DYNAMIC (what vLLM serves on Hopper): fp8 weight codes with per-channel scales and dynamic
+    per-token fp8 inputs; transformers' compressed-tensors loader decompresses the same weights and
+    quantizes the inputs the same way, so its logits are ours."""
+    torch.manual_seed(0)
+    cls, cfg = ((transformers.LlamaForCausalLM, transformers.LlamaConfig) if kind == "llama"
+                else (transformers.Qwen2ForCausalLM, transformers.Qwen2Config))
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    fq = compress.quantize(cls(cfg(**SMALL)).eval(), "FP8_DYNAMIC", [ids], ignore=["lm_head"]).eval()
+    out = save_compressed_tensors(fq, tmp_path / "ckpt")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "float-quantized" and qc["ignore"] == ["lm_head"]
+    group = qc["config_groups"]["group_0"]
+    assert (group["weights"]["type"], group["weights"]["strategy"]) == ("float", "channel")
+    assert (group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == ("token", True)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(out / "model.safetensors"))
+    assert stored["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits, ref = loaded(ids).logits, fq(ids).logits
+    for name, mod in _quantized(fq).items():
+        got = loaded.get_submodule(name).weight
+        torch.testing.assert_close(got.float(), mod.quantized_weight().float(), atol=0, rtol=0)
+    # the inputs are quantized there too: without them the logits move by ~2e-2 here, far above this
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_static_fp8_inputs_are_refused_in_one_line(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9))
+    fq = compress.quantize(transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval(), "FP8", [ids],
+                           ignore=["lm_head"])
+    with pytest.raises(UnsupportedModelError, match=r"dynamic per-token fp8|outside the fp8 layers") as err:
+        save_compressed_tensors(fq, tmp_path / "ckpt")
+    assert "\n" not in str(err.value)
