@@ -216,7 +216,7 @@ def validate_cuda(
     half = _DTYPE_NAMES[dtype]
     fq = copy.deepcopy(model).to(dev).eval()
     ref32 = copy.deepcopy(reference).to(dev).eval()
-    i8_32, capable = convert_with_report(fq)
+    i8_32, capable = convert_with_report(fq, placed="fuse")
     i8_32 = i8_32.to(dev).eval()
     example = None
     if speed_check and dev.type == "cuda":

@@ -28,11 +28,13 @@ from quantization.lowering.fp8 import FP8Linear
 from quantization.lowering.int4 import is_int4_weight_only
 from quantization.lowering.int8 import Int8Conv2d, Int8Linear, StaticQDQ
 from quantization.lowering.kernels import require_triton
+from quantization.lowering.kernels.ops import register as register_ops
 from quantization.lowering.shared_input import share_input_codes
 from quantization.lowering.speed import keep_float_reason, layer_input_shapes
 from quantization.lowering.w4a16 import W4A16Linear
 from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.modules import QUANT_TYPES, QuantConv1d, QuantConv2d, QuantLinear
+from quantization.placement.mode import detach as detach_placement
 from quantization.placement.mode import input_quantizer
 from quantization.preparation import unwrap
 
@@ -146,7 +148,7 @@ def _float_inputs(example: Any, dtype: torch.dtype) -> Any:
 def convert_with_report(
     model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True,
     speed_check: Any = None, speed_dtype: torch.dtype = torch.float16,
-    speed_timer: Callable[..., tuple[float, float]] | None = None, placed: str = "fuse",
+    speed_timer: Callable[..., tuple[float, float]] | None = None, placed: str = "drop",
 ) -> tuple[nn.Module, list[LayerConversion]]:
     """:func:`convert`, also returning what happened to each quantized module.
 
@@ -160,13 +162,17 @@ def convert_with_report(
     keeps them, each as one kernel pass, so the converted model computes exactly what the
     fake-quant model does (parity checks); ``drop`` removes them, since CUDA runs those ops in
     float: every int8 layer still quantizes its own input with the calibrated parameters, so only
-    the emulation of integer adds goes, and with it a pass over each tensor (deployment).
+    the emulation of integer adds goes, and with it a pass over each tensor (deployment, the
+    default). With nothing left to place, the placement's per-op interception is removed too, so the
+    model runs without it eagerly and traces in one graph under torch.compile; a ``fuse`` model keeps
+    the interception, which torch.compile does not run (its placed quantizers would be skipped).
     """
     if placed not in PLACED:
         raise RecipeError(f"convert: placed='{placed}' unknown; valid: {', '.join(PLACED)}")
     if backend not in BACKENDS:
         raise RecipeError(f"unknown int8 backend '{backend}'; {did_you_mean(backend, BACKENDS)}")
     require_triton(f"convert(backend='{backend}')")
+    register_ops()  # torch.ops.compress.*, what the converted modules call under torch.compile
     if not inplace:
         model = copy.deepcopy(model)
     root = unwrap(model)
@@ -215,6 +221,10 @@ def convert_with_report(
     if fused:
         log.info("convert: %d placed activation quantizers %s", fused,
                  "dropped (CUDA runs their ops in float)" if placed == "drop" else "now run as one kernel each")
+    if placed == "drop" and not _placed_left(root):
+        # nothing left for the placement to apply: its per-op interception goes too (eager speed;
+        # torch.compile traces the model in one graph)
+        detach_placement(root)
     done = sum(r.converted for r in report)
     n_layers = sum(r.quant_type in {c.__name__ for c in _LAYERS} for r in report)
     log.info("convert(backend=%s): %d of %d quantized layers now run int8 kernels", backend, done, n_layers)
@@ -225,6 +235,13 @@ def convert_with_report(
 
 def done_any(report: list[LayerConversion]) -> bool:
     return any(r.converted for r in report)
+
+
+def _placed_left(root: nn.Module) -> bool:
+    """Whether a quantizer outside the layers (one the placement applies to an op) still acts."""
+    inside = {id(q) for m in root.modules() if isinstance(m, QUANT_TYPES) for q in m.modules() if q is not m}
+    return any(isinstance(m, (FakeQuantizer, StaticQDQ)) and id(m) not in inside and getattr(m, "role", "") != "weight"
+               for m in root.modules())
 
 
 def _fuse_static_quantizers(root: nn.Module, *, drop: bool = False) -> int:
@@ -251,7 +268,7 @@ def _fuse_static_quantizers(root: nn.Module, *, drop: bool = False) -> int:
 
 
 def convert(model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True,
-            speed_check: Any = None, speed_dtype: torch.dtype = torch.float16, placed: str = "fuse") -> nn.Module:
+            speed_check: Any = None, speed_dtype: torch.dtype = torch.float16, placed: str = "drop") -> nn.Module:
     """A copy of the fake-quant ``model`` (or ``model`` itself with ``inplace``) running int8 kernels.
 
     Layers the kernels cannot run stay fake-quant (float) with the reason logged; with

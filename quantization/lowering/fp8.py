@@ -23,6 +23,8 @@ from torch import nn
 
 from compress.core.errors import CompressError, UnsupportedModelError
 from quantization.lowering.kernels import load
+from quantization.lowering.kernels.ops import compiling, ops
+from quantization.lowering.kernels.ops import register as register_ops
 from quantization.lowering.shared_input import SharedCodes
 from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.primitives import SCALE_EPS
@@ -69,6 +71,7 @@ class FP8Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
+        register_ops()  # torch.ops.compress.*, called under torch.compile
         self.in_features, self.out_features = in_features, out_features
         self.input_mode = "token"
         self.activation = "none"
@@ -122,9 +125,13 @@ class FP8Linear(nn.Module):
                 None if pqs is None else tuple(pqs.reshape(-1).tolist()))
 
     def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        quant = load("quant")
         pqs = self.pre_quant_scale
+        traced = compiling()
+        quant = None if traced else load("quant")
         if self.input_mode == "token":
+            if quant is None:
+                q, s = ops().quantize_per_token(x, -448, 448, True, pqs)
+                return q, s
             return quant.quantize_per_token(x, fp8=True, pre_scale=pqs)
         if self.input_mode == "dynamic_tensor":
             if pqs is not None:
@@ -132,6 +139,8 @@ class FP8Linear(nn.Module):
             scale = torch.clamp(x.detach().abs().amax().float().reshape(1) / 448.0, min=SCALE_EPS)
         else:
             scale = self.input_scale
+        if quant is None:
+            return ops().quantize_static(x, scale, 0, -448, 448, True, pqs), scale
         return quant.quantize_static(x, scale=scale, fp8=True, pre_scale=pqs), scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +148,7 @@ class FP8Linear(nn.Module):
             raise CompressError(f"FP8Linear: inputs must be float16, bfloat16 or float32 (got {x.dtype})")
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        if self.shared_codes is not None:
+        if self.shared_codes is not None and not compiling():
             xq, sa = self.shared_codes.get(x, lambda: self._quantize_input(flat))
         else:
             xq, sa = self._quantize_input(flat)
@@ -186,7 +195,8 @@ def fp8_gemm(
         y = y * sa * sb
         return y if bias is None else y + bias.float()
     dtype = out_dtype
-    if (dtype, rowwise) in _REFUSED:
+    if (dtype, rowwise) in _REFUSED or (rowwise and compiling()):
+        # a traced graph takes one path: row-wise scaling's bf16 output (what cuBLASLt writes), then cast
         dtype = torch.bfloat16
     while True:
         try:

@@ -21,6 +21,8 @@ from torch import nn
 
 from compress.core.errors import CompressError, UnsupportedModelError
 from quantization.lowering.kernels import ACTIVATIONS, load
+from quantization.lowering.kernels.ops import compiling, ops
+from quantization.lowering.kernels.ops import register as register_ops
 from quantization.lowering.shared_input import SharedCodes
 from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.primitives import SCALE_EPS
@@ -105,15 +107,18 @@ class _Int8Base(nn.Module):
                 None if pqs is None else tuple(pqs.reshape(-1).tolist()))
 
     def _codes(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The codes of ``flat`` (a view of ``x``), shared with the layers of the same signature."""
-        if self.shared_codes is None:
+        """The codes of ``flat`` (a view of ``x``), shared with the layers of the same signature
+        (under torch.compile the compiler's common-subexpression pass does the sharing)."""
+        if self.shared_codes is None or compiling():
             return self._quantize_input(flat)
         return self.shared_codes.get(x, lambda: self._quantize_input(flat))
 
     def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """int8 codes and scale(s) of ``x`` as the fake-quant input quantizer would produce them."""
-        quant = load("quant")
         pqs = self.pre_quant_scale
+        if compiling():
+            return self._quantize_input_op(x)
+        quant = load("quant")
         if self.input_mode == "token":
             return quant.quantize_per_token(x, qmin=self.qmin, qmax=self.qmax, pre_scale=pqs)
         if self.input_mode == "dynamic_tensor":
@@ -127,6 +132,20 @@ class _Int8Base(nn.Module):
             x, scale=scale, zero_point=self.input_zero_point, qmin=self.qmin, qmax=self.qmax, pre_scale=pqs
         )
         return q, scale
+
+    def _quantize_input_op(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_quantize_input` through the ``torch.ops.compress`` operators (torch.compile)."""
+        pqs = self.pre_quant_scale
+        if self.input_mode == "token":
+            q, s = ops().quantize_per_token(x, self.qmin, self.qmax, False, pqs)
+            return q, s
+        if self.input_mode == "dynamic_tensor":
+            if pqs is not None:
+                x, pqs = x * pqs.to(x.dtype), None
+            scale = torch.clamp(x.detach().abs().amax().float().reshape(1) / self._qmax_sym, min=SCALE_EPS)
+        else:
+            scale = self.input_scale
+        return ops().quantize_static(x, scale, self.input_zero_point, self.qmin, self.qmax, False, pqs), scale
 
     def _set_activation(self, activation: str) -> None:
         if activation not in ACTIVATIONS:
@@ -152,6 +171,7 @@ class Int8Linear(_Int8Base):
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
+        register_ops()  # torch.ops.compress.*, called under torch.compile
         self.in_features, self.out_features = in_features, out_features
         self.activation = "none"
         self.output_quantizer: FakeQuantizer | None = None
@@ -178,6 +198,10 @@ class Int8Linear(_Int8Base):
         out_dtype = self._out_dtype(x)
         lead = x.shape[:-1]
         xq, sa = self._codes(x, x.reshape(-1, self.in_features))
+        if compiling():
+            y = ops().int8_gemm(xq.reshape(-1, self.in_features), self.weight_q, sa, self.weight_scale, self.bias,
+                                self.input_zero_point, self.weight_colsum, ACTIVATIONS.index(self.activation), out_dtype)
+            return self._finish(y.reshape(*lead, self.out_features))
         y = load("gemm").int8_gemm(
             xq.reshape(-1, self.in_features), self.weight_q, a_scale=sa, b_scale=self.weight_scale, bias=self.bias,
             a_zero_point=self.input_zero_point, b_colsum=self.weight_colsum, activation=self.activation,
@@ -195,6 +219,7 @@ class Int8Conv2d(_Int8Base):
     def __init__(self, in_channels: int, out_channels: int, *, kernel_size: tuple[int, int],
                  stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int]) -> None:
         super().__init__()
+        register_ops()  # torch.ops.compress.*, called under torch.compile
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride, self.padding, self.dilation = kernel_size, stride, padding, dilation
         self.activation = "none"
@@ -234,6 +259,11 @@ class Int8Conv2d(_Int8Base):
             raise CompressError(f"Int8Conv2d: expects NCHW input (got {x.dim()}-D)")
         # channels-last codes: a no-op when the previous int8 layer already produced channels-last
         xq, sa = self._codes(x, x.contiguous(memory_format=torch.channels_last))
+        if compiling():
+            return self._finish(ops().int8_conv2d(
+                xq, self.weight_q, sa, self.weight_scale, self.bias, self.input_zero_point, self.weight_colsum,
+                list(self.stride), list(self.padding), list(self.dilation), ACTIVATIONS.index(self.activation),
+                out_dtype))
         y = load("conv").int8_conv2d(
             xq, self.weight_q, a_scale=sa, w_scale=self.weight_scale, bias=self.bias,
             a_zero_point=self.input_zero_point, w_colsum=self.weight_colsum, stride=self.stride,
@@ -257,6 +287,7 @@ class StaticQDQ(nn.Module):
 
     def __init__(self, scale: torch.Tensor, zero_point: int, qmin: int, qmax: int) -> None:
         super().__init__()
+        register_ops()  # torch.ops.compress.*, called under torch.compile
         self.register_buffer("scale", scale.detach().float().reshape(1).clone())
         self.zero_point, self.qmin, self.qmax = zero_point, qmin, qmax
 
@@ -272,6 +303,8 @@ class StaticQDQ(nn.Module):
         return cls(scale, int(q.zero_point.reshape(-1)[0]), q.qmin, q.qmax).to(scale.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if compiling():
+            return ops().fake_quantize_static(x, self.scale, self.zero_point, self.qmin, self.qmax)
         return load("quant").fake_quantize_static(x, scale=self.scale, zero_point=self.zero_point, qmin=self.qmin,
                                                  qmax=self.qmax)
 

@@ -38,7 +38,7 @@ def test_resnet_converts_fuses_relu_and_matches_fake_quant() -> None:
     fp = resnet(width=8, depth=1, in_channels=3).eval()
     data = [torch.randn(4, 3, 12, 12) for _ in range(4)]
     q = compress.quantize(copy.deepcopy(fp), "w8a8", data).eval()
-    c, report = convert_with_report(q)
+    c, report = convert_with_report(q, placed="fuse")  # the placed quantizers kept: the fake-quant arithmetic
     convs = [r for r in report if r.quant_type == "QuantConv2d"]
     assert convs and all(r.int8_type == "Int8Conv2d" for r in convs)
     assert [r.activation for r in report if r.name.endswith("conv1")] == ["relu"] * 3
@@ -83,7 +83,7 @@ def test_unconvertible_layers_stay_float_with_logged_reason(caplog: pytest.LogCa
     torch.manual_seed(2)
     q = compress.quantize(_Mixed().eval(), "w8a8", [torch.randn(2, 4, 6, 6) for _ in range(2)]).eval()
     with caplog.at_level(logging.INFO, logger="quantization.lowering.convert"):
-        c, report = convert_with_report(q)
+        c, report = convert_with_report(q, placed="fuse")
     by = {r.name: r for r in report}
     assert not by["dw"].converted and "groups=4" in by["dw"].reason
     assert not by["c1"].converted and "QuantConv1d" in by["c1"].reason
@@ -105,7 +105,7 @@ def test_qat_batchnorm_is_folded_on_the_copy() -> None:
     calibrate(fp, [torch.randn(2, 3, 8, 8) for _ in range(2)])
     fp.eval()
     assert fp[0].bn is not None
-    c = convert(fp)
+    c = convert(fp, placed="fuse")
     assert isinstance(c[0], Int8Conv2d) and fp[0].bn is not None
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad():

@@ -199,7 +199,7 @@ def test_converted_resnet_runs_its_kept_quantizers_as_one_kernel_with_parity() -
     x = torch.randn(2, 3, 16, 16)
     fq = compress.quantize(resnet(width=8, depth=2, in_channels=3).eval(), "w8a8", [x],
                            params=QuantizeParams(first_last="float")).eval()
-    conv, _ = convert_with_report(fq)
+    conv, _ = convert_with_report(fq, placed="fuse")
     assert not any(isinstance(m, FakeQuantizer) and m.enabled and m.role != "weight" for m in conv.modules())
     assert sum(isinstance(m, StaticQDQ) for m in conv.modules()) > 0
     with torch.no_grad():
@@ -220,8 +220,8 @@ def test_placed_drop_removes_the_emulated_integer_ops_and_keeps_every_int8_layer
     x = torch.randn(2, 3, 16, 16)
     fp = resnet(width=8, depth=2, in_channels=3).eval()
     fq = compress.quantize(fp, "w8a8", [x], params=QuantizeParams(first_last="float")).eval()
-    _, rep_f = convert_with_report(fq)
-    dropped, rep_d = convert_with_report(fq, placed="drop")
+    _, rep_f = convert_with_report(fq, placed="fuse")
+    dropped, rep_d = convert_with_report(fq)  # the default
     assert [r.converted for r in rep_f] == [r.converted for r in rep_d]
     assert not any(isinstance(m, (StaticQDQ, FakeQuantizer)) for m in dropped.modules())
     with torch.no_grad():
