@@ -234,7 +234,7 @@ def _check_static(q: Any, where: str) -> None:
     if spec.is_float:
         raise ExportError(
             f"{where}: float8 (fp8_e4m3) quantization has no ONNX Runtime CPU kernels; run it on CUDA "
-            "(compress.convert(model, backend='cuda')), or use an int8 scheme for ONNX export"
+            "(quantization.convert(model, backend='cuda')), or use an int8 scheme for ONNX export"
         )
     if spec.dynamic:
         raise ExportError(
