@@ -180,6 +180,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     )
     if args.json:
         print(json.dumps(records, indent=2, default=str))
+    elif args.backend == "cuda":
+        print(cuda_table(records))
     else:
         print(_compact_table(records))
         for row in records:
@@ -187,6 +189,24 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 if any(k in note for k in WARNING_NOTES):
                     print(f"warning: {row['runtime']} {row['model']}: {note}")
     return 0
+
+
+def cuda_table(rows: list[dict[str, Any]]) -> str:
+    """``compress validate RUN --backend cuda`` for a terminal: one line per batch size, then every
+    layer the deployed model keeps float, with the converter's reason."""
+    head = ["batch", "float", "float ms", "converted ms", "speedup", "metric", "fp32", "converted", "parity dB"]
+    body = [[r["batch"], r["float"], f"{r['float_ms']:.3g}", f"{r['int8_ms']:.3g}", f"{r['speedup']:.2f}x",
+             r.get("metric") or "-", "-" if r.get("fp32") is None else fig(r["fp32"]),
+             "-" if r.get("int8") is None else fig(r["int8"]),
+             "-" if r.get("parity_sqnr_db") is None else f"{r['parity_sqnr_db']:.1f}"] for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [head, *body]]
+    if rows:
+        kept = rows[0].get("kept_float") or []
+        lines.append(f"{rows[0].get('int8_layers', 0)} layers converted, {len(kept)} kept float"
+                     + (":" if kept else ""))
+        lines += [f"  {k}" for k in kept]
+    return "\n".join(lines)
 
 
 def _compact_table(rows: list[dict[str, Any]]) -> str:

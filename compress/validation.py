@@ -159,13 +159,16 @@ def validate_run_cuda(
     res = validate_cuda(model, eval_loader=data.eval, reference=baseline, batch_sizes=batch_sizes, runs=runs,
                         metric=recipe.train.metric, device=device, dtype=dtype or torch.float16)
     acc, par = res.get("accuracy") or {}, res.get("parity") or {}
+    conv = res.get("conversion") or {}
+    kept = [f"{k['name']} ({k['type']}): {k['reason']}" for k in conv.get("float_layers", [])]
     return [
         {"runtime": "cuda", "device": res.get("device"), "batch": row["batch"], "float": res.get("float_dtype"),
          "float_ms": row["float_ms"], "int8_ms": row["int8_ms"], "speedup": row["speedup"],
          "metric": recipe.train.metric, "fp32": acc.get("fp32"), "fakequant": acc.get("fakequant"),
          "int8": acc.get("int8"),
          "parity_sqnr_db": par.get("sqnr_db"), "parity_top1": par.get("top1_agreement"),
-         "size_ratio": (res.get("size") or {}).get("ratio")}
+         "size_ratio": (res.get("size") or {}).get("ratio"), "int8_layers": conv.get("int8_layers"),
+         "kept_float": kept}
         for row in res.get("latency", [])
     ]
 

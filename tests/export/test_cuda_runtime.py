@@ -114,6 +114,11 @@ def test_validate_a_run_folder_with_backend_cuda(tmp_path: Path) -> None:
     assert r["fp32"] is not None and r["int8"] is not None and r["fp32"] - r["int8"] <= 0.05
     assert r["parity_sqnr_db"] > 30 and r["parity_top1"] >= 0.98
     assert all(x["int8_ms"] > 0 and x["float_ms"] > 0 for x in rows)
+    from compress.cli import cuda_table
+
+    table = cuda_table(rows).splitlines()  # what the CLI prints
+    assert table[0].split()[:2] == ["batch", "float"] and len(table) == 1 + len(rows) + 1 + len(r["kept_float"])
+    assert table[1 + len(rows)] == f"{r['int8_layers']} layers converted, {len(r['kept_float'])} kept float"
 
 
 def test_backend_cuda_needs_a_run_folder(tmp_path: Path) -> None:
