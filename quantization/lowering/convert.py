@@ -217,7 +217,7 @@ def convert_with_report(
     )
     if shared:
         log.info("convert: %d layers share their input quantization with another reader of the same tensor", shared)
-    fused = _fuse_static_quantizers(root, drop=placed == "drop") if done_any(report) else 0
+    fused = _fuse_static_quantizers(root, drop=placed == "drop") if _any_converted(report) else 0
     if fused:
         log.info("convert: %d placed activation quantizers %s", fused,
                  "dropped (CUDA runs their ops in float)" if placed == "drop" else "now run as one kernel each")
@@ -233,7 +233,7 @@ def convert_with_report(
     return model, report
 
 
-def done_any(report: list[LayerConversion]) -> bool:
+def _any_converted(report: list[LayerConversion]) -> bool:
     return any(r.converted for r in report)
 
 
