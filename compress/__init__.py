@@ -25,9 +25,15 @@ def _train_for(model: Any, data: Any, *, epochs: float, lr: float | None, device
     return train_for(model, data, epochs=epochs, lr=lr, device=device, desc=desc)
 
 
-# the core's model-loading and training slots, filled here because every module of the core lives
-# inside this package: whoever imports any of it has run this file first
-_services.provide(loader=_load_model, trainer=_train_for)
+def _save_quantized(model: Any, out_dir: Any, **kwargs: Any) -> Any:
+    from export.compressed_tensors import save_compressed_tensors
+
+    return save_compressed_tensors(model, out_dir, **kwargs)
+
+
+# the core's model-loading, training and saving slots, filled here because every module of the core
+# lives inside this package: whoever imports any of it has run this file first
+_services.provide(loader=_load_model, trainer=_train_for, saver=_save_quantized)
 
 _EXPORTS: dict[str, str] = {
     # core

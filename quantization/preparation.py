@@ -8,6 +8,7 @@ state_dict keys (BatchNorm folded into the conv, SmoothQuant factors folded into
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, cast
 
@@ -210,7 +211,33 @@ def prepare(
         if call is not None:
             place_graph(model, config, *call)
     log.info("%s: prepared %d modules (%s)", where, len(swapped), _summary(swapped))
+    attach_quantized_save(model)
     return swapped
+
+
+def _save_pretrained_quantized(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    """``save_pretrained`` of a quantized transformers model: the compressed checkpoint transformers and
+    vLLM reload (weight-only int4 or fp8, as compressed-tensors). Other schemes have no such form
+    (the class's own save would write float weights and quantizer state no loader reads): one line
+    says what to use instead."""
+    from compress.core.errors import UnsupportedModelError
+    from compress.core.services import save_quantized
+
+    try:
+        return save_quantized(self, save_directory, tokenizer=kwargs.get("tokenizer"))
+    except UnsupportedModelError as exc:
+        raise UnsupportedModelError(
+            f"save_pretrained: {exc}; a transformers checkpoint holds weight-only int4 or fp8 models: export "
+            "this one with compress.export_onnx, or save its state with torch.save(model.state_dict())"
+        ) from None
+
+
+def attach_quantized_save(model: nn.Module) -> None:
+    """Make ``model.save_pretrained`` write the compressed checkpoint, for transformers models (a bound
+    method on the instance: deep copies rebind it to the copy; :func:`strip` removes it)."""
+    root = unwrap(model)
+    if callable(getattr(type(root), "save_pretrained", None)) and hasattr(root, "config"):
+        root.__dict__["save_pretrained"] = types.MethodType(_save_pretrained_quantized, root)
 
 
 def linearize_conv1d(model: nn.Module) -> list[str]:
@@ -327,6 +354,7 @@ def strip(model: nn.Module) -> nn.Module:
     the weight and KV-cache quantizers are removed, so the float model computes what the prepared model computes with quantizers off.
     """
     root = unwrap(model)
+    root.__dict__.pop("save_pretrained", None)  # the class's own save again
     unsmooth(root)
     detach(root)
     remove_kv_quantization(root)

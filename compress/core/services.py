@@ -1,4 +1,5 @@
-"""Two services the algorithm packages need from the top floor: load a model reference, train a model.
+"""Services the algorithm packages need from the top floor: load a model reference, train a model,
+save a quantized transformers model as the checkpoint its runtimes load.
 
 Loading and training are the top floor's work (compress.models, compress.training), but a
 distillation teacher is a model reference, trained first when it has no weights. So the services
@@ -31,14 +32,27 @@ class ModelTrainer(Protocol):
                  device: torch.device, desc: str) -> float | None: ...
 
 
+class QuantizedSaver(Protocol):
+    def __call__(self, model: nn.Module, out_dir: Any, **kwargs: Any) -> Any: ...
+
+
 _loader: ModelLoader | None = None
 _trainer: ModelTrainer | None = None
+_saver: QuantizedSaver | None = None
 
 
-def provide(*, loader: ModelLoader, trainer: ModelTrainer) -> None:
-    """Fill the two service slots (the top floor does, once, when ``compress`` is imported)."""
-    global _loader, _trainer
-    _loader, _trainer = loader, trainer
+def provide(*, loader: ModelLoader, trainer: ModelTrainer, saver: QuantizedSaver | None = None) -> None:
+    """Fill the service slots (the top floor does, once, when ``compress`` is imported)."""
+    global _loader, _trainer, _saver
+    _loader, _trainer, _saver = loader, trainer, saver
+
+
+def save_quantized(model: nn.Module, out_dir: Any, **kwargs: Any) -> Any:
+    """Write a quantized transformers ``model`` as a compressed checkpoint (compressed-tensors);
+    raises UnsupportedModelError when its scheme has no such form."""
+    if _saver is None:
+        raise CompressError("no quantized-model saver is registered: import compress first")
+    return _saver(model, out_dir, **kwargs)
 
 
 def load_model_reference(spec: ModelSpec | Mapping[str, Any], *, where: Where = "model") -> nn.Module:

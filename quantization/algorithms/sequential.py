@@ -30,7 +30,7 @@ from compress.core.errors import CalibrationError, UnsupportedModelError
 from compress.core.targets import select_modules
 from quantization.numerics.modules import QuantLinear
 from quantization.numerics.spec import QuantScheme
-from quantization.preparation import linearize, plan_targets, prepare, unwrap
+from quantization.preparation import attach_quantized_save, linearize, plan_targets, prepare, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +185,7 @@ def sequential_quantize(
     if outside:
         prepare(root, scheme, targets=outside, quantize_ops=False, where=f"{where} (outside decoder layers)")
         log.info("%s: %d targeted layers outside the decoder layers got round-to-nearest", where, len(outside))
+    attach_quantized_save(root)  # model.save_pretrained writes the compressed checkpoint
     return {"layers": reports, "seconds": time.perf_counter() - t0, "quantized_linears": sum(len(p) for p in per_layer)}
 
 

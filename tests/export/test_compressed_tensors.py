@@ -181,3 +181,42 @@ def test_static_fp8_inputs_are_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError, match=r"dynamic per-token fp8|outside the fp8 layers") as err:
         save_compressed_tensors(fq, tmp_path / "ckpt")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("how", ["rtn", "gptq", "fp8"])
+def test_save_pretrained_of_a_quantized_model_writes_the_compressed_checkpoint(how: str, tmp_path: Path) -> None:
+    """The save users reach for: ``model.save_pretrained(dir)`` after quantize/gptq writes the
+    compressed-tensors checkpoint (not float weights plus quantizer tensors), which transformers reloads."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    if how == "gptq":
+        q = compress.gptq(model, [ids], scheme=_w4(32, symmetric=True), ignore=["lm_head"])
+    else:
+        q = compress.quantize(model, "FP8_DYNAMIC" if how == "fp8" else _w4(32, symmetric=True), [ids],
+                              ignore=["lm_head"])
+    q.save_pretrained(tmp_path / "ckpt")
+    qc = json.loads((tmp_path / "ckpt" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    assert qc["format"] == ("float-quantized" if how == "fp8" else "pack-quantized")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, q(ids).logits, atol=1e-5, rtol=1e-4)
+    import copy
+
+    clone = copy.deepcopy(q)  # the save is bound to each copy, not to the model it was made from
+    assert clone.save_pretrained.__self__ is clone
+
+
+def test_save_pretrained_of_a_scheme_without_checkpoint_form_says_what_to_use_and_strip_restores_it(
+        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9))
+    q = compress.quantize(transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval(), "w8a8", [ids])
+    with pytest.raises(UnsupportedModelError, match=r"save_pretrained: .* export this one with compress.export_onnx") as err:
+        q.save_pretrained(tmp_path / "w8a8")
+    assert "\n" not in str(err.value) and not (tmp_path / "w8a8" / "config.json").exists()
+    from quantization import strip
+
+    strip(q)
+    assert "save_pretrained" not in q.__dict__
