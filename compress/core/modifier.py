@@ -67,6 +67,7 @@ class State:
     ``select_evaluate(model)`` the same metric on data kept apart from it, on which accuracy-aware
     quantization and metric sensitivity choose (``evaluate`` when None, so that a figure reported
     on eval data was not also tuned on it); any may be None when not provided.
+    ``companions`` are the models a modifier runs beside ``model`` during training (its teacher).
     Modifiers report into ``metrics`` (scalars, per stage), ``tables`` (name -> rows, rendered in
     report.md) and may write files (plots) under ``out_dir`` (None outside a run folder), listing
     their paths in ``artifacts``.
@@ -94,6 +95,9 @@ class State:
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     out_dir: Path | None = None
     artifacts: list[str] = field(default_factory=list)
+    #: models a modifier runs beside ``model`` while it trains (a distillation teacher): under FSDP2
+    #: they are sharded and gathered with it
+    companions: list[nn.Module] = field(default_factory=list)
 
     @property
     def stage_epoch(self) -> float:
