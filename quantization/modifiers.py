@@ -183,7 +183,9 @@ class PTQModifier(Modifier[PTQSpec]):
             raise CalibrationError(f"{self.where}: ptq needs calibration data (data.calibration_samples > 0)")
 
         def loop(m: nn.Module) -> int:
-            return state.forward_loop(m, max_batches=s.num_batches)
+            # under torchrun each rank calibrates on its share of the batches: observers and SmoothQuant
+            # reduce across ranks; bias correction does not, so it sees every batch on every rank
+            return state.forward_loop(m, max_batches=s.num_batches, share=not s.bias_correction)
 
         float_metric = None
         judge = _judge(state)
@@ -301,8 +303,8 @@ class QATModifier(Modifier[QATSpec]):
 
     def _init_loop(self, state: State) -> ForwardLoop:
         n = self.spec.num_batches
-        if state.calibration_data is not None:
-            return lambda m: state.forward_loop(m, max_batches=n)
+        if state.calibration_data is not None:  # observers reduce across ranks: each calibrates on its share
+            return lambda m: state.forward_loop(m, max_batches=n, share=True)
         if state.train_data is not None:
             return as_forward_loop(state.train_data, max_batches=n)
         raise CalibrationError(f"{self.where}: qat needs calibration or training data to initialize its ranges")
