@@ -241,7 +241,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _tiny_llm_recipe(tmp: Path) -> Path:
+def _tiny_llm_recipe(tmp: Path, **fields: Any) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from compress.data.lm import iter_texts, split_files, train_tokenizer
@@ -264,6 +264,7 @@ def _tiny_llm_recipe(tmp: Path) -> Path:
             {"type": "qat", "scheme": "w8a8", "ignore": ["lm_head"], "lsq": True, "num_batches": 1}]}],
         "export": {"enabled": False}, "validate": {"enabled": False},
     }
+    recipe.update(fields)
     path = tmp / "r.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
@@ -318,3 +319,30 @@ def test_killed_rank_two_nodes_then_resume_on_two_ranks_and_on_one(tmp_path: Pat
         rel = float((w1[k] - w2[k]).norm() / w1[k].norm().clamp_min(1e-12))
         assert rel < 0.02, (k, rel)
     assert abs(rep.baseline.accuracy - two_ranks["baseline"]["accuracy"]) < 0.05 * two_ranks["baseline"]["accuracy"]
+
+
+def test_pruning_schedule_with_kd_trains_sharded_between_its_steps(tmp_path: Path) -> None:
+    """Minitron-style width pruning in two steps a training epoch apart, recovered by KD from the
+    unpruned model: each step cuts the gathered (plain) model, the next epoch shards the narrower one."""
+    recipe = _tiny_llm_recipe(tmp_path, train={"epochs": 0, "metric": "perplexity", "batch_size": 8,
+                                               "optimizer": "adamw", "lr": 0.001, "device": "cpu"},
+                              stages=[{"name": "prune_kd", "epochs": 2, "modifiers": [
+                                  {"type": "prune", "target": {"params": 0.8}, "importance": "activation",
+                                   "activation_batches": 1, "steps": 2},
+                                  {"type": "distill", "task_weight": 0.0, "eval_batches": 0,
+                                   "losses": [{"type": "kd", "temperature": 1.0}]}]}])
+    out = tmp_path / "fsdp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+         f"--master-port={_free_port()}", "-m", "compress.cli", "apply", str(recipe), "--out", str(out)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (out / "run.log").read_text()
+    # student and teacher sharded in each of the 2 epochs, the second time after the second cut
+    assert log.count("FSDP2: sharded over 2 ranks") == 4, log
+    assert log.index("step 2/2") < log.rindex("FSDP2: sharded")
+    sharded = json.loads((out / "report.json").read_text())
+    single = compress.apply(recipe, out_dir=tmp_path / "single", quiet=True)
+    assert sharded["final"]["params"] == single.final.params < single.baseline.params
+    assert single.final.accuracy is not None
+    assert abs(sharded["final"]["accuracy"] - single.final.accuracy) < 0.02 * single.final.accuracy
