@@ -52,7 +52,7 @@ class DistributedSpec(StrictSpec):
     """
 
     strategy: Literal["ddp", "fsdp"] = "ddp"
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    mixed_precision: Literal["none", "bf16", "fp16"] = "none"
     cpu_offload: bool = False
     timeout_s: float | None = Field(None, gt=0)
 
@@ -101,7 +101,7 @@ def shard(model: nn.Module, spec: DistributedSpec, *, device: torch.device,
     if spec.cpu_offload and device.type != "cuda":
         raise CompressError(f"{where}.cpu_offload: needs CUDA (on CPU the parameters already live in host memory)")
     mesh = init_device_mesh(device.type, (_world(),))
-    dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.mixed_precision]
+    dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.mixed_precision]
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
     offload = CPUOffloadPolicy() if spec.cpu_offload else OffloadPolicy()
     places = _param_places(model)

@@ -45,7 +45,7 @@ def _check_distributed(recipe: Recipe, flag: str | None) -> None:
     if d.cpu_offload and d.strategy != "fsdp":
         raise RecipeError(f"{recipe.where('distributed.cpu_offload')}: offloads FSDP's sharded state; "
                           "set distributed.strategy: fsdp")
-    if d.mixed_precision != "no" and d.strategy != "fsdp":
+    if d.mixed_precision != "none" and d.strategy != "fsdp":
         raise RecipeError(f"{recipe.where('distributed.mixed_precision')}: is FSDP's compute dtype; set "
                           "distributed.strategy: fsdp (or train.amp for DDP on CUDA)")
 

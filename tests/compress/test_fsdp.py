@@ -159,6 +159,17 @@ def _worker(rank: int, port: int, out: str) -> None:
         res["epoch"] = load_sharded(Path(out) / "ckpt", fresh, fresh_opt)
         res["loaded_diff"] = max(float((p.detach() - ref[n].detach()).abs().max()) for n, p in fresh.named_parameters())
         res["ddp_step"] = {n: p.detach().clone() for n, p in ddp_model.named_parameters()}
+        # bf16 compute: the forward runs in bfloat16, the parameters and their state stay float32
+        mixed, _ = _prepared()
+        mopt = torch.optim.AdamW(mixed.parameters(), lr=1e-3)
+        shard(mixed, DistributedSpec(strategy="fsdp", mixed_precision="bf16"), device=torch.device("cpu"),
+              optimizer=mopt)
+        logits = mixed(input_ids=x).logits
+        torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten()).backward()
+        mopt.step()
+        consolidate(mixed, optimizer=mopt)
+        res["bf16"] = (logits.dtype, {p.dtype for p in mixed.parameters()},
+                       all(bool(torch.isfinite(p).all()) for p in mixed.parameters()))
         res["distill"] = _distill_sharded(rank)
         torch.save(res, Path(out) / f"rank{rank}.pt")
         dist.barrier()
@@ -216,6 +227,7 @@ def test_fsdp2_qat_and_distillation_two_processes(tmp_path: Path) -> None:
     for k, v in r0["state"].items():  # consolidated: every rank holds the same full weights
         assert torch.equal(v, r1["state"][k]), k
     assert r0["epoch"] == 7 and r0["loaded_diff"] < 1e-5 and r1["loaded_diff"] < 1e-5
+    assert r0["bf16"] == (torch.bfloat16, {torch.float32}, True)
     assert r0["distill"] == {"teacher_sharded": [True, True], "plain_after": True, "finite": True}
     # DCP resharding: the checkpoint the 2 ranks wrote loads in one process, no process group
     fresh, _ = _prepared()
