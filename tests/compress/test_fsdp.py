@@ -358,3 +358,30 @@ def test_pruning_schedule_with_kd_trains_sharded_between_its_steps(tmp_path: Pat
     assert sharded["final"]["params"] == single.final.params < single.baseline.params
     assert single.final.accuracy is not None
     assert abs(sharded["final"]["accuracy"] - single.final.accuracy) < 0.02 * single.final.accuracy
+
+
+def _hang_worker(rank: int, port: int, out: str) -> None:
+    from compress.cli import _lost_peers
+    from compress.training import init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    init_distributed(torch.device("cpu"), DistributedSpec(timeout_s=1))
+    if rank == 1:  # hangs: never joins the collective, never exits before its peer gave up
+        time.sleep(5)
+        return
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        line = "no error"
+    except Exception as exc:  # what the CLI prints for it
+        line = str(_lost_peers(exc))
+    Path(out, "hang.json").write_text(json.dumps({"seconds": time.monotonic() - t0, "line": line}))
+
+
+def test_a_hung_rank_fails_the_others_after_the_timeout(tmp_path: Path) -> None:
+    mp.spawn(_hang_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = json.loads((tmp_path / "hang.json").read_text())
+    # the collective gave up at the timeout, not when the hung rank finally went away
+    assert "Timed out" in got["line"] and got["seconds"] < 4, got
+    assert got["line"].startswith("rank 0: lost the other ranks (one died, or hung past distributed.timeout_s)"), got
