@@ -317,8 +317,17 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
                 from compress.distributed import save_sharded
 
                 save_sharded(sharded, m, o, e)
+                stale: Path = last
             else:
                 save_checkpoint(last, m, o, e)
+                stale = sharded
+            if main:  # a resumed run that changed strategy: the older kind must not be resumed from next
+                if stale.is_dir():
+                    import shutil
+
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
             run.record()
 
         trainer.checkpoint = checkpoint

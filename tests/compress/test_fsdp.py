@@ -325,6 +325,9 @@ def test_killed_rank_two_nodes_then_resume_on_two_ranks_and_on_one(tmp_path: Pat
     rep = compress.apply(recipe, out_dir=one, resume=True, quiet=True)
     assert rep.error is None
     assert "resumed baseline training at epoch 1 from baseline_last.dcp (1 rank(s))" in (one / "run.log").read_text()
+    # one rank wrote plain checkpoints from there on: the older sharded one is gone, never resumed from again
+    assert (one / "checkpoints" / "baseline_last.pt").is_file()
+    assert not (one / "checkpoints" / "baseline_last.dcp").exists()
     w2 = torch.load(out / "checkpoints" / "baseline.pt", weights_only=True)["model"]
     w1 = torch.load(one / "checkpoints" / "baseline.pt", weights_only=True)["model"]
     for k in w1:  # the same global batch from the same epoch-1 state: the same training, up to rounding
