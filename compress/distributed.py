@@ -90,9 +90,13 @@ def _world() -> int:
 
 
 def shard(model: nn.Module, spec: DistributedSpec, *, device: torch.device,
-          optimizer: torch.optim.Optimizer | None = None, where: str = "distributed") -> list[str]:
+          optimizer: torch.optim.Optimizer | None = None, forward_only: bool = False,
+          where: str = "distributed") -> list[str]:
     """Shard ``model`` in place with FSDP2 over all ranks (per block, then the root); the
-    optimizer's parameters (and any state they have) move to the sharded ones. Returns the blocks."""
+    optimizer's parameters (and any state they have) move to the sharded ones. Returns the blocks.
+
+    ``forward_only`` (a teacher): the root's weights too are freed after each forward (FSDP keeps a
+    root's gathered weights for the backward that follows, which a forward-only model never runs)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -111,7 +115,8 @@ def shard(model: nn.Module, spec: DistributedSpec, *, device: torch.device,
     scalars = {p for p in model.parameters() if p.dim() == 0}
     for _, block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=scalars)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=scalars)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=scalars,
+                reshard_after_forward=True if forward_only else None)
     _GRAD_SYNC[model] = [p.register_post_accumulate_grad_hook(_average_grad) for p in scalars if p.requires_grad]
     if optimizer is not None:
         _move_optimizer(optimizer, {pid: getattr(mod, name) for pid, (mod, name) in places.items()}, to_dtensor=True)
@@ -132,7 +137,7 @@ def distribute(model: nn.Module, spec: DistributedSpec, *, device: torch.device,
             shard(model, spec, device=device, optimizer=optimizer)
         for c in companions:
             if not is_sharded(c):
-                shard(c, spec, device=device)
+                shard(c, spec, device=device, forward_only=True)
         return model
     ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=ids)
