@@ -84,6 +84,14 @@ def test_distributed_section_is_checked_in_one_line() -> None:
         shard(nn.Linear(2, 2), DistributedSpec(strategy="fsdp"), device=torch.device("cpu"))
 
 
+def test_an_interrupted_sharded_checkpoint_is_a_temp_file() -> None:
+    from compress.run_folder import is_temp
+
+    assert is_temp(Path("checkpoints/baseline_last.dcp.tmp/__1_0.distcp"))
+    assert is_temp(Path("checkpoints/baseline_last.dcp.old/.metadata"))
+    assert not is_temp(Path("checkpoints/baseline_last.dcp/__1_0.distcp"))
+
+
 # ---- two processes (gloo) -------------------------------------------------------------------------
 
 
