@@ -178,11 +178,33 @@ def _worker(rank: int, port: int, out: str) -> None:
         consolidate(mixed, optimizer=mopt)
         res["bf16"] = (logits.dtype, {p.dtype for p in mixed.parameters()},
                        all(bool(torch.isfinite(p).all()) for p in mixed.parameters()))
+        res["gpt2"] = _gpt2_matches_ddp(rank)
         res["distill"] = _distill_sharded(rank)
         torch.save(res, Path(out) / f"rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _gpt2_matches_ddp(rank: int) -> tuple[str, bool, float]:
+    """Another architecture (GPT-2: Conv1D layers in ``transformer.h``, tied head): one sharded step
+    equals one DDP step, and the plain model comes back."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # no dropout: comparable steps
+    ref = copy.deepcopy(m)
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    opt, ref_opt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    shard(m, DistributedSpec(strategy="fsdp"), device=torch.device("cpu"), optimizer=opt)
+    for model, o in ((m, opt), (nn.parallel.DistributedDataParallel(ref), ref_opt)):
+        model(input_ids=x, labels=x).loss.backward()
+        o.step()
+    consolidate(m, optimizer=opt)
+    want = dict(ref.named_parameters())
+    diff = max(float((p.detach() - want[n].detach()).abs().max()) for n, p in m.named_parameters())
+    return type(m).__name__, m.lm_head.weight is m.transformer.wte.weight, diff
 
 
 def _scalar_grads_agree(m: nn.Module) -> bool:
@@ -240,6 +262,8 @@ def test_fsdp2_qat_and_distillation_two_processes(tmp_path: Path) -> None:
         assert torch.equal(v, r1["state"][k]), k
     assert r0["epoch"] == 7 and r0["loaded_diff"] < 1e-5 and r1["loaded_diff"] < 1e-5
     assert r0["bf16"] == (torch.bfloat16, {torch.float32}, True)
+    name, tied, diff = r0["gpt2"]
+    assert name == "GPT2LMHeadModel" and tied and diff < 1e-5, r0["gpt2"]
     assert r0["distill"] == {"teacher_sharded": [True] * 4, "plain_after": True, "finite": True}
     # DCP resharding: the checkpoint the 2 ranks wrote loads in one process, no process group
     fresh, _ = _prepared()
