@@ -261,17 +261,19 @@ def apply(
                 report.write(out)
                 folder.record()
             if run.dist.enabled:
-                report = _share_report(report)
+                report = _share_report(report, group=run.dist.wait_group)
     finally:
         if run.dist.enabled and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return report
 
 
-def _share_report(report: Report) -> Report:
-    """Rank 0's report, on every rank: one set of records, one threshold verdict, one exit code."""
+def _share_report(report: Report, *, group: Any = None) -> Report:
+    """Rank 0's report, on every rank: one set of records, one threshold verdict, one exit code.
+    The other ranks wait here through rank 0's export and validation: ``group`` is one whose
+    timeout is not distributed.timeout_s."""
     box: list[Any] = [report.model_dump(mode="json") if torch.distributed.get_rank() == 0 else None]
-    torch.distributed.broadcast_object_list(box, src=0)
+    torch.distributed.broadcast_object_list(box, src=0, group=group)
     return Report.model_validate(box[0])
 
 

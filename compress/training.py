@@ -8,6 +8,7 @@ on CUDA), with rank 0 alone writing files.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
@@ -50,6 +51,9 @@ class Dist:
     local_rank: int = 0
     #: how training runs across the ranks (DDP or FSDP2)
     spec: DistributedSpec = field(default_factory=DistributedSpec)
+    #: the process group for waits that last as long as rank 0's own work (its export and
+    #: validation), which ``spec.timeout_s`` must not cut short; None: the default group
+    wait_group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -79,7 +83,10 @@ def init_distributed(device: torch.device, spec: DistributedSpec | None = None) 
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout_of(spec))
     if device.type == "cuda":
         torch.cuda.set_device(local)
-    return Dist(rank, world, local, spec)
+    wait = None
+    if spec.timeout_s is not None:  # a dead peer still fails it at once (a closed connection); a hung one in a day
+        wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    return Dist(rank, world, local, spec, wait)
 
 
 def resolve_device(name: str) -> torch.device:

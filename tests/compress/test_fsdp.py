@@ -424,3 +424,25 @@ def test_a_hung_rank_fails_the_others_after_the_timeout(tmp_path: Path) -> None:
     # the collective gave up at the timeout, not when the hung rank finally went away
     assert "Timed out" in got["line"] and got["seconds"] < 4, got
     assert got["line"].startswith("rank 0: lost the other ranks (one died, or hung past distributed.timeout_s)"), got
+
+
+def _slow_export_worker(rank: int, port: int, out: str) -> None:
+    from compress.report import Report
+    from compress.runner import _share_report
+    from compress.training import init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    d = init_distributed(torch.device("cpu"), DistributedSpec(timeout_s=1))
+    try:
+        if rank == 0:
+            time.sleep(3)  # rank 0 exports and validates for longer than distributed.timeout_s
+        got = _share_report(Report(recipe={"rank": rank}), group=d.wait_group)
+        Path(out, f"share{rank}.json").write_text(json.dumps(got.recipe))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_other_ranks_wait_out_rank_0s_export_past_the_timeout(tmp_path: Path) -> None:
+    mp.spawn(_slow_export_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert json.loads((tmp_path / "share1.json").read_text()) == {"rank": 0}
