@@ -416,6 +416,9 @@ def _hang_worker(rank: int, port: int, out: str) -> None:
     except Exception as exc:  # what the CLI prints for it
         line = str(_lost_peers(exc))
     Path(out, "hang.json").write_text(json.dumps({"seconds": time.monotonic() - t0, "line": line}))
+    # the test needs only this line: leave without tearing down the group whose collective timed out
+    # (at interpreter exit gloo may abort on it while the hung peer is still there)
+    os._exit(0)
 
 
 def test_a_hung_rank_fails_the_others_after_the_timeout(tmp_path: Path) -> None:
