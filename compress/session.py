@@ -200,6 +200,14 @@ class Session:
         return distribute(st.model, self.distributed, device=st.device, optimizer=st.optimizer,
                           companions=st.companions)
 
+    def gather(self) -> None:
+        """Undo :meth:`distribute`'s sharding: every rank gets the full plain weights back (the
+        optimizer's state follows), e.g. to evaluate mid-stage; a collective, every rank calls it.
+        No-op unless sharded; the next :meth:`distribute` shards again."""
+        st = self.state
+        if is_sharded(st.model) or any(is_sharded(c) for c in st.companions):
+            gather(st.model, optimizer=st.optimizer, companions=st.companions)
+
     def on_stage_start(self, fn: Callable[[Session], None]) -> None:
         """Call ``fn(session)`` whenever a training stage starts (e.g. a callback that rebuilds its
         optimizer per stage; the built-in runner builds one per stage in ``Trainer.fit`` instead)."""
@@ -271,10 +279,7 @@ class Session:
 
     def _finish_stage(self) -> None:
         stage = self.recipe.stages[self._index]
-        st = self.state
-        if is_sharded(st.model) or any(is_sharded(c) for c in st.companions):
-            # modifiers finalize on plain weights (calibration, pruning surgery, saving, export)
-            gather(st.model, optimizer=st.optimizer, companions=st.companions)
+        self.gather()  # modifiers finalize on plain weights (calibration, pruning surgery, saving, export)
         for m in self.modifiers[self._index]:
             m.finalize(self.state)
         result = StageResult(stage.name, dict(self.state.metrics), dict(self.state.tables), list(self.state.artifacts))

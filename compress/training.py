@@ -210,13 +210,18 @@ class Trainer:
     def _wrap(self, model: nn.Module, opt: torch.optim.Optimizer, session: Session | None) -> nn.Module:
         if not self.dist.enabled:
             return model
-        return distribute(model, self.dist.spec, device=self.device, optimizer=opt,
-                          companions=session.state.companions if session is not None else ())
+        if session is not None and session.model is model:  # its teacher is sharded with it (FSDP2)
+            return session.distribute()
+        return distribute(model, self.dist.spec, device=self.device, optimizer=opt)
 
     def _consolidate(self, model: nn.Module, opt: torch.optim.Optimizer, session: Session | None) -> None:
         """Back to plain tensors (FSDP2) before anything but the training loop reads the weights."""
-        if self.dist.sharded:
-            gather(model, optimizer=opt, companions=session.state.companions if session is not None else ())
+        if not self.dist.enabled:
+            return
+        if session is not None and session.model is model:
+            session.gather()
+        else:
+            gather(model, optimizer=opt)  # no-op unless sharded
 
     def fit(
         self,
