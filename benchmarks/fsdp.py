@@ -27,6 +27,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -221,14 +222,14 @@ def export_parity(work: Path, model_dir: Path) -> dict[str, Any]:
 # ---- a rank killed under compress apply, then --resume -------------------------------------------
 
 _KILLER = """
-import os, signal, sys, time
+import json, os, signal, sys, time
 import compress.distributed as d
 save = d.save_sharded
 def save_then_die(path, model, opt, epoch):
     save(path, model, opt, epoch)
     if os.environ.get("RANK") == "1" and epoch == 1:
-        open(os.environ["KILL_STAMP"], "w").write(repr(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
+        open(os.environ["KILL_STAMP"], "w").write(json.dumps([time.time(), os.getpid()]))
+        os.kill(os.getpid(), getattr(signal, os.environ.get("KILL_SIGNAL", "SIGKILL")))
 d.save_sharded = save_then_die
 from compress.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -267,7 +268,7 @@ def kill_and_resume(work: Path, model_dir: Path, timeout_s: int) -> dict[str, An
         exits.append(time.time())
         codes.append(p.returncode)
         errs.append(err)
-    killed_at = float(stamp.read_text())
+    killed_at = float(json.loads(stamp.read_text())[0])
     line = next((ln for e in errs for ln in e.splitlines() if ln.startswith("compress: error:")), "")
     report = out / "report.json"
     complete = report.exists() and json.loads(report.read_text()).get("error") is None
@@ -291,7 +292,39 @@ def kill_and_resume(work: Path, model_dir: Path, timeout_s: int) -> dict[str, An
             "line": line, "folder_complete": complete, "resumed": resumed}
 
 
-def render(runs: dict[str, list[dict[str, Any]]], parity: dict[str, Any], kill: dict[str, Any], layers: int) -> str:
+def hang(work: Path, model_dir: Path, timeout_s: int) -> dict[str, Any]:
+    """A rank stopped (SIGSTOP: alive, silent) after the epoch-1 checkpoint: how long until the
+    other rank gives up, bounded by distributed.timeout_s."""
+    import yaml
+
+    recipe = yaml.safe_load((work / "kill.yaml").read_text())
+    recipe["distributed"]["timeout_s"] = timeout_s
+    path = work / "hang.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out, stamp = work / "hang_run", work / "hang.stamp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "KILL_STAMP": str(stamp),
+           "KILL_SIGNAL": "SIGSTOP"}
+    port = _free_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fsdp-hang", str(work / "killer.py"), "apply", str(path),
+         "--out", str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in (0, 1)]
+    first = None
+    while first is None:
+        first = next((p for p in nodes if p.poll() is not None), None)
+        time.sleep(0.1)
+    gave_up = time.time()
+    stopped_at, pid = json.loads(stamp.read_text())
+    os.kill(pid, signal.SIGKILL)  # the stopped rank: ours, started above
+    errs = [p.communicate(timeout=120)[1] for p in nodes]
+    line = next((ln for e in errs for ln in e.splitlines() if ln.startswith("compress: error:")), "")
+    return {"timeout_s": timeout_s, "seconds_to_give_up": gave_up - stopped_at, "exit_codes": [p.returncode for p in nodes],
+            "line": line}
+
+
+def render(runs: dict[str, list[dict[str, Any]]], parity: dict[str, Any], kill: dict[str, Any], layers: int,
+           hung: dict[str, Any] | None = None) -> str:
     """The RESULTS.md section from the measured runs."""
     from benchmarks._results import table
 
@@ -356,6 +389,10 @@ def render(runs: dict[str, list[dict[str, Any]]], parity: dict[str, Any], kill: 
         "",
         table([{"resume on": k, **v} for k, v in kill["resumed"].items()]),
     ]
+    if hung is not None:
+        md += [f"A rank stopped instead (SIGSTOP: alive and silent) at the same point, distributed.timeout_s "
+               f"{hung['timeout_s']}: the other rank gave up {hung['seconds_to_give_up']:.1f} s after the stop, with "
+               f"`{hung['line']}` (exit codes, the stopped rank then killed: {hung['exit_codes']}).", ""]
     return "## FSDP2 vs DDP: QAT and distillation of SmolLM2 (benchmarks/fsdp.py)\n\n" + "\n".join(md)
 
 
@@ -366,16 +403,26 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--worker", nargs=5, metavar=("MODE", "CONFIG", "SEED", "MODEL_DIR", "OUT"))
     ap.add_argument("--render", action="store_true", help="rewrite the section from results/fsdp.json")
+    ap.add_argument("--failures", action="store_true",
+                    help="measure only the killed and the hung rank again, into results/fsdp.json")
     args = ap.parse_args()
     if args.worker:
         mode, config, seed, model_dir, out = args.worker
         worker(mode, config, int(seed), Path(model_dir), Path(out))
         return
-    if args.render:
+    if args.render or args.failures:
         saved = json.loads((RESULTS_DIR / "fsdp.json").read_text())
         layers = int(saved.get("layers", args.layers))
-        write_section("fsdp", render(saved["runs"], saved["parity"], saved["kill"], layers),
-                      {k: v for k, v in saved.items() if k != "machine"})
+        if args.failures:
+            work = Path(tempfile.mkdtemp(prefix="fsdp_bench_"))
+            try:
+                model_dir = truncated_model_dir(layers, work / "smollm2_trunc")
+                saved["kill"] = kill_and_resume(work, model_dir, timeout_s=60)
+                saved["hang"] = hang(work, model_dir, timeout_s=10)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        write_section("fsdp", render(saved["runs"], saved["parity"], saved["kill"], layers, saved.get("hang")),
+                      {"layers": layers, **{k: v for k, v in saved.items() if k not in ("machine", "layers")}})
         return
     work = Path(tempfile.mkdtemp(prefix="fsdp_bench_"))
     try:
@@ -390,11 +437,12 @@ def main() -> None:
         parity = export_parity(work, model_dir)
         print("parity", parity, flush=True)
         kill = kill_and_resume(work, model_dir, timeout_s=60)
-        print("kill", kill, flush=True)
+        hung = hang(work, model_dir, timeout_s=10)
+        print("kill", kill, "hang", hung, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    write_section("fsdp", render(runs, parity, kill, args.layers),
-                  {"layers": args.layers, "runs": runs, "parity": parity, "kill": kill})
+    write_section("fsdp", render(runs, parity, kill, args.layers, hung),
+                  {"layers": args.layers, "runs": runs, "parity": parity, "kill": kill, "hang": hung})
 
 
 if __name__ == "__main__":
