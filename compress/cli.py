@@ -328,10 +328,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if debug:
             raise
+        lost = _lost_peers(exc)
+        if lost is not None:
+            print(f"compress: error: {lost}", file=sys.stderr)
+            return 1
         print(f"compress: internal error: {type(exc).__name__}: {exc} "
               f"(the traceback: rerun as 'compress --debug {args.command} ...'; a run's run.log holds it too)",
               file=sys.stderr)
         return 1
+
+
+def _lost_peers(exc: BaseException) -> str | None:
+    """One line for a failed collective under torchrun (a rank died, hung past the timeout, or the
+    network failed), else None."""
+    import re
+
+    import torch.distributed as dist
+
+    # gloo reports a peer that went away as a plain RuntimeError ("Connection closed by peer")
+    peer_lost = int(os.environ.get("WORLD_SIZE", "1")) > 1 and isinstance(exc, RuntimeError) and re.search(
+        r"gloo|nccl|connection closed|connection reset|timed out", str(exc), re.IGNORECASE) is not None
+    if not (isinstance(exc, getattr(dist, "DistError", ())) or peer_lost):
+        return None
+    rank = os.environ.get("RANK", "?")
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    first = re.sub(r"^\[[^\]]*\] ", "", first).split(" This is typically")[0]  # drop gloo's source path
+    return (f"rank {rank}: lost the other ranks (one died, or hung past distributed.timeout_s): "
+            f"{type(exc).__name__}: {first[:200]}; the run folder is incomplete: rerun with --resume")
 
 
 class _ConsoleFormatter(logging.Formatter):

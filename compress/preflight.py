@@ -22,6 +22,7 @@ from compress.recipe import Recipe
 def check_recipe(recipe: Recipe, *, device: str | None = None) -> None:
     """The conflicts a recipe can have with itself and with this machine (no model, no data)."""
     check_device(recipe, device)
+    _check_distributed(recipe, device)
     _check_schemes_export(recipe)
     _check_runtimes(recipe)
 
@@ -31,6 +32,22 @@ def check_device(recipe: Recipe, flag: str | None) -> None:
     if (flag or recipe.train.device) == "cuda" and not torch.cuda.is_available():
         where = "--device cuda" if flag else f"{recipe.where('train.device')}: 'cuda'"
         raise RecipeError(f"{where}: this machine has no CUDA device (torch {torch.__version__})")
+
+
+def _check_distributed(recipe: Recipe, flag: str | None) -> None:
+    """CPU offload of FSDP's sharded state means something only when training runs on CUDA."""
+    d = recipe.distributed
+    dev = flag or recipe.train.device
+    on_cuda = dev == "cuda" or (dev == "auto" and torch.cuda.is_available())
+    if d.cpu_offload and not on_cuda:
+        raise RecipeError(f"{recipe.where('distributed.cpu_offload')}: needs training on CUDA (on the CPU the "
+                          "parameters already live in host memory); remove it or train with --device cuda")
+    if d.cpu_offload and d.strategy != "fsdp":
+        raise RecipeError(f"{recipe.where('distributed.cpu_offload')}: offloads FSDP's sharded state; "
+                          "set distributed.strategy: fsdp")
+    if d.mixed_precision != "none" and d.strategy != "fsdp":
+        raise RecipeError(f"{recipe.where('distributed.mixed_precision')}: is FSDP's compute dtype; set "
+                          "distributed.strategy: fsdp (or train.amp for DDP on CUDA)")
 
 
 def _check_schemes_export(recipe: Recipe) -> None:

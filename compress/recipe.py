@@ -30,6 +30,7 @@ from compress.core.errors import RecipeError, did_you_mean
 from compress.core.modifier import ModifierSpec, check_order
 from compress.core.reference import ModelSpec as ModelSpec
 from compress.core.reference import StrictSpec
+from compress.distributed import DistributedSpec as DistributedSpec
 from compress.modifiers import modifier_class, modifier_types
 
 # the export and validate sections are export/'s own settings, embedded here (export never imports the recipe)
@@ -109,6 +110,7 @@ class Recipe(StrictSpec):
     model: ModelSpec
     data: DataSpec = Field(default_factory=DataSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
+    distributed: DistributedSpec = Field(default_factory=DistributedSpec)
     stages: list[Stage] = Field(default_factory=list)
     export: ExportSpec = Field(default_factory=ExportSpec)
     validate_: ValidateSpec = Field(default_factory=ValidateSpec, alias="validate")

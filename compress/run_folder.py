@@ -23,11 +23,12 @@ MARKER = ".compress-run.json"
 def is_temp(path: Path) -> bool:
     """Whether ``path`` (relative to the run folder) is an interrupted write of the run, safe to delete:
     ``.name.XXXX.tmp`` (core.io, export), ``name.pt.tmp`` (checkpoints), ``name.tmp.png`` (the plot),
-    or a file in an LLM export's ``.llm_onnx.XXXX`` scratch folder. A user's ``notes.tmp`` is none of these."""
+    or a file in an LLM export's ``.llm_onnx.XXXX`` scratch folder or in a sharded checkpoint's folder being
+    written or replaced (``name.dcp.tmp/``, ``name.dcp.old/``). A user's ``notes.tmp`` is none of these."""
     name = path.name
     if (name.startswith(".") and name.endswith(".tmp")) or name.endswith((".pt.tmp", ".tmp.png")):
         return True
-    return any(part.startswith(".llm_onnx.") for part in path.parts[:-1])
+    return any(part.startswith(".llm_onnx.") or part.endswith((".dcp.tmp", ".dcp.old")) for part in path.parts[:-1])
 
 
 def _files(root: Path) -> set[str]:

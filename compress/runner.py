@@ -61,7 +61,7 @@ class _Run:
         # progress bars only on a terminal: redirected, every tqdm update is a line in the file
         self.quiet = quiet or not sys.stderr.isatty()
         self.device = resolve_device(device or recipe.train.device)
-        self.dist: Dist = init_distributed(self.device)
+        self.dist: Dist = init_distributed(self.device, recipe.distributed)
         set_threads(recipe.train.threads, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         seed_everything(recipe.train.seed)
         self.data = build_data(
@@ -261,17 +261,19 @@ def apply(
                 report.write(out)
                 folder.record()
             if run.dist.enabled:
-                report = _share_report(report)
+                report = _share_report(report, group=run.dist.wait_group)
     finally:
         if run.dist.enabled and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return report
 
 
-def _share_report(report: Report) -> Report:
-    """Rank 0's report, on every rank: one set of records, one threshold verdict, one exit code."""
+def _share_report(report: Report, *, group: Any = None) -> Report:
+    """Rank 0's report, on every rank: one set of records, one threshold verdict, one exit code.
+    The other ranks wait here through rank 0's export and validation: ``group`` is one whose
+    timeout is not distributed.timeout_s."""
     box: list[Any] = [report.model_dump(mode="json") if torch.distributed.get_rank() == 0 else None]
-    torch.distributed.broadcast_object_list(box, src=0)
+    torch.distributed.broadcast_object_list(box, src=0, group=group)
     return Report.model_validate(box[0])
 
 
@@ -290,8 +292,19 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
         log.info("resumed: baseline loaded from %s", baseline_ckpt)
     elif r.train.epochs > 0:
         last = ckpt_dir / "baseline_last.pt"
+        # under FSDP2 each rank writes its shards (torch.distributed.checkpoint); resumable on any
+        # number of ranks, one included
+        sharded = ckpt_dir / "baseline_last.dcp"
         start, opt = 0, None
-        if resume and last.exists():
+        if resume and sharded.is_dir():
+            from compress.distributed import load_sharded
+            from compress.training import build_optimizer
+
+            opt = build_optimizer(model, r.train)
+            start = load_sharded(sharded, model, opt)
+            log.info("resumed baseline training at epoch %d from %s (%d rank(s))", start, sharded.name,
+                     run.dist.world_size)
+        elif resume and last.exists():
             state = torch.load(last, map_location=run.device, weights_only=True)
             model.load_state_dict(state["model"])
             from compress.training import build_optimizer
@@ -302,7 +315,21 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
             start = int(state["epoch"])
             log.info("resumed baseline training at epoch %d", start)
         def checkpoint(m: nn.Module, o: torch.optim.Optimizer | None, e: int) -> None:
-            save_checkpoint(last, m, o, e)
+            if run.dist.sharded:
+                from compress.distributed import save_sharded
+
+                save_sharded(sharded, m, o, e)
+                stale: Path = last
+            else:
+                save_checkpoint(last, m, o, e)
+                stale = sharded
+            if main:  # a resumed run that changed strategy: the older kind must not be resumed from next
+                if stale.is_dir():
+                    import shutil
+
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
             run.record()
 
         trainer.checkpoint = checkpoint

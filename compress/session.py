@@ -31,6 +31,7 @@ from torch import nn
 from compress.core.batching import require_module
 from compress.core.errors import CompressError
 from compress.core.modifier import Modifier, State
+from compress.distributed import DistributedSpec, distribute, gather, is_sharded
 from compress.modifiers import modifier_class
 from compress.recipe import Recipe, Stage, load_recipe
 
@@ -57,6 +58,21 @@ def _remove_hooks_since(model: nn.Module, before: set[tuple[int, str, int]]) -> 
                 del hooks[h]
                 n += 1
     return n
+
+
+def _distributed_spec(value: DistributedSpec | Mapping[str, Any]) -> DistributedSpec:
+    from pydantic import ValidationError
+
+    from compress.core.errors import RecipeError
+
+    if isinstance(value, DistributedSpec):
+        return value
+    try:
+        return DistributedSpec.model_validate(dict(value))
+    except (ValidationError, TypeError, ValueError) as exc:
+        errs = exc.errors() if isinstance(exc, ValidationError) else None
+        what = f"{'.'.join(str(p) for p in errs[0]['loc'])}: {errs[0]['msg']}" if errs else str(exc)
+        raise RecipeError(f"Session(distributed=...): {what}") from None
 
 
 @dataclass
@@ -95,10 +111,13 @@ class Session:
         higher_is_better: bool = True,
         device: torch.device | str | None = None,
         out_dir: str | Path | None = None,
+        distributed: DistributedSpec | Mapping[str, Any] | None = None,
     ) -> None:
         # a Recipe built in code (no source) has not been through load_recipe's needs and order
         # checks: run them, so that such a recipe fails here and not halfway through a run
         self.recipe = recipe if isinstance(recipe, Recipe) and recipe.source is not None else load_recipe(recipe)
+        #: how :meth:`distribute` trains under torchrun: the recipe's ``distributed`` unless given here
+        self.distributed = self.recipe.distributed if distributed is None else _distributed_spec(distributed)
         require_module(model, "Session: model")
         if device is None:
             p = next(model.parameters(), None)
@@ -171,6 +190,24 @@ class Session:
         """Epochs the caller's loop should run to pass through every training stage."""
         return sum(math.ceil(s.epochs) for s in self.recipe.stages if s.steps is None)
 
+    def distribute(self) -> nn.Module:
+        """The model to call in a training loop under torchrun, by :attr:`distributed`: the model in
+        one process; a DDP wrapper; or (``fsdp``) the model sharded in place with FSDP2, the
+        session's optimizer moved onto its shards and a distillation teacher sharded too. Call it
+        once a training stage has started (build the optimizer first); the session gathers the
+        weights back before the stage's modifiers finalize, so call it again in the next stage."""
+        st = self.state
+        return distribute(st.model, self.distributed, device=st.device, optimizer=st.optimizer,
+                          companions=st.companions)
+
+    def gather(self) -> None:
+        """Undo :meth:`distribute`'s sharding: every rank gets the full plain weights back (the
+        optimizer's state follows), e.g. to evaluate mid-stage; a collective, every rank calls it.
+        No-op unless sharded; the next :meth:`distribute` shards again."""
+        st = self.state
+        if is_sharded(st.model) or any(is_sharded(c) for c in st.companions):
+            gather(st.model, optimizer=st.optimizer, companions=st.companions)
+
     def on_stage_start(self, fn: Callable[[Session], None]) -> None:
         """Call ``fn(session)`` whenever a training stage starts (e.g. a callback that rebuilds its
         optimizer per stage; the built-in runner builds one per stage in ``Trainer.fit`` instead)."""
@@ -242,6 +279,7 @@ class Session:
 
     def _finish_stage(self) -> None:
         stage = self.recipe.stages[self._index]
+        self.gather()  # modifiers finalize on plain weights (calibration, pruning surgery, saving, export)
         for m in self.modifiers[self._index]:
             m.finalize(self.state)
         result = StageResult(stage.name, dict(self.state.metrics), dict(self.state.tables), list(self.state.artifacts))

@@ -2,11 +2,13 @@
 
 The trainer feeds a Session (when given one) the events of an ordinary loop: ``loss`` per batch,
 ``step`` per optimizer step, ``epoch_end`` per epoch. It runs the same under torchrun
-(DistributedDataParallel; gloo on CPU, nccl on CUDA), with rank 0 alone writing files.
+(DistributedDataParallel, or FSDP2 sharding with ``distributed.strategy: fsdp``; gloo on CPU, nccl
+on CUDA), with rank 0 alone writing files.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import math
 import os
@@ -28,6 +30,7 @@ from compress.core.errors import CompressError, DataError
 from compress.core.io import atomic_torch_save
 from compress.core.metrics import make_metric
 from compress.core.progress import Eta, fig
+from compress.distributed import DistributedSpec, distribute, gather, timeout_of
 from compress.recipe import TrainSpec
 
 if TYPE_CHECKING:
@@ -46,6 +49,11 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    #: how training runs across the ranks (DDP or FSDP2)
+    spec: DistributedSpec = field(default_factory=DistributedSpec)
+    #: the process group for waits that last as long as rank 0's own work (its export and
+    #: validation), which ``spec.timeout_s`` must not cut short; None: the default group
+    wait_group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -55,18 +63,30 @@ class Dist:
     def enabled(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def sharded(self) -> bool:
+        """Whether training shards the model (FSDP2) rather than replicating it."""
+        return self.enabled and self.spec.strategy == "fsdp"
 
-def init_distributed(device: torch.device) -> Dist:
-    """Join the process group torchrun describes in the environment (no-op when not under torchrun)."""
+
+def init_distributed(device: torch.device, spec: DistributedSpec | None = None) -> Dist:
+    """Join the process group torchrun describes in the environment (no-op when not under torchrun).
+
+    ``spec.timeout_s`` bounds every collective: when a rank dies, the others fail with an error
+    after at most that long instead of waiting for it."""
+    spec = spec or DistributedSpec()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return Dist()
+        return Dist(spec=spec)
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout_of(spec))
     if device.type == "cuda":
         torch.cuda.set_device(local)
-    return Dist(rank, world, local)
+    wait = None
+    if spec.timeout_s is not None:  # a dead peer still fails it at once (a closed connection); a hung one in a day
+        wait = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    return Dist(rank, world, local, spec, wait)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -187,11 +207,21 @@ class Trainer:
         raise DataError(f"{at}: the loss became {float(loss.detach())} on finite data from {self.data_name}: the "
                         f"training diverged; lower the learning rate (train.lr) or check the model")
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
+    def _wrap(self, model: nn.Module, opt: torch.optim.Optimizer, session: Session | None) -> nn.Module:
         if not self.dist.enabled:
             return model
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        if session is not None and session.model is model:  # its teacher is sharded with it (FSDP2)
+            return session.distribute()
+        return distribute(model, self.dist.spec, device=self.device, optimizer=opt)
+
+    def _consolidate(self, model: nn.Module, opt: torch.optim.Optimizer, session: Session | None) -> None:
+        """Back to plain tensors (FSDP2) before anything but the training loop reads the weights."""
+        if not self.dist.enabled:
+            return
+        if session is not None and session.model is model:
+            session.gather()
+        else:
+            gather(model, optimizer=opt)  # no-op unless sharded
 
     def fit(
         self,
@@ -226,11 +256,12 @@ class Trainer:
         stage = session.stage if session is not None else None
         result = FitResult()
         t0 = time.perf_counter()
-        wrapped, wrapped_params = self._wrap(model), _param_ids(model)
+        wrapped, wrapped_params = self._wrap(model, opt, session), _param_ids(model)
         eta = Eta(n_epochs - start_epoch)
         for epoch in range(start_epoch, n_epochs):
-            if _param_ids(model) != wrapped_params:  # a modifier reshaped the model: DDP must re-register
-                wrapped, wrapped_params = self._wrap(model), _param_ids(model)
+            if _param_ids(model) != wrapped_params:
+                # a modifier reshaped the model (DDP must re-register), or it was consolidated (FSDP)
+                wrapped, wrapped_params = self._wrap(model, opt, session), _param_ids(model)
             set_epoch = getattr(getattr(loader, "sampler", None), "set_epoch", None)
             if set_epoch is not None:
                 set_epoch(epoch)
@@ -278,16 +309,19 @@ class Trainer:
             result.losses.append(running / max(seen, 1))
             log.info("%s epoch %d/%d: loss %s (%s)", desc, epoch + 1, n_epochs, fig(result.losses[-1]),
                      eta.line(epoch + 1 - start_epoch))
-            if self.checkpoint is not None and self.dist.is_main:
-                self.checkpoint(model, opt, epoch + 1)
+            if self.checkpoint is not None and (self.dist.is_main or self.dist.sharded):
+                self.checkpoint(model, opt, epoch + 1)  # sharded: every rank writes its shards
             if session is not None:
                 if session.stage is not stage:
                     break
+                # modifiers act on the weights at an epoch's end (pruning steps, observer freezes)
+                self._consolidate(model, opt, session)
                 session.epoch_end()
                 if session.stage is not stage:
                     break
             elif steps is not None and result.steps >= steps:
                 break
+        self._consolidate(model, opt, session)
         result.seconds = time.perf_counter() - t0
         return result
 

@@ -103,6 +103,7 @@ class DistillModifier(Modifier[DistillSpec]):
 
     def on_initialize(self, state: State) -> None:
         teacher = build_teacher(self.spec.teacher, state, dtype=self.spec.teacher_dtype, where=self.where)
+        state.companions.append(teacher.model)  # sharded beside the student under FSDP2
         self.distiller = Distiller(
             teacher,
             state.model,
@@ -146,6 +147,7 @@ class DistillModifier(Modifier[DistillSpec]):
                 state.metrics[f"distill.{k}"] = v
         state.tables[f"distill ({state.stage_name})"] = rows
         d.remove()
+        state.companions[:] = [m for m in state.companions if m is not d.teacher.model]
         self.distiller = None
 
     # ---- helpers ---------------------------------------------------------------------------------

@@ -182,8 +182,13 @@ class PTQModifier(Modifier[PTQSpec]):
         if state.calibration_data is None:
             raise CalibrationError(f"{self.where}: ptq needs calibration data (data.calibration_samples > 0)")
 
+        # under torchrun each rank calibrates on its share of the batches where what it gathers reduces
+        # exactly across the ranks (min/max ranges, SmoothQuant's maxima); histogram ranges merge only
+        # to a bin and bias correction does not reduce, so those see every batch on every rank
+        share = not s.bias_correction and s.kv_cache is None and _ranges_reduce_exactly(scheme)
+
         def loop(m: nn.Module) -> int:
-            return state.forward_loop(m, max_batches=s.num_batches)
+            return state.forward_loop(m, max_batches=s.num_batches, share=share)
 
         float_metric = None
         judge = _judge(state)
@@ -302,6 +307,8 @@ class QATModifier(Modifier[QATSpec]):
     def _init_loop(self, state: State) -> ForwardLoop:
         n = self.spec.num_batches
         if state.calibration_data is not None:
+            # every batch on every rank: QAT's EMA ranges depend on the order of the batches (an average
+            # of the ranks' EMAs is not the EMA of all batches)
             return lambda m: state.forward_loop(m, max_batches=n)
         if state.train_data is not None:
             return as_forward_loop(state.train_data, max_batches=n)
@@ -363,6 +370,12 @@ class QATModifier(Modifier[QATSpec]):
             q.disable_lsq()
             q.enabled, q.observing = True, False
         state.metrics["lsq"] = self.spec.lsq
+
+
+def _ranges_reduce_exactly(scheme: QuantScheme) -> bool:
+    """Whether the scheme's static activation ranges merge exactly across ranks (min/max observers)."""
+    specs = [q for q in (scheme.inputs, scheme.outputs) if q is not None and not q.dynamic]
+    return all(q.observer == "minmax" for q in specs)
 
 
 def scales_of(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -341,6 +341,9 @@ def calibrate_weight(mod: nn.Module) -> None:
         w = mod.weight
         if not isinstance(w, torch.Tensor):
             return
+        full = getattr(w, "full_tensor", None)
+        if full is not None:  # a weight sharded by FSDP2 (a DTensor): its qparams are the whole weight's
+            w = full()
         if isinstance(mod, (QuantConv1d, QuantConv2d)) and mod.bn is not None:
             w = w * mod._bn_factor(mod.bn).reshape([-1] + [1] * (w.dim() - 1))
         wq.observe(w)

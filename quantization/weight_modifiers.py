@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 from torch import nn
 
+from compress.core.batching import RankShare
 from compress.core.errors import CalibrationError
 from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
 from quantization.algorithms.awq import AWQFields, AWQParams, awq_layer, scale_error_ratio
@@ -95,9 +96,11 @@ class _WeightOnlyModifier(Modifier[Any]):
         was_training = state.model.training
         state.model.eval()
         linearize(state.model)
+        # under torchrun each rank runs the layer-by-layer pipeline on its share of the batches (GPTQ's
+        # Hessians and AWQ's statistics are summed across ranks, so every rank quantizes alike)
         summary = sequential_quantize(
-            state.model, state.calibration_data, s.resolved_scheme(), process,
-            targets=s.targets, ignore=s.ignore, max_batches=s.num_batches, device=state.device, where=self.where,
+            state.model, RankShare(state.calibration_data, max_batches=s.num_batches), s.resolved_scheme(), process,
+            targets=s.targets, ignore=s.ignore, device=state.device, where=self.where,
         )
         state.model.train(was_training)
         state.metrics["quantized_modules"] = summary["quantized_linears"]

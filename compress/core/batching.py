@@ -272,3 +272,39 @@ def as_batches(data: CalibrationData, model: nn.Module, *, max_batches: int | No
     finally:
         handle.remove()
     return recorded
+
+
+class RankShare:
+    """This rank's share of the first ``max_batches`` batches of ``data`` under torchrun: batch i
+    when ``i % world == rank``, so the ranks' shares together are the batches one process would see.
+
+    For calibrations whose statistics are reduced across ranks (observers, GPTQ Hessians, AWQ and
+    SmoothQuant statistics): each rank then runs the model on 1/world of the batches. Every batch on
+    every rank when not distributed, or when there are fewer batches than ranks (a rank with none
+    would have no statistics to contribute).
+    """
+
+    def __init__(self, data: Iterable[Any], *, max_batches: int | None = None) -> None:
+        import torch.distributed as dist
+
+        self.data, self.max_batches = data, max_batches
+        self.rank, self.world = 0, 1
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            n = len(data) if hasattr(data, "__len__") else None  # type: ignore[arg-type]
+            if max_batches is not None and n is not None:
+                n = min(n, max_batches)
+            if n is None or n >= dist.get_world_size():
+                self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def __iter__(self) -> Any:
+        for i, batch in enumerate(self.data):
+            if self.max_batches is not None and i >= self.max_batches:
+                return
+            if i % self.world == self.rank:
+                yield batch
+
+    def __len__(self) -> int:
+        n = len(self.data)  # type: ignore[arg-type]
+        if self.max_batches is not None:
+            n = min(n, self.max_batches)
+        return len(range(self.rank, n, self.world))

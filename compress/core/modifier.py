@@ -67,6 +67,7 @@ class State:
     ``select_evaluate(model)`` the same metric on data kept apart from it, on which accuracy-aware
     quantization and metric sensitivity choose (``evaluate`` when None, so that a figure reported
     on eval data was not also tuned on it); any may be None when not provided.
+    ``companions`` are the models a modifier runs beside ``model`` during training (its teacher).
     Modifiers report into ``metrics`` (scalars, per stage), ``tables`` (name -> rows, rendered in
     report.md) and may write files (plots) under ``out_dir`` (None outside a run folder), listing
     their paths in ``artifacts``.
@@ -94,6 +95,9 @@ class State:
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     out_dir: Path | None = None
     artifacts: list[str] = field(default_factory=list)
+    #: models a modifier runs beside ``model`` while it trains (a distillation teacher): under FSDP2
+    #: they are sharded and gathered with it
+    companions: list[nn.Module] = field(default_factory=list)
 
     @property
     def stage_epoch(self) -> float:
@@ -103,9 +107,12 @@ class State:
     def stage_step(self) -> int:
         return self.step - self.stage_start_step
 
-    def forward_loop(self, model: nn.Module, *, max_batches: int | None = None) -> int:
-        """Run ``model`` over the calibration batches without grad; returns the sample count."""
-        from compress.core.batching import batch_size_of, call_model, split_batch, to_device
+    def forward_loop(self, model: nn.Module, *, max_batches: int | None = None, share: bool = False) -> int:
+        """Run ``model`` over the calibration batches without grad; returns the sample count.
+
+        ``share``: under torchrun, this rank's share of the batches only (:class:`RankShare`), for
+        calibrations that reduce their statistics across the ranks."""
+        from compress.core.batching import RankShare, batch_size_of, call_model, split_batch, to_device
 
         if self.calibration_data is None:
             from compress.core.errors import CalibrationError
@@ -114,8 +121,11 @@ class State:
         seen = 0
         was_training = model.training
         model.eval()
+        data: Iterable[Any] = self.calibration_data
+        if share:
+            data, max_batches = RankShare(data, max_batches=max_batches), None
         with torch.no_grad():
-            for i, batch in enumerate(self.calibration_data):
+            for i, batch in enumerate(data):
                 if max_batches is not None and i >= max_batches:
                     break
                 inputs, _ = split_batch(batch)

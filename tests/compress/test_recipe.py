@@ -351,13 +351,13 @@ def test_unknown_top_level_key_suggests_the_closest(tmp_path: Path) -> None:
     msg = error_of(path)
     assert msg == (
         f"{path}:31: colour: unknown field 'colour'; "
-        "valid: data, description, export, model, name, stages, train, validate, version"
+        "valid: data, description, distributed, export, model, name, stages, train, validate, version"
     )
     path = write(tmp_path, edit(GOOD, "train:\n", "trian:\n"))  # line 10
     msg = error_of(path)
     assert msg == (
         f"{path}:10: trian: unknown field 'trian'; "
-        "valid: data, description, export, model, name, stages, train, validate, version (did you mean 'train'?)"
+        "valid: data, description, distributed, export, model, name, stages, train, validate, version (did you mean 'train'?)"
     )
 
 
