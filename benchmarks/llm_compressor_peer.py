@@ -97,7 +97,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="SCHEME:METHOD pairs (schemes: " + ", ".join(WEIGHTS) + "; methods: " + ", ".join(METHODS) + ")")
     p.add_argument("--resume", action="store_true", help="keep the rows measured on the same windows")
     p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running, run under nice")
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite the section from results/llm_compressor_peer.json (and llm_quant_real.json)")
     args = p.parse_args(argv)
+    if args.report_only:
+        saved = json.loads((RESULTS_DIR / "llm_compressor_peer.json").read_text())
+        _write(argparse.Namespace(**saved["args"]), saved["rows"], saved.get("blocker"))
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     todo = [tuple(r.split(":", 1)) for r in args.rows]
     for scheme, method in todo:

@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"scheme": scheme, "method": method, "ppl stdlib": perplexity(model, code, batch=4),
                      "ppl prose": perplexity(model, prose, batch=4), "seconds": seconds, "peak GB": mem})
         log.info("%s", rows[-1])
+        if args.resume:  # rows another --resume run on the same windows wrote meanwhile are kept
+            mine = {(r["scheme"], r["method"]) for r in rows}
+            rows.extend(r for r in _resumed(args) if (r["scheme"], r["method"]) not in mine)
+            rows.sort(key=_order)
         _write(args, rows, len(calib))
 
     if ("fp32", "fp32") not in done:
@@ -175,6 +179,14 @@ def main(argv: list[str] | None = None) -> None:
             secs = time.perf_counter() - t
         add(scheme, method, q, secs, mem.added_gb)
         del model, q
+
+
+def _order(row: dict[str, Any]) -> tuple[int, int]:
+    """fp32 first, then the schemes and methods in their table order (W8A8 after the schemes)."""
+    schemes = ["fp32", *SCHEMES, "W8A8 static"]
+    methods = ["fp32", *METHODS, *EXTRA_METHODS, "SmoothQuant"]
+    s, m = row["scheme"], row["method"]
+    return (schemes.index(s) if s in schemes else len(schemes), methods.index(m) if m in methods else len(methods))
 
 
 _SAME_RUN = ("model", "seq_len", "calib", "eval", "calib_batch")

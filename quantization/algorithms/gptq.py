@@ -57,8 +57,9 @@ class GPTQFields(BaseModel):
 
     block_size: int = Field(128, ge=1)
     dampening: float = Field(0.01, gt=0, le=1)
-    # on by default, as llm-compressor's static activation order: on SmolLM2-135M w4 g64 it took
-    # GPTQ from 20% to 52% of RTN's perplexity gap (benchmarks/RESULTS.md `llm_gptq_variants`)
+    # on by default, as llm-compressor's static activation order: on SmolLM2-135M w4 g64 (64 windows)
+    # GPTQ closed 61% of RTN's perplexity gap on held-out code against 38% with it off, and 38%
+    # against 6% on prose (benchmarks/RESULTS.md `llm_quant_real`, `llm_gptq_variants`)
     act_order: bool = True
     static_groups: bool = False
 
