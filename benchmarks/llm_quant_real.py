@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.report_only:
         saved = json.loads(Path(args.report_only).read_text())
-        _write(argparse.Namespace(**saved["args"]), saved["rows"], saved["args"]["calib"])
+        # the windows of the run; the rows planned (and so listed when missing) as asked now
+        planned = {"schemes": args.schemes, "methods": args.methods, "no_w8a8": args.no_w8a8}
+        _write(argparse.Namespace(**{**saved["args"], **planned}), saved["rows"], saved["args"]["calib"])
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
