@@ -130,9 +130,12 @@ def main(argv: list[str] | None = None) -> None:
                str(windows), "--method", method, "--weights", json.dumps(WEIGHTS.get(scheme)),
                "--threads", str(args.threads), "--out", str(out)]
         log.info("%s %s: %s", scheme, method, " ".join(cmd))
-        r = subprocess.run(cmd)
-        if r.returncode:
-            rows.append({"scheme": scheme, "method": method, "failed": f"exit {r.returncode}"})
+        r = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(r.stderr)
+        if r.returncode:  # the exception's message, as llm-compressor worded it
+            errors = [ln for ln in r.stderr.splitlines() if "Error: " in ln]
+            rows.append({"scheme": scheme, "method": method,
+                         "failed": errors[-1] if errors else f"exit {r.returncode}"})
         else:
             rows.append({"scheme": scheme, **json.loads(out.read_text())})
         log.info("%s", rows[-1])
@@ -176,6 +179,10 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], blocker: str | 
             "quantize s": f"{fig(o, 'seconds', '{:.0f}')} / {fig(r, 'seconds', '{:.0f}')}",
             "peak added GB": f"{fig(o, 'peak GB', '{:.2f}')} / {fig(r, 'peak GB', '{:.2f}')}",
         })
+    notes = ""
+    for reason in sorted({r["failed"] for r in rows if "failed" in r}):
+        which = ", ".join(f"{r['scheme']} {r['method']}" for r in rows if r.get("failed") == reason)
+        notes += f"\nllm-compressor refused {which}: {reason}\n"
     version = next((r["version"] for r in rows if "version" in r), "?")
     md = (
         "## llm-compressor beside compress on SmolLM2-135M (`python -m benchmarks.llm_compressor_peer`)\n\n"
@@ -188,7 +195,7 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], blocker: str | 
         "compares compress's static W8A8 with SmoothQuant against llm-compressor's SmoothQuant + GPTQ `W8A8` preset "
         "(dynamic per-token activations). Each cell: compress / llm-compressor.\n\n"
         + (table(out) if out else "_no rows_\n")
-        + f"\nMachine load: {args.load}.\n"
+        + notes + f"\nMachine load: {args.load}.\n"
     )
     if blocker:
         md += f"\nllm-compressor could not be installed: {blocker}\n"
