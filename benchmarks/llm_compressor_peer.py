@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.report_only:
         saved = json.loads((RESULTS_DIR / "llm_compressor_peer.json").read_text())
-        _write(argparse.Namespace(**saved["args"]), saved["rows"], saved.get("blocker"))
+        load = {"load": args.load} if args.load != p.get_default("load") else {}  # a load statement given now
+        _write(argparse.Namespace(**{**saved["args"], **load}), saved["rows"], saved.get("blocker"))
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     todo = [tuple(r.split(":", 1)) for r in args.rows]

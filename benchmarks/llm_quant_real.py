@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         saved = json.loads(Path(args.report_only).read_text())
         # the windows of the run; the rows planned (and so listed when missing) as asked now
         planned = {"schemes": args.schemes, "methods": args.methods, "no_w8a8": args.no_w8a8}
+        if args.load != p.get_default("load"):  # a statement of the load the rows ran under, given now
+            planned["load"] = args.load
         _write(argparse.Namespace(**{**saved["args"], **planned}), saved["rows"], saved["args"]["calib"])
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
