@@ -59,7 +59,7 @@ class GPTQFields(BaseModel):
     dampening: float = Field(0.01, gt=0, le=1)
     # on by default, as llm-compressor's static activation order: on SmolLM2-135M w4 g64 (64 windows)
     # GPTQ closed 61% of RTN's perplexity gap on held-out code against 38% with it off, and 38%
-    # against 6% on prose (benchmarks/RESULTS.md `llm_quant_real`, `llm_gptq_variants`)
+    # against 7% on prose (benchmarks/RESULTS.md `llm_quant_real`, `llm_gptq_variants`)
     act_order: bool = True
     static_groups: bool = False
 
