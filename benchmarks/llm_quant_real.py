@@ -40,6 +40,8 @@ SCHEMES: dict[str, Any] = {
     "w3 g64": {"weights": {"bits": 3, "granularity": "group", "group_size": 64}, "inputs": None},
 }
 METHODS = ("RTN", "GPTQ", "AWQ", "AWQ+GPTQ")
+#: rows run only when named in --methods
+EXTRA_METHODS = ("GPTQ act_order off",)
 
 
 def prose_windows(tokenizer: Any, seq_len: int, n: int) -> torch.Tensor:
@@ -98,6 +100,8 @@ def methods(scheme: Any, data: list[torch.Tensor]) -> dict[str, Callable[[nn.Mod
     return {
         "RTN": lambda m: compress.quantize(m, scheme, ignore=["lm_head"]),
         "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme),
+        "GPTQ act_order off": lambda m: compress.gptq(m, data, scheme=scheme,
+                                                      params=compress.GPTQParams(act_order=False)),
         "AWQ": lambda m: compress.awq(m, data, scheme=scheme),
         "AWQ+GPTQ": lambda m: compress.gptq(compress.awq(m, data, scheme=scheme), data, scheme=scheme),
     }
@@ -119,17 +123,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calib-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *EXTRA_METHODS])
     p.add_argument("--no-w8a8", action="store_true")
     p.add_argument("--by-method", action="store_true",
                    help="rows ordered by method, then scheme (every RTN row first), not by scheme")
     p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running, run under nice")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the rows of results/llm_quant_real.json measured with the same model, windows and "
+                        "calibration batch; run only the missing ones")
     p.add_argument("--report-only", metavar="JSON",
                    help="rewrite the section from a run's results/llm_quant_real.json (its rows and arguments)")
     args = p.parse_args(argv)
     if args.report_only:
         saved = json.loads(Path(args.report_only).read_text())
-        _write(argparse.Namespace(**saved["args"]), saved["rows"], saved["args"]["calib"])
+        # the windows of the run; the rows planned (and so listed when missing) as asked now
+        planned = {"schemes": args.schemes, "methods": args.methods, "no_w8a8": args.no_w8a8}
+        if args.load != p.get_default("load"):  # a statement of the load the rows ran under, given now
+            planned["load"] = args.load
+        _write(argparse.Namespace(**{**saved["args"], **planned}), saved["rows"], saved["args"]["calib"])
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -141,15 +152,21 @@ def main(argv: list[str] | None = None) -> None:
     prose = prose_windows(load_tokenizer(args.model), args.seq_len, args.eval)
     fp = load_model({"hf_path": args.model}).eval()
     data = [calib[i : i + args.calib_batch] for i in range(0, len(calib), args.calib_batch)]
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = _resumed(args) if args.resume else []
+    done = {(r["scheme"], r["method"]) for r in rows}
 
     def add(scheme: str, method: str, model: nn.Module, seconds: float, mem: float | None) -> None:
         rows.append({"scheme": scheme, "method": method, "ppl stdlib": perplexity(model, code, batch=4),
                      "ppl prose": perplexity(model, prose, batch=4), "seconds": seconds, "peak GB": mem})
         log.info("%s", rows[-1])
+        if args.resume:  # rows another --resume run on the same windows wrote meanwhile are kept
+            mine = {(r["scheme"], r["method"]) for r in rows}
+            rows.extend(r for r in _resumed(args) if (r["scheme"], r["method"]) not in mine)
+            rows.sort(key=_order)
         _write(args, rows, len(calib))
 
-    add("fp32", "fp32", fp, 0.0, None)
+    if ("fp32", "fp32") not in done:
+        add("fp32", "fp32", fp, 0.0, None)
     if args.by_method:  # every scheme's RTN first, then every scheme's GPTQ, ...
         todo = [(s, m, methods(SCHEMES[s], data)[m]) for m in args.methods for s in args.schemes]
     else:
@@ -157,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_w8a8:  # after the first group of rows: a long run that is cut short still has it
         todo.insert(len(args.schemes if args.by_method else args.methods), ("W8A8 static", "SmoothQuant", w8a8(data)))
     for scheme, method, fn in todo:
+        if (scheme, method) in done:
+            continue
         model = copy.deepcopy(fp)
         with PeakRSS() as mem:
             t = time.perf_counter()
@@ -164,6 +183,34 @@ def main(argv: list[str] | None = None) -> None:
             secs = time.perf_counter() - t
         add(scheme, method, q, secs, mem.added_gb)
         del model, q
+
+
+def _order(row: dict[str, Any]) -> tuple[int, int]:
+    """fp32 first, then the schemes and methods in their table order (W8A8 after the schemes)."""
+    schemes = ["fp32", *SCHEMES, "W8A8 static"]
+    methods = ["fp32", *METHODS, *EXTRA_METHODS, "SmoothQuant"]
+    s, m = row["scheme"], row["method"]
+    return (schemes.index(s) if s in schemes else len(schemes), methods.index(m) if m in methods else len(methods))
+
+
+_SAME_RUN = ("model", "seq_len", "calib", "eval", "calib_batch")
+
+
+def _resumed(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The rows of the last run (results/llm_quant_real.json) when it used the same model, windows
+    and calibration batches as ``args``; none otherwise (its rows would not compare)."""
+    from benchmarks._results import RESULTS_DIR
+
+    path = RESULTS_DIR / "llm_quant_real.json"
+    if not path.exists():
+        return []
+    saved = json.loads(path.read_text())
+    if any(saved["args"].get(k) != getattr(args, k) for k in _SAME_RUN):
+        log.info("--resume: %s was measured with other windows; starting afresh", path)
+        return []
+    rows: list[dict[str, Any]] = saved["rows"]
+    log.info("--resume: keeping %d rows of %s", len(rows), path)
+    return rows
 
 
 def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int) -> None:
@@ -187,17 +234,19 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int) -
         f"{args.eval} windows of {args.seq_len} tokens of two held-out sets: 'stdlib' (the stdlib eval files, never "
         "calibrated on) and 'prose' (the installed distributions' README descriptions: English and Markdown, "
         "another kind of text). Decoder-layer Linears quantized, lm_head and embeddings float. compress's "
-        "defaults: GPTQ block 128, dampening 0.01, act_order off; AWQ duo scaling, grid 20, clip search in the "
+        "defaults: GPTQ block 128, dampening 0.01, act_order (static groups); AWQ duo scaling, grid 20, clip search in the "
         "scale search. W8A8: static per-tensor activations, per-channel weights, Linears only, SmoothQuant "
         "'auto'. 'quantize s': wall time of the method alone; 'peak added GB': the process's peak resident "
         "memory while quantizing above its level before (the fp32 model and its copy already resident). "
         f"torch threads: {args.threads}.\n\n"
         + table(out) + f"\nMachine load: {args.load}.\n"
     )
-    planned = 1 + len(args.schemes) * len(args.methods) + (0 if args.no_w8a8 else 1)
-    if len(rows) < planned:
-        md += (f"\nThis run stopped after {len(rows)} of its {planned} planned rows (rows ordered "
-               + ("by method, every scheme's RTN first" if args.by_method else "by scheme") + ").\n")
+    planned = [(sc, m) for sc in args.schemes for m in args.methods]
+    planned += [] if args.no_w8a8 else [("W8A8 static", "SmoothQuant")]
+    measured = {(r["scheme"], r["method"]) for r in rows}
+    missing = [f"{sc} {m}" for sc, m in planned if (sc, m) not in measured]
+    if missing:
+        md += f"\nNot measured in this run (stopped or left for later): {', '.join(missing)}.\n"
     write_section("llm_quant_real", md, {"rows": rows, "args": vars(args)})
 
 
