@@ -188,15 +188,15 @@ def fp8_gemm(
     if m == 0:
         return torch.empty((0, n), device=a.device, dtype=out_dtype)
     if out_dtype == torch.float32 and rowwise:
-        # cuBLASLt's row-wise scaling writes bf16 only; fp32 callers (parity checks) want fp32:
-        # unit scales with an fp32 result, then the scales and bias in fp32 here
+        # row-wise scaling may refuse outputs other than bf16 (PyTorch 2.4-2.6 did); fp32 callers
+        # (parity checks) want fp32: unit scales with an fp32 result, then the scales and bias here
         one = torch.ones((), device=a.device, dtype=torch.float32)
         y = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
         y = y * sa * sb
         return y if bias is None else y + bias.float()
     dtype = out_dtype
     if (dtype, rowwise) in _REFUSED or (rowwise and compiling()):
-        # a traced graph takes one path: row-wise scaling's bf16 output (what cuBLASLt writes), then cast
+        # a traced graph takes one path: row-wise scaling's bf16 output (always accepted), then cast
         dtype = torch.bfloat16
     while True:
         try:
