@@ -8,7 +8,7 @@ torchvision define them, converted by ``compress.convert`` for every scheme that
 Schemes: ``W8A8`` (int8 weights per channel, int8 activations per token, our Triton GEMM),
 ``FP8_DYNAMIC`` (e4m3 weights per channel and activations per token, cuBLASLt through
 ``torch._scaled_mm``), ``W4A16`` (int4 g128 weights, our Triton kernel or PyTorch's tinygemm,
-whichever is faster per shape for bf16), ``w8a8`` (static per-tensor int8 activations; ResNet).
+whichever is faster per shape, timed once), ``w8a8`` (static per-tensor int8 activations; ResNet).
 Every variant of a model is timed in alternating runs through CUDA graphs (median of the replays,
 CUDA events), so launch overhead stays out of all of them alike; the ratio is fp16 time over the
 variant's. Fidelity is measured against the fp32 model on the same inputs: cosine similarity and
