@@ -118,17 +118,25 @@ def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], di
     if not args:
         raise UnsupportedModelError("compressed-tensors export: the model has no quantized layers whole groups can "
                                     f"hold; quantize it first{' (or choose a group size dividing ' + ragged[0] + ')' if ragged else ''}")
-    seen: dict[int, str] = {}
+    tensors.update(_other_tensors(model, {*quant_prefixes, *(r + "." for r in ragged)}))
+    return tensors, args, plain + ragged
+
+
+def _other_tensors(model: nn.Module, written: set[str]) -> dict[str, torch.Tensor]:
+    """The model's state beside the layers written above (prefixes ``written``, with a dot): no
+    quantizer state, tied weights (lm_head = embed_tokens) stored once, retied on load."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
     for key, t in model.state_dict().items():
         prefix = key.rsplit(".", 1)[0] + "."
-        if "_quantizer." in key or (key.endswith(".weight") and (prefix in quant_prefixes or prefix[:-1] in ragged)):
+        if "_quantizer." in key or (key.endswith(".weight") and prefix in written):
             continue
         ptr = t.data_ptr()
-        if ptr in seen and t.numel() > 0:  # tied weights (lm_head = embed_tokens): stored once, retied on load
+        if ptr in seen and t.numel() > 0:
             continue
-        seen[ptr] = key
-        tensors[key] = t.detach().contiguous().clone()
-    return tensors, args, plain + ragged
+        seen.add(ptr)
+        out[key] = t.detach().contiguous().clone()
+    return out
 
 
 def fp8_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[str]]:
@@ -171,16 +179,7 @@ def fp8_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
     others = [n for n in activation_quantizers(model) if not any(n.startswith(p) for p in done)]
     if others:
         raise UnsupportedModelError(f"{others[0]}: an activation quantizer outside the fp8 layers is not written")
-    seen: dict[int, str] = {}
-    for key, t in model.state_dict().items():
-        prefix = key.rsplit(".", 1)[0] + "."
-        if "_quantizer." in key or (key.endswith(".weight") and prefix in done):
-            continue
-        ptr = t.data_ptr()
-        if ptr in seen and t.numel() > 0:
-            continue
-        seen[ptr] = key
-        tensors[key] = t.detach().contiguous().clone()
+    tensors.update(_other_tensors(model, done))
     return tensors, args, plain
 
 
