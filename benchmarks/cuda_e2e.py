@@ -17,6 +17,13 @@ with their reasons.
 
 Decode: a StaticCache holding ``context`` tokens, one new token per sequence at batch 1..16, the
 step replayed as a CUDA graph (what serving stacks do).
+
+``--compile``: the Llama prefill and BERT are also timed with every variant, fp16 included, compiled
+by ``torch.compile`` (inductor fuses the float work: norms, rotary, SiLU*mul, residual adds; our
+kernels are custom operators it calls as they are); compiled variants are compared with compiled
+fp16, in the same alternating run as the eager ones. ``--profile``: one eager forward of each
+variant under the profiler, CUDA kernel time summed per kind (GEMM, activation quantization,
+attention, other), which says where an end-to-end ratio is lost.
 """
 
 from __future__ import annotations
@@ -115,19 +122,79 @@ def _rows_for(name: str, fns: dict[str, Callable[[], Any]], outs: dict[str, torc
     ms = _time(fns, dev, runs=runs)
     rows = []
     for variant, t in ms.items():
-        if variant in ("fp16", "fp32"):
+        scheme, compiled = variant.removesuffix(_COMPILED), variant.endswith(_COMPILED)
+        if scheme in ("fp16", "fp32"):
             continue
+        base = "fp16" + _COMPILED if compiled else "fp16"  # compiled against compiled fp16: the fair pair
         fid = _fidelity(outs["fp32"], outs[variant])
-        rows.append({"model": name, **extra, "scheme": variant, "fp16_ms": ms["fp16"], "ms": t,
-                     "speedup": ms["fp16"] / t, **fid, "fp16_cosine": _fidelity(outs["fp32"], outs["fp16"])["cosine"],
-                     "layers": info[variant]["converted"], "float_layers": info[variant]["float"]})
-        log.info("%s %s %s: fp16 %.3f ms, %s %.3f ms, %.2fx, cosine %.5f", name, extra, variant, ms["fp16"], variant, t,
-                 rows[-1]["speedup"], fid["cosine"])
+        rows.append({"model": name, **extra, "scheme": scheme, "mode": "compile" if compiled else "eager",
+                     "fp16_ms": ms[base], "ms": t, "speedup": ms[base] / t, **fid,
+                     "fp16_cosine": _fidelity(outs["fp32"], outs[base])["cosine"],
+                     "layers": info[scheme]["converted"], "float_layers": info[scheme]["float"]})
+        log.info("%s %s %s: %s %.3f ms, %s %.3f ms, %.2fx, cosine %.5f", name, extra, variant, base, ms[base], variant,
+                 t, rows[-1]["speedup"], fid["cosine"])
     return rows
 
 
+_COMPILED = "+compile"
+
+
+def _with_compiled(models: dict[str, nn.Module], compile_: bool) -> dict[str, nn.Module]:
+    """``models`` plus, when asked, each non-fp32 one compiled by inductor (static shapes; the
+    Triton kernels stay custom operators inside the graph)."""
+    if not compile_:
+        return models
+    out = dict(models)
+    for k, m in models.items():
+        if k != "fp32":
+            out[k + _COMPILED] = torch.compile(m, dynamic=False)  # type: ignore[assignment]
+    return out
+
+
+_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+          ("quantize", ("per_token_kernel", "static_kernel", "qdq_kernel")),
+          ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "scaled_mm", "wgmma", "_mm_", "mm_kernel",
+                    "triton_tem", "w4a16", "splitk", "conv", "implicit", "tinygemm", "int4")))
+
+
+def _kind(kernel: str) -> str:
+    low = kernel.lower()
+    return next((k for k, keys in _KINDS if any(key in low for key in keys)), "other")
+
+
+def _profile(fns: dict[str, Callable[[], Any]], dev: torch.device, iters: int = 3) -> dict[str, dict[str, Any]]:
+    """Per variant: device kernel time per forward (ms) summed per kind, and the five longest kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    out: dict[str, dict[str, Any]] = {}
+    for k, fn in fns.items():
+        with torch.no_grad():
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                for _ in range(iters):
+                    fn()
+                if cuda:
+                    torch.cuda.synchronize()
+        per: dict[str, float] = {}
+        for e in prof.events():
+            if (e.device_type == DeviceType.CUDA) if cuda else e.cpu_parent is None:
+                per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / iters
+        kinds: dict[str, float] = {}
+        for name, t in per.items():
+            kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + t
+        top = sorted(per.items(), key=lambda kv: -kv[1])[:5]
+        out[k] = {"total_ms": sum(per.values()), **{f"{kind}_ms": kinds.get(kind, 0.0) for kind, _ in _KINDS},
+                  "other_ms": kinds.get("other", 0.0), "top": [[n[:80], round(t, 4)] for n, t in top]}
+        log.info("profile %s: %s", k, {kk: round(v, 3) for kk, v in out[k].items() if kk != "top"})
+    return out
+
+
 def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs: int,
-                rows: list[dict[str, Any]]) -> None:
+                rows: list[dict[str, Any]], profiles: dict[str, Any]) -> None:
     from transformers import StaticCache
 
     fp32 = _llama(spec).to(dev)
@@ -140,12 +207,16 @@ def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, run
     g = torch.Generator().manual_seed(1)
     for t in spec["prefill"]:
         ids = torch.randint(0, spec["vocab"], (1, t), generator=g).to(dev)
+        timed = _with_compiled(models, spec.get("compile", False))
         with torch.no_grad():
-            outs = {k: m(input_ids=ids, use_cache=False).last_hidden_state.float() for k, m in models.items()}
-        fns = {k: (lambda m=m, ids=ids: m(input_ids=ids, use_cache=False)) for k, m in models.items() if k != "fp32"}
+            outs = {k: m(input_ids=ids, use_cache=False).last_hidden_state.float() for k, m in timed.items()}
+        fns = {k: (lambda m=m, ids=ids: m(input_ids=ids, use_cache=False)) for k, m in timed.items() if k != "fp32"}
+        if spec.get("profile"):
+            profiles[f"llama prefill {t}"] = _profile(fns, dev)
         rows += _rows_for("llama", fns, outs, dev, runs, {"phase": "prefill", "batch": 1, "tokens": t}, info)
+        del timed, fns
     ctx = spec["context"]
-    for b in spec["decode"]:
+    for b in spec["decode"] if "decode" in spec.get("phases", ("decode",)) else []:
         ids = torch.randint(0, spec["vocab"], (b, ctx), generator=g).to(dev)
         step = torch.randint(0, spec["vocab"], (b, 1), generator=g).to(dev)
         pos = torch.tensor([ctx], device=dev)
@@ -164,7 +235,7 @@ def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, run
 
 
 def bench_bert(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs: int,
-               rows: list[dict[str, Any]]) -> None:
+               rows: list[dict[str, Any]], profiles: dict[str, Any]) -> None:
     from transformers import BertConfig, BertModel
 
     cfg = BertConfig(hidden_size=spec["hidden"], num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
@@ -179,9 +250,12 @@ def bench_bert(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs
         models[s], info[s] = _convert(fp32, s, calib, dev, torch.float16)
     for b in spec["batch"]:
         ids = torch.randint(0, 30522, (b, spec["seq"])).to(dev)
+        timed = _with_compiled(models, spec.get("compile", False))
         with torch.no_grad():
-            outs = {k: m(input_ids=ids).last_hidden_state.float() for k, m in models.items()}
-        fns = {k: (lambda m=m, ids=ids: m(input_ids=ids)) for k, m in models.items() if k != "fp32"}
+            outs = {k: m(input_ids=ids).last_hidden_state.float() for k, m in timed.items()}
+        fns = {k: (lambda m=m, ids=ids: m(input_ids=ids)) for k, m in timed.items() if k != "fp32"}
+        if spec.get("profile"):
+            profiles[f"bert batch {b}"] = _profile(fns, dev)
         rows += _rows_for("bert-base", fns, outs, dev, runs, {"phase": "encode", "batch": b, "tokens": spec["seq"]}, info)
 
 
@@ -198,7 +272,7 @@ def _resnet() -> tuple[str, nn.Module]:
 
 
 def bench_resnet(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs: int,
-                 rows: list[dict[str, Any]]) -> None:
+                 rows: list[dict[str, Any]], profiles: dict[str, Any]) -> None:
     name, fp32 = _resnet()
     fp32 = fp32.to(dev)
     size = spec["image"]
@@ -221,6 +295,8 @@ def bench_resnet(spec: dict[str, Any], schemes: list[str], dev: torch.device, ru
         with torch.no_grad():
             outs = {k: m(x32 if k == "fp32" else x16).float() for k, m in models.items()}
         fns = {k: (lambda m=m, x16=x16: m(x16)) for k, m in models.items() if k != "fp32"}
+        if spec.get("profile"):
+            profiles[f"resnet batch {b}"] = _profile(fns, dev)
         rows += _rows_for(name, fns, outs, dev, runs, {"phase": "classify", "batch": b, "tokens": size}, info)
 
 
@@ -248,7 +324,7 @@ def _convert_checked(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.
 def _markdown(data: dict[str, Any]) -> str:
     from benchmarks._results import table
 
-    rows = [{**r, "layers": ", ".join(f"{v} {k}" for k, v in r["layers"].items()),
+    rows = [{"mode": "eager", **r, "layers": ", ".join(f"{v} {k}" for k, v in r["layers"].items()),
              "kept_float": sum(r["float_layers"].values())} for r in data["rows"]]
     parts = [
         "## CUDA end to end: converted models vs fp16\n",
@@ -258,7 +334,9 @@ def _markdown(data: dict[str, Any]) -> str:
         "Each variant timed in alternating runs as CUDA-graph replays (median); speedup = fp16 ms / variant ms. "
         "Cosine and SQNR: last hidden state (ResNet: logits) against the fp32 model on the same input. "
         "Decode: one token per sequence against a StaticCache of 2048 tokens.\n",
-        table(rows, ["model", "phase", "batch", "tokens", "scheme", "fp16_ms", "ms", "speedup", "cosine", "sqnr_db",
+        f"Rows measured on {', '.join(sorted({str(r.get('date', '2026-11-26')) for r in rows}))} (same GPU model; "
+        "each row's two timings come from one run).\n",
+        table(rows, ["model", "phase", "batch", "tokens", "scheme", "mode", "fp16_ms", "ms", "speedup", "cosine", "sqnr_db",
                      "fp16_cosine", "layers", "kept_float"]),
     ]
     kept = {(r["model"], r["scheme"]): r["float_layers"] for r in data["rows"] if r["float_layers"]}
@@ -266,10 +344,20 @@ def _markdown(data: dict[str, Any]) -> str:
         parts.append("\nLayers kept in float, with the converter's reasons:\n")
         for (model, scheme), reasons in kept.items():
             parts.append(f"- {model} {scheme}: " + "; ".join(f"{n} x {why}" for why, n in reasons.items()))
+    if data.get("profiles"):
+        parts.append("\nWhere the time goes: CUDA kernel milliseconds per forward (profiler, eager unless "
+                     "`+compile`), summed per kind; `quantize` is our activation quantization kernels.\n")
+        prof = [{"run": run, "variant": v, **{k: x for k, x in p.items() if k != "top"}}
+                for run, per in data["profiles"].items() for v, p in per.items()]
+        parts.append(table(prof, ["run", "variant", "total_ms", "gemm_ms", "quantize_ms", "attention_ms", "other_ms"]))
     if data.get("errors"):
         parts.append("\nParts that failed on this machine:\n")
         parts += [f"- {e}" for e in data["errors"]]
     return "\n".join(parts) + "\n"
+
+
+def _row_key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return (r.get("part"), r.get("phase"), r.get("batch"), r.get("tokens"), r.get("scheme"), r.get("mode", "eager"))
 
 
 def _write(data: dict[str, Any], path: Path) -> None:
@@ -282,8 +370,11 @@ def _write(data: dict[str, Any], path: Path) -> None:
         old = json.loads(path.read_text())
         if old.get("gpu") == data["gpu"]:
             mine = {r["part"] for r in data["rows"]} | set(data.get("parts", []))
-            kept = [r for r in old.get("rows", []) if r.get("part") not in mine]
-            data = {**data, "rows": kept + data["rows"],
+            fresh = {_row_key(r) for r in data["rows"]}
+            # a row this run did not re-measure (another phase, another mode) stays, with its date
+            kept = [r for r in old.get("rows", []) if _row_key(r) not in fresh]
+            profiles = {k: v for k, v in old.get("profiles", {}).items() if k.split()[0] not in mine}
+            data = {**data, "rows": kept + data["rows"], "profiles": {**profiles, **data.get("profiles", {})},
                     "errors": [e for e in old.get("errors", []) if e.split(":")[0] not in mine] + data["errors"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str))
@@ -298,6 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--resnet-parity", action="store_true",
                     help="also time the ResNet with its placed quantizers kept (exact fake-quant arithmetic)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the Llama prefill and BERT with every variant compiled by torch.compile")
+    ap.add_argument("--phases", nargs="*", default=["prefill", "decode"], choices=["prefill", "decode"],
+                    help="Llama phases to time")
+    ap.add_argument("--profile", action="store_true", help="CUDA kernel time per kind for each variant")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/cuda_e2e.json"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -313,20 +409,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers:
         plan["llama"]["layers"] = args.layers
     plan["resnet"]["parity"] = args.resnet_parity
+    for part in ("llama", "bert"):
+        plan[part]["compile"] = args.compile
+    plan["llama"]["phases"] = args.phases
+    if "prefill" not in args.phases:
+        plan["llama"]["prefill"] = []
+    for part in ("llama", "bert", "resnet"):
+        plan[part]["profile"] = args.profile
     runs = args.runs if cuda else 1
     data: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0) if cuda else "cpu (TRITON_INTERPRET smoke)",
-                            "plan": plan, "rows": [], "errors": []}
+                            "plan": plan, "rows": [], "errors": [], "profiles": {}}
     benches: dict[str, Callable[..., None]] = {"llama": bench_llama, "bert": bench_bert, "resnet": bench_resnet}
     t0 = time.time()
     data["parts"] = list(args.only)
     for part in args.only:
         rows: list[dict[str, Any]] = []  # filled as measured: a failure keeps the rows before it
         try:
-            benches[part](plan[part], plan["schemes"][part], dev, runs, rows)
+            benches[part](plan[part], plan["schemes"][part], dev, runs, rows, data["profiles"])
         except Exception as exc:  # one model failing must not lose the others' figures
             log.error("%s failed: %s", part, traceback.format_exc())
             data["errors"].append(f"{part}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        data["rows"] += [{**r, "part": part} for r in rows]
+        data["rows"] += [{**r, "part": part, "date": time.strftime("%Y-%m-%d")} for r in rows]
         if cuda:
             torch.cuda.empty_cache()
             _write(data, args.json)  # after each model: a run stopped by its time limit keeps what it measured
