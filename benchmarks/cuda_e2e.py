@@ -159,6 +159,8 @@ _KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
 
 def _kind(kernel: str) -> str:
     low = kernel.lower()
+    if low.startswith(("triton_poi", "triton_red", "triton_per")):
+        return "other"  # inductor's fused pointwise/reduction kernels, named after every op they fuse ("mm" too)
     return next((k for k, keys in _KINDS if any(key in low for key in keys)), "other")
 
 
