@@ -27,8 +27,8 @@ def machine() -> dict[str, Any]:
     return {**run_machine(), "python": v["python"], "torch": v.get("torch"), "onnxruntime": v.get("onnxruntime")}
 
 
-def machine_line() -> str:
-    m = machine()
+def machine_line(m: dict[str, Any] | None = None) -> str:
+    m = m or machine()
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
     return (
         f"{m['cpu']}" + (f" ({m['int8_isa']})" if m.get("int8_isa") else "") + f", {m['cores']} cores, {m['memory_gib']} GiB{gpu}; "
@@ -48,18 +48,21 @@ def median_time_ms(fn: Callable[[], Any], *, warmup: int = 5, runs: int = 20) ->
     return statistics.median(times)
 
 
-def write_section(name: str, markdown: str, data: Any = None) -> None:
-    """Replace (or append) the section ``name`` of RESULTS.md; also write results/NAME.json."""
+def write_section(name: str, markdown: str, data: Any = None, *, measured_on: dict[str, Any] | None = None) -> None:
+    """Replace (or append) the section ``name`` of RESULTS.md; also write results/NAME.json.
+
+    ``measured_on``: the machine record of the run that measured the figures, when the section is
+    rewritten elsewhere (rows from a lent GPU machine merged here)."""
     header = "# Benchmark results\n\nEach section is written by the script named in it; figures are measured, never edited by hand.\n"
     text = RESULTS.read_text() if RESULTS.exists() else header
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    body = f"<!-- begin:{name} -->\n{markdown.rstrip()}\n\n_Machine: {machine_line()}. Run {stamp}._\n<!-- end:{name} -->"
+    body = f"<!-- begin:{name} -->\n{markdown.rstrip()}\n\n_Machine: {machine_line(measured_on)}. Run {stamp}._\n<!-- end:{name} -->"
     pattern = re.compile(rf"<!-- begin:{re.escape(name)} -->.*?<!-- end:{re.escape(name)} -->", re.S)
     text = pattern.sub(lambda _: body, text) if pattern.search(text) else text.rstrip() + "\n\n" + body + "\n"
     RESULTS.write_text(text)
     if data is not None:
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        (RESULTS_DIR / f"{name}.json").write_text(json.dumps({"machine": machine(), **data}, indent=2, default=str))
+        (RESULTS_DIR / f"{name}.json").write_text(json.dumps({"machine": measured_on or machine(), **data}, indent=2, default=str))
 
 
 def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:

@@ -3,8 +3,9 @@
     python -m benchmarks.cuda_fp8_parity [--json PATH]        # CUDA; TRITON_INTERPRET=1 runs it on CPU
 
 For each FP8Linear of a transformers Llama (random weights, small), given the exact input the
-fake-quant layer sees: how many activation codes the Triton kernel writes differently from the fake
-quantizer, and how far the fp8 GEMM (cuBLASLt) and the fake-quant layer are each from a float64
+fake-quant layer sees: how many of the activations the Triton kernel quantizes differ from the fake
+quantizer's (field ``codes_differing``: dequantized values, so a per-token scale one ulp apart counts
+even where the codes agree), and how far the fp8 GEMM (cuBLASLt) and the fake-quant layer are each from a float64
 product of the same dequantized codes. Then the logits of the whole model: converted vs fake-quant,
 float vs fake-quant, in fp32 and deployed in fp16. It tells code differences from accumulation
 differences, which is what a parity bound has to be built on.

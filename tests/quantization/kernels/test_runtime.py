@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -111,3 +113,45 @@ def test_gpu_check_script_parses_and_refuses_unknown_steps(tmp_path: Path) -> No
     r = subprocess.run(["bash", str(script), str(tmp_path / "out"), "bogus"], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert r.returncode == 2 and "unknown step 'bogus'" in r.stderr
+
+
+def test_cuda_e2e_merge_keeps_the_latest_measurement_per_row_and_the_gpu_machine(tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    import benchmarks._results as results
+    from benchmarks import cuda_e2e
+
+    monkeypatch.setattr(results, "RESULTS", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path / "results")
+    gpu_machine = {"cpu": "Intel Xeon", "cores": 16, "memory_gib": 125.9, "gpu": "NVIDIA H200", "python": "3.12.3",
+                   "torch": "2.11.0"}
+
+    def row(part: str, scheme: str, speedup: float, date: str | None, mode: str = "eager") -> dict:
+        r = {"part": part, "model": part, "phase": "prefill", "batch": 1, "tokens": 8, "scheme": scheme, "mode": mode,
+             "fp16_ms": 1.0, "ms": 1.0 / speedup, "speedup": speedup, "cosine": 1.0, "sqnr_db": 40.0,
+             "fp16_cosine": 1.0, "layers": {"Int8Linear": 1}, "float_layers": {}}
+        return r if date is None else {**r, "date": date}
+
+    older = {"gpu": "NVIDIA H200", "machine": gpu_machine, "plan": cuda_e2e.FULL,
+             "rows": [row("llama", "W8A8", 1.10, None), row("bert", "W8A8", 0.90, None)],
+             "profiles": {"llama prefill 8": {"fp16": {"total_ms": 1.0}}}}
+    newer = {"gpu": "NVIDIA H200", "machine": gpu_machine, "plan": cuda_e2e.FULL,
+             "rows": [row("bert", "W8A8", 0.95, "2026-11-26 09:14"), row("bert", "W8A8", 0.91, "2026-11-26 09:14", "compile"),
+                      row("llama", "W8A8", 1.00, None)],  # an old row the device run carried along
+             "profiles": {"bert batch 32": {"fp16": {"total_ms": 2.0}}}}
+    first = {**newer, "rows": [row("llama", "W8A8", 1.20, "2026-11-26 09:07")], "profiles": {}}
+    files = []
+    for i, run in enumerate((older, first, newer)):
+        files.append(tmp_path / f"run{i}.json")
+        files[-1].write_text(json.dumps(run))
+    cuda_e2e.merge(files, tmp_path / "merged.json")
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    speedups = {(r["part"], r["mode"]): r["speedup"] for r in merged["rows"]}
+    assert speedups == {("llama", "eager"): 1.20, ("bert", "eager"): 0.95, ("bert", "compile"): 0.91}
+    assert set(merged["profiles"]) == {"llama prefill 8", "bert batch 32"}
+    section = (tmp_path / "RESULTS.md").read_text()
+    assert "GPU NVIDIA H200" in section and "Intel Xeon" in section  # the GPU machine's record, not this one's
+    other = {**older, "gpu": "NVIDIA H100"}
+    files[0].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="different GPUs"):
+        cuda_e2e.merge(files, tmp_path / "merged.json")
