@@ -223,7 +223,10 @@ def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, run
         step = torch.randint(0, spec["vocab"], (b, 1), generator=g).to(dev)
         pos = torch.tensor([ctx], device=dev)
         outs, fns = {}, {}
-        for k, m in models.items():
+        # not compiled: the StaticCache of some transformers releases keeps its write position as a
+        # Python int, so every step would recompile (seen on CPU: compiled steps 20x slower than eager)
+        timed = models
+        for k, m in timed.items():
             cache = StaticCache(config=m.config, max_cache_len=ctx + _CACHE_ROOM)
             with torch.no_grad():
                 m(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(ctx, device=dev))
@@ -232,8 +235,10 @@ def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, run
                 # each replay rewrites the same cache slot: the step the timings measure is identical
                 fns[k] = lambda m=m, cache=cache, step=step, pos=pos: m(
                     input_ids=step, past_key_values=cache, use_cache=True, cache_position=pos)
+        if spec.get("profile"):
+            profiles[f"llama decode batch {b}"] = _profile(fns, dev)
         rows += _rows_for("llama", fns, outs, dev, runs, {"phase": "decode", "batch": b, "tokens": ctx}, info)
-        del fns, outs
+        del fns, outs, timed
 
 
 def bench_bert(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs: int,
@@ -421,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time the Llama prefill and BERT with every variant compiled by torch.compile")
     ap.add_argument("--phases", nargs="*", default=["prefill", "decode"], choices=["prefill", "decode"],
                     help="Llama phases to time")
+    ap.add_argument("--decode-batches", nargs="*", type=int, default=None, help="Llama decode batch sizes")
     ap.add_argument("--profile", action="store_true", help="CUDA kernel time per kind for each variant")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/cuda_e2e.json"))
     ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
@@ -445,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     for part in ("llama", "bert"):
         plan[part]["compile"] = args.compile
     plan["llama"]["phases"] = args.phases
+    if args.decode_batches:
+        plan["llama"]["decode"] = args.decode_batches
     if "prefill" not in args.phases:
         plan["llama"]["prefill"] = []
     for part in ("llama", "bert", "resnet"):
