@@ -223,8 +223,9 @@ def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, run
         step = torch.randint(0, spec["vocab"], (b, 1), generator=g).to(dev)
         pos = torch.tensor([ctx], device=dev)
         outs, fns = {}, {}
-        # not compiled: the StaticCache of some transformers releases keeps its write position as a
-        # Python int, so every step would recompile (seen on CPU: compiled steps 20x slower than eager)
+        # not compiled: compiled decode steps ran 20x slower than eager on CPU (transformers 5.24), as a
+        # recompile per step would; a StaticCache that keeps its write position as a Python int (5.17)
+        # would change dynamo's guards every step. Not worth device time until that is understood
         timed = models
         for k, m in timed.items():
             cache = StaticCache(config=m.config, max_cache_len=ctx + _CACHE_ROOM)
