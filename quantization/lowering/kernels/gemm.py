@@ -73,6 +73,12 @@ HOPPER_CONFIGS = [
     tile_config(32, 64, 256, 4, 4),
     tile_config(16, 128, 128, 4, 4),
     tile_config(16, 64, 256, 4, 4),
+    # decode (M <= 16): narrow column tiles put more programs on the 132 SMs (N=4096 in 64-wide tiles
+    # is 64 programs, half the GPU idle), deep K-tiles keep each one's weight stream long
+    tile_config(16, 32, 256, 4, 4),
+    tile_config(16, 32, 512, 3, 4),
+    tile_config(16, 16, 512, 3, 2),
+    tile_config(16, 64, 512, 3, 4),
 ]
 # Ampere (sm80/86/89): 100-164 KB shared memory; K-tiles of 64-128 bytes, 3-5 stages.
 AMPERE_CONFIGS = [
