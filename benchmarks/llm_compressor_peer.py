@@ -45,24 +45,9 @@ SETUP_LOG = RESULTS_DIR / "llm_compressor_peer_setup.log"
 def make_venv(venv: Path) -> str | None:
     """Make llm-compressor's virtualenv at ``venv`` unless its Python imports llmcompressor already;
     returns None when it works, else the failing step and pip's last lines."""
-    py = venv / "bin" / "python"
-    if py.exists() and subprocess.run([str(py), "-c", "import llmcompressor"], capture_output=True).returncode == 0:
-        return None
-    torch_pin = torch.__version__.split("+")[0]
-    steps = [[sys.executable, "-m", "venv", str(venv)],
-             [str(py), "-m", "pip", "install", f"torch=={torch_pin}"],
-             [str(py), "-m", "pip", "install", "llmcompressor"]]
-    SETUP_LOG.parent.mkdir(parents=True, exist_ok=True)
-    with SETUP_LOG.open("w") as f:
-        for cmd in steps:
-            f.write("$ " + " ".join(cmd) + "\n")
-            f.flush()
-            r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            f.write(r.stdout)
-            if r.returncode:
-                tail = "\n".join(r.stdout.strip().splitlines()[-12:])
-                return f"`{' '.join(cmd[-3:])}` failed (exit {r.returncode}):\n\n```\n{tail}\n```"
-    return None
+    from benchmarks._venv import make_venv as make
+
+    return make(venv, probe="llmcompressor", packages=["llmcompressor"], log=SETUP_LOG)
 
 
 def prepare(args: argparse.Namespace) -> tuple[Path, Path]:

