@@ -1,0 +1,234 @@
+"""llama.cpp on our GGUF files of the real SmolLM2-135M, beside llama.cpp's own quantization of the
+same float model, and beside our ONNX int4 file in ONNX Runtime for CPU decode speed.
+
+    python -m benchmarks.llm_llamacpp [--gptq] [--threads 1]     (needs llama-cpp-python: the `llamacpp` extra)
+
+Files, all read by llama.cpp itself (``llama_cpp.Llama``):
+- the float model as an F32 GGUF (``save_gguf`` of the unquantized model);
+- ours: RTN (and GPTQ with ``--gptq``) at 4 bits, groups of 32, symmetric, written as Q4_0 blocks with our
+  codes; 8 bits as Q8_0;
+- llama.cpp's: ``llama_model_quantize`` of that F32 file to Q4_0 and Q8_0, once with its defaults (the
+  token embedding quantized too) and once with the token embedding kept F32, as ours keeps it.
+Perplexity over held-out windows of stdlib code (disjoint from the calibration text), each file
+evaluated by llama.cpp on the same token ids; greedy tokens of llama.cpp on our files against our
+fake-quant PyTorch model on held-out prompts; decode speed (prefill ms, decode tokens/s) of llama.cpp
+on the Q4_0 files and of ONNX Runtime on our MatMulNBits int4 export of the same weights, threads stated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks._results import table, write_section
+
+log = logging.getLogger("benchmarks.llm_llamacpp")
+
+
+def _windows(tok: Any, n: int, length: int) -> list[list[int]]:
+    root = Path(os.path.dirname(os.__file__))
+    text = "".join((root / f).read_text() for f in ("json/decoder.py", "json/encoder.py", "argparse.py"))
+    ids = tok(text)["input_ids"]
+    return [ids[i * length : (i + 1) * length] for i in range(n) if len(ids) >= (i + 1) * length]
+
+
+def _llama(path: Path, ctx: int, threads: int, logits_all: bool) -> Any:
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_ctx=ctx, n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
+                 verbose=False, n_batch=ctx)
+
+
+def llamacpp_ppl(path: Path, windows: list[list[int]], threads: int) -> float:
+    """Perplexity llama.cpp computes from ``path`` over ``windows`` (token ids, one sequence each)."""
+    llm = _llama(path, len(windows[0]), threads, logits_all=True)
+    nll, count = 0.0, 0
+    for w in windows:
+        llm.reset()
+        llm.eval(w)
+        logits = np.asarray(llm.scores[: len(w) - 1], dtype=np.float64)
+        logits -= logits.max(-1, keepdims=True)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        nll -= float(logp[np.arange(len(w) - 1), w[1:]].sum())
+        count += len(w) - 1
+    return math.exp(nll / count)
+
+
+def torch_ppl(model: Any, windows: list[list[int]]) -> float:
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for w in windows:
+            ids = torch.tensor([w])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+            nll -= float(logp.gather(1, ids[0, 1:, None]).sum())
+            count += len(w) - 1
+    return math.exp(nll / count)
+
+
+def llamacpp_greedy(path: Path, prompt: list[int], new: int, threads: int) -> list[int]:
+    llm = _llama(path, len(prompt) + new + 8, threads, logits_all=False)
+    llm.reset()
+    llm.eval(prompt)
+    out = list(prompt)
+    for _ in range(new):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(nxt)
+        llm.eval([nxt])
+    return out
+
+
+def llamacpp_speed(path: Path, prompt: list[int], new: int, threads: int, repeats: int = 3) -> tuple[float, float]:
+    """(prefill ms, decode tokens/s), medians over ``repeats`` after a warm-up."""
+    llm = _llama(path, len(prompt) + new + 8, threads, logits_all=False)
+    pre, dec = [], []
+    for r in range(repeats + 1):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t1 = time.perf_counter()
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        for _ in range(new):
+            llm.eval([nxt])
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t2 = time.perf_counter()
+        if r:
+            pre.append((t1 - t0) * 1e3)
+            dec.append(new / (t2 - t1))
+    return statistics.median(pre), statistics.median(dec)
+
+
+def ort_speed(path: Path, prompt: list[int], new: int, threads: int, repeats: int = 3) -> tuple[float, float]:
+    from export.llm_onnx import OrtGenerator
+
+    gen = OrtGenerator(path, threads=threads)
+    ids = np.asarray([prompt], dtype=np.int64)
+    pre, dec = [], []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        logits = gen.prefill(ids, None)
+        t1 = time.perf_counter()
+        for _ in range(new):
+            logits = gen.step(logits.argmax(-1).astype(np.int64))
+        t2 = time.perf_counter()
+        if r:
+            pre.append((t1 - t0) * 1e3)
+            dec.append(new / (t2 - t1))
+    return statistics.median(pre), statistics.median(dec)
+
+
+def llamacpp_quantize(src: Path, dst: Path, ftype: str, *, keep_embedding: bool) -> Path:
+    """llama.cpp's own quantization of ``src`` to ``ftype`` (Q4_0, Q8_0)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 1
+    if keep_embedding:
+        params.token_embedding_type = llama_cpp.GGML_TYPE_F32
+        params.output_tensor_type = llama_cpp.GGML_TYPE_F32
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({ftype}) returned {rc}")
+    return dst
+
+
+def main(argv: list[str] | None = None) -> None:
+    import compress
+    from benchmarks.llm_runtimes import load_smollm2
+    from export.gguf_file import save_gguf
+    from export.llm_onnx import export_llm_onnx
+
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit("needs llama-cpp-python (pip install -e '.[llamacpp]'; it builds llama.cpp from source)") from None
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.llm_llamacpp", description=__doc__.splitlines()[0])
+    ap.add_argument("--gptq", action="store_true", help="also GPTQ (16 calibration windows of 256 tokens)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--windows", type=int, default=8, help="held-out windows of 256 tokens")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="llm_llamacpp."))
+    fp, tok = load_smollm2(work / "smollm2")
+    windows = _windows(tok, args.windows, 256)
+    cal_ids = tok(Path(os.__file__).read_text()[:60000])["input_ids"]
+    cal = [torch.tensor([cal_ids[i * 256 : (i + 1) * 256]]) for i in range(16)]
+    prompts = [w[:32] for w in windows[:4]]
+    rows: list[dict[str, Any]] = []
+    f32 = save_gguf(fp, work / "f32.gguf", tokenizer=tok)
+    rows.append({"file": "float (F32 GGUF)", "by": "-", "MiB": f32.stat().st_size / 2**20,
+                 "ppl_llamacpp": llamacpp_ppl(f32, windows, args.threads), "ppl_torch": torch_ppl(fp, windows)})
+    log.info("%s", rows[-1])
+    ours: dict[str, tuple[Any, Path]] = {}
+    for bits, qtype in ((4, "Q4_0"), (8, "Q8_0")):
+        scheme = compress.QuantScheme(weights=compress.QuantSpec(bits=bits, granularity="group", group_size=32),
+                                      inputs=None)
+        methods = ["RTN"] + (["GPTQ"] if args.gptq and bits == 4 else [])
+        for method in methods:
+            t0 = time.perf_counter()
+            if method == "GPTQ":
+                q = compress.gptq(copy.deepcopy(fp), cal, scheme=scheme, ignore=["lm_head"])
+            else:
+                q = compress.quantize(copy.deepcopy(fp), scheme, ignore=["lm_head"])
+            path = save_gguf(q, work / f"ours.{method}.{qtype}.gguf", tokenizer=tok)
+            ours[f"{method} {qtype}"] = (q, path)
+            greedy = [llamacpp_greedy(path, p, 16, args.threads) == q.generate(
+                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=16,
+                min_new_tokens=16, do_sample=False)[0].tolist() for p in prompts]
+            rows.append({"file": f"ours {method} {qtype}", "by": "compress", "MiB": path.stat().st_size / 2**20,
+                         "ppl_llamacpp": llamacpp_ppl(path, windows, args.threads), "ppl_torch": torch_ppl(q, windows),
+                         "greedy_equal": f"{sum(greedy)}/{len(greedy)}", "quantize_s": time.perf_counter() - t0})
+            log.info("%s", rows[-1])
+        for keep in (False, True):
+            dst = llamacpp_quantize(f32, work / f"llamacpp.{qtype}.{'f32emb' if keep else 'default'}.gguf", qtype,
+                                    keep_embedding=keep)
+            rows.append({"file": f"llama.cpp {qtype}" + (" (embedding F32)" if keep else " (defaults)"),
+                         "by": f"llama.cpp {llama_cpp.__version__}", "MiB": dst.stat().st_size / 2**20,
+                         "ppl_llamacpp": llamacpp_ppl(dst, windows, args.threads)})
+            log.info("%s", rows[-1])
+    prompt, new = windows[0][:128], 64
+    speed: list[dict[str, Any]] = []
+    q4, p4 = ours["RTN Q4_0"]
+    pre, dec = llamacpp_speed(p4, prompt, new, args.threads)
+    speed.append({"runtime": f"llama.cpp {llama_cpp.__version__}", "file": "ours RTN Q4_0 GGUF",
+                  "MiB": p4.stat().st_size / 2**20, "prefill_ms": pre, "decode_tok_s": dec})
+    onnx4 = export_llm_onnx(q4, work / "int4" / "model.onnx", weights="int4")
+    size = sum(f.stat().st_size for f in onnx4.parent.iterdir()) / 2**20
+    for level in (0, 4):
+        if level:
+            onnx4 = export_llm_onnx(q4, work / "int4_l4" / "model.onnx", weights="int4", accuracy_level=4)
+        pre, dec = ort_speed(onnx4, prompt, new, args.threads)
+        speed.append({"runtime": "onnxruntime", "file": f"ours int4 MatMulNBits (accuracy_level {level})",
+                      "MiB": size, "prefill_ms": pre, "decode_tok_s": dec})
+        log.info("%s", speed[-1])
+    md = ("## llama.cpp on our GGUF files, real SmolLM2-135M (`python -m benchmarks.llm_llamacpp`)\n\n"
+          f"Perplexity by llama.cpp itself on {len(windows)} held-out windows of 256 tokens of stdlib code "
+          "(json/decoder.py, json/encoder.py, argparse.py; calibration for GPTQ: os.py), every file on the same "
+          "token ids; `ppl_torch` is our PyTorch fake-quant model on the same windows. Ours keep the token "
+          "embedding F32 (llama.cpp's quantizer is shown with its defaults and with the embedding F32). "
+          f"`greedy_equal`: prompts of 32 tokens + 16 generated, llama.cpp on our file vs our model. Threads: "
+          f"{args.threads}.\n\n"
+          + table(rows, ["file", "by", "MiB", "ppl_llamacpp", "ppl_torch", "greedy_equal", "quantize_s"])
+          + f"\nCPU decode, prompt of {len(prompt)} tokens then {new} greedy tokens, median of 3 after a warm-up:\n\n"
+          + table(speed, ["runtime", "file", "MiB", "prefill_ms", "decode_tok_s"])
+          + f"\nMachine load at start (1/5/15 min): {tuple(round(x, 1) for x in load)}.\n")
+    write_section("llm_llamacpp", md, {"rows": rows, "speed": speed, "threads": args.threads})
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
