@@ -51,30 +51,53 @@ def _llama(path: Path, ctx: int, threads: int, logits_all: bool) -> Any:
                  verbose=False, n_batch=ctx)
 
 
-def llamacpp_ppl(path: Path, windows: list[list[int]], threads: int) -> float:
-    """Perplexity llama.cpp computes from ``path`` over ``windows`` (token ids, one sequence each)."""
+def llamacpp_ppl(path: Path, windows: list[list[int]], threads: int) -> tuple[float, np.ndarray]:
+    """Perplexity llama.cpp computes from ``path`` over ``windows`` (token ids, one sequence each),
+    and its top-1 prediction at every position (teacher-forced)."""
     llm = _llama(path, len(windows[0]), threads, logits_all=True)
-    nll, count = 0.0, 0
+    nll, count, top = 0.0, 0, []
     for w in windows:
         llm.reset()
         llm.eval(w)
         logits = np.asarray(llm.scores[: len(w) - 1], dtype=np.float64)
+        top.append(logits.argmax(-1))
         logits -= logits.max(-1, keepdims=True)
         logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         nll -= float(logp[np.arange(len(w) - 1), w[1:]].sum())
         count += len(w) - 1
-    return math.exp(nll / count)
+    return math.exp(nll / count), np.concatenate(top)
 
 
-def torch_ppl(model: Any, windows: list[list[int]]) -> float:
-    nll, count = 0.0, 0
+def torch_ppl(model: Any, windows: list[list[int]]) -> tuple[float, np.ndarray]:
+    nll, count, top = 0.0, 0, []
     with torch.no_grad():
         for w in windows:
             ids = torch.tensor([w])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+            logits = model(input_ids=ids).logits[0, :-1].double()
+            top.append(logits.argmax(-1).numpy())
+            logp = torch.log_softmax(logits, -1)
             nll -= float(logp.gather(1, ids[0, 1:, None]).sum())
             count += len(w) - 1
-    return math.exp(nll / count)
+    return math.exp(nll / count), np.concatenate(top)
+
+
+def _agreement(a: np.ndarray, b: np.ndarray) -> float:
+    return float((a == b).mean())
+
+
+def _same_prefix(a: list[int], b: list[int], start: int) -> int:
+    """How many generated tokens agree before the first difference."""
+    n = 0
+    for x, y in zip(a[start:], b[start:]):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _last_argmax(llm: Any) -> int:
+    # without logits_all the binding keeps no scores: read the last token's logits from the context
+    return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
 
 
 def llamacpp_greedy(path: Path, prompt: list[int], new: int, threads: int) -> list[int]:
@@ -83,9 +106,22 @@ def llamacpp_greedy(path: Path, prompt: list[int], new: int, threads: int) -> li
     llm.eval(prompt)
     out = list(prompt)
     for _ in range(new):
-        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        nxt = _last_argmax(llm)
         out.append(nxt)
         llm.eval([nxt])
+    return out
+
+
+def torch_greedy(model: Any, prompt: list[int], new: int) -> list[int]:
+    """Plain argmax decoding with the model's KV cache (no generation-config processors)."""
+    out, past, ids = list(prompt), None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(new):
+            res = model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.tensor([[nxt]])
     return out
 
 
@@ -98,10 +134,10 @@ def llamacpp_speed(path: Path, prompt: list[int], new: int, threads: int, repeat
         t0 = time.perf_counter()
         llm.eval(prompt)
         t1 = time.perf_counter()
-        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        nxt = _last_argmax(llm)
         for _ in range(new):
             llm.eval([nxt])
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            nxt = _last_argmax(llm)
         t2 = time.perf_counter()
         if r:
             pre.append((t1 - t0) * 1e3)
@@ -144,6 +180,16 @@ def llamacpp_quantize(src: Path, dst: Path, ftype: str, *, keep_embedding: bool)
     return dst
 
 
+def _greedy(path: Path, model: Any, prompts: list[list[int]], threads: int, new: int = 16) -> str:
+    """Greedy continuations by llama.cpp on ``path`` and by ``model`` (PyTorch): per prompt, how many of
+    the ``new`` tokens agree before the first difference."""
+    agree = []
+    for p in prompts:
+        ours = torch_greedy(model, p, new)
+        agree.append(_same_prefix(llamacpp_greedy(path, p, new, threads), ours, len(p)))
+    return " ".join(f"{a}/{new}" for a in agree)
+
+
 def main(argv: list[str] | None = None) -> None:
     import compress
     from benchmarks.llm_runtimes import load_smollm2
@@ -170,8 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [w[:32] for w in windows[:4]]
     rows: list[dict[str, Any]] = []
     f32 = save_gguf(fp, work / "f32.gguf", tokenizer=tok)
-    rows.append({"file": "float (F32 GGUF)", "by": "-", "MiB": f32.stat().st_size / 2**20,
-                 "ppl_llamacpp": llamacpp_ppl(f32, windows, args.threads), "ppl_torch": torch_ppl(fp, windows)})
+    ppl_c, top_c = llamacpp_ppl(f32, windows, args.threads)
+    ppl_t, top_t = torch_ppl(fp, windows)
+    rows.append({"file": "float (F32 GGUF)", "by": "-", "MiB": f32.stat().st_size / 2**20, "ppl_llamacpp": ppl_c,
+                 "ppl_torch": ppl_t, "top1_vs_torch": _agreement(top_c, top_t),
+                 "greedy_prefix": _greedy(f32, fp, prompts, args.threads)})
     log.info("%s", rows[-1])
     ours: dict[str, tuple[Any, Path]] = {}
     for bits, qtype in ((4, "Q4_0"), (8, "Q8_0")):
@@ -186,19 +235,19 @@ def main(argv: list[str] | None = None) -> None:
                 q = compress.quantize(copy.deepcopy(fp), scheme, ignore=["lm_head"])
             path = save_gguf(q, work / f"ours.{method}.{qtype}.gguf", tokenizer=tok)
             ours[f"{method} {qtype}"] = (q, path)
-            greedy = [llamacpp_greedy(path, p, 16, args.threads) == q.generate(
-                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=16,
-                min_new_tokens=16, do_sample=False)[0].tolist() for p in prompts]
+            seconds = time.perf_counter() - t0
+            ppl_c, top_c = llamacpp_ppl(path, windows, args.threads)
+            ppl_t, top_t = torch_ppl(q, windows)
             rows.append({"file": f"ours {method} {qtype}", "by": "compress", "MiB": path.stat().st_size / 2**20,
-                         "ppl_llamacpp": llamacpp_ppl(path, windows, args.threads), "ppl_torch": torch_ppl(q, windows),
-                         "greedy_equal": f"{sum(greedy)}/{len(greedy)}", "quantize_s": time.perf_counter() - t0})
+                         "ppl_llamacpp": ppl_c, "ppl_torch": ppl_t, "top1_vs_torch": _agreement(top_c, top_t),
+                         "greedy_prefix": _greedy(path, q, prompts, args.threads), "quantize_s": seconds})
             log.info("%s", rows[-1])
         for keep in (False, True):
             dst = llamacpp_quantize(f32, work / f"llamacpp.{qtype}.{'f32emb' if keep else 'default'}.gguf", qtype,
                                     keep_embedding=keep)
             rows.append({"file": f"llama.cpp {qtype}" + (" (embedding F32)" if keep else " (defaults)"),
                          "by": f"llama.cpp {llama_cpp.__version__}", "MiB": dst.stat().st_size / 2**20,
-                         "ppl_llamacpp": llamacpp_ppl(dst, windows, args.threads)})
+                         "ppl_llamacpp": llamacpp_ppl(dst, windows, args.threads)[0]})
             log.info("%s", rows[-1])
     prompt, new = windows[0][:128], 64
     speed: list[dict[str, Any]] = []
@@ -220,9 +269,11 @@ def main(argv: list[str] | None = None) -> None:
           "(json/decoder.py, json/encoder.py, argparse.py; calibration for GPTQ: os.py), every file on the same "
           "token ids; `ppl_torch` is our PyTorch fake-quant model on the same windows. Ours keep the token "
           "embedding F32 (llama.cpp's quantizer is shown with its defaults and with the embedding F32). "
-          f"`greedy_equal`: prompts of 32 tokens + 16 generated, llama.cpp on our file vs our model. Threads: "
+          "`top1_vs_torch`: share of positions where llama.cpp's top-1 equals the PyTorch model's (teacher-forced, "
+          "same windows; llama.cpp's Q4_0/Q8_0 dot products quantize activations to 8 bits, ours are float). "
+          f"`greedy_prefix`: 4 prompts of 32 tokens, tokens generated alike before the first difference. Threads: "
           f"{args.threads}.\n\n"
-          + table(rows, ["file", "by", "MiB", "ppl_llamacpp", "ppl_torch", "greedy_equal", "quantize_s"])
+          + table(rows, ["file", "by", "MiB", "ppl_llamacpp", "ppl_torch", "top1_vs_torch", "greedy_prefix", "quantize_s"])
           + f"\nCPU decode, prompt of {len(prompt)} tokens then {new} greedy tokens, median of 3 after a warm-up:\n\n"
           + table(speed, ["runtime", "file", "MiB", "prefill_ms", "decode_tok_s"])
           + f"\nMachine load at start (1/5/15 min): {tuple(round(x, 1) for x in load)}.\n")
