@@ -178,12 +178,26 @@ def _worker(rank: int, port: int, out: str) -> None:
         consolidate(mixed, optimizer=mopt)
         res["bf16"] = (logits.dtype, {p.dtype for p in mixed.parameters()},
                        all(bool(torch.isfinite(p).all()) for p in mixed.parameters()))
+        res["lsq_grads"] = _lsq_scale_grads(rank)
         res["gpt2"] = _gpt2_matches_ddp(rank)
         res["distill"] = _distill_sharded(rank)
         torch.save(res, Path(out) / f"rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _lsq_scale_grads(rank: int | None) -> dict[str, torch.Tensor]:
+    """The LSQ scales' gradients of one loss on a batch of 4: in one process (``rank`` None) on all
+    of it; under DDP on this rank's half (DDP averages the ranks' gradients)."""
+    m, _ = _prepared()
+    x = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(11))
+    model: nn.Module = m
+    if rank is not None:
+        x = x[2 * rank: 2 * rank + 2]
+        model = nn.parallel.DistributedDataParallel(m)
+    model(input_ids=x, labels=x).loss.backward()
+    return {n: p.grad.clone() for n, p in m.named_parameters() if n.endswith(".scale") and p.grad is not None}
 
 
 def _gpt2_matches_ddp(rank: int) -> tuple[str, bool, float]:
@@ -265,6 +279,15 @@ def test_fsdp2_qat_and_distillation_two_processes(tmp_path: Path) -> None:
     name, tied, diff = r0["gpt2"]
     assert name == "GPT2LMHeadModel" and tied and diff < 1e-5, r0["gpt2"]
     assert r0["distill"] == {"teacher_sharded": [True] * 4, "plain_after": True, "finite": True}
+    # LSQ: two ranks on the halves of a batch give the scales the gradients one process gives them on
+    # the whole batch (an activation scale's gradient scale 1/sqrt(N Qp) counts the global batch)
+    one = _lsq_scale_grads(None)
+    assert set(one) == set(r0["lsq_grads"]) and any(".a" in n or "input_quantizer" in n for n in one), sorted(one)
+    # gradients that are zero but for rounding (a rotary table's scale: 1e-14) are compared to the largest
+    floor = 1e-5 * max(float(g.norm()) for g in one.values())
+    for n, g in one.items():
+        diff = float((r0["lsq_grads"][n] - g).norm())
+        assert diff <= 1e-3 * float(g.norm()) + floor, (n, diff, float(g.norm()))
     # DCP resharding: the checkpoint the 2 ranks wrote loads in one process, no process group
     fresh, _ = _prepared()
     assert load_sharded(tmp_path / "ckpt", fresh, torch.optim.SGD(fresh.parameters(), lr=0.1)) == 7
