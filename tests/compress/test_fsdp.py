@@ -472,3 +472,121 @@ def _slow_export_worker(rank: int, port: int, out: str) -> None:
 def test_the_other_ranks_wait_out_rank_0s_export_past_the_timeout(tmp_path: Path) -> None:
     mp.spawn(_slow_export_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     assert json.loads((tmp_path / "share1.json").read_text()) == {"rank": 0}
+
+
+# ---- mid-stage resume of a QAT + KD stage --------------------------------------------------------
+
+# rank 1 SIGKILLs itself right after the stage's first mid-stage checkpoint (its epoch 1 of 2)
+_STAGE_DRIVER = """
+import os, signal, sys
+import compress.checkpoints as c
+save = c.save_stage
+def save_then_die(*args, **kwargs):
+    save(*args, **kwargs)
+    if os.environ.get("RANK") == "1" and args[4] == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+c.save_stage = save_then_die
+from compress.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _qat_kd_recipe(tmp: Path, *, lsq: bool) -> Path:
+    """No baseline training; one 2-epoch stage of w8a8 QAT (EMA observers, or LSQ scales) + KD from the
+    model before it."""
+    return _tiny_llm_recipe(
+        tmp, train={"epochs": 0, "metric": "perplexity", "batch_size": 8, "optimizer": "adamw", "lr": 0.001,
+                    "device": "cpu"},
+        stages=[{"name": "qat_kd", "epochs": 2, "modifiers": [
+            {"type": "qat", "scheme": "w8a8", "ignore": ["lm_head"], "lsq": lsq, "num_batches": 1},
+            {"type": "distill", "eval_batches": 0, "losses": [{"type": "kd", "temperature": 2.0}]}]}])
+
+
+def _final(run: Path) -> dict[str, torch.Tensor]:
+    sd = torch.load(run / "checkpoints" / "final.pt", weights_only=True)["model"]
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def _resumed_epochs(run: Path) -> list[str]:
+    """The epochs a run's attempts trained, in order, and where an attempt resumed."""
+    return [ln.split("INFO ")[-1] for ln in (run / "run.log").read_text().splitlines()
+            if "qat_kd epoch" in ln or "resumed stage" in ln]
+
+
+def test_a_killed_qat_kd_stage_resumes_at_its_epoch_in_one_process(tmp_path: Path, monkeypatch: Any) -> None:
+    """One process: the stage's state at the end of epoch 1 (LSQ scales and their AdamW state, the
+    teacher, the observers' flags) is saved, and the resumed run ends bit-equal to an uninterrupted one."""
+    import compress.checkpoints as ck
+
+    recipe = _qat_kd_recipe(tmp_path, lsq=True)
+    whole = compress.apply(recipe, out_dir=tmp_path / "whole", quiet=True)
+    save = ck.save_stage
+
+    def save_then_fail(*args: Any, **kwargs: Any) -> None:
+        save(*args, **kwargs)
+        raise RuntimeError("killed after the epoch-1 checkpoint")
+
+    monkeypatch.setattr(ck, "save_stage", save_then_fail)
+    with pytest.raises(RuntimeError, match="killed"):
+        compress.apply(recipe, out_dir=tmp_path / "run", quiet=True)
+    monkeypatch.setattr(ck, "save_stage", save)
+    rep = compress.apply(recipe, out_dir=tmp_path / "run", quiet=True, resume=True)
+    assert _resumed_epochs(tmp_path / "run") == [
+        "compress.training: qat_kd epoch 1/2" + _resumed_epochs(tmp_path / "run")[0].split("epoch 1/2")[1],
+        "compress.runner: resumed stage 'qat_kd' at epoch 1 from stage_last.pt (1 rank(s))",
+        "compress.training: qat_kd epoch 2/2" + _resumed_epochs(tmp_path / "run")[2].split("epoch 2/2")[1],
+    ]
+    want, got = _final(tmp_path / "whole"), _final(tmp_path / "run")
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    assert rep.final.accuracy == whole.final.accuracy
+    assert [s.name for s in rep.stages] == ["qat_kd"]
+
+
+def test_a_killed_fsdp_qat_kd_stage_resumes_on_two_ranks_and_on_one(tmp_path: Path) -> None:
+    recipe = _qat_kd_recipe(tmp_path, lsq=False)
+    driver = tmp_path / "driver.py"
+    driver.write_text(_STAGE_DRIVER)
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+    def torchrun(*program: str, resume: bool = False) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+             f"--master-port={_free_port()}", *program, "apply", str(recipe), "--out", str(out),
+             *(["--resume"] if resume else [])],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+    killed = torchrun(str(driver))
+    assert killed.returncode != 0, killed.stderr[-3000:]
+    ckpt = out / "checkpoints" / "stage_last.dcp"
+    assert sorted(p.name for p in ckpt.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra.pt"]
+    marker = json.loads((out / ".compress-run.json").read_text())
+    assert "checkpoints/stage_last.dcp/extra.pt" in marker["files"], marker
+    one = tmp_path / "run_one_rank"
+    shutil.copytree(out, one)
+
+    resumed = torchrun("-m", "compress.cli", resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = _resumed_epochs(out)
+    assert [ln.split(":", 1)[1].split(" (")[0].strip() for ln in lines] == [
+        "qat_kd epoch 1/2: loss " + lines[0].split("loss ")[1].split(" (")[0],
+        "resumed stage 'qat_kd' at epoch 1 from stage_last.dcp",
+        "qat_kd epoch 2/2: loss " + lines[2].split("loss ")[1].split(" (")[0]], lines
+    assert "(2 rank(s))" in lines[1]
+    # the same checkpoint in one process: DCP reshards; each rank's observer statistics were saved
+    rep = compress.apply(recipe, out_dir=one, resume=True, quiet=True)
+    assert "resumed stage 'qat_kd' at epoch 1 from stage_last.dcp (1 rank(s))" in (one / "run.log").read_text()
+    single = compress.apply(recipe, out_dir=tmp_path / "single", quiet=True)
+    # the same global batch, one process or two ranks: the same training up to data-parallel rounding
+    # (measured 0.013). The activations' ranges are not compared: each rank's EMA follows its half
+    # batches until they freeze at the stage's end, which one process's cannot match
+    w2, w1, ws = _final(out), _final(one), _final(tmp_path / "single")
+    for k in (k for k in ws if "quantizer" not in k):
+        for got in (w2, w1):
+            rel = float((got[k].float() - ws[k].float()).norm() / ws[k].float().norm().clamp_min(1e-12))
+            assert rel < 0.03, (k, rel)
+    two = json.loads((out / "report.json").read_text())["final"]["accuracy"]
+    assert abs(two - single.final.accuracy) < 0.02 * single.final.accuracy
+    assert abs(rep.final.accuracy - single.final.accuracy) < 0.02 * single.final.accuracy
