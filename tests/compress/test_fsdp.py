@@ -179,12 +179,72 @@ def _worker(rank: int, port: int, out: str) -> None:
         res["bf16"] = (logits.dtype, {p.dtype for p in mixed.parameters()},
                        all(bool(torch.isfinite(p).all()) for p in mixed.parameters()))
         res["lsq_grads"] = _lsq_scale_grads(rank)
+        res["ddp_stage_checkpoint"] = _ddp_stage_checkpoint(rank, Path(out))
         res["gpt2"] = _gpt2_matches_ddp(rank)
         res["distill"] = _distill_sharded(rank)
         torch.save(res, Path(out) / f"rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _ddp_stage_checkpoint(rank: int, out: Path) -> dict[str, bool]:
+    """A QAT stage's mid-stage checkpoint under DDP: rank 0 writes ``stage_last.pt`` holding every
+    rank's observer statistics (each rank observed its own batch); each rank reads its own back into
+    a fresh session, with the model's and the optimizer's state."""
+    from compress.checkpoints import find_stage, load_stage, save_stage
+    from compress.training import Dist
+
+    recipe = {"version": 1, "model": {"name": "mlp"}, "stages": [{"name": "qat", "epochs": 2, "modifiers": [
+        {"type": "qat", "scheme": "w8a8", "ignore": ["lm_head"], "num_batches": 1}]}]}
+    calib = [torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(1))]
+    x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(20 + rank))
+    model = _llama()
+    with compress.Session(recipe, model, calibration_data=calib) as s:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        s.optimizer = opt
+        ddp = nn.parallel.DistributedDataParallel(model)
+        ddp(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        s.step()
+        s.epoch_end()
+        save_stage(out, s, model, opt, 1, ranks=Dist(rank, 2), report_stages=[])
+        dist.barrier()  # rank 0 wrote it
+        before, _ = s.progress()
+        # the parameters (the observing quantizers' scales are recomputed from each rank's own
+        # statistics at every forward: rank 0's copy in the file is never used before that)
+        want_sd, want_opt = {n: p.detach().clone() for n, p in model.named_parameters()}, opt.state_dict()
+        mine = _observer_stats(model)
+    fresh = _llama()
+    point = find_stage(out)
+    assert point is not None and point.path.name == "stage_last.pt"
+    s2 = compress.Session(recipe, fresh, calibration_data=calib)
+    s2.resume(point.progress["session"])
+    with s2:
+        opt2 = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+        s2.optimizer = opt2
+        load_stage(point, s2, fresh, opt2, rank=rank)
+        after, _ = s2.progress()
+        got_sd, got_opt = dict(fresh.named_parameters()), opt2.state_dict()
+        got = _observer_stats(fresh)
+    other = [None, None]
+    dist.all_gather_object(other, mine)
+    return {
+        "own_statistics": got.keys() == mine.keys() and all(torch.equal(got[k], mine[k]) for k in mine),
+        "ranks_differed": any(not torch.equal(other[0][k], other[1][k]) for k in mine),
+        "model": want_sd.keys() == got_sd.keys() and all(torch.equal(v, got_sd[k]) for k, v in want_sd.items()),
+        "optimizer": all(torch.equal(v, got_opt["state"][i][k]) for i, st in want_opt["state"].items()
+                         for k, v in st.items()),
+        "counters": (after["epochs_done"], after["step"], after["modifiers"]) == (
+            before["epochs_done"], before["step"], before["modifiers"]),
+    }
+
+
+def _observer_stats(model: nn.Module) -> dict[str, torch.Tensor]:
+    from quantization import quantizers
+
+    return {f"{n}.{a}": v.clone() for n, q in quantizers(model) if q.observer is not None
+            for a, v in vars(q.observer).items() if isinstance(v, torch.Tensor) and q.role != "weight"}
 
 
 def _lsq_scale_grads(rank: int | None) -> dict[str, torch.Tensor]:
@@ -279,6 +339,9 @@ def test_fsdp2_qat_and_distillation_two_processes(tmp_path: Path) -> None:
     name, tied, diff = r0["gpt2"]
     assert name == "GPT2LMHeadModel" and tied and diff < 1e-5, r0["gpt2"]
     assert r0["distill"] == {"teacher_sharded": [True] * 4, "plain_after": True, "finite": True}
+    want = {"own_statistics": True, "ranks_differed": True, "model": True, "optimizer": True, "counters": True}
+    assert r0["ddp_stage_checkpoint"] == want == r1["ddp_stage_checkpoint"], (r0["ddp_stage_checkpoint"],
+                                                                              r1["ddp_stage_checkpoint"])
     # LSQ: two ranks on the halves of a batch give the scales the gradients one process gives them on
     # the whole batch (an activation scale's gradient scale 1/sqrt(N Qp) counts the global batch)
     one = _lsq_scale_grads(None)
