@@ -47,7 +47,7 @@ class DistributedSpec(StrictSpec):
     ``ddp`` replicates the model on every rank; ``fsdp`` shards parameters, gradients and optimizer
     state over the ranks (FSDP2, one unit per block). ``mixed_precision`` is FSDP's compute dtype
     (parameters and optimizer state stay float32; gradients are reduced in float32).
-    ``cpu_offload`` keeps the sharded state in host memory between uses (CUDA only).
+    ``cpu_offload`` keeps the sharded state in host memory between uses (on the CPU it already is).
     ``timeout_s`` bounds every collective: a rank that died makes the others fail after it.
     """
 
@@ -103,11 +103,12 @@ def shard(model: nn.Module, spec: DistributedSpec, *, device: torch.device,
     if _world() <= 1:
         raise CompressError(f"{where}: strategy 'fsdp' shards over the ranks of a torchrun launch; none is running")
     if spec.cpu_offload and device.type != "cuda":
-        raise CompressError(f"{where}.cpu_offload: needs CUDA (on CPU the parameters already live in host memory)")
+        log.info("%s.cpu_offload: training on the CPU, the sharded state is in host memory anyway", where)
     mesh = init_device_mesh(device.type, (_world(),))
     dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.mixed_precision]
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
-    offload = CPUOffloadPolicy() if spec.cpu_offload else OffloadPolicy()
+    # pinned host memory needs an accelerator: FSDP2's default pinning fails on a CPU-only machine
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if spec.cpu_offload else OffloadPolicy()
     places = _param_places(model)
     blocks = find_blocks(model)
     # FSDP2 shards no 0-dim parameter (a per-tensor LSQ scale): those stay replicated, their

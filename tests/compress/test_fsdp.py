@@ -76,8 +76,9 @@ def test_distributed_section_is_checked_in_one_line() -> None:
                               "train": {"device": "cpu"}})
     from compress.preflight import check_recipe
 
-    with pytest.raises(RecipeError, match=r"distributed\.cpu_offload: needs training on CUDA"):
-        check_recipe(r)
+    check_recipe(r)  # offload while training on the CPU runs (the same recipe as on GPUs): _gpt2_matches_ddp
+    with pytest.raises(RecipeError, match=r"distributed\.cpu_offload: offloads FSDP's sharded state"):
+        check_recipe(compress.load_recipe({**base, "distributed": {"cpu_offload": True}}))
     with pytest.raises(RecipeError, match=r"Session\(distributed=\.\.\.\): strategy"):
         compress.Session(base, nn.Linear(2, 2), distributed={"strategy": "zero3"})
     with pytest.raises(CompressError, match="strategy 'fsdp' shards over the ranks of a torchrun launch"):
@@ -181,6 +182,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         res["lsq_grads"] = _lsq_scale_grads(rank)
         res["ddp_stage_checkpoint"] = _ddp_stage_checkpoint(rank, Path(out))
         res["gpt2"] = _gpt2_matches_ddp(rank)
+        res["gpt2_offload"] = _gpt2_matches_ddp(rank, cpu_offload=True)
         res["distill"] = _distill_sharded(rank)
         torch.save(res, Path(out) / f"rank{rank}.pt")
         dist.barrier()
@@ -260,9 +262,10 @@ def _lsq_scale_grads(rank: int | None) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in m.named_parameters() if n.endswith(".scale") and p.grad is not None}
 
 
-def _gpt2_matches_ddp(rank: int) -> tuple[str, bool, float]:
+def _gpt2_matches_ddp(rank: int, *, cpu_offload: bool = False) -> tuple[str, bool, float]:
     """Another architecture (GPT-2: Conv1D layers in ``transformer.h``, tied head): one sharded step
-    equals one DDP step, and the plain model comes back."""
+    equals one DDP step, and the plain model comes back. ``cpu_offload``: FSDP2's CPUOffloadPolicy
+    on this CPU (gloo), which its default pinned memory would refuse without an accelerator."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -271,7 +274,7 @@ def _gpt2_matches_ddp(rank: int) -> tuple[str, bool, float]:
     ref = copy.deepcopy(m)
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
     opt, ref_opt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    shard(m, DistributedSpec(strategy="fsdp"), device=torch.device("cpu"), optimizer=opt)
+    shard(m, DistributedSpec(strategy="fsdp", cpu_offload=cpu_offload), device=torch.device("cpu"), optimizer=opt)
     for model, o in ((m, opt), (nn.parallel.DistributedDataParallel(ref), ref_opt)):
         model(input_ids=x, labels=x).loss.backward()
         o.step()
@@ -338,6 +341,8 @@ def test_fsdp2_qat_and_distillation_two_processes(tmp_path: Path) -> None:
     assert r0["bf16"] == (torch.bfloat16, {torch.float32}, True)
     name, tied, diff = r0["gpt2"]
     assert name == "GPT2LMHeadModel" and tied and diff < 1e-5, r0["gpt2"]
+    name, tied, diff = r0["gpt2_offload"]
+    assert name == "GPT2LMHeadModel" and tied and diff < 1e-5, r0["gpt2_offload"]
     assert r0["distill"] == {"teacher_sharded": [True] * 4, "plain_after": True, "finite": True}
     want = {"own_statistics": True, "ranks_differed": True, "model": True, "optimizer": True, "counters": True}
     assert r0["ddp_stage_checkpoint"] == want == r1["ddp_stage_checkpoint"], (r0["ddp_stage_checkpoint"],
