@@ -181,6 +181,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                        all(bool(torch.isfinite(p).all()) for p in mixed.parameters()))
         res["lsq_grads"] = _lsq_scale_grads(rank)
         res["ddp_stage_checkpoint"] = _ddp_stage_checkpoint(rank, Path(out))
+        res["speed_check"] = _speed_check_on_ranks(rank)
         res["gpt2"] = _gpt2_matches_ddp(rank)
         res["gpt2_offload"] = _gpt2_matches_ddp(rank, cpu_offload=True)
         res["distill"] = _distill_sharded(rank)
@@ -188,6 +189,30 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _speed_check_on_ranks(rank: int) -> tuple[bool, bool]:
+    """PTQ's speed_check under torchrun: rank 0 alone times the kernels (here: says down_proj of layer 0
+    is slower in int8) and every rank keeps the same layers float."""
+    import quantization.preparation as qp
+    from quantization import prepare
+    from quantization.numerics.modules import QuantLinear
+    from quantization.placement.speed_check import SpeedCheck
+
+    def measure(*_: Any, **__: Any) -> dict[str, str]:
+        if rank != 0:
+            raise AssertionError("only rank 0 times")
+        return {"model.layers.0.mlp.down_proj": "int8 slower (rank 0's timing)"}
+
+    saved, qp._measure = qp._measure, measure
+    try:
+        m = _llama()
+        x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(5))
+        prepare(m, "w8a8", ignore=["lm_head"], example_inputs=(x,), speed_check=SpeedCheck())
+    finally:
+        qp._measure = saved
+    return (not isinstance(m.model.layers[0].mlp.down_proj, QuantLinear),
+            isinstance(m.model.layers[1].mlp.down_proj, QuantLinear))
 
 
 def _ddp_stage_checkpoint(rank: int, out: Path) -> dict[str, bool]:
@@ -344,6 +369,7 @@ def test_fsdp2_qat_and_distillation_two_processes(tmp_path: Path) -> None:
     name, tied, diff = r0["gpt2_offload"]
     assert name == "GPT2LMHeadModel" and tied and diff < 1e-5, r0["gpt2_offload"]
     assert r0["distill"] == {"teacher_sharded": [True] * 4, "plain_after": True, "finite": True}
+    assert r0["speed_check"] == (True, True) == r1["speed_check"]
     want = {"own_statistics": True, "ranks_differed": True, "model": True, "optimizer": True, "counters": True}
     assert r0["ddp_stage_checkpoint"] == want == r1["ddp_stage_checkpoint"], (r0["ddp_stage_checkpoint"],
                                                                               r1["ddp_stage_checkpoint"])
