@@ -1,4 +1,5 @@
-"""Mid-stage checkpoints of a run's training stages (QAT, distillation, pruning schedules).
+"""Mid-stage checkpoints of a run's training stages (QAT, distillation; not pruning schedules, whose
+steps reshape the model mid-stage: ``Session.resumable``).
 
 At the end of every epoch of a training stage that does not end the stage, ``compress apply``
 saves where the session is: the model's and optimizer's state, the companion models' (a

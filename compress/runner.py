@@ -381,6 +381,8 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
         report.stages = [StageReport.model_validate(x) for x in point.progress["report_stages"]]
 
     def stage_checkpoint(m: nn.Module, o: torch.optim.Optimizer, e: int) -> None:
+        if not session.resumable:  # e.g. a pruning schedule: --resume reruns this stage from its start
+            return
         save_stage(ckpt_dir, session, m, o, e, ranks=run.dist,
                    report_stages=[x.model_dump(mode="json") for x in report.stages])
         run.record()

@@ -259,6 +259,14 @@ class Session:
         return self
 
     # ---- mid-stage checkpoints -------------------------------------------------------------------
+    @property
+    def resumable(self) -> bool:
+        """Whether the training stage in progress can be checkpointed mid-way (:meth:`progress`): every
+        modifier in it saves what it changes mid-stage (a pruning schedule, which reshapes the model
+        between its steps, does not: such a stage resumes from its start)."""
+        stage = self.stage
+        return stage is not None and stage.trains and all(m.resumes_mid_stage for m in self._current())
+
     def progress(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Where the session is, for a checkpoint at the end of an epoch of a training stage: JSON-ready
         data (the stage, the counters, what the finished stages built, as :mod:`compress.state` saves
@@ -269,6 +277,9 @@ class Session:
         stage = self.stage
         if stage is None or not stage.trains:
             raise CompressError("Session.progress: no training stage in progress")
+        if not self.resumable:
+            names = [m.spec.type for m in self._current() if not m.resumes_mid_stage]
+            raise CompressError(f"Session.progress: stage '{stage.name}' cannot be resumed mid-way ({', '.join(names)})")
         st = self.state
         finished = [[{"type": m.spec.type, "state": m.save_state(st.model)} for m in mods]
                     for mods in self.modifiers[: self._index]]

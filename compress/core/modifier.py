@@ -156,6 +156,9 @@ class Modifier(Generic[S]):
     """
 
     spec_cls: ClassVar[type[ModifierSpec]]
+    #: whether :meth:`progress_state` captures all this modifier changes mid-stage (False: a stage
+    #: holding it is not checkpointed mid-way, and resumes from its start)
+    resumes_mid_stage: ClassVar[bool] = True
 
     def __init__(self, spec: S, *, where: str = "") -> None:
         self.spec = spec

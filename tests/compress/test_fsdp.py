@@ -638,6 +638,17 @@ def test_a_killed_qat_kd_stage_resumes_at_its_epoch_in_one_process(tmp_path: Pat
     assert [s.name for s in rep.stages] == ["qat_kd"]
 
 
+def test_a_pruning_schedule_stage_is_not_checkpointed_mid_way(tmp_path: Path) -> None:
+    """Its steps reshape the model between epochs, which the stage's checkpoint would not rebuild:
+    such a stage resumes from its start."""
+    recipe = _tiny_llm_recipe(tmp_path, train={"epochs": 0, "metric": "perplexity", "batch_size": 8,
+                                               "optimizer": "adamw", "lr": 0.001, "device": "cpu"},
+                              stages=[{"name": "prune", "epochs": 2, "modifiers": [
+                                  {"type": "prune", "target": {"params": 0.8}, "importance": "l2", "steps": 2}]}])
+    compress.apply(recipe, out_dir=tmp_path / "run", quiet=True)
+    assert not (tmp_path / "run" / "checkpoints" / "stage_last.pt").exists()
+
+
 def test_a_killed_fsdp_qat_kd_stage_resumes_on_two_ranks_and_on_one(tmp_path: Path) -> None:
     recipe = _qat_kd_recipe(tmp_path, lsq=False)
     driver = tmp_path / "driver.py"
