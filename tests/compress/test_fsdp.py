@@ -585,13 +585,14 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _qat_kd_recipe(tmp: Path, *, lsq: bool) -> Path:
+def _qat_kd_recipe(tmp: Path, *, lsq: bool, prune_first: bool = False) -> Path:
     """No baseline training; one 2-epoch stage of w8a8 QAT (EMA observers, or LSQ scales) + KD from the
-    model before it."""
+    model before it (``prune_first``: after a one-shot pruning stage)."""
+    prune = [{"name": "prune", "modifiers": [{"type": "prune", "target": {"params": 0.8}, "importance": "l2"}]}]
     return _tiny_llm_recipe(
         tmp, train={"epochs": 0, "metric": "perplexity", "batch_size": 8, "optimizer": "adamw", "lr": 0.001,
                     "device": "cpu"},
-        stages=[{"name": "qat_kd", "epochs": 2, "modifiers": [
+        stages=[*(prune if prune_first else []), {"name": "qat_kd", "epochs": 2, "modifiers": [
             {"type": "qat", "scheme": "w8a8", "ignore": ["lm_head"], "lsq": lsq, "num_batches": 1},
             {"type": "distill", "eval_batches": 0, "losses": [{"type": "kd", "temperature": 2.0}]}]}])
 
@@ -609,10 +610,12 @@ def _resumed_epochs(run: Path) -> list[str]:
 
 def test_a_killed_qat_kd_stage_resumes_at_its_epoch_in_one_process(tmp_path: Path, monkeypatch: Any) -> None:
     """One process: the stage's state at the end of epoch 1 (LSQ scales and their AdamW state, the
-    teacher, the observers' flags) is saved, and the resumed run ends bit-equal to an uninterrupted one."""
+    teacher, the observers' flags; the pruning stage before it as data) is saved, and the resumed run
+    ends bit-equal to an uninterrupted one, its final.pt restorable like any."""
     import compress.checkpoints as ck
+    from compress.state import restore_compressed
 
-    recipe = _qat_kd_recipe(tmp_path, lsq=True)
+    recipe = _qat_kd_recipe(tmp_path, lsq=True, prune_first=True)
     whole = compress.apply(recipe, out_dir=tmp_path / "whole", quiet=True)
     save = ck.save_stage
 
@@ -635,7 +638,15 @@ def test_a_killed_qat_kd_stage_resumes_at_its_epoch_in_one_process(tmp_path: Pat
     for k in want:
         assert torch.equal(want[k], got[k]), k
     assert rep.final.accuracy == whole.final.accuracy
-    assert [s.name for s in rep.stages] == ["qat_kd"]
+    assert [s.name for s in rep.stages] == ["prune", "qat_kd"]
+    assert rep.stages[0].model.params == whole.stages[0].model.params < whole.baseline.params
+    from transformers import AutoModelForCausalLM
+
+    restored = restore_compressed(lambda: AutoModelForCausalLM.from_pretrained(tmp_path / "llm"),
+                                  tmp_path / "run" / "checkpoints" / "final.pt")
+    for k, v in restored.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, want[k]), k
 
 
 def test_a_pruning_schedule_stage_is_not_checkpointed_mid_way(tmp_path: Path) -> None:
