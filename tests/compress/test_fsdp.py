@@ -459,7 +459,7 @@ def test_killed_rank_two_nodes_then_resume_on_two_ranks_and_on_one(tmp_path: Pat
     report = out / "report.json"
     assert not report.exists() or json.loads(report.read_text())["error"]
     dcp = out / "checkpoints" / "baseline_last.dcp"
-    assert sorted(p.name for p in dcp.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in dcp.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "extra.pt"]
     marker = json.loads((out / ".compress-run.json").read_text())
     assert {"checkpoints/baseline_last.dcp/.metadata", "checkpoints/baseline_last.dcp/__1_0.distcp"} <= set(
         marker["files"]), marker
