@@ -93,6 +93,38 @@ def test_an_interrupted_sharded_checkpoint_is_a_temp_file() -> None:
     assert not is_temp(Path("checkpoints/baseline_last.dcp/__1_0.distcp"))
 
 
+def test_a_sharded_checkpoint_keeps_the_lr_schedule_and_pickles_nothing(tmp_path: Path) -> None:
+    """The optimizer's groups come back whole (an LR scheduler's initial_lr too: without it a resumed
+    schedule restarts from the decayed lr), from extra.pt read weights-only; the shards hold tensors only."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from compress.recipe import TrainSpec
+    from compress.training import build_optimizer, build_schedule
+
+    spec = TrainSpec(optimizer="adamw", lr=1e-3, epochs=2)
+    m = _llama()
+    opt = build_optimizer(m, spec)
+    sched = build_schedule(opt, spec, total_steps=6, steps_per_epoch=3)
+    x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        m(input_ids=x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    save_sharded(tmp_path / "ckpt", m, opt, 1)
+    meta = FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+    assert not [k for k, v in meta.items() if isinstance(v, BytesStorageMetadata)]
+    fresh = _llama()
+    fresh_opt = build_optimizer(fresh, spec)
+    assert load_sharded(tmp_path / "ckpt", fresh, fresh_opt) == 1
+    want, got = opt.state_dict(), fresh_opt.state_dict()
+    assert got["param_groups"] == want["param_groups"] and "initial_lr" in got["param_groups"][0]
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, got["state"][i][k]), (i, k)
+
+
 # ---- two processes (gloo) -------------------------------------------------------------------------
 
 
