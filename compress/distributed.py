@@ -47,7 +47,7 @@ class DistributedSpec(StrictSpec):
     ``ddp`` replicates the model on every rank; ``fsdp`` shards parameters, gradients and optimizer
     state over the ranks (FSDP2, one unit per block). ``mixed_precision`` is FSDP's compute dtype
     (parameters and optimizer state stay float32; gradients are reduced in float32).
-    ``cpu_offload`` keeps the sharded state in host memory between uses (CUDA only).
+    ``cpu_offload`` keeps the sharded state in host memory between uses (on the CPU it already is).
     ``timeout_s`` bounds every collective: a rank that died makes the others fail after it.
     """
 
@@ -103,11 +103,12 @@ def shard(model: nn.Module, spec: DistributedSpec, *, device: torch.device,
     if _world() <= 1:
         raise CompressError(f"{where}: strategy 'fsdp' shards over the ranks of a torchrun launch; none is running")
     if spec.cpu_offload and device.type != "cuda":
-        raise CompressError(f"{where}.cpu_offload: needs CUDA (on CPU the parameters already live in host memory)")
+        log.info("%s.cpu_offload: training on the CPU, the sharded state is in host memory anyway", where)
     mesh = init_device_mesh(device.type, (_world(),))
     dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.mixed_precision]
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
-    offload = CPUOffloadPolicy() if spec.cpu_offload else OffloadPolicy()
+    # pinned host memory needs an accelerator: FSDP2's default pinning fails on a CPU-only machine
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if spec.cpu_offload else OffloadPolicy()
     places = _param_places(model)
     blocks = find_blocks(model)
     # FSDP2 shards no 0-dim parameter (a per-tensor LSQ scale): those stay replicated, their
@@ -260,25 +261,39 @@ def _move_optimizer(opt: torch.optim.Optimizer, new: dict[int, nn.Parameter], *,
 # ---- sharded checkpoints (torch.distributed.checkpoint) ---------------------------------------------
 
 
-def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, epoch: int) -> None:
-    """Every rank writes its shards of the model and optimizer state to the folder ``path`` (DCP),
-    with the epoch reached; a collective. Written beside and renamed, so a crash leaves the last
-    complete checkpoint in place."""
+#: the file beside the DCP shards holding what is not a tensor (optimizer hyperparameters, modules'
+#: extra state) and the caller's ``extra``: DCP would pickle such values and unpickle them with
+#: ``weights_only=False`` on load; this file is read with ``weights_only=True``
+EXTRA_FILE = "extra.pt"
+_EXTRA_STATE = "_extra_state"  # torch's state_dict key suffix of Module.get_extra_state()
+
+
+def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, epoch: int, *,
+                 companions: Sequence[nn.Module] = (), extra: dict[str, Any] | None = None) -> None:
+    """Every rank writes its shards of the model and optimizer state (and of the companion models:
+    a distillation teacher) to the folder ``path`` (DCP), with the epoch reached; a collective.
+    Rank 0 writes what is not a tensor, and ``extra`` (the same on every rank), beside the shards in
+    ``extra.pt`` (:func:`read_extra`). Written beside and renamed, so a crash leaves the last
+    complete checkpoint in place. A plain (gathered) model is written too: each tensor once, the
+    ranks sharing the writing."""
     import shutil
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    state: dict[str, Any] = {"model": get_model_state_dict(model), "epoch": torch.tensor(epoch)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    from compress.core.io import atomic_torch_save
+
+    state = _dcp_state(model, optimizer, companions)
+    state["epoch"] = torch.tensor(epoch)
+    tensors, objects = _split(state)
     tmp = path.with_name(path.name + ".tmp")
     rank0 = dist.get_rank() == 0 if dist.is_initialized() else True
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(tensors, checkpoint_id=str(tmp))
+    if rank0:
+        atomic_torch_save({**(extra or {}), "objects": objects}, tmp / EXTRA_FILE)
     if dist.is_initialized():
         dist.barrier()
     if rank0:
@@ -292,23 +307,99 @@ def save_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
         dist.barrier()
 
 
-def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Load a :func:`save_sharded` folder into a plain (unsharded) model and optimizer, on any
-    number of ranks (DCP reshards: every rank reads the full tensors); returns the epoch."""
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               companions: Sequence[nn.Module]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # initializes any state to fill
+    for i, c in enumerate(companions):
+        state[f"companion{i}"] = get_model_state_dict(c)
+    return state
+
+
+def _split(obj: Any) -> tuple[Any, Any]:
+    """A nested state dict as (its tensors, everything else), each with the same nesting; None
+    where a side has nothing."""
+    if isinstance(obj, torch.Tensor):
+        return obj, None
+    if not isinstance(obj, dict):
+        return None, obj
+    tensors, objects = {}, {}
+    for k, v in obj.items():
+        t, o = _split(v)
+        if t is not None:
+            tensors[k] = t
+        if o is not None or t is None:
+            objects[k] = o
+    return (tensors or None), (objects or ({} if not tensors else None))
+
+
+def _merge(tensors: Any, objects: Any) -> Any:
+    if not isinstance(tensors, dict) or not isinstance(objects, dict):
+        return tensors if tensors is not None else objects
+    return {k: _merge(tensors.get(k), objects.get(k)) for k in {**objects, **tensors}}
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, *,
+                 companions: Sequence[nn.Module] = (), before_optimizer: Any = None) -> int:
+    """Load a :func:`save_sharded` folder into a plain (unsharded) model, companions and optimizer,
+    on any number of ranks (DCP reshards: every rank reads the full tensors); returns the epoch.
+    ``before_optimizer()`` runs once the models are loaded, before the optimizer's state is.
+
+    The tensors load in place; a module's extra state (a quantizer placement) must equal the one
+    the model has (set_extra_state would rebuild modules whose parameters the optimizer holds)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    state: dict[str, Any] = {"model": get_model_state_dict(model), "epoch": torch.tensor(0)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # initializes the state to fill
-    dcp.load(state, checkpoint_id=str(path))
-    # the plain model's state_dict tensors are its own storage: DCP loaded them in place
+    from compress.core.errors import RecipeError
+
+    saved = read_extra(path)
+    if saved is None or not isinstance(saved.get("objects"), dict):
+        raise RecipeError(f"{path}: no {EXTRA_FILE} beside the shards (written by an older version); rerun without --resume")
+    objects: dict[str, Any] = saved["objects"]
+    state = _dcp_state(model, None, companions)
+    state["epoch"] = torch.tensor(0)
+    tensors, _ = _split(state)
+    dcp.load(tensors, checkpoint_id=str(path))
+    # the plain models' state_dict tensors are their own storage: DCP loaded them in place
     # (set_model_state_dict would assign new Parameters and part the optimizer from the model)
+    for key, m in (("model", model), *((f"companion{i}", c) for i, c in enumerate(companions))):
+        check_extra_states(m, objects.get(key) or {}, where=str(path))
+    if before_optimizer is not None:
+        before_optimizer()
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    return int(state["epoch"])
+        opt_tensors, _ = _split({"optimizer": _dcp_state(model, optimizer, ())["optimizer"]})
+        if opt_tensors is not None:
+            dcp.load(opt_tensors, checkpoint_id=str(path))
+        merged = _merge((opt_tensors or {}).get("optimizer"), objects.get("optimizer"))
+        set_optimizer_state_dict(model, optimizer, merged)
+    return int(tensors["epoch"])
 
+
+def check_extra_states(model: nn.Module, saved: dict[str, Any], *, where: str) -> None:
+    """Every module extra state in ``saved`` (state_dict keys ending in ``_extra_state``) must equal
+    what the module holds now: the resumed stage built the same structure (a quantizer placement)."""
+    from compress.core.errors import RecipeError
+
+    for key, value in saved.items():
+        if not key.endswith(_EXTRA_STATE):
+            continue
+        name = key[: -len(_EXTRA_STATE)].rstrip(".")
+        mod = model.get_submodule(name) if name else model
+        if mod.get_extra_state() != value:
+            raise RecipeError(f"{where}: the saved state of '{name}' differs from the one the resumed stage built; "
+                              "was the model or the recipe changed? rerun without --resume")
+
+
+def read_extra(path: Path) -> dict[str, Any] | None:
+    """What :func:`save_sharded` wrote beside the shards (None when there is no such file), loaded
+    weights-only."""
+    from compress.core.io import safe_torch_load
+
+    f = Path(path) / EXTRA_FILE
+    if not f.is_file():
+        return None
+    data = safe_torch_load(f)
+    return data if isinstance(data, dict) else None

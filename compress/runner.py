@@ -372,12 +372,40 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
         stage_t[0] = time.perf_counter()
 
     session.on_stage_end(on_end)
+    # a training stage killed mid-way continues from its last epoch's checkpoint
+    from compress.checkpoints import find_stage, load_stage, save_stage
+
+    point = find_stage(ckpt_dir) if resume else None
+    if point is not None:
+        session.resume(point.progress["session"])
+        report.stages = [StageReport.model_validate(x) for x in point.progress["report_stages"]]
+
+    def stage_checkpoint(m: nn.Module, o: torch.optim.Optimizer, e: int) -> None:
+        if not session.resumable:  # e.g. a pruning schedule: --resume reruns this stage from its start
+            return
+        save_stage(ckpt_dir, session, m, o, e, ranks=run.dist,
+                   report_stages=[x.model_dump(mode="json") for x in report.stages])
+        run.record()
+
+    trainer.stage_checkpoint = stage_checkpoint
     with session:
         while not session.finished:
             stage = session.stage
             assert stage is not None  # not finished implies a current stage
+            opt, start = None, 0
+            if point is not None and session.stage_index == point.stage:
+                from compress.training import build_optimizer
+
+                opt = build_optimizer(model, r.train, lr=stage.lr)  # as Trainer.fit builds it
+                session.optimizer = opt
+                load_stage(point, session, model, opt, rank=run.dist.rank)
+                start = point.epochs_done
+                log.info("resumed stage '%s' at epoch %d from %s (%d rank(s))", stage.name, start, point.path.name,
+                         run.dist.world_size)
+                point = None
             trainer.fit(model, run.train_loader, epochs=stage.epochs, steps=stage.steps, lr=stage.lr,
-                        session=session, desc=stage.name)
+                        session=session, optimizer=opt, start_epoch=start, desc=stage.name)
+    trainer.stage_checkpoint = None
     report.final = run.figures(model, accuracy=run.evaluate(model))
     if main:
         # weights plus the compression state as data (pruning plans, quantizer config): restorable

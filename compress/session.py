@@ -17,6 +17,7 @@ initialized and finalized as soon as it is reached; a training stage ends after 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -30,12 +31,14 @@ from torch import nn
 
 from compress.core.batching import require_module
 from compress.core.errors import CompressError
-from compress.core.modifier import Modifier, State
+from compress.core.modifier import Modifier, Phase, State
 from compress.distributed import DistributedSpec, distribute, gather, is_sharded
 from compress.modifiers import modifier_class
 from compress.recipe import Recipe, Stage, load_recipe
 
 log = logging.getLogger(__name__)
+
+PROGRESS_FORMAT = "compress.session-progress/1"
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -152,6 +155,7 @@ class Session:
         self._epochs_done = 0
         self._epoch_steps = 0
         self._hooks_before: set[tuple[int, str, int]] = set()
+        self._resume: dict[str, Any] | None = None  # a mid-stage checkpoint's progress, until initialize
 
     # ---- properties ------------------------------------------------------------------------------
     @property
@@ -179,6 +183,11 @@ class Session:
     def finished(self) -> bool:
         """True once every stage has run."""
         return self._index >= len(self.recipe.stages)
+
+    @property
+    def stage_index(self) -> int:
+        """The index of the stage in progress in ``recipe.stages`` (-1 before initialize)."""
+        return self._index
 
     @property
     def stage(self) -> Stage | None:
@@ -232,8 +241,109 @@ class Session:
             self.state.original_model = copy.deepcopy(self.state.model).eval()
             for p in self.state.original_model.parameters():
                 p.requires_grad_(False)
-        self._advance()
+        if self._resume is None:
+            self._advance()
+            return self
+        progress, self._resume = self._resume, None
+        self._restore_finished(progress)
+        st = self.state
+        st.resuming = True
+        try:
+            self._advance(finish=False)  # initializes the resumed stage as it was at its start
+        finally:
+            st.resuming = False
+        st.epoch, st.step = float(progress["epoch"]), int(progress["step"])
+        self._epochs_done = int(progress["epochs_done"])
+        st.metrics, st.tables = dict(progress["metrics"]), dict(progress["tables"])
+        st.artifacts = list(progress["artifacts"])
         return self
+
+    # ---- mid-stage checkpoints -------------------------------------------------------------------
+    @property
+    def resumable(self) -> bool:
+        """Whether the training stage in progress can be checkpointed mid-way (:meth:`progress`): every
+        modifier in it saves what it changes mid-stage (a pruning schedule, which reshapes the model
+        between its steps, does not: such a stage resumes from its start)."""
+        stage = self.stage
+        return stage is not None and stage.trains and all(m.resumes_mid_stage for m in self._current())
+
+    def progress(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Where the session is, for a checkpoint at the end of an epoch of a training stage: JSON-ready
+        data (the stage, the counters, what the finished stages built, as :mod:`compress.state` saves
+        it, and each current modifier's :meth:`~compress.core.modifier.Modifier.progress_state`) and
+        the modifiers' tensors. The model's and optimizer's state (and the companions') are the
+        caller's to save beside it; :meth:`resume` and :meth:`load_progress` continue from both."""
+        self._require_live("progress")
+        stage = self.stage
+        if stage is None or not stage.trains:
+            raise CompressError("Session.progress: no training stage in progress")
+        if not self.resumable:
+            names = [m.spec.type for m in self._current() if not m.resumes_mid_stage]
+            raise CompressError(f"Session.progress: stage '{stage.name}' cannot be resumed mid-way ({', '.join(names)})")
+        st = self.state
+        finished = [[{"type": m.spec.type, "state": m.save_state(st.model)} for m in mods]
+                    for mods in self.modifiers[: self._index]]
+        tensors: dict[str, torch.Tensor] = {}
+        current = []
+        for j, m in enumerate(self._current()):
+            data, ts = m.progress_state(st)
+            current.append(data)
+            tensors.update({f"{j}.{k}": v for k, v in ts.items()})
+        progress = {
+            "format": PROGRESS_FORMAT, "stage": self._index, "stage_name": stage.name,
+            "epochs_done": self._epochs_done, "epoch": st.epoch, "step": st.step,
+            "stage_start_epoch": st.stage_start_epoch, "stage_start_step": st.stage_start_step,
+            "finished": finished, "results": [dataclasses.asdict(r) for r in self.results],
+            "metrics": st.metrics, "tables": st.tables, "artifacts": st.artifacts, "modifiers": current,
+        }
+        return progress, tensors
+
+    def resume(self, progress: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`progress` checkpoint instead of from the first stage; call it
+        before ``initialize`` on a session built as the checkpointed one was (same recipe, the
+        model as it was before the first stage). ``initialize`` then rebuilds what the finished
+        stages made from their saved state (no training, no calibration), initializes the
+        checkpoint's stage and sets the counters to the checkpoint's epoch; then set the optimizer,
+        call :meth:`load_progress` and load the model's and optimizer's saved state."""
+        if self._initialized:
+            raise CompressError("Session.resume: call it before initialize")
+        if progress.get("format") != PROGRESS_FORMAT:
+            raise CompressError(f"Session.resume: not a session checkpoint (format {progress.get('format')!r})")
+        k = int(progress["stage"])
+        if not 0 <= k < len(self.recipe.stages) or self.recipe.stages[k].name != progress["stage_name"]:
+            raise CompressError(f"Session.resume: the checkpoint's stage {k} '{progress['stage_name']}' is not "
+                                "a stage of this recipe")
+        self._resume = dict(progress)
+
+    def load_progress(self, progress: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Give the resumed stage's modifiers what :meth:`progress` saved of them (after
+        ``initialize`` with :meth:`resume`, once the optimizer is set)."""
+        self._require_live("load_progress")
+        if int(progress["stage"]) != self._index:
+            raise CompressError(f"Session.load_progress: the checkpoint is of stage {progress['stage']}, "
+                                f"the session is in stage {self._index}")
+        for j, (m, data) in enumerate(zip(self._current(), progress["modifiers"])):
+            prefix = f"{j}."
+            m.load_progress(self.state, data, {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+
+    def _restore_finished(self, progress: Mapping[str, Any]) -> None:
+        """Rebuild the finished stages' structure from their saved state (pruning plans replayed,
+        quantizers prepared), as :func:`compress.state.restore_compressed` does for a final model."""
+        k = int(progress["stage"])
+        for i, saved in enumerate(progress["finished"][:k]):
+            for j, (m, entry) in enumerate(zip(self.modifiers[i], saved)):
+                if entry["state"] is not None:
+                    modifier_class(entry["type"]).restore_state(
+                        self.state.model, entry["state"], where=self.recipe.where(f"stages.{i}.modifiers.{j}"))
+                m.phase = Phase.FINALIZED
+                # it never ran here: what it saves (into final.pt, the next checkpoint) is what it saved then
+                setattr(m, "save_state", lambda model, data=entry["state"]: data)  # noqa: B010
+        self.results = [StageResult(**r) for r in progress["results"]]
+        st = self.state
+        self._index = k - 1
+        st.epoch, st.step = float(progress["stage_start_epoch"]), int(progress["stage_start_step"])
+        log.info("resuming stage '%s' at epoch %d: %d finished stage(s) rebuilt from their saved state",
+                 progress["stage_name"], progress["epochs_done"], k)
 
     def plan(self) -> list[dict[str, Any]]:
         """The resolved plan: per stage, each modifier and the modules it matches (no changes made)."""
@@ -255,11 +365,13 @@ class Session:
         if self._closed:
             raise CompressError(f"Session.{event} called after finalize")
 
-    def _advance(self) -> None:
-        """Leave the current stage (if any) and enter the next; one-shot stages run straight through."""
+    def _advance(self, *, finish: bool = True) -> None:
+        """Leave the current stage (if any; ``finish=False``: it was rebuilt from a checkpoint, not
+        run) and enter the next; one-shot stages run straight through."""
         while True:
-            if 0 <= self._index < len(self.recipe.stages):
+            if 0 <= self._index < len(self.recipe.stages) and finish:
                 self._finish_stage()
+            finish = True
             self._index += 1
             stage = self.stage
             if stage is None:

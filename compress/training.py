@@ -193,6 +193,9 @@ class Trainer:
         self.dist = distributed or Dist()
         self.progress = progress and self.dist.is_main
         self.checkpoint = checkpoint
+        #: called on every rank at the end of each epoch of a session's training stage that does not
+        #: end the stage, after the session's epoch_end, on the gathered (plain) model
+        self.stage_checkpoint: Callable[[nn.Module, torch.optim.Optimizer, int], None] | None = None
         #: how errors name the training data (the runner sets the recipe's data source)
         self.data_name = "the training data"
 
@@ -319,6 +322,8 @@ class Trainer:
                 session.epoch_end()
                 if session.stage is not stage:
                     break
+                if self.stage_checkpoint is not None:  # every rank: the writing may be a collective
+                    self.stage_checkpoint(model, opt, epoch + 1)
             elif steps is not None and result.steps >= steps:
                 break
         self._consolidate(model, opt, session)

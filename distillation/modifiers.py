@@ -133,6 +133,22 @@ class DistillModifier(Modifier[DistillSpec]):
     def on_epoch_end(self, state: State) -> None:
         self._close_epoch()
 
+    def progress_state(self, state: State) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The last epoch's term means and the feature adapters' weights (trained with the student;
+        their optimizer state is the optimizer's). The teacher is a companion: the session saves it."""
+        d = self._live()
+        tensors = {f"adapters.{k}": v.detach().clone() for k, v in d.adapters.modules.state_dict().items()}
+        return {"epoch_means": dict(self._epoch_means)}, tensors
+
+    def load_progress(self, state: State, data: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        d = self._live()
+        self._epoch_means = {k: float(v) for k, v in data["epoch_means"].items()}
+        adapters = {k.removeprefix("adapters."): v for k, v in tensors.items() if k.startswith("adapters.")}
+        if adapters:
+            d.adapters.modules.load_state_dict(adapters)
+        # in the optimizer before its saved state is loaded: the saved state holds the adapters' too
+        d.bind_optimizer(state.optimizer)
+
     def on_finalize(self, state: State) -> None:
         d = self._live()
         self._close_epoch()

@@ -106,7 +106,8 @@ def build_teacher(spec: TeacherSpec | None, state: State, *, dtype: TeacherDtype
         raise RecipeError(f"{where}: teacher must be 'self' or a model spec, not {spec!r}")
     model = load_teacher_model(spec, where=f"{where}.teacher")
     model.to(state.device)
-    if spec.train_epochs > 0 and spec.checkpoint is None:
+    # a resumed stage's checkpoint holds the trained teacher (its metrics too): not trained again
+    if spec.train_epochs > 0 and spec.checkpoint is None and not state.resuming:
         _train(model, spec, state, where=where)
     teacher = Teacher(model, device=state.device, dtype=dtype)
     if state.evaluate is not None:

@@ -105,6 +105,9 @@ class PruneModifier(Modifier[PruneSpec]):
     """Runs the prune schedule; reports params/MACs before and after into ``state.metrics``."""
 
     spec_cls = PruneSpec
+    # its steps reshape the model mid-stage (and the optimizer with it): a stage holding it resumes
+    # from its start
+    resumes_mid_stage = False
 
     def __init__(self, spec: PruneSpec, *, where: str = "") -> None:
         super().__init__(spec, where=where)

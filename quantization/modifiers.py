@@ -356,6 +356,53 @@ class QATModifier(Modifier[QATSpec]):
     def on_epoch_end(self, state: State) -> None:
         self._update(state)
 
+    def progress_state(self, state: State) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The schedule's flags, each quantizer's flags and its observer's statistics (plain
+        attributes, not in the state_dict; per rank: under torchrun each rank observes its own batches
+        until the ranges freeze). Scales, zero points and LSQ parameters are in the state_dict."""
+        data: dict[str, Any] = {"started": self._started, "observers_frozen": self._observers_frozen,
+                                "bn_frozen": self._bn_frozen, "quantizers": {}, "bn_frozen_modules": []}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, q in quantizers(state.model):
+            entry: dict[str, Any] = {"enabled": q.enabled, "observing": q.observing, "group_size": q.group_size,
+                                     "stat_shape": list(q._stat_shape) if q._stat_shape is not None else None}
+            if q.observer is not None:
+                scalars: dict[str, Any] = {}
+                for attr, v in vars(q.observer).items():
+                    if isinstance(v, torch.Tensor):
+                        tensors[f"{name}.{attr}"] = v.detach().clone()
+                    elif v is None or isinstance(v, (bool, int, float)):
+                        scalars[attr] = v
+                entry["observer"] = scalars
+            data["quantizers"][name] = entry
+        data["bn_frozen_modules"] = [n for n, m in quant_modules(state.model) if getattr(m, "bn_frozen", False)]
+        return data, tensors
+
+    def load_progress(self, state: State, data: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        self._started, self._observers_frozen = bool(data["started"]), bool(data["observers_frozen"])
+        self._bn_frozen = bool(data["bn_frozen"])
+        saved = data["quantizers"]
+        found = dict(quantizers(state.model))
+        if set(saved) != set(found):
+            raise CalibrationError(
+                f"{self.where}: the checkpoint's quantizers do not match the model's ({len(saved)} saved, "
+                f"{len(found)} now); was the model or the recipe changed?")
+        for name, q in found.items():
+            entry = saved[name]
+            q.enabled, q.observing, q.group_size = bool(entry["enabled"]), bool(entry["observing"]), entry["group_size"]
+            q._stat_shape = tuple(entry["stat_shape"]) if entry["stat_shape"] is not None else None
+            if q.observer is not None and "observer" in entry:
+                for attr, v in entry["observer"].items():
+                    setattr(q.observer, attr, v)
+                prefix = f"{name}."
+                for key, t in tensors.items():
+                    if key.startswith(prefix) and "." not in key[len(prefix):]:
+                        setattr(q.observer, key[len(prefix):], t.to(state.device))
+        frozen = set(data["bn_frozen_modules"])
+        for n, m in quant_modules(state.model):
+            if n in frozen and isinstance(m, (QuantConv1d, QuantConv2d)):
+                m.bn_frozen = True
+
     def on_finalize(self, state: State) -> None:
         model = state.model
         self._started = True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, cast
 
 import torch
@@ -163,7 +163,8 @@ def prepare(
             del plan[name]
             skip[name] = ROUTER_REASON
     if speed_check is not None:
-        slow = _measure(model, plan, graph0, call, speed_check, target=target, graph_mode=graph_mode, where=where)
+        slow = _rank0_decides(lambda: _measure(model, plan, graph0, call, speed_check, target=target,
+                                               graph_mode=graph_mode, where=where), where=where)
         for name in slow:
             del plan[name]
         skip.update(slow)
@@ -171,7 +172,7 @@ def prepare(
         table = table_for(int8_isa())
         if table is not None:
             layers = {n: model.get_submodule(n) for n in plan}
-            slow = slower_by_table(layers, layer_calls(graph0, layers), table)
+            slow = _rank0_decides(lambda: slower_by_table(layers, layer_calls(graph0, layers), table), where=where)
             for name in slow:
                 del plan[name]
             skip.update(slow)
@@ -299,6 +300,30 @@ def set_saved_flags(model: nn.Module, data: dict[str, Any]) -> None:
     for name, fq in quantizers(model):
         fq.observing = False
         fq.enabled = bool(flags.get(name, {}).get("enabled", True))
+
+
+def _rank0_decides(decide: Callable[[], dict[str, str]], *, where: str) -> dict[str, str]:
+    """``decide()`` on rank 0 only, its answer on every rank under torchrun: timings (and, across
+    nodes, the CPU's int8 instructions) differ between ranks, the quantized structure must not (the
+    ranks reduce their calibration statistics quantizer by quantizer). Rank 0 alone times, so the
+    ranks on one machine do not slow each other's kernels."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return decide()
+    box: list[Any] = [None]
+    failure: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = decide()
+        except Exception as exc:  # the other ranks are told, not left waiting at the broadcast
+            failure, box[0] = exc, f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if isinstance(box[0], str):
+        raise CompressError(f"{where}: rank 0 failed to decide which layers stay float: {box[0]}")
+    return dict(box[0])
 
 
 def _measure(

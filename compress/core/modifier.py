@@ -98,6 +98,9 @@ class State:
     #: models a modifier runs beside ``model`` while it trains (a distillation teacher): under FSDP2
     #: they are sharded and gathered with it
     companions: list[nn.Module] = field(default_factory=list)
+    #: True while a stage resumed from a mid-stage checkpoint initializes: what initialize would
+    #: compute and the checkpoint holds anyway (a teacher's training) may be skipped
+    resuming: bool = False
 
     @property
     def stage_epoch(self) -> float:
@@ -153,6 +156,9 @@ class Modifier(Generic[S]):
     """
 
     spec_cls: ClassVar[type[ModifierSpec]]
+    #: whether :meth:`progress_state` captures all this modifier changes mid-stage (False: a stage
+    #: holding it is not checkpointed mid-way, and resumes from its start)
+    resumes_mid_stage: ClassVar[bool] = True
 
     def __init__(self, spec: S, *, where: str = "") -> None:
         self.spec = spec
@@ -197,6 +203,17 @@ class Modifier(Generic[S]):
     def restore_state(cls, model: nn.Module, data: dict[str, Any], *, where: str) -> None:
         """Rebuild on ``model`` what :meth:`save_state` described, before the saved state_dict is loaded."""
         raise CompressError(f"{where}: modifier type '{cls.spec_cls.model_fields['type'].default}' saves no state")
+
+    # ---- mid-stage checkpoints (the session saves them at a training epoch's end) --------------
+    def progress_state(self, state: State) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """What this initialized modifier holds besides the model's state_dict and the optimizer's
+        state, for a checkpoint at an epoch's end: JSON-ready data and tensors (which may differ
+        between ranks). :meth:`load_progress` puts it back after the resumed stage initialized."""
+        return {}, {}
+
+    def load_progress(self, state: State, data: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Put back what :meth:`progress_state` saved; called once the resumed stage initialized and the
+        optimizer is set, before the model's and the optimizer's saved state are loaded."""
 
     # ---- schedule ----------------------------------------------------------------------------
     def active(self, state: State) -> bool:

@@ -41,6 +41,13 @@ from quantization.numerics.primitives import (
 from quantization.numerics.spec import QuantSpec
 
 
+def _data_parallel_world() -> int:
+    """The ranks a training batch is split over (1 outside torchrun)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class FakeQuantizer(nn.Module):
     """Observes and fake-quantizes one tensor according to ``spec``.
 
@@ -164,7 +171,14 @@ class FakeQuantizer(nn.Module):
         if self.learnable:
             # LSQ's gradient scale, times the scale's magnitude: updates are relative (first-order
             # log-scale learning), so small scales cannot step across zero under plain SGD
-            factor = lsq_grad_factor(x.numel() // max(scale.numel(), 1), self.qmax)
+            n = x.numel() // max(scale.numel(), 1)
+            if self.role != "weight" and x.dim() > 1 and x.shape[0] > 1:
+                # an activation's N counts the global batch: under data parallelism each rank holds
+                # 1/world of it, and a rank's N alone would scale the gradient up by sqrt(world).
+                # A leading dimension of 1 is taken for a tensor the batch broadcasts (a rotary
+                # table), whole on every rank (so one sample per rank is left uncorrected)
+                n *= _data_parallel_world()
+            factor = lsq_grad_factor(n, self.qmax)
             scale = clamp_scale(grad_scale(scale, scale.detach().abs() * factor))
         return fake_quantize_spec(x, scale, self.zero_point, self.spec)
 
