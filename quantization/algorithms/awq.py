@@ -584,6 +584,22 @@ def _first_row(call: Call) -> Call:
     return tuple(cut(a) for a in call[0]), {k: cut(v) for k, v in call[1].items()}
 
 
+def _sample_chunks(chunks: Sequence[torch.Tensor], n: int, seed: int) -> torch.Tensor:
+    """``_sample_rows(torch.cat(chunks).float(), n, seed)``, the same rows in the same order, gathered
+    from the chunks without the concatenated copy (down_proj's inputs on 64 x 512 tokens: 200 MB)."""
+    total = sum(c.shape[0] for c in chunks)
+    if total <= n:
+        return torch.cat(list(chunks)).float()
+    idx = torch.randperm(total, generator=torch.Generator().manual_seed(seed))[:n]
+    out = torch.empty(n, chunks[0].shape[-1])
+    lo = 0
+    for c in chunks:
+        hit = (idx >= lo) & (idx < lo + c.shape[0])
+        out[hit] = c[idx[hit] - lo].float()
+        lo += c.shape[0]
+    return out
+
+
 def _sample_rows(x: torch.Tensor, n: int, seed: int) -> torch.Tensor:
     if x.shape[0] <= n:
         return x
@@ -635,7 +651,7 @@ def awq_layer(
         if v:
             key = tuple((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in v)
             if key not in shared:
-                shared[key] = _sample_rows(torch.cat(v).float(), params.sample_tokens, seed)
+                shared[key] = _sample_chunks(v, params.sample_tokens, seed)
             x_of[n] = shared[key]
     errors: dict[str, GroupError] = {
         sc: ModuleOutputError(layer.get_submodule(sc), [linears[c] for c in g.consumers], recorded[sc])

@@ -448,3 +448,12 @@ def test_module_reruns_are_screened_to_the_best_candidates(monkeypatch: pytest.M
         assert reruns[0] == (21 if top == 0 else 6)
     assert picks[6].alpha == picks[0].alpha and picks[6].error == pytest.approx(picks[0].error)
     assert picks[6].error < picks[6].unscaled_error
+
+
+def test_rows_sampled_from_chunks_are_those_sampled_from_their_concatenation() -> None:
+    from quantization.algorithms.awq import _sample_chunks, _sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(n, 8, generator=g) for n in (5, 17, 9)]
+    assert torch.equal(_sample_chunks(chunks, 12, 3), _sample_rows(torch.cat(chunks), 12, 3))
+    assert torch.equal(_sample_chunks(chunks, 40, 3), torch.cat(chunks))
