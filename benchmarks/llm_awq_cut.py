@@ -4,9 +4,10 @@ layers: the same float32 weights, calibration windows and held-out windows as
 in the full model's run. ``python -m benchmarks.llm_awq_cut --layers 2``.
 
 llm-compressor's rows run in its own virtualenv (``benchmarks/_llmc_worker.py``) at the same time
-as compress's rows run here, so both tools see the same machine load. Perplexity is that of the cut
-model (its first layers, the final norm and the head): meaningless as a language model, but the
-same function for both tools, so the change from its float perplexity compares their damage.
+as compress's rows run here, so both tools see the same machine load. Quality: the cut model's
+decoder output (after its final norm) on the held-out windows, its squared error against the float
+model's relative to the float output's square, each tool against its own float forward (the cut
+model's perplexity, near 10^8, says nothing).
 compress runs AWQ twice: with its defaults (only s = 1 and the best 5 candidates by the Linears'
 own output error rerun at the attention / MLP output) and with every grid candidate rerun
 (``module_candidates=0``), which shows what the screen costs in quality.
@@ -15,10 +16,10 @@ own output error rerun at the attention / MLP output) and with every grid candid
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -52,7 +53,7 @@ def _peer_rows(args: argparse.Namespace, model: Path, windows: Path, rows: list[
         out = Path(args.work) / f"cut_{method}.json"
         cmd = [str(Path(args.venv) / "bin" / "python"), str(WORKER), "--model", str(model), "--windows", str(windows),
                "--method", method, "--weights", json.dumps(WEIGHTS["w4 g64"]), "--threads", str(args.threads),
-               "--out", str(out)]
+               "--out", str(out), "--hidden"]
         r = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
         if r.returncode:
             errors = [ln for ln in r.stderr.splitlines() if "Error" in ln]
@@ -60,6 +61,13 @@ def _peer_rows(args: argparse.Namespace, model: Path, windows: Path, rows: list[
         else:
             rows.append({"tool": "llm-compressor", **json.loads(out.read_text())})
         log.info("%s", rows[-1])
+
+
+def last_hidden(model: torch.nn.Module, windows: torch.Tensor, batch: int = 4) -> torch.Tensor:
+    """The decoder's output (after the final norm, before the head) on ``windows``, as the worker's."""
+    with torch.no_grad():
+        return torch.cat([model.model(input_ids=windows[i : i + batch]).last_hidden_state.float()  # type: ignore[operator]
+                          for i in range(0, len(windows), batch)])
 
 
 class _Lines(logging.Handler):
@@ -71,6 +79,39 @@ class _Lines(logging.Handler):
         msg = record.getMessage()
         if msg.startswith("awq: layer "):
             self.lines.append(msg)
+
+
+METHODS = ("RTN", "AWQ", "AWQ, every candidate rerun")
+
+
+def _our_row(args: argparse.Namespace, cut: Path, windows: Path) -> dict[str, Any]:
+    """One compress row (``args.row``), measured in this fresh process as llm-compressor's rows are."""
+    from transformers import AutoModelForCausalLM
+
+    import compress
+    from benchmarks.llm_quant_real import SCHEMES, PeakRSS
+
+    w = torch.load(windows)
+    fp = AutoModelForCausalLM.from_pretrained(cut, dtype=torch.float32).eval()
+    ref = {k: last_hidden(fp, w[k]) for k in ("stdlib", "prose")}
+    calib = w["calib"]
+    data = [calib[i : i + args.calib_batch] for i in range(0, len(calib), args.calib_batch)]
+    scheme = SCHEMES["w4 g64"]
+    runs = {
+        "RTN": lambda m: compress.quantize(m, scheme, ignore=["lm_head"]),
+        "AWQ": lambda m: compress.awq(m, data, scheme=scheme),
+        "AWQ, every candidate rerun": lambda m: compress.awq(m, data, scheme=scheme,
+                                                             params=compress.AWQParams(module_candidates=0)),
+    }
+    lines = _Lines()
+    logging.getLogger("quantization.algorithms.sequential").addHandler(lines)
+    with PeakRSS() as mem:
+        t = time.perf_counter()
+        q = runs[args.row](fp)
+        secs = time.perf_counter() - t
+    return {"tool": "compress", "method": args.row, "seconds": secs, "peak GB": mem.added_gb,
+            **{f"error {k}": float(((last_hidden(q, w[k]) - h) ** 2).sum() / (h**2).sum()) for k, h in ref.items()},
+            "layers": lines.lines}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -85,49 +126,30 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--venv", default="/tmp/llmc-venv")
     p.add_argument("--work", default="/tmp/llmc-work")
     p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running, run under nice")
+    p.add_argument("--row", choices=METHODS, help=argparse.SUPPRESS)  # one compress row, in a fresh process
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM
-
-    import compress
     from benchmarks.llm_compressor_peer import make_venv, prepare
-    from benchmarks.llm_quant import perplexity
-    from benchmarks.llm_quant_real import SCHEMES, PeakRSS
 
-    blocker = make_venv(Path(args.venv))
     model_dir, windows = prepare(args)
     cut = _cut_model(model_dir, args.layers)
-    w = torch.load(windows)
+    if args.row:
+        Path(args.out).write_text(json.dumps(_our_row(args, cut, windows)))
+        return
+    blocker = make_venv(Path(args.venv))
     peer: list[dict[str, Any]] = []
     worker = threading.Thread(target=_peer_rows, args=(args, cut, windows, peer)) if not blocker else None
     if worker is not None:
         worker.start()
-    fp = AutoModelForCausalLM.from_pretrained(cut, dtype=torch.float32).eval()
-    calib = w["calib"]
-    data = [calib[i : i + args.calib_batch] for i in range(0, len(calib), args.calib_batch)]
-    scheme = SCHEMES["w4 g64"]
-    ours: list[dict[str, Any]] = [{"tool": "compress", "method": "fp32", "seconds": 0.0, "peak GB": None,
-                                   "ppl stdlib": perplexity(fp, w["stdlib"], batch=4),
-                                   "ppl prose": perplexity(fp, w["prose"], batch=4)}]
-    runs = {
-        "RTN": lambda m: compress.quantize(m, scheme, ignore=["lm_head"]),
-        "AWQ": lambda m: compress.awq(m, data, scheme=scheme),
-        "AWQ, every candidate rerun": lambda m: compress.awq(m, data, scheme=scheme,
-                                                             params=compress.AWQParams(module_candidates=0)),
-    }
-    for method, fn in runs.items():
-        lines = _Lines()
-        logging.getLogger("quantization.algorithms.sequential").addHandler(lines)
-        model = copy.deepcopy(fp)
-        with PeakRSS() as mem:
-            t = time.perf_counter()
-            q = fn(model)
-            secs = time.perf_counter() - t
-        logging.getLogger("quantization.algorithms.sequential").removeHandler(lines)
-        ours.append({"tool": "compress", "method": method, "seconds": secs, "peak GB": mem.added_gb,
-                     "ppl stdlib": perplexity(q, w["stdlib"], batch=4), "ppl prose": perplexity(q, w["prose"], batch=4),
-                     "layers": lines.lines})
+    ours: list[dict[str, Any]] = []
+    for method in METHODS:
+        out = Path(args.work) / "cut_ours.json"
+        passed = list(argv if argv is not None else sys.argv[1:])
+        r = subprocess.run([sys.executable, "-m", "benchmarks.llm_awq_cut", *passed, "--row", method, "--out", str(out)])
+        ours.append(json.loads(out.read_text()) if r.returncode == 0 else
+                    {"tool": "compress", "method": method, "failed": f"exit {r.returncode}"})
         log.info("%s", ours[-1])
         _write(args, ours, peer, blocker)
     if worker is not None:
@@ -140,7 +162,7 @@ def _write(args: argparse.Namespace, ours: list[dict[str, Any]], peer: list[dict
         return "-" if r.get(k) is None else fmt.format(r[k])
 
     out = [{"tool": r["tool"], "method": r["method"],
-            "ppl stdlib": f(r, "ppl stdlib", "{:.3f}"), "ppl prose": f(r, "ppl prose", "{:.3f}"),
+            "output error stdlib": f(r, "error stdlib", "{:.2e}"), "output error prose": f(r, "error prose", "{:.2e}"),
             "quantize s": f(r, "seconds", "{:.1f}"), "peak added GB": f(r, "peak GB", "{:.2f}")}
            for r in [*ours, *peer] if "failed" not in r]
     md = (
@@ -149,20 +171,22 @@ def _write(args: argparse.Namespace, ours: list[dict[str, Any]], peer: list[dict
         f"SmolLM2-135M-Instruct in float32 cut to its first {args.layers} of 30 decoder layers (final norm and head "
         f"kept), w4 g64 symmetric, lm_head float, {args.calib} calibration windows of {args.seq_len} tokens and "
         f"{args.eval} held-out windows of each set, the same as `llm_compressor_peer`'s. llm-compressor 0.14's rows "
-        "ran in its own virtualenv at the same time as compress's rows ran, both at their defaults (llm-compressor's "
+        "ran in its own virtualenv at the same time as compress's rows ran, every row in a fresh process, both "
+        "tools at their defaults (llm-compressor's "
         "AWQ: duo scaling, grid 20, every candidate judged on every calibration token at the attention, MLP and "
         "down_proj outputs, no clip search; compress's: grid 20, clip search, the attention / MLP candidates screened "
-        "to s = 1 and the best 5). The perplexities are the cut model's: comparable between rows, not to a language "
-        f"model's. torch threads: {args.threads} per tool.\n\n"
+        "to s = 1 and the best 5). 'output error': the cut model's decoder output (after its final norm) on the "
+        "held-out windows, squared error against the float model's over the float output's square, each tool "
+        f"against its own float forward. torch threads: {args.threads} per tool.\n\n"
         + table(out)
     )
     for r in ours:
         if r.get("layers"):
             md += f"\ncompress {r['method']}, per layer: " + "; ".join(
                 ln.split(": ", 1)[1] for ln in r["layers"]) + "\n"
-    for r in peer:
+    for r in [*ours, *peer]:
         if "failed" in r:
-            md += f"\nllm-compressor {r['method']} failed: {r['failed']}\n"
+            md += f"\n{r['tool']} {r['method']} failed: {r['failed']}\n"
     if blocker:
         md += f"\nllm-compressor could not be installed: {blocker}\n"
     md += f"\nMachine load: {args.load}.\n"
