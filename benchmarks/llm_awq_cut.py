@@ -128,7 +128,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running, run under nice")
     p.add_argument("--row", choices=METHODS, help=argparse.SUPPRESS)  # one compress row, in a fresh process
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--report-only", action="store_true",
+                   help="rewrite the section from results/llm_awq_cut.json (with --load: the load the rows ran under)")
     args = p.parse_args(argv)
+    if args.report_only:
+        from benchmarks._results import RESULTS_DIR
+
+        saved = json.loads((RESULTS_DIR / "llm_awq_cut.json").read_text())
+        load = {"load": args.load} if args.load != p.get_default("load") else {}
+        _write(argparse.Namespace(**{**saved["args"], **load}), saved["ours"], saved["peer"], None)
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     from benchmarks.llm_compressor_peer import make_venv, prepare
