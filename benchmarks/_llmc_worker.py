@@ -55,6 +55,13 @@ def perplexity(model: Any, windows: torch.Tensor, batch: int = 4) -> float:
     return math.exp(total / (windows.shape[0] * (windows.shape[1] - 1)))
 
 
+@torch.no_grad()
+def last_hidden(model: Any, windows: torch.Tensor, batch: int = 4) -> torch.Tensor:
+    """The decoder's output (after the final norm, before the head) on ``windows``."""
+    return torch.cat([model.model(input_ids=windows[i : i + batch]).last_hidden_state.float()
+                      for i in range(0, len(windows), batch)])
+
+
 def recipe(method: str, weights: dict[str, Any] | None) -> list[Any]:
     """llm-compressor's modifiers for ``method``, at their defaults except the scheme: GPTQ block
     128, dampening 0.01, static activation order; AWQ duo scaling, grid 20; SmoothQuant 0.5 then
@@ -99,6 +106,9 @@ def main() -> None:
     p.add_argument("--weights", default="null", help="compressed-tensors weight QuantizationArgs as JSON")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--hidden", action="store_true",
+                   help="report the decoder output's relative squared error against float on the held-out windows "
+                        "instead of perplexity (for a model cut to its first layers)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -106,6 +116,7 @@ def main() -> None:
     w = torch.load(args.windows)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     row: dict[str, Any] = {"method": args.method, "seconds": 0.0, "peak GB": None}
+    ref = {k: last_hidden(model, w[k]) for k in ("stdlib", "prose")} if args.hidden else {}
     if args.method != "fp32":
         from datasets import Dataset
         from llmcompressor import oneshot
@@ -121,8 +132,12 @@ def main() -> None:
                     shuffle_calibration_samples=False)
             row["seconds"] = time.perf_counter() - t
         row["peak GB"] = (mem.peak - mem.base) / 1e9
-    row["ppl stdlib"] = perplexity(model, w["stdlib"])
-    row["ppl prose"] = perplexity(model, w["prose"])
+    if args.hidden:
+        for k, h in ref.items():
+            row[f"error {k}"] = float(((last_hidden(model, w[k]) - h) ** 2).sum() / (h**2).sum())
+    else:
+        row["ppl stdlib"] = perplexity(model, w["stdlib"])
+        row["ppl prose"] = perplexity(model, w["prose"])
     import llmcompressor
 
     row["version"] = llmcompressor.__version__

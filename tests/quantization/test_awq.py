@@ -274,7 +274,7 @@ def test_scale_search_reads_each_group_at_its_module_output() -> None:
 def test_a_clip_is_kept_only_where_the_inspected_module_agrees() -> None:
     """The clip search judges each Linear alone; a clip that raises the attention output's error
     (here q_proj cut to a tenth of its range) is rejected, one that changes nothing is kept."""
-    from quantization.algorithms.awq import _guard_clips, clip_weight
+    from quantization.algorithms.awq import ModuleOutputError, _guard_clips, clip_weight
     from quantization.algorithms.sequential import sequential_quantize
 
     seen: list[set[str]] = []
@@ -294,9 +294,10 @@ def test_a_clip_is_kept_only_where_the_inspected_module_agrees() -> None:
         wq, wv = lin["self_attn.q_proj"].weight.detach(), lin["self_attn.v_proj"].weight.detach()
         harmful = clip_weight(wq, 0.1 * wq.abs().reshape(wq.shape[0], -1, 32).amax(-1), spec)
         harmless = clip_weight(wv, wv.abs().reshape(wv.shape[0], -1, 32).amax(-1), spec)
+        qkv = [lin[f"self_attn.{p}_proj"] for p in "qkv"]
         assert torch.equal(harmless, wv)
         seen.append(_guard_clips(layer, groups, lin, {"self_attn.q_proj": harmful, "self_attn.v_proj": harmless},
-                                 {"self_attn": recorded}, {}))
+                                 {"self_attn": ModuleOutputError(layer.get_submodule("self_attn"), qkv, recorded)}, {}))
 
     sequential_quantize(_llama(), _calib(), W3, process, targets=["*"], ignore=["lm_head"], max_batches=None,
                         load=None, release=None, where="test")
@@ -359,3 +360,100 @@ def test_awq_recipe_reports_what_the_scales_bought(tiny_llm_dir: str, tmp_path: 
     assert rows and all(0 <= r["error"] <= r["unscaled_error"] for r in rows)
     ratios = sorted(r["error"] / r["unscaled_error"] for r in rows)
     assert stage.metrics["awq_scale_error_ratio"] == pytest.approx(ratios[(len(ratios) - 1) // 2], abs=1e-4)
+
+
+def test_a_lone_linears_objective_is_read_from_its_gram_matrix_not_rerun() -> None:
+    """o_proj's and down_proj's groups are judged on their own output: the same error as rerunning
+    the Linear on the recorded tokens, read from ``X^T X`` once, so AWQ passes each calibration
+    token through down_proj about once (the recording pass), not once per scale candidate."""
+    from quantization.algorithms.awq import LinearOutputError, ModuleOutputError, awq_layer
+    from quantization.algorithms.sequential import sequential_quantize
+
+    g = torch.Generator().manual_seed(5)
+    lin = nn.Linear(48, 16)
+    x = torch.randn(3, 20, 48, generator=g)
+    with torch.no_grad():
+        calls: list[tuple[Any, Any, torch.Tensor]] = [((x[i],), {}, lin(x[i])) for i in range(3)]
+    rows = x.reshape(-1, 48)
+    cand = [lin.weight.detach() + 0.05 * torch.randn(16, 48, generator=g)]
+    rerun = ModuleOutputError(lin, [lin], calls)  # type: ignore[list-item]
+    gram = LinearOutputError(lin.weight, rows.t() @ rows, rows.shape[0])
+    torch.testing.assert_close(gram(cand), rerun(cand), rtol=1e-4, atol=0)
+    assert gram.numel == rerun.numel
+
+    alone: list[int] = []  # tokens down_proj saw when run by itself, not inside the MLP's forward
+    in_mlp = [False]
+
+    def process(i: int, layer: nn.Module, lins: dict[str, QuantLinear], calls: list[Any]) -> dict[str, Any]:
+        mlp = layer.get_submodule("mlp")
+        hs = [mlp.register_forward_pre_hook(lambda m, a: in_mlp.__setitem__(0, True)),
+              mlp.register_forward_hook(lambda m, a, o: in_mlp.__setitem__(0, False)),
+              lins["mlp.down_proj"].register_forward_pre_hook(
+                  lambda m, a: None if in_mlp[0] else alone.append(a[0].shape[:-1].numel()))]
+        try:
+            return awq_layer(layer, lins, calls, AWQParams())
+        finally:
+            for h in hs:
+                h.remove()
+
+    reports: list[dict[str, Any]] = []
+
+    def keep(i: int, layer: nn.Module, lins: dict[str, QuantLinear], calls: list[Any]) -> dict[str, Any]:
+        reports.append(process(i, layer, lins, calls))
+        return reports[-1]
+
+    sequential_quantize(_llama(), _calib(), W3, keep,
+                        targets=["*"], ignore=["lm_head"], max_batches=None, load=None, release=None, where="test")
+    assert sum(alone) == 0, sum(alone)
+    down = [gr for r in reports for gr in r["groups"] if gr["consumers"] == ["mlp.down_proj"]]
+    assert len(down) == 2 and all(0 <= gr["error"] <= gr["unscaled_error"] for gr in down)
+
+
+def test_module_reruns_are_screened_to_the_best_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Judging a scale candidate at the attention's output reruns the attention (most of AWQ's
+    time): the grid is screened by the Linears' own output error and only s = 1 and the best
+    ``module_candidates - 1`` are rerun; here the screen keeps the full grid's winner."""
+    from quantization.algorithms.awq import ModuleOutputError
+
+    model = _llama()
+    layer = decoder_layers(model)[1][0]
+    calls = capture_inputs(model, layer, _calib())
+    attn = layer.get_submodule("self_attn")
+    lins: list[Any] = [attn.get_submodule(f"{p}_proj") for p in "qkv"]
+    recorded: list[tuple[Any, Any, torch.Tensor]] = []
+    xs: list[torch.Tensor] = []
+    hs = [attn.register_forward_hook(lambda m, a, k, o: recorded.append((a, k, o[0].detach())), with_kwargs=True),
+          lins[0].register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, a[0].shape[-1])))]
+    with torch.no_grad():
+        for a, k in calls:
+            layer(*a, **k)
+    for h in hs:
+        h.remove()
+    reruns = [0]
+    call = ModuleOutputError.__call__
+
+    def counted(self: ModuleOutputError, w: Any) -> torch.Tensor:
+        reruns[0] += 1
+        return call(self, w)
+
+    monkeypatch.setattr(ModuleOutputError, "__call__", counted)
+    spec = W3.weights
+    assert spec is not None
+    picks: dict[int, Any] = {}
+    for top in (0, 6):
+        reruns[0] = 0
+        with torch.no_grad():
+            picks[top] = search_scales(torch.cat(xs), [m.weight for m in lins], spec, AWQParams(module_candidates=top),
+                                     output_error=ModuleOutputError(attn, lins, recorded))
+        assert reruns[0] == (21 if top == 0 else 6)
+    assert picks[6].alpha == picks[0].alpha and picks[6].error == pytest.approx(picks[0].error)
+    assert picks[6].error < picks[6].unscaled_error
+
+
+def test_rows_sampled_from_chunks_are_those_sampled_from_their_concatenation() -> None:
+    from quantization.algorithms.awq import _sample_chunks, _sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    chunks = [torch.randn(n, 8, generator=g) for n in (5, 17, 9)]
+    assert torch.equal(_sample_chunks(chunks, 12, 3), _sample_rows(torch.cat(chunks), 12, 3))
+    assert torch.equal(_sample_chunks(chunks, 40, 3), torch.cat(chunks))
