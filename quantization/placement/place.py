@@ -360,7 +360,7 @@ class _Placer:
         # the scores run in integer up to the softmax (QLinearMatMul, QLinearMul by the scale,
         # QLinearAdd of a bias or QLinearWhere of a boolean/causal mask, QLinearSoftmax) where the
         # runtime has those kernels (a boolean mask's fill: attention.MASK_GAP)
-        integer = {"mul", "softmax"} <= self.profile.extend
+        integer = self.profile.integer_scores and {"mul", "softmax"} <= self.profile.extend
         if ranges and add_rule is not None and add_rule.constants:
             # a float mask or bias is added to the scores: quantized as an add the runtime fuses
             lopsided = _lopsided([ranges["scores"], ranges["mask"]])

@@ -399,6 +399,8 @@ def _per_tensor_sqnr(v: Any) -> float | None:
     if not isinstance(v, torch.Tensor) or not v.is_floating_point() or not 0 < v.numel() <= _SQNR_NUMEL:
         return None
     x = v.detach().double()
+    if not bool(torch.isfinite(x).all()):  # a mask of -inf: no 8-bit scale holds it
+        return None
     lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
     if hi == lo:
         return math.inf

@@ -1,14 +1,16 @@
 """Attention scores in integer on ONNX Runtime, and constant vectors in products (issue 32).
 
-The decomposed SDPA quantizes ``q @ k^T`` (QLinearMatMul), multiplies it by the scale as a quantized
-constant (QLinearMul), fills a boolean or causal mask on the scores' grid (QLinearWhere) and reads
-8-bit codes into the softmax (QLinearSoftmax). A masked key must still weigh nothing: its fill sits
-MASK_GAP below the lowest calibrated score. A product with a constant vector (a layer scale) runs as
-QLinearMul only where one 8-bit scale holds the vector.
+With a profile's ``integer_scores`` (off in the shipped ORT profile: measured slower than float
+scores), the decomposed SDPA quantizes ``q @ k^T`` (QLinearMatMul), multiplies it by the scale as a
+quantized constant (QLinearMul), fills a boolean or causal mask on the scores' grid (QLinearWhere)
+and reads 8-bit codes into the softmax (QLinearSoftmax). A masked key must still weigh nothing: its
+fill sits MASK_GAP below the lowest calibrated score. A product with a constant vector (a layer
+scale) runs as QLinearMul only where one 8-bit scale holds the vector.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from torch import nn
 from export.onnx import export_onnx
 from export.runtimes import ort_coverage, ort_optimized_graph
 from quantization import quantize
-from quantization.placement import place
+from quantization.placement import place, runtimes
 from quantization.placement.mode import graph_of
 from quantization.placement.place import Placement
 
@@ -69,6 +71,13 @@ def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean()))
 
 
+@pytest.fixture
+def integer_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ORT profile with its attention scores in integer."""
+    ort = runtimes.PROFILES["onnxruntime"]
+    monkeypatch.setitem(runtimes.PROFILES, "onnxruntime", dataclasses.replace(ort, integer_scores=True))
+
+
 def _placement(q: nn.Module) -> Placement:
     g = graph_of(q)
     assert g is not None
@@ -76,6 +85,7 @@ def _placement(q: nn.Module) -> Placement:
 
 
 @pytest.mark.parametrize("mask", ["none", "bool", "causal"])
+@pytest.mark.usefixtures("integer_scores")
 def test_attention_scores_run_in_integer_up_to_the_softmax(mask: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     m = Attention(mask).eval()
@@ -105,6 +115,7 @@ def test_attention_scores_run_in_integer_up_to_the_softmax(mask: str, tmp_path: 
 
 
 @pytest.mark.parametrize("mask", ["bool", "causal"])
+@pytest.mark.usefixtures("integer_scores")
 def test_masked_keys_weigh_nothing_in_the_int8_model(mask: str, tmp_path: Path) -> None:
     """A masked key's fill lands on the lowest code of the scores' grid, which reaches MASK_GAP below
     the lowest score: changing what the masked keys hold leaves the int8 output as it was. Small
@@ -126,6 +137,14 @@ def test_masked_keys_weigh_nothing_in_the_int8_model(mask: str, tmp_path: Path) 
         rows[:, -1] = False
     moved = _ort(path, x2, keep)
     assert torch.equal(base[rows], moved[rows]) or _sqnr(base[rows], moved[rows]) > 40.0
+
+
+def test_shipped_ort_profile_keeps_the_scores_float() -> None:
+    """By default (the shipped profile) only the two matmuls' inputs and the probabilities are
+    quantized: ORT's integer scores measured slower than float ones on the transformers suite."""
+    torch.manual_seed(0)
+    q = quantize(Attention("causal").eval(), SEVEN_BIT, [dict(zip(("x", "keep"), _inputs(s), strict=True)) for s in range(2)])
+    assert set(_placement(q).entries[":sdpa#0"]) == {"q", "k", "v", "p"}
 
 
 class Permute(nn.Module):
