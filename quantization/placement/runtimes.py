@@ -82,9 +82,9 @@ ONNXRUNTIME = RuntimeProfile(
     # but its output quantized makes ``x * hardsigmoid(x)`` a QLinearMul (as quantize_static places it)
     extend=frozenset({"silu", "sigmoid", "mul", "softmax", "leaky_relu", "hardsigmoid", "hardswish"}),
     # off: ORT's CPU kernels ran the integer scores slower than float ones, and slower than fp32, on
-    # the transformers suite (GPT-2 0.99x of fp32 against 1.28x, Llama 0.96x against 1.20x; 8 x 64
-    # tokens, AVX-512 VNNI, benchmarks/RESULTS.md `attention_int8`); the fidelity held (MiniLM's
-    # sentence-embedding cosine 0.9877 against 0.9889)
+    # the transformers suite (BERT 0.94x of fp32 against 1.38x, GPT-2 1.06x against 1.13x, Llama
+    # 0.90x against 1.15x; 8 x 64 tokens, AVX-512 VNNI, under load: benchmarks/RESULTS.md
+    # `attention_int8`) at the same fidelity (MiniLM's sentence-embedding cosine 0.9877 against 0.9889)
     integer_scores=False,
     description="ONNX Runtime CPU QDQ fusion (QLinearConv, QLinearMatMul/MatMulIntegerToFloat, QGemm, "
     "QLinearAdd, QLinearConcat, QLinearAveragePool; QLinearSigmoid/QLinearMul/QLinearSoftmax/"
