@@ -163,6 +163,7 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
         "integer_kernels": {k: c.integer for k, c in cov.items()},
         "integer_ops": {k: dict(c.integer_ops) for k, c in cov.items()},
         "float_nodes": {k: c.float_nodes for k, c in cov.items()},
+        "float_left": {k: dict(c.float_left) for k, c in cov.items()},
         "kept_float": placement.floats,
         "sqnr_db": {k: round(statistics.mean(v), 2) for k, v in sq.items()},
         "latency_ms": {k: round(v, 3) for k, v in lat.items()},
@@ -209,22 +210,29 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
              "`speed_check` (each layer's ORT integer kernel timed against its float kernel at the serving batch, "
              "the slower ones kept float). Integer kernels: every QLinear*/QGemm/MatMulIntegerToFloat node of ORT's "
              "optimized graph (ORT fuses DQ -> op -> Q into them); the QLinear* breakdown is in the JSON.", "",
-             "| model | coverage compress / measured / ORT | integer kernels compress / ORT | QLinearMul / QLinearAdd compress "
-             "vs ORT | SQNR dB compress / measured / ORT (compress 7-bit) | speedup compress / all int8 / measured / ORT | "
+             "Float ops left: the float nodes of ORT's optimized graph that ORT also has an integer kernel for "
+             "(Conv, MatMul, Gemm, Add, Mul, Softmax, Where, Sigmoid, Concat, pools, LeakyRelu, fused forms "
+             "included; shape arithmetic on integers not counted): quantize_static writes a Linear as QLinearMatMul "
+             "plus a QLinearAdd for its bias where we write one QGemm, so integer-kernel counts alone favour it; "
+             "the work left in float does not.", "",
+             "| model | coverage compress / measured / ORT | integer kernels compress / ORT | float ops left compress / "
+             "ORT | QLinearMul / QLinearAdd compress vs ORT | SQNR dB compress / measured / ORT (compress 7-bit) | speedup compress / all int8 / measured / ORT | "
              "size compress / measured / ORT | kept float by table / by measurement |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | | |")
             continue
         c, s, v, z = r["coverage"], r["sqnr_db"], r["speedup"], r["size_ratio"]
         ops = r.get("integer_ops", {})
         n_int = {k: sum(ops.get(k, {}).values()) for k in ("compress", "ort")}
         mul = {k: ops.get(k, {}).get("QLinearMul", 0) for k in ("compress", "ort")}
         add = {k: ops.get(k, {}).get("QLinearAdd", 0) for k in ("compress", "ort")}
+        fl = r.get("float_left", {})
+        left = {k: str(sum(fl[k].values())) if k in fl else "-" for k in ("compress", "ort")}
         lines.append(f"| {r['model']} | {c['compress']:.2f} / {c.get('measured', nan):.2f} / {c['ort']:.2f} | "
-                     f"{n_int['compress']} / {n_int['ort']} | {mul['compress']} / {add['compress']} vs "
+                     f"{n_int['compress']} / {n_int['ort']} | {left['compress']} / {left['ort']} | {mul['compress']} / {add['compress']} vs "
                      f"{mul['ort']} / {add['ort']} | "
                      f"{s['compress']:.1f} / {s.get('measured', nan):.1f} / {s['ort']:.1f} "
                      f"({s.get('compress_7bit', nan):.1f}) | "
@@ -282,9 +290,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="replace --models' rows in the last run's results and keep the others (each row keeps its time)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    machine = _machine()
-    rows = []
-    for name in args.models or list(SUITES[args.size]):
+    start = _machine()
+    out = JSON_OUT[args.size]
+    old = json.loads(out.read_text()) if args.merge and out.exists() else None
+    rows: list[dict[str, Any]] = []
+    names = args.models or list(SUITES[args.size])
+    for i, name in enumerate(names):
         try:
             row = run_one(name, rounds=args.rounds, threads=args.threads, size=args.size)
         except Exception as exc:  # one model's failure is a result, not the end of the run
@@ -292,16 +303,22 @@ def main(argv: list[str] | None = None) -> None:
         row["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         print(json.dumps({k: v for k, v in row.items() if k not in ("float_nodes",)}), flush=True)
         rows.append(row)
+        # written after every row, so that a run cut short keeps what it measured
+        _save(rows, old, start, args, done=i + 1 == len(names))
+
+
+def _save(rows: list[dict[str, Any]], old: dict[str, Any] | None, start: str, args: argparse.Namespace,
+          done: bool) -> None:
     import os
 
     # the machine is shared: say how loaded it was when the timings ended, too
-    machine += f", {os.getloadavg()[0]:.1f} at the end" if hasattr(os, "getloadavg") else ""
-    out = JSON_OUT[args.size]
-    if args.merge and out.exists():
+    machine = start + (f", {os.getloadavg()[0]:.1f} at the {'end' if done else 'last row'}"
+                       if hasattr(os, "getloadavg") else "")
+    if old is not None:
         new = {r["model"]: r for r in rows}
-        old = json.loads(out.read_text())
         rows = [new.pop(r["model"], r) for r in old["rows"]] + list(new.values())
         machine = old["machine"] if machine == old["machine"] else f"{old['machine']} (rows rerun: {machine})"
+    out = JSON_OUT[args.size]
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
     write_results(rows, machine, args.threads, args.size)

@@ -774,7 +774,8 @@ def fold_constant_quantize(g: _Graph) -> int:
             shape[_axis(q) % x.ndim] = -1
             scale, zp = scale.reshape(shape), zp.reshape(shape)
         info = np.iinfo(zp.dtype)
-        codes = np.clip(np.rint(x / scale.astype(np.float32)) + zp.astype(np.float32), info.min, info.max)
+        with np.errstate(over="ignore"):  # a mask fill (float32's lowest) saturates to the grid's lowest code
+            codes = np.clip(np.rint(x / scale.astype(np.float32)) + zp.astype(np.float32), info.min, info.max)
         out = q.output[0]
         g.g.node.remove(q)
         g.set_init(out, codes.astype(zp.dtype))

@@ -8,7 +8,7 @@ import logging
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -169,12 +169,22 @@ INTEGER_COMPUTE_OPS = frozenset({
 })
 
 
+#: float ops of ORT's optimized CPU graph that ORT also has an integer kernel for (QLinearMul,
+#: QLinearSoftmax, QLinearWhere, ...): a quantized model's float work left, counted beside its
+#: integer kernels so that one QGemm and a QLinearMatMul + QLinearAdd pair compare fairly
+FLOAT_LEFT_OPS = FLOAT_COMPUTE_OPS | frozenset({
+    "Mul", "Softmax", "Where", "Sigmoid", "Concat", "AveragePool", "GlobalAveragePool", "LeakyRelu",
+})
+
+
 @dataclass
 class Coverage:
     """Which Conv/MatMul/Gemm/Add work ORT runs in integers in a QDQ model, and what stays float."""
 
     integer_ops: dict[str, int]
     float_nodes: list[str]
+    #: every float op of FLOAT_LEFT_OPS left in the graph, by type
+    float_left: dict[str, int] = field(default_factory=dict)
 
     @property
     def integer(self) -> int:
@@ -210,7 +220,9 @@ def ort_coverage(path: Path) -> Coverage:
 
     ints = Counter(n.op_type for n in g.node if is_integer_kernel(n.op_type))
     floats = [f"{n.op_type}:{n.name}" for n in g.node if n.op_type in FLOAT_COMPUTE_OPS and not integer(n)]
-    return Coverage(dict(sorted(ints.items())), floats)
+    # by the output's type: a Where's condition is boolean whatever it selects
+    left = Counter(n.op_type for n in g.node if n.op_type in FLOAT_LEFT_OPS and types.get(n.output[0]) not in _INT_TYPES)
+    return Coverage(dict(sorted(ints.items())), floats, dict(sorted(left.items())))
 
 
 def integer_kernel_count(path: Path) -> tuple[int, dict[str, int]]:

@@ -41,33 +41,45 @@ def decomposed_attention(
     return_probs: bool = False,
 ) -> Any:
     """``F.scaled_dot_product_attention`` written out, with ``quant(role, tensor)`` on q, k^T, the
-    softmax output and v (the inputs of the two matmuls) and, for a float mask, on the scores, the
-    mask and their sum (roles ``scores``, ``mask``, ``biased``; ``quant`` passes through a role it
-    was not given a quantizer for). ``return_probs``: also return the
+    softmax output and v (the inputs of the two matmuls), on ``q @ k^T`` and the scale it is
+    multiplied by (roles ``qk``, ``scale``), on the scaled scores (``scores``) and, for a float mask,
+    on the mask and its sum with the scores (``mask``, ``biased``); ``quant`` passes through a role
+    it was not given a quantizer for. ``return_probs``: also return the
     probabilities (after dropout), as ``(output, probs)``."""
     n_q, n_kv = query.size(-3) if query.dim() >= 3 else 1, key.size(-3) if key.dim() >= 3 else 1
     if enable_gqa and n_q != n_kv:
         key = key.repeat_interleave(n_q // n_kv, dim=-3)
         value = value.repeat_interleave(n_q // n_kv, dim=-3)
     s = scale if scale is not None else 1.0 / math.sqrt(query.size(-1))
-    scores = torch.matmul(quant("q", query), quant("k", key.transpose(-2, -1))) * s
+    qk = torch.matmul(quant("q", query), quant("k", key.transpose(-2, -1)))
+    # integer scores where quantized: QLinearMatMul, then QLinearMul by the scale as a quantized constant
+    scores = quant("qk", qk) * quant("scale", torch.tensor(s, dtype=qk.dtype, device=qk.device))
     L, S = query.size(-2), key.size(-2)
     # a bool mask fills with the lowest finite value, not -inf: a query row that sees no key then
     # gets finite (uniform) probabilities, which observers can calibrate on, and is zeroed on the
     # output, [.., L, Ev] (cheaper than zeroing the [.., L, S] probabilities)
     low = torch.finfo(scores.dtype).min
+    if is_causal or (attn_mask is not None and attn_mask.dtype == torch.bool):
+        # where the scores are quantized, the fill is too, on their grid (role ``filled``: the scores'
+        # quantizer, whose range the mode extends MASK_GAP below the lowest score during calibration),
+        # so the fill lands on the grid's lowest code and the softmax reads 8-bit codes (QLinearWhere,
+        # QLinearSoftmax)
+        scores = quant("scores", scores)
+        fill = quant("filled", torch.tensor(low, dtype=scores.dtype, device=scores.device))
     if is_causal:
         keep = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~keep, low)
+        scores = quant("filled", scores.masked_fill(~keep, fill))
     dead: torch.Tensor | None = None  # query rows that may see no key at all (padding)
     dead_probs: torch.Tensor | None = None  # the same, where the probabilities themselves are NaN
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, low)
+            scores = quant("filled", scores.masked_fill(~attn_mask, fill))
             dead = ~attn_mask.any(dim=-1, keepdim=True)
         else:  # the scores plus a bias or mask: quantized as one add where the runtime fuses it
             scores = quant("biased", quant("scores", scores) + quant("mask", attn_mask))
             dead_probs = torch.isneginf(attn_mask).all(dim=-1, keepdim=True)
+    elif not is_causal:
+        scores = quant("scores", scores)  # the softmax's input: QLinearSoftmax where it is quantized
     probs = torch.softmax(scores, dim=-1)
     if dead_probs is not None:  # softmax of an all -inf row is NaN; SDPA gives such a row zeros
         probs = probs.masked_fill(dead_probs, 0.0)
@@ -79,6 +91,11 @@ def decomposed_attention(
         if return_probs:
             probs = probs.masked_fill(dead, 0.0)
     return (out, probs) if return_probs else out
+
+
+#: how far below the lowest calibrated score the grid of masked scores reaches: a masked key then
+#: weighs at most exp(-MASK_GAP) (6e-6) of any unmasked one after the softmax
+MASK_GAP = 12.0
 
 
 def _no_quant(role: str, t: torch.Tensor) -> torch.Tensor:

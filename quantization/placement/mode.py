@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from compress.core.errors import CalibrationError
 from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.spec import QuantSpec
-from quantization.placement.attention import attention_with_weights, decomposed_attention, redirect
+from quantization.placement.attention import MASK_GAP, attention_with_weights, decomposed_attention, redirect
 from quantization.placement.place import CONSTANT_PREFIX, Placement
 from quantization.placement.trace import ScopeTracker, call_kind, is_unseen, register_mode_file, site_index
 
@@ -281,11 +281,29 @@ class QuantizeMode(TorchFunctionMode):
 
     def _attention(self, func: Any, entry: dict[str, str], args: Any, kwargs: dict[str, Any]) -> Any:
         def quant(role: str, t: torch.Tensor) -> torch.Tensor:
+            if role == "filled":  # masked scores, on the scores' grid
+                return _masked_scores(self, entry.get("scores"), t)
             return self.apply(entry[role], t) if role in entry else t
 
         if func is attention_with_weights:
             return decomposed_attention(*args, **kwargs, quant=quant, return_probs=True)
         return decomposed_attention(*args, **kwargs, quant=quant)
+
+
+def _masked_scores(mode: Any, qid: str | None, t: torch.Tensor) -> torch.Tensor:
+    """Masked attention scores (or the fill value alone) through the scores' quantizer ``qid``. While
+    it calibrates, the fill values are not data: it sees instead the lowest score less MASK_GAP, so its
+    grid reaches far enough below the scores that a masked key, at the lowest code, weighs next to
+    nothing after the softmax."""
+    if qid is None or not t.is_floating_point():
+        return t
+    q = mode.quantizer(qid)
+    if isinstance(q, FakeQuantizer) and q.observing:
+        real = t[t > torch.finfo(t.dtype).min]
+        if real.numel():
+            q.observe((real.detach().amin() - MASK_GAP).reshape(1))
+        return t
+    return mode.apply(qid, t)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

@@ -357,14 +357,23 @@ class _Placer:
         roles = ["q", "k", "v", "p"]
         ranges = n.attrs.get("amax", {})
         add_rule = self.profile.rules.get("add")
+        # the scores run in integer up to the softmax (QLinearMatMul, QLinearMul by the scale,
+        # QLinearAdd of a bias or QLinearWhere of a boolean/causal mask, QLinearSoftmax) where the
+        # runtime has those kernels (a boolean mask's fill: attention.MASK_GAP)
+        integer = self.profile.integer_scores and {"mul", "softmax"} <= self.profile.extend
         if ranges and add_rule is not None and add_rule.constants:
             # a float mask or bias is added to the scores: quantized as an add the runtime fuses
             lopsided = _lopsided([ranges["scores"], ranges["mask"]])
             if lopsided:
                 self.pl.floats[f"{n.key}.mask"] = lopsided
             else:
-                roles += ["scores", "mask", "biased"]
-        self.pl.entries.setdefault(n.key, {}).update({p: _new_internal(self.pl, f"{n.key}.{p}") for p in roles})
+                roles += ["scores", "mask", "biased"] + (["qk"] if integer else [])
+        elif integer:
+            roles += ["qk", "scores"]
+        entry = self.pl.entries.setdefault(n.key, {})
+        entry.update({p: _new_internal(self.pl, f"{n.key}.{p}") for p in roles})
+        if "qk" in roles:  # the score scale: a one-value constant, which one 8-bit code holds exactly
+            entry["scale"] = _new_constant(self.pl, f"{n.key} score scale")
 
     def add_inputs(self, n: OpNode, rule: Any, acts: list[Operand]) -> list[Operand]:
         """The operands of an add to quantize (none: it stays float, or was handled here)."""
@@ -447,10 +456,9 @@ class _Placer:
 
     # ---- pass 4: elementwise ops whose inputs are all quantized by now run as integer kernels too
     # (a chain extends one op at a time, in graph order); their output gets a quantizer. A product's
-    # other operand may be a one-element constant (attention's ``q * scale``, a Python number): it
-    # gets a quantizer of its own, which holds its one value exactly (ORT's QLinearMul reads it as a
-    # quantized initializer); a constant tensor stays float (a per-channel layer scale spans decades
-    # one 8-bit scale cannot hold)
+    # other operand may be a constant (attention's ``q * scale``, a Python number, a layer scale): it
+    # gets a quantizer of its own (ORT's QLinearMul reads it as a quantized initializer) where one
+    # 8-bit scale holds it (_holds: a per-channel layer scale that spans decades stays float)
     def extend_chains(self) -> None:
         for n in self.nodes:
             kind = n.func if n.kind in ("act", "softmax") else n.kind  # hardsigmoid, leaky_relu: by their call
@@ -463,9 +471,10 @@ class _Placer:
             if len(n.operands) != arity or not acts or not self.consumers.get(out):
                 continue
             consts = [o for o in n.operands if o not in acts]
-            if consts and (any(not o.floating or math.prod(o.shape) != 1 for o in consts) or len(acts) != 1):
+            if consts and (any(not o.floating or not _holds(n, o) for o in consts) or len(acts) != 1):
                 continue
-            if not all(self.on_grid(o) for o in acts):
+            if not all(self.on_grid(o) for o in acts) and not (
+                    any(math.prod(o.shape) > 1 for o in consts) and self.pull_onto_grid(acts[0]) and self.on_grid(acts[0])):
                 continue
             self.groups.add(out)
             self.quantized.add(out)
@@ -473,6 +482,26 @@ class _Placer:
                 self.pl.entries.setdefault(n.key, {})[str(o.position)] = self.constant_quantizer(n, o)
             if kind in ("silu", "hardswish"):  # run as x * q(gate(x)): a QLinearMul with a quantized gate
                 self.pl.entries.setdefault(n.key, {})["g"] = _new_internal(self.pl, f"{n.key}.g")
+
+    def pull_onto_grid(self, o: Operand) -> bool:
+        """Quantize ``o`` where it is a Linear/Conv output read by this op alone (through pass-through
+        ops): the layer's output quantizer fuses into its integer kernel (QGemm, QLinearConv with an
+        8-bit output), so a layer-scale product after it runs as QLinearMul instead of a float Mul
+        between the layer's float output and the next quantizer."""
+        t = _tid(o)
+        while t is not None and o.source == "op" and len(self.consumers.get(t, [])) == 1:
+            prod = self.producers.get(str(o.producer))
+            if prod is None or prod.key in self.inside:
+                return False
+            if prod.key in self.weighted_keys and prod.key not in self.pl.floats:
+                self.groups.add(t)
+                self.quantized.add(t)
+                return True
+            src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+            if prod.kind not in self.profile.pass_through or len(src) != 1:
+                return False
+            o, t = src[0], _tid(src[0])
+        return False
 
     def on_grid(self, o: Operand) -> bool:
         """Whether a tensor is quantized, or made by pass-through ops (a select, a reshape) from one
@@ -518,6 +547,22 @@ class _Placer:
                 t = _tid(data_op)
                 if t is None or t not in self.quantized:
                     self.pl.floats[n.key] = "its input is not quantized"
+
+
+#: a constant tensor operand of a product runs as a quantized initializer (QLinearMul) only when one
+#: 8-bit scale keeps it at this SQNR or better (the tracer computes it from its values): a layer scale
+#: initialized to one value (ConvNeXt's 1e-6) passes; trained layer scales spanning decades do not,
+#: and their small channels would round to zero (measured: tests/quantization/test_placement_elementwise.py)
+CONSTANT_MIN_SQNR = 40.0
+
+
+def _holds(n: OpNode, o: Operand) -> bool:
+    """Whether the constant operand ``o`` of product ``n`` keeps its values under one 8-bit scale."""
+    if math.prod(o.shape) == 1:
+        return True
+    sq = n.attrs.get("const_sqnr", [])
+    v = sq[o.position] if o.position < len(sq) else None
+    return v is not None and v >= CONSTANT_MIN_SQNR
 
 
 #: recorded op kinds that are elementwise, and other elementwise calls (named as the tracer records

@@ -57,6 +57,9 @@ class RuntimeProfile:
     fold: frozenset[str] = frozenset()
     pass_through: frozenset[str] = frozenset()
     extend: frozenset[str] = frozenset()
+    #: attention scores in integer up to the softmax (QLinearMatMul for ``q @ k^T``, QLinearMul by the
+    #: scale, QLinearWhere for a boolean/causal mask, QLinearSoftmax), as ORT's quantize_static runs them
+    integer_scores: bool = False
     description: str = ""
 
 
@@ -78,6 +81,11 @@ ONNXRUNTIME = RuntimeProfile(
     # QLinearSigmoid, QLinearMul, QLinearSoftmax, QLinearLeakyRelu; hardsigmoid has no integer kernel,
     # but its output quantized makes ``x * hardsigmoid(x)`` a QLinearMul (as quantize_static places it)
     extend=frozenset({"silu", "sigmoid", "mul", "softmax", "leaky_relu", "hardsigmoid", "hardswish"}),
+    # off: ORT's CPU kernels ran the integer scores slower than float ones, and slower than fp32, on
+    # the transformers suite (BERT 0.94x of fp32 against 1.38x, GPT-2 1.06x against 1.13x, Llama
+    # 0.90x against 1.15x; 8 x 64 tokens, AVX-512 VNNI, under load: benchmarks/RESULTS.md
+    # `attention_int8`) at the same fidelity (MiniLM's sentence-embedding cosine 0.9877 against 0.9889)
+    integer_scores=False,
     description="ONNX Runtime CPU QDQ fusion (QLinearConv, QLinearMatMul/MatMulIntegerToFloat, QGemm, "
     "QLinearAdd, QLinearConcat, QLinearAveragePool; QLinearSigmoid/QLinearMul/QLinearSoftmax/"
     "QLinearLeakyRelu between quantized tensors); Relu/Clip fold into the Q before them",

@@ -370,17 +370,44 @@ def _rms(v: Any) -> float:
 
 def _sdpa_ranges(args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The largest |score| (``q @ k^T * scale``) and |mask| of an attention call with a float mask:
-    placement quantizes the mask add only where one 8-bit scale serves both."""
+    placement quantizes the mask add only where one 8-bit scale serves both; ``masked`` names a
+    boolean or causal mask (filled, not added: see place.py's BOOL_MASK_REASON)."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     a = dict(zip(names, args, strict=False)) | kwargs
     q, k, mask = a.get("query"), a.get("key"), a.get("attn_mask")
-    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point() or not isinstance(q, torch.Tensor):
+    if isinstance(mask, torch.Tensor) and not mask.is_floating_point():
+        return {"masked": "bool"}
+    if a.get("is_causal"):
+        return {"masked": "causal"}
+    if not isinstance(mask, torch.Tensor) or not isinstance(q, torch.Tensor):
         return {}
     assert isinstance(k, torch.Tensor)
     if q.dim() >= 3 and k.dim() >= 3 and q.size(-3) != k.size(-3):
         k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
     scale = a.get("scale") or 1.0 / math.sqrt(q.size(-1))
     return {"amax": {"scores": _amax(torch.matmul(q, k.transpose(-2, -1)) * scale), "mask": _amax(mask)}}
+
+
+#: the largest operand whose per-tensor 8-bit SQNR the tracer computes (a per-channel scale vector)
+_SQNR_NUMEL = 4096
+
+
+def _per_tensor_sqnr(v: Any) -> float | None:
+    """The SQNR (dB) of ``v`` quantized to uint8 with one scale over its min/max range (zero
+    included), as a runtime stores a constant operand: what a per-channel vector (a layer scale)
+    keeps of itself. None for a non-tensor or a tensor past _SQNR_NUMEL elements."""
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point() or not 0 < v.numel() <= _SQNR_NUMEL:
+        return None
+    x = v.detach().double()
+    if not bool(torch.isfinite(x).all()):  # a mask of -inf: no 8-bit scale holds it
+        return None
+    lo, hi = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+    if hi == lo:
+        return math.inf
+    scale = (hi - lo) / 255
+    zp = round(-lo / scale)
+    err = ((torch.clamp(torch.round(x / scale) + zp, 0, 255) - zp) * scale - x).pow(2).sum()
+    return math.inf if float(err) == 0 else float(10 * torch.log10(x.pow(2).sum() / err))
 
 
 def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -390,6 +417,8 @@ def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         return {"amax": [_amax(v) for v in args], "rms": [_rms(v) for v in args]}
     if kind == "sdpa":
         return _sdpa_ranges(args, kwargs)
+    if kind == "mul":
+        return {"const_sqnr": [_per_tensor_sqnr(v) for v in args]}
     if kind == "relu6":
         lo = kwargs.get("min", kwargs.get("min_val", args[1] if len(args) > 1 else None))
         hi = kwargs.get("max", kwargs.get("max_val", args[2] if len(args) > 2 else None))

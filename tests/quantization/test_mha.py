@@ -152,9 +152,13 @@ def test_mha_models_run_in_integer_kernels(name: str, tmp_path: Path) -> None:
     path = export_onnx(q, x, tmp_path / f"{name}.int8.onnx")
     s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = torch.from_numpy(s.run(None, {s.get_inputs()[0].name: x.numpy()})[0])
-    # the gap is rounding ties flipping a code or two, which softmax and the out-projection spread
-    assert _sqnr(fake, got) > 30.0
     cov = ort_coverage(path)
+    if cov.integer_ops.get("QLinearSoftmax"):
+        # ORT's QLinearSoftmax is a fixed-point approximation of the softmax of the same codes, not
+        # bit-equal to it: the int8 file is held to the fake-quant model's closeness to float
+        assert _sqnr(ref, got) > _sqnr(ref, fake) - 1.0
+    else:  # the gap is rounding ties flipping a code or two, which softmax and the out-projection spread
+        assert _sqnr(fake, got) > 30.0
     weighted_float = [n for n in cov.float_nodes if not n.startswith("Add:")]
     assert weighted_float == [], weighted_float  # no float MatMul/Gemm: projections and attention
     assert cov.integer_ops.get("QLinearMatMul", 0) + cov.integer_ops.get("MatMulIntegerToFloat", 0) >= 2 * len(mha)
