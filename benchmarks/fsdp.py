@@ -314,7 +314,9 @@ def kill_and_resume(work: Path, model_dir: Path, timeout_s: int) -> dict[str, An
             "line": line, "folder_complete": complete, "resumed": resumed}
 
 
-_STAGE_KILLER = """
+#: a compress CLI whose rank 1 SIGKILLs itself right after a stage's first mid-stage checkpoint
+#: (its epoch 1); tests/compress/test_fsdp.py drives the same kill
+STAGE_KILLER = """
 import os, signal, sys
 import compress.checkpoints as c
 save = c.save_stage
@@ -344,7 +346,7 @@ def stage_kill_and_resume(work: Path, model_dir: Path, timeout_s: int) -> dict[s
     path = work / "stage_kill.yaml"
     path.write_text(yaml.safe_dump(recipe))
     driver = work / "stage_killer.py"
-    driver.write_text(_STAGE_KILLER)
+    driver.write_text(STAGE_KILLER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
     def apply(folder: Path, *, ranks: int, program: list[str], resume: bool = False) -> dict[str, Any]:

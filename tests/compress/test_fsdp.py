@@ -23,6 +23,7 @@ import yaml
 from torch import nn
 
 import compress
+from benchmarks.fsdp import STAGE_KILLER  # rank 1 dies right after the stage's first checkpoint
 from compress.core.errors import CompressError, RecipeError
 from compress.distributed import (
     DistributedSpec,
@@ -602,20 +603,6 @@ def test_the_other_ranks_wait_out_rank_0s_export_past_the_timeout(tmp_path: Path
 
 # ---- mid-stage resume of a QAT + KD stage --------------------------------------------------------
 
-# rank 1 SIGKILLs itself right after the stage's first mid-stage checkpoint (its epoch 1 of 2)
-_STAGE_DRIVER = """
-import os, signal, sys
-import compress.checkpoints as c
-save = c.save_stage
-def save_then_die(*args, **kwargs):
-    save(*args, **kwargs)
-    if os.environ.get("RANK") == "1" and args[4] == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-c.save_stage = save_then_die
-from compress.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
 
 def _qat_kd_recipe(tmp: Path, *, lsq: bool, prune_first: bool = False) -> Path:
     """No baseline training; one 2-epoch stage of w8a8 QAT (EMA observers, or LSQ scales) + KD from the
@@ -695,7 +682,7 @@ def test_a_pruning_schedule_stage_is_not_checkpointed_mid_way(tmp_path: Path) ->
 def test_a_killed_fsdp_qat_kd_stage_resumes_on_two_ranks_and_on_one(tmp_path: Path) -> None:
     recipe = _qat_kd_recipe(tmp_path, lsq=False)
     driver = tmp_path / "driver.py"
-    driver.write_text(_STAGE_DRIVER)
+    driver.write_text(STAGE_KILLER)
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
