@@ -25,7 +25,10 @@ post-LN encoder, whose LayerNorm output also feeds the residual) the factor stay
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -257,13 +260,17 @@ def find_producers(
     Candidates: the module with weights that produced the tensor; when no module did (an
     elementwise product), Linears of the same parent module with as many outputs as the tensor
     has features. Each candidate is proved on ``(args, kwargs)``: random factors in [0.5, 2]
-    folded into it (and multiplied into the group's weights) must leave every output of ``root``
-    unchanged to ``tol``, relative; the model is restored after every trial."""
+    folded into it (and multiplied into the group's weights) must leave the outputs unchanged to
+    ``tol``, relative; the model is restored after every trial. The outputs compared are those of
+    the smallest module holding the producer and the group (a decoder layer) rerun on the inputs
+    it had in the model's forward, or of ``root`` where that module runs more than once or shares a
+    touched weight with modules outside it: a trial then costs one layer, not the whole model."""
     mods = dict(root.named_modules())
     consumers = {n for g in groups for n in g}
     reads: dict[str, torch.Tensor] = {}
     produced: dict[int, tuple[str, torch.Tensor]] = {}
-    handles = []
+    scopes = _Scopes(root, groups)
+    handles = scopes.hooks()
     for name, mod in mods.items():
         if name in consumers:
             handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: reads.setdefault(n, a[0])))
@@ -280,6 +287,7 @@ def find_producers(
     finally:
         for h in handles:
             h.remove()
+    scopes.whole = (args, kwargs, ref)
     found: dict[str, Producer | None] = {}
     for group in groups:
         x = reads.get(group[0])
@@ -295,14 +303,93 @@ def find_producers(
                          and n not in group and m.out_features == width]
             producer = next((Producer(c, off) for c in cands for off in (False, True)
                              if (not off or not isinstance(mods[c], nn.Linear))
-                             and _fold_is_exact(root, c, group, width, args, kwargs, ref, tol, offset=off)), None)
+                             and _fold_is_exact(root, c, group, width, scopes, tol, offset=off)), None)
         for n in group:
             found[n] = producer
     return found
 
 
-def _fold_is_exact(root: nn.Module, producer: str, group: list[str], width: int, args: tuple[Any, ...],
-                   kwargs: dict[str, Any], ref: torch.Tensor, tol: float, *, offset: bool = False) -> bool:
+class _Scopes:
+    """The modules a fold trial may rerun instead of the whole model: every ancestor of a group's
+    first Linear, with the inputs of its first call (copied before it ran: a KV cache it appends to
+    is seen as it was) and how often it was called."""
+
+    def __init__(self, root: nn.Module, groups: list[list[str]]) -> None:
+        self.root = root
+        self.names = sorted({a for g in groups for a in _ancestors(g[0])})
+        self.calls: dict[str, int] = {}
+        self.inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]] | None] = {}
+        self.refs: dict[str, torch.Tensor] = {}
+        self.whole: tuple[tuple[Any, ...], dict[str, Any], torch.Tensor] | None = None
+        owners: dict[int, list[str]] = {}
+        for n, prm in root.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(prm), []).append(n)
+        self.owners = owners
+
+    def hooks(self) -> list[Any]:
+        def pre(n: str) -> Any:
+            def fn(m: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
+                self.calls[n] = self.calls.get(n, 0) + 1
+                if n not in self.inputs:
+                    try:
+                        self.inputs[n] = copy.deepcopy((tuple(a), dict(kw)))
+                    except Exception:  # an argument that cannot be copied: trials run the whole model
+                        self.inputs[n] = None
+            return fn
+
+        return [self.root.get_submodule(n).register_forward_pre_hook(pre(n), with_kwargs=True) for n in self.names]
+
+    def pick(self, touched: list[str]) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+        """How to compute the outputs of the smallest usable scope holding the ``touched`` modules,
+        and those outputs now (call it before changing any weight)."""
+        common = _common_prefix(touched)
+        for n in [common, *_ancestors(common)] if common else []:
+            inputs = self.inputs.get(n)
+            if self.calls.get(n) != 1 or inputs is None or not self._owns(n, touched):
+                continue
+            mod = self.root.get_submodule(n)
+            if n not in self.refs:
+                self.refs[n] = self._call(mod, inputs)
+            return functools.partial(self._call, mod, inputs), self.refs[n]
+        assert self.whole is not None
+        args, kwargs, ref = self.whole
+        return functools.partial(self._call, self.root, (args, kwargs)), ref
+
+    def _call(self, mod: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> torch.Tensor:
+        a, kw = copy.deepcopy(inputs)
+        with float_mode(self.root):
+            return _outputs(mod(*a, **kw))
+
+    def _owns(self, scope: str, touched: list[str]) -> bool:
+        # a weight tied to a module outside the scope (an embedding shared with lm_head) changes
+        # outputs the scope's own do not show
+        for t in touched:
+            for prm in self.root.get_submodule(t).parameters(recurse=False):
+                if any(not o.startswith(scope + ".") for o in self.owners.get(id(prm), [])):
+                    return False
+        return True
+
+
+def _ancestors(name: str) -> list[str]:
+    """The proper ancestors of module ``name``, nearest first, the root ('') excluded."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+
+
+def _common_prefix(names: list[str]) -> str:
+    split = [n.split(".") for n in names]
+    common: list[str] = []
+    for level in zip(*split):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    if common and any(len(s) == len(common) for s in split):  # one of them holds the others
+        common.pop()
+    return ".".join(common)
+
+
+def _fold_is_exact(root: nn.Module, producer: str, group: list[str], width: int, scopes: _Scopes, tol: float,
+                   *, offset: bool = False) -> bool:
     p = root.get_submodule(producer)
     w = getattr(p, "weight", None)
     if not isinstance(w, torch.Tensor) or w.shape[0] != width or (w.dim() != 2 and tuple(w.shape) != (width,)):
@@ -314,14 +401,14 @@ def _fold_is_exact(root: nn.Module, producer: str, group: list[str], width: int,
         s = torch.empty(width).uniform_(0.5, 2.0, generator=gen)
     else:  # bf16/fp16: powers of two scale exactly, so an exact fold changes no bit and rounding hides nothing
         s = 2.0 ** torch.randint(-1, 2, (width,), generator=gen).float()
+    run, ref = scopes.pick([producer, *group])
     try:
         divide_output_channels(p, s, offset=offset)
         for n in group:
             cw = root.get_submodule(n).weight
             assert isinstance(cw, torch.Tensor)  # the groups are QuantLinears
             cw.mul_(s.to(cw.device, cw.dtype))
-        with float_mode(root):
-            out = _outputs(root(*args, **kwargs))
+        out = run()
         err = float((out - ref).norm() / ref.norm().clamp_min(1e-12)) if out.shape == ref.shape else float("inf")
     finally:
         for m, params in zip(touched, saved):

@@ -71,6 +71,34 @@ def test_fold_targets_are_found_in_the_running_model(kind: str, kv_heads: int, o
                    "mlp.gate_proj": "post_attention_layernorm", "mlp.down_proj": "mlp.up_proj"}
 
 
+def test_fold_trials_rerun_one_layer_not_the_model() -> None:
+    """Each candidate is proved on the decoder layer holding it, rerun on the inputs (and KV cache)
+    it had: the whole model runs once, where a trial per candidate made SmoothQuant on a 30-layer
+    model run it 150 times. A layer the model calls twice (shared weights) is proved on the module around it."""
+    m = _llm("llama", 4)
+    groups = [[f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"] for i in range(2)] + [
+        [f"model.layers.{i}.mlp.down_proj"] for i in range(2)]
+    calls: list[int] = []
+    h = m.register_forward_pre_hook(lambda mod, a: calls.append(1))
+    found = find_producers(m, groups, (), {"input_ids": _data(1)[0]})
+    h.remove()
+    assert len(calls) == 1
+    assert [found[g[0]].name if found[g[0]] else None for g in groups] == [  # type: ignore[union-attr]
+        "model.layers.0.input_layernorm", "model.layers.1.input_layernorm",
+        "model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
+
+    shared = _llm("llama", 4)
+    shared.model.layers[1] = shared.model.layers[0]  # one layer applied twice: its second call sees other inputs
+    calls.clear()
+    h = shared.model.register_forward_pre_hook(lambda mod, a: calls.append(1))
+    found = find_producers(shared, groups[:1] + groups[2:3], (), {"input_ids": _data(1)[0]})
+    h.remove()
+    # the reference, the decoder stack's own rerun as its reference, then a trial per candidate
+    # (input_layernorm; gate_proj refused, up_proj) on the whole stack
+    assert len(calls) == 1 + 1 + 3
+    assert found["model.layers.0.self_attn.q_proj"].name == "model.layers.0.input_layernorm"  # type: ignore[union-attr]
+
+
 def test_gemma_norms_take_the_factor_as_one_plus_weight() -> None:
     """Gemma's RMSNorm multiplies by 1 + weight: the fold into it is proved in that form, and the
     smoothed model keeps its float function with no Mul left before q/k/v or gate/up."""
