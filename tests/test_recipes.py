@@ -49,6 +49,8 @@ def shrink(data: dict[str, Any]) -> dict[str, Any]:
         if stage.get("steps"):
             stage["steps"] = min(stage["steps"], 4)
         for mod in stage.get("modifiers", []):
+            if mod.get("type") == "awq":  # the searches' grids: the same code runs at any size
+                mod["grid"], mod["clip_grid"] = min(mod.get("grid", 20), 4), min(mod.get("clip_grid", 20), 4)
             teacher = mod.get("teacher")
             if isinstance(teacher, dict) and teacher.get("train_epochs"):
                 teacher["train_epochs"] = min(teacher["train_epochs"], 2)
