@@ -54,9 +54,21 @@ class _WeightOnlySpec(ModifierSpec):
 
 class GPTQSpec(_WeightOnlySpec, GPTQFields):
     """GPTQ: ``block_size``, ``dampening`` (fraction of the mean Hessian diagonal) and
-    ``act_order`` (columns in decreasing Hessian-diagonal order, static groups)."""
+    ``act_order`` (columns in decreasing Hessian-diagonal order, static groups). The scheme may
+    also quantize Linear inputs dynamically (``W8A8``, ``w8a8_dynamic``: llm-compressor's W8A8)."""
 
     type: Literal["gptq"] = "gptq"
+
+    @field_validator("scheme", mode="before")
+    @classmethod
+    def _scheme(cls, v: Any) -> Any:
+        s = resolve_scheme(v) if isinstance(v, (str, dict)) else v
+        if isinstance(s, QuantScheme) and s.weights is not None and s.outputs is None and s.inputs is not None:
+            if not s.inputs.dynamic:
+                raise ValueError("static activation scales come from a ptq modifier; gptq takes weight-only or "
+                                 "dynamic-activation schemes (W8A8, w8a8_dynamic)")
+            return s
+        return super()._scheme(v)
 
     def params(self) -> GPTQParams:
         return GPTQParams.model_validate(self.model_dump(include=set(GPTQParams.model_fields)))
@@ -100,7 +112,7 @@ class _WeightOnlyModifier(Modifier[Any]):
         # Hessians and AWQ's statistics are summed across ranks, so every rank quantizes alike)
         summary = sequential_quantize(
             state.model, RankShare(state.calibration_data, max_batches=s.num_batches), s.resolved_scheme(), process,
-            targets=s.targets, ignore=s.ignore, device=state.device, where=self.where,
+            targets=s.targets, ignore=s.ignore, device=state.device, where=self.where, activations=s.type == "gptq",
         )
         state.model.train(was_training)
         state.metrics["quantized_modules"] = summary["quantized_linears"]

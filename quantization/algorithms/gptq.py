@@ -210,6 +210,8 @@ def gptq_layer(layer: nn.Module, linears: dict[str, QuantLinear], calls: Sequenc
     fed: dict[int, tuple[torch.Tensor, int]] = {}  # id(input) -> (input kept alive, accumulator) per call
 
     def hook(name: str, m: QuantLinear) -> Any:
+        iq = m.input_quantizer
+
         def fn(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             x = args[0]
             seen = fed.get(id(x))
@@ -220,7 +222,9 @@ def gptq_layer(layer: nn.Module, linears: dict[str, QuantLinear], calls: Sequenc
             k = owner[name]
             if seen is None or seen[1] != k:
                 fed[id(x)] = (x, k)
-                accs[k].add(x)
+                # SmoothQuant left 1/s before this Linear (its weight holds s): the weight sees x / s
+                pre = iq.pre_quant_scale if iq is not None else None
+                accs[k].add(x if pre is None else x * pre.to(x.dtype))
 
         return fn
 
@@ -263,12 +267,14 @@ def gptq(
     load: LayerHook | None = None,
     release: LayerHook | None = None,
 ) -> nn.Module:
-    """GPTQ weight-only quantization of a decoder LLM (in place), one layer at a time; returns it.
+    """GPTQ quantization of a decoder LLM's weights (in place), one layer at a time; returns it.
 
     ``data``: calibration batches (input_ids tensors, or dicts / ``(inputs, labels)`` as the data
     sources yield; a DataLoader of them) or a forward function ``fn(model)``, run once to record the
     model's inputs (the whole model runs then: pass batches when it only fits layer by layer). ``scheme``: a weight-only QuantScheme or preset (``w4_weight_only_g128``,
-    ``w4_weight_only``, ``w3_weight_only_g128``, ``w8_weight_only``). ``params``: GPTQParams
+    ``w4_weight_only``, ``w3_weight_only_g128``, ``w8_weight_only``), or one with int8 activations:
+    dynamic (``w8a8_dynamic``, ``W8A8``: each layer runs with them to feed the next), or static on a
+    model that :func:`quantize` prepared and calibrated (SmoothQuant then GPTQ, as llm-compressor's W8A8). ``params``: GPTQParams
     (block size, dampening, act_order). ``load``/``release``: per-layer offloading callbacks.
     """
     p = params or GPTQParams()
@@ -277,6 +283,7 @@ def gptq(
         model, as_batches(data, model, max_batches=max_batches), s,
         lambda i, layer, lin, calls: gptq_layer(layer, lin, calls, p),
         targets=targets, ignore=ignore, max_batches=max_batches, load=load, release=release, where="gptq",
+        activations=True,
     )
     log_summary("gptq", summary)
     return model

@@ -136,8 +136,11 @@ def sequential_quantize(
     release: LayerHook | None = None,
     device: torch.device | str = "cpu",
     where: str = "sequential",
+    activations: bool = False,
 ) -> dict[str, Any]:
-    """Quantize ``model``'s decoder layers one at a time (in place) with weight-only ``scheme``.
+    """Quantize ``model``'s decoder layers one at a time (in place) with weight-only ``scheme``
+    (``activations``: a scheme with input quantizers too, dynamic, or static on a model that
+    quantize() prepared and calibrated; each layer then runs with them to feed the next).
 
     ``process(i, layer, linears, calls)`` calibrates layer ``i`` (its targeted Linears, already
     QuantLinear, by name inside the layer; ``calls`` its recorded inputs). ``load(i, layer)`` is
@@ -145,13 +148,19 @@ def sequential_quantize(
     computed (offloading). Targeted Linears outside the decoder layers (none by default: lm_head is
     ignored) get round-to-nearest. Returns a summary (per-layer reports, seconds).
     """
-    if scheme.weights is None or scheme.inputs is not None or scheme.outputs is not None:
-        raise CalibrationError(f"{where}: needs a weight-only scheme (weights set, inputs and outputs null)")
-    t0 = time.perf_counter()
     root = unwrap(model)
+    prepared = any(isinstance(m, QuantLinear) for m in root.modules())
+    if scheme.weights is None or scheme.outputs is not None or (scheme.inputs is not None and not activations):
+        raise CalibrationError(f"{where}: needs a weight-only scheme (weights set, inputs and outputs null)")
+    if scheme.inputs is not None and not scheme.inputs.dynamic and not prepared:
+        raise CalibrationError(
+            f"{where}: static activation scales come from calibration: run quantize() with this scheme first "
+            "(the weights are then rounded again here), or take dynamic activations (w8a8_dynamic, W8A8)"
+        )
+    t0 = time.perf_counter()
     linearize(root)
     path, layers = decoder_layers(root)
-    if any(isinstance(m, QuantLinear) for m in root.modules()):
+    if prepared:
         # a second pass (GPTQ after AWQ): the Linears the first pass swapped, as selected here
         plan: Sequence[str] = list(select_modules(root, targets, ignore=ignore, types=(QuantLinear,), where=f"{where}: targets"))
     else:
