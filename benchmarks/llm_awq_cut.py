@@ -1,4 +1,4 @@
-"""AWQ per decoder layer, compress beside llm-compressor, on SmolLM2-135M cut to its first decoder
+"""AWQ and GPTQ per decoder layer, compress beside llm-compressor, on SmolLM2-135M cut to its first decoder
 layers: the same float32 weights, calibration windows and held-out windows as
 ``benchmarks.llm_compressor_peer`` (64 windows of 512 tokens), so a layer's AWQ costs what it costs
 in the full model's run. ``python -m benchmarks.llm_awq_cut --layers 2``.
@@ -49,7 +49,7 @@ def _cut_model(model_dir: Path, layers: int) -> Path:
 def _peer_rows(args: argparse.Namespace, model: Path, windows: Path, rows: list[dict[str, Any]]) -> None:
     from benchmarks.llm_compressor_peer import WEIGHTS, WORKER
 
-    for method in ("RTN", "AWQ"):
+    for method in [m for m in PEER_METHODS if m in args.methods]:
         out = Path(args.work) / f"cut_{method}.json"
         cmd = [str(Path(args.venv) / "bin" / "python"), str(WORKER), "--model", str(model), "--windows", str(windows),
                "--method", method, "--weights", json.dumps(WEIGHTS["w4 g64"]), "--threads", str(args.threads),
@@ -77,11 +77,13 @@ class _Lines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.getMessage()
-        if msg.startswith("awq: layer "):
+        if msg.startswith(("awq: layer ", "gptq: layer ")):
             self.lines.append(msg)
 
 
-METHODS = ("RTN", "AWQ", "AWQ, every candidate rerun")
+METHODS = ("RTN", "AWQ", "AWQ, every candidate rerun", "GPTQ")
+#: the rows llm-compressor has a counterpart for
+PEER_METHODS = ("RTN", "AWQ", "GPTQ")
 
 
 def _our_row(args: argparse.Namespace, cut: Path, windows: Path) -> dict[str, Any]:
@@ -102,6 +104,7 @@ def _our_row(args: argparse.Namespace, cut: Path, windows: Path) -> dict[str, An
         "AWQ": lambda m: compress.awq(m, data, scheme=scheme),
         "AWQ, every candidate rerun": lambda m: compress.awq(m, data, scheme=scheme,
                                                              params=compress.AWQParams(module_candidates=0)),
+        "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme),
     }
     lines = _Lines()
     logging.getLogger("quantization.algorithms.sequential").addHandler(lines)
@@ -126,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--venv", default="/tmp/llmc-venv")
     p.add_argument("--work", default="/tmp/llmc-work")
     p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running, run under nice")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, metavar="METHOD",
+                   help=f"the rows to measure, each tool's where it has one (default: all of {list(METHODS)}); "
+                        "rows of other methods are kept from the last run")
     p.add_argument("--row", choices=METHODS, help=argparse.SUPPRESS)  # one compress row, in a fresh process
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--report-only", action="store_true",
@@ -148,22 +154,38 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.out).write_text(json.dumps(_our_row(args, cut, windows)))
         return
     blocker = make_venv(Path(args.venv))
+    kept_ours, kept_peer = _kept(args)
     peer: list[dict[str, Any]] = []
     worker = threading.Thread(target=_peer_rows, args=(args, cut, windows, peer)) if not blocker else None
     if worker is not None:
         worker.start()
     ours: list[dict[str, Any]] = []
-    for method in METHODS:
+    for method in [m for m in METHODS if m in args.methods]:
         out = Path(args.work) / "cut_ours.json"
         passed = list(argv if argv is not None else sys.argv[1:])
         r = subprocess.run([sys.executable, "-m", "benchmarks.llm_awq_cut", *passed, "--row", method, "--out", str(out)])
         ours.append(json.loads(out.read_text()) if r.returncode == 0 else
                     {"tool": "compress", "method": method, "failed": f"exit {r.returncode}"})
         log.info("%s", ours[-1])
-        _write(args, ours, peer, blocker)
+        _write(args, kept_ours + ours, kept_peer + peer, blocker)
     if worker is not None:
         worker.join()
-    _write(args, ours, peer, blocker)
+    _write(args, kept_ours + ours, kept_peer + peer, blocker)
+
+
+def _kept(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The last run's rows of the methods not measured now, when it cut the same model the same way."""
+    from benchmarks._results import RESULTS_DIR
+
+    path = RESULTS_DIR / "llm_awq_cut.json"
+    if not path.exists():
+        return [], []
+    saved = json.loads(path.read_text())
+    same = ("model", "layers", "seq_len", "calib", "eval", "calib_batch")
+    if any(saved["args"].get(k) != getattr(args, k) for k in same):
+        return [], []
+    return ([r for r in saved["ours"] if r["method"] not in args.methods],
+            [r for r in saved["peer"] if r["method"] not in args.methods])
 
 
 def _write(args: argparse.Namespace, ours: list[dict[str, Any]], peer: list[dict[str, Any]], blocker: str | None) -> None:
@@ -175,7 +197,7 @@ def _write(args: argparse.Namespace, ours: list[dict[str, Any]], peer: list[dict
             "quantize s": f(r, "seconds", "{:.1f}"), "peak added GB": f(r, "peak GB", "{:.2f}")}
            for r in [*ours, *peer] if "failed" not in r]
     md = (
-        "## AWQ per decoder layer beside llm-compressor, SmolLM2-135M cut to its first layers "
+        "## AWQ and GPTQ per decoder layer beside llm-compressor, SmolLM2-135M cut to its first layers "
         "(`python -m benchmarks.llm_awq_cut`)\n\n"
         f"SmolLM2-135M-Instruct in float32 cut to its first {args.layers} of 30 decoder layers (final norm and head "
         f"kept), w4 g64 symmetric, lm_head float, {args.calib} calibration windows of {args.seq_len} tokens and "
@@ -184,7 +206,8 @@ def _write(args: argparse.Namespace, ours: list[dict[str, Any]], peer: list[dict
         "tools at their defaults (llm-compressor's "
         "AWQ: duo scaling, grid 20, every candidate judged on every calibration token at the attention, MLP and "
         "down_proj outputs, no clip search; compress's: grid 20, clip search, the attention / MLP candidates screened "
-        "to s = 1 and the best 5). 'output error': the cut model's decoder output (after its final norm) on the "
+        "to s = 1 and the best 5; GPTQ on both sides: block 128, dampening 0.01, static activation order). "
+        "Rows of one method ran at the same time on both sides; rows of different methods in different runs. 'output error': the cut model's decoder output (after its final norm) on the "
         "held-out windows, squared error against the float model's over the float output's square, each tool "
         f"against its own float forward. torch threads: {args.threads} per tool.\n\n"
         + table(out)

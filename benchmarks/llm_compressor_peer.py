@@ -143,7 +143,7 @@ def _ours(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, Any]]:
 def _write(args: argparse.Namespace, rows: list[dict[str, Any]], blocker: str | None) -> None:
     ours = _ours(args)
     peer = {(r["scheme"], r["method"]): r for r in rows}
-    ours_map = {("W8A8", "SmoothQuant+GPTQ"): ("W8A8 static", "SmoothQuant")}
+    ours_map = {("W8A8", "SmoothQuant+GPTQ"): ("W8A8 dynamic", "SmoothQuant+GPTQ")}
     def fig(row: dict[str, Any] | None, k: str, f: str = "{:.3f}") -> str:
         return "-" if row is None or row.get(k) is None else f.format(row[k])
 
@@ -178,8 +178,9 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], blocker: str | 
         "held-out windows of each set as `llm_quant_real` (compress's figures are that benchmark's rows). Both tools "
         "at their defaults except the weight scheme (symmetric int, lm_head float): llm-compressor's GPTQ with "
         "static activation order, dampening 0.01, block 128; compress's GPTQ as in `llm_quant_real`. The W8A8 row "
-        "compares compress's static W8A8 with SmoothQuant against llm-compressor's SmoothQuant + GPTQ `W8A8` preset "
-        "(dynamic per-token activations). Each cell: compress / llm-compressor.\n\n"
+        "compares the same scheme on both sides: SmoothQuant, then GPTQ-rounded int8 per-channel weights with "
+        "dynamic per-token int8 activations (llm-compressor's `W8A8` preset; compress's `W8A8` with "
+        "`smoothquant='auto'`, then `gptq`). Each cell: compress / llm-compressor.\n\n"
         + (table(out) if out else "_no rows_\n")
         + notes + f"\nMachine load: {args.load}.\n"
     )

@@ -107,11 +107,21 @@ def methods(scheme: Any, data: list[torch.Tensor]) -> dict[str, Callable[[nn.Mod
     }
 
 
-def w8a8(data: list[torch.Tensor]) -> Callable[[nn.Module], nn.Module]:
+def w8a8(data: list[torch.Tensor]) -> dict[tuple[str, str], Callable[[nn.Module], nn.Module]]:
+    """The W8A8 rows: static per-tensor activations with SmoothQuant; dynamic per-token activations
+    (llm-compressor's ``W8A8``) with SmoothQuant, then with its weights rounded by GPTQ."""
     import compress
 
-    return lambda m: compress.quantize(m, "w8a8", data, ignore=["lm_head"],
-                                       params=compress.QuantizeParams(quantize_ops=False, smoothquant="auto"))
+    smooth = compress.QuantizeParams(quantize_ops=False, smoothquant="auto")
+    return {
+        ("W8A8 static", "SmoothQuant"): lambda m: compress.quantize(m, "w8a8", data, ignore=["lm_head"], params=smooth),
+        ("W8A8 dynamic", "SmoothQuant"): lambda m: compress.quantize(m, "W8A8", data, ignore=["lm_head"], params=smooth),
+        ("W8A8 dynamic", "SmoothQuant+GPTQ"): lambda m: compress.gptq(
+            compress.quantize(m, "W8A8", data, ignore=["lm_head"], params=smooth), data, scheme="W8A8"),
+    }
+
+
+W8A8_ROWS = [f"{s}: {m}" for s, m in w8a8([])]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -125,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *EXTRA_METHODS])
     p.add_argument("--no-w8a8", action="store_true")
+    p.add_argument("--w8a8", nargs="+", default=W8A8_ROWS, choices=W8A8_ROWS, metavar="ROW",
+                   help=f"the W8A8 rows to measure (default: all of {W8A8_ROWS})")
     p.add_argument("--by-method", action="store_true",
                    help="rows ordered by method, then scheme (every RTN row first), not by scheme")
     p.add_argument("--load", default="shared 2-core machine, other engineers' jobs running, run under nice")
@@ -137,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only:
         saved = json.loads(Path(args.report_only).read_text())
         # the windows of the run; the rows planned (and so listed when missing) as asked now
-        planned = {"schemes": args.schemes, "methods": args.methods, "no_w8a8": args.no_w8a8}
+        planned = {"schemes": args.schemes, "methods": args.methods, "no_w8a8": args.no_w8a8, "w8a8": args.w8a8}
         if args.load != p.get_default("load"):  # a statement of the load the rows ran under, given now
             planned["load"] = args.load
         _write(argparse.Namespace(**{**saved["args"], **planned}), saved["rows"], saved["args"]["calib"])
@@ -171,8 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         todo = [(s, m, methods(SCHEMES[s], data)[m]) for m in args.methods for s in args.schemes]
     else:
         todo = [(s, m, methods(SCHEMES[s], data)[m]) for s in args.schemes for m in args.methods]
-    if not args.no_w8a8:  # after the first group of rows: a long run that is cut short still has it
-        todo.insert(len(args.schemes if args.by_method else args.methods), ("W8A8 static", "SmoothQuant", w8a8(data)))
+    if not args.no_w8a8:  # after the first group of rows: a long run that is cut short still has them
+        at = len(args.schemes if args.by_method else args.methods)
+        todo[at:at] = [(sc, m, fn) for (sc, m), fn in w8a8(data).items() if f"{sc}: {m}" in args.w8a8]
     for scheme, method, fn in todo:
         if (scheme, method) in done:
             continue
@@ -187,8 +200,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _order(row: dict[str, Any]) -> tuple[int, int]:
     """fp32 first, then the schemes and methods in their table order (W8A8 after the schemes)."""
-    schemes = ["fp32", *SCHEMES, "W8A8 static"]
-    methods = ["fp32", *METHODS, *EXTRA_METHODS, "SmoothQuant"]
+    schemes = ["fp32", *SCHEMES, "W8A8 static", "W8A8 dynamic"]
+    methods = ["fp32", *METHODS, *EXTRA_METHODS, "SmoothQuant", "SmoothQuant+GPTQ"]
     s, m = row["scheme"], row["method"]
     return (schemes.index(s) if s in schemes else len(schemes), methods.index(m) if m in methods else len(methods))
 
@@ -235,14 +248,15 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int) -
         "calibrated on) and 'prose' (the installed distributions' README descriptions: English and Markdown, "
         "another kind of text). Decoder-layer Linears quantized, lm_head and embeddings float. compress's "
         "defaults: GPTQ block 128, dampening 0.01, act_order (static groups); AWQ duo scaling, grid 20, clip search in the "
-        "scale search. W8A8: static per-tensor activations, per-channel weights, Linears only, SmoothQuant "
-        "'auto'. 'quantize s': wall time of the method alone; 'peak added GB': the process's peak resident "
+        "scale search. W8A8: per-channel weights, Linears only, SmoothQuant 'auto'; static per-tensor activations, "
+        "or dynamic per-token ones (llm-compressor's `W8A8`), with the weights rounded by GPTQ after SmoothQuant in "
+        "'SmoothQuant+GPTQ'. 'quantize s': wall time of the method alone; 'peak added GB': the process's peak resident "
         "memory while quantizing above its level before (the fp32 model and its copy already resident). "
         f"torch threads: {args.threads}.\n\n"
         + table(out) + f"\nMachine load: {args.load}.\n"
     )
     planned = [(sc, m) for sc in args.schemes for m in args.methods]
-    planned += [] if args.no_w8a8 else [("W8A8 static", "SmoothQuant")]
+    planned += [] if args.no_w8a8 else [tuple(r.split(": ")) for r in getattr(args, "w8a8", W8A8_ROWS)]
     measured = {(r["scheme"], r["method"]) for r in rows}
     missing = [f"{sc} {m}" for sc, m in planned if (sc, m) not in measured]
     if missing:

@@ -40,9 +40,11 @@ LEGACY_PICKLE = "final_model.pt"
 def compression_state(model: nn.Module, modifiers: Sequence[Modifier[Any]]) -> dict[str, Any]:
     """What :func:`restore_compressed` needs besides the state_dict, as JSON-ready data: each
     modifier's own :meth:`~compress.core.modifier.Modifier.save_state`, in stage order."""
-    if sum(1 for m in modifiers if m.spec.kind == "quantize") > 1:  # the order rules allow one per model
-        raise CompressError("compression state: more than one quantize modifier; cannot describe the model")
     saved = [{"type": m.spec.type, "state": data} for m in modifiers if (data := m.save_state(model)) is not None]
+    kinds = {m.spec.type: m.spec.kind for m in modifiers}
+    # one quantize modifier makes the structure; later ones may only re-round its layers (GPTQ after AWQ)
+    if sum(1 for e in saved if kinds[e["type"]] == "quantize" and not e["state"].get("refines")) > 1:
+        raise CompressError("compression state: more than one quantize modifier; cannot describe the model")
     return {"format": FORMAT, "version": VERSION, "modifiers": saved}
 
 

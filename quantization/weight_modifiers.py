@@ -23,6 +23,7 @@ from quantization.preparation import (
     linearize,
     plan_targets,
     prepare_saved,
+    quant_modules,
     saved_quantization,
     set_saved_flags,
 )
@@ -91,11 +92,18 @@ class _WeightOnlyModifier(Modifier[Any]):
         return list(plan_targets(model, s.resolved_scheme(), targets=s.targets, ignore=s.ignore, quantize_ops=False,
                                  where=self.where))
 
+    #: set by the run: the model's quantized layers were all there before and none was added (GPTQ
+    #: after AWQ or after a ptq modifier re-rounds their weights): the structure is the earlier one's
+    refines = False
+
     def save_state(self, model: nn.Module) -> dict[str, Any]:
-        return saved_quantization(model, self.spec)
+        return {**saved_quantization(model, self.spec), **({"refines": True} if self.refines else {})}
 
     @classmethod
     def restore_state(cls, model: nn.Module, data: dict[str, Any], *, where: str) -> None:
+        if data.get("refines"):  # the earlier modifier's restore made the structure; weights come from the state_dict
+            set_saved_flags(model, data)
+            return
         s: Any = cls.spec_cls.model_validate(data["spec"])
         # weight-only: layers only, no first/last policy
         prepare_saved(model, data, s.resolved_scheme(), targets=s.targets, ignore=s.ignore, where=where)
@@ -108,6 +116,7 @@ class _WeightOnlyModifier(Modifier[Any]):
         was_training = state.model.training
         state.model.eval()
         linearize(state.model)
+        before = {n for n, _ in quant_modules(state.model)}
         # under torchrun each rank runs the layer-by-layer pipeline on its share of the batches (GPTQ's
         # Hessians and AWQ's statistics are summed across ranks, so every rank quantizes alike)
         summary = sequential_quantize(
@@ -115,6 +124,7 @@ class _WeightOnlyModifier(Modifier[Any]):
             targets=s.targets, ignore=s.ignore, device=state.device, where=self.where, activations=s.type == "gptq",
         )
         state.model.train(was_training)
+        self.refines = bool(before) and {n for n, _ in quant_modules(state.model)} == before
         state.metrics["quantized_modules"] = summary["quantized_linears"]
         state.metrics[f"{s.type}_seconds"] = round(summary["seconds"], 2)
         return summary

@@ -264,3 +264,36 @@ def test_recipe_modifiers_validate_their_fields() -> None:
     with pytest.raises(RecipeError, match="needs calibration data"):
         compress.load_recipe({**base, "data": {"source": "text_lm", "calibration_samples": 0},
                               "stages": [{"name": "q", "modifiers": [{"type": "awq"}]}]})
+
+
+@pytest.mark.parametrize(("first", "scheme"), [
+    ({"type": "ptq", "scheme": "W8A8", "ignore": ["lm_head"], "quantize_ops": False, "smoothquant": "auto"}, "W8A8"),
+    ({"type": "awq", "scheme": "W4A16"}, "W4A16"),
+], ids=["smoothquant-gptq-w8a8", "awq-gptq-w4a16"])
+def test_recipe_gptq_after_another_quantize_modifier(first: dict[str, Any], scheme: str, tiny_llm_dir: str,
+                                                     tmp_path: Path) -> None:
+    """llm-compressor's W8A8 and AWQ+GPTQ recipes as compress recipes: a ptq modifier (dynamic
+    per-token activations, SmoothQuant) or AWQ, then gptq rounding the same Linears' weights; the
+    saved run restores (the first modifier makes the structure, GPTQ's weights are in the state_dict)."""
+    recipe = compress.load_recipe({
+        "version": 1, "name": "sq_gptq_w8a8", "model": {"hf_path": tiny_llm_dir},
+        "data": {"source": "text_lm", "kwargs": {"tokenizer": tiny_llm_dir, "seq_len": 32, "samples": 8},
+                 "calibration_samples": 8, "eval_samples": 4},
+        "train": {"epochs": 0, "metric": "perplexity"},
+        "stages": [{"name": "q", "modifiers": [first, {"type": "gptq", "scheme": scheme}]}],
+        "export": {"enabled": False}, "validate": {"enabled": False},
+    })
+    report = compress.apply(recipe, out_dir=tmp_path / "run", quiet=True)
+    metrics = report.stages[0].metrics
+    assert metrics["quantized_modules"] == 14 and metrics["gptq_error"] < metrics["rtn_error"]
+    # the saved run restores: ptq's entry makes the structure, gptq's re-rounded weights are in the state_dict
+    from compress.models import load_model
+    from compress.state import restore_compressed
+    from compress.training import evaluate
+
+    model = restore_compressed(lambda: load_model(recipe.model), tmp_path / "run" / "checkpoints" / "final.pt")
+    lins = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(lins) == 14 and all((m.input_quantizer is not None) == (scheme == "W8A8") for m in lins)
+    data = compress.build_data(recipe.data, batch_size=4, seed=recipe.data.seed)
+    ppl = evaluate(model, data.eval, metric="perplexity", device=torch.device("cpu"))
+    assert ppl == pytest.approx(report.final.accuracy, rel=1e-6)  # "accuracy" holds the recipe metric
