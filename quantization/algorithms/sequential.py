@@ -114,13 +114,15 @@ def _with_hidden(call: Call, hidden: torch.Tensor) -> Call:
     return args, {**kwargs, "hidden_states": hidden}
 
 
-def _run_layer(layer: nn.Module, calls: Sequence[Call]) -> list[Call]:
-    out = []
+def _run_layer(layer: nn.Module, calls: list[Call]) -> list[Call]:
+    """``calls`` with each hidden state replaced by ``layer``'s output, in place: a batch's input is
+    freed as its output is made, so the calibration activations are held once, not twice."""
     with torch.no_grad():
-        for call in calls:
+        for i, call in enumerate(calls):
             y = layer(*call[0], **call[1])
-            out.append(_with_hidden(call, y[0] if isinstance(y, (tuple, list)) else y))
-    return out
+            calls[i] = _with_hidden(call, y[0] if isinstance(y, (tuple, list)) else y)
+            del call, y
+    return calls
 
 
 def sequential_quantize(
