@@ -16,9 +16,9 @@ from compress.core.params import ApiParams
 from quantization.algorithms.bias_correction import bias_correction
 from quantization.algorithms.kv_cache import KVCache, attach_kv_quantization, check_kv_calls, kv_quantizers
 from quantization.algorithms.smoothquant import SmoothQuantField, smooth_quant
-from quantization.numerics.calibration import calibrate
+from quantization.numerics.calibration import calibrate, last_logits_only
 from quantization.numerics.spec import QuantScheme, resolve_scheme
-from quantization.placement.activations import capture_first_call
+from quantization.placement.activations import capture_first_call, ensure_placed
 from quantization.placement.runtimes import Target
 from quantization.placement.speed_check import SpeedCheck
 from quantization.preparation import BnMode, FirstLast, prepare
@@ -119,14 +119,16 @@ def post_training_quantize(
     if p.kv_cache is not None:
         attach_kv_quantization(model, p.kv_cache)
     if loop is not None:
-        if p.smoothquant is not None:
-            smooth_quant(model, loop, alpha=p.smoothquant)
-        calibrate(model, loop, where=where)
-        if p.bias_correction:
-            bias_correction(model, loop)
-        if p.kv_cache is not None:
-            if all(k.calls == 0 for k in kv_quantizers(model).values()):
-                with torch.no_grad():
-                    loop(model)  # nothing above ran the model (dynamic scheme): check the hooks see attention
-            check_kv_calls(model)
+        ensure_placed(model, loop)  # the placement traces the model's own forward, every position
+        with last_logits_only(model, ops_placed=p.quantize_ops):
+            if p.smoothquant is not None:
+                smooth_quant(model, loop, alpha=p.smoothquant)
+            calibrate(model, loop, where=where)
+            if p.bias_correction:
+                bias_correction(model, loop)
+            if p.kv_cache is not None:
+                if all(k.calls == 0 for k in kv_quantizers(model).values()):
+                    with torch.no_grad():
+                        loop(model)  # nothing above ran the model (dynamic scheme): check the hooks see attention
+                check_kv_calls(model)
     return swapped

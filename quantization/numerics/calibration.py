@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +14,7 @@ from torch import nn
 from compress.core.batching import CalibrationData, as_forward_loop
 from compress.core.errors import CalibrationError
 from quantization.placement.activations import ensure_placed
+from quantization.placement.mode import graph_of, input_quantizer
 from quantization.preparation import quantizers, unwrap
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,41 @@ def float_mode(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
         for (_, q), (en, ob) in zip(qs, saved):
             q.enabled, q.observing = en, ob
+
+
+@contextmanager
+def last_logits_only(model: nn.Module, *, ops_placed: bool) -> Iterator[None]:
+    """Inside the block, a causal LM's forward computes the last position's logits only
+    (transformers' ``logits_to_keep=1``) when no quantizer reads the logits or the output layer's
+    input: not the layer's own, not a placed one, and no op-level placement (``ops_placed``). The
+    full ``[batch, tokens, vocab]`` logits are the largest tensor of a calibration forward (SmolLM2,
+    8 x 512 tokens: 0.8 GB) and its largest GEMM; calibration needs the activations before them.
+    A placement still pending is left alone (its trace must see the model's own forward), and so is
+    a call that passes ``labels`` or ``logits_to_keep`` itself."""
+    root = unwrap(model)
+    get_head: Any = getattr(root, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    head_name = next((n for n, m in root.named_modules() if m is head), None) if isinstance(head, nn.Module) else None
+    try:
+        takes = "logits_to_keep" in inspect.signature(root.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    graph = graph_of(root)
+    if (not takes or head is None or head_name is None or ops_placed or (graph is not None and graph.pending)
+            or any(True for _ in quantizers(head)) or input_quantizer(root, head_name) is not None):
+        yield
+        return
+
+    def pre(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if "labels" in kwargs or "logits_to_keep" in kwargs:
+            return None
+        return args, {**kwargs, "logits_to_keep": 1}
+
+    handle = root.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def calibrate(model: nn.Module, forward_loop: CalibrationData, *, where: str = "calibration") -> None:
