@@ -288,6 +288,10 @@ class _Placer:
             chosen = self.add_inputs(n, rule, acts)
         elif n.kind == "cat":
             chosen = acts if acts and len(acts) == len(n.operands) else []
+            phase = _phase_error(n, self.consumers.get(f"{n.key}/0", []))
+            if chosen and phase is not None:
+                pl.floats[n.key] = phase
+                return
         else:
             chosen = acts[:1]
         if rule.inputs == "none" or not chosen:
@@ -672,6 +676,27 @@ class _Placer:
 #: initialized to one value (ConvNeXt's 1e-6) passes; trained layer scales spanning decades do not,
 #: and their small channels would round to zero (measured: tests/quantization/test_placement_elementwise.py)
 CONSTANT_MIN_SQNR = 40.0
+
+
+#: calls whose error is their input's absolute error (a phase), not a relative one
+_PERIODIC = frozenset({"~cos", "~sin"})
+#: the largest phase step one 8-bit scale may put on an angle read only by cos/sin (radians): with
+#: it cos/sin keep about 40 dB (CONSTANT_MIN_SQNR), a step 0.02 rad rounding by at most 0.01
+MAX_PHASE_STEP = 0.02
+
+
+def _phase_error(n: OpNode, readers: list[tuple[OpNode, Operand]]) -> str | None:
+    """Why a tensor read only by cos/sin stays float (None: it does not, or it holds): it is an angle,
+    whose 8-bit step is an absolute phase error in every value it feeds. Rotary embeddings join
+    ``position * inv_freq`` with itself: positions up to 127 put 0.5 rad on one step."""
+    if not readers or any(r.kind not in _PERIODIC for r, _ in readers):
+        return None
+    amax = float(n.attrs.get("amax", 0.0))
+    step = amax / 255  # the finest grid that reaches amax (one sign)
+    if step <= MAX_PHASE_STEP:
+        return None
+    return (f"its output is an angle read only by cos/sin reaching {amax:.3g} rad: one 8-bit step would be "
+            f"{step:.2g} rad of phase or more (> {MAX_PHASE_STEP} rad), so the concat stays float")
 
 
 #: how deep a product's operands are followed back through integer-kernel ops (RMSNorm's two

@@ -142,6 +142,46 @@ def test_swiglu_runs_integer_and_an_outlier_channel_keeps_it_float(tmp_path: Pat
     assert not any(t.startswith("up:") for ts in pl.activations.values() for t in ts), pl.activations
 
 
+class Rotary(nn.Module):
+    """Rotary position embedding as Llama writes it: angles ``position * inv_freq`` joined with
+    themselves, their cos/sin, and ``q * cos + rotate_half(q) * sin`` into a Linear."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.q, self.out = nn.Linear(d, d), nn.Linear(d, d)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        pos = torch.arange(x.shape[1], dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None]
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos(), emb.sin()
+        h = q.shape[-1] // 2
+        return self.out(q * cos + torch.cat((-q[..., h:], q[..., :h]), -1) * sin)
+
+
+@pytest.mark.parametrize("t", [4, 32])
+def test_rotary_products_integer_and_long_angles_float(t: int, tmp_path: Path) -> None:
+    """The products by cos/sin run as QLinearMul (cos/sin keep 40 dB under one scale). The angles
+    stay float once one 8-bit step of their range is a phase error past MAX_PHASE_STEP: 31 positions
+    put 0.12 rad on a step; 3 positions 0.012 rad, which one scale holds."""
+    torch.manual_seed(0)
+    m = Rotary().eval()
+    q = quantize(copy.deepcopy(m), SEVEN_BIT, _tokens(3, 1, t=t))
+    pl = _placement(q)
+    assert ("angle" in pl.floats.get(":cat#0", "")) == (t == 32), pl.floats
+    x = _tokens(1, 9, t=t)[0]
+    path = export_onnx(q, x, tmp_path / "rotary.onnx")
+    cov = ort_coverage(path)
+    assert cov.integer_ops.get("QLinearMul", 0) == 2, cov.integer_ops
+    assert "Mul" not in cov.float_left or cov.float_left["Mul"] <= 1, cov.float_left  # position * inv_freq
+    with torch.no_grad():
+        ref, fake = m(x), q(x)
+    assert _sqnr(ref, fake) > 25.0
+    assert _sqnr(fake, _ort(path, x)) > 30.0
+
+
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the hf extra")
 
 
@@ -151,7 +191,7 @@ def test_decoder_products_run_as_qlinearmul(name: str, tmp_path: Path) -> None:
     """One transformers decoder layer (random weights): the products on its path (two RMSNorms' two
     each and the final norm's, four rotary products, SwiGLU's and SiLU's own) run as QLinearMul; the
     float Mul left are the attention scale (float scores: runtimes.py), the rotary frequencies
-    (inv_freq spans decades: no 8-bit scale holds it) and the embedding's dequantization."""
+    (float angles, below) and the embedding's dequantization."""
     from benchmarks.hf_suite import suite
 
     sm = suite(layers=1)[name](0)
@@ -165,6 +205,8 @@ def test_decoder_products_run_as_qlinearmul(name: str, tmp_path: Path) -> None:
     cov = ort_coverage(path)
     assert cov.integer_ops.get("QLinearMul", 0) >= 12 and cov.integer_ops.get("QLinearSigmoid", 0) == 1, cov.integer_ops
     assert cov.float_left.get("Mul", 0) <= 3, cov.float_left
+    # the rotary angles (positions x inv_freq) stay float: cos/sin read them, phase errors
+    assert "angle" in pl.floats.get("model.rotary_emb:cat#0", ""), pl.floats
     with torch.no_grad():
         fake = q(**sm.example).logits
     assert _sqnr(fake, _ort(path, sm.example)) > 25.0
