@@ -337,9 +337,10 @@ class GraphTracer(ObserverMode):
             operands.sort(key=lambda o: o.position)
         node = OpNode(key, kind, getattr(func, "__name__", str(func)), scope, operands, len(outs),
                       [tuple(t.shape) for t in outs], _attrs(kind, args, kwargs), site)
-        if kind.startswith("~") and len(outs) == 1 and leaves and outs[0] is leaves[0][1]:
-            # a call that returned its input (``x.to(torch.float32)`` of a float32 tensor, ``.float()``):
-            # the values stay on any grid they were on (RMSNorm's casts around its products)
+        if node.func in _CASTS and len(outs) == 1 and leaves and outs[0] is leaves[0][1]:
+            # a cast that returned its input (``x.to(torch.float32)`` of a float32 tensor, ``.float()``):
+            # the values stay on any grid they were on (RMSNorm's casts around its products); an
+            # in-place op also returns its input, with other values, so only these calls count
             node.attrs["identity"] = True
         self.graph.nodes[key] = node
         for i, t in enumerate(outs):
@@ -351,6 +352,9 @@ class GraphTracer(ObserverMode):
             if hit is not None and hit[0]() is t:
                 self.graph.outputs.add(hit[1])
 
+
+#: calls that change at most a tensor's dtype or layout: returning their input, they changed nothing
+_CASTS = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous", "detach"})
 
 #: op kinds whose Python number operands are recorded (as "scalar" operands)
 _SCALAR_OPERAND_KINDS = frozenset({"add", "mul"})

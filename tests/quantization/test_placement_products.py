@@ -250,3 +250,26 @@ def test_real_smollm2_layers_keep_their_fidelity_with_integer_products(smollm2_d
         before = measure(quantize(copy.deepcopy(model), "w8a8", [calib[:2], calib[2:]]))
     assert after[0] >= before[0] - 0.5, (before, after)
     assert after[1] >= before[1] - 0.03, (before, after)
+
+
+class InPlace(nn.Module):
+    """``y = fc(x); y.exp_()`` returns its input with other values: not a cast that keeps the grid."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(d, d), nn.Linear(d, d)
+        self.register_buffer("w", 1.0 + 0.1 * torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) * 0.1
+        return self.out(self.w * y.exp_())
+
+
+def test_an_in_place_op_is_not_taken_for_an_identity_cast() -> None:
+    from quantization.placement.trace import trace_graph
+
+    torch.manual_seed(0)
+    g = trace_graph(InPlace().eval(), (_tokens(1, 1)[0],), {})
+    assert not any(n.attrs.get("identity") for n in g.nodes.values() if n.func == "exp_"), g.nodes
+    casts = trace_graph(Norm().eval(), (_tokens(1, 1)[0],), {})
+    assert sum(bool(n.attrs.get("identity")) for n in casts.nodes.values() if n.func == "to") == 2
