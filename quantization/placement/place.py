@@ -15,7 +15,8 @@ Input: the OpGraph of one forward pass (quantization/placement/trace.py) and a R
   that is a slice of a parameter (``w.split``/``chunk``, as cross-attention slices the packed
   projection) gets one on the whole parameter, at the slicing call, so its per-channel scales
   slice along with it;
-- ``floats``: every weighted op, add and attention left in float, with the reason;
+- ``floats``: every weighted op, add and attention left in float, and every product or concat a
+  fidelity guard keeps float, with the reason;
 - embedding tables (``F.embedding`` of a 2-D parameter, with ``embeddings``) get a per-row int8
   weight quantizer (``WeightUse.table``), the table tied to a swapped layer's weight (GPT-2's
   lm_head) that layer's own, so both read the same codes; graph_prepare keeps a table float when
