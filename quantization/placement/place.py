@@ -15,7 +15,8 @@ Input: the OpGraph of one forward pass (quantization/placement/trace.py) and a R
   that is a slice of a parameter (``w.split``/``chunk``, as cross-attention slices the packed
   projection) gets one on the whole parameter, at the slicing call, so its per-channel scales
   slice along with it;
-- ``floats``: every weighted op, add and attention left in float, with the reason;
+- ``floats``: every weighted op, add and attention left in float, and every product or concat a
+  fidelity guard keeps float, with the reason;
 - embedding tables (``F.embedding`` of a 2-D parameter, with ``embeddings``) get a per-row int8
   weight quantizer (``WeightUse.table``), the table tied to a swapped layer's weight (GPT-2's
   lm_head) that layer's own, so both read the same codes; graph_prepare keeps a table float when
@@ -185,8 +186,9 @@ def place(
 
     The passes, in order (:class:`_Placer`): each op's inputs by its kind (embedding tables,
     weighted ops, attention, adds, concats, matmuls, the rest), the outputs the runtime wants
-    quantized, pass-through ops sharing their neighbours' quantizers, elementwise ops extended into
-    integer chains, then one quantizer id per group of tensors.
+    quantized, pass-through ops sharing their neighbours' quantizers, products whose output is
+    quantized anyway given quantized operands where one 8-bit scale holds them, elementwise ops
+    extended into integer chains, then one quantizer id per group of tensors.
     """
     placer = _Placer(graph, profile, targeted=targeted, swapped=swapped, skip_layers=skip_layers or {},
                      quantize_ops=quantize_ops, embeddings=embeddings, tied=tied or {})
@@ -195,6 +197,7 @@ def place(
             placer.op(n)
     placer.output_quantizers()
     placer.pass_through()
+    placer.integer_products()
     placer.extend_chains()
     placer.assign_ids()
     placer.report_unquantized()
@@ -286,6 +289,10 @@ class _Placer:
             chosen = self.add_inputs(n, rule, acts)
         elif n.kind == "cat":
             chosen = acts if acts and len(acts) == len(n.operands) else []
+            phase = _phase_error(n, self.consumers.get(f"{n.key}/0", []))
+            if chosen and phase is not None:
+                pl.floats[n.key] = phase
+                return
         else:
             chosen = acts[:1]
         if rule.inputs == "none" or not chosen:
@@ -503,6 +510,122 @@ class _Placer:
             o, t = src[0], _tid(src[0])
         return False
 
+    # ---- pass 4a: a product whose output is quantized anyway (a Linear's input, an integer add's
+    # operand) gets quantized operands, so the runtime runs it as QLinearMul instead of a float Mul
+    # between a DQ and that Q: RMSNorm's ``x * rsqrt(var + eps) * weight``, rotary's ``q * cos``
+    # and ``rotate_half(q) * sin``, SwiGLU's ``silu(gate) * up``. Walked from the last op back, so a
+    # chain is decided from the product its reader reads.
+    def integer_products(self) -> None:
+        if "mul" not in self.profile.extend or not self.quantize_ops:
+            return
+        for n in reversed(self.nodes):
+            if n.kind != "mul" or f"{n.key}/0" not in self.quantized or n.key in self.pl.floats:
+                continue
+            plan = self.product_plan(n, 0)
+            if isinstance(plan, str):
+                if plan:
+                    self.pl.floats[n.key] = plan
+                continue
+            for t in plan:
+                self.groups.add(t)
+                self.quantized.add(t)
+
+    def product_plan(self, n: OpNode, depth: int) -> list[str] | str:
+        """The tensors to quantize so that product ``n`` runs in integer, or why it cannot (an empty
+        reason: nothing to record, the product is not one this pass places)."""
+        if n.key in self.inside or not self.targeted(n.scope) or len(n.operands) != 2 or depth > PRODUCT_DEPTH:
+            return ""
+        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+        consts = [o for o in n.operands if o not in acts]
+        if not acts or any(not o.floating for o in consts):
+            return ""
+        for o in consts:
+            if not _holds(n, o):
+                sq = n.attrs.get("const_sqnr", [])
+                db = sq[o.position] if o.position < len(sq) else None
+                return (f"its constant operand {o.name or o.position} keeps {_db(db)} under one 8-bit scale "
+                        f"(< {CONSTANT_MIN_SQNR:.0f} dB): the product stays float")
+        off = [o for o in acts if not self.grid_known(o)]
+        if not off:
+            return []
+        plan: list[str] = []
+        need: list[Operand] = []
+        for o in off:
+            why = _unheld(n, o)
+            if why is not None:
+                return why
+            part = self.operand_plan(o, depth, others=False)
+            if isinstance(part, str):
+                need.append(o)
+            else:
+                plan += part
+        # a quantizer after a float op (rsqrt, cos) pays off only where the integer product also
+        # saves a dequantization: another operand already quantized, or quantized for free
+        if need and len(need) == len(acts):
+            return ""
+        for o in need:
+            part = self.operand_plan(o, depth, others=True)
+            if isinstance(part, str):
+                return part
+            plan += part
+        return plan
+
+    def operand_plan(self, o: Operand, depth: int, *, others: bool) -> list[str] | str:
+        """The tensors to quantize to put operand ``o`` of a product on an 8-bit grid: its root
+        (before pass-through ops and identity casts) where a Linear/Conv makes it (the layer's output
+        quantizer fuses into its integer kernel) or the model takes it; an integer-kernel op's inputs
+        (SiLU, sigmoid, another product) where they can be put there in turn; else a quantizer after
+        the op that makes it (``others``: only where the product has another quantized operand)."""
+        root = o
+        while root.source == "op":
+            prod = self.producers.get(str(root.producer))
+            if prod is None or prod.key in self.inside:
+                return ""
+            src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+            if not self.passes(prod) or len(src) != 1:
+                break
+            root = src[0]
+        t = _tid(root)
+        if t is None:
+            return ""
+        if root.source == "input":
+            return [t]
+        prod = self.producers[str(root.producer)]
+        if prod.key in self.weighted_keys:
+            return [t] if prod.key not in self.pl.floats else ""
+        if prod.kind in ("silu", "sigmoid") and len(prod.operands) == 1 and prod.kind in self.profile.extend:
+            inner = prod.operands[0]
+            if self.grid_known(inner):
+                return []
+            if _unheld(prod, inner) is None:
+                part = self.operand_plan(inner, depth + 1, others=False)
+                if not isinstance(part, str):
+                    return part
+        if prod.kind == "mul" and depth < PRODUCT_DEPTH:
+            part = self.product_plan(prod, depth + 1)
+            if not isinstance(part, str):
+                return [t, *part]
+        return [t] if others and prod.n_outputs == 1 else ""
+
+    def grid_known(self, o: Operand) -> bool:
+        """Whether ``o`` is quantized or shares a quantized tensor's grid through pass-through ops,
+        without recording it (:meth:`on_grid` records)."""
+        t = _tid(o)
+        while t is not None and t not in self.quantized:
+            prod = self.producers.get(str(o.producer)) if o.source == "op" else None
+            if prod is None or not self.passes(prod) or prod.key in self.inside:
+                return False
+            src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+            if len(src) != 1:
+                return False
+            o, t = src[0], _tid(src[0])
+        return t is not None
+
+    def passes(self, n: OpNode) -> bool:
+        """Whether a tensor keeps its grid through ``n``: a pass-through op of the profile, or a call
+        that returned its input (a cast to the dtype it had)."""
+        return n.kind in self.profile.pass_through or bool(n.attrs.get("identity"))
+
     def on_grid(self, o: Operand) -> bool:
         """Whether a tensor is quantized, or made by pass-through ops (a select, a reshape) from one
         that is: then it is on that quantizer's grid and shares it (attention's ``q = qkv[0]``)."""
@@ -512,7 +635,7 @@ class _Placer:
         if t in self.quantized:
             return True
         prod = self.producers.get(str(o.producer)) if o.source == "op" else None
-        if prod is None or prod.kind not in self.profile.pass_through or prod.key in self.inside:
+        if prod is None or not self.passes(prod) or prod.key in self.inside:
             return False
         src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
         if len(src) != 1 or not self.on_grid(src[0]):
@@ -554,6 +677,62 @@ class _Placer:
 #: initialized to one value (ConvNeXt's 1e-6) passes; trained layer scales spanning decades do not,
 #: and their small channels would round to zero (measured: tests/quantization/test_placement_elementwise.py)
 CONSTANT_MIN_SQNR = 40.0
+
+
+#: calls whose error is their input's absolute error (a phase), not a relative one
+_PERIODIC = frozenset({"~cos", "~sin"})
+#: the largest phase step one 8-bit scale may put on an angle read only by cos/sin (radians): with
+#: it cos/sin keep about 40 dB (CONSTANT_MIN_SQNR), a step 0.02 rad rounding by at most 0.01
+MAX_PHASE_STEP = 0.02
+
+
+def _phase_error(n: OpNode, readers: list[tuple[OpNode, Operand]]) -> str | None:
+    """Why a tensor read only by cos/sin stays float (None: it does not, or it holds): it is an angle,
+    whose 8-bit step is an absolute phase error in every value it feeds. Rotary embeddings join
+    ``position * inv_freq`` with itself: positions up to 127 put 0.5 rad on one step."""
+    if not readers or any(r.kind not in _PERIODIC for r, _ in readers):
+        return None
+    amax = float(n.attrs.get("amax", 0.0))
+    step = amax / 255  # the finest grid that reaches amax (one sign)
+    if step <= MAX_PHASE_STEP:
+        return None
+    return (f"its output is an angle read only by cos/sin reaching {amax:.3g} rad: one 8-bit step would be "
+            f"{step:.2g} rad of phase or more (> {MAX_PHASE_STEP} rad), so the concat stays float")
+
+
+#: how deep a product's operands are followed back through integer-kernel ops (RMSNorm's two
+#: products, SiLU's gate): the chains that pay off are short
+PRODUCT_DEPTH = 3
+
+
+def _db(v: float | None) -> str:
+    return "an unmeasured SQNR" if v is None else f"{v:.1f} dB"
+
+
+def _unheld(n: OpNode, o: Operand) -> str | None:
+    """Why one 8-bit scale does not hold activation operand ``o`` of op ``n`` (None: it does). A
+    factor broadcast over the product (a value per row: RMSNorm's rsqrt, rotary's cos/sin) must keep
+    CONSTANT_MIN_SQNR, as a constant factor must (tracer: ``factor_db``, which counts the row whose
+    factor sits on the grid's first codes); an operand of the product's size, the activation bar of
+    the residual adds (peak within MAX_PEAK_TO_RMS of its RMS)."""
+    fdb = n.attrs.get("factor_db", [])
+    db = fdb[o.position] if o.position < len(fdb) else None
+    out = math.prod(n.out_shapes[0]) if n.out_shapes else 0
+    if math.prod(o.shape) < out:
+        if db is not None and db >= CONSTANT_MIN_SQNR:
+            return None
+        return (f"operand {o.position} is a factor broadcast over the product that one 8-bit scale keeps at "
+                f"{_db(db)} (< {CONSTANT_MIN_SQNR:.0f} dB; a row scaled by a value on the grid's first codes "
+                "loses itself): the product stays float")
+    amax, rms = n.attrs.get("amax", []), n.attrs.get("rms", [])
+    a = amax[o.position] if o.position < len(amax) else 0.0
+    r = rms[o.position] if o.position < len(rms) else 0.0
+    if r > 0 and a / r <= MAX_PEAK_TO_RMS:
+        return None
+    if r <= 0:
+        return ""
+    return (f"operand {o.position} peaks at {a / r:.0f}x its RMS: one 8-bit scale would cost about "
+            f"{52.9 - 20 * math.log10(a / r):.0f} dB, so the product stays float")
 
 
 def _holds(n: OpNode, o: Operand) -> bool:

@@ -23,7 +23,9 @@ Q clamps the same range); ``pass_through``: ops after which a tensor keeps its q
 runtime drops DQ -> op -> Q with equal scales around them); ``extend``: elementwise ops with an
 integer kernel that pays off only when their inputs are quantized anyway (between two integer
 convs): they get an output quantizer then, and SiLU (hardswish) runs as ``x * sigmoid(x)``
-(``x * hardsigmoid(x)``) with one on the gate.
+(``x * hardsigmoid(x)``) with one on the gate. With ``mul`` in it, a product whose output is
+quantized anyway also gets quantized operands where one 8-bit scale holds them (place.py,
+``integer_products``: RMSNorm's, rotary's and SwiGLU's products).
 """
 
 from __future__ import annotations

@@ -337,6 +337,11 @@ class GraphTracer(ObserverMode):
             operands.sort(key=lambda o: o.position)
         node = OpNode(key, kind, getattr(func, "__name__", str(func)), scope, operands, len(outs),
                       [tuple(t.shape) for t in outs], _attrs(kind, args, kwargs), site)
+        if node.func in _CASTS and len(outs) == 1 and leaves and outs[0] is leaves[0][1]:
+            # a cast that returned its input (``x.to(torch.float32)`` of a float32 tensor, ``.float()``):
+            # the values stay on any grid they were on (RMSNorm's casts around its products); an
+            # in-place op also returns its input, with other values, so only these calls count
+            node.attrs["identity"] = True
         self.graph.nodes[key] = node
         for i, t in enumerate(outs):
             self._made_ids[id(t)] = (weakref.ref(t), (key, i))
@@ -347,6 +352,9 @@ class GraphTracer(ObserverMode):
             if hit is not None and hit[0]() is t:
                 self.graph.outputs.add(hit[1])
 
+
+#: calls that change at most a tensor's dtype or layout: returning their input, they changed nothing
+_CASTS = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as", "contiguous", "detach"})
 
 #: op kinds whose Python number operands are recorded (as "scalar" operands)
 _SCALAR_OPERAND_KINDS = frozenset({"add", "mul"})
@@ -410,6 +418,51 @@ def _per_tensor_sqnr(v: Any) -> float | None:
     return math.inf if float(err) == 0 else float(10 * torch.log10(x.pow(2).sum() / err))
 
 
+#: the largest broadcast factor whose 8-bit fidelity the tracer computes (RMSNorm's rsqrt is a value
+#: per token, rotary's cos/sin one per position and channel: far below it at any sequence length)
+_FACTOR_NUMEL = 1 << 20
+
+
+def _factor_db(args: Any) -> list[float | None]:
+    """For each tensor operand of a product that is broadcast against the other (fewer elements than
+    the product: a value per row, RMSNorm's ``rsqrt(var + eps)``, rotary's cos/sin): the dB one uint8
+    min/max scale keeps of it as a factor. That is its per-tensor SQNR, and, for an operand of one
+    sign (a normalizer, which scales each row by its own value), no more than its smallest value's
+    worst-case relative precision, 20 log10(510 amin / amax): a row scaled by a value on the grid's
+    first codes (the massive-activation token's rsqrt) loses itself, which the tensor's SQNR hides.
+    None for operands of the product's size, numbers, and tensors past _FACTOR_NUMEL elements."""
+    tensors = [v for v in args if isinstance(v, torch.Tensor)]
+    if len(tensors) != 2:
+        return [None for _ in args]
+    try:
+        size = math.prod(torch.broadcast_shapes(tensors[0].shape, tensors[1].shape))
+    except RuntimeError:
+        return [None for _ in args]
+    out: list[float | None] = []
+    for v in args:
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point() or not 0 < v.numel() < size \
+                or v.numel() > _FACTOR_NUMEL:
+            out.append(None)
+            continue
+        x = v.detach().double()
+        if not bool(torch.isfinite(x).all()):
+            out.append(None)
+            continue
+        lo, hi = float(x.min()), float(x.max())
+        scale = (max(hi, 0.0) - min(lo, 0.0)) / 255
+        if scale == 0:
+            out.append(math.inf)
+            continue
+        zp = round(-min(lo, 0.0) / scale)
+        err = ((torch.clamp(torch.round(x / scale) + zp, 0, 255) - zp) * scale - x).pow(2).sum()
+        db = math.inf if float(err) == 0 else float(10 * torch.log10(x.pow(2).sum() / err))
+        if lo > 0 or hi < 0:  # one sign: each value scales a row of its own
+            amin = float(x.abs().min())
+            db = min(db, 20 * math.log10(max(510 * amin / max(abs(lo), abs(hi)), 1e-30)))
+        out.append(db)
+    return out
+
+
 def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The few non-tensor arguments placement reads (clamp bounds, pooling output size) and, for adds
     and attention masks, the largest magnitude of each operand in the traced call."""
@@ -418,7 +471,10 @@ def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     if kind == "sdpa":
         return _sdpa_ranges(args, kwargs)
     if kind == "mul":
-        return {"const_sqnr": [_per_tensor_sqnr(v) for v in args]}
+        return {"const_sqnr": [_per_tensor_sqnr(v) for v in args], "amax": [_amax(v) for v in args],
+                "rms": [_rms(v) for v in args], "factor_db": _factor_db(args)}
+    if kind in ("silu", "sigmoid"):
+        return {"amax": [_amax(v) for v in args[:1]], "rms": [_rms(v) for v in args[:1]]}
     if kind == "relu6":
         lo = kwargs.get("min", kwargs.get("min_val", args[1] if len(args) > 1 else None))
         hi = kwargs.get("max", kwargs.get("max_val", args[2] if len(args) > 2 else None))
@@ -426,6 +482,9 @@ def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     if kind == "mha":  # not decomposed (see quantization/placement/attention.py): say why
         a = attention.bind_mha(args, kwargs)
         return {"reason": attention.mha_unsupported(a["query"], a["key"], a["value"]) or "nn.MultiheadAttention left whole"}
+    if kind == "cat":  # the largest magnitude it joins: an angle read by cos/sin stays float (place.py)
+        parts = args[0] if args and isinstance(args[0], (list, tuple)) else kwargs.get("tensors", ())
+        return {"amax": max((_amax(v) for v in parts), default=0.0)}
     if kind == "avg_pool":
         size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
         return {"output_size": size}
