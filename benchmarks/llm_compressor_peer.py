@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume and saved.exists():
         old = json.loads(saved.read_text())
         if all(old["args"].get(k) == v for k, v in same.items()):
-            rows = [r for r in old["rows"] if "failed" not in r]  # a failed row is tried again
+            asked = {tuple(r.split(":", 1)) for r in args.rows}
+            # a failed row asked for again is tried again; one not asked for keeps its refusal
+            rows = [r for r in old["rows"] if "failed" not in r or (r["scheme"], r["method"]) not in asked]
     if blocker:
         _write(args, rows, blocker)
         raise SystemExit(f"llm-compressor's virtualenv: {blocker}")
@@ -153,8 +155,10 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], blocker: str | 
             return "-"
         return gap_closed(row["ppl stdlib"], rtn["ppl stdlib"] if rtn else None, base["ppl stdlib"])
 
+    order = [*WEIGHTS, "fp32"]
     out = []
-    for key, r in peer.items():
+    for key, r in sorted(peer.items(), key=lambda kv: (kv[0][0] != "fp32", order.index(kv[0][0]) if kv[0][0] in order
+                                                       else len(order), METHODS.index(kv[0][1]) if kv[0][1] in METHODS else -1)):
         okey = ours_map.get(key, key)
         o = ours.get(okey)
         out.append({
