@@ -15,7 +15,8 @@ weight-only int4 Linear ``P`` is stored as
 compressed-tensors keeps int4 codes signed (-8..7) with signed zero points; ours for asymmetric
 weights are uint4 (0..15) with zero points 0..15. Both dequantize as ``(q - zp) * scale``, and both
 store ``q + 8`` resp. the unsigned code, so the packed bits are the same nibbles
-(:class:`quantization.lowering.int4.Int4Weight`). Everything else (embeddings, norms, lm_head, biases) is
+(:class:`quantization.lowering.int4.Int4Weight`). 8-bit layers (int8 ``int-quantized``, fp8
+``float-quantized``) store ``P.weight`` as codes and ``P.weight_scale``. Everything else (embeddings, norms, lm_head, biases) is
 written as it is in the model. Needs the ``llm`` extra (``pip install 'compress-toolkit[llm]'``) (the config is built and
 validated with compressed-tensors' own pydantic models).
 """
@@ -139,14 +140,17 @@ def _other_tensors(model: nn.Module, written: set[str]) -> dict[str, torch.Tenso
     return out
 
 
-def fp8_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[str]]:
-    """``(tensors, args_by_layer, unquantized_linears)`` of an fp8 model (FP8_DYNAMIC, or fp8 weights
-    alone): each layer ``P`` as ``P.weight`` float8_e4m3fn codes and ``P.weight_scale`` (``[N, 1]``
-    per channel, ``[1]`` per tensor, float32), the inputs' per-token dynamic scheme in its args."""
+def eight_bit_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[str]]:
+    """``(tensors, args_by_layer, unquantized_linears)`` of an 8-bit model: fp8 (FP8_DYNAMIC, or fp8
+    weights alone) or int8 (llm-compressor's ``W8A8``: symmetric int8 weights, dynamic per-token int8
+    inputs, or int8 weights alone). Each layer ``P`` as ``P.weight`` codes (float8_e4m3fn or int8) and
+    ``P.weight_scale`` (``[N, 1]`` per channel, ``[1]`` per tensor, float32); the inputs' per-token
+    dynamic scheme in its args."""
     tensors: dict[str, torch.Tensor] = {}
     args: dict[str, dict[str, Any]] = {}
     plain: list[str] = []
     done: set[str] = set()
+    family = "float" if _is_fp8_model(model) else "int"
     for name, mod in model.named_modules():
         wq = getattr(mod, "weight_quantizer", None)
         if wq is None:
@@ -154,31 +158,41 @@ def fp8_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
                 plain.append(name)
             continue
         s = wq.spec
-        if not s.is_float or s.granularity not in ("channel", "tensor"):
-            raise UnsupportedModelError(f"{name}: an fp8 checkpoint holds fp8 layers only (it is {s.bits}-bit {s.dtype} "
-                                        f"per {s.granularity})")
+        kind = "float" if s.is_float else "int"
+        if (kind != family or s.bits != 8 or s.granularity not in ("channel", "tensor")
+                or (kind == "int" and (not s.symmetric or s.dtype != "int8"))):
+            raise UnsupportedModelError(
+                f"{name}: an 8-bit {family} checkpoint holds symmetric 8-bit {family} layers per channel or tensor only "
+                f"(it is {s.bits}-bit {s.dtype} {'sym' if s.symmetric else 'asym'} per {s.granularity})")
         iq = getattr(mod, "input_quantizer", None)
-        a: dict[str, Any] = {"weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False,
+        a: dict[str, Any] = {"weights": {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": False,
                                          "strategy": s.granularity, "observer": s.observer}}
         if iq is not None and iq.enabled:
-            if not (iq.spec.is_float and iq.spec.dynamic and iq.spec.granularity == "token") or iq.pre_quant_scale is not None:
-                raise UnsupportedModelError(f"{name}: only dynamic per-token fp8 inputs are written (FP8_DYNAMIC); "
-                                            f"its inputs are {iq.spec.dtype} per {iq.spec.granularity}")
-            a["input_activations"] = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+            scheme = "FP8_DYNAMIC" if kind == "float" else "W8A8"
+            if not (iq.spec.is_float == (kind == "float") and iq.spec.dynamic and iq.spec.granularity == "token"
+                    and iq.spec.symmetric and iq.spec.bits == 8):
+                raise UnsupportedModelError(f"{name}: only dynamic per-token symmetric 8-bit {kind} inputs are "
+                                            f"written ({scheme}); its inputs are {iq.spec.dtype} per {iq.spec.granularity}")
+            if iq.pre_quant_scale is not None:
+                raise UnsupportedModelError(
+                    f"{name}: SmoothQuant left a per-channel factor before its input quantizer (no exact fold into "
+                    "the layer before it); compressed-tensors has no place for it")
+            a["input_activations"] = {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": True,
                                       "strategy": "token", "observer": None}
         with torch.no_grad():
             codes = wq.int_repr(mod.weight.detach().float())
             scale = wq.scale.detach().float()
         n = codes.shape[0]
-        tensors[f"{name}.weight"] = codes.contiguous()
+        tensors[f"{name}.weight"] = (codes if kind == "float" else codes.round().to(torch.int8)).contiguous()
         tensors[f"{name}.weight_scale"] = (scale.reshape(n, 1) if scale.numel() == n else scale.reshape(1)).clone()
         args[name] = a
         done.add(name + ".")
     if not args:
-        raise UnsupportedModelError("compressed-tensors export: the model has no fp8 layers")
+        raise UnsupportedModelError("compressed-tensors export: the model has no 8-bit layers")
     others = [n for n in activation_quantizers(model) if not any(n.startswith(p) for p in done)]
     if others:
-        raise UnsupportedModelError(f"{others[0]}: an activation quantizer outside the fp8 layers is not written")
+        raise UnsupportedModelError(f"{others[0]}: an activation quantizer outside the {'fp8' if family == 'float' else 'int8'} "
+                                    "layers is not written")
     tensors.update(_other_tensors(model, done))
     return tensors, args, plain
 
@@ -186,6 +200,13 @@ def fp8_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
 def _is_fp8_model(model: nn.Module) -> bool:
     return any(getattr(getattr(m, "weight_quantizer", None), "spec", None) is not None
                and m.weight_quantizer.spec.is_float for m in model.modules())  # type: ignore[union-attr]
+
+
+def _is_8bit_model(model: nn.Module) -> bool:
+    """fp8 layers, or int8 ones (any 8-bit integer weight: the int4 writer refuses the rest by name)."""
+    specs: list[Any] = [getattr(getattr(m, "weight_quantizer", None), "spec", None) for m in model.modules()]
+    specs = [sp for sp in specs if sp is not None]
+    return any(sp.is_float or sp.bits == 8 for sp in specs)
 
 
 def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str], *, fmt: str = "pack-quantized") -> dict[str, Any]:
@@ -223,11 +244,13 @@ def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str], *, f
 
 
 def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None) -> Path:
-    """Write ``model`` (a transformers model quantized weight-only int4, or fp8) as a compressed-tensors checkpoint.
+    """Write ``model`` (a transformers model quantized weight-only int4, int8 or fp8) as a compressed-tensors checkpoint.
 
     Layers must be weight-only 4-bit QuantLinears (GPTQ, AWQ, RTN ``w4_weight_only_g128``, per
-    group or per channel; ``pack-quantized``) or fp8 ones (``FP8_DYNAMIC``, or fp8 weights alone;
-    ``float-quantized``, what vLLM serves on Hopper); other Linears are stored in float and listed in ``ignore``, and so are
+    group or per channel; ``pack-quantized``), int8 ones (llm-compressor's ``W8A8``: symmetric
+    per-channel int8 weights, dynamic per-token int8 inputs, or the weights alone; ``int-quantized``)
+    or fp8 ones (``FP8_DYNAMIC``, or fp8 weights alone; ``float-quantized``, what vLLM serves on
+    Hopper); a SmoothQuant factor left before a layer is refused (the format has no place for it); other Linears are stored in float and listed in ``ignore``, and so are
     layers whose width is not a multiple of their group size (compressed-tensors has no shorter
     last group; llm-compressor ignores such layers), written with their fake-quant values. The
     model's ``generation_config.json`` and, given a transformers ``tokenizer``, its files go beside.
@@ -241,7 +264,8 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     if config is None or not hasattr(config, "to_dict"):
         raise UnsupportedModelError("compressed-tensors export needs a transformers model (one with a .config)")
     fp8 = _is_fp8_model(model)
-    acts = [] if fp8 else activation_quantizers(model)
+    eight = _is_8bit_model(model)
+    acts = [] if eight else activation_quantizers(model)
     if acts:
         raise UnsupportedModelError(f"{acts[0]}: quantized activations are not written (weight-only int4 checkpoints)")
     from compress.core.moe import expert_blocks
@@ -250,11 +274,12 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     if moe is not None:  # transformers reads per-model expert names (w1/w3, gate_proj/up_proj) through its own conversions
         raise UnsupportedModelError(f"{moe}: MoE experts were unpacked into per-expert Linears for quantization; "
                                     "the compressed-tensors writer does not write transformers' expert checkpoint names")
-    tensors, args, plain = fp8_state_dict(model) if fp8 else compressed_state_dict(model)
+    tensors, args, plain = eight_bit_state_dict(model) if eight else compressed_state_dict(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = config.to_dict()
-    cfg["quantization_config"] = quantization_config(args, plain, fmt="float-quantized" if fp8 else "pack-quantized")
+    fmt = "float-quantized" if fp8 else "int-quantized" if eight else "pack-quantized"
+    cfg["quantization_config"] = quantization_config(args, plain, fmt=fmt)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
     save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     gen = getattr(model, "generation_config", None)
@@ -263,5 +288,5 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     log.info("compressed-tensors checkpoint: %d %s layers, %d float Linears, written to %s", len(args),
-             "fp8" if fp8 else "int4", len(plain), out)
+             "fp8" if fp8 else "int8" if eight else "int4", len(plain), out)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -110,7 +111,7 @@ def test_asymmetric_groups_decompress_with_the_library(tmp_path: Path) -> None:
 
 
 def test_non_int4_layers_are_refused(tmp_path: Path) -> None:
-    fq = _model("llama", QuantScheme.preset("w8_weight_only"))
+    fq = _model("llama", QuantScheme.preset("w3_weight_only_g128"))
     with pytest.raises(UnsupportedModelError, match="only weight-only 4-bit"):
         save_compressed_tensors(fq, tmp_path / "x")
 
@@ -171,6 +172,75 @@ def test_fp8_dynamic_is_written_float_quantized_and_transformers_runs_it_as_ours
         torch.testing.assert_close(got.float(), mod.quantized_weight().float(), atol=0, rtol=0)
     # the inputs are quantized there too: without them the logits move by ~2e-2 here, far above this
     torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-4)
+
+
+def _per_token_int8(model: nn.Module, step: float) -> list[Any]:
+    """Hooks quantizing every quantized Linear's input per token, symmetric int8, scale amax / step."""
+    def pre(_: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        x = args[0]
+        s = x.abs().amax(-1, keepdim=True) / step
+        return ((x / s).round().clamp(-128, 127) * s,)
+
+    return [m.register_forward_pre_hook(pre) for m in _quantized(model).values()]
+
+
+@pytest.mark.parametrize(("kind", "scheme"), [("llama", "W8A8"), ("qwen2", "W8A8"), ("llama", "w8_weight_only")])
+def test_int8_is_written_int_quantized_and_transformers_runs_our_weights(kind: str, scheme: str, tmp_path: Path) -> None:
+    """llm-compressor's W8A8 (what vLLM serves with int8 kernels: int8 weight codes with per-channel
+    scales, dynamic per-token int8 inputs; here rounded by GPTQ) and W8A16. transformers' loader keeps
+    exactly our weights; for the inputs, compressed-tensors' own fake quantization steps amax/127.5
+    per token where ours (and vLLM's int8 kernel) step amax/127: its logits are our weights with that
+    step, exactly."""
+    import copy
+
+    torch.manual_seed(0)
+    cls, cfg = ((transformers.LlamaForCausalLM, transformers.LlamaConfig) if kind == "llama"
+                else (transformers.Qwen2ForCausalLM, transformers.Qwen2Config))
+    fp = cls(cfg(**SMALL)).eval()
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    fq = compress.gptq(copy.deepcopy(fp), [ids], scheme=scheme).eval()
+    out = save_compressed_tensors(fq, tmp_path / "ckpt")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "int-quantized" and qc["ignore"] == ["lm_head"]
+    group = qc["config_groups"]["group_0"]
+    assert (group["weights"]["type"], group["weights"]["strategy"]) == ("int", "channel")
+    acts = group["input_activations"]
+    assert (acts is None) == (scheme == "w8_weight_only")
+    assert acts is None or (acts["strategy"], acts["dynamic"]) == ("token", True)
+    from safetensors.torch import load_file
+
+    assert load_file(str(out / "model.safetensors"))["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    for name, mod in _quantized(fq).items():
+        got = loaded.get_submodule(name)
+        torch.testing.assert_close(got.weight.float() * got.weight_scale.float(), mod.quantized_weight().float(),
+                                   atol=0, rtol=0)
+    def emulated(step: float | None) -> torch.Tensor:
+        """Our weights, our input quantizers off, the inputs quantized per token with ``step``."""
+        m = copy.deepcopy(fq)
+        for lin in _quantized(m).values():
+            if lin.input_quantizer is not None:
+                lin.input_quantizer.enabled = False
+        if step is not None:
+            _per_token_int8(m, step)
+        with torch.no_grad():
+            return m(ids).logits
+
+    step = None if acts is None else 127.5
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, emulated(step), atol=1e-5, rtol=1e-5)
+        if acts is not None:  # and ours is the same arithmetic with the step of 127
+            torch.testing.assert_close(fq(ids).logits, emulated(127.0), atol=1e-5, rtol=1e-5)
+
+
+def test_a_smoothquant_factor_left_before_a_layer_is_refused_in_one_line(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9))
+    fq = compress.quantize(transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval(), "W8A8", [ids],
+                           ignore=["lm_head"], params=compress.QuantizeParams(quantize_ops=False, smoothquant=0.5))
+    with pytest.raises(UnsupportedModelError, match=r"o_proj: SmoothQuant left a per-channel factor") as err:
+        save_compressed_tensors(fq, tmp_path / "ckpt")  # GQA: o_proj's factor has no exact fold
+    assert "\n" not in str(err.value)
 
 
 def test_static_fp8_inputs_are_refused_in_one_line(tmp_path: Path) -> None:
