@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
 from torch import nn
 
 from compress.core.errors import CompressError, RecipeError
@@ -114,7 +115,8 @@ def gguf_directory(file: Path, *, where: str = "hf_path") -> Path:
     """A Hugging Face directory (config, float32 safetensors, tokenizer) holding the model of the
     GGUF ``file``, de-quantized to float32: converted on first use and cached (:func:`gguf_cache_dir`).
     The conversion is written to a temporary directory beside the entry and renamed into place, so a
-    run killed halfway leaves no entry that a later run would read."""
+    run killed halfway leaves no entry that a later run would read; a file lock beside the entry
+    makes concurrent processes convert once."""
     target = gguf_cache_dir(file)
     if (target / "config.json").is_file():
         return target
@@ -123,19 +125,23 @@ def gguf_directory(file: Path, *, where: str = "hf_path") -> Path:
     if importlib.util.find_spec("accelerate") is None:
         raise CompressError(f"{where}: loading the GGUF file '{file}' needs the accelerate package; {_GGUF_HINT}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    t0 = time.perf_counter()
-    log.info("converting %s to float32 once (cache: %s)", file, target)
-    try:
-        _convert_gguf(file, tmp, where=where)
+    # one process converts, the others (torchrun's ranks, parallel test workers) wait and read its entry
+    with FileLock(str(target.parent / f"{target.name}.lock")):
+        if (target / "config.json").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        t0 = time.perf_counter()
+        log.info("converting %s to float32 once (cache: %s)", file, target)
         try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent run that finished first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    log.info("converted %s in %.0f s", file.name, time.perf_counter() - t0)
+            _convert_gguf(file, tmp, where=where)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not (target / "config.json").is_file():  # an entry left by a run that held no lock
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("converted %s in %.0f s", file.name, time.perf_counter() - t0)
     return target
 
 

@@ -71,6 +71,32 @@ def test_conversion_is_cached_and_keyed_by_the_file(tmp_path: Path, monkeypatch:
     assert len(calls) == 2
 
 
+def test_concurrent_loads_convert_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes that load one GGUF at once (torchrun's ranks, parallel test workers) convert it
+    once: the others wait on the entry's lock and read what the first wrote."""
+    import threading
+    import time
+
+    monkeypatch.setenv(hf.CACHE_ENV, str(tmp_path / "cache"))
+    calls: list[Path] = []
+    convert = _fake_convert(calls)
+
+    def slow(file: Path, out: Path, *, where: str) -> None:
+        time.sleep(0.5)
+        convert(file, out, where=where)
+
+    monkeypatch.setattr(hf, "_convert_gguf", slow)
+    f = tmp_path / "tiny.gguf"
+    f.write_bytes(b"GGUF")
+    got: list[Path] = []
+    threads = [threading.Thread(target=lambda: got.append(resolve_hf_path(str(f)))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 3 and len(set(got)) == 1
+
+
 def test_interrupted_conversion_leaves_no_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(hf.CACHE_ENV, str(tmp_path / "cache"))
 
@@ -84,7 +110,7 @@ def test_interrupted_conversion_leaves_no_entry(tmp_path: Path, monkeypatch: pyt
     with pytest.raises(KeyboardInterrupt):
         resolve_hf_path(str(f))
     assert not gguf_cache_dir(f).exists()
-    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [f"{gguf_cache_dir(f).name}.lock"]
     calls: list[Path] = []
     monkeypatch.setattr(hf, "_convert_gguf", _fake_convert(calls))
     assert (resolve_hf_path(str(f)) / "config.json").is_file() and len(calls) == 1
