@@ -191,8 +191,8 @@ def eight_bit_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dic
         raise UnsupportedModelError("compressed-tensors export: the model has no 8-bit layers")
     others = [n for n in activation_quantizers(model) if not any(n.startswith(p) for p in done)]
     if others:
-        raise UnsupportedModelError(f"{others[0]}: an activation quantizer outside the {'fp8' if family == 'float' else 'int8'} "
-                                    "layers is not written")
+        raise UnsupportedModelError(f"{others[0]}: a static activation quantizer is not written (compressed-tensors "
+                                    "8-bit checkpoints hold dynamic per-token inputs: W8A8, FP8_DYNAMIC)")
     tensors.update(_other_tensors(model, done))
     return tensors, args, plain
 

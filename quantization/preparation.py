@@ -218,7 +218,7 @@ def prepare(
 
 def _save_pretrained_quantized(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
     """``save_pretrained`` of a quantized transformers model: the compressed checkpoint transformers and
-    vLLM reload (weight-only int4 or fp8, as compressed-tensors). Other schemes have no such form
+    vLLM reload (weight-only int4, int8 with dynamic inputs or none, or fp8, as compressed-tensors). Other schemes have no such form
     (the class's own save would write float weights and quantizer state no loader reads): one line
     says what to use instead."""
     from compress.core.errors import UnsupportedModelError
@@ -228,7 +228,8 @@ def _save_pretrained_quantized(self: nn.Module, save_directory: Any, *args: Any,
         return save_quantized(self, save_directory, tokenizer=kwargs.get("tokenizer"))
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(
-            f"save_pretrained: {exc}; a transformers checkpoint holds weight-only int4 or fp8 models: export "
+            f"save_pretrained: {exc}; a transformers checkpoint holds weight-only int4, int8 (W8A8: dynamic "
+            "per-token inputs) or fp8 models: export "
             "this one with compress.export_onnx, or save its state with torch.save(model.state_dict())"
         ) from None
 
