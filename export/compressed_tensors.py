@@ -176,7 +176,8 @@ def eight_bit_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dic
             if iq.pre_quant_scale is not None:
                 raise UnsupportedModelError(
                     f"{name}: SmoothQuant left a per-channel factor before its input quantizer (no exact fold into "
-                    "the layer before it); compressed-tensors has no place for it")
+                    "the layer before it); compressed-tensors has no place for it: quantize with "
+                    "smoothquant_unfolded='skip'")
             a["input_activations"] = {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": True,
                                       "strategy": "token", "observer": None}
         with torch.no_grad():

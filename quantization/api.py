@@ -15,7 +15,7 @@ from compress.core.errors import CalibrationError
 from compress.core.params import ApiParams
 from quantization.algorithms.bias_correction import bias_correction
 from quantization.algorithms.kv_cache import KVCache, attach_kv_quantization, check_kv_calls, kv_quantizers
-from quantization.algorithms.smoothquant import SmoothQuantField, smooth_quant
+from quantization.algorithms.smoothquant import SmoothQuantField, Unfolded, smooth_quant
 from quantization.numerics.calibration import calibrate, last_logits_only
 from quantization.numerics.spec import QuantScheme, resolve_scheme
 from quantization.placement.activations import capture_first_call, ensure_placed
@@ -32,6 +32,8 @@ class QuantizeParams(ApiParams):
     ``first_last``: quantize / keep in ``float`` / give ``w8`` weights to the first and last layer.
     ``bn``: fold BatchNorm into the preceding conv (``fold``) or leave it (``keep``).
     ``smoothquant``: SmoothQuant's alpha for Linear layers, ``"auto"`` (chosen per layer), or None (off).
+    ``smoothquant_unfolded``: a group whose factor folds into no producer keeps it as a Mul before its
+    quantizer (``mul``) or is not smoothed (``skip``: what compressed-tensors checkpoints can hold).
     ``bias_correction``: correct the output mean shift caused by weight rounding.
     ``max_batches``: cap on calibration batches when ``forward_loop`` is an iterable.
     ``target``: the runtime whose fusion rules place the activation quantizers (onnxruntime,
@@ -55,6 +57,7 @@ class QuantizeParams(ApiParams):
     bn: BnMode = "fold"
     quantize_ops: bool = True
     smoothquant: SmoothQuantField = None
+    smoothquant_unfolded: Unfolded = "mul"
     bias_correction: bool = False
     max_batches: int | None = Field(None, ge=1)
     target: Target = "onnxruntime"
@@ -122,7 +125,7 @@ def post_training_quantize(
         ensure_placed(model, loop)  # the placement traces the model's own forward, every position
         with last_logits_only(model, ops_placed=p.quantize_ops):
             if p.smoothquant is not None:
-                smooth_quant(model, loop, alpha=p.smoothquant)
+                smooth_quant(model, loop, alpha=p.smoothquant, unfolded=p.smoothquant_unfolded)
             calibrate(model, loop, where=where)
             if p.bias_correction:
                 bias_correction(model, loop)

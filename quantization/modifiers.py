@@ -21,7 +21,7 @@ from quantization.algorithms.sensitivity import (
     plot_sensitivity,
     worsening,
 )
-from quantization.algorithms.smoothquant import SmoothQuantField
+from quantization.algorithms.smoothquant import SmoothQuantField, Unfolded
 from quantization.api import QuantizeParams, post_training_quantize
 from quantization.numerics.calibration import calibrate
 from quantization.numerics.fake_quant import FakeQuantizer
@@ -83,7 +83,8 @@ class _QuantSpecBase(ModifierSpec):
 class PTQSpec(_QuantSpecBase):
     """Post-training quantization: prepare, calibrate over ``num_batches`` calibration batches.
 
-    ``smoothquant`` (alpha) smooths Linear inputs first; ``bias_correction`` fixes the output mean
+    ``smoothquant`` (alpha) smooths Linear inputs first (``smoothquant_unfolded: skip`` only where the
+    factor folds into the layer before); ``bias_correction`` fixes the output mean
     shift of weight rounding; ``kv_cache`` (per_token / per_head) quantizes a decoder's keys and
     values entering attention to int8; ``sensitivity`` ("metric" or "sqnr") adds a per-layer table and plot;
     ``max_accuracy_drop`` (metric units, e.g. 0.005 = half a point of accuracy) keeps the most
@@ -99,6 +100,7 @@ class PTQSpec(_QuantSpecBase):
     num_batches: int | None = Field(None, ge=1)
     bn: Literal["fold", "keep"] = "fold"
     smoothquant: SmoothQuantField = None
+    smoothquant_unfolded: Unfolded = "mul"
     bias_correction: bool = False
     kv_cache: KVCache | None = None
     sensitivity: Literal["none", "metric", "sqnr"] = "none"
@@ -198,7 +200,8 @@ class PTQModifier(Modifier[PTQSpec]):
             float_metric = judge(model)
         params = QuantizeParams(first_last=s.first_last, bn=s.bn, quantize_ops=s.quantize_ops, target=s.target,
                                 quantize_embeddings=s.quantize_embeddings, smoothquant=s.smoothquant,
-                                bias_correction=s.bias_correction, kv_cache=s.kv_cache, speed_check=s.speed_check,
+                                smoothquant_unfolded=s.smoothquant_unfolded, bias_correction=s.bias_correction,
+                                kv_cache=s.kv_cache, speed_check=s.speed_check,
                                 cost_table=s.cost_table)
         swapped = post_training_quantize(model, scheme, loop, targets=s.targets, ignore=s.ignore, params=params,
                                          where=self.where)

@@ -55,6 +55,8 @@ ALPHA_GRID: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 Alpha = float | Literal["auto"]
 #: the recipe / QuantizeParams field: an alpha in [0, 1], "auto", or None (off)
 SmoothQuantField = Annotated[float, Field(ge=0, le=1)] | Literal["auto"] | None
+#: a group whose factor folds into no producer: a Mul before its quantizer, or not smoothed
+Unfolded = Literal["mul", "skip"]
 
 
 class _Reservoir:
@@ -92,11 +94,14 @@ def smooth_quant(
     alpha: Alpha = 0.5,
     min_scale: float = 1e-2,
     sample_rows: int = 512,
+    unfolded: Unfolded = "mul",
 ) -> dict[str, torch.Tensor]:
     """Smooth every QuantLinear that quantizes its input; returns the factors ``s`` by layer name
     (all ones where ``alpha="auto"`` chose no smoothing). ``1/s`` is folded into the tensor's
     producer where that is exact (see the module docstring), else kept as the input quantizer's
-    ``pre_quant_scale``.
+    ``pre_quant_scale`` (``unfolded="mul"``), or that group is left unsmoothed (``"skip"``: every
+    smoothed tensor is then absorbed by weights, as llm-compressor's mappings smooth only where they
+    fold, and formats with no per-channel input scale, compressed-tensors, can hold the model).
 
     Runs ``forward_loop`` once in float to record per-feature activation maxima (O(features)
     memory; with ``"auto"`` also ``sample_rows`` input rows per group), then rescales weights in
@@ -160,6 +165,13 @@ def smooth_quant(
                     mod.weight.mul_(iq.pre_quant_scale.to(mod.weight.dtype))
                     iq.pre_quant_scale = None
                 raw.append(mod.weight.detach().clone())
+            if unfolded == "skip" and producers.get(names[0]) is None:
+                set_smoothing(root, names, None)
+                for name, mod in zip(names, mods):
+                    calibrate_weight(mod)
+                    scales[name] = torch.ones_like(amax[name])
+                chosen.append(None)
+                continue
             a = torch.stack([amax[n] for n in names]).amax(0)  # the hooks saw the raw input
             if distributed:  # ranks may calibrate on different shards: every rank must smooth alike
                 torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX)
@@ -195,8 +207,9 @@ def smooth_quant(
             scales[name] = s
     into = {p.name.rsplit(".", 1)[-1] for n in groups.values() if (p := producers.get(n[0])) is not None}
     folded = sum(1 for names in groups.values() if producers.get(names[0]) is not None)
-    log.info("smoothquant: %d of %d input groups folded into their producer (%s), %d as a Mul before the quantizer",
-             folded, len(groups), ", ".join(sorted(into)), len(groups) - folded)
+    log.info("smoothquant: %d of %d input groups folded into their producer (%s), %d %s",
+             folded, len(groups), ", ".join(sorted(into)), len(groups) - folded,
+             "left unsmoothed (no exact fold)" if unfolded == "skip" else "as a Mul before the quantizer")
     if auto:
         picked = [v for v in chosen if v is not None]
         log.info(

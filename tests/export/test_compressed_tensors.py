@@ -233,14 +233,24 @@ def test_int8_is_written_int_quantized_and_transformers_runs_our_weights(kind: s
             torch.testing.assert_close(fq(ids).logits, emulated(127.0), atol=1e-5, rtol=1e-5)
 
 
-def test_a_smoothquant_factor_left_before_a_layer_is_refused_in_one_line(tmp_path: Path) -> None:
+def test_a_smoothquant_factor_left_before_a_layer_is_refused_unless_only_folds_are_smoothed(tmp_path: Path) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, SMALL["vocab_size"], (2, 9))
     fq = compress.quantize(transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval(), "W8A8", [ids],
                            ignore=["lm_head"], params=compress.QuantizeParams(quantize_ops=False, smoothquant=0.5))
     with pytest.raises(UnsupportedModelError, match=r"o_proj: SmoothQuant left a per-channel factor") as err:
         save_compressed_tensors(fq, tmp_path / "ckpt")  # GQA: o_proj's factor has no exact fold
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and "smoothquant_unfolded='skip'" in str(err.value)
+    # smoothing only where the factor folds (llm-compressor's mappings): the norms and up_proj take it,
+    # o_proj is left as it is, and the checkpoint is written
+    torch.manual_seed(0)
+    fp = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).eval()
+    norm = fp.model.layers[0].input_layernorm.weight.detach().clone()
+    sq = compress.quantize(fp, "W8A8", [ids], ignore=["lm_head"],
+                           params=compress.QuantizeParams(quantize_ops=False, smoothquant=0.5, smoothquant_unfolded="skip"))
+    assert not torch.equal(sq.model.layers[0].input_layernorm.weight, norm)
+    assert all(m.input_quantizer.pre_quant_scale is None for m in _quantized(sq).values())
+    assert (save_compressed_tensors(sq, tmp_path / "skip") / "model.safetensors").is_file()
 
 
 def test_static_fp8_inputs_are_refused_in_one_line(tmp_path: Path) -> None:
