@@ -118,6 +118,9 @@ def w8a8(data: list[torch.Tensor]) -> dict[tuple[str, str], Callable[[nn.Module]
         ("W8A8 dynamic", "SmoothQuant"): lambda m: compress.quantize(m, "W8A8", data, ignore=["lm_head"], params=smooth),
         ("W8A8 dynamic", "SmoothQuant+GPTQ"): lambda m: compress.gptq(
             compress.quantize(m, "W8A8", data, ignore=["lm_head"], params=smooth), data, scheme="W8A8"),
+        # smoothed only where the factor folds (o_proj left as it is): what compressed-tensors can hold
+        ("W8A8 dynamic", "SmoothQuant, folds only"): lambda m: compress.quantize(
+            m, "W8A8", data, ignore=["lm_head"], params=smooth.model_copy(update={"smoothquant_unfolded": "skip"})),
     }
 
 
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
 def _order(row: dict[str, Any]) -> tuple[int, int]:
     """fp32 first, then the schemes and methods in their table order (W8A8 after the schemes)."""
     schemes = ["fp32", *SCHEMES, "W8A8 static", "W8A8 dynamic"]
-    methods = ["fp32", *METHODS, *EXTRA_METHODS, "SmoothQuant", "SmoothQuant+GPTQ"]
+    methods = ["fp32", *METHODS, *EXTRA_METHODS, "SmoothQuant", "SmoothQuant, folds only", "SmoothQuant+GPTQ"]
     s, m = row["scheme"], row["method"]
     return (schemes.index(s) if s in schemes else len(schemes), methods.index(m) if m in methods else len(methods))
 
@@ -250,7 +253,8 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int) -
         "defaults: GPTQ block 128, dampening 0.01, act_order (static groups); AWQ duo scaling, grid 20, clip search in the "
         "scale search. W8A8: per-channel weights, Linears only, SmoothQuant 'auto'; static per-tensor activations, "
         "or dynamic per-token ones (llm-compressor's `W8A8`), with the weights rounded by GPTQ after SmoothQuant in "
-        "'SmoothQuant+GPTQ'. 'quantize s': wall time of the method alone; 'peak added GB': the process's peak resident "
+        "'SmoothQuant+GPTQ'; 'folds only': groups whose factor folds into no layer before them (o_proj) left "
+        "unsmoothed (`smoothquant_unfolded='skip'`, the form compressed-tensors holds). 'quantize s': wall time of the method alone; 'peak added GB': the process's peak resident "
         "memory while quantizing above its level before (the fp32 model and its copy already resident). "
         f"torch threads: {args.threads}.\n\n"
         + table(out) + f"\nMachine load: {args.load}.\n"
