@@ -73,3 +73,20 @@ def smollm2_dir() -> str:
     from compress.models.hf import SMOLLM2, resolve_hf_path
 
     return str(resolve_hf_path(SMOLLM2))
+
+
+@pytest.fixture(scope="session")
+def smollm2_two_layers(smollm2_dir: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """SmolLM2's first 2 decoder layers with their real weights, and 4 windows of 128 tokens each of
+    the stdlib calibration and held-out text: ``(model, calib, held)``. Shared: tests deep-copy it."""
+    from compress.data.lm import split_files, token_stream
+    from compress.models import load_model, load_tokenizer
+
+    model = load_model({"hf_path": smollm2_dir}).eval()
+    model.model.layers = model.model.layers[:2]
+    model.config.num_hidden_layers = 2
+    tok = load_tokenizer(smollm2_dir)
+    files = split_files(0)
+    calib = token_stream(files["calibration"], tok, max_tokens=4 * 128).reshape(4, 128)
+    held = token_stream(files["eval"], tok, max_tokens=4 * 128).reshape(4, 128)
+    return model, calib, held

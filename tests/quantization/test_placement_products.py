@@ -212,24 +212,17 @@ def test_decoder_products_run_as_qlinearmul(name: str, tmp_path: Path) -> None:
     assert _sqnr(fake, _ort(path, sm.example)) > 25.0
 
 
-def test_real_smollm2_layers_keep_their_fidelity_with_integer_products(smollm2_dir: str) -> None:
+def test_real_smollm2_layers_keep_their_fidelity_with_integer_products(
+        smollm2_two_layers: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
     """SmolLM2-135M's real weights, first 2 decoder layers, calibrated on the stdlib text: the products
     that run in integer now (layer 0's second RMSNorm, the rotary products, SwiGLU where its
     operands hold) cost the logits no more than placements of equal merit differ by (measured on
     2048 held-out tokens: 2 layers 23.86 -> 23.73 dB, top-1 0.822 -> 0.820; 4 layers 17.76 -> 17.69
     dB, 0.690 -> 0.688; benchmarks/RESULTS.md `decoder_products` for all 30). The RMSNorms whose input
     carries the massive activations stay float (their residual add does)."""
-    from compress.data.lm import split_files, token_stream
-    from compress.models import load_model, load_tokenizer
     from quantization.placement import place as placement
 
-    model = load_model({"hf_path": smollm2_dir}).eval()
-    model.model.layers = model.model.layers[:2]
-    model.config.num_hidden_layers = 2
-    tok = load_tokenizer(smollm2_dir)
-    files = split_files(0)
-    calib = token_stream(files["calibration"], tok, max_tokens=4 * 128).reshape(4, 128)
-    held = token_stream(files["eval"], tok, max_tokens=4 * 128).reshape(4, 128)
+    model, calib, held = smollm2_two_layers
     with torch.no_grad():
         ref = model(input_ids=held).logits
 

@@ -12,23 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from compress.data.lm import split_files, token_stream
-
 G128 = "w4_weight_only_g128"
 
 
 @pytest.fixture(scope="module")
-def two_layers(smollm2_dir: str) -> tuple[nn.Module, list[torch.Tensor], torch.Tensor]:
-    from compress.models import load_model, load_tokenizer
-
-    model = load_model({"hf_path": smollm2_dir}).eval()
-    model.model.layers = model.model.layers[:2]
-    model.config.num_hidden_layers = 2
-    tok = load_tokenizer(smollm2_dir)
-    files = split_files(0)
-    calib = token_stream(files["calibration"], tok, max_tokens=4 * 128).reshape(4, 128)
-    held_out = token_stream(files["eval"], tok, max_tokens=2 * 128).reshape(2, 128)
-    return model, [calib[:2], calib[2:]], held_out
+def two_layers(
+        smollm2_two_layers: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> tuple[nn.Module, list[torch.Tensor], torch.Tensor]:
+    model, calib, held = smollm2_two_layers
+    return model, [calib[:2], calib[2:]], held[:2]
 
 
 def _q_proj(model: nn.Module) -> nn.Module:
