@@ -45,15 +45,17 @@ class GemmConfig:
     group_m: int = 4
     num_warps: int = 4
     num_stages: int = 2
+    split_k: int = 1  # programs sharing one output tile's K range (decode: more programs than tiles)
 
 
 # Without autotuning (interpreter): large tiles mean few programs, which is what costs time there.
 INTERPRET_CONFIG = GemmConfig(64, 64, 64)
 
 
-def tile_config(bm: int, bn: int, bk: int, stages: int, warps: int, group: int = 8) -> triton.Config:
+def tile_config(bm: int, bn: int, bk: int, stages: int, warps: int, group: int = 8, split: int = 1) -> triton.Config:
     return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group}, num_stages=stages, num_warps=warps
+        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "SPLIT_K": split},
+        num_stages=stages, num_warps=warps,
     )
 
 
@@ -79,6 +81,20 @@ HOPPER_CONFIGS = [
     tile_config(16, 32, 512, 3, 4),
     tile_config(16, 16, 512, 3, 2),
     tile_config(16, 64, 512, 3, 4),
+    # decode, split K: at M <= 16 a layer's weight streams through few programs (N=4096 in 32-wide
+    # tiles is 128 programs, each 8 K-tiles deep: pipeline fill is a large share of its time);
+    # splitting K gives each SM several short, independent weight streams. The only kernels that
+    # reached ~2.2 TB/s of ~4.8 without it (benchmarks/RESULTS.md)
+    tile_config(16, 64, 256, 4, 4, split=2),
+    tile_config(16, 64, 256, 4, 4, split=4),
+    tile_config(16, 64, 256, 4, 4, split=8),
+    tile_config(16, 32, 512, 3, 4, split=2),
+    tile_config(16, 32, 512, 3, 4, split=4),
+    tile_config(16, 64, 512, 3, 4, split=2),
+    tile_config(16, 64, 512, 3, 4, split=4),
+    tile_config(16, 128, 128, 4, 4, split=4),
+    tile_config(16, 128, 128, 4, 4, split=8),
+    tile_config(16, 16, 512, 3, 2, split=2),
 ]
 # Ampere (sm80/86/89): 100-164 KB shared memory; K-tiles of 64-128 bytes, 3-5 stages.
 AMPERE_CONFIGS = [
@@ -101,12 +117,19 @@ def m_bucket(m: int) -> int:
     return min(triton.next_power_of_2(max(m, 1)), 4096)
 
 
+SPLIT_MAX_M = 16  # split-K candidates are timed only for decode-sized M (larger M has tiles enough)
+
+
 def _prune(configs: list[triton.Config], named_args: dict[str, object], **_: object) -> list[triton.Config]:
-    # pick the architecture's list, then drop tiles much taller than M (padding rows waste the MMA)
+    # pick the architecture's list, then drop tiles much taller than M (padding rows waste the MMA),
+    # and split-K where M is not decode-sized or a split would get fewer than two K-tiles
     major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 8
     arch = HOPPER_CONFIGS if major >= 9 else AMPERE_CONFIGS
     mb = int(named_args["M_BUCKET"])  # type: ignore[call-overload]
+    k = int(named_args.get("K", 1 << 30))  # type: ignore[call-overload]
     pool = [c for c in configs if c in arch] or configs
+    pool = [c for c in pool if c.kwargs.get("SPLIT_K", 1) == 1
+            or (mb <= SPLIT_MAX_M and triton.cdiv(k, c.kwargs["BLOCK_K"]) >= 2 * c.kwargs["SPLIT_K"])] or pool
     return [c for c in pool if c.kwargs["BLOCK_M"] <= max(16, mb)] or pool
 
 
@@ -160,14 +183,15 @@ def bias_activation(y, rn, N, bias_ptr, HAS_BIAS: tl.constexpr, ACT: tl.constexp
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, colsum_ptr, a_zp,
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, colsum_ptr, ws_ptr, a_zp,
     M, N, K, M_BUCKET,
-    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn, SPLIT_K,
     A_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ZP: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    tile = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -175,11 +199,18 @@ def _gemm_kernel(
     ram = tl.max_contiguous(tl.multiple_of(rm % M, BLOCK_M), BLOCK_M)
     rbn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + ram[:, None] * stride_am + rk[None, :] * stride_ak
-    b_ptrs = b_ptr + rk[:, None] * stride_bk + rbn[None, :] * stride_bn
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_first = 0
+    k_last = k_tiles
+    if SPLIT:  # this program's share of the K-tiles (the last share may be shorter, or empty)
+        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        k_first = tl.program_id(1) * per_split
+        k_last = tl.minimum(k_first + per_split, k_tiles)
+    a_ptrs = a_ptr + ram[:, None] * stride_am + (k_first * BLOCK_K + rk)[None, :] * stride_ak
+    b_ptrs = b_ptr + (k_first * BLOCK_K + rk)[:, None] * stride_bk + rbn[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(k_first, k_last):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -191,13 +222,38 @@ def _gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
+    if SPLIT:
+        # Split K without a second kernel: every split adds its int32 partial sums into a zeroed
+        # workspace (integer atomics: exact, so the order of arrival cannot change the result), then
+        # counts itself in on the tile's counter; the last to arrive reads the sums back, zeroes the
+        # workspace and the counter for the next call (CUDA-graph replays included), and runs the
+        # epilogue. The barrier makes this program's adds land before its arrival is counted.
+        inside = (rm < M)[:, None] & (rn < N)[None, :]
+        ws_ptrs = ws_ptr + rm[:, None] * N + rn[None, :]
+        tl.atomic_add(ws_ptrs, acc, mask=inside, sem="relaxed")
+        tl.debug_barrier()
+        cnt_ptr = ws_ptr + M * N + tile
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.atomic_xchg(ws_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32), mask=inside, sem="relaxed")
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+            _epilogue_store(total, rm, rn, M, N, c_ptr, stride_cm, stride_cn, a_scale_ptr, b_scale_ptr, bias_ptr,
+                            colsum_ptr, a_zp, A_PER_ROW, HAS_BIAS, HAS_ZP, ACT)
+    else:
+        _epilogue_store(acc, rm, rn, M, N, c_ptr, stride_cm, stride_cn, a_scale_ptr, b_scale_ptr, bias_ptr,
+                        colsum_ptr, a_zp, A_PER_ROW, HAS_BIAS, HAS_ZP, ACT)
+
+
+@triton.jit
+def _epilogue_store(acc, rm, rn, M, N, c_ptr, stride_cm, stride_cn, a_scale_ptr, b_scale_ptr, bias_ptr, colsum_ptr,
+                    a_zp, A_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ZP: tl.constexpr, ACT: tl.constexpr):
     y = epilogue(acc, rm, rn, M, N, a_scale_ptr, b_scale_ptr, bias_ptr, colsum_ptr, a_zp,
                  A_PER_ROW, HAS_BIAS, HAS_ZP, ACT)
     c_ptrs = c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+_even_k = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+                             "SPLIT": lambda args: args["SPLIT_K"] > 1})
 _gemm_fixed = _even_k(_gemm_kernel)
 
 
@@ -269,22 +325,50 @@ def int8_gemm(
         a = torch.zeros((m, 1), dtype=torch.int8, device=dev)  # empty reduction: bias and activation only
         b = torch.zeros((n, 1), dtype=torch.int8, device=dev)
         k = 1
+    tuned = config is None and _gemm_tuned is not None
+    c = config or INTERPRET_CONFIG
+    if c.split_k < 1:
+        raise CompressError(f"int8_gemm: split_k must be >= 1 (got {c.split_k})")
+    # split-K partial sums and tile counters (whichever tile the tuner picks: tiles are >= 16 x 16)
+    may_split = m <= SPLIT_MAX_M if tuned else c.split_k > 1
+    ws = split_workspace(dev, m * n + triton.cdiv(m, 16) * triton.cdiv(n, 16)) if may_split else sb
     args = (
-        a, b, out, sa, sb, bias_v if bias_v is not None else sb, colsum if colsum is not None else sb,
+        a, b, out, sa, sb, bias_v if bias_v is not None else sb, colsum if colsum is not None else sb, ws,
         int(a_zero_point), m, n, k, m_bucket(m),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
     )
     flags = {"A_PER_ROW": per_row, "HAS_BIAS": bias_v is not None, "HAS_ZP": has_zp, "ACT": _ACT_CODE[activation]}
-    if config is None and _gemm_tuned is not None:
-        def grid(meta: dict[str, int]) -> tuple[int]:
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+    if tuned and _gemm_tuned is not None:
+        def grid(meta: dict[str, int]) -> tuple[int, int]:
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
 
         _gemm_tuned[grid](*args, **flags)
         return out
-    c = config or INTERPRET_CONFIG
-    grid_fixed = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n),)
+    grid_fixed = (triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n), c.split_k)
     _gemm_fixed[grid_fixed](
-        *args, **flags, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        *args, **flags, SPLIT_K=c.split_k, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return out
+
+
+# One zeroed int32 buffer per (device, stream), grown by replacement, never freed: a CUDA graph
+# captured with an older one still points at it. Kernels leave it zeroed, so consecutive GEMMs of
+# one stream share it; GEMMs on different streams get their own (they may overlap in time).
+_WORKSPACE: dict[tuple[str, int], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+_WORKSPACE_MIN = 1 << 20
+
+
+def split_workspace(dev: torch.device, numel: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``numel`` elements for split-K sums and tile counters."""
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (str(dev), stream)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(numel, _WORKSPACE_MIN, 2 * (buf.numel() if buf is not None else 0)),
+                          dtype=torch.int32, device=dev)
+        _WORKSPACE[key] = buf
+    return buf

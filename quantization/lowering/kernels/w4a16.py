@@ -65,7 +65,6 @@ class W4Config(GemmConfig):
     ``block_m < 16`` sums on CUDA cores (decode); ``block_m >= 16`` uses ``tl.dot``. ``split_k``
     programs share each output tile's K range."""
 
-    split_k: int = 1
     acc3: bool = False  # CUDA cores: accumulate elementwise, reduce over K once at the end
     prefetch: bool = False  # load the next weight tile before dequantizing this one
 

@@ -33,6 +33,29 @@ def test_int32_accumulation_is_exact(mnk: tuple[int, int, int], tile: GemmConfig
     torch.testing.assert_close(y.cpu().to(torch.int32), ref, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_split_k_is_exact_and_leaves_its_workspace_zeroed(split: int, device: str) -> None:
+    # K-tiles 5 (70 / 16): splits of 2 and 3 tiles, and 8 splits of which three are empty; M > one
+    # row tile; run twice, as a replayed decode step would, with the bias and per-token epilogue
+    from quantization.lowering.kernels import load
+
+    gemm = load("gemm")
+    m, n, k = 21, 45, 70
+    g = torch.Generator().manual_seed(split)
+    a, b = _ints(m, k, g=g), _ints(n, k, g=g)
+    sa, sb, bias = torch.rand(m, generator=g) + 0.5, torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g)
+    whole = int8_gemm(a.to(device), b.to(device), a_scale=sa, b_scale=sb, bias=bias, out_dtype=torch.float32,
+                      config=GemmConfig(16, 16, 16, group_m=2))
+    for _ in range(2):
+        y = int8_gemm(a.to(device), b.to(device), a_scale=sa, b_scale=sb, bias=bias, out_dtype=torch.float32,
+                      config=GemmConfig(16, 16, 16, group_m=2, split_k=split))
+        torch.testing.assert_close(y, whole, atol=0, rtol=0)
+        ws = gemm.split_workspace(torch.device(device), m * n + 4 * 3)
+        assert int(ws.abs().sum()) == 0
+    torch.testing.assert_close(y.cpu().double(), ((a.double() @ b.double().T) * sa[:, None] * sb + bias).double(),
+                               atol=1e-3, rtol=1e-6)
+
+
 def test_strided_activation_and_saturated_values(device: str) -> None:
     g = torch.Generator().manual_seed(3)
     base = _ints(40, 90, g=g)

@@ -88,6 +88,54 @@ def test_w4a16_benchmark_script_interpret_smoke(tmp_path: Path) -> None:
     assert all(row["sqnr_db"] > 60 for row in data["rows"])
 
 
+def test_decode_benchmark_script_interpret_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "decode.json"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.cuda_decode", "--interpret-smoke", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["M"], row["N"]) for row in rows] == [(1, 40), (3, 40), (1, 24), (3, 24)]
+    assert all(row["split_bit_exact"] for row in rows)
+
+
+def test_split_k_gemm_compiles_for_hopper_with_ordered_arrival() -> None:
+    # the split-K fixup is only correct if each program's partial sums land before its arrival is
+    # counted: a CTA barrier, then one acq_rel atomic on the counter, then the read-back (a barrier
+    # broadcasts the count). Checked in the PTX Triton emits for sm90, no GPU needed.
+    r = _run(
+        """
+        import re
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from quantization.lowering.kernels import gemm as g
+
+        fn = g._gemm_kernel
+        names = list(fn.arg_names)
+        ptrs = {"a_ptr": "*i8", "b_ptr": "*i8", "c_ptr": "*fp16", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32",
+                "bias_ptr": "*fp32", "colsum_ptr": "*i32", "ws_ptr": "*i32"}
+        for split in (True, False):
+            const = {"A_PER_ROW": True, "HAS_BIAS": True, "HAS_ZP": False, "ACT": 0, "BLOCK_M": 16, "BLOCK_N": 64,
+                     "BLOCK_K": 256, "GROUP_M": 8, "EVEN_K": True, "SPLIT": split}
+            sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
+            src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()})
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+            lines = [ln.strip() for ln in ptx.splitlines()]
+            adds = [i for i, ln in enumerate(lines) if re.search(r"(red|atom)[.a-z]*[.]add[.]u32", ln) and "acq_rel" not in ln]
+            counter = [i for i, ln in enumerate(lines) if "atom.global.gpu.acq_rel.add" in ln]
+            xchg = [i for i, ln in enumerate(lines) if ".exch." in ln]
+            if not split:
+                print("plain", len(adds), len(counter), len(xchg))
+                continue
+            bar_between = any("bar.sync" in ln for ln in lines[max(adds):counter[0]])
+            bar_after = any("bar.sync" in ln for ln in lines[counter[0]:min(xchg)])
+            print("split", len(counter), max(adds) < counter[0] < min(xchg), bar_between, bar_after)
+        """
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "split 1 True True True" in r.stdout and "plain 0 0 0" in r.stdout
+
+
 def test_w4a16_kernel_compiles_for_hopper_without_a_gpu() -> None:
     # Triton compiles to PTX and cubin without a device: the CUDA path (not the interpreter's) builds.
     # benchmarks.w4a16 --compile-check does every config and specialization for sm80 and sm90.

@@ -1,0 +1,175 @@
+"""Decode-sized W8A8 GEMMs (M = 1..16 tokens) on LLaMA-7B linears: our int8 GEMM with and without
+split K, FP8 through cuBLASLt, against fp16 cuBLAS.
+
+    python -m benchmarks.cuda_decode                   # on a CUDA GPU: results/cuda_decode.json + RESULTS.md
+    python -m benchmarks.cuda_decode --interpret-smoke # CPU, TRITON_INTERPRET=1, tiny shapes: checks the script
+
+At decode a Linear reads its whole weight for a handful of rows: the time is the weight's bytes over
+the bandwidth the kernel reaches. Columns: ``int8`` = the autotuned int8 GEMM over every candidate
+(split-K ones included) on pre-quantized activations; ``int8 no split`` = the same autotuner over the
+candidates without split K (what ran before it existed); ``int8+q`` adds the per-token activation
+quantization kernel (what a W8A8 Linear launches, unless a fused norm already wrote the codes);
+``fp8`` = ``torch._scaled_mm`` on e4m3 operands with per-token and per-channel scales. GB/s: the
+int8 weight's bytes over the int8 time. Times: medians of triton's do_bench (CUDA events, L2
+flushed between runs, so every weight comes from HBM), the variants of a shape back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("benchmarks.cuda_decode")
+
+FULL = {"tokens": [1, 4, 16], "shapes": [(4096, 4096), (11008, 4096), (4096, 11008)]}
+SMOKE = {"tokens": [1, 3], "shapes": [(40, 96), (24, 160)]}
+
+
+@contextlib.contextmanager
+def _launcher(gemm: Any, split: bool) -> Iterator[None]:
+    """The int8 GEMM's autotuner over all candidates, or over those without split K."""
+    saved = gemm._gemm_tuned
+    if not split and saved is not None:
+        configs = [c for c in gemm.HOPPER_CONFIGS + gemm.AMPERE_CONFIGS if c.kwargs.get("SPLIT_K", 1) == 1]
+        gemm._gemm_tuned = gemm.tuned_gemm(configs)
+    try:
+        yield
+    finally:
+        gemm._gemm_tuned = saved
+
+
+def _chosen(gemm: Any, m: int, n: int, k: int) -> str:
+    """The tile the autotuner settled on for this shape (``BMxBNxBK sS wW splitN``)."""
+    tuned = gemm._gemm_tuned
+    if tuned is None:
+        return "fixed (interpreter)"
+    for key, cfg in getattr(tuned, "cache", {}).items():
+        if tuple(key[:3]) == (gemm.m_bucket(m), n, k):
+            kw = cfg.kwargs
+            return (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} s{cfg.num_stages} w{cfg.num_warps}"
+                    f" split{kw.get('SPLIT_K', 1)}")
+    return "?"
+
+
+def _row(m: int, n: int, k: int, timer: Callable[[Callable[[], Any]], float], dev: torch.device,
+         g: torch.Generator) -> dict[str, Any]:
+    from quantization.lowering.fp8 import fp8_gemm
+    from quantization.lowering.kernels import load
+
+    gemm, quant = load("gemm"), load("quant")
+    # the interpreter has no autotuner: fixed tiles, split and not, still check the script's paths
+    split_cfg = None if dev.type == "cuda" else gemm.GemmConfig(16, 16, 16, split_k=2)
+    plain_cfg = None if dev.type == "cuda" else gemm.GemmConfig(16, 16, 16)
+    x = torch.randn(m, k, generator=g).to(dev).half()
+    w = (torch.randn(n, k, generator=g) * 0.02).to(dev)
+    sw = (w.abs().amax(1) / 127).clamp(min=1e-8)
+    wq = torch.round(w / sw[:, None]).clamp(-128, 127).to(torch.int8)
+    w16 = w.half()
+    xq, sx = quant.quantize_per_token(x)
+
+    def int8(cfg: Any = split_cfg) -> torch.Tensor:
+        return gemm.int8_gemm(xq, wq, a_scale=sx, b_scale=sw, out_dtype=torch.float16, config=cfg)
+
+    def int8_q() -> torch.Tensor:
+        q, s = quant.quantize_per_token(x)
+        return gemm.int8_gemm(q, wq, a_scale=s, b_scale=sw, out_dtype=torch.float16, config=split_cfg)
+
+    row: dict[str, Any] = {"M": m, "N": n, "K": k}
+    with _launcher(gemm, split=False):
+        y_plain = int8(plain_cfg)
+        row["int8_nosplit_ms"] = timer(lambda: int8(plain_cfg))
+        row["nosplit_config"] = _chosen(gemm, m, n, k)
+    y = int8()
+    row["int8_ms"] = timer(int8)
+    row["int8_q_ms"] = timer(int8_q)
+    row["config"] = _chosen(gemm, m, n, k)
+    # integer sums are exact, so any split gives the unsplit kernel's output bit for bit
+    row["split_bit_exact"] = bool(torch.equal(y, y_plain))
+    row["fp16_ms"] = timer(lambda: F.linear(x, w16))
+    if dev.type == "cuda":
+        wf8 = (w / sw[:, None]).to(torch.float8_e4m3fn)
+        xf8, sxf = quant.quantize_per_token(x, fp8=True)
+        row["fp8_ms"] = timer(lambda: fp8_gemm(xf8, wf8, a_scale=sxf, b_scale=sw, out_dtype=torch.float16))
+    row["int8_GBps"] = n * k / row["int8_ms"] / 1e6
+    row["speedup"] = row["fp16_ms"] / row["int8_ms"]
+    row["speedup_q"] = row["fp16_ms"] / row["int8_q_ms"]
+    row["split_gain"] = row["int8_nosplit_ms"] / row["int8_ms"]
+    log.info("M=%d %dx%d: fp16 %.4f ms, int8 %.4f ms (%s, %.0f GB/s), no split %.4f ms, +q %.4f ms", m, n, k,
+             row["fp16_ms"], row["int8_ms"], row["config"], row["int8_GBps"], row["int8_nosplit_ms"], row["int8_q_ms"])
+    return row
+
+
+def _markdown(data: dict[str, Any]) -> str:
+    from benchmarks._results import table
+
+    return "\n".join([
+        "## Decode-sized W8A8 GEMMs: split K, fp8, fp16 (`python -m benchmarks.cuda_decode`)\n",
+        f"GPU: {data['gpu']}. LLaMA-7B linears at M = 1, 4, 16 tokens; int8 weights per channel, activations "
+        "per token. `int8`: our autotuned GEMM (split-K candidates included), `int8_nosplit`: the same "
+        "autotuner without them, `int8_q`: plus the per-token quantization kernel, `fp8`: torch._scaled_mm. "
+        "Medians of do_bench with L2 flushed (weights from HBM); speedup = fp16 ms / int8 ms; GB/s = int8 "
+        "weight bytes / int8 time; `split_bit_exact`: the split kernel's output equals the unsplit one's.\n",
+        table(data["rows"], ["M", "N", "K", "fp16_ms", "int8_ms", "int8_nosplit_ms", "int8_q_ms", "fp8_ms", "speedup",
+                             "speedup_q", "split_gain", "int8_GBps", "config", "nosplit_config", "split_bit_exact"]),
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cuda_decode", description=__doc__.splitlines()[0])
+    ap.add_argument("--interpret-smoke", action="store_true", help="CPU under TRITON_INTERPRET=1, tiny shapes")
+    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.interpret_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported: jit decides then
+    elif not torch.cuda.is_available():
+        print("benchmarks.cuda_decode: needs a CUDA GPU (none found); --interpret-smoke checks the script on CPU",
+              file=sys.stderr)
+        return 2
+    from quantization.lowering.kernels import triton_available
+
+    if not triton_available():
+        print("benchmarks.cuda_decode: needs Triton: pip install -e '.[triton]'", file=sys.stderr)
+        return 2
+    cuda = not args.interpret_smoke
+    dev = torch.device("cuda" if cuda else "cpu")
+    plan = SMOKE if args.interpret_smoke else FULL
+
+    def timer(fn: Callable[[], Any]) -> float:
+        if cuda:
+            from triton.testing import do_bench
+
+            return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    g = torch.Generator().manual_seed(0)
+    rows = [_row(m, n, k, timer, dev, g) for n, k in plan["shapes"] for m in plan["tokens"]]
+    data = {"gpu": torch.cuda.get_device_name(0) if cuda else "cpu (TRITON_INTERPRET smoke)", "rows": rows}
+    if args.json is not None:
+        import json
+
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(data, indent=2))
+    if cuda:  # smoke timings are the interpreter's: never written over measured results
+        from benchmarks._results import write_section
+
+        write_section("cuda_decode", _markdown(data), data)
+    else:
+        print(_markdown(data))
+    return 0 if all(r["split_bit_exact"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
