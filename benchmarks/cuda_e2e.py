@@ -329,6 +329,18 @@ def _convert_checked(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.
     return model, {"converted": kinds, "float": reasons}
 
 
+def _tuned_tiles() -> dict[str, str]:
+    """The int8 GEMM tile the autotuner chose per (M bucket, N, K) so far: which decode shapes split K."""
+    gemm = sys.modules.get("quantization.lowering.kernels.gemm")
+    tuned = getattr(gemm, "_gemm_tuned", None)
+    out = {}
+    for key, cfg in getattr(tuned, "cache", {}).items():
+        kw = cfg.kwargs
+        out[f"M<={key[0]} N={key[1]} K={key[2]}"] = (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} s{cfg.num_stages} "
+                                                 f"w{cfg.num_warps} split{kw.get('SPLIT_K', 1)}")
+    return out
+
+
 def _markdown(data: dict[str, Any]) -> str:
     from benchmarks._results import table
 
@@ -472,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             log.error("%s failed: %s", part, traceback.format_exc())
             data["errors"].append(f"{part}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
         data["rows"] += [{**r, "part": part, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime())} for r in rows]
+        data.setdefault("int8_tiles", {}).update(_tuned_tiles())
         if cuda:
             torch.cuda.empty_cache()
             _write(data, args.json)  # after each model: a run stopped by its time limit keeps what it measured
