@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -172,8 +171,6 @@ def compile_variant(arch: int, cfg: Any, x: str = "fp16", **flags: Any) -> dict[
            "stages": cfg.num_stages, "warps": cfg.num_warps, "x": x, "flags": dict(flags),
            "shared_bytes": int(kern.metadata.shared), "cubin_bytes": len(kern.asm["cubin"]),
            "vector_loads": kern.asm["ptx"].count("ld.global.v4") + kern.asm["ptx"].count("cp.async.cg"),
-           # int -> float conversions run at a quarter of the ALU rate on sm80/sm90: none per weight
-           "int_to_float_cvts": len(re.findall(r"cvt\.rn\.f(?:16|32)\.[su](?:8|16|32)", kern.asm["ptx"])),
            "seconds": time.perf_counter() - t0}
     log.info("%s %s split%d s%d w%d %s %s: %d B shared", row["arch"], row["tile"], cfg.split_k, cfg.num_stages,
              cfg.num_warps, x, row["flags"], row["shared_bytes"])

@@ -95,18 +95,6 @@ def _as_act(w, X_KIND: tl.constexpr, INTERP_BF16: tl.constexpr):
 
 
 @triton.jit
-def _code_diff(u, z):
-    """float32 ``u - z`` of 4-bit codes and zero points (int32, 0 <= both < 2**23), exactly, without
-    an int -> float conversion per weight.
-
-    ``bits(2**23) | v`` is the float ``2**23 + v``; the difference of two such floats is exact. The
-    conversion instruction runs at 16 per clock per SM on Hopper (a quarter of the other ALU ops) and
-    was the kernel's limit at decode: the weight streams at ~0.6-0.9 of 4.8 TB/s while each element
-    waited on it."""
-    return (u | 0x4B000000).to(tl.float32, bitcast=True) - (z | 0x4B000000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _feature_qparams(s_ptr, z_ptr, g_ptr, rows, kk, K, GROUP_SIZE, ZP_CONST, stride_sn, stride_sg, stride_zn,
                      stride_zg, HAS_ZP: tl.constexpr, HAS_GIDX: tl.constexpr):
     """Scale ``[rows, kk]`` and zero point of each (row, feature): the feature's group is act_order's
@@ -189,9 +177,8 @@ def _w4a16_kernel(
         else:
             xe = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
             xo = tl.load(x_ptrs + stride_xk, mask=in_k[None, :], other=0.0)
-        wb32 = wb.to(tl.int32)
-        lo = wb32 & 0xF  # [BLOCK_N, BLOCK_K/2]
-        hi = wb32 >> 4
+        lo = (wb & 0xF).to(tl.int32)  # [BLOCK_N, BLOCK_K/2]
+        hi = (wb >> 4).to(tl.int32)
         if TILE_IN_GROUP:
             g = k0 // GROUP_SIZE
             s = tl.load(s_ptr + rbn * stride_sn + g * stride_sg)[:, None]
@@ -199,15 +186,15 @@ def _w4a16_kernel(
                 z = tl.load(z_ptr + rbn * stride_zn + g * stride_zg).to(tl.int32)[:, None]
             else:
                 z = ZP_CONST
-            we = _code_diff(lo, z) * s  # float32, as the fake quantizer computes it
-            wo = _code_diff(hi, z) * s
+            we = (lo - z).to(tl.float32) * s  # float32, as the fake quantizer computes it
+            wo = (hi - z).to(tl.float32) * s
         else:
             se, ze = _feature_qparams(s_ptr, z_ptr, g_ptr, rbn, k0 + 2 * rb, K, GROUP_SIZE, ZP_CONST, stride_sn,
                                       stride_sg, stride_zn, stride_zg, HAS_ZP, HAS_GIDX)
             so, zo = _feature_qparams(s_ptr, z_ptr, g_ptr, rbn, k0 + 2 * rb + 1, K, GROUP_SIZE, ZP_CONST, stride_sn,
                                       stride_sg, stride_zn, stride_zg, HAS_ZP, HAS_GIDX)
-            we = _code_diff(lo, ze) * se
-            wo = _code_diff(hi, zo) * so
+            we = (lo - ze).to(tl.float32) * se
+            wo = (hi - zo).to(tl.float32) * so
         if DOT:
             if X_KIND == 0:
                 acc = tl.dot(xe, tl.trans(we), acc, input_precision="ieee")
@@ -287,9 +274,8 @@ def _dequant_kernel(
                                   stride_zn, stride_zg, HAS_ZP, HAS_GIDX)
         so, zo = _feature_qparams(s_ptr, z_ptr, g_ptr, rows, 2 * rb + 1, K, GROUP_SIZE, ZP_CONST, stride_sn,
                                   stride_sg, stride_zn, stride_zg, HAS_ZP, HAS_GIDX)
-    wb32 = wb.to(tl.int32)
-    we = _as_act(_code_diff(wb32 & 0xF, ze) * se, X_KIND, INTERP_BF16)
-    wo = _as_act(_code_diff(wb32 >> 4, zo) * so, X_KIND, INTERP_BF16)
+    we = _as_act(((wb & 0xF).to(tl.int32) - ze).to(tl.float32) * se, X_KIND, INTERP_BF16)
+    wo = _as_act(((wb >> 4).to(tl.int32) - zo).to(tl.float32) * so, X_KIND, INTERP_BF16)
     # features 2b, 2b + 1 side by side: one contiguous row segment per tile row
     w = tl.interleave(we, wo).to(out_ptr.dtype.element_ty)
     rk = k0 + tl.arange(0, BLOCK_K)
