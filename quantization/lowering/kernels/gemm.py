@@ -357,7 +357,9 @@ def int8_gemm(
 # one stream share it; GEMMs on different streams get their own (they may overlap in time).
 _WORKSPACE: dict[tuple[str, int], torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
-_WORKSPACE_MIN = 1 << 20
+# 1 MB: decode at M <= 16 up to N = 16K fits; a buffer first needed inside a graph capture is zeroed
+# by a memset the graph then replays, so it stays small
+_WORKSPACE_MIN = 1 << 18
 
 
 def split_workspace(dev: torch.device, numel: int) -> torch.Tensor:
