@@ -153,7 +153,7 @@ def compile_variant(arch: int, cfg: Any, x: str = "fp16", **flags: Any) -> dict[
     const = {"HAS_ZP": True, "HAS_GIDX": False, "HAS_BIAS": True, "ACT": 0, "X_KIND": {"fp16": 1, "bf16": 2}[x],
              "INTERP_BF16": False, "DOT": cfg.block_m >= 16, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
              "BLOCK_K": cfg.block_k, "SPLIT": cfg.split_k > 1, "EVEN_K": True, "TILE_IN_GROUP": True,
-             "ACC3": cfg.acc3 and cfg.block_m < 16, "PREFETCH": cfg.prefetch, **flags}
+             "ACC3": cfg.acc3 and cfg.block_m < 16, "PREFETCH": cfg.prefetch, "TILE_GROUPS": 1, **flags}
     ptrs = {"x_ptr": f"*{x}", "w_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8", "g_ptr": "*i32",
             "bias_ptr": "*fp32", "y_ptr": f"*{x}", "ws_ptr": "*fp32"}
     sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
@@ -193,7 +193,7 @@ def compile_check() -> list[dict[str, Any]]:
     rows = [compile_variant(90, c) for c in cfgs]
     variants: list[dict[str, Any]] = [
         {"HAS_ZP": False}, {"TILE_IN_GROUP": False}, {"TILE_IN_GROUP": False, "HAS_GIDX": True, "EVEN_K": False},
-        {"ACT": 2},
+        {"ACT": 2}, {"TILE_IN_GROUP": False, "TILE_GROUPS": 2},
     ]
     for cfg in (cfgs[0], cfgs[3]):
         for arch in (80, 90):

@@ -113,6 +113,14 @@ def _feature_qparams(s_ptr, z_ptr, g_ptr, rows, kk, K, GROUP_SIZE, ZP_CONST, str
 
 
 @triton.jit
+def _per_group(v, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUPS: tl.constexpr):
+    """``[BLOCK_N, TILE_GROUPS]`` per-group values spread over the tile's ``BLOCK_K / 2`` bytes (byte b
+    holds features 2b, 2b + 1, both in group ``2b // group``)."""
+    v3 = tl.broadcast_to(v[:, :, None], (BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS // 2))
+    return tl.reshape(v3, (BLOCK_N, BLOCK_K // 2))
+
+
+@triton.jit
 def _finish(y, rn, bias_ptr, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, INTERP_BF16: tl.constexpr):
     """Bias and activation on float32 ``y`` (columns ``rn``): what is stored, before its cast."""
     y = bias_activation(y, rn, N, bias_ptr, HAS_BIAS, ACT)
@@ -131,6 +139,7 @@ def _w4a16_kernel(
     X_KIND: tl.constexpr, INTERP_BF16: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, ACC3: tl.constexpr, PREFETCH: tl.constexpr,
+    TILE_GROUPS: tl.constexpr = 1,
 ):
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m = tl.program_id(0) // num_pid_n
@@ -187,6 +196,19 @@ def _w4a16_kernel(
             else:
                 z = ZP_CONST
             we = (lo - z).to(tl.float32) * s  # float32, as the fake quantizer computes it
+            wo = (hi - z).to(tl.float32) * s
+        elif TILE_GROUPS > 1:
+            # a K-tile TILE_GROUPS groups deep (a power-of-two group): one scale per (row, group),
+            # broadcast over the group's bytes; groups past K re-read the last one (their x is masked)
+            gi = tl.minimum(k0 // GROUP_SIZE + tl.arange(0, TILE_GROUPS), (K - 1) // GROUP_SIZE)
+            s = _per_group(tl.load(s_ptr + rbn[:, None] * stride_sn + gi[None, :] * stride_sg), BLOCK_N, BLOCK_K,
+                           TILE_GROUPS)
+            if HAS_ZP:
+                z = _per_group(tl.load(z_ptr + rbn[:, None] * stride_zn + gi[None, :] * stride_zg).to(tl.int32),
+                               BLOCK_N, BLOCK_K, TILE_GROUPS)
+            else:
+                z = ZP_CONST
+            we = (lo - z).to(tl.float32) * s
             wo = (hi - z).to(tl.float32) * s
         else:
             se, ze = _feature_qparams(s_ptr, z_ptr, g_ptr, rbn, k0 + 2 * rb, K, GROUP_SIZE, ZP_CONST, stride_sn,
@@ -348,6 +370,8 @@ def _launch_fused(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: 
     tiles_per_split = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, tiles_per_split)  # no empty splits
     ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else out
+    tile_in_group = wt.g_idx is None and wt.group_size % c.block_k == 0
+    tile_groups = multi_group_tile(c.block_k, wt.group_size) if wt.g_idx is None and not tile_in_group else 1
     flags = {
         "HAS_ZP": wt.zp is not None, "HAS_GIDX": wt.g_idx is not None, "HAS_BIAS": bias is not None, "ACT": act,
         "X_KIND": _X_KIND[x.dtype], "INTERP_BF16": INTERPRETED and x.dtype == torch.bfloat16,
@@ -358,7 +382,7 @@ def _launch_fused(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: 
         m, n, k, wt.group_size, 8, tiles_per_split,
         x.stride(0), x.stride(1), *wt.stride_args(), out.stride(0), out.stride(1),
         **flags, DOT=c.block_m >= 16, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT=split > 1,
-        EVEN_K=k % c.block_k == 0, TILE_IN_GROUP=wt.g_idx is None and wt.group_size % c.block_k == 0,
+        EVEN_K=k % c.block_k == 0, TILE_IN_GROUP=tile_in_group, TILE_GROUPS=tile_groups,
         ACC3=c.acc3 and c.block_m < 16, PREFETCH=c.prefetch, num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if split > 1:
@@ -367,6 +391,14 @@ def _launch_fused(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: 
             ws, bias if bias is not None else wt.scale, out, m, n, out.stride(0), out.stride(1),
             SPLIT_K=split, HAS_BIAS=bias is not None, ACT=act, INTERP_BF16=flags["INTERP_BF16"], BLOCK=block,
         )
+
+
+def multi_group_tile(block_k: int, group_size: int) -> int:
+    """How many whole groups a K-tile of ``block_k`` spans when it can take their scales as one
+    ``[rows, groups]`` load (power-of-two group, tile a multiple of it), else 1 (per-feature scales)."""
+    if group_size >= 2 and group_size & (group_size - 1) == 0 and block_k > group_size and block_k % group_size == 0:
+        return block_k // group_size
+    return 1
 
 
 def _sm_count() -> int:
@@ -382,13 +414,18 @@ def _candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool)
     # MMA tile is mostly padding; tensor cores always (at 1..4 rows they won on an H100). Variants
     # that never won there at these sizes are not timed (halves the first-use tuning): CUDA-core
     # tiles accumulate elementwise and prefetch; 16/32-row MMA tiles prefetch.
+    # Decode also gets K-tiles several groups deep (one [rows, groups] scale load per tile): a
+    # tile one group deep is 64 bytes per row at g128, too little weight in flight per SM
+    deep = [bk for bk in (256, 512) if tile_in_group_ok and multi_group_tile(bk, group_size) > 1 and k % bk == 0]
     tiles: list[tuple[int, int, int, list[tuple[bool, bool]]]] = []
     if m <= 4:
         bm = triton.next_power_of_2(m)
-        tiles += [(bm, bn, bk, [(True, True)]) for bn in (32, 64, 128) for bk in bks if bm * bn * bk <= 16384]
+        tiles += [(bm, bn, bk, [(True, True)]) for bn in (32, 64, 128) for bk in bks + deep if bm * bn * bk <= 16384]
     bm = max(16, min(triton.next_power_of_2(m), 128))
     mma = [(False, True)] if bm <= 32 else [(False, False), (False, True)]
     tiles += [(bm, bn, bk, mma) for bn in (32, 64, 128) for bk in bks if bk <= 128]
+    if bm == 16:
+        tiles += [(bm, bn, bk, mma) for bn in (32, 64) for bk in deep if bk == 256]
     for bm, bn, bk, variants in tiles:
         programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         k_tiles = triton.cdiv(k, bk)

@@ -146,11 +146,13 @@ def test_w4a16_kernel_compiles_for_hopper_without_a_gpu() -> None:
         row = compile_variant(90, W4Config(1, 32, 128, split_k=8, acc3=True, prefetch=True), "bf16", TILE_IN_GROUP=False,
                               HAS_GIDX=True, EVEN_K=False)
         fast = compile_variant(90, W4Config(16, 64, 128, split_k=4, prefetch=True))
-        print("OK", row["cubin_bytes"] > 0, fast["vector_loads"] > 0)
+        deep = compile_variant(90, W4Config(1, 64, 256, split_k=8, acc3=True, prefetch=True), TILE_IN_GROUP=False,
+                               TILE_GROUPS=2)
+        print("OK", row["cubin_bytes"] > 0, fast["vector_loads"] > 0, deep["vector_loads"] > 0)
         """
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "OK True True" in r.stdout  # and the weight tiles load 16 bytes at a time
+    assert "OK True True True" in r.stdout  # and the weight tiles load 16 bytes at a time, deep tiles too
 
 
 def test_gpu_check_script_parses_and_refuses_unknown_steps(tmp_path: Path) -> None:

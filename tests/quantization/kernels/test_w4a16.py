@@ -26,6 +26,9 @@ CONFIGS = {
     "cuda-cores-split3": W4Config(4, 16, 32, split_k=3),
     "cuda-cores-acc3-prefetch": W4Config(2, 16, 32, split_k=2, acc3=True, prefetch=True),
     "dot-split2-prefetch": W4Config(16, 32, 32, split_k=2, prefetch=True),
+    # K-tiles spanning several groups (64 features: four groups of 16, two of 32, one of 64 in SHAPES)
+    "cuda-cores-multigroup": W4Config(2, 16, 64, split_k=2, acc3=True, prefetch=True),
+    "dot-multigroup": W4Config(16, 16, 64, prefetch=True),
 }
 
 
