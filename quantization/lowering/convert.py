@@ -25,6 +25,7 @@ from torch import nn
 from compress.core.errors import RecipeError, UnsupportedModelError, did_you_mean
 from quantization.algorithms.bn_fold import sequential_pairs
 from quantization.lowering.fp8 import FP8Linear
+from quantization.lowering.horizontal import track_readers
 from quantization.lowering.int4 import is_int4_weight_only
 from quantization.lowering.int8 import Int8Conv2d, Int8Linear, StaticQDQ
 from quantization.lowering.kernels import require_triton
@@ -148,7 +149,7 @@ def _float_inputs(example: Any, dtype: torch.dtype) -> Any:
 def convert_with_report(
     model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True,
     speed_check: Any = None, speed_dtype: torch.dtype = torch.float16,
-    speed_timer: Callable[..., tuple[float, float]] | None = None, placed: str = "drop",
+    speed_timer: Callable[..., tuple[float, float]] | None = None, placed: str = "drop", horizontal: bool = True,
 ) -> tuple[nn.Module, list[LayerConversion]]:
     """:func:`convert`, also returning what happened to each quantized module.
 
@@ -166,6 +167,9 @@ def convert_with_report(
     default). With nothing left to place, the placement's per-op interception is removed too, so the
     model runs without it eagerly and traces in one graph under torch.compile; a ``fuse`` model keeps
     the interception, which torch.compile does not run (its placed quantizers would be skipped).
+
+    ``horizontal``: int8 Linears seen reading one tensor (q/k/v, gate/up) run one GEMM over their
+    concatenated weights from the call after (quantization/lowering/horizontal.py; bit-identical).
     """
     if placed not in PLACED:
         raise RecipeError(f"convert: placed='{placed}' unknown; valid: {', '.join(PLACED)}")
@@ -217,6 +221,8 @@ def convert_with_report(
     )
     if shared:
         log.info("convert: %d layers share their input quantization with another reader of the same tensor", shared)
+    if horizontal:
+        track_readers([m for m in root.modules() if isinstance(m, Int8Linear)])
     fused = _fuse_static_quantizers(root, drop=placed == "drop") if _any_converted(report) else 0
     if fused:
         log.info("convert: %d placed activation quantizers %s", fused,
@@ -268,15 +274,18 @@ def _fuse_static_quantizers(root: nn.Module, *, drop: bool = False) -> int:
 
 
 def convert(model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True,
-            speed_check: Any = None, speed_dtype: torch.dtype = torch.float16, placed: str = "drop") -> nn.Module:
+            speed_check: Any = None, speed_dtype: torch.dtype = torch.float16, placed: str = "drop",
+            horizontal: bool = True) -> nn.Module:
     """A copy of the fake-quant ``model`` (or ``model`` itself with ``inplace``) running int8 kernels.
 
     Layers the kernels cannot run stay fake-quant (float) with the reason logged; with
     ``speed_check`` (example inputs on the GPU) layers whose kernel is slower than their float form
     in ``speed_dtype`` at their input shape stay float too; ``placed="drop"`` removes the activation
-    quantizers that only emulate integer ops CUDA runs in float. See :func:`convert_with_report`
+    quantizers that only emulate integer ops CUDA runs in float; ``horizontal`` lets the int8 Linears
+    reading one tensor share one GEMM. See :func:`convert_with_report`
     for the per-layer record. Needs the triton extra; the converted model runs on CUDA (move it with
     ``.cuda()`` before or after converting).
     """
     return convert_with_report(model, backend=backend, inplace=inplace, fuse_activations=fuse_activations,
-                               speed_check=speed_check, speed_dtype=speed_dtype, placed=placed)[0]
+                               speed_check=speed_check, speed_dtype=speed_dtype, placed=placed,
+                               horizontal=horizontal)[0]

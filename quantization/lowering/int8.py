@@ -97,6 +97,8 @@ class _Int8Base(nn.Module):
         self.register_buffer("pre_quant_scale", None if pqs is None else pqs.detach().float().clone())
 
     shared_codes: SharedCodes | None = None
+    reader_tracker: Any = None  # quantization/lowering/horizontal.py: which layers read one tensor
+    horizontal: Any = None  # the HorizontalGemm this layer's weight is a slice of
 
     def input_signature(self) -> tuple[Any, ...]:
         """What determines this layer's input codes: layers with equal signatures reading the same
@@ -196,6 +198,13 @@ class Int8Linear(_Int8Base):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = self._out_dtype(x)
+        if not compiling():
+            if self.reader_tracker is not None:
+                self.reader_tracker.observe(self, x)
+            if self.horizontal is not None:
+                y_slice = self.horizontal.output(self, x)
+                if y_slice is not None:
+                    return self._finish(y_slice)
         lead = x.shape[:-1]
         xq, sa = self._codes(x, x.reshape(-1, self.in_features))
         if compiling():

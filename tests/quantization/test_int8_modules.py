@@ -251,7 +251,7 @@ def test_layers_reading_one_tensor_quantize_it_once(scheme: str, monkeypatch: py
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 96, (2, 8))
     fq = compress.quantize(copy.deepcopy(model), scheme, [{"input_ids": ids}]).eval()
-    conv, _ = convert_with_report(fq)
+    conv, _ = convert_with_report(fq, horizontal=False)  # one GEMM per layer: tests/quantization/test_horizontal.py
     attn, mlp = conv.model.layers[0].self_attn, conv.model.layers[0].mlp
     assert attn.q_proj.shared_codes is attn.k_proj.shared_codes is attn.v_proj.shared_codes is mlp.gate_proj.shared_codes
     quant = load("quant")

@@ -1,0 +1,96 @@
+"""Horizontal fusion: the int8 Linears reading one tensor run one GEMM over their concatenated weights
+(quantization/lowering/horizontal.py), bit-identical to running each alone."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("triton")
+
+
+def _decoder(family: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    import transformers
+
+    torch.manual_seed(0)
+    common = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "vocab_size": 96, "max_position_embeddings": 64}
+    if family == "llama":  # GQA: k/v narrower than q
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, num_key_value_heads=2))
+    elif family == "qwen2":  # q/k/v with biases
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, num_key_value_heads=2))
+    else:
+        cfg = transformers.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, vocab_size=96, max_position_embeddings=64)
+        model = transformers.BertModel(cfg, add_pooling_layer=False)
+    return model.eval(), {"input_ids": torch.randint(0, 96, (2, 8))}
+
+
+def _converted(family: str, horizontal: bool) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    import compress
+    from quantization.lowering.convert import convert_with_report
+
+    model, batch = _decoder(family)
+    fq = compress.quantize(copy.deepcopy(model), "W8A8", [batch]).eval()
+    conv, _ = convert_with_report(fq, horizontal=horizontal)
+    return conv, batch
+
+
+def _out(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    out: Any = model(**batch)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "bert"])
+def test_readers_of_one_tensor_run_one_gemm_with_the_same_bits(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from quantization.lowering.int8 import Int8Linear
+    from quantization.lowering.kernels import load
+
+    fused, batch = _converted(family, horizontal=True)
+    plain, _ = _converted(family, horizontal=False)
+    gemm = load("gemm")
+    widths: list[int] = []
+    real = gemm.int8_gemm
+    monkeypatch.setattr(gemm, "int8_gemm", lambda a, b, **k: widths.append(b.shape[0]) or real(a, b, **k))
+    with torch.no_grad():
+        ref = _out(plain, batch)
+        unfused_calls = len(widths)
+        first = _out(fused, batch)  # the first call runs the layers one by one and learns who reads what
+        assert len(widths) == 2 * unfused_calls
+        widths.clear()
+        second = _out(fused, batch)
+    assert torch.equal(first, ref) and torch.equal(second, ref)
+    # per layer: q/k/v one GEMM, o, the MLP's up (and gate) one GEMM, down (BERT: qkv, o, up, down)
+    per_layer = 4
+    lm_head = 1 if family != "bert" else 0
+    assert len(widths) == 2 * per_layer + lm_head, widths
+    layers: list[Any] = [m for m in fused.modules() if isinstance(m, Int8Linear)]
+    groups = {id(m.horizontal): m.horizontal for m in layers if m.horizontal is not None}
+    assert len(groups) == (4 if family != "bert" else 2)  # BERT's FFN has one Linear per input
+    for g in groups.values():  # the members' weights are views of the concatenated one
+        for m in g.members:
+            a, _ = g.spans[id(m)]
+            assert m.weight_q.data_ptr() == g.weight_q[a:].data_ptr()
+
+
+def test_a_member_given_another_tensor_computes_alone() -> None:
+    fused, batch = _converted("llama", horizontal=True)
+    with torch.no_grad():
+        _out(fused, batch)
+        attn = fused.model.layers[0].self_attn  # type: ignore[attr-defined]
+        assert attn.q_proj.horizontal is attn.k_proj.horizontal is not None
+        x = torch.randn(3, 64)
+        q_then_k = attn.q_proj(x), attn.k_proj(x)
+        k_alone = attn.k_proj(x.clone())  # not the tensor q_proj computed for: its own slice of the weight
+        x.mul_(2)  # in place: the group's product is stale, the layer recomputes
+        k_changed = attn.k_proj(x)
+    assert torch.equal(q_then_k[1], k_alone)
+    assert not torch.equal(k_changed, k_alone)
+    with torch.inference_mode():  # no version counters: every layer computes alone
+        y = attn.k_proj(torch.randn(3, 64))
+    assert y.shape == (3, 32) and y.is_contiguous()
