@@ -37,6 +37,11 @@ class SharedCodes:
         self._src, self._version, self._value = weakref.ref(x), x._version, value
         return value
 
+    def put(self, x: torch.Tensor, value: Any) -> None:
+        """Record ``value`` as the codes of ``x`` (computed elsewhere: a FusedRMSNorm's kernel writes
+        them with ``x``), so that the group's layers reading ``x`` unchanged reuse them."""
+        self._src, self._version, self._value = weakref.ref(x), x._version, value
+
     def clear(self) -> None:
         """Forget the cached codes (frees their memory)."""
         self._src, self._version, self._value = None, -1, None
