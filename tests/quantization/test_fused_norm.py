@@ -26,11 +26,12 @@ from quantization.lowering.fused_norm import FusedRMSNorm, fuse_rmsnorms, prove 
 from quantization.lowering.kernels import load  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 96, "max_position_embeddings": 64}
 
 
-def _converted(arch: str, scheme: str, *, fuse_norms: bool = True, device: str = "cpu") -> tuple[nn.Module, list[Any]]:
+def _converted(arch: str, scheme: str, *, fuse_norms: bool = True, device: str = DEV) -> tuple[nn.Module, list[Any]]:
     cls, cfg = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
                 "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
                 "gemma": (transformers.GemmaForCausalLM, transformers.GemmaConfig)}[arch]
@@ -72,7 +73,7 @@ def test_fused_norms_quantize_for_qkv_and_gate_up(arch: str, scheme: str, spy: _
     # every decoder norm and the final one (which feeds the float lm_head: norm only)
     assert len(norms) == 2 * SMALL["num_hidden_layers"] + 1
     assert all(r.int8_type == "FusedRMSNorm" for r in norms)
-    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(5)).to(DEV)
     with torch.no_grad():
         first = conv(input_ids=ids).logits  # warm-up: the readers claim their norms
         unfused_calls, spy.calls = spy.calls, 0
@@ -179,7 +180,7 @@ def test_fused_norms_on_cuda_in_fp16_and_under_cuda_graphs(scheme: str, spy: _Sp
 
 def test_the_converted_model_deep_copies_with_its_adopted_readers() -> None:
     conv, _ = _converted("llama", "W8A8")
-    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(7)).to(DEV)
     with torch.no_grad():
         conv(input_ids=ids)
         y = conv(input_ids=ids).logits
