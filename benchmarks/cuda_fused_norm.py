@@ -87,11 +87,12 @@ def _llama(spec: dict[str, Any]) -> nn.Module:
 
 
 def bench_decode(spec: dict[str, Any], dev: torch.device) -> list[dict[str, Any]]:
+    from transformers import StaticCache
+
     import compress
     from export.cuda import cast_float_layers
     from quantization.api import QuantizeParams
     from quantization.lowering.convert import convert_with_report
-    from transformers import StaticCache
 
     fp32 = _llama(spec).to(dev)
     calib = [{"input_ids": torch.randint(0, spec["vocab"], (1, 32)).to(dev)}]
@@ -121,8 +122,8 @@ def bench_decode(spec: dict[str, Any], dev: torch.device) -> list[dict[str, Any]
                 outs[k] = m(input_ids=step, past_key_values=cache, use_cache=True,
                             cache_position=pos).last_hidden_state.float()
             if k != "fp32":
-                fns[k] = lambda m=m, cache=cache: m(input_ids=step, past_key_values=cache, use_cache=True,
-                                                    cache_position=pos)
+                fns[k] = lambda m=m, cache=cache, step=step, pos=pos: m(
+                    input_ids=step, past_key_values=cache, use_cache=True, cache_position=pos)
         ms = _time(fns, dev, spec["runs"])
         for k, t in ms.items():
             ref, y = outs["fp32"].flatten(1).double(), outs[k].flatten(1).double()
