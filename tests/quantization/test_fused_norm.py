@@ -188,3 +188,43 @@ def test_the_converted_model_deep_copies_with_its_adopted_readers() -> None:
         assert torch.equal(twin(input_ids=ids).logits, y)
     consumer = twin.model.layers[0].input_layernorm._consumer
     assert consumer is not None and consumer.layer is twin.model.layers[0].self_attn.q_proj
+
+
+def test_readers_that_disagree_one_group_fused_the_other_quantizes_itself(spy: _Spy) -> None:
+    """A norm read by a SmoothQuant-scaled per-token layer (claims it first: its pre-scale goes into the
+    norm's codes) and by a narrow-range one (another quantization: quantizes for itself)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from quantization.lowering.int8 import Int8Linear
+    from quantization.numerics.calibration import calibrate
+    from quantization.numerics.modules import QUANT_LAYERS
+    from quantization.numerics.spec import resolve_scheme
+    from quantization.preparation import calibrate_weight
+
+    def layer(scheme: Any, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        s = resolve_scheme(scheme)
+        q = QUANT_LAYERS[nn.Linear].from_float(nn.Linear(96, 40), s, name="0", weights=s.weights)
+        calibrate_weight(q)
+        calibrate(nn.Sequential(q), [torch.randn(8, 96)])
+        return q.eval()
+
+    smooth = layer("w8a8_dynamic", 1)
+    smooth.input_quantizer.pre_quant_scale = torch.rand(96, generator=torch.Generator().manual_seed(2)) + 0.5
+    a = Int8Linear.from_quant(smooth).to(DEV)
+    b = Int8Linear.from_quant(layer({"preset": "w8a8_dynamic", "inputs": {"narrow_range": True}}, 3)).to(DEV)
+    assert a.input_signature() != b.input_signature() and a.shared_codes is None
+    torch.manual_seed(4)
+    norm = LlamaRMSNorm(96)
+    nn.init.normal_(norm.weight, mean=1.0, std=0.3)
+    fused = FusedRMSNorm.from_module(norm).to(DEV)
+    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(5)).to(DEV)
+    with torch.no_grad():
+        y = fused(x)
+        first = (a(y), b(y))
+        assert spy.calls == 2 and fused.fused and a.shared_codes is not None  # a lone reader got a group of one
+        spy.calls = 0
+        y = fused(x)
+        second = (a(y), b(y))
+    assert spy.calls == 1  # b's own quantization; a's codes (pre-scale included) came from the norm
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
