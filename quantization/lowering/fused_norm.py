@@ -166,8 +166,9 @@ class FusedRMSNorm(nn.Module):
         if compiling():
             return rmsnorm_reference(x, self.weight, self.variance_epsilon)
         c = self._consumer
-        # the codes only where the reader reuses them: SharedCodes shares nothing under autograd
-        if c is None or torch.is_grad_enabled():
+        # the codes only where the reader reuses them: SharedCodes shares nothing under autograd,
+        # nor for torch.inference_mode's tensors (no version counter to check)
+        if c is None or torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             y = load("norm").rmsnorm_quantize(x, self.weight, self.variance_epsilon, codes=False)[0]
             if c is None:
                 setattr(y, _TAG, self)

@@ -228,3 +228,19 @@ def test_readers_that_disagree_one_group_fused_the_other_quantizes_itself(spy: _
         second = (a(y), b(y))
     assert spy.calls == 1  # b's own quantization; a's codes (pre-scale included) came from the norm
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+@pytest.mark.parametrize("fuse_norms", [False, True])
+def test_converted_decoder_runs_under_inference_mode(fuse_norms: bool, spy: _Spy) -> None:
+    # inference tensors have no version counter: shared codes are not reused there (they were read
+    # unconditionally before, and a converted Llama raised under torch.inference_mode)
+    conv, _ = _converted("llama", "W8A8", fuse_norms=fuse_norms)
+    ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(8)).to(DEV)
+    with torch.no_grad():
+        conv(input_ids=ids)
+        ref = conv(input_ids=ids).logits
+    spy.calls = 0
+    with torch.inference_mode():
+        y = conv(input_ids=ids).logits
+    assert spy.calls == 7 * SMALL["num_hidden_layers"]  # every layer quantizes its own input
+    assert torch.equal(y, ref)
