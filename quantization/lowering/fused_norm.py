@@ -93,8 +93,6 @@ def prove(mod: nn.Module, *, rows: int = 8, seed: int = 0) -> str | None:
     if eps is None or not isinstance(w, torch.Tensor):
         return "it has no 1-D weight and eps"
     k = w.numel()
-    if k > load("norm").MAX_K:
-        return f"its rows of {k} exceed the kernel's {load('norm').MAX_K}"
     g = torch.Generator().manual_seed(seed)
     # rows of different magnitudes: a norm that is not scale-free (a missing rsqrt) fails too
     x = torch.randn(rows, k, generator=g) * torch.logspace(-2, 2, rows).reshape(-1, 1)

@@ -2,7 +2,8 @@
 # (Triton kernels annotate only their constexpr parameters; the rest are typed by the JIT.)
 """RMSNorm with the next layer's activation quantization in the same pass.
 
-One program per row reads ``x`` once and writes ``y``, transformers' Llama-family RMSNorm::
+One program per row reads ``x`` once (rows up to 16K elements; longer ones in sweeps) and writes
+``y``, transformers' Llama-family RMSNorm::
 
     h = x.float(); h = h * rsqrt(mean(h^2) + eps); y = weight * h.to(x.dtype)
 
@@ -20,11 +21,8 @@ import triton
 import triton.language as tl
 
 from compress.core.errors import CompressError
-from quantization.lowering.kernels.quant import _FP8_MAX, INTERPRETED, _pre_scale, _store_codes
+from quantization.lowering.kernels.quant import _FP8_MAX, _SINGLE_MAX, INTERPRETED, _pre_scale, _store_codes
 from quantization.lowering.kernels.runtime import check_device
-
-#: rows longer than this do not fit one block in registers (every transformer width that matters does)
-MAX_K = 16384
 
 
 @triton.jit
@@ -39,36 +37,71 @@ def _to(v, dtype: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
+def _norm_y(x_row, w_ptr, offs, mask, rinv, Y_DTYPE: tl.constexpr, X_BF16: tl.constexpr, Y_BF16: tl.constexpr):
+    """y of the columns ``offs``: ``weight * (x * rinv).to(x.dtype)`` in y's dtype."""
+    x = tl.load(x_row + offs, mask=mask, other=0.0)
+    h = x.to(tl.float32) * rinv
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # h.to(x.dtype), then the product widened: exact in float32 for 16-bit operands, so one rounding
+    # to y's dtype, as torch's elementwise multiply does
+    return _to(w * _to(h, x.dtype, X_BF16).to(tl.float32), Y_DTYPE, Y_BF16)
+
+
+@triton.jit
+def _scaled(y, pqs_ptr, offs, mask, HAS_PQS: tl.constexpr):
+    """quant.py's _load_scaled on y: the very same ops (the interpreter's bf16 casts there truncate, here too)."""
+    if HAS_PQS:
+        y = y * tl.load(pqs_ptr + offs, mask=mask, other=0.0).to(y.dtype)
+    return y.to(tl.float32)
+
+
+@triton.jit
 def _rmsnorm_quant_kernel(
     x_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, pqs_ptr, K, stride_xm, stride_ym, stride_qm, eps,
-    QMIN: tl.constexpr, QMAX: tl.constexpr, QEPS: tl.constexpr, BLOCK_K: tl.constexpr,
+    QMIN: tl.constexpr, QMAX: tl.constexpr, QEPS: tl.constexpr, BLOCK_K: tl.constexpr, SINGLE: tl.constexpr,
     CODES: tl.constexpr, HAS_PQS: tl.constexpr, FP8: tl.constexpr, X_BF16: tl.constexpr, Y_BF16: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    y_row = y_ptr + row * stride_ym
+    q_row = q_ptr + row * stride_qm
     cols = tl.arange(0, BLOCK_K)
-    mask = cols < K
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
-    h = x.to(tl.float32)
-    var = tl.math.div_rn(tl.sum(h * h, axis=0), K * 1.0)
-    # sqrt_rn and div_rn: correctly rounded like torch's rsqrt on CPU (the GPU's approximate rsqrt
-    # is up to 2 ulp off); the reduction order still differs from torch's, hence a float tolerance
-    h = h * tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    # h.to(x.dtype), then the product widened: exact in float32 for 16-bit operands, so one rounding
-    # to y's dtype, as torch's elementwise multiply does
-    y = _to(w * _to(h, x.dtype, X_BF16).to(tl.float32), y_ptr.dtype.element_ty, Y_BF16)
-    tl.store(y_ptr + row * stride_ym + cols, y, mask=mask)
-    if CODES:
-        v = y
-        if HAS_PQS:  # quant.py's _load_scaled, on the y just stored
-            # (the very ops of quant.py: the interpreter's bf16 casts there truncate, here too)
-            v = v * tl.load(pqs_ptr + cols, mask=mask, other=0.0).to(v.dtype)
-        v = v.to(tl.float32)
-        amax = tl.max(tl.abs(v), axis=0)
-        scale = tl.maximum(tl.math.div_rn(amax, QMAX), QEPS)
-        inv = tl.math.div_rn(1.0, scale)
-        _store_codes(q_ptr + row * stride_qm + cols, v * inv, QMIN, QMAX, mask, FP8)
-        tl.store(scale_ptr + row, scale)
+    if SINGLE:  # the row stays in registers: x read once
+        mask = cols < K
+        h = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        var = tl.math.div_rn(tl.sum(h * h, axis=0), K * 1.0)
+        # sqrt_rn and div_rn: correctly rounded like torch's rsqrt on CPU (the GPU's approximate
+        # rsqrt is up to 2 ulp off); the reduction order still differs from torch's: a float tolerance
+        rinv = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
+        y = _norm_y(x_row, w_ptr, cols, mask, rinv, y_ptr.dtype.element_ty, X_BF16, Y_BF16)
+        tl.store(y_row + cols, y, mask=mask)
+        if CODES:
+            v = _scaled(y, pqs_ptr, cols, mask, HAS_PQS)
+            scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(v), axis=0), QMAX), QEPS)
+            _store_codes(q_row + cols, v * tl.math.div_rn(1.0, scale), QMIN, QMAX, mask, FP8)
+            tl.store(scale_ptr + row, scale)
+    else:  # longer rows: sweeps over x (sum of squares; y and its absmax; the codes from y recomputed)
+        acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            h = tl.load(x_row + cols + k0, mask=cols + k0 < K, other=0.0).to(tl.float32)
+            acc += h * h
+        rinv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(acc, axis=0), K * 1.0) + eps))
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = cols + k0 < K
+            y = _norm_y(x_row, w_ptr, cols + k0, mask, rinv, y_ptr.dtype.element_ty, X_BF16, Y_BF16)
+            tl.store(y_row + cols + k0, y, mask=mask)
+            if CODES:
+                amax = tl.maximum(amax, tl.abs(_scaled(y, pqs_ptr, cols + k0, mask, HAS_PQS)))
+        if CODES:
+            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), QMAX), QEPS)
+            inv = tl.math.div_rn(1.0, scale)
+            for k0 in range(0, K, BLOCK_K):
+                mask = cols + k0 < K
+                y = _norm_y(x_row, w_ptr, cols + k0, mask, rinv, y_ptr.dtype.element_ty, X_BF16, Y_BF16)
+                _store_codes(q_row + cols + k0, _scaled(y, pqs_ptr, cols + k0, mask, HAS_PQS) * inv, QMIN, QMAX,
+                             mask, FP8)
+            tl.store(scale_ptr + row, scale)
 
 
 def rmsnorm_quantize(
@@ -93,8 +126,6 @@ def rmsnorm_quantize(
     k = x.shape[-1] if x.dim() else 0
     if weight.dim() != 1 or weight.numel() != k:
         raise CompressError(f"rmsnorm_quantize: weight of shape {tuple(weight.shape)} for rows of {k}")
-    if k > MAX_K:
-        raise CompressError(f"rmsnorm_quantize: rows of {k} elements; the kernel takes up to {MAX_K}")
     if fp8:
         qmin, qmax = -_FP8_MAX, _FP8_MAX
     elif codes and not -128 <= qmin < 0 < qmax <= 127:
@@ -111,12 +142,13 @@ def rmsnorm_quantize(
         s = torch.empty((m,), dtype=torch.float32, device=x.device)
     pqs = _pre_scale(pre_scale, k, x, "rmsnorm_quantize") if codes else None
     if m and k:
-        block = triton.next_power_of_2(k)
+        single = k <= _SINGLE_MAX
+        block = triton.next_power_of_2(k) if single else 4096
         warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
         _rmsnorm_quant_kernel[(m,)](
             x2, w, y, q if q is not None else y, s if s is not None else y, pqs if pqs is not None else w, k,
             x2.stride(0), y.stride(0), q.stride(0) if q is not None else 0, float(eps),
-            QMIN=float(qmin) if fp8 else qmin, QMAX=float(qmax), QEPS=float(qeps), BLOCK_K=block, CODES=codes,
+            QMIN=float(qmin) if fp8 else qmin, QMAX=float(qmax), QEPS=float(qeps), BLOCK_K=block, SINGLE=single, CODES=codes,
             HAS_PQS=pqs is not None, FP8=fp8, X_BF16=x.dtype == torch.bfloat16, Y_BF16=y.dtype == torch.bfloat16,
             num_warps=warps,
         )

@@ -28,7 +28,7 @@ def _x(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int = 1) -
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(2, 9, 70), (5, 576)], ids=["3d-k70", "2d-k576"])
+@pytest.mark.parametrize("shape", [(2, 9, 70), (5, 576), (3, 17000)], ids=["3d-k70", "2d-k576", "long-rows"])
 def test_norm_matches_transformers_llama_rmsnorm(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> None:
     norm = _norm(shape[-1], dtype, device)
     x = _x(shape, dtype, device)
@@ -48,8 +48,9 @@ def test_norm_matches_transformers_llama_rmsnorm(shape: tuple[int, ...], dtype: 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8"])
 @pytest.mark.parametrize("smooth", [False, True], ids=["plain", "pre_scale"])
-def test_codes_are_quantize_per_token_of_the_output(dtype: torch.dtype, fp8: bool, smooth: bool, device: str) -> None:
-    k = 200
+@pytest.mark.parametrize("k", [200, 17000], ids=["k200", "long-rows"])
+def test_codes_are_quantize_per_token_of_the_output(dtype: torch.dtype, fp8: bool, smooth: bool, k: int,
+                                                    device: str) -> None:
     norm = _norm(k, dtype, device, seed=2)
     x = _x((3, 4, k), dtype, device, seed=3)
     pqs = (torch.rand(k, generator=torch.Generator().manual_seed(4)) * 3 + 0.2).to(device) if smooth else None
