@@ -244,3 +244,16 @@ def test_converted_decoder_runs_under_inference_mode(fuse_norms: bool, spy: _Spy
         y = conv(input_ids=ids).logits
     assert spy.calls == 7 * SMALL["num_hidden_layers"]  # every layer quantizes its own input
     assert torch.equal(y, ref)
+
+
+def test_benchmark_script_interpret_smoke() -> None:
+    # benchmarks/cuda_fused_norm.py runs on a lent GPU only: check here that it runs end to end (tiny widths)
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    r = subprocess.run([sys.executable, "-m", "benchmarks.cuda_fused_norm", "--interpret-smoke"], capture_output=True,
+                       text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "norm rows 2:" in r.stderr and "decode batch 2 W8A8+fused_norms:" in r.stderr
+    assert "3 RMSNorms run as one kernel" in r.stderr
