@@ -224,7 +224,7 @@ def validate_cuda(
     deployed, report = convert_with_report(fq, placed="drop", speed_check=example, speed_dtype=dtype)
     i8_h = cast_float_layers(deployed.to(dev), dtype).eval()
     ref_h = copy.deepcopy(ref32).to(dtype).eval()
-    converted = [r for r in report if r.converted]
+    converted = [r for r in report if r.converted and r.kind == "layer"]
     if not any(r.converted for r in capable):
         raise ExportError("runtime 'cuda': no layer of the model could be converted to int8 kernels")
     models: dict[str, nn.Module] = {"fp32": ref32, **({half: ref_h} if half != "fp32" else {}), "fakequant": fq, "int8": i8_h, "int8_fp32": i8_32}
@@ -289,7 +289,11 @@ def validate_cuda(
         "size": {"int8_bytes": size_i8, "fp32_bytes": size_32, "ratio": size_i8 / max(size_32, 1)},
         "conversion": {
             "int8_layers": len(converted),
-            "float_layers": [{"name": r.name, "type": r.quant_type, "reason": r.reason} for r in report if not r.converted],
+            "float_layers": [{"name": r.name, "type": r.quant_type, "reason": r.reason} for r in report
+                             if not r.converted and r.kind == "layer"],
+            "fused_norms": sum(r.converted for r in report if r.kind == "norm"),
+            "norms_kept": [{"name": r.name, "type": r.quant_type, "reason": r.reason} for r in report
+                           if not r.converted and r.kind == "norm"],
             "fused_activations": {r.name: r.activation for r in converted if r.activation != "none"},
         },
     }

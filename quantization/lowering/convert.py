@@ -25,6 +25,7 @@ from torch import nn
 from compress.core.errors import RecipeError, UnsupportedModelError, did_you_mean
 from quantization.algorithms.bn_fold import sequential_pairs
 from quantization.lowering.fp8 import FP8Linear
+from quantization.lowering.fused_norm import fuse_rmsnorms
 from quantization.lowering.horizontal import track_readers
 from quantization.lowering.int4 import is_int4_weight_only
 from quantization.lowering.int8 import Int8Conv2d, Int8Linear, StaticQDQ
@@ -48,13 +49,17 @@ _LAYERS = (QuantLinear, QuantConv2d, QuantConv1d)
 
 @dataclass(frozen=True)
 class LayerConversion:
-    """What happened to one quantized module: converted to ``int8_type`` or kept float (``reason``)."""
+    """What happened to one quantized module: converted to ``int8_type`` or kept float (``reason``).
+
+    ``kind``: ``"layer"`` for quantized layers, ``"norm"`` for RMSNorms (``int8_type`` FusedRMSNorm:
+    one kernel that also quantizes for its readers; else kept as they are, with the reason)."""
 
     name: str
     quant_type: str
     int8_type: str | None
     activation: str = "none"
     reason: str = ""
+    kind: str = "layer"
 
     @property
     def converted(self) -> bool:
@@ -149,7 +154,8 @@ def _float_inputs(example: Any, dtype: torch.dtype) -> Any:
 def convert_with_report(
     model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True,
     speed_check: Any = None, speed_dtype: torch.dtype = torch.float16,
-    speed_timer: Callable[..., tuple[float, float]] | None = None, placed: str = "drop", horizontal: bool = True,
+    speed_timer: Callable[..., tuple[float, float]] | None = None, placed: str = "drop", fuse_norms: bool | None = None,
+    horizontal: bool = True,
 ) -> tuple[nn.Module, list[LayerConversion]]:
     """:func:`convert`, also returning what happened to each quantized module.
 
@@ -167,6 +173,13 @@ def convert_with_report(
     default). With nothing left to place, the placement's per-op interception is removed too, so the
     model runs without it eagerly and traces in one graph under torch.compile; a ``fuse`` model keeps
     the interception, which torch.compile does not run (its placed quantizers would be skipped).
+
+    ``fuse_norms``: replace each Llama-family RMSNorm (proven equal on a probe input) by a
+    FusedRMSNorm, one kernel that also writes the per-token codes its dynamic int8/fp8 readers would
+    compute (quantization/lowering/fused_norm.py); reported as ``kind="norm"`` rows. The kernel sums
+    in another order than torch (its output may differ by a unit in the last place, and a code then
+    by one step), so the default (None) fuses for deployment (``placed="drop"``) and not for the
+    parity model (``placed="fuse"``, the fake-quant model's exact arithmetic).
 
     ``horizontal``: int8 Linears seen reading one tensor (q/k/v, gate/up) run one GEMM over their
     concatenated weights from the call after (quantization/lowering/horizontal.py; bit-identical).
@@ -221,6 +234,11 @@ def convert_with_report(
     )
     if shared:
         log.info("convert: %d layers share their input quantization with another reader of the same tensor", shared)
+    if (placed == "drop" if fuse_norms is None else fuse_norms) and _any_converted(report):
+        norms = fuse_rmsnorms(root, record=lambda n, t, why: report.append(
+            LayerConversion(n, t, None if why else "FusedRMSNorm", reason=why or "", kind="norm")))
+        if norms:
+            log.info("convert: %d RMSNorms run as one kernel that also quantizes for their readers", norms)
     if horizontal:
         track_readers([m for m in root.modules() if isinstance(m, Int8Linear)])
     fused = _fuse_static_quantizers(root, drop=placed == "drop") if _any_converted(report) else 0
@@ -231,7 +249,7 @@ def convert_with_report(
         # nothing left for the placement to apply: its per-op interception goes too (eager speed;
         # torch.compile traces the model in one graph)
         detach_placement(root)
-    done = sum(r.converted for r in report)
+    done = sum(r.converted for r in report if r.kind == "layer")
     n_layers = sum(r.quant_type in {c.__name__ for c in _LAYERS} for r in report)
     log.info("convert(backend=%s): %d of %d quantized layers now run int8 kernels", backend, done, n_layers)
     if done == 0:
@@ -240,7 +258,7 @@ def convert_with_report(
 
 
 def _any_converted(report: list[LayerConversion]) -> bool:
-    return any(r.converted for r in report)
+    return any(r.converted for r in report if r.kind == "layer")
 
 
 def _placed_left(root: nn.Module) -> bool:
@@ -275,7 +293,7 @@ def _fuse_static_quantizers(root: nn.Module, *, drop: bool = False) -> int:
 
 def convert(model: nn.Module, *, backend: str = "cuda", inplace: bool = False, fuse_activations: bool = True,
             speed_check: Any = None, speed_dtype: torch.dtype = torch.float16, placed: str = "drop",
-            horizontal: bool = True) -> nn.Module:
+            fuse_norms: bool | None = None, horizontal: bool = True) -> nn.Module:
     """A copy of the fake-quant ``model`` (or ``model`` itself with ``inplace``) running int8 kernels.
 
     Layers the kernels cannot run stay fake-quant (float) with the reason logged; with
@@ -288,4 +306,4 @@ def convert(model: nn.Module, *, backend: str = "cuda", inplace: bool = False, f
     """
     return convert_with_report(model, backend=backend, inplace=inplace, fuse_activations=fuse_activations,
                                speed_check=speed_check, speed_dtype=speed_dtype, placed=placed,
-                               horizontal=horizontal)[0]
+                               fuse_norms=fuse_norms, horizontal=horizontal)[0]

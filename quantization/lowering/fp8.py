@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import CompressError, UnsupportedModelError
+from quantization.lowering.fused_norm import claim
 from quantization.lowering.kernels import load
 from quantization.lowering.kernels.ops import compiling, ops
 from quantization.lowering.kernels.ops import register as register_ops
@@ -148,6 +149,8 @@ class FP8Linear(nn.Module):
             raise CompressError(f"FP8Linear: inputs must be float16, bfloat16 or float32 (got {x.dtype})")
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
+        if self.input_mode == "token" and not compiling():  # a FusedRMSNorm's output (fused_norm.py)
+            claim(x, self, qmin=-448, qmax=448, fp8=True)
         if self.shared_codes is not None and not compiling():
             xq, sa = self.shared_codes.get(x, lambda: self._quantize_input(flat))
         else:

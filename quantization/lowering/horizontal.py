@@ -44,10 +44,10 @@ class HorizontalGemm:
     def __init__(self, members: list[Any]) -> None:
         first = members[0]
         self.members = members
-        self.spans: dict[int, tuple[int, int]] = {}
+        self.spans: list[tuple[int, int]] = []  # members[i]'s output columns (a deep copy keeps the order)
         start = 0
         for m in members:
-            self.spans[id(m)] = (start, start + m.out_features)
+            self.spans.append((start, start + m.out_features))
             start += m.out_features
         dev = first.weight_q.device
         self.weight_q = torch.cat([m.weight_q for m in members])
@@ -56,8 +56,7 @@ class HorizontalGemm:
         has_bias = any(m.bias is not None for m in members)
         self.bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, device=dev)
                                for m in members]) if has_bias else None
-        for m in members:  # the members' tensors become views of the concatenated ones
-            a, b = self.spans[id(m)]
+        for m, (a, b) in zip(members, self.spans, strict=True):  # the members' tensors: views of the concatenated ones
             m._buffers["weight_q"] = self.weight_q[a:b]
             m._buffers["weight_scale"] = self.weight_scale[a:b]
             m._buffers["weight_colsum"] = self.weight_colsum[a:b]
@@ -74,7 +73,7 @@ class HorizontalGemm:
         if x.is_inference() or torch.is_grad_enabled():
             return None
         src = self._src() if self._src is not None else None
-        a, b = self.spans[id(member)]
+        a, b = self.span(member)
         if src is x and x._version == self._version and self._out is not None:
             out = self._out
         else:
@@ -90,6 +89,10 @@ class HorizontalGemm:
             out = y.reshape(*lead, y.shape[-1])
             self._src, self._version, self._out = weakref.ref(x), x._version, out
         return out[..., a:b]
+
+    def span(self, member: Any) -> tuple[int, int]:
+        """The output columns of ``member`` in the concatenated product."""
+        return self.spans[next(i for i, m in enumerate(self.members) if m is member)]
 
     def clear(self) -> None:
         """Forget the last product (frees its memory)."""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import CompressError, UnsupportedModelError
+from quantization.lowering.fused_norm import claim
 from quantization.lowering.kernels import ACTIVATIONS, load
 from quantization.lowering.kernels.ops import compiling, ops
 from quantization.lowering.kernels.ops import register as register_ops
@@ -111,7 +112,11 @@ class _Int8Base(nn.Module):
     def _codes(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes of ``flat`` (a view of ``x``), shared with the layers of the same signature
         (under torch.compile the compiler's common-subexpression pass does the sharing)."""
-        if self.shared_codes is None or compiling():
+        if compiling():
+            return self._quantize_input(flat)
+        if self.input_mode == "token":  # a FusedRMSNorm's output: it may quantize for this layer's group
+            claim(x, self, qmin=self.qmin, qmax=self.qmax, fp8=False)
+        if self.shared_codes is None:
             return self._quantize_input(flat)
         return self.shared_codes.get(x, lambda: self._quantize_input(flat))
 

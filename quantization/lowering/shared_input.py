@@ -30,12 +30,24 @@ class SharedCodes:
 
     def get(self, x: torch.Tensor, quantize: Callable[[], Any]) -> Any:
         """The codes of ``x``: reused when ``x`` is the tensor quantized last and unchanged, else ``quantize()``."""
+        if x.is_inference():
+            # torch.inference_mode's tensors have no version counter: an in-place change could not
+            # be seen, so nothing is reused (torch.no_grad shares)
+            return quantize()
         src = self._src() if self._src is not None else None
         if src is x and x._version == self._version and not torch.is_grad_enabled():
             return self._value
         value = quantize()
         self._src, self._version, self._value = weakref.ref(x), x._version, value
         return value
+
+    def put(self, x: torch.Tensor, value: Any) -> None:
+        """Record ``value`` as the codes of ``x`` (computed elsewhere: a FusedRMSNorm's kernel writes
+        them with ``x``), so that the group's layers reading ``x`` unchanged reuse them (not for
+        inference-mode tensors, see :meth:`get`)."""
+        if x.is_inference():
+            return
+        self._src, self._version, self._value = weakref.ref(x), x._version, value
 
     def clear(self) -> None:
         """Forget the cached codes (frees their memory)."""

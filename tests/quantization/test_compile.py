@@ -20,14 +20,18 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _compiled_equals_eager(model: torch.nn.Module, *args: object, fullgraph: bool = True, **kwargs: object) -> None:
+def _compiled_equals_eager(model: torch.nn.Module, *args: object, fullgraph: bool = True, rtol: float = 0.0,
+                           **kwargs: object) -> None:
     torch._dynamo.reset()
     with torch.no_grad():
         ref = model(*args, **kwargs)
         out = torch.compile(model, backend="aot_eager", fullgraph=fullgraph)(*args, **kwargs)
     ref = getattr(ref, "logits", ref)
     out = getattr(out, "logits", out)
-    assert torch.equal(out, ref)
+    if rtol == 0.0:
+        assert torch.equal(out, ref)
+    else:
+        assert (out - ref).abs().max().item() <= rtol * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC", "W4A16"])
@@ -42,7 +46,10 @@ def test_a_converted_transformers_decoder_compiles_in_one_graph(scheme: str) -> 
                       num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
     ids = torch.randint(0, 96, (2, 8))
     fq = compress.quantize(LlamaForCausalLM(cfg).eval(), scheme, [{"input_ids": ids}]).eval()
-    _compiled_equals_eager(convert(fq).to(DEV), input_ids=ids.to(DEV))
+    _compiled_equals_eager(convert(fq, fuse_norms=False).to(DEV), input_ids=ids.to(DEV))
+    # fused RMSNorms (the default) trace too: compiled, they are torch's float math, which sums in
+    # another order than their eager kernel (a unit in the last place; a code may move one step)
+    _compiled_equals_eager(convert(fq).to(DEV), input_ids=ids.to(DEV), rtol=0.02)
 
 
 def test_a_converted_convnet_compiles_in_one_graph() -> None:

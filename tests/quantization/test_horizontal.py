@@ -74,7 +74,7 @@ def test_readers_of_one_tensor_run_one_gemm_with_the_same_bits(family: str, monk
     assert len(groups) == (4 if family != "bert" else 2)  # BERT's FFN has one Linear per input
     for g in groups.values():  # the members' weights are views of the concatenated one
         for m in g.members:
-            a, _ = g.spans[id(m)]
+            a, _ = g.span(m)
             assert m.weight_q.data_ptr() == g.weight_q[a:].data_ptr()
 
 
@@ -90,6 +90,14 @@ def test_a_member_given_another_tensor_computes_alone() -> None:
         x.mul_(2)  # in place: the group's product is stale, the layer recomputes
         k_changed = attn.k_proj(x)
     assert torch.equal(q_then_k[1], k_alone)
+    twin = copy.deepcopy(fused)  # its groups, members and weight views are its own
+    t_attn = twin.model.layers[0].self_attn  # type: ignore[attr-defined]
+    g = t_attn.k_proj.horizontal
+    assert g is not attn.k_proj.horizontal and g.members[1] is t_attn.k_proj
+    assert t_attn.k_proj.weight_q.data_ptr() == g.weight_q[g.span(t_attn.k_proj)[0]:].data_ptr()
+    with torch.no_grad():
+        _out(twin, batch)
+        assert torch.equal(_out(twin, batch), _out(fused, batch))
     assert not torch.equal(k_changed, k_alone)
     with torch.inference_mode():  # no version counters: every layer computes alone
         y = attn.k_proj(torch.randn(3, 64))

@@ -68,7 +68,7 @@ _MODULES: dict[str, ModuleType] = {}
 
 
 def load(name: str) -> ModuleType:
-    """The kernel module ``name`` (``gemm``, ``quant``, ``conv`` or ``w4a16``), importing Triton on first use."""
+    """The kernel module ``name`` (``gemm``, ``quant``, ``conv``, ``w4a16`` or ``norm``), importing Triton on first use."""
     require_triton()
     if name not in _MODULES:
         if name != "gemm":
