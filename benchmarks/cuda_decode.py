@@ -89,8 +89,8 @@ def _row(m: int, n: int, k: int, dev: torch.device, g: torch.Generator) -> dict[
         gemm.int8_gemm(xq, wq, a_scale=sx, b_scale=sw, out_dtype=torch.float16)
         chosen = _tuned_config(gemm, m, n, k)
     else:  # the interpreter has no autotuner: fixed tiles, split and not, still check the script's paths
-        split_cfg = chosen = gemm.GemmConfig(16, 16, 16, split_k=2)
-        plain_cfg = gemm.GemmConfig(16, 16, 16)
+        split_cfg = chosen = gemm.GemmConfig(16, 16, 32, split_k=2)
+        plain_cfg = gemm.GemmConfig(16, 16, 32)
 
     def int8(b: torch.Tensor, cfg: Any = split_cfg, q: bool = False) -> torch.Tensor:
         a, s = quant.quantize_per_token(x) if q else (xq, sx)

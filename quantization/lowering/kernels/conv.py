@@ -31,11 +31,16 @@ from quantization.lowering.kernels.gemm import (
     grouped_tile,
     int8_gemm,
     m_bucket,
-    tile_config,
 )
 from quantization.lowering.kernels.runtime import ACTIVATIONS, check_device
 
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
+
+
+def tile_config(bm: int, bn: int, bk: int, stages: int, warps: int, group: int = 8) -> triton.Config:
+    """One implicit-GEMM tile for the autotuner (the conv kernel has no split K: its M is large)."""
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+                         num_stages=stages, num_warps=warps)
 
 CONV_CONFIGS = [
     tile_config(128, 128, 64, 4, 4),

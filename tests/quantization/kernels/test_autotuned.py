@@ -49,6 +49,17 @@ def test_autotuned_gemm_path(m: int, interpret_only: None, monkeypatch: pytest.M
     assert len(tuned.cache) == 1
 
 
+def test_every_tuning_config_names_only_its_kernels_parameters() -> None:
+    # the interpreter ignores unknown launch keywords; the GPU's launcher refuses them (a GEMM-only
+    # SPLIT_K in the conv kernel's configs failed every int8 conv on the device, not here)
+    gemm, conv = load("gemm"), load("conv")
+    for kernel, configs in ((gemm._gemm_kernel, gemm.HOPPER_CONFIGS + gemm.AMPERE_CONFIGS),
+                            (conv._conv_kernel, conv.CONV_CONFIGS)):
+        params = set(kernel.arg_names)
+        for c in configs:
+            assert set(c.kwargs) <= params, (kernel.__name__, sorted(set(c.kwargs) - params))
+
+
 def test_autotuned_conv_path(interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
     conv = load("conv")
     configs = [conv.tile_config(32, 16, 32, 1, 4, group=2), conv.tile_config(16, 32, 32, 1, 4, group=2)]

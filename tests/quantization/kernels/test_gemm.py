@@ -35,8 +35,9 @@ def test_int32_accumulation_is_exact(mnk: tuple[int, int, int], tile: GemmConfig
 
 @pytest.mark.parametrize("split", [2, 3, 8])
 def test_split_k_is_exact_and_leaves_its_workspace_zeroed(split: int, device: str) -> None:
-    # K-tiles 5 (70 / 16): splits of 2 and 3 tiles, and 8 splits of which three are empty; M > one
-    # row tile; run twice, as a replayed decode step would, with the bias and per-token epilogue
+    # K-tiles 3 (70 / 32; int8 MMA needs K-tiles of 32): splits of 2 tiles and 1, 3 of one tile, and
+    # 8 of which five are empty; M > one row tile; run twice, as a replayed decode step would, with
+    # the bias and per-token epilogue
     from quantization.lowering.kernels import load
 
     gemm = load("gemm")
@@ -45,10 +46,10 @@ def test_split_k_is_exact_and_leaves_its_workspace_zeroed(split: int, device: st
     a, b = _ints(m, k, g=g), _ints(n, k, g=g)
     sa, sb, bias = torch.rand(m, generator=g) + 0.5, torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g)
     whole = int8_gemm(a.to(device), b.to(device), a_scale=sa, b_scale=sb, bias=bias, out_dtype=torch.float32,
-                      config=GemmConfig(16, 16, 16, group_m=2))
+                      config=GemmConfig(16, 16, 32, group_m=2))
     for _ in range(2):
         y = int8_gemm(a.to(device), b.to(device), a_scale=sa, b_scale=sb, bias=bias, out_dtype=torch.float32,
-                      config=GemmConfig(16, 16, 16, group_m=2, split_k=split))
+                      config=GemmConfig(16, 16, 32, group_m=2, split_k=split))
         torch.testing.assert_close(y, whole, atol=0, rtol=0)
         ws = gemm.split_workspace(torch.device(device), m * n + 4 * 3)
         assert int(ws.abs().sum()) == 0
