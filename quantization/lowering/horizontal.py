@@ -42,30 +42,41 @@ class HorizontalGemm:
     """The concatenated weights of several Int8Linears reading one tensor, and the last product."""
 
     def __init__(self, members: list[Any]) -> None:
-        first = members[0]
         self.members = members
         self.spans: list[tuple[int, int]] = []  # members[i]'s output columns (a deep copy keeps the order)
         start = 0
         for m in members:
             self.spans.append((start, start + m.out_features))
             start += m.out_features
-        dev = first.weight_q.device
-        self.weight_q = torch.cat([m.weight_q for m in members])
-        self.weight_scale = torch.cat([m.weight_scale for m in members])
-        self.weight_colsum = torch.cat([m.weight_colsum for m in members])
-        has_bias = any(m.bias is not None for m in members)
-        self.bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, device=dev)
-                               for m in members]) if has_bias else None
-        for m, (a, b) in zip(members, self.spans, strict=True):  # the members' tensors: views of the concatenated ones
-            m._buffers["weight_q"] = self.weight_q[a:b]
-            m._buffers["weight_scale"] = self.weight_scale[a:b]
-            m._buffers["weight_colsum"] = self.weight_colsum[a:b]
-            if has_bias and m.bias is not None:
-                m._buffers["bias"] = self.bias[a:b]  # type: ignore[index]
+        self._concatenate()
+        for m in members:
             object.__setattr__(m, "horizontal", self)
         self._src: weakref.ref[torch.Tensor] | None = None
         self._version = -1
         self._out: torch.Tensor | None = None
+
+    def _concatenate(self) -> None:
+        """Concatenate the members' tensors and make theirs views of the result (again after the
+        model was moved or cast: ``.to()`` gives each member new tensors of its own)."""
+        members = self.members
+        dev = members[0].weight_q.device
+        self.weight_q = torch.cat([m.weight_q for m in members])
+        self.weight_scale = torch.cat([m.weight_scale.float() for m in members])
+        self.weight_colsum = torch.cat([m.weight_colsum for m in members])
+        has_bias = any(m.bias is not None for m in members)
+        self.bias = torch.cat([m.bias.float() if m.bias is not None else torch.zeros(m.out_features, device=dev)
+                               for m in members]) if has_bias else None
+        for m, (a, b) in zip(members, self.spans, strict=True):
+            m._buffers["weight_q"] = self.weight_q[a:b]
+            m._buffers["weight_scale"] = self.weight_scale[a:b]
+            m._buffers["weight_colsum"] = self.weight_colsum[a:b]
+            if self.bias is not None and m.bias is not None:
+                m._buffers["bias"] = self.bias[a:b]
+
+    def _stale(self) -> bool:
+        first = self.members[0]
+        return (first.weight_q.data_ptr() != self.weight_q.data_ptr()
+                or first.weight_scale.data_ptr() != self.weight_scale.data_ptr())
 
     def output(self, member: Any, x: torch.Tensor) -> torch.Tensor | None:
         """``member``'s output for ``x`` as its slice of one GEMM over all members, or None when the
@@ -79,6 +90,8 @@ class HorizontalGemm:
         else:
             if a != 0:  # not the group's first reader: another caller's tensor, compute alone
                 return None
+            if self._stale():  # moved or cast since the merge
+                self._concatenate()
             lead = x.shape[:-1]
             xq, sa = member._codes(x, x.reshape(-1, member.in_features))
             y = load("gemm").int8_gemm(

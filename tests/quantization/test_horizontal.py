@@ -98,6 +98,13 @@ def test_a_member_given_another_tensor_computes_alone() -> None:
     with torch.no_grad():
         _out(twin, batch)
         assert torch.equal(_out(twin, batch), _out(fused, batch))
+        # moved or cast after the merge (.to gives every buffer a new tensor): the group re-concatenates
+        ref = _out(twin, batch)
+        twin.to(torch.float64).to(torch.float32)  # int8 weights stay, float scales are new tensors
+        a = g.span(t_attn.k_proj)[0]
+        assert t_attn.k_proj.weight_scale.data_ptr() != g.weight_scale[a:].data_ptr()
+        assert torch.equal(_out(twin, batch), ref)
+        assert t_attn.k_proj.weight_scale.data_ptr() == g.weight_scale[a:].data_ptr()
     assert not torch.equal(k_changed, k_alone)
     with torch.inference_mode():  # no version counters: every layer computes alone
         y = attn.k_proj(torch.randn(3, 64))
