@@ -143,3 +143,16 @@ def test_position_ids_input_generates_the_same_tokens(tmp_path: Path) -> None:
     ids, mask = _prompts(5)
     want = generate_ort(plain, ids, attention_mask=mask, max_new_tokens=6)
     assert torch.equal(generate_ort(explicit, ids, attention_mask=mask, max_new_tokens=6), want)
+
+
+def test_ort_decode_profile_attributes_the_step_to_op_types(tmp_path: Path) -> None:
+    # the profiler behind benchmarks/ort_decode_profile.py on a small int4 Llama: decode steps only,
+    # every MatMulNBits of the model once per step, the shares summing to the whole node time
+    from benchmarks.ort_decode_profile import profile_decode
+
+    path = export_llm_onnx(_model("llama", _w4(32, symmetric=True)), tmp_path / "m.onnx", weights="int4")
+    data = profile_decode(path, threads=1, steps=3, prompt=8)
+    ops = {r["op"]: r for r in data["rows"]}
+    assert data["steps"] == 3 and ops["MatMulNBits"]["nodes_per_step"] == 2 * 7
+    assert abs(sum(r["share"] for r in data["rows"]) - 1) < 1e-6
+    assert 0 < data["node_ms"] <= data["model_run_ms"]
