@@ -369,9 +369,10 @@ def _markdown(data: dict[str, Any]) -> str:
                      "speedup_fp16n", "cosine", "sqnr_db", "fp16_cosine", "layers", "kept_float"]),
     ]
     parts.append("\n`fp16n_ms` / `speedup_fp16n` (Llama): against fp16 whose RMSNorms run the same norm kernel as the "
-                 "converted models (without codes): the stricter baseline, which credits the int8/fp8 work and not "
-                 "the norm's fusion. Converted models fuse their RMSNorms with their readers' quantization, and run "
-                 "the Linears reading one tensor (q/k/v, gate/up) as one GEMM.\n")
+                 "converted models (without codes): the stricter baseline, which does not credit the norm's fusion. "
+                 "It still credits the horizontal fusion (the int8 Linears reading one tensor, q/k/v and gate/up, "
+                 "run as one GEMM), which an fp16 model could also use (vLLM's fused QKV): the baseline keeps "
+                 "transformers' separate fp16 projections.\n")
     parts.append("\nThe random-weight Llama stack amplifies any perturbation (fp16 itself: column `fp16_cosine`), so "
                  "its cosines say as much about that as about a scheme; BERT-base's are the fidelity figures to read. "
                  "`compile` rows compare with fp16 compiled the same way, in the same run.\n")

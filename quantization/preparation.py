@@ -8,7 +8,6 @@ state_dict keys (BatchNorm folded into the conv, SmoothQuant factors folded into
 from __future__ import annotations
 
 import logging
-import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, cast
 
@@ -234,12 +233,24 @@ def _save_pretrained_quantized(self: nn.Module, save_directory: Any, *args: Any,
         ) from None
 
 
+class _QuantizedSave:
+    """The instance's ``save_pretrained``: an object, not a bound method, so that a pickled model
+    (``torch.save(model)``) loads again (a bound method pickles as an attribute lookup of its
+    function's name, which the model lacks); deep copies rebind it to the copy."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        return _save_pretrained_quantized(self.model, save_directory, *args, **kwargs)
+
+
 def attach_quantized_save(model: nn.Module) -> None:
-    """Make ``model.save_pretrained`` write the compressed checkpoint, for transformers models (a bound
-    method on the instance: deep copies rebind it to the copy; :func:`strip` removes it)."""
+    """Make ``model.save_pretrained`` write the compressed checkpoint, for transformers models (set on
+    the instance; :func:`strip` removes it)."""
     root = unwrap(model)
     if callable(getattr(type(root), "save_pretrained", None)) and hasattr(root, "config"):
-        root.__dict__["save_pretrained"] = types.MethodType(_save_pretrained_quantized, root)
+        root.__dict__["save_pretrained"] = _QuantizedSave(root)
 
 
 def linearize_conv1d(model: nn.Module) -> list[str]:

@@ -28,6 +28,10 @@ class SharedCodes:
         self._version = -1
         self._value: Any = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.save of a converted model: the cached codes and their tensor's weak reference are not state
+        return {**self.__dict__, "_src": None, "_version": -1, "_value": None}
+
     def get(self, x: torch.Tensor, quantize: Callable[[], Any]) -> Any:
         """The codes of ``x``: reused when ``x`` is the tensor quantized last and unchanged, else ``quantize()``."""
         if x.is_inference():

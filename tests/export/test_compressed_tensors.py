@@ -285,7 +285,7 @@ def test_save_pretrained_of_a_quantized_model_writes_the_compressed_checkpoint(h
     import copy
 
     clone = copy.deepcopy(q)  # the save is bound to each copy, not to the model it was made from
-    assert clone.save_pretrained.__self__ is clone
+    assert clone.save_pretrained.model is clone
 
 
 def test_save_pretrained_of_a_scheme_without_checkpoint_form_says_what_to_use_and_strip_restores_it(

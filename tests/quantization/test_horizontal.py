@@ -72,10 +72,13 @@ def test_readers_of_one_tensor_run_one_gemm_with_the_same_bits(family: str, monk
     layers: list[Any] = [m for m in fused.modules() if isinstance(m, Int8Linear)]
     groups = {id(m.horizontal): m.horizontal for m in layers if m.horizontal is not None}
     assert len(groups) == (4 if family != "bert" else 2)  # BERT's FFN has one Linear per input
-    for g in groups.values():  # the members' weights are views of the concatenated one
+    for g in groups.values():  # the members' weights are views of the concatenated one, which only they hold
+        full = g.tensors()
+        assert full is not None
         for m in g.members:
             a, _ = g.span(m)
-            assert m.weight_q.data_ptr() == g.weight_q[a:].data_ptr()
+            assert m.weight_q._base is full["weight_q"] and m.weight_q.data_ptr() == full["weight_q"][a:].data_ptr()
+        assert g._out is None  # every member took its slice: the group keeps no product
 
 
 def test_a_member_given_another_tensor_computes_alone() -> None:
@@ -90,22 +93,57 @@ def test_a_member_given_another_tensor_computes_alone() -> None:
         x.mul_(2)  # in place: the group's product is stale, the layer recomputes
         k_changed = attn.k_proj(x)
     assert torch.equal(q_then_k[1], k_alone)
-    twin = copy.deepcopy(fused)  # its groups, members and weight views are its own
-    t_attn = twin.model.layers[0].self_attn  # type: ignore[attr-defined]
-    g = t_attn.k_proj.horizontal
-    assert g is not attn.k_proj.horizontal and g.members[1] is t_attn.k_proj
-    assert t_attn.k_proj.weight_q.data_ptr() == g.weight_q[g.span(t_attn.k_proj)[0]:].data_ptr()
-    with torch.no_grad():
-        _out(twin, batch)
-        assert torch.equal(_out(twin, batch), _out(fused, batch))
-        # moved or cast after the merge (.to gives every buffer a new tensor): the group re-concatenates
-        ref = _out(twin, batch)
-        twin.to(torch.float64).to(torch.float32)  # int8 weights stay, float scales are new tensors
-        a = g.span(t_attn.k_proj)[0]
-        assert t_attn.k_proj.weight_scale.data_ptr() != g.weight_scale[a:].data_ptr()
-        assert torch.equal(_out(twin, batch), ref)
-        assert t_attn.k_proj.weight_scale.data_ptr() == g.weight_scale[a:].data_ptr()
     assert not torch.equal(k_changed, k_alone)
     with torch.inference_mode():  # no version counters: every layer computes alone
         y = attn.k_proj(torch.randn(3, 64))
     assert y.shape == (3, 32) and y.is_contiguous()
+    twin = copy.deepcopy(fused)  # its groups, members and weight views are its own
+    t_attn = twin.model.layers[0].self_attn  # type: ignore[attr-defined]
+    g = t_attn.k_proj.horizontal
+    assert g is not attn.k_proj.horizontal and g.members[1] is t_attn.k_proj
+    with torch.no_grad():
+        assert torch.equal(_out(twin, batch), _out(fused, batch))
+        full = g.tensors()
+        assert full is not None and t_attn.k_proj.weight_q._base is full["weight_q"]
+        # moved or cast after the merge (.to gives every float buffer a new tensor): re-concatenated
+        ref = _out(twin, batch)
+        twin.to(torch.float64).to(torch.float32)  # int8 weights stay, float scales are new tensors
+        assert g.tensors() is None
+        assert torch.equal(_out(twin, batch), ref)
+        assert g.tensors() is not None
+        # one member's weight replaced (not the first): the group sees it, the product follows it
+        t_attn.k_proj.weight_q = torch.zeros_like(t_attn.k_proj.weight_q)
+        assert g.tensors() is None
+        x = torch.randn(3, 64)
+        q_out, k_out = t_attn.q_proj(x), t_attn.k_proj(x)
+        assert torch.equal(k_out, torch.zeros_like(k_out)) and not torch.equal(q_out, torch.zeros_like(q_out))
+
+
+def test_one_eager_call_forms_the_groups_and_graph_capture_freezes_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from quantization.lowering import horizontal
+
+    fused, batch = _converted("llama", horizontal=True)
+    with torch.no_grad():
+        ref = _out(fused, batch)  # the readers join their group as they read: one call is enough
+    attn = fused.model.layers[0].self_attn  # type: ignore[attr-defined]
+    assert attn.q_proj.horizontal is attn.v_proj.horizontal is not None
+    # a model first called under CUDA-graph capture: its trackers merge nothing after (a captured graph
+    # keeps reading the tensors it captured, which a merge would free)
+    frozen, _ = _converted("llama", horizontal=True)
+    monkeypatch.setattr(horizontal, "_capturing", lambda: True)
+    with torch.no_grad():
+        _out(frozen, batch)
+    monkeypatch.setattr(horizontal, "_capturing", lambda: False)
+    with torch.no_grad():
+        _out(frozen, batch)
+        assert torch.equal(_out(frozen, batch), ref)
+    assert all(getattr(m, "horizontal", None) is None for m in frozen.modules())
+    # torch.save after calls: caches and weak references are not saved, the groups are
+    buf = io.BytesIO()
+    torch.save(fused, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(_out(loaded, batch), ref)

@@ -352,24 +352,23 @@ def int8_gemm(
     return out
 
 
-# One zeroed int32 buffer per (device, stream), grown by replacement, never freed: a CUDA graph
-# captured with an older one still points at it. Kernels leave it zeroed, so consecutive GEMMs of
-# one stream share it; GEMMs on different streams get their own (they may overlap in time).
+# Eager calls: one zeroed int32 buffer per (device, stream), grown by replacement; kernels leave it
+# zeroed, so consecutive GEMMs of one stream share it, and GEMMs on different streams (which may
+# overlap in time) do not. Under CUDA-graph capture every split GEMM gets a buffer of its own from
+# the graph's pool, zeroed by a memset the graph replays before it: graphs replayed concurrently, or
+# one replayed before another that shares a capture stream ever ran, never share partial sums.
 _WORKSPACE: dict[tuple[str, int], torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-# 1 MB: decode at M <= 16 up to N = 16K fits; a buffer first needed inside a graph capture is zeroed
-# by a memset the graph then replays, so it stays small
-_WORKSPACE_MIN = 1 << 18
+_WORKSPACE_MIN = 1 << 18  # 1 MB: decode at M <= 16 up to N = 16K
 
 
 def split_workspace(dev: torch.device, numel: int) -> torch.Tensor:
     """A zeroed int32 buffer of at least ``numel`` elements for split-K sums and tile counters."""
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(numel, dtype=torch.int32, device=dev)
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
     key = (str(dev), stream)
     buf = _WORKSPACE.get(key)
-    if buf is None or buf.numel() < numel:
-        if buf is not None:
-            _RETIRED.append(buf)
+    if buf is None or buf.numel() < numel:  # the old one is freed in stream order (the allocator's)
         buf = torch.zeros(max(numel, _WORKSPACE_MIN, 2 * (buf.numel() if buf is not None else 0)),
                           dtype=torch.int32, device=dev)
         _WORKSPACE[key] = buf

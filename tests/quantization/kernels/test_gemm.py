@@ -57,6 +57,37 @@ def test_split_k_is_exact_and_leaves_its_workspace_zeroed(split: int, device: st
                                atol=1e-3, rtol=1e-6)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_k_graphs_each_own_their_workspace() -> None:
+    # two graphs captured on one capture stream, the second replayed first and then both on two
+    # streams at once: each owns its zeroed workspace, so every replay equals the eager product
+    g = torch.Generator().manual_seed(4)
+    shapes = [(1, 96, 512), (4, 160, 768)]
+    cases = []
+    for m, n, k in shapes:
+        a, b = _ints(m, k, g=g).cuda(), _ints(n, k, g=g).cuda()
+        sa, sb = torch.ones(1, device="cuda"), torch.ones(n, device="cuda")
+        cfg = GemmConfig(16, 32, 64, group_m=2, split_k=4)
+        ref = int8_gemm(a, b, a_scale=sa, b_scale=sb, out_dtype=torch.float32, config=cfg)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = int8_gemm(a, b, a_scale=sa, b_scale=sb, out_dtype=torch.float32, config=cfg)
+        cases.append((graph, out, ref))
+    for graph, out, ref in reversed(cases):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for _ in range(20):
+        for (graph, _out, _), st in zip(cases, streams, strict=True):
+            with torch.cuda.stream(st):
+                graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, ref) for _, out, ref in cases)
+
+
 def test_strided_activation_and_saturated_values(device: str) -> None:
     g = torch.Generator().manual_seed(3)
     base = _ints(40, 90, g=g)
