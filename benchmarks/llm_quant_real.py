@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
             planned["load"] = args.load
         _write(argparse.Namespace(**{**saved["args"], **planned}), saved["rows"], saved["args"]["calib"])
         return
+    if args.resume and args.load == p.get_default("load"):
+        # the kept rows' load statement (often written by hand after the run) stays with them
+        args.load = _previous_load() or args.load
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     from compress.data.lm import text_lm
@@ -210,6 +213,19 @@ def _order(row: dict[str, Any]) -> tuple[int, int]:
 
 
 _SAME_RUN = ("model", "seq_len", "calib", "eval", "calib_batch")
+
+
+def _previous_load() -> str | None:
+    """The load statement of this benchmark's section in RESULTS.md, or None."""
+    from benchmarks._results import RESULTS
+
+    if not RESULTS.exists():
+        return None
+    text = RESULTS.read_text()
+    start = text.find("<!-- begin:llm_quant_real -->")
+    end = text.find("<!-- end:llm_quant_real -->", start)
+    line = next((ln for ln in text[start:end].splitlines() if ln.startswith("Machine load: ")), None) if start >= 0 else None
+    return line.removeprefix("Machine load: ").removesuffix(".") if line else None
 
 
 def _resumed(args: argparse.Namespace) -> list[dict[str, Any]]:
