@@ -331,6 +331,10 @@ def int8_gemm(
         raise CompressError(f"int8_gemm: split_k must be >= 1 (got {c.split_k})")
     # split-K partial sums and tile counters (whichever tile the tuner picks: tiles are >= 16 x 16)
     may_split = m <= SPLIT_MAX_M if tuned else c.split_k > 1
+    if may_split and tuned and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # under capture a workspace costs the graph a memset: only when the tuned tile splits K
+        # (the tuner ran eagerly before: it cannot time candidates inside a capture)
+        may_split = tuned_split(m, n, k) != 1
     ws = split_workspace(dev, m * n + triton.cdiv(m, 16) * triton.cdiv(n, 16)) if may_split else sb
     args = (
         a, b, out, sa, sb, bias_v if bias_v is not None else sb, colsum if colsum is not None else sb, ws,
@@ -350,6 +354,14 @@ def int8_gemm(
         GROUP_M=c.group_m, num_warps=c.num_warps, num_stages=c.num_stages,
     )
     return out
+
+
+def tuned_split(m: int, n: int, k: int) -> int | None:
+    """The split of the tile the autotuner chose for this shape's (M bucket, N, K), None if untuned."""
+    for key, cfg in getattr(_gemm_tuned, "cache", {}).items():
+        if tuple(key[:3]) == (m_bucket(m), n, k):
+            return int(cfg.kwargs.get("SPLIT_K", 1))
+    return None
 
 
 # Eager calls: one zeroed int32 buffer per (device, stream), grown by replacement; kernels leave it

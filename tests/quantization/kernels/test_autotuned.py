@@ -60,6 +60,19 @@ def test_every_tuning_config_names_only_its_kernels_parameters() -> None:
             assert set(c.kwargs) <= params, (kernel.__name__, sorted(set(c.kwargs) - params))
 
 
+def test_tuned_split_reads_the_tuners_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # what decides, under graph capture, whether a split-K workspace (and its memset) is needed
+    gemm = load("gemm")
+
+    class Tuned:
+        cache = {(16, 96, 512, "torch.int8"): gemm.tile_config(16, 32, 64, 3, 4, split=4),
+                 (1, 96, 512, "torch.int8"): gemm.tile_config(16, 32, 64, 3, 4)}
+
+    monkeypatch.setattr(gemm, "_gemm_tuned", Tuned())
+    assert gemm.tuned_split(9, 96, 512) == 4 and gemm.tuned_split(1, 96, 512) == 1
+    assert gemm.tuned_split(1, 96, 1024) is None
+
+
 def test_autotuned_conv_path(interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
     conv = load("conv")
     configs = [conv.tile_config(32, 16, 32, 1, 4, group=2), conv.tile_config(16, 32, 32, 1, 4, group=2)]
