@@ -331,11 +331,15 @@ def int8_gemm(
         raise CompressError(f"int8_gemm: split_k must be >= 1 (got {c.split_k})")
     # split-K partial sums and tile counters (whichever tile the tuner picks: tiles are >= 16 x 16)
     may_split = m <= SPLIT_MAX_M if tuned else c.split_k > 1
-    if may_split and tuned and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # under capture a workspace costs the graph a memset: only when the tuned tile splits K
-        # (the tuner ran eagerly before: it cannot time candidates inside a capture)
-        may_split = tuned_split(m, n, k) != 1
-    ws = split_workspace(dev, m * n + triton.cdiv(m, 16) * triton.cdiv(n, 16)) if may_split else sb
+    ws = sb
+    if may_split and tuned and dev.type == "cuda" and torch.cuda.is_current_stream_capturing() \
+            and tuned_split(m, n, k) == 1:
+        # under capture a workspace costs the graph a memset: none where the tuned tile (chosen in an
+        # eager call: the tuner cannot time inside a capture) does not split K; an int32 stand-in
+        # keeps the kernel's signature, so nothing compiles inside the capture
+        ws = torch.empty(1, dtype=torch.int32, device=dev)
+    elif may_split:
+        ws = split_workspace(dev, m * n + triton.cdiv(m, 16) * triton.cdiv(n, 16))
     args = (
         a, b, out, sa, sb, bias_v if bias_v is not None else sb, colsum if colsum is not None else sb, ws,
         int(a_zero_point), m, n, k, m_bucket(m),
