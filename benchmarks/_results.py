@@ -83,3 +83,31 @@ def gap_closed(value: float, rtn: float | None, base: float) -> str:
     if rtn is None or rtn <= base:
         return "-"
     return f"{(rtn - value) / (rtn - base):.0%}"
+
+
+def gpu_bench_device(prog: str, interpret_smoke: bool, *, needs_triton: bool = True) -> Any:
+    """The ``torch.device`` a GPU benchmark runs on, or None after one line on stderr (the caller exits 2).
+
+    ``interpret_smoke``: the CPU under ``TRITON_INTERPRET=1`` (tiny shapes check the script), set here
+    before the kernels are first imported because ``triton.jit`` reads it then; otherwise CUDA."""
+    import os
+    import sys
+
+    import torch
+
+    if interpret_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA GPU (none found); --interpret-smoke checks the script on CPU", file=sys.stderr)
+        return None
+    if needs_triton:
+        from quantization.lowering.kernels import triton_available
+
+        if not triton_available():
+            print(f"{prog}: needs Triton: pip install -e '.[triton]'", file=sys.stderr)
+            return None
+    gemm = sys.modules.get("quantization.lowering.kernels.gemm")
+    if interpret_smoke and gemm is not None and not getattr(gemm, "INTERPRETED", False):
+        print(f"{prog}: kernels were loaded before TRITON_INTERPRET was set", file=sys.stderr)
+        return None
+    return torch.device("cpu" if interpret_smoke else "cuda")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -29,6 +28,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks._results import gpu_bench_device
 
 log = logging.getLogger("benchmarks.cuda_decode")
 
@@ -146,19 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.interpret_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported: jit decides then
-    elif not torch.cuda.is_available():
-        print("benchmarks.cuda_decode: needs a CUDA GPU (none found); --interpret-smoke checks the script on CPU",
-              file=sys.stderr)
-        return 2
-    from quantization.lowering.kernels import triton_available
-
-    if not triton_available():
-        print("benchmarks.cuda_decode: needs Triton: pip install -e '.[triton]'", file=sys.stderr)
+    dev = gpu_bench_device("benchmarks.cuda_decode", args.interpret_smoke)
+    if dev is None:
         return 2
     cuda = not args.interpret_smoke
-    dev = torch.device("cuda" if cuda else "cpu")
     plan = SMOKE if args.interpret_smoke else FULL
 
     g = torch.Generator().manual_seed(0)

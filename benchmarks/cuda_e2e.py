@@ -32,7 +32,6 @@ import argparse
 import copy
 import json
 import logging
-import os
 import sys
 import time
 import traceback
@@ -42,6 +41,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from benchmarks._results import gpu_bench_device
 
 log = logging.getLogger("benchmarks.cuda_e2e")
 
@@ -463,14 +464,11 @@ def main(argv: list[str] | None = None) -> int:
         merge(args.merge, args.json)
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.interpret_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif not torch.cuda.is_available():
-        print("benchmarks.cuda_e2e: needs a CUDA GPU (none found); --interpret-smoke checks the script on CPU",
-              file=sys.stderr)
+    # Triton is optional here: the e2e variants without our kernels (fp16, FP8, tinygemm) still run
+    dev = gpu_bench_device("benchmarks.cuda_e2e", args.interpret_smoke, needs_triton=False)
+    if dev is None:
         return 2
     cuda = not args.interpret_smoke
-    dev = torch.device("cuda" if cuda else "cpu")
     plan = copy.deepcopy(SMOKE if args.interpret_smoke else FULL)
     if args.layers:
         plan["llama"]["layers"] = args.layers

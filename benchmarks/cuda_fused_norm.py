@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
 import sys
 from typing import Any
 
 import torch
 from torch import nn
+
+from benchmarks._results import gpu_bench_device
 
 log = logging.getLogger("benchmarks.cuda_fused_norm")
 
@@ -156,14 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=["norm", "decode"], choices=["norm", "decode"])
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.interpret_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
-        spec, dev = SMOKE, torch.device("cpu")
-    elif torch.cuda.is_available():
-        spec, dev = FULL, torch.device("cuda")
-    else:
-        print("benchmarks.cuda_fused_norm: needs a CUDA GPU (or --interpret-smoke)", file=sys.stderr)
+    dev = gpu_bench_device("benchmarks.cuda_fused_norm", args.interpret_smoke)
+    if dev is None:
         return 2
+    spec = SMOKE if args.interpret_smoke else FULL
     norm_rows = bench_norm(spec, dev) if "norm" in args.only else []
     dec_rows = bench_decode(spec, dev) if "decode" in args.only else []
     if not args.interpret_smoke:

@@ -20,7 +20,6 @@ import copy
 import functools
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -31,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from benchmarks._results import gpu_bench_device
 
 log = logging.getLogger("benchmarks.cuda_int8")
 
@@ -285,24 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.interpret_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported: jit decides then
-    elif not torch.cuda.is_available():
-        print("benchmarks.cuda_int8: needs a CUDA GPU (none found); --interpret-smoke checks the script on CPU",
-              file=sys.stderr)
-        return 2
-    from quantization.lowering.kernels import triton_available
-
-    if not triton_available():
-        print("benchmarks.cuda_int8: needs Triton: pip install -e '.[triton]'", file=sys.stderr)
-        return 2
-    if args.interpret_smoke and "quantization.lowering.kernels.gemm" in sys.modules and not getattr(
-        sys.modules["quantization.lowering.kernels.gemm"], "INTERPRETED", False
-    ):
-        print("benchmarks.cuda_int8: kernels were loaded before TRITON_INTERPRET was set", file=sys.stderr)
+    dev = gpu_bench_device("benchmarks.cuda_int8", args.interpret_smoke)
+    if dev is None:
         return 2
     cuda = not args.interpret_smoke
-    dev = torch.device("cuda" if cuda else "cpu")
     plan = SMOKE if args.interpret_smoke else QUICK if args.quick else FULL
     timer = Timer(cuda, warmup=25, rep=100)
     gpu = torch.cuda.get_device_name(0) if cuda else "cpu (TRITON_INTERPRET smoke)"

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks._results import gpu_bench_device
+
 log = logging.getLogger("benchmarks.w4a16")
 
 LLAMA7B = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N, K) of the attention and MLP linears
@@ -249,20 +251,12 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(rows, indent=2))
         log.info("compiled %d kernel variants for sm80/sm90 (no timing: no GPU involved)", len(rows))
         return 0
-    if args.interpret_smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported: jit decides then
-    elif not torch.cuda.is_available():
-        print("benchmarks.w4a16: needs a CUDA GPU (none found); --interpret-smoke checks the script on CPU", file=sys.stderr)
-        return 2
-    from quantization.lowering.kernels import triton_available
-
-    if not triton_available():
-        print("benchmarks.w4a16: needs Triton: pip install -e '.[triton]'", file=sys.stderr)
+    dev = gpu_bench_device("benchmarks.w4a16", args.interpret_smoke)
+    if dev is None:
         return 2
     from quantization.lowering.kernels.w4a16 import DEQUANT_MIN_M
 
     cuda = not args.interpret_smoke
-    dev = torch.device("cuda" if cuda else "cpu")
     shapes, tokens, group = (LLAMA7B, TOKENS, GROUP) if cuda else (SMOKE["shapes"], SMOKE["tokens"], SMOKE["group"])
     tokens = args.tokens or tokens
     data: dict[str, Any] = {
