@@ -201,6 +201,11 @@ _INT_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.Ten
                         onnx.TensorProto.INT16, onnx.TensorProto.UINT16, onnx.TensorProto.BOOL})
 
 
+#: ops whose output has their first input's element type
+_TYPE_KEEPING = frozenset({"Concat", "Split", "Slice", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten",
+                           "Expand", "Identity", "Tile", "Pad"})
+
+
 def ort_coverage(path: Path) -> Coverage:
     """The integer kernels of ORT's optimized CPU graph, and the float Conv/MatMul/Gemm/Add nodes
     left in it (``OpType:node_name``). Adds on integer tensors (shape arithmetic such as
@@ -214,11 +219,20 @@ def ort_coverage(path: Path) -> Coverage:
     g = proto.graph
     types = {v.name: v.type.tensor_type.elem_type for v in [*g.value_info, *g.output, *g.input]}
     types.update({i.name: i.data_type for i in g.initializer})
+    for n in g.node:  # what inference left untyped behind a contrib op: moves keep their input's type
+        if n.op_type in _TYPE_KEEPING and n.input and types.get(n.input[0]):
+            for o in n.output:
+                types.setdefault(o, types[n.input[0]])
+        elif is_integer_kernel(n.op_type) and n.input and types.get(n.input[-1]) in _INT_TYPES:
+            types.setdefault(n.output[0], types[n.input[-1]])  # QLinear*: the output zero point's type
 
     def integer(n: onnx.NodeProto) -> bool:  # Add's inputs and output share one type
         return any(types.get(t) in _INT_TYPES for t in [*n.output, *n.input])
 
     ints = Counter(n.op_type for n in g.node if is_integer_kernel(n.op_type))
+    # a Concat of integer codes (one scale for all inputs) does QLinearConcat's work without requantizing
+    ints.update(f"{n.op_type} (codes)" for n in g.node
+                if n.op_type == "Concat" and types.get(n.output[0]) in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8))
     floats = [f"{n.op_type}:{n.name}" for n in g.node if n.op_type in FLOAT_COMPUTE_OPS and not integer(n)]
     # by the output's type: a Where's condition is boolean whatever it selects
     left = Counter(n.op_type for n in g.node if n.op_type in FLOAT_LEFT_OPS and types.get(n.output[0]) not in _INT_TYPES)
