@@ -125,7 +125,28 @@ def table_for(isa: str | None) -> CostTable | None:
     if os.environ.get(ENV_SWITCH, "").strip().lower() in ("off", "0", "false", "none"):
         return None
     key = isa_key(isa)
-    return shipped_tables().get(key) if key is not None else None
+    if key is None:
+        return None
+    tables = shipped_tables()
+    if key in tables:
+        return tables[key]
+    # another x86 int8 ISA's rows beat none: on AVX2 without VNNI int8 gains less than with VNNI, so
+    # the VNNI rows keep float at least the layers slow there too (AMX: the other way round)
+    for other in FALLBACK.get(key, ()):
+        if other in tables:
+            _warn_fallback(isa or key, tables[other].isa)
+            return tables[other]
+    return None
+
+
+#: the table an ISA without rows of its own reads instead, nearest first
+FALLBACK: dict[str, tuple[str, ...]] = {"avx2": ("vnni",), "amx": ("vnni",)}
+
+
+@functools.cache
+def _warn_fallback(isa: str, used: str) -> None:
+    log.warning("cost table: no rows measured on %s; using the %s rows (`python -m benchmarks.cost_table` on "
+                "this machine measures its own; speed_check times the layers here)", isa, used)
 
 
 def slower_by_table(layers: Mapping[str, nn.Module], calls: Mapping[str, LayerCall], table: CostTable, *,

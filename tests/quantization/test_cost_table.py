@@ -112,3 +112,16 @@ def test_shipped_table_loads_for_known_isas(tmp_path: Any) -> None:
     bad.write_text("{not json")
     with pytest.raises(CompressError, match=r"bad\.json"):
         ct.shipped_tables(bad)
+
+
+def test_an_isa_without_rows_reads_the_nearest_x86_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AVX2 without VNNI (no rows can be measured on this project's machines) reads the VNNI rows,
+    named in every reason; a non-x86 or unknown ISA reads none."""
+    vnni = ct.CostTable("onnxruntime", "AVX-512 VNNI", "test", TABLE.rows)
+    monkeypatch.setenv(ct.ENV_SWITCH, "on")
+    monkeypatch.setattr(ct, "shipped_tables", lambda: {"vnni": vnni})
+    assert ct.table_for("AVX2 without VNNI") is vnni and ct.table_for("AMX-INT8") is vnni
+    assert ct.table_for(None) is None and ct.table_for("no AVX2") is None
+    avx2 = ct.CostTable("onnxruntime", "AVX2 without VNNI", "test", TABLE.rows)
+    monkeypatch.setattr(ct, "shipped_tables", lambda: {"vnni": vnni, "avx2": avx2})
+    assert ct.table_for("AVX2 without VNNI") is avx2  # its own rows, once measured, win
