@@ -317,7 +317,9 @@ def _save(rows: list[dict[str, Any]], old: dict[str, Any] | None, start: str, ar
     if old is not None:
         new = {r["model"]: r for r in rows}
         rows = [new.pop(r["model"], r) for r in old["rows"]] + list(new.values())
-        machine = old["machine"] if machine == old["machine"] else f"{old['machine']} (rows rerun: {machine})"
+        # one rerun note, the latest: each row carries its own time (a second --merge repeated the note)
+        base = old["machine"].split(" (rows rerun: ")[0]
+        machine = base if machine == base else f"{base} (rows rerun: {machine})"
     out = JSON_OUT[args.size]
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
