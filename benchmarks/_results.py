@@ -65,6 +65,12 @@ def write_section(name: str, markdown: str, data: Any = None, *, measured_on: di
         (RESULTS_DIR / f"{name}.json").write_text(json.dumps({"machine": measured_on or machine(), **data}, indent=2, default=str))
 
 
+def calib_section(base: str, calib: int, default: int = 64) -> str:
+    """A calibration-dependent benchmark's section (and JSON) name: ``base`` at the default number of
+    calibration windows, ``base_calibN`` otherwise, so a run on less data never replaces the main table."""
+    return base if calib == default else f"{base}_calib{calib}"
+
+
 def table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
     """A markdown table of ``rows``."""
     if not rows:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._results import RESULTS_DIR, gap_closed, table, write_section
+from benchmarks._results import RESULTS_DIR, calib_section, gap_closed, table, write_section
 
 log = logging.getLogger("benchmarks.llm_compressor_peer")
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="rewrite the section from results/llm_compressor_peer.json (and llm_quant_real.json)")
     args = p.parse_args(argv)
     if args.report_only:
-        saved = json.loads((RESULTS_DIR / "llm_compressor_peer.json").read_text())
+        saved = json.loads((RESULTS_DIR / f"{calib_section('llm_compressor_peer', args.calib)}.json").read_text())
         load = {"load": args.load} if args.load != p.get_default("load") else {}  # a load statement given now
         _write(argparse.Namespace(**{**saved["args"], **load}), saved["rows"], saved.get("blocker"))
         return
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         if scheme not in WEIGHTS or method not in METHODS:
             raise SystemExit(f"--rows: unknown {scheme}:{method}")
     blocker = make_venv(Path(args.venv))
-    saved = RESULTS_DIR / "llm_compressor_peer.json"
+    saved = RESULTS_DIR / f"{calib_section('llm_compressor_peer', args.calib)}.json"
     same = {"seq_len": args.seq_len, "calib": args.calib, "eval": args.eval, "model": args.model}
     rows: list[dict[str, Any]] = []
     if args.resume and saved.exists():
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _ours(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, Any]]:
     """compress's rows from results/llm_quant_real.json, when measured on the same windows."""
-    path = RESULTS_DIR / "llm_quant_real.json"
+    path = RESULTS_DIR / f"{calib_section('llm_quant_real', args.calib)}.json"
     if not path.exists():
         return {}
     saved = json.loads(path.read_text())
@@ -175,11 +175,13 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], blocker: str | 
         notes += f"\nllm-compressor refused {which}: {reason}\n"
     version = next((r["version"] for r in rows if "version" in r), "?")
     md = (
-        "## llm-compressor beside compress on SmolLM2-135M (`python -m benchmarks.llm_compressor_peer`)\n\n"
+        "## llm-compressor beside compress on SmolLM2-135M (`python -m benchmarks.llm_compressor_peer"
+        f"{'' if args.calib == 64 else f' --calib {args.calib}'}`)\n\n"
         f"llm-compressor {version} (its own virtualenv, torch {torch.__version__.split('+')[0]} as here, the "
         "transformers release it pins) and compress on the same float32 SmolLM2-135M-Instruct (saved from compress's "
         f"GGUF loader), the same {args.calib} calibration windows of {args.seq_len} tokens and the same {args.eval} "
-        "held-out windows of each set as `llm_quant_real` (compress's figures are that benchmark's rows). Both tools "
+        f"held-out windows of each set as `{calib_section('llm_quant_real', args.calib)}` (compress's figures are "
+        "that section's rows). Both tools "
         "at their defaults except the weight scheme (symmetric int, lm_head float): llm-compressor's GPTQ with "
         "static activation order, dampening 0.01, block 128; compress's GPTQ as in `llm_quant_real`. The W8A8 row "
         "compares the same scheme on both sides: SmoothQuant, then GPTQ-rounded int8 per-channel weights with "
@@ -190,7 +192,7 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], blocker: str | 
     )
     if blocker:
         md += f"\nllm-compressor could not be installed: {blocker}\n"
-    write_section("llm_compressor_peer", md, {"rows": rows, "args": vars(args), "blocker": blocker})
+    write_section(calib_section("llm_compressor_peer", args.calib), md, {"rows": rows, "args": vars(args), "blocker": blocker})
 
 
 if __name__ == "__main__":

