@@ -54,6 +54,7 @@ from compress.core.errors import ExportError, UnsupportedModelError
 from compress.core.machine import has_vnni
 from compress.core.moe import unpack_experts
 from compress.core.ort import inference_session, session_options
+from export.llm_attention import GroupQueryAttentionFn, RotaryFn, fused_attention_supported, rotary_caches
 from quantization.lowering.int4 import (
     Int4Weight,
     activation_quantizers,
@@ -66,6 +67,7 @@ from quantization.view import input_quantizer, remove_placement
 log = logging.getLogger(__name__)
 
 Weights = Literal["int4", "fp32", "w8a8"]
+Attention = Literal["fused", "decomposed"]
 
 
 # ---- MatMulNBits -------------------------------------------------------------------------------------
@@ -201,8 +203,10 @@ class KVDecoder(nn.Module):
 
     lm: Any  # a transformers causal LM (its submodules are reached by attribute)
     inv_freq: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, attention: Attention = "decomposed") -> None:
         super().__init__()
         cfg = check_decoder(model)
         self.lm = model
@@ -219,6 +223,19 @@ class KVDecoder(nn.Module):
         self.windows = sliding_windows(cfg)
         #: a ``position_ids`` input after the mask (what Optimum feeds) instead of positions from the mask
         self.explicit_positions = False
+        if attention not in ("fused", "decomposed"):
+            raise ExportError(f"attention must be 'fused' or 'decomposed' (got {attention!r})")
+        #: "fused": RotaryEmbedding + GroupQueryAttention per layer (export/llm_attention.py)
+        self.attention = attention
+        if self.rotary and attention == "fused":  # positions 0..max_position_embeddings-1, as the model declares
+            length = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+            if length <= 0:
+                raise UnsupportedModelError(f"{type(model).__name__}: no max_position_embeddings to size the rotary cache")
+            cos, sin = rotary_caches(self.inv_freq, length, self.rope_scaling)
+        else:
+            cos = sin = torch.zeros(0, 0)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     @property
     def base(self) -> Any:
@@ -234,6 +251,8 @@ class KVDecoder(nn.Module):
             pos = rest[0]
         else:  # positions count real tokens only (left padding), as transformers' generate derives them
             pos = positions(attention_mask, s)
+        if self.attention == "fused":
+            return self._forward_fused(input_ids, attention_mask, pos, past)
         t = p + s
         causal = torch.arange(t, device=input_ids.device)[None, :] > (torch.arange(s, device=input_ids.device) + p)[:, None]
         masked = causal[None] | (attention_mask[:, None, :] == 0)  # [B, S, T]: future keys and padding
@@ -272,6 +291,53 @@ class KVDecoder(nn.Module):
             h = h + layer.mlp(getattr(layer, lay.mlp_norm)(h))
         logits = self.lm.lm_head(getattr(base, lay.final_norm)(h))
         return (logits, *presents)
+
+    def _forward_fused(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pos: torch.Tensor,
+                       past: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """:meth:`forward` with each layer's attention as RotaryEmbedding + GroupQueryAttention."""
+        base, lay = self.base, self.layout
+        b, s = input_ids.shape
+        t = attention_mask.shape[1]
+        # every row holds all t slots (its left padding masked by the bias); computed once per step
+        seqlens = torch.ones_like(attention_mask).sum(-1, dtype=torch.int32) - 1
+        total = torch.ones_like(attention_mask[0]).sum(dtype=torch.int32)
+        query_lens = torch.ones_like(input_ids).sum(-1, dtype=torch.int32)
+        pad = (attention_mask == 0).float() * torch.finfo(torch.float32).min
+        bias = pad[:, None, None, :].expand(b, 1, s, t)
+        h = getattr(base, lay.embed)(input_ids)
+        if not self.rotary:
+            h = h + getattr(base, lay.positions)(pos)  # type: ignore[arg-type]
+        presents: list[torch.Tensor] = []
+        for i, layer in enumerate(getattr(base, lay.layers)):
+            attn = getattr(layer, lay.attn)
+            q, k, v = self._flat_qkv(attn, getattr(layer, lay.attn_norm)(h))
+            if self.rotary:
+                q = RotaryFn.apply(q, pos, self.cos_cache, self.sin_cache, self.n_heads)
+                k = RotaryFn.apply(k, pos, self.cos_cache, self.sin_cache, self.n_kv)
+            w = self.windows[i]
+            o, pk, pv = GroupQueryAttentionFn.apply(q, k, v, past[2 * i], past[2 * i + 1], seqlens, total, bias,
+                                                    query_lens, self.n_heads, self.n_kv, float(attn.scaling),
+                                                    -1 if w is None else w)
+            presents += [pk, pv]
+            h = h + getattr(attn, lay.out_proj)(o)
+            h = h + layer.mlp(getattr(layer, lay.mlp_norm)(h))
+        logits = self.lm.lm_head(getattr(base, lay.final_norm)(h))
+        return (logits, *presents)
+
+    def _flat_qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as ``[B, S, heads*D]`` (what GroupQueryAttention reads), Qwen3's q/k norms applied."""
+        b, s = x.shape[:2]
+        fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
+        if fused is not None:
+            qkv = fused(x)
+            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q.view(b, s, self.n_heads, self.head_dim)).reshape(b, s, -1)
+            k = attn.k_norm(k.view(b, s, self.n_kv, self.head_dim)).reshape(b, s, -1)
+        return q, k, v
 
     def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Heads ``[B, H, S, D]`` of q, k, v: separate projections, or a fused one (Phi-3's ``qkv_proj``,
@@ -440,6 +506,7 @@ def export_llm_onnx(
     check: bool = True,
     metadata: Mapping[str, str] | None = None,
     position_ids: bool = False,
+    attention: Literal["auto", "fused", "decomposed"] = "auto",
 ) -> Path:
     """Write ``model`` (a transformers causal LM of a :data:`LAYOUTS` family, float or fake-quant)
     as a single ONNX file with past/present key-value tensors. Returns the path.
@@ -452,10 +519,24 @@ def export_llm_onnx(
     ``metadata_props`` carry ``compress.precision`` (int4/int8/fp32), ``compress.kind`` (generation),
     the toolkit version and ``metadata``; it is written whole or not at all. ``position_ids`` adds
     that input after ``attention_mask`` (``[B, S]`` int64, what Optimum's ORTModelForCausalLM feeds;
-    without it the graph derives positions from the mask).
+    without it the graph derives positions from the mask). ``attention``: ``"fused"`` writes each
+    layer's attention as ``com.microsoft`` RotaryEmbedding + GroupQueryAttention (export/llm_attention.py),
+    ``"decomposed"`` as plain ONNX ops (masks, matmuls, softmax: any ONNX runtime, ORT before 1.32);
+    ``"auto"`` (default) is fused where the installed onnxruntime's GroupQueryAttention has the inputs
+    the fused form feeds, else decomposed.
     """
     if weights not in ("int4", "fp32", "w8a8"):
         raise ExportError(f"export_llm_onnx: weights must be 'int4', 'fp32' or 'w8a8' (got {weights!r})")
+    if attention not in ("auto", "fused", "decomposed"):
+        raise ExportError(f"export_llm_onnx: attention must be 'auto', 'fused' or 'decomposed' (got {attention!r})")
+    if attention != "decomposed" and not fused_attention_supported():
+        if attention == "fused":
+            import onnxruntime
+
+            raise ExportError(f"export_llm_onnx(attention='fused'): onnxruntime {onnxruntime.__version__}'s "
+                              "GroupQueryAttention lacks attention_bias/query_seqlens (needs 1.32); use 'decomposed'")
+        log.info("onnxruntime's GroupQueryAttention lacks attention_bias/query_seqlens: attention written decomposed")
+    form: Attention = "decomposed" if attention == "decomposed" or not fused_attention_supported() else "fused"
     check_decoder(model)
     if weights == "w8a8":
         from export.llm_w8a8 import check_w8a8_exportable
@@ -482,7 +563,7 @@ def export_llm_onnx(
     if weights == "w8a8" and counts["w8a8"] == 0:
         raise UnsupportedModelError("export_llm_onnx(weights='w8a8'): the model has no Linears with quantized inputs")
     remove_placement(m)  # its quantizers now live in the swapped layers
-    dec = KVDecoder(m).eval()
+    dec = KVDecoder(m, attention=form).eval()
     dec.explicit_positions = position_ids
     if float_reference is not None:
         float_reference.explicit_positions = position_ids
@@ -504,7 +585,7 @@ def export_llm_onnx(
         traced = Path(tmp) / out.name
         torch.onnx.export(
             dec, dec.dummy_inputs(1, 2, 3), str(traced), input_names=inputs, output_names=outputs,
-            dynamic_axes=dyn, opset_version=opset, dynamo=False, custom_opsets={"com.microsoft": 1} if counts["int4"] else None,
+            dynamic_axes=dyn, opset_version=opset, dynamo=False, custom_opsets={"com.microsoft": 1} if counts["int4"] or form == "fused" else None,
             # no folding: a tied lm_head stays one initializer shared with the embedding (folding writes a
             # transposed copy); ORT folds the weight transposes in memory when it loads the file
             do_constant_folding=False,
@@ -517,10 +598,11 @@ def export_llm_onnx(
         proto = onnx.load(str(traced))
         precision = {"int4": "int4" if counts["int4"] else "fp32", "w8a8": "int8", "fp32": "fp32"}[weights]
         set_metadata(proto, {"compress.precision": precision, "compress.kind": "generation",
-                             "compress.model_type": str(m.config.model_type), **(metadata or {})})
+                             "compress.model_type": str(m.config.model_type), "compress.attention": form,
+                             **(metadata or {})})
         atomic_save(proto, out)
-    log.info("LLM ONNX (%s weights: %d W8A8, %d MatMulNBits, %d float Linears) written to %s", weights,
-             counts["w8a8"], counts["int4"], counts["float"], out)
+    log.info("LLM ONNX (%s weights: %d W8A8, %d MatMulNBits, %d float Linears; %s attention) written to %s", weights,
+             counts["w8a8"], counts["int4"], counts["float"], form, out)
     if check:
         _check_in_ort(out, dec, float_check=weights != "w8a8" and (weights == "fp32" or accuracy_level == 0),
                       float_dec=float_reference)
