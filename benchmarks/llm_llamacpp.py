@@ -253,17 +253,32 @@ def main(argv: list[str] | None = None) -> None:
     speed: list[dict[str, Any]] = []
     q4, p4 = ours["RTN Q4_0"]
     pre, dec = llamacpp_speed(p4, prompt, new, args.threads)
-    speed.append({"runtime": f"llama.cpp {llama_cpp.__version__}", "file": "ours RTN Q4_0 GGUF",
+    speed.append({"runtime": f"llama.cpp {llama_cpp.__version__}", "file": "ours RTN Q4_0 GGUF (embedding F32)",
                   "MiB": p4.stat().st_size / 2**20, "prefill_ms": pre, "decode_tok_s": dec})
-    onnx4 = export_llm_onnx(q4, work / "int4" / "model.onnx", weights="int4")
-    size = sum(f.stat().st_size for f in onnx4.parent.iterdir()) / 2**20
-    for level in (0, 4):
-        if level:
-            onnx4 = export_llm_onnx(q4, work / "int4_l4" / "model.onnx", weights="int4", accuracy_level=4)
-        pre, dec = ort_speed(onnx4, prompt, new, args.threads)
-        speed.append({"runtime": "onnxruntime", "file": f"ours int4 MatMulNBits (accuracy_level {level})",
-                      "MiB": size, "prefill_ms": pre, "decode_tok_s": dec})
-        log.info("%s", speed[-1])
+    log.info("%s", speed[-1])
+    for attention in ("decomposed", "fused"):
+        for level in (0, 4):
+            onnx4 = export_llm_onnx(q4, work / f"int4_{attention}_l{level}" / "model.onnx", weights="int4",
+                                    accuracy_level=level, attention=attention)
+            pre, dec = ort_speed(onnx4, prompt, new, args.threads)
+            speed.append({"runtime": "onnxruntime", "file": f"ours int4 MatMulNBits (accuracy_level {level}), "
+                          f"{attention} attention, lm_head F32", "MiB": onnx4.stat().st_size / 2**20,
+                          "prefill_ms": pre, "decode_tok_s": dec})
+            log.info("%s", speed[-1])
+    # not the like-for-like comparison (the rows above keep the tied embedding/lm_head F32 on both sides):
+    # the 4-bit lm_head on each side, llama.cpp's defaults file against ours with lm_head as MatMulNBits too
+    head4 = compress.quantize(copy.deepcopy(fp), compress.QuantScheme(
+        weights=compress.QuantSpec(bits=4, granularity="group", group_size=32), inputs=None))
+    onnx_head = export_llm_onnx(head4, work / "int4_head4" / "model.onnx", weights="int4", accuracy_level=4)
+    pre, dec = ort_speed(onnx_head, prompt, new, args.threads)
+    speed.append({"runtime": "onnxruntime", "file": "ours int4 MatMulNBits (accuracy_level 4), fused attention, "
+                  "lm_head int4 too", "MiB": onnx_head.stat().st_size / 2**20, "prefill_ms": pre, "decode_tok_s": dec})
+    log.info("%s", speed[-1])
+    default_q4 = work / "llamacpp.Q4_0.default.gguf"
+    pre, dec = llamacpp_speed(default_q4, prompt, new, args.threads)
+    speed.append({"runtime": f"llama.cpp {llama_cpp.__version__}", "file": "llama.cpp Q4_0 GGUF (defaults: embedding "
+                  "and output quantized)", "MiB": default_q4.stat().st_size / 2**20, "prefill_ms": pre, "decode_tok_s": dec})
+    log.info("%s", speed[-1])
     md = ("## llama.cpp on our GGUF files, real SmolLM2-135M (`python -m benchmarks.llm_llamacpp`)\n\n"
           f"Perplexity by llama.cpp itself on {len(windows)} held-out windows of 256 tokens of stdlib code "
           "(json/decoder.py, json/encoder.py, argparse.py; calibration for GPTQ: os.py), every file on the same "
@@ -274,7 +289,10 @@ def main(argv: list[str] | None = None) -> None:
           f"`greedy_prefix`: 4 prompts of 32 tokens, tokens generated alike before the first difference. Threads: "
           f"{args.threads}.\n\n"
           + table(rows, ["file", "by", "MiB", "ppl_llamacpp", "ppl_torch", "top1_vs_torch", "greedy_prefix", "quantize_s"])
-          + f"\nCPU decode, prompt of {len(prompt)} tokens then {new} greedy tokens, median of 3 after a warm-up:\n\n"
+          + f"\nCPU decode, prompt of {len(prompt)} tokens then {new} greedy tokens, median of 3 after a warm-up, "
+          "every row in this one run. The first rows keep the tied embedding / lm_head F32 on both sides; the last "
+          "two quantize it to 4 bits on both sides (llama.cpp's defaults file; ours with lm_head as MatMulNBits g32), "
+          "not comparable with the rows above:\n\n"
           + table(speed, ["runtime", "file", "MiB", "prefill_ms", "decode_tok_s"])
           + f"\nMachine load at start (1/5/15 min): {tuple(round(x, 1) for x in load)}.\n")
     write_section("llm_llamacpp", md, {"rows": rows, "speed": speed, "threads": args.threads})

@@ -17,7 +17,10 @@ projections, MLPs, rotary frequencies), because transformers' cache objects do n
 graph with explicit past tensors; where each family keeps those parts is data (:data:`LAYOUTS`).
 Rotary embeddings use the model's precomputed ``inv_freq`` and ``attention_scaling`` (default,
 linear and llama3 RoPE; dynamic RoPE is refused); GPT-2's learned position table is indexed by the
-same positions.
+same positions. Attention is written as ORT's RotaryEmbedding + GroupQueryAttention per layer
+(``attention="fused"``, export/llm_attention.py: the same computation over the same inputs) where
+the installed onnxruntime's GroupQueryAttention has the inputs it needs, else in plain ONNX ops
+(``"decomposed"``).
 
 Weights: ``"int4"`` writes every weight-only 4-bit QuantLinear as ``com.microsoft.MatMulNBits``
 (bits 4, block size = the group size, float32 scales, packed uint8 zero points when asymmetric;
