@@ -58,8 +58,15 @@ from compress.core.machine import has_vnni
 from compress.core.moe import unpack_experts
 from compress.core.ort import inference_session, session_options
 from export.llm_attention import GroupQueryAttentionFn, RotaryFn, fused_attention_supported, rotary_caches
+
+# the MatMulNBits names stay importable from here (tests and callers read them from this module)
+from export.matmul_nbits import (  # noqa: F401
+    MatMulNBitsLinear,
+    _MatMulNBitsFn,
+    matmul_nbits_tensors,
+    pack_projections,
+)
 from quantization.lowering.int4 import (
-    Int4Weight,
     activation_quantizers,
     dequantize_int4,
     int4_weight,
@@ -71,98 +78,6 @@ log = logging.getLogger(__name__)
 
 Weights = Literal["int4", "fp32", "w8a8"]
 Attention = Literal["fused", "decomposed"]
-
-
-# ---- MatMulNBits -------------------------------------------------------------------------------------
-
-
-def matmul_nbits_tensors(w: Int4Weight, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(B, scales, zero_points)`` as MatMulNBits stores them for ``w`` with ``block_size``.
-
-    B uint8 ``[N, k_blocks, block_size/2]`` (feature 2i of a block in the low nibble); scales
-    float32 ``[N * k_blocks]``; zero points uint8 ``[N * ceil(k_blocks/2)]`` (two per byte, the
-    even block low) or None when all are 8 (MatMulNBits' default for 4 bits).
-    """
-    n, k = w.shape
-    k_blocks = math.ceil(k / block_size)
-    gi = torch.arange(k) // w.group_size
-    codes = w.codes
-    if k_blocks * block_size != k:  # pad with each row's last zero point: dequantizes to exactly 0
-        pad = k_blocks * block_size - k
-        codes = torch.cat([codes, w.zero_point[:, gi[-1:]].expand(n, pad)], dim=1)
-    b = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(n, k_blocks, block_size // 2).contiguous()
-    if w.num_groups == k_blocks:
-        scales, zps = w.scale, w.zero_point
-    elif w.num_groups == 1:
-        scales, zps = w.scale.expand(n, k_blocks), w.zero_point.expand(n, k_blocks)
-    else:
-        raise UnsupportedModelError(f"{w.num_groups} groups do not map to {k_blocks} blocks of {block_size}")
-    zp_packed = None
-    if not bool((zps == 8).all()):
-        z = zps if k_blocks % 2 == 0 else torch.cat([zps, torch.full((n, 1), 8, dtype=torch.uint8)], dim=1)
-        zp_packed = (z[:, 0::2] | (z[:, 1::2] << 4)).reshape(-1).contiguous()
-    return b, scales.float().reshape(-1).contiguous(), zp_packed
-
-
-class _MatMulNBitsFn(torch.autograd.Function):
-    """``x @ W^T`` with W dequantized from MatMulNBits tensors; exported as the ORT contrib op."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None,
-                k: int, n: int, block_size: int, accuracy_level: int) -> torch.Tensor:
-        k_blocks = b.shape[1]
-        codes = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(n, k_blocks * block_size).float()
-        if zp is None:
-            z = torch.full((n, k_blocks), 8.0)
-        else:
-            z = torch.stack([zp & 0xF, zp >> 4], dim=-1).reshape(n, -1)[:, :k_blocks].float()
-        w = (codes.reshape(n, k_blocks, block_size) - z[..., None]) * scales.reshape(n, k_blocks, 1)
-        return x @ w.reshape(n, -1)[:, :k].T.to(x.dtype)
-
-    @staticmethod
-    def symbolic(g: Any, x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block_size: int,
-                 accuracy_level: int) -> Any:
-        inputs = [x, b, scales] + ([zp] if zp is not None and not _is_none(zp) else [])
-        out = g.op("com.microsoft::MatMulNBits", *inputs, K_i=k, N_i=n, bits_i=4, block_size_i=block_size,
-                   accuracy_level_i=accuracy_level)
-        sizes = x.type().varyingSizes()
-        if sizes is not None:  # the output type, which the exporter cannot infer for a contrib op
-            out.setType(x.type().with_sizes([*sizes[:-1], n]))
-        return out
-
-
-def _is_none(v: Any) -> bool:
-    return hasattr(v, "node") and v.node().mustBeNone()
-
-
-class MatMulNBitsLinear(nn.Module):
-    """A Linear computing with int4 weights held as MatMulNBits tensors (exports as that op)."""
-
-    b: torch.Tensor
-    scales: torch.Tensor
-    zero_points: torch.Tensor | None
-    bias: torch.Tensor | None
-
-    def __init__(self, w: Int4Weight, bias: torch.Tensor | None, *, accuracy_level: int = 0, where: str = "layer") -> None:
-        super().__init__()
-        if w.g_idx is not None:
-            raise UnsupportedModelError(f"{where}: a g_idx (act_order permutation) is not exported; use static groups")
-        self.out_features, self.in_features = w.shape
-        gs = w.group_size if w.num_groups > 1 else w.shape[1]
-        self.block_size = max(16, 1 << (gs - 1).bit_length())  # MatMulNBits: a power of two >= 16
-        if w.num_groups > 1 and self.block_size != w.group_size:
-            raise UnsupportedModelError(f"{where}: group_size {w.group_size} is not a power of two >= 16 (MatMulNBits)")
-        b, scales, zp = matmul_nbits_tensors(w, self.block_size)
-        self.register_buffer("b", b)
-        self.register_buffer("scales", scales)
-        self.register_buffer("zero_points", zp)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.accuracy_level = accuracy_level
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _MatMulNBitsFn.apply(x, self.b, self.scales, self.zero_points, self.in_features, self.out_features,
-                                 self.block_size, self.accuracy_level)
-        return y + self.bias if self.bias is not None else y
 
 
 # ---- the traced decoder -------------------------------------------------------------------------------
@@ -197,6 +112,8 @@ LAYOUTS: dict[str, Layout] = {
                    mlp_norm="ln_2", out_proj="c_proj", final_norm="ln_f"),
 }
 SUPPORTED = tuple(LAYOUTS)
+#: the families' MLPs of the gated form ``down(act(gate(x)) * up(x))``, whose gate/up int4 layers pack into one
+GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 
 
 class KVDecoder(nn.Module):
@@ -332,9 +249,8 @@ class KVDecoder(nn.Module):
         b, s = x.shape[:2]
         fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
         if fused is not None:
-            qkv = fused(x)
             nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-            q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
+            q, k, v = fused(x).split([nq, nk, nk], dim=-1)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         if hasattr(attn, "q_norm"):
@@ -349,9 +265,8 @@ class KVDecoder(nn.Module):
         b, s = x.shape[:2]
         fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
         if fused is not None:
-            qkv = fused(x)
             nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-            q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
+            q, k, v = fused(x).split([nq, nk, nk], dim=-1)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         q = q.view(b, s, self.n_heads, self.head_dim)
@@ -561,6 +476,9 @@ def export_llm_onnx(
         float_reference = KVDecoder(flt).eval()
     unpack_experts(m)  # packed MoE experts (grouped_mm) as per-expert Linears: MatMulNBits / integer ops each
     counts = _swap_linears(m, weights, accuracy_level)
+    if counts["int4"]:  # q/k/v and gate/up as one MatMulNBits each, as ORT GenAI's builder writes them
+        lay = LAYOUTS[m.config.model_type]
+        pack_projections(getattr(getattr(m, lay.base), lay.layers), attn=lay.attn, mlp_type_names=GATED_MLPS)
     if weights == "int4" and counts["int4"] == 0:
         raise UnsupportedModelError("export_llm_onnx(weights='int4'): the model has no weight-only 4-bit layers")
     if weights == "w8a8" and counts["w8a8"] == 0:

@@ -116,7 +116,7 @@ def test_int4_llama_ops_one_attention_per_layer_no_kv_repeat(tmp_path: Path) -> 
     path = export_llm_onnx(model, tmp_path / "m.onnx")  # auto: fused with this onnxruntime
     proto = onnx.load(str(path))
     ops = collections.Counter(n.op_type for n in proto.graph.node)
-    assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 4 and ops["MatMulNBits"] == 14
+    assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 4 and ops["MatMulNBits"] == 8
     # the only Expand is the padding bias, built once per step; no Tile, no per-layer mask or KV repeat
     assert ops["Expand"] == 1 and ops["Tile"] == 0 and ops["Softmax"] == 0 and ops["Concat"] <= 2
     gqa = next(n for n in proto.graph.node if n.op_type == "GroupQueryAttention")
