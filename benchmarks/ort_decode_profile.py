@@ -93,7 +93,7 @@ def _markdown(data: dict[str, Any]) -> str:
         f"GroupQueryAttention). {data['threads']} thread, a 128-token prompt then {data['steps']} decode steps under "
         "ORT's profiler (prefill events left out; `run_ms`, `kernel_ms`, `lm_head_ms` and `tok_s_profiled` are "
         "per step under the profiler, which adds overhead); `tok_s`: decode tokens/s of the same file without the "
-        f"profiler (64 greedy tokens after the prompt, median of 3 after a warm-up). `overhead_ms`: `run` minus the "
+        f"profiler (64 greedy tokens after the prompt, median of 5 after a warm-up, the two files taking turns). `overhead_ms`: `run` minus the "
         "kernels' own time (per-node executor overhead, inputs and outputs). `nodes_per_step`: nodes ORT runs per "
         "step after its optimizer (`file_nodes`: in the file). Machine load (1/5/15 min) at start: "
         f"{tuple(data.get('load', ()))}.\n",
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import compress
     from benchmarks._results import write_section
-    from benchmarks.llm_llamacpp import ort_speed
+    from benchmarks.llm_llamacpp import interleaved, ort_timer
     from benchmarks.llm_runtimes import load_smollm2
     from export.llm_onnx import export_llm_onnx
 
@@ -129,10 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     forms: dict[str, Any] = {}
     prompt = list(range(100, 228))
+    paths = {}
     for form in ("decomposed", "fused"):
-        path = export_llm_onnx(q, work / form / "model.onnx", weights="int4", accuracy_level=4, attention=form)
-        forms[form] = profile_decode(path, threads=args.threads, steps=args.steps)
-        forms[form]["tok_s"] = ort_speed(path, prompt, 64, args.threads)[1]
+        paths[form] = export_llm_onnx(q, work / form / "model.onnx", weights="int4", accuracy_level=4, attention=form)
+        forms[form] = profile_decode(paths[form], threads=args.threads, steps=args.steps)
+    timed = interleaved({form: ort_timer(path, prompt, 64, args.threads) for form, path in paths.items()})
+    for form in forms:
+        forms[form]["tok_s"] = timed[form][1]
         log.info("%s: %s", form, {k: v for k, v in forms[form].items() if k != "rows"})
     data = {"forms": forms, "threads": args.threads, "steps": args.steps, "load": [round(v, 1) for v in load]}
     write_section("ort_decode_profile", _markdown(data), data)

@@ -25,7 +25,8 @@ the installed onnxruntime's GroupQueryAttention has the inputs it needs, else in
 Weights: ``"int4"`` writes every weight-only 4-bit QuantLinear as ``com.microsoft.MatMulNBits``
 (bits 4, block size = the group size, float32 scales, packed uint8 zero points when asymmetric;
 per-channel scales become one block of the next power of two >= K, and a K not divisible by the
-block is padded with zero-point codes, which dequantize to 0) and other Linears in float;
+block is padded with zero-point codes, which dequantize to 0; q/k/v and a gated MLP's gate/up packed
+into one op each, export/matmul_nbits.py) and other Linears in float;
 ``"fp32"`` writes every weight in float32 — for a fake-quant model its quantized values, so both
 files compute the fake-quant model up to float rounding. ``"w8a8"`` writes Linears with quantized
 inputs in integer form (export/llm_w8a8.py: QDQ + MatMul for static per-tensor activations,
