@@ -159,3 +159,26 @@ def test_rotary_cache_covers_the_models_positions() -> None:
     assert torch.equal(dec.cos_cache[pos], freqs.cos() * dec.rope_scaling)
     assert torch.equal(positions(torch.ones(1, 64, dtype=torch.long), 1), torch.tensor([[63]]))
     np.testing.assert_array_equal(dec.sin_cache[pos].numpy(), (freqs.sin() * dec.rope_scaling).numpy())
+
+
+@pytest.mark.slow  # two exports of the 135M model, about two minutes on an idle 2-core CPU
+def test_real_smollm2_int4_fused_file_generates_the_decomposed_files_tokens(smollm2: Any, tmp_path: Path) -> None:
+    # SmolLM2-135M (30 layers, GQA 9/3, head_dim 64, tied embedding) at int4 g32: the fused file holds one
+    # GroupQueryAttention per layer and 4 MatMulNBits per layer, and generates what the decomposed file
+    # does on held-out-style prompts, a left-padded batch included
+    import os
+
+    model_dir, tok = smollm2
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    q = compress.quantize(model, compress.QuantScheme(
+        weights=compress.QuantSpec(bits=4, granularity="group", group_size=32), inputs=None), ignore=["lm_head"])
+    fused = export_llm_onnx(q, tmp_path / "fused.onnx", attention="fused")
+    decomposed = export_llm_onnx(q, tmp_path / "decomposed.onnx", attention="decomposed", check=False)
+    ops = collections.Counter(n.op_type for n in onnx.load(str(fused)).graph.node)
+    assert (ops["GroupQueryAttention"], ops["RotaryEmbedding"], ops["MatMulNBits"]) == (30, 60, 120)
+    text = Path(os.__file__).read_text()
+    ids = torch.tensor([tok(text[1000:1400])["input_ids"][:24], tok(text[5000:5400])["input_ids"][:24]])
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    got = generate_ort(fused, ids, attention_mask=mask, max_new_tokens=16)
+    assert torch.equal(got, generate_ort(decomposed, ids, attention_mask=mask, max_new_tokens=16))
