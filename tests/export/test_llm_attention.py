@@ -130,6 +130,23 @@ def test_int4_llama_ops_one_attention_per_layer_no_kv_repeat(tmp_path: Path) -> 
     assert torch.equal(generate_ort(path, ids, max_new_tokens=10), want)
 
 
+def test_w8a8_fused_file_generates_the_decomposed_files_tokens(tmp_path: Path) -> None:
+    # W8A8 (static per-tensor activations, integer MatMuls) with the attention fused: the integer ops are
+    # the same, the float attention between them the same computation, so are the greedy tokens
+    model = _model("qwen2-window")
+    calib = [torch.randint(1, 128, (4, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    q = compress.quantize(model, {"preset": "w8a8", "weights": {"reduce_range": True}}, calib, ignore=["lm_head"],
+                          params=compress.QuantizeParams(quantize_ops=False))
+    files = [export_llm_onnx(q, tmp_path / f"{form}.onnx", weights="w8a8", attention=form)
+             for form in ("fused", "decomposed")]
+    assert sum(n.op_type == "GroupQueryAttention" for n in onnx.load(str(files[0])).graph.node) == 2
+    ids = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    got, want = (generate_ort(f, ids, attention_mask=mask, max_new_tokens=8) for f in files)
+    assert torch.equal(got, want)
+
+
 def test_window_attribute_is_the_layers_sliding_window(tmp_path: Path) -> None:
     path = export_llm_onnx(_model("qwen2-window"), tmp_path / "m.onnx", weights="fp32", check=False)
     windows = [onnx.helper.get_attribute_value(a) for n in onnx.load(str(path)).graph.node
