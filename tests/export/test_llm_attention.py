@@ -199,3 +199,18 @@ def test_real_smollm2_int4_fused_file_generates_the_decomposed_files_tokens(smol
     ids[1, :5], mask[1, :5] = 0, 0
     got = generate_ort(fused, ids, attention_mask=mask, max_new_tokens=16)
     assert torch.equal(got, generate_ort(decomposed, ids, attention_mask=mask, max_new_tokens=16))
+
+
+def test_recipe_export_field_chooses_the_attention(tmp_path: Path) -> None:
+    import pydantic
+
+    from export.generation import export_generation
+    from export.specs import ExportSpec
+
+    q = compress.quantize(_model("llama"), "w4_weight_only_g128", ignore=["lm_head"])
+    recs = export_generation(q, ExportSpec(generation=True, baseline=False, attention="decomposed"), tmp_path, name="m")
+    proto = onnx.load(str(recs[0].path))
+    assert {p.key: p.value for p in proto.metadata_props}["compress.attention"] == "decomposed"
+    assert not any(n.op_type == "GroupQueryAttention" for n in proto.graph.node)
+    with pytest.raises(pydantic.ValidationError, match="attention"):
+        ExportSpec(generation=True, attention="flash")  # type: ignore[arg-type]
