@@ -135,3 +135,32 @@ class GroupQueryAttentionFn(torch.autograd.Function):
         pk.setType(past_k.type())
         pv.setType(past_v.type())
         return out, pk, pv
+
+
+class SkipRMSNormFn(torch.autograd.Function):
+    """``(RMSNorm(x + residual) * weight, x + residual)``, transformers' RMSNorm arithmetic (float32);
+    exported as ``com.microsoft.SkipSimplifiedLayerNormalization`` (ORT fuses a lone RMSNorm into
+    SimplifiedLayerNormalization when it loads the file, but not the residual add before it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x + residual
+        normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed, total
+
+    @staticmethod
+    def symbolic(g: Any, x: Any, residual: Any, weight: Any, eps: float) -> Any:
+        out, _, _, total = g.op("com.microsoft::SkipSimplifiedLayerNormalization", x, residual, weight, outputs=4,
+                                epsilon_f=eps)
+        out.setType(x.type())
+        total.setType(x.type())
+        return out, total
+
+
+def rms_norm_params(module: Any) -> tuple[torch.Tensor, float] | None:
+    """``(weight, eps)`` of a transformers RMSNorm (``weight * x / rms(x)``, as Llama's), else None."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if type(module).__name__.endswith("RMSNorm") and isinstance(weight, torch.Tensor) and isinstance(eps, float):
+        return weight, eps
+    return None

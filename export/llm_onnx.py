@@ -58,7 +58,14 @@ from compress.core.errors import ExportError, UnsupportedModelError
 from compress.core.machine import has_vnni
 from compress.core.moe import unpack_experts
 from compress.core.ort import inference_session, session_options
-from export.llm_attention import GroupQueryAttentionFn, RotaryFn, fused_attention_supported, rotary_caches
+from export.llm_attention import (
+    GroupQueryAttentionFn,
+    RotaryFn,
+    SkipRMSNormFn,
+    fused_attention_supported,
+    rms_norm_params,
+    rotary_caches,
+)
 
 # the MatMulNBits names stay importable from here (tests and callers read them from this module)
 from export.matmul_nbits import (  # noqa: F401
@@ -229,9 +236,11 @@ class KVDecoder(nn.Module):
         if not self.rotary:
             h = h + getattr(base, lay.positions)(pos)  # type: ignore[arg-type]
         presents: list[torch.Tensor] = []
+        pending: torch.Tensor | None = None  # the sublayer output not yet added to the residual stream h
         for i, layer in enumerate(getattr(base, lay.layers)):
             attn = getattr(layer, lay.attn)
-            q, k, v = self._flat_qkv(attn, getattr(layer, lay.attn_norm)(h))
+            x, h = self._add_norm(getattr(layer, lay.attn_norm), h, pending)
+            q, k, v = self._flat_qkv(attn, x)
             if self.rotary:
                 q = RotaryFn.apply(q, pos, self.cos_cache, self.sin_cache, self.n_heads)
                 k = RotaryFn.apply(k, pos, self.cos_cache, self.sin_cache, self.n_kv)
@@ -240,10 +249,21 @@ class KVDecoder(nn.Module):
                                                     query_lens, self.n_heads, self.n_kv, float(attn.scaling),
                                                     -1 if w is None else w)
             presents += [pk, pv]
-            h = h + getattr(attn, lay.out_proj)(o)
-            h = h + layer.mlp(getattr(layer, lay.mlp_norm)(h))
-        logits = self.lm.lm_head(getattr(base, lay.final_norm)(h))
-        return (logits, *presents)
+            x, h = self._add_norm(getattr(layer, lay.mlp_norm), h, getattr(attn, lay.out_proj)(o))
+            pending = layer.mlp(x)
+        x, _ = self._add_norm(getattr(base, lay.final_norm), h, pending)
+        return (self.lm.lm_head(x), *presents)
+
+    @staticmethod
+    def _add_norm(norm: Any, h: torch.Tensor, pending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(h + pending), h + pending)``: one SkipSimplifiedLayerNormalization for an RMSNorm."""
+        rms = rms_norm_params(norm)
+        if pending is None:
+            return norm(h), h
+        if rms is None:  # GPT-2's LayerNorm: the add and the norm as they are
+            h = h + pending
+            return norm(h), h
+        return SkipRMSNormFn.apply(h, pending, rms[0], rms[1])
 
     def _flat_qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as ``[B, S, heads*D]`` (what GroupQueryAttention reads), Qwen3's q/k norms applied."""

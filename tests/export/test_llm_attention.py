@@ -119,6 +119,8 @@ def test_int4_llama_ops_one_attention_per_layer_no_kv_repeat(tmp_path: Path) -> 
     assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 4 and ops["MatMulNBits"] == 8
     # the only Expand is the padding bias, built once per step; no Tile, no per-layer mask or KV repeat
     assert ops["Expand"] == 1 and ops["Tile"] == 0 and ops["Softmax"] == 0 and ops["Concat"] <= 2
+    # every residual add with the RMSNorm after it (layer 1's two, layer 2's two with the final norm's)
+    assert ops["SkipSimplifiedLayerNormalization"] == 4 and ops["Add"] == 1  # the first RMSNorm's + eps
     gqa = next(n for n in proto.graph.node if n.op_type == "GroupQueryAttention")
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
     assert attrs["num_heads"] == 4 and attrs["kv_num_heads"] == 2 and attrs["local_window_size"] == -1
