@@ -17,6 +17,10 @@ since the op's own rotary reads only the first position of a prompt row, which l
 wrong. ``local_window_size`` equals transformers' ``sliding_window`` (keys ``window`` or more slots
 back are dropped). These rules were checked against the decomposed attention in ORT 1.32.
 
+Each residual add and the RMSNorm after it become one ``com.microsoft.SkipSimplifiedLayerNormalization``
+(ORT's optimizer fuses a lone RMSNorm into SimplifiedLayerNormalization when it loads a file, but
+leaves the add).
+
 Each op is a ``torch.autograd.Function`` whose ``forward`` is the exact decomposed computation (what
 the traced module and the export's ORT check compare with) and whose ``symbolic`` writes the
 contrib op (TorchScript exporter).
