@@ -26,6 +26,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,11 +126,14 @@ def torch_greedy(model: Any, prompt: list[int], new: int) -> list[int]:
     return out
 
 
-def llamacpp_speed(path: Path, prompt: list[int], new: int, threads: int, repeats: int = 3) -> tuple[float, float]:
-    """(prefill ms, decode tokens/s), medians over ``repeats`` after a warm-up."""
+Timer = Callable[[], tuple[float, float]]
+
+
+def llamacpp_timer(path: Path, prompt: list[int], new: int, threads: int) -> Timer:
+    """One ``(prefill ms, decode tokens/s)`` measurement of llama.cpp on ``path`` per call."""
     llm = _llama(path, len(prompt) + new + 8, threads, logits_all=False)
-    pre, dec = [], []
-    for r in range(repeats + 1):
+
+    def once() -> tuple[float, float]:
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
@@ -138,30 +142,37 @@ def llamacpp_speed(path: Path, prompt: list[int], new: int, threads: int, repeat
         for _ in range(new):
             llm.eval([nxt])
             nxt = _last_argmax(llm)
-        t2 = time.perf_counter()
-        if r:
-            pre.append((t1 - t0) * 1e3)
-            dec.append(new / (t2 - t1))
-    return statistics.median(pre), statistics.median(dec)
+        return (t1 - t0) * 1e3, new / (time.perf_counter() - t1)
+    return once
 
 
-def ort_speed(path: Path, prompt: list[int], new: int, threads: int, repeats: int = 3) -> tuple[float, float]:
+def ort_timer(path: Path, prompt: list[int], new: int, threads: int) -> Timer:
+    """One ``(prefill ms, decode tokens/s)`` measurement of ONNX Runtime on ``path`` per call."""
     from export.llm_onnx import OrtGenerator
 
     gen = OrtGenerator(path, threads=threads)
     ids = np.asarray([prompt], dtype=np.int64)
-    pre, dec = [], []
-    for r in range(repeats + 1):
+
+    def once() -> tuple[float, float]:
         t0 = time.perf_counter()
         logits = gen.prefill(ids, None)
         t1 = time.perf_counter()
         for _ in range(new):
             logits = gen.step(logits.argmax(-1).astype(np.int64))
-        t2 = time.perf_counter()
-        if r:
-            pre.append((t1 - t0) * 1e3)
-            dec.append(new / (t2 - t1))
-    return statistics.median(pre), statistics.median(dec)
+        return (t1 - t0) * 1e3, new / (time.perf_counter() - t1)
+    return once
+
+
+def interleaved(timers: dict[str, Timer], rounds: int = 5) -> dict[str, tuple[float, float]]:
+    """Medians of ``rounds`` measurements per timer after one warm-up each, the timers taking turns
+    within every round, so that a burst of load on the shared machine falls on all of them alike."""
+    for once in timers.values():
+        once()
+    got: dict[str, list[tuple[float, float]]] = {k: [] for k in timers}
+    for _ in range(rounds):
+        for k, once in timers.items():
+            got[k].append(once())
+    return {k: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for k, v in got.items()}
 
 
 def llamacpp_quantize(src: Path, dst: Path, ftype: str, *, keep_embedding: bool) -> Path:
@@ -250,20 +261,31 @@ def main(argv: list[str] | None = None) -> None:
                          "ppl_llamacpp": llamacpp_ppl(dst, windows, args.threads)[0]})
             log.info("%s", rows[-1])
     prompt, new = windows[0][:128], 64
-    speed: list[dict[str, Any]] = []
     q4, p4 = ours["RTN Q4_0"]
-    pre, dec = llamacpp_speed(p4, prompt, new, args.threads)
-    speed.append({"runtime": f"llama.cpp {llama_cpp.__version__}", "file": "ours RTN Q4_0 GGUF",
-                  "MiB": p4.stat().st_size / 2**20, "prefill_ms": pre, "decode_tok_s": dec})
-    onnx4 = export_llm_onnx(q4, work / "int4" / "model.onnx", weights="int4")
-    size = sum(f.stat().st_size for f in onnx4.parent.iterdir()) / 2**20
-    for level in (0, 4):
-        if level:
-            onnx4 = export_llm_onnx(q4, work / "int4_l4" / "model.onnx", weights="int4", accuracy_level=4)
-        pre, dec = ort_speed(onnx4, prompt, new, args.threads)
-        speed.append({"runtime": "onnxruntime", "file": f"ours int4 MatMulNBits (accuracy_level {level})",
-                      "MiB": size, "prefill_ms": pre, "decode_tok_s": dec})
-        log.info("%s", speed[-1])
+    files: dict[str, tuple[str, Path, Timer]] = {
+        "ours RTN Q4_0 GGUF (embedding F32)": (f"llama.cpp {llama_cpp.__version__}", p4,
+                                               llamacpp_timer(p4, prompt, new, args.threads))}
+    for attention in ("decomposed", "fused"):
+        for level in (0, 4):
+            onnx4 = export_llm_onnx(q4, work / f"int4_{attention}_l{level}" / "model.onnx", weights="int4",
+                                    accuracy_level=level, attention=attention)
+            files[f"ours int4 MatMulNBits (accuracy_level {level}), {attention} attention, lm_head F32"] = (
+                "onnxruntime", onnx4, ort_timer(onnx4, prompt, new, args.threads))
+    # not the like-for-like comparison (the rows above keep the tied embedding/lm_head F32 on both sides):
+    # a 4-bit lm_head on each side, llama.cpp's defaults file against ours with lm_head as MatMulNBits too
+    head4 = compress.quantize(copy.deepcopy(fp), compress.QuantScheme(
+        weights=compress.QuantSpec(bits=4, granularity="group", group_size=32), inputs=None))
+    onnx_head = export_llm_onnx(head4, work / "int4_head4" / "model.onnx", weights="int4", accuracy_level=4)
+    files["ours int4 MatMulNBits (accuracy_level 4), fused attention, lm_head int4 too"] = (
+        "onnxruntime", onnx_head, ort_timer(onnx_head, prompt, new, args.threads))
+    default_q4 = work / "llamacpp.Q4_0.default.gguf"
+    files["llama.cpp Q4_0 GGUF (defaults: embedding and output quantized)"] = (
+        f"llama.cpp {llama_cpp.__version__}", default_q4, llamacpp_timer(default_q4, prompt, new, args.threads))
+    timed = interleaved({k: t for k, (_, _, t) in files.items()})
+    speed = [{"runtime": runtime, "file": k, "MiB": path.stat().st_size / 2**20, "prefill_ms": timed[k][0],
+              "decode_tok_s": timed[k][1]} for k, (runtime, path, _) in files.items()]
+    for row in speed:
+        log.info("%s", row)
     md = ("## llama.cpp on our GGUF files, real SmolLM2-135M (`python -m benchmarks.llm_llamacpp`)\n\n"
           f"Perplexity by llama.cpp itself on {len(windows)} held-out windows of 256 tokens of stdlib code "
           "(json/decoder.py, json/encoder.py, argparse.py; calibration for GPTQ: os.py), every file on the same "
@@ -274,7 +296,10 @@ def main(argv: list[str] | None = None) -> None:
           f"`greedy_prefix`: 4 prompts of 32 tokens, tokens generated alike before the first difference. Threads: "
           f"{args.threads}.\n\n"
           + table(rows, ["file", "by", "MiB", "ppl_llamacpp", "ppl_torch", "top1_vs_torch", "greedy_prefix", "quantize_s"])
-          + f"\nCPU decode, prompt of {len(prompt)} tokens then {new} greedy tokens, median of 3 after a warm-up:\n\n"
+          + f"\nCPU decode, prompt of {len(prompt)} tokens then {new} greedy tokens, median of 5 after a warm-up, "
+          "every row in this one run, the rows taking turns within each of the 5 rounds. The first rows keep the tied embedding / lm_head F32 on both sides; the last "
+          "two quantize it to 4 bits on both sides (llama.cpp's defaults file; ours with lm_head as MatMulNBits g32), "
+          "not comparable with the rows above:\n\n"
           + table(speed, ["runtime", "file", "MiB", "prefill_ms", "decode_tok_s"])
           + f"\nMachine load at start (1/5/15 min): {tuple(round(x, 1) for x in load)}.\n")
     write_section("llm_llamacpp", md, {"rows": rows, "speed": speed, "threads": args.threads})

@@ -141,7 +141,10 @@ def main() -> None:
     n = len(cap.lines)
     t0 = time.perf_counter()
     p4 = export_llm_onnx(q4, work / "int4" / "model.int4.onnx")
-    rows.append({"what": "ONNX int4 (RTN w4 g64, MatMulNBits): export check", "result": checked(n),
+    import onnx
+
+    form = {m.key: m.value for m in onnx.load(str(p4), load_external_data=False).metadata_props}["compress.attention"]
+    rows.append({"what": f"ONNX int4 (RTN w4 g64, MatMulNBits, {form} attention): export check", "result": checked(n),
                  "s": time.perf_counter() - t0})
 
     # SmoothQuant W8A8

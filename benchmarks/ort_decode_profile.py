@@ -1,5 +1,6 @@
 """Where ONNX Runtime's int4 decode time goes on real SmolLM2-135M: ORT's own per-node profile of
-decode steps of our ``export_llm_onnx(weights="int4")`` file, summed per op type.
+decode steps of our ``export_llm_onnx(weights="int4")`` file, summed per op type, with the attention
+written decomposed and fused (RotaryEmbedding + GroupQueryAttention) side by side in one run.
 
     python -m benchmarks.ort_decode_profile [--threads 1] [--steps 32]
 
@@ -79,19 +80,32 @@ def profile_decode(path: Path, *, threads: int, steps: int, prompt: int = 128) -
 def _markdown(data: dict[str, Any]) -> str:
     from benchmarks._results import table
 
-    top = [r for r in data["rows"] if r["share"] >= 0.01]
-    return "\n".join([
+    forms = data["forms"]
+    summary = [{"attention": f, "file_nodes": d["graph_nodes"], "nodes_per_step": d["nodes_per_step"],
+                "run_ms": d["model_run_ms"], "kernel_ms": d["node_ms"], "overhead_ms": d["model_run_ms"] - d["node_ms"],
+                "lm_head_ms": d["lm_head_ms"], "tok_s_profiled": d["wall_tok_s"], "tok_s": d["tok_s"]}
+               for f, d in forms.items()]
+    parts = [
         "## Where ONNX Runtime's int4 decode time goes, real SmolLM2-135M (`python -m benchmarks.ort_decode_profile`)\n",
         "Our `export_llm_onnx(weights=\"int4\")` file (RTN int4 g32, MatMulNBits accuracy_level 4, lm_head float, "
-        f"as in the llama.cpp comparison), {data['threads']} thread, a 128-token prompt then {data['steps']} decode "
-        "steps under ORT's profiler (prefill events left out). Profiling adds overhead: read the shares.\n",
-        f"Per step: ORT `run` {data['model_run_ms']:.1f} ms, of which kernels {data['node_ms']:.1f} ms over "
-        f"{data['nodes_per_step']:.0f} nodes (the file holds {data['graph_nodes']} before ORT's optimizer); the rest "
-        f"is per-node executor overhead and input/output handling. The float lm_head alone: "
-        f"{data['lm_head_ms']:.2f} ms. Decode under the profiler: {data['wall_tok_s']:.1f} tokens/s. Machine load "
-        f"(1/5/15 min) at start: {tuple(data.get('load', ()))}.\n",
-        table(top, ["op", "ms_per_step", "nodes_per_step", "share"]),
-    ])
+        "as in the llama.cpp comparison), written twice in one run: attention `decomposed` (masks, rotate-half RoPE, "
+        "KV repeat, matmul/softmax in plain ONNX ops) and `fused` (per layer RotaryEmbedding on q and k and one "
+        "GroupQueryAttention, each residual add with the RMSNorm after it as one SkipSimplifiedLayerNormalization); "
+        f"both with q/k/v and gate/up packed into one MatMulNBits each. {data['threads']} thread, a 128-token prompt then {data['steps']} decode steps under "
+        "ORT's profiler (prefill events left out; `run_ms`, `kernel_ms`, `lm_head_ms` and `tok_s_profiled` are "
+        "per step under the profiler, which adds overhead); `tok_s`: decode tokens/s of the same file without the "
+        f"profiler (64 greedy tokens after the prompt, median of 5 after a warm-up, the two files taking turns). `overhead_ms`: `run` minus the "
+        "kernels' own time (per-node executor overhead, inputs and outputs). `nodes_per_step`: nodes ORT runs per "
+        "step after its optimizer (`file_nodes`: in the file). Machine load (1/5/15 min) at start: "
+        f"{tuple(data.get('load', ()))}.\n",
+        table(summary, ["attention", "file_nodes", "nodes_per_step", "run_ms", "kernel_ms", "overhead_ms", "lm_head_ms",
+                        "tok_s_profiled", "tok_s"]),
+    ]
+    for f, d in forms.items():
+        top = [r for r in d["rows"] if r["share"] >= 0.01]
+        parts += [f"\nPer op type, `{f}` attention (ops with 1% or more of the kernel time):\n", table(top, [
+            "op", "ms_per_step", "nodes_per_step", "share"])]
+    return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import compress
     from benchmarks._results import write_section
+    from benchmarks.llm_llamacpp import interleaved, ort_timer
     from benchmarks.llm_runtimes import load_smollm2
     from export.llm_onnx import export_llm_onnx
 
@@ -112,10 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     fp, _ = load_smollm2(work / "smollm2")
     scheme = compress.QuantScheme(weights=compress.QuantSpec(bits=4, granularity="group", group_size=32), inputs=None)
     q = compress.quantize(fp, scheme, ignore=["lm_head"])
-    path = export_llm_onnx(q, work / "int4" / "model.onnx", weights="int4", accuracy_level=4)
     load = os.getloadavg()
-    data = {**profile_decode(path, threads=args.threads, steps=args.steps), "load": [round(v, 1) for v in load]}
-    log.info("%s", {k: v for k, v in data.items() if k != "rows"})
+    forms: dict[str, Any] = {}
+    prompt = list(range(100, 228))
+    paths = {}
+    for form in ("decomposed", "fused"):
+        paths[form] = export_llm_onnx(q, work / form / "model.onnx", weights="int4", accuracy_level=4, attention=form)
+        forms[form] = profile_decode(paths[form], threads=args.threads, steps=args.steps)
+    timed = interleaved({form: ort_timer(path, prompt, 64, args.threads) for form, path in paths.items()})
+    for form in forms:
+        forms[form]["tok_s"] = timed[form][1]
+        log.info("%s: %s", form, {k: v for k, v in forms[form].items() if k != "rows"})
+    data = {"forms": forms, "threads": args.threads, "steps": args.steps, "load": [round(v, 1) for v in load]}
     write_section("ort_decode_profile", _markdown(data), data)
     return 0
 

@@ -17,12 +17,16 @@ projections, MLPs, rotary frequencies), because transformers' cache objects do n
 graph with explicit past tensors; where each family keeps those parts is data (:data:`LAYOUTS`).
 Rotary embeddings use the model's precomputed ``inv_freq`` and ``attention_scaling`` (default,
 linear and llama3 RoPE; dynamic RoPE is refused); GPT-2's learned position table is indexed by the
-same positions.
+same positions. Attention is written as ORT's RotaryEmbedding + GroupQueryAttention per layer
+(``attention="fused"``, export/llm_attention.py: the same computation over the same inputs) where
+the installed onnxruntime's GroupQueryAttention has the inputs it needs, else in plain ONNX ops
+(``"decomposed"``).
 
 Weights: ``"int4"`` writes every weight-only 4-bit QuantLinear as ``com.microsoft.MatMulNBits``
 (bits 4, block size = the group size, float32 scales, packed uint8 zero points when asymmetric;
 per-channel scales become one block of the next power of two >= K, and a K not divisible by the
-block is padded with zero-point codes, which dequantize to 0) and other Linears in float;
+block is padded with zero-point codes, which dequantize to 0; q/k/v and a gated MLP's gate/up packed
+into one op each, export/matmul_nbits.py) and other Linears in float;
 ``"fp32"`` writes every weight in float32 — for a fake-quant model its quantized values, so both
 files compute the fake-quant model up to float rounding. ``"w8a8"`` writes Linears with quantized
 inputs in integer form (export/llm_w8a8.py: QDQ + MatMul for static per-tensor activations,
@@ -54,8 +58,23 @@ from compress.core.errors import ExportError, UnsupportedModelError
 from compress.core.machine import has_vnni
 from compress.core.moe import unpack_experts
 from compress.core.ort import inference_session, session_options
+from export.llm_attention import (
+    GroupQueryAttentionFn,
+    RotaryFn,
+    SkipRMSNormFn,
+    fused_attention_supported,
+    rms_norm_params,
+    rotary_caches,
+)
+
+# the MatMulNBits names stay importable from here (tests and callers read them from this module)
+from export.matmul_nbits import (  # noqa: F401
+    MatMulNBitsLinear,
+    _MatMulNBitsFn,
+    matmul_nbits_tensors,
+    pack_projections,
+)
 from quantization.lowering.int4 import (
-    Int4Weight,
     activation_quantizers,
     dequantize_int4,
     int4_weight,
@@ -66,98 +85,7 @@ from quantization.view import input_quantizer, remove_placement
 log = logging.getLogger(__name__)
 
 Weights = Literal["int4", "fp32", "w8a8"]
-
-
-# ---- MatMulNBits -------------------------------------------------------------------------------------
-
-
-def matmul_nbits_tensors(w: Int4Weight, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(B, scales, zero_points)`` as MatMulNBits stores them for ``w`` with ``block_size``.
-
-    B uint8 ``[N, k_blocks, block_size/2]`` (feature 2i of a block in the low nibble); scales
-    float32 ``[N * k_blocks]``; zero points uint8 ``[N * ceil(k_blocks/2)]`` (two per byte, the
-    even block low) or None when all are 8 (MatMulNBits' default for 4 bits).
-    """
-    n, k = w.shape
-    k_blocks = math.ceil(k / block_size)
-    gi = torch.arange(k) // w.group_size
-    codes = w.codes
-    if k_blocks * block_size != k:  # pad with each row's last zero point: dequantizes to exactly 0
-        pad = k_blocks * block_size - k
-        codes = torch.cat([codes, w.zero_point[:, gi[-1:]].expand(n, pad)], dim=1)
-    b = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(n, k_blocks, block_size // 2).contiguous()
-    if w.num_groups == k_blocks:
-        scales, zps = w.scale, w.zero_point
-    elif w.num_groups == 1:
-        scales, zps = w.scale.expand(n, k_blocks), w.zero_point.expand(n, k_blocks)
-    else:
-        raise UnsupportedModelError(f"{w.num_groups} groups do not map to {k_blocks} blocks of {block_size}")
-    zp_packed = None
-    if not bool((zps == 8).all()):
-        z = zps if k_blocks % 2 == 0 else torch.cat([zps, torch.full((n, 1), 8, dtype=torch.uint8)], dim=1)
-        zp_packed = (z[:, 0::2] | (z[:, 1::2] << 4)).reshape(-1).contiguous()
-    return b, scales.float().reshape(-1).contiguous(), zp_packed
-
-
-class _MatMulNBitsFn(torch.autograd.Function):
-    """``x @ W^T`` with W dequantized from MatMulNBits tensors; exported as the ORT contrib op."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None,
-                k: int, n: int, block_size: int, accuracy_level: int) -> torch.Tensor:
-        k_blocks = b.shape[1]
-        codes = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(n, k_blocks * block_size).float()
-        if zp is None:
-            z = torch.full((n, k_blocks), 8.0)
-        else:
-            z = torch.stack([zp & 0xF, zp >> 4], dim=-1).reshape(n, -1)[:, :k_blocks].float()
-        w = (codes.reshape(n, k_blocks, block_size) - z[..., None]) * scales.reshape(n, k_blocks, 1)
-        return x @ w.reshape(n, -1)[:, :k].T.to(x.dtype)
-
-    @staticmethod
-    def symbolic(g: Any, x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block_size: int,
-                 accuracy_level: int) -> Any:
-        inputs = [x, b, scales] + ([zp] if zp is not None and not _is_none(zp) else [])
-        out = g.op("com.microsoft::MatMulNBits", *inputs, K_i=k, N_i=n, bits_i=4, block_size_i=block_size,
-                   accuracy_level_i=accuracy_level)
-        sizes = x.type().varyingSizes()
-        if sizes is not None:  # the output type, which the exporter cannot infer for a contrib op
-            out.setType(x.type().with_sizes([*sizes[:-1], n]))
-        return out
-
-
-def _is_none(v: Any) -> bool:
-    return hasattr(v, "node") and v.node().mustBeNone()
-
-
-class MatMulNBitsLinear(nn.Module):
-    """A Linear computing with int4 weights held as MatMulNBits tensors (exports as that op)."""
-
-    b: torch.Tensor
-    scales: torch.Tensor
-    zero_points: torch.Tensor | None
-    bias: torch.Tensor | None
-
-    def __init__(self, w: Int4Weight, bias: torch.Tensor | None, *, accuracy_level: int = 0, where: str = "layer") -> None:
-        super().__init__()
-        if w.g_idx is not None:
-            raise UnsupportedModelError(f"{where}: a g_idx (act_order permutation) is not exported; use static groups")
-        self.out_features, self.in_features = w.shape
-        gs = w.group_size if w.num_groups > 1 else w.shape[1]
-        self.block_size = max(16, 1 << (gs - 1).bit_length())  # MatMulNBits: a power of two >= 16
-        if w.num_groups > 1 and self.block_size != w.group_size:
-            raise UnsupportedModelError(f"{where}: group_size {w.group_size} is not a power of two >= 16 (MatMulNBits)")
-        b, scales, zp = matmul_nbits_tensors(w, self.block_size)
-        self.register_buffer("b", b)
-        self.register_buffer("scales", scales)
-        self.register_buffer("zero_points", zp)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-        self.accuracy_level = accuracy_level
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _MatMulNBitsFn.apply(x, self.b, self.scales, self.zero_points, self.in_features, self.out_features,
-                                 self.block_size, self.accuracy_level)
-        return y + self.bias if self.bias is not None else y
+Attention = Literal["fused", "decomposed"]
 
 
 # ---- the traced decoder -------------------------------------------------------------------------------
@@ -192,6 +120,8 @@ LAYOUTS: dict[str, Layout] = {
                    mlp_norm="ln_2", out_proj="c_proj", final_norm="ln_f"),
 }
 SUPPORTED = tuple(LAYOUTS)
+#: the families' MLPs of the gated form ``down(act(gate(x)) * up(x))``, whose gate/up int4 layers pack into one
+GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 
 
 class KVDecoder(nn.Module):
@@ -201,8 +131,10 @@ class KVDecoder(nn.Module):
 
     lm: Any  # a transformers causal LM (its submodules are reached by attribute)
     inv_freq: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, attention: Attention = "decomposed") -> None:
         super().__init__()
         cfg = check_decoder(model)
         self.lm = model
@@ -219,6 +151,19 @@ class KVDecoder(nn.Module):
         self.windows = sliding_windows(cfg)
         #: a ``position_ids`` input after the mask (what Optimum feeds) instead of positions from the mask
         self.explicit_positions = False
+        if attention not in ("fused", "decomposed"):
+            raise ExportError(f"attention must be 'fused' or 'decomposed' (got {attention!r})")
+        #: "fused": RotaryEmbedding + GroupQueryAttention per layer (export/llm_attention.py)
+        self.attention = attention
+        if self.rotary and attention == "fused":  # positions 0..max_position_embeddings-1, as the model declares
+            length = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+            if length <= 0:
+                raise UnsupportedModelError(f"{type(model).__name__}: no max_position_embeddings to size the rotary cache")
+            cos, sin = rotary_caches(self.inv_freq, length, self.rope_scaling)
+        else:
+            cos = sin = torch.zeros(0, 0)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     @property
     def base(self) -> Any:
@@ -234,6 +179,8 @@ class KVDecoder(nn.Module):
             pos = rest[0]
         else:  # positions count real tokens only (left padding), as transformers' generate derives them
             pos = positions(attention_mask, s)
+        if self.attention == "fused":
+            return self._forward_fused(input_ids, attention_mask, pos, past)
         t = p + s
         causal = torch.arange(t, device=input_ids.device)[None, :] > (torch.arange(s, device=input_ids.device) + p)[:, None]
         masked = causal[None] | (attention_mask[:, None, :] == 0)  # [B, S, T]: future keys and padding
@@ -273,6 +220,65 @@ class KVDecoder(nn.Module):
         logits = self.lm.lm_head(getattr(base, lay.final_norm)(h))
         return (logits, *presents)
 
+    def _forward_fused(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pos: torch.Tensor,
+                       past: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """:meth:`forward` with each layer's attention as RotaryEmbedding + GroupQueryAttention."""
+        base, lay = self.base, self.layout
+        b, s = input_ids.shape
+        t = attention_mask.shape[1]
+        # every row holds all t slots (its left padding masked by the bias); computed once per step
+        seqlens = torch.ones_like(attention_mask).sum(-1, dtype=torch.int32) - 1
+        total = torch.ones_like(attention_mask[0]).sum(dtype=torch.int32)
+        query_lens = torch.ones_like(input_ids).sum(-1, dtype=torch.int32)
+        pad = (attention_mask == 0).float() * torch.finfo(torch.float32).min
+        bias = pad[:, None, None, :].expand(b, 1, s, t)
+        h = getattr(base, lay.embed)(input_ids)
+        if not self.rotary:
+            h = h + getattr(base, lay.positions)(pos)  # type: ignore[arg-type]
+        presents: list[torch.Tensor] = []
+        pending: torch.Tensor | None = None  # the sublayer output not yet added to the residual stream h
+        for i, layer in enumerate(getattr(base, lay.layers)):
+            attn = getattr(layer, lay.attn)
+            x, h = self._add_norm(getattr(layer, lay.attn_norm), h, pending)
+            q, k, v = self._flat_qkv(attn, x)
+            if self.rotary:
+                q = RotaryFn.apply(q, pos, self.cos_cache, self.sin_cache, self.n_heads)
+                k = RotaryFn.apply(k, pos, self.cos_cache, self.sin_cache, self.n_kv)
+            w = self.windows[i]
+            o, pk, pv = GroupQueryAttentionFn.apply(q, k, v, past[2 * i], past[2 * i + 1], seqlens, total, bias,
+                                                    query_lens, self.n_heads, self.n_kv, float(attn.scaling),
+                                                    -1 if w is None else w)
+            presents += [pk, pv]
+            x, h = self._add_norm(getattr(layer, lay.mlp_norm), h, getattr(attn, lay.out_proj)(o))
+            pending = layer.mlp(x)
+        x, _ = self._add_norm(getattr(base, lay.final_norm), h, pending)
+        return (self.lm.lm_head(x), *presents)
+
+    @staticmethod
+    def _add_norm(norm: Any, h: torch.Tensor, pending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(h + pending), h + pending)``: one SkipSimplifiedLayerNormalization for an RMSNorm."""
+        rms = rms_norm_params(norm)
+        if pending is None:
+            return norm(h), h
+        if rms is None:  # GPT-2's LayerNorm: the add and the norm as they are
+            h = h + pending
+            return norm(h), h
+        return SkipRMSNormFn.apply(h, pending, rms[0], rms[1])
+
+    def _flat_qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as ``[B, S, heads*D]`` (what GroupQueryAttention reads), Qwen3's q/k norms applied."""
+        b, s = x.shape[:2]
+        fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
+        if fused is not None:
+            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = fused(x).split([nq, nk, nk], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q.view(b, s, self.n_heads, self.head_dim)).reshape(b, s, -1)
+            k = attn.k_norm(k.view(b, s, self.n_kv, self.head_dim)).reshape(b, s, -1)
+        return q, k, v
+
     def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Heads ``[B, H, S, D]`` of q, k, v: separate projections, or a fused one (Phi-3's ``qkv_proj``,
         GPT-2's ``c_attn``: ``[q | k | v]``);
@@ -280,9 +286,8 @@ class KVDecoder(nn.Module):
         b, s = x.shape[:2]
         fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
         if fused is not None:
-            qkv = fused(x)
             nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-            q, k, v = qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
+            q, k, v = fused(x).split([nq, nk, nk], dim=-1)
         else:
             q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
         q = q.view(b, s, self.n_heads, self.head_dim)
@@ -440,6 +445,7 @@ def export_llm_onnx(
     check: bool = True,
     metadata: Mapping[str, str] | None = None,
     position_ids: bool = False,
+    attention: Literal["auto", "fused", "decomposed"] = "auto",
 ) -> Path:
     """Write ``model`` (a transformers causal LM of a :data:`LAYOUTS` family, float or fake-quant)
     as a single ONNX file with past/present key-value tensors. Returns the path.
@@ -452,10 +458,24 @@ def export_llm_onnx(
     ``metadata_props`` carry ``compress.precision`` (int4/int8/fp32), ``compress.kind`` (generation),
     the toolkit version and ``metadata``; it is written whole or not at all. ``position_ids`` adds
     that input after ``attention_mask`` (``[B, S]`` int64, what Optimum's ORTModelForCausalLM feeds;
-    without it the graph derives positions from the mask).
+    without it the graph derives positions from the mask). ``attention``: ``"fused"`` writes each
+    layer's attention as ``com.microsoft`` RotaryEmbedding + GroupQueryAttention (export/llm_attention.py),
+    ``"decomposed"`` as plain ONNX ops (masks, matmuls, softmax: any ONNX runtime, ORT before 1.32);
+    ``"auto"`` (default) is fused where the installed onnxruntime's GroupQueryAttention has the inputs
+    the fused form feeds, else decomposed.
     """
     if weights not in ("int4", "fp32", "w8a8"):
         raise ExportError(f"export_llm_onnx: weights must be 'int4', 'fp32' or 'w8a8' (got {weights!r})")
+    if attention not in ("auto", "fused", "decomposed"):
+        raise ExportError(f"export_llm_onnx: attention must be 'auto', 'fused' or 'decomposed' (got {attention!r})")
+    if attention != "decomposed" and not fused_attention_supported():
+        if attention == "fused":
+            import onnxruntime
+
+            raise ExportError(f"export_llm_onnx(attention='fused'): onnxruntime {onnxruntime.__version__}'s "
+                              "GroupQueryAttention lacks attention_bias/query_seqlens (needs 1.32); use 'decomposed'")
+        log.info("onnxruntime's GroupQueryAttention lacks attention_bias/query_seqlens: attention written decomposed")
+    form: Attention = "decomposed" if attention == "decomposed" or not fused_attention_supported() else "fused"
     check_decoder(model)
     if weights == "w8a8":
         from export.llm_w8a8 import check_w8a8_exportable
@@ -477,12 +497,15 @@ def export_llm_onnx(
         float_reference = KVDecoder(flt).eval()
     unpack_experts(m)  # packed MoE experts (grouped_mm) as per-expert Linears: MatMulNBits / integer ops each
     counts = _swap_linears(m, weights, accuracy_level)
+    if counts["int4"]:  # q/k/v and gate/up as one MatMulNBits each, as ORT GenAI's builder writes them
+        lay = LAYOUTS[m.config.model_type]
+        pack_projections(getattr(getattr(m, lay.base), lay.layers), attn=lay.attn, mlp_type_names=GATED_MLPS)
     if weights == "int4" and counts["int4"] == 0:
         raise UnsupportedModelError("export_llm_onnx(weights='int4'): the model has no weight-only 4-bit layers")
     if weights == "w8a8" and counts["w8a8"] == 0:
         raise UnsupportedModelError("export_llm_onnx(weights='w8a8'): the model has no Linears with quantized inputs")
     remove_placement(m)  # its quantizers now live in the swapped layers
-    dec = KVDecoder(m).eval()
+    dec = KVDecoder(m, attention=form).eval()
     dec.explicit_positions = position_ids
     if float_reference is not None:
         float_reference.explicit_positions = position_ids
@@ -504,7 +527,7 @@ def export_llm_onnx(
         traced = Path(tmp) / out.name
         torch.onnx.export(
             dec, dec.dummy_inputs(1, 2, 3), str(traced), input_names=inputs, output_names=outputs,
-            dynamic_axes=dyn, opset_version=opset, dynamo=False, custom_opsets={"com.microsoft": 1} if counts["int4"] else None,
+            dynamic_axes=dyn, opset_version=opset, dynamo=False, custom_opsets={"com.microsoft": 1} if counts["int4"] or form == "fused" else None,
             # no folding: a tied lm_head stays one initializer shared with the embedding (folding writes a
             # transposed copy); ORT folds the weight transposes in memory when it loads the file
             do_constant_folding=False,
@@ -517,10 +540,11 @@ def export_llm_onnx(
         proto = onnx.load(str(traced))
         precision = {"int4": "int4" if counts["int4"] else "fp32", "w8a8": "int8", "fp32": "fp32"}[weights]
         set_metadata(proto, {"compress.precision": precision, "compress.kind": "generation",
-                             "compress.model_type": str(m.config.model_type), **(metadata or {})})
+                             "compress.model_type": str(m.config.model_type), "compress.attention": form,
+                             **(metadata or {})})
         atomic_save(proto, out)
-    log.info("LLM ONNX (%s weights: %d W8A8, %d MatMulNBits, %d float Linears) written to %s", weights,
-             counts["w8a8"], counts["int4"], counts["float"], out)
+    log.info("LLM ONNX (%s weights: %d W8A8, %d MatMulNBits, %d float Linears; %s attention) written to %s", weights,
+             counts["w8a8"], counts["int4"], counts["float"], form, out)
     if check:
         _check_in_ort(out, dec, float_check=weights != "w8a8" and (weights == "fp32" or accuracy_level == 0),
                       float_dec=float_reference)

@@ -34,6 +34,9 @@ class ExportSpec(_Strict):
     #: MatMulNBits' accuracy_level for int4 generation files: 0 computes in float32 (the fake-quant
     #: model's numbers), 4 lets ORT's CPU kernel quantize activations to int8 (faster decode)
     accuracy_level: int = Field(0, ge=0, le=4)
+    #: generation files' attention: ORT's fused RotaryEmbedding + GroupQueryAttention, plain ONNX ops,
+    #: or (auto) fused where the installed onnxruntime has the inputs it needs
+    attention: Literal["auto", "fused", "decomposed"] = "auto"
 
     @model_validator(mode="after")
     def _generation_formats(self) -> ExportSpec:

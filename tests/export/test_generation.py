@@ -53,9 +53,10 @@ def test_int4_generation_files_are_validated_against_pytorch_and_the_fp32_file(t
     import json
 
     assert json.loads((tmp_path / "genai_config.json").read_text())["model"]["decoder"]["filename"] == "m.int4.onnx"
-    assert recs[0].integer_ops == {"MatMulNBits": 14}  # 2 layers x q/k/v/o/gate/up/down; lm_head float
-    # named as float: per layer the two attention matmuls, and lm_head (weight-only: activations are float)
-    assert sum("MatMul" in n.split(":")[0] for n in recs[0].float_nodes) == 5  # FusedMatMul: scaled q @ k^T
+    assert recs[0].integer_ops == {"MatMulNBits": 8}  # 2 layers x qkv/o/gate_up/down (packed); lm_head float
+    # named as float: lm_head (weight-only: activations are float); the attention matmuls are inside
+    # each layer's GroupQueryAttention
+    assert sum("MatMul" in n.split(":")[0] for n in recs[0].float_nodes) == 1
     prompts = torch.randint(0, 128, (3, 12), generator=torch.Generator().manual_seed(1)).numpy()
     vals = validate_generation(recs, ValidateSpec(runs=2, warmup=1, generate_tokens=6), prompts, reference=q,
                                baseline_reference=fp)
@@ -186,7 +187,7 @@ def test_qwen3_norms_and_phi3_fused_projections_generate_as_transformers_does(fa
                               atol=1e-4)
     q = compress.quantize(copy.deepcopy(model), "w4_weight_only_g128", ignore=["lm_head"])
     recs = export_generation(q, ExportSpec(generation=True, baseline=False), tmp_path, name="m")
-    assert recs[0].integer_ops == {"MatMulNBits": 8 if family == "phi3" else 14}  # phi3: qkv, o, gate_up, down
+    assert recs[0].integer_ops == {"MatMulNBits": 8}  # qkv, o, gate_up, down: Phi-3's own, Qwen3's packed
     (val,) = validate_generation(recs, ValidateSpec(runs=1, warmup=0, generate_tokens=8), ids.numpy(), reference=q,
                                  baseline_reference=None)
     assert val.parity == {"top1_agreement": 1.0, "prompts_identical": 1.0}

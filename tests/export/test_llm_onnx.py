@@ -66,11 +66,11 @@ def test_ort_greedy_tokens_match_pytorch(kind: str, scheme: QuantScheme, weights
     fq = _model(kind, scheme)
     path = export_llm_onnx(fq, tmp_path / "m.onnx", weights=weights)  # type: ignore[arg-type]
     nodes = [n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
-    assert len(nodes) == (14 if weights == "int4" else 0)
-    if nodes:  # q_proj: K = N = 64; g32 blocks, or one 64-wide block per channel; zero points when asym
+    assert len(nodes) == (8 if weights == "int4" else 0)  # per layer q/k/v and gate/up packed: 4
+    if nodes:  # q/k/v packed: K = 64, N = 64 + 2 x 32; g32 blocks, or one 64-wide block per channel; zero points when asym
         attrs = {a.name: a.i for a in nodes[0].attribute}
         assert nodes[0].domain == "com.microsoft"
-        assert attrs == {"K": 64, "N": 64, "bits": 4, "block_size": scheme.weights.group_size or 64, "accuracy_level": 0}
+        assert attrs == {"K": 64, "N": 128, "bits": 4, "block_size": scheme.weights.group_size or 64, "accuracy_level": 0}
         assert len(nodes[0].input) == (3 if scheme.weights.symmetric else 4)
     ids, mask = _prompts(1)  # 7 tokens and a left-padded 4: neither the traced length (3) nor past (2)
     new = 12
@@ -104,6 +104,35 @@ def test_matmul_nbits_layout_pads_ragged_blocks_exactly(tmp_path: Path) -> None:
 
     (y,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
     np.testing.assert_allclose(y, ref.numpy(), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_projections_compute_each_layers_columns(tmp_path: Path) -> None:
+    # q (asymmetric, zero points), k (symmetric: no zero-point tensor) and v (with a bias) read one
+    # input: packed into one MatMulNBits, its output is theirs side by side, in torch and in ORT
+    from export.matmul_nbits import _cat
+
+    g = torch.Generator().manual_seed(3)
+    k = 96  # three blocks of 32: an odd count, so each row's packed zero points end in a pad nibble
+
+    def layer(n: int, zp: bool, bias: bool) -> MatMulNBitsLinear:
+        zps = torch.randint(0, 16, (n, 3), generator=g, dtype=torch.uint8) if zp else torch.full((n, 3), 8, dtype=torch.uint8)
+        w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), torch.rand(n, 3, generator=g) * 0.1,
+                       zps, 32, not zp)
+        return MatMulNBitsLinear(w, torch.randn(n, generator=g) if bias else None)
+
+    parts = [layer(40, True, False), layer(16, False, False), layer(16, False, True)]
+    assert parts[1].zero_points is None and parts[0].zero_points is not None
+    packed = _cat(parts)
+    x = torch.randn(2, 3, k, generator=g)
+    want = torch.cat([m(x) for m in parts], dim=-1)
+    torch.testing.assert_close(packed(x), want, atol=0, rtol=0)
+    path = tmp_path / "packed.onnx"
+    with pytest.warns(DeprecationWarning):
+        torch.onnx.export(packed, (x,), str(path), input_names=["x"], dynamo=False, custom_opsets={"com.microsoft": 1})
+    import onnxruntime as ort
+
+    (y,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
+    np.testing.assert_allclose(y, want.numpy(), atol=1e-5, rtol=1e-5)
 
 
 def test_refuses_what_it_cannot_export(tmp_path: Path) -> None:
@@ -147,12 +176,12 @@ def test_position_ids_input_generates_the_same_tokens(tmp_path: Path) -> None:
 
 def test_ort_decode_profile_attributes_the_step_to_op_types(tmp_path: Path) -> None:
     # the profiler behind benchmarks/ort_decode_profile.py on a small int4 Llama: decode steps only,
-    # every MatMulNBits of the model once per step, the shares summing to the whole node time
+    # every MatMulNBits of the model (q/k/v and gate/up packed) once per step, the shares summing to the whole node time
     from benchmarks.ort_decode_profile import profile_decode
 
     path = export_llm_onnx(_model("llama", _w4(32, symmetric=True)), tmp_path / "m.onnx", weights="int4")
     data = profile_decode(path, threads=1, steps=3, prompt=8)
     ops = {r["op"]: r for r in data["rows"]}
-    assert data["steps"] == 3 and ops["MatMulNBits"]["nodes_per_step"] == 2 * 7
+    assert data["steps"] == 3 and ops["MatMulNBits"]["nodes_per_step"] == 2 * 4
     assert abs(sum(r["share"] for r in data["rows"]) - 1) < 1e-6
     assert 0 < data["node_ms"] <= data["model_run_ms"]

@@ -1,0 +1,171 @@
+"""ONNX Runtime's ``com.microsoft.MatMulNBits`` (4-bit weights) for the LLM generation export
+(export/llm_onnx.py): the tensor layout, a Linear that computes and exports as that op, and the
+packing of Linears that read one input (q/k/v, gate/up) into one op, as ONNX Runtime GenAI's model
+builder writes them: at one token per step each MatMulNBits call pays a fixed cost (measured on
+SmolLM2-135M, 1 thread: k_proj's 576x192 took 16 us, q_proj's 576x576 27 us), so one call per input
+instead of three (or two) saves that cost, and the outputs are the same columns.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from compress.core.errors import UnsupportedModelError
+from quantization.lowering.int4 import Int4Weight
+
+# ---- MatMulNBits -------------------------------------------------------------------------------------
+
+
+def matmul_nbits_tensors(w: Int4Weight, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(B, scales, zero_points)`` as MatMulNBits stores them for ``w`` with ``block_size``.
+
+    B uint8 ``[N, k_blocks, block_size/2]`` (feature 2i of a block in the low nibble); scales
+    float32 ``[N * k_blocks]``; zero points uint8 ``[N * ceil(k_blocks/2)]`` (two per byte, the
+    even block low) or None when all are 8 (MatMulNBits' default for 4 bits).
+    """
+    n, k = w.shape
+    k_blocks = math.ceil(k / block_size)
+    gi = torch.arange(k) // w.group_size
+    codes = w.codes
+    if k_blocks * block_size != k:  # pad with each row's last zero point: dequantizes to exactly 0
+        pad = k_blocks * block_size - k
+        codes = torch.cat([codes, w.zero_point[:, gi[-1:]].expand(n, pad)], dim=1)
+    b = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(n, k_blocks, block_size // 2).contiguous()
+    if w.num_groups == k_blocks:
+        scales, zps = w.scale, w.zero_point
+    elif w.num_groups == 1:
+        scales, zps = w.scale.expand(n, k_blocks), w.zero_point.expand(n, k_blocks)
+    else:
+        raise UnsupportedModelError(f"{w.num_groups} groups do not map to {k_blocks} blocks of {block_size}")
+    zp_packed = None
+    if not bool((zps == 8).all()):
+        z = zps if k_blocks % 2 == 0 else torch.cat([zps, torch.full((n, 1), 8, dtype=torch.uint8)], dim=1)
+        zp_packed = (z[:, 0::2] | (z[:, 1::2] << 4)).reshape(-1).contiguous()
+    return b, scales.float().reshape(-1).contiguous(), zp_packed
+
+
+class _MatMulNBitsFn(torch.autograd.Function):
+    """``x @ W^T`` with W dequantized from MatMulNBits tensors; exported as the ORT contrib op."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, zp: torch.Tensor | None,
+                k: int, n: int, block_size: int, accuracy_level: int) -> torch.Tensor:
+        k_blocks = b.shape[1]
+        codes = torch.stack([b & 0xF, b >> 4], dim=-1).reshape(n, k_blocks * block_size).float()
+        if zp is None:
+            z = torch.full((n, k_blocks), 8.0)
+        else:
+            z = torch.stack([zp & 0xF, zp >> 4], dim=-1).reshape(n, -1)[:, :k_blocks].float()
+        w = (codes.reshape(n, k_blocks, block_size) - z[..., None]) * scales.reshape(n, k_blocks, 1)
+        return x @ w.reshape(n, -1)[:, :k].T.to(x.dtype)
+
+    @staticmethod
+    def symbolic(g: Any, x: Any, b: Any, scales: Any, zp: Any, k: int, n: int, block_size: int,
+                 accuracy_level: int) -> Any:
+        inputs = [x, b, scales] + ([zp] if zp is not None and not _is_none(zp) else [])
+        out = g.op("com.microsoft::MatMulNBits", *inputs, K_i=k, N_i=n, bits_i=4, block_size_i=block_size,
+                   accuracy_level_i=accuracy_level)
+        sizes = x.type().varyingSizes()
+        if sizes is not None:  # the output type, which the exporter cannot infer for a contrib op
+            out.setType(x.type().with_sizes([*sizes[:-1], n]))
+        return out
+
+
+def _is_none(v: Any) -> bool:
+    return hasattr(v, "node") and v.node().mustBeNone()
+
+
+class MatMulNBitsLinear(nn.Module):
+    """A Linear computing with int4 weights held as MatMulNBits tensors (exports as that op)."""
+
+    b: torch.Tensor
+    scales: torch.Tensor
+    zero_points: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(self, w: Int4Weight, bias: torch.Tensor | None, *, accuracy_level: int = 0, where: str = "layer") -> None:
+        super().__init__()
+        if w.g_idx is not None:
+            raise UnsupportedModelError(f"{where}: a g_idx (act_order permutation) is not exported; use static groups")
+        self.out_features, self.in_features = w.shape
+        gs = w.group_size if w.num_groups > 1 else w.shape[1]
+        self.block_size = max(16, 1 << (gs - 1).bit_length())  # MatMulNBits: a power of two >= 16
+        if w.num_groups > 1 and self.block_size != w.group_size:
+            raise UnsupportedModelError(f"{where}: group_size {w.group_size} is not a power of two >= 16 (MatMulNBits)")
+        b, scales, zp = matmul_nbits_tensors(w, self.block_size)
+        self.register_buffer("b", b)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zero_points", zp)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.accuracy_level = accuracy_level
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _MatMulNBitsFn.apply(x, self.b, self.scales, self.zero_points, self.in_features, self.out_features,
+                                 self.block_size, self.accuracy_level)
+        return y + self.bias if self.bias is not None else y
+
+
+def _cat(layers: list[MatMulNBitsLinear]) -> MatMulNBitsLinear:
+    """One MatMulNBitsLinear computing ``layers``' outputs side by side (their rows stacked)."""
+    first = layers[0]
+    new = MatMulNBitsLinear.__new__(MatMulNBitsLinear)
+    nn.Module.__init__(new)
+    new.in_features, new.block_size, new.accuracy_level = first.in_features, first.block_size, first.accuracy_level
+    new.out_features = sum(m.out_features for m in layers)
+    new.register_buffer("b", torch.cat([m.b for m in layers]))
+    new.register_buffer("scales", torch.cat([m.scales for m in layers]))
+    zps = None
+    if any(m.zero_points is not None for m in layers):  # a symmetric part's zero points are all 8 (0x88 per byte)
+        per_row = math.ceil(first.b.shape[1] / 2)
+        zps = torch.cat([m.zero_points if m.zero_points is not None
+                         else torch.full((m.out_features * per_row,), 0x88, dtype=torch.uint8) for m in layers])
+    new.register_buffer("zero_points", zps)
+    bias = None
+    if any(m.bias is not None for m in layers):
+        bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
+    new.register_buffer("bias", bias)
+    return new
+
+
+def _packable(layers: list[Any]) -> bool:
+    first = layers[0]
+    return all(isinstance(m, MatMulNBitsLinear) and m.in_features == first.in_features
+               and m.block_size == first.block_size and m.accuracy_level == first.accuracy_level for m in layers)
+
+
+class PackedGateUpMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up as one MatMulNBits (``[gate | up]`` outputs)."""
+
+    def __init__(self, gate_up: MatMulNBitsLinear, down: nn.Module, act: nn.Module, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj, self.act_fn, self.intermediate = gate_up, down, act, intermediate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.intermediate, self.intermediate], dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def pack_projections(layers: Any, *, attn: str, mlp_type_names: tuple[str, ...]) -> int:
+    """Pack each decoder layer's q/k/v MatMulNBitsLinears into the attention's ``qkv_proj`` (read by
+    :class:`export.llm_onnx.KVDecoder` as ``[q | k | v]``, as for Phi-3), and a gated MLP's gate/up
+    into :class:`PackedGateUpMLP` (MLPs whose class is named in ``mlp_type_names``: the gated
+    ``down(act(gate) * up)`` form); in place. Returns how many packs were made."""
+    packed = 0
+    for layer in layers:
+        a = getattr(layer, attn)
+        parts: list[Any] = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+        if None not in parts and _packable(parts):
+            a.qkv_proj = _cat(parts)
+            for n in ("q_proj", "k_proj", "v_proj"):
+                delattr(a, n)
+            packed += 1
+        mlp: Any = getattr(layer, "mlp", None)
+        if type(mlp).__name__ in mlp_type_names and _packable([mlp.gate_proj, mlp.up_proj]):
+            layer.mlp = PackedGateUpMLP(_cat([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, mlp.act_fn,
+                                        mlp.gate_proj.out_features)
+            packed += 1
+    return packed
