@@ -13,50 +13,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from export import qdq_moves
+from export.qdq_ir import QdqGraph, constant_value, node_attr
+
 log = logging.getLogger(__name__)
-
-
-class _Graph:
-    """Producer/consumer/initializer maps over an onnx GraphProto, rebuilt after each edit."""
-
-    def __init__(self, graph: onnx.GraphProto) -> None:
-        self.g = graph
-        self.refresh()
-
-    def refresh(self) -> None:
-        self.init = {i.name: i for i in self.g.initializer}
-        self.producer: dict[str, onnx.NodeProto] = {o: n for n in self.g.node for o in n.output}
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for n in self.g.node:
-            for i in n.input:
-                self.consumers.setdefault(i, []).append(n)
-        self.outputs = {o.name for o in self.g.output}
-
-    def array(self, name: str) -> np.ndarray:
-        return numpy_helper.to_array(self.init[name])
-
-    def set_init(self, name: str, arr: np.ndarray) -> None:
-        if name in self.init:
-            self.g.initializer.remove(self.init[name])
-        self.g.initializer.append(numpy_helper.from_array(arr, name))
-        self.init[name] = self.g.initializer[-1]
-
-    def rewire(self, old: str, new: str) -> None:
-        for n in self.consumers.get(old, []):
-            for k, i in enumerate(n.input):
-                if i == old:
-                    n.input[k] = new
-        for o in self.g.output:
-            if o.name == old:  # keep graph output names: rename the producer instead
-                raise ValueError("rewire of a graph output")
-
-    def unique(self, base: str) -> str:
-        names = set(self.init) | set(self.producer) | {i.name for i in self.g.input}
-        k, name = 0, base
-        while name in names:
-            k += 1
-            name = f"{base}_{k}"
-        return name
 
 
 def _axis(node: onnx.NodeProto) -> int:
@@ -73,7 +33,7 @@ def _set_axis(node: onnx.NodeProto, axis: int) -> None:
     node.attribute.append(helper.make_attribute("axis", axis))
 
 
-def fold_weight_transposes(g: _Graph) -> int:
+def fold_weight_transposes(g: QdqGraph) -> int:
     """``DQ(W) -> Transpose -> op`` becomes ``DQ(W^T) -> op`` so ORT sees DQ feeding the op directly."""
     done = 0
     for t in list(g.g.node):
@@ -107,22 +67,18 @@ def fold_weight_transposes(g: _Graph) -> int:
     return done
 
 
-def _attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
-
-
-def _constant_pieces(g: _Graph, node: onnx.NodeProto, shape: tuple[int, ...]) -> list[tuple[int, slice]] | None:
+def _constant_pieces(g: QdqGraph, node: onnx.NodeProto, shape: tuple[int, ...]) -> list[tuple[int, slice]] | None:
     """For a Split or Slice with constant parameters on a tensor of ``shape``: ``(axis, slice)`` of
     each output (None when not constant or not along one axis)."""
     dim = len(shape)
     if node.op_type == "Split":
-        axis = int(_attr(node, "axis", 0)) % dim  # type: ignore[call-overload]
+        axis = int(node_attr(node, "axis", 0)) % dim  # type: ignore[call-overload]
         if len(node.input) > 1 and node.input[1]:
             if node.input[1] not in g.init:
                 return None
             sizes = [int(v) for v in g.array(node.input[1])]
         else:  # equal parts, the last one smaller (ONNX Split's num_outputs)
-            parts = int(_attr(node, "num_outputs", len(node.output)))  # type: ignore[call-overload]
+            parts = int(node_attr(node, "num_outputs", len(node.output)))  # type: ignore[call-overload]
             step = -(-shape[axis] // parts)
             sizes = [min(step, shape[axis] - k * step) for k in range(parts)]
         starts = np.cumsum([0, *sizes])
@@ -140,7 +96,7 @@ def _constant_pieces(g: _Graph, node: onnx.NodeProto, shape: tuple[int, ...]) ->
     return None
 
 
-def fold_weight_slices(g: _Graph) -> int:
+def fold_weight_slices(g: QdqGraph) -> int:
     """``DQ(W) -> Split/Slice -> op`` becomes ``DQ(W piece) -> op`` (per-channel scales cut along
     with the rows), and a Split/Slice of a float initializer becomes initializers: a weight sliced
     from a packed parameter (cross-attention's ``in_proj_weight.split``) then reaches its MatMul from
@@ -189,7 +145,7 @@ def _block_size(node: onnx.NodeProto) -> int:
     return next((int(helper.get_attribute_value(a)) for a in node.attribute if a.name == "block_size"), 0)
 
 
-def blocked_gemm_to_matmul(g: _Graph) -> int:
+def blocked_gemm_to_matmul(g: QdqGraph) -> int:
     """``Gemm(x, DQ_blocked(W), b, transB=1)`` -> ``MatMul(x, DQ_blocked(W^T)) + b``: ORT fuses a
     blocked DequantizeLinear into MatMulNBits only in front of a MatMul, with blocks along K."""
     done = 0
@@ -225,7 +181,7 @@ def blocked_gemm_to_matmul(g: _Graph) -> int:
     return done
 
 
-def pack_int4(g: _Graph) -> int:
+def pack_int4(g: QdqGraph) -> int:
     """Blocked DequantizeLinear inputs whose codes fit 4 bits -> INT4 initializers (two per byte)."""
     import ml_dtypes
 
@@ -246,7 +202,7 @@ def pack_int4(g: _Graph) -> int:
     return done
 
 
-def _same_params(g: _Graph, a: onnx.NodeProto, b: onnx.NodeProto) -> bool:
+def _same_params(g: QdqGraph, a: onnx.NodeProto, b: onnx.NodeProto) -> bool:
     try:
         sa, sb = g.array(a.input[1]), g.array(b.input[1])
         za, zb = g.array(a.input[2]), g.array(b.input[2])
@@ -261,7 +217,7 @@ def _same_params(g: _Graph, a: onnx.NodeProto, b: onnx.NodeProto) -> bool:
     )
 
 
-def merge_duplicate_pairs(g: _Graph) -> int:
+def merge_duplicate_pairs(g: QdqGraph) -> int:
     """Drop redundant Q/DQ pairs: twins quantizing one tensor with equal params, and a pair that
     re-quantizes the output of an identical pair (``Q->DQ->Q'->DQ'`` with Q' == Q)."""
     removed = 0
@@ -306,7 +262,7 @@ def merge_duplicate_pairs(g: _Graph) -> int:
     return removed
 
 
-def matmul_bias_to_gemm(g: _Graph, shapes: Mapping[str, tuple[int | None, ...]] | None = None) -> int:
+def matmul_bias_to_gemm(g: QdqGraph, shapes: Mapping[str, tuple[int | None, ...]] | None = None) -> int:
     """``Add(MatMul(DQ(x), DQ(W)), b)`` (a Linear on 3-D input, as the exporter writes it) ->
     ``Reshape(Gemm(DQ(Reshape(q_x, [-1, K])), DQ(W), b), [..., N])``: ORT fuses the Gemm with its bias
     into one QGemm, where the MatMul form leaves a float Add after MatMulIntegerToFloat. The reshape
@@ -374,7 +330,7 @@ def matmul_bias_to_gemm(g: _Graph, shapes: Mapping[str, tuple[int | None, ...]] 
     return done
 
 
-def _fit_bias_in_int32(g: _Graph, n: onnx.NodeProto, dqw: onnx.NodeProto, bias: np.ndarray, sx: float) -> bool:
+def _fit_bias_in_int32(g: QdqGraph, n: onnx.NodeProto, dqw: onnx.NodeProto, bias: np.ndarray, sx: float) -> bool:
     """An int32 bias code is ``bias / (s_x * s_w)``: a channel with near-zero weights (tiny ``s_w``)
     behind a tiny activation scale overflows it and would silently lose its bias. Raise those
     channels' weight scales until the bias fits (their weights are ~0, so the codes barely move), as
@@ -407,7 +363,7 @@ def _fit_bias_in_int32(g: _Graph, n: onnx.NodeProto, dqw: onnx.NodeProto, bias: 
     return True
 
 
-def quantize_biases(g: _Graph) -> int:
+def quantize_biases(g: QdqGraph) -> int:
     """Float bias of a Conv/Gemm whose input and weight come from DequantizeLinear -> int32 codes with
     scale ``s_x * s_w`` and a DequantizeLinear (what ORT's QDQ selectors need to fuse the op)."""
     done = 0
@@ -448,7 +404,7 @@ def quantize_biases(g: _Graph) -> int:
     return done
 
 
-def _gather_rows(g: _Graph, n: onnx.NodeProto, codes: str, row_scale: str) -> None:
+def _gather_rows(g: QdqGraph, n: onnx.NodeProto, codes: str, row_scale: str) -> None:
     """Replace the Gather ``n`` by ``Gather(codes) -> Cast -> Mul(Gather(row_scale))`` (same output)."""
     out = n.output[0]
     gq, gc, gs = (g.unique(f"{out}_{s}") for s in ("codes", "float", "scale"))
@@ -464,7 +420,7 @@ def _gather_rows(g: _Graph, n: onnx.NodeProto, codes: str, row_scale: str) -> No
         g.g.node.insert(idx + k, node)
 
 
-def quantize_embedding_tables(g: _Graph, *, min_numel: int = 1 << 16) -> int:
+def quantize_embedding_tables(g: QdqGraph, *, min_numel: int = 1 << 16) -> int:
     """Large float tables read by Gather (token embeddings) -> int8 rows with one fp32 scale per row:
     ``Gather(codes) -> Cast -> Mul(Gather(scales))``. The table is most of a small transformer's file;
     per-row symmetric int8 keeps each looked-up vector within half a step of its row's scale."""
@@ -492,7 +448,7 @@ def quantize_embedding_tables(g: _Graph, *, min_numel: int = 1 << 16) -> int:
     return done
 
 
-def gather_int8_tables(g: _Graph) -> int:
+def gather_int8_tables(g: QdqGraph) -> int:
     """``Gather(DequantizeLinear(int8 table, per-row scale), ids)`` (an embedding quantized by the
     placement) -> ``Gather(codes, ids) -> Cast -> Mul(Gather(row scales, ids))``: the same values,
     computed for the looked-up rows only (a DequantizeLinear of the whole table would run on every
@@ -529,7 +485,7 @@ def gather_int8_tables(g: _Graph) -> int:
     return done
 
 
-def float_weights_for_float_layers(g: _Graph) -> int:
+def float_weights_for_float_layers(g: QdqGraph) -> int:
     """A Conv/Gemm/MatMul that ORT will not fuse into an integer kernel keeps its fast float kernel:
     its weight becomes the dequantized float initializer instead of a DequantizeLinear, which ORT's
     float kernels cannot pre-pack (a Conv fed by a DQ weight also loses the blocked NCHWc kernel).
@@ -570,7 +526,7 @@ def float_weights_for_float_layers(g: _Graph) -> int:
     return done
 
 
-def _zero_pad_spatial(g: _Graph, pad: onnx.NodeProto) -> list[int] | None:
+def _zero_pad_spatial(g: QdqGraph, pad: onnx.NodeProto) -> list[int] | None:
     """Spatial begin/end pads of a constant-zero Pad that leaves batch and channel alone, else None."""
     if pad.op_type != "Pad" or len(pad.input) > 3 or any(
         a.name == "mode" and helper.get_attribute_value(a) not in (b"constant", "constant") for a in pad.attribute
@@ -589,7 +545,7 @@ def _zero_pad_spatial(g: _Graph, pad: onnx.NodeProto) -> list[int] | None:
     return begin[2:] + end[2:]
 
 
-def pads_into_convs(g: _Graph) -> int:
+def pads_into_convs(g: QdqGraph) -> int:
     """``DQ(q) -> Pad(0) -> Q -> DQ -> Conv`` (explicit "same" padding, as TF-ported models write it)
     -> ``DQ(q) -> Conv(pads += p)``. ORT runs a Pad between Q/DQ pairs in float and cannot fuse the
     conv; a quantized zero is the zero point, so padding inside QLinearConv gives the same values."""
@@ -630,18 +586,6 @@ def pads_into_convs(g: _Graph) -> int:
     return done
 
 
-def _constant(g: _Graph, name: str) -> np.ndarray | None:
-    """The value of an initializer or of a Constant node's output (None for a computed tensor)."""
-    if name in g.init:
-        return g.array(name)
-    node = g.producer.get(name)
-    if node is not None and node.op_type == "Constant":
-        for a in node.attribute:
-            if a.name == "value":
-                return numpy_helper.to_array(a.t)
-    return None
-
-
 #: deterministic ops a constant subgraph may hold (index and mask arithmetic, table gathers, layout)
 _PURE = frozenset({
     "Constant", "Identity", "Gather", "Reshape", "Transpose", "Unsqueeze", "Squeeze", "Flatten", "Slice", "Concat",
@@ -653,7 +597,7 @@ _PURE = frozenset({
 _MAX_CONSTANT_NUMEL = 1 << 22
 
 
-def _constant_subgraph(g: _Graph, name: str) -> list[onnx.NodeProto] | None:
+def _constant_subgraph(g: QdqGraph, name: str) -> list[onnx.NodeProto] | None:
     """The nodes computing ``name`` from initializers alone through :data:`_PURE` ops, in graph
     order (None where a graph input, a non-pure op or too large a constant is upstream)."""
     seen: dict[str, onnx.NodeProto] = {}
@@ -675,7 +619,7 @@ def _constant_subgraph(g: _Graph, name: str) -> list[onnx.NodeProto] | None:
     return [n for n in g.g.node if n.output and n.output[0] in seen]
 
 
-def fold_constant_subgraphs(g: _Graph) -> int:
+def fold_constant_subgraphs(g: QdqGraph) -> int:
     """A quantizer's input computed from constants only (Swin's relative-position bias gathered from
     its table and permuted, a shift mask built from zeros and filled) -> one initializer, so
     :func:`fold_constant_quantize` stores its codes. The float export gets the same folding from ORT's
@@ -685,7 +629,7 @@ def fold_constant_subgraphs(g: _Graph) -> int:
 
     done = 0
     for q in list(g.g.node):
-        if q.op_type != "QuantizeLinear" or _constant(g, q.input[0]) is not None or q.input[0] in g.outputs:
+        if q.op_type != "QuantizeLinear" or constant_value(g, q.input[0]) is not None or q.input[0] in g.outputs:
             continue
         nodes = _constant_subgraph(g, q.input[0])
         if nodes is None:
@@ -720,7 +664,7 @@ def fold_constant_subgraphs(g: _Graph) -> int:
 _LAYOUT = frozenset({"Reshape", "Transpose", "Unsqueeze", "Squeeze", "Flatten", "Expand"})
 
 
-def layout_into_constant_codes(g: _Graph) -> int:
+def layout_into_constant_codes(g: QdqGraph) -> int:
     """``Unsqueeze(DQ(codes))`` (any :data:`_LAYOUT` op on a per-tensor dequantized initializer) ->
     ``DQ(Unsqueeze(codes))`` with the new codes stored: the last layout step of a constant operand
     (the bias's ``unsqueeze(0)``) then runs at export, and the add still reads a DequantizeLinear."""
@@ -757,7 +701,7 @@ def layout_into_constant_codes(g: _Graph) -> int:
     return done
 
 
-def fold_constant_quantize(g: _Graph) -> int:
+def fold_constant_quantize(g: QdqGraph) -> int:
     """``QuantizeLinear(constant)`` -> its integer codes as an initializer: a constant operand placed
     with a quantizer of its own (a position embedding, ``eps`` of ``var + eps``, an attention bias) is
     stored as uint8/int8 codes + DequantizeLinear, the form ORT fuses into QLinearAdd, never as a float
@@ -766,7 +710,7 @@ def fold_constant_quantize(g: _Graph) -> int:
     for q in list(g.g.node):
         if q.op_type != "QuantizeLinear" or len(q.input) < 3 or q.output[0] in g.outputs:
             continue
-        x, scale, zp = (_constant(g, i) for i in q.input[:3])
+        x, scale, zp = (constant_value(g, i) for i in q.input[:3])
         if x is None or scale is None or zp is None or x.dtype != np.float32:
             continue
         if scale.ndim:
@@ -789,151 +733,7 @@ def fold_constant_quantize(g: _Graph) -> int:
     return done
 
 
-#: ops that only select or move the elements of their first input: they commute with a per-tensor
-#: DequantizeLinear, so they may run on the integer codes instead (Pad too, when it fills with 0.0)
-_MOVES = frozenset({"Slice", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Expand", "Identity", "Pad"})
-
-
-def _per_tensor(g: _Graph, node: onnx.NodeProto) -> tuple[float, int, str] | None:
-    """``(scale, zero point, code dtype)`` of a Q/DQ with one constant scale and zero point, else None."""
-    if node.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(node.input) < 3:
-        return None
-    scale, zp = _constant(g, node.input[1]), _constant(g, node.input[2])
-    if scale is None or zp is None or scale.size != 1 or zp.size != 1:
-        return None
-    return float(scale.reshape(())), int(zp.reshape(())), zp.dtype.str
-
-
-def _zero_fill(g: _Graph, pad: onnx.NodeProto) -> bool:
-    """A constant-mode Pad that fills with 0.0 (on codes it fills with the zero point)."""
-    mode = _attr(pad, "mode", b"constant")
-    if (mode.decode() if isinstance(mode, bytes) else mode) != "constant":
-        return False
-    if len(pad.input) < 3 or not pad.input[2]:
-        return True
-    value = _constant(g, pad.input[2])
-    return value is not None and value.size == 1 and float(value.reshape(())) == 0.0
-
-
-def _codes_source(g: _Graph, name: str) -> tuple[onnx.NodeProto, list[onnx.NodeProto]] | None:
-    """The per-tensor DequantizeLinear that ``name`` comes from through :data:`_MOVES` ops (on their
-    first input), and those ops in graph order; None when anything else lies on the way."""
-    chain: list[onnx.NodeProto] = []
-    node = g.producer.get(name)
-    while node is not None and node.op_type in _MOVES and node.input and (node.op_type != "Pad" or _zero_fill(g, node)):
-        chain.append(node)
-        node = g.producer.get(node.input[0])
-    if node is None or node.op_type != "DequantizeLinear" or _per_tensor(g, node) is None:
-        return None
-    return node, chain[::-1]
-
-
-def _moves_on_codes(g: _Graph, dq: onnx.NodeProto, chain: list[onnx.NodeProto], out: list[onnx.NodeProto]) -> str:
-    """Clones of ``chain`` reading ``dq``'s codes (appended to ``out``); returns the last one's output."""
-    cur = dq.input[0]
-    for m in chain:
-        clone = onnx.NodeProto()
-        clone.CopyFrom(m)
-        clone.name = g.unique(f"{m.name or m.output[0]}_codes")
-        clone.input[0] = cur
-        clone.output[0] = g.unique(f"{m.output[0]}_codes")
-        g.producer[clone.output[0]] = clone  # claims the name for the next unique()
-        if m.op_type == "Pad":  # 0.0 on the grid is the zero point
-            fill = g.unique(f"{clone.output[0]}_fill")
-            zp = _constant(g, dq.input[2])
-            assert zp is not None  # _per_tensor checked it
-            g.set_init(fill, zp.reshape(()).copy())
-            while len(clone.input) < 3:
-                clone.input.append("")
-            clone.input[2] = fill
-        out.append(clone)
-        cur = clone.output[0]
-    return cur
-
-
-def _remove_dead(g: _Graph, candidates: list[onnx.NodeProto]) -> None:
-    """Remove the candidates nothing reads any more (then the ones that fed only them)."""
-    live = True
-    while live:
-        live = False
-        for node in list(candidates):
-            if node in g.g.node and not any(g.consumers.get(o) or o in g.outputs for o in node.output):
-                g.g.node.remove(node)
-                candidates.remove(node)
-                g.refresh()
-                live = True
-
-
-def moves_on_codes(g: _Graph) -> int:
-    """Data movement between a per-tensor DequantizeLinear and a QuantizeLinear with the same params
-    runs on the integer codes, and the pair goes; a ``Concat`` of inputs dequantized with one (scale,
-    zero point), each through such moves, becomes the moves and the Concat on the codes, then one
-    DequantizeLinear (a Q with those params after it then goes too).
-
-    ``torch.roll`` exports as Slice + Concat, ``F.pad`` as Pad, window partitions as
-    Reshape/Transpose: ORT fuses a single DQ -> move -> Q but not a chain, a Pad filling 0.0 or a
-    Concat whose output no Q reads, so these ran in float (the int8 export of a shifted-window model
-    kept 8 float Concats and 5 float Pads). A Concat whose output feeds a Q with other params is left
-    alone: ORT fuses that form into QLinearConcat, which requantizes in one kernel."""
-    done = 0
-    for n in list(g.g.node):
-        if n not in g.g.node or n.output[0] in g.outputs:
-            continue
-        if n.op_type == "Concat":
-            found = [_codes_source(g, i) for i in n.input]
-        elif n.op_type == "QuantizeLinear" and _per_tensor(g, n) is not None:
-            found = [_codes_source(g, n.input[0])]
-        else:
-            continue
-        sources = [f for f in found if f is not None]
-        if not sources or len(sources) != len(found) or len({_per_tensor(g, dq) for dq, _ in sources}) != 1:
-            continue
-        want = _per_tensor(g, sources[0][0])
-        new: list[onnx.NodeProto] = []
-        if n.op_type == "QuantizeLinear":
-            if _per_tensor(g, n) != want or not sources[0][1]:  # no moves: merge_duplicate_pairs' case
-                continue
-            codes = _moves_on_codes(g, *sources[0], new)
-            at = list(g.g.node).index(n)
-            for k, node in enumerate(new):
-                g.g.node.insert(at + k, node)
-            g.refresh()
-            g.rewire(n.output[0], codes)
-            g.g.node.remove(n)
-        else:
-            if any(c.op_type == "QuantizeLinear" and _per_tensor(g, c) != want for c in g.consumers.get(n.output[0], [])):
-                continue
-            cat = onnx.NodeProto()
-            cat.CopyFrom(n)
-            del cat.input[:]
-            cat.input.extend(_moves_on_codes(g, dq, chain, new) for dq, chain in sources)
-            cat.output[0] = g.unique(f"{n.output[0]}_codes")
-            g.producer[cat.output[0]] = cat
-            first = sources[0][0]
-            back = helper.make_node("DequantizeLinear", [cat.output[0], first.input[1], first.input[2]], [n.output[0]],
-                                    name=g.unique(f"{n.name or n.output[0]}_dq"))
-            at = list(g.g.node).index(n)
-            g.g.node.remove(n)
-            for k, node in enumerate([*new, cat, back]):
-                g.g.node.insert(at + k, node)
-        g.refresh()
-        _remove_dead(g, [node for dq, chain in sources for node in [*chain, dq]])
-        done += 1
-    for q in list(g.g.node):  # Q(DQ(codes)) with the DQ's own params: the codes themselves
-        dq = g.producer.get(q.input[0]) if q.op_type == "QuantizeLinear" and q.input else None
-        if dq is None or dq.op_type != "DequantizeLinear" or q.output[0] in g.outputs:
-            continue
-        if _per_tensor(g, q) is None or _per_tensor(g, q) != _per_tensor(g, dq):
-            continue
-        g.rewire(q.output[0], dq.input[0])
-        g.g.node.remove(q)
-        g.refresh()
-        _remove_dead(g, [dq])
-        done += 1
-    return done
-
-
-def remove_unused_initializers(g: _Graph) -> int:
+def remove_unused_initializers(g: QdqGraph) -> int:
     used = {i for n in g.g.node for i in n.input} | g.outputs
     dead = [i for i in g.g.initializer if i.name not in used]
     for i in dead:
@@ -945,7 +745,7 @@ def remove_unused_initializers(g: _Graph) -> int:
     return len(dead)
 
 
-def fold_constant_where(g: _Graph, shapes: Mapping[str, tuple[int | None, ...]]) -> int:
+def fold_constant_where(g: QdqGraph, shapes: Mapping[str, tuple[int | None, ...]]) -> int:
     """``Where(c, x, y)`` with a constant ``c`` that is all True (or all False) -> ``x`` (or ``y``),
     where that operand already has the output's shape. The decomposed attention's ``masked_fill`` of
     a boolean mask that masks nothing (no padding, fixed shapes) leaves such Wheres, which the float
@@ -954,7 +754,7 @@ def fold_constant_where(g: _Graph, shapes: Mapping[str, tuple[int | None, ...]])
     for n in list(g.g.node):
         if n.op_type != "Where" or n.output[0] in g.outputs:
             continue
-        c = _constant(g, n.input[0])
+        c = constant_value(g, n.input[0])
         if c is None or c.dtype != np.bool_ or not (c.all() or not c.any()):
             continue
         pick = n.input[1] if c.all() else n.input[2]
@@ -993,7 +793,7 @@ def static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int | None, ...]]:
 def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False, ort_float_weights: bool = True) -> dict[str, int]:
     """Run the QDQ passes in place; returns how many edits each made. ``ort_float_weights``: give
     layers ORT will not fuse float weights (only for files ORT runs: other runtimes fuse otherwise)."""
-    g = _Graph(model.graph)
+    g = QdqGraph(model.graph)
     stats = {
         "int8_embedding_tables": quantize_embedding_tables(g) if quantize_embeddings else 0,
         "int8_gathers": gather_int8_tables(g),
@@ -1013,7 +813,7 @@ def tidy_qdq_graph(model: onnx.ModelProto, *, quantize_embeddings: bool = False,
         "bias_gemms": matmul_bias_to_gemm(g, shapes),
         "pads_into_convs": pads_into_convs(g),
         # after the pads a conv absorbs: the rest of the moves between a DQ and a same-params Q
-        "moves_on_codes": moves_on_codes(g),
+        "moves_on_codes": qdq_moves.moves_on_codes(g),
         # weight-only models (no activation Q) keep int8 weights: their point is the file size
         "float_weights": float_weights_for_float_layers(g)
         if ort_float_weights and any(n.op_type == "QuantizeLinear" for n in g.g.node) else 0,

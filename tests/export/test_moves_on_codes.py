@@ -1,4 +1,4 @@
-"""Data movement between per-tensor Q/DQ pairs runs on the integer codes (export/qdq_graph.py
+"""Data movement between per-tensor Q/DQ pairs runs on the integer codes (export/qdq_moves.py
 ``moves_on_codes``): torch.roll's Slice + Concat and F.pad's Pad, which ORT would otherwise run in
 float between a DequantizeLinear and the next QuantizeLinear (issue 32)."""
 
@@ -14,9 +14,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import compress
-import export.qdq_graph as qdq_graph
+import export.qdq_moves as qdq_moves
 from benchmarks.pattern_models import window_transformer
 from export.onnx import export_onnx
+from export.qdq_ir import QdqGraph
 from export.runtimes import ort_coverage
 
 
@@ -55,7 +56,7 @@ def _roll_graph(*, second_scale: float = 0.05, out_scale: float = 0.05, pad_valu
 
 def _tidied(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     m = copy.deepcopy(model)
-    done = qdq_graph.moves_on_codes(qdq_graph._Graph(m.graph))
+    done = qdq_moves.moves_on_codes(QdqGraph(m.graph))
     onnx.checker.check_model(m)
     return m, done
 
@@ -93,7 +94,7 @@ def test_window_transformer_rolls_and_pads_leave_no_float_moves(tmp_path: Path, 
     q = compress.quantize(pm.model, "w8a8", pm.calibration)
     new, old = tmp_path / "new.onnx", tmp_path / "old.onnx"
     export_onnx(q, pm.example, new)
-    monkeypatch.setattr(qdq_graph, "moves_on_codes", lambda g: 0)
+    monkeypatch.setattr(qdq_moves, "moves_on_codes", lambda g: 0)
     export_onnx(q, pm.example, old)
     cov_new, cov_old = ort_coverage(new), ort_coverage(old)
     assert cov_old.float_left.get("Concat", 0) > 0, cov_old.float_left  # what the pass is for
