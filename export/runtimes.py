@@ -223,8 +223,12 @@ def ort_coverage(path: Path) -> Coverage:
         if n.op_type in _TYPE_KEEPING and n.input and types.get(n.input[0]):
             for o in n.output:
                 types.setdefault(o, types[n.input[0]])
-        elif is_integer_kernel(n.op_type) and n.input and types.get(n.input[-1]) in _INT_TYPES:
-            types.setdefault(n.output[0], types[n.input[-1]])  # QLinear*: the output zero point's type
+        elif n.op_type.startswith(("QLinear", "NhwcQLinear")):  # 8-bit codes out, typed like the input codes
+            codes = [types[i] for i in n.input if types.get(i) in (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)]
+            if codes:
+                types.setdefault(n.output[0], codes[0])
+        elif n.op_type == "QGemm" and len(n.input) > 8 and types.get(n.input[8]):  # y_zero_point given: codes out
+            types.setdefault(n.output[0], types[n.input[8]])  # (without it QGemm writes float)
 
     def integer(n: onnx.NodeProto) -> bool:  # Add's inputs and output share one type
         return any(types.get(t) in _INT_TYPES for t in [*n.output, *n.input])
