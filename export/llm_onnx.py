@@ -120,8 +120,6 @@ LAYOUTS: dict[str, Layout] = {
                    mlp_norm="ln_2", out_proj="c_proj", final_norm="ln_f"),
 }
 SUPPORTED = tuple(LAYOUTS)
-#: the families' MLPs of the gated form ``down(act(gate(x)) * up(x))``, whose gate/up int4 layers pack into one
-GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 
 
 class KVDecoder(nn.Module):
@@ -499,7 +497,7 @@ def export_llm_onnx(
     counts = _swap_linears(m, weights, accuracy_level)
     if counts["int4"]:  # q/k/v and gate/up as one MatMulNBits each, as ORT GenAI's builder writes them
         lay = LAYOUTS[m.config.model_type]
-        pack_projections(getattr(getattr(m, lay.base), lay.layers), attn=lay.attn, mlp_type_names=GATED_MLPS)
+        pack_projections(getattr(getattr(m, lay.base), lay.layers), attn=lay.attn)
     if weights == "int4" and counts["int4"] == 0:
         raise UnsupportedModelError("export_llm_onnx(weights='int4'): the model has no weight-only 4-bit layers")
     if weights == "w8a8" and counts["w8a8"] == 0:

@@ -149,11 +149,25 @@ class PackedGateUpMLP(nn.Module):
         return self.down_proj(self.act_fn(gate) * up)
 
 
-def pack_projections(layers: Any, *, attn: str, mlp_type_names: tuple[str, ...]) -> int:
+def _gated(mlp: Any, packed: PackedGateUpMLP) -> bool:
+    """Whether ``mlp`` computes ``down(act(gate(x)) * up(x))``: its gate/up/down/act parts, nothing
+    else, and the packed form's output equal to its own on a random input (checked, not assumed from
+    the class: a family that wires the same parts otherwise keeps its layers separate)."""
+    if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return False
+    if {n for n, _ in mlp.named_children()} - {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+        return False
+    x = torch.randn(2, 3, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = mlp(x), packed(x)
+    return bool(want.shape == got.shape and torch.allclose(want, got, rtol=1e-4, atol=1e-5))
+
+
+def pack_projections(layers: Any, *, attn: str) -> int:
     """Pack each decoder layer's q/k/v MatMulNBitsLinears into the attention's ``qkv_proj`` (read by
     :class:`export.llm_onnx.KVDecoder` as ``[q | k | v]``, as for Phi-3), and a gated MLP's gate/up
-    into :class:`PackedGateUpMLP` (MLPs whose class is named in ``mlp_type_names``: the gated
-    ``down(act(gate) * up)`` form); in place. Returns how many packs were made."""
+    into :class:`PackedGateUpMLP` (where the MLP is checked to compute ``down(act(gate) * up)``);
+    in place. Returns how many packs were made."""
     packed = 0
     for layer in layers:
         a = getattr(layer, attn)
@@ -164,8 +178,10 @@ def pack_projections(layers: Any, *, attn: str, mlp_type_names: tuple[str, ...])
                 delattr(a, n)
             packed += 1
         mlp: Any = getattr(layer, "mlp", None)
-        if type(mlp).__name__ in mlp_type_names and _packable([mlp.gate_proj, mlp.up_proj]):
-            layer.mlp = PackedGateUpMLP(_cat([mlp.gate_proj, mlp.up_proj]), mlp.down_proj, mlp.act_fn,
-                                        mlp.gate_proj.out_features)
-            packed += 1
+        gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+        if gate is not None and up is not None and _packable([gate, up]):
+            candidate = PackedGateUpMLP(_cat([gate, up]), mlp.down_proj, mlp.act_fn, gate.out_features)
+            if _gated(mlp, candidate):
+                layer.mlp = candidate
+                packed += 1
     return packed

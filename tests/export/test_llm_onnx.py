@@ -135,6 +135,40 @@ def test_packed_projections_compute_each_layers_columns(tmp_path: Path) -> None:
     np.testing.assert_allclose(y, want.numpy(), atol=1e-5, rtol=1e-5)
 
 
+def test_gate_up_pack_only_where_the_mlp_computes_down_act_gate_times_up() -> None:
+    """Packing is decided by what the MLP computes, not by its class name: a gated MLP of any class
+    packs; one that wires the same parts otherwise (the activation on up) keeps them separate."""
+    from types import SimpleNamespace
+
+    from export.matmul_nbits import PackedGateUpMLP, pack_projections
+
+    g = torch.Generator().manual_seed(4)
+
+    def nbits(n: int, k: int) -> MatMulNBitsLinear:
+        w = Int4Weight(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), torch.rand(n, 2, generator=g) * 0.1,
+                       torch.full((n, 2), 8, dtype=torch.uint8), 32, True)
+        return MatMulNBitsLinear(w, None)
+
+    class AnyGatedMLP(torch.nn.Module):
+        def __init__(self, act_on_up: bool = False) -> None:
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nbits(64, 64), nbits(64, 64), nbits(64, 64)
+            self.act_fn, self.act_on_up = torch.nn.SiLU(), act_on_up
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.act_on_up:
+                return self.down_proj(self.gate_proj(x) * self.act_fn(self.up_proj(x)))
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    gated, other = SimpleNamespace(self_attn=SimpleNamespace(), mlp=AnyGatedMLP()), \
+        SimpleNamespace(self_attn=SimpleNamespace(), mlp=AnyGatedMLP(act_on_up=True))
+    x = torch.randn(2, 5, 64, generator=g)
+    want = gated.mlp(x)
+    assert pack_projections([gated, other], attn="self_attn") == 1
+    assert isinstance(gated.mlp, PackedGateUpMLP) and isinstance(other.mlp, AnyGatedMLP)
+    torch.testing.assert_close(gated.mlp(x), want)
+
+
 def test_refuses_what_it_cannot_export(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="weights must be"):
         export_llm_onnx(_model("llama", None), tmp_path / "a.onnx", weights="int8")  # type: ignore[arg-type]
