@@ -45,7 +45,7 @@ import logging
 import math
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -282,17 +282,10 @@ class KVDecoder(nn.Module):
         GPT-2's ``c_attn``: ``[q | k | v]``);
         Qwen3's per-head RMSNorms on q and k (before RoPE) where the attention has them."""
         b, s = x.shape[:2]
-        fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
-        if fused is not None:
-            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-            q, k, v = fused(x).split([nq, nk, nk], dim=-1)
-        else:
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        q = q.view(b, s, self.n_heads, self.head_dim)
-        k = k.view(b, s, self.n_kv, self.head_dim)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        return q.transpose(1, 2), k.transpose(1, 2), v.view(b, s, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self._flat_qkv(attn, x)
+        return (q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2),
+                k.view(b, s, self.n_kv, self.head_dim).transpose(1, 2),
+                v.view(b, s, self.n_kv, self.head_dim).transpose(1, 2))
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -591,6 +584,16 @@ def _generation_logits(run: Any, dec: KVDecoder, ids: torch.Tensor, mask: torch.
     return torch.cat(rows)
 
 
+def decoder_steps(dec: KVDecoder) -> Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor]],
+                                               tuple[torch.Tensor, list[torch.Tensor]]]:
+    """``(ids, mask, past) -> (logits, present)``: one generation step of ``dec`` in PyTorch, no grad."""
+    def run(i: torch.Tensor, m: torch.Tensor, past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        with torch.no_grad():
+            logits, *present = dec(*dec.feed(i, m, past))
+        return logits, present
+    return run
+
+
 def _check_in_ort(path: Path, dec: KVDecoder, *, float_check: bool, float_dec: KVDecoder | None = None) -> OrtCheck:
     """Run the file in ORT as deployed (full graph optimizations, integer kernels fused) the way
     generation does — a left-padded batch of two prompts prefilled, then three greedy decode steps
@@ -624,13 +627,6 @@ def _check_in_ort(path: Path, dec: KVDecoder, *, float_check: bool, float_dec: K
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # the second prompt left-padded
 
-    def torch_run(d: KVDecoder) -> Any:
-        def run(i: torch.Tensor, m: torch.Tensor, past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-            with torch.no_grad():
-                logits, *present = d(*d.feed(i, m, past))
-            return logits, present
-        return run
-
     sess = inference_session(path, session_options(log_severity=3))
     names = [i.name for i in sess.get_inputs()]
 
@@ -640,17 +636,17 @@ def _check_in_ort(path: Path, dec: KVDecoder, *, float_check: bool, float_dec: K
 
     # the decode tokens are the reference's greedy ones, fed to every run alike so positions align
     with torch.no_grad():
-        first, _ = torch_run(dec)(ids, mask, dec.empty_past(2))
+        first, _ = decoder_steps(dec)(ids, mask, dec.empty_past(2))
     steps, nxt = [], first[:, -1].argmax(-1, keepdim=True)
     for _ in range(3):
         steps.append(nxt)
         nxt = (nxt * 7 + 13) % vocab  # later steps: fixed tokens, the check needs positions, not sense
-    ref = _generation_logits(torch_run(dec), dec, ids, mask, steps)
+    ref = _generation_logits(decoder_steps(dec), dec, ids, mask, steps)
     got = _generation_logits(ort_run, dec, ids, mask, steps)
     result = OrtCheck(sqnr_db=_sqnr_db(ref, got), top1=float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
                       max_rel=float((got - ref).abs().max()) / (float(ref.abs().max()) or 1.0))
     if float_dec is not None:
-        flt = _generation_logits(torch_run(float_dec), float_dec, ids, mask, steps)
+        flt = _generation_logits(decoder_steps(float_dec), float_dec, ids, mask, steps)
         result = OrtCheck(result.sqnr_db, result.top1, result.max_rel, quant_sqnr_db=_sqnr_db(flt, ref),
                           quant_top1=float((flt.argmax(-1) == ref.argmax(-1)).float().mean()))
     log.info("%s in ONNX Runtime vs PyTorch: logits SQNR %.1f dB, greedy top-1 %.3f, max error %.2e of the "

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import compress  # noqa: E402
 from compress.core.errors import ExportError  # noqa: E402
 from export import llm_attention  # noqa: E402
-from export.llm_onnx import KVDecoder, export_llm_onnx, generate_ort, positions  # noqa: E402
+from export.llm_onnx import KVDecoder, decoder_steps, export_llm_onnx, generate_ort, positions  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not llm_attention.fused_attention_supported(),
                                 reason="onnxruntime's GroupQueryAttention lacks attention_bias/query_seqlens")
@@ -76,14 +76,6 @@ def _ort(path: Path, dec: KVDecoder) -> Any:
     return run
 
 
-def _torch(dec: KVDecoder) -> Any:
-    def run(ids: torch.Tensor, mask: torch.Tensor, past: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        with torch.no_grad():
-            logits, *present = dec(*dec.feed(ids, mask, past))
-        return logits, present
-    return run
-
-
 @pytest.mark.parametrize(("family", "position_ids"), [("llama", False), ("qwen2-window", True), ("qwen3", False),
                                                       ("phi3", False), ("gpt2", False)])
 def test_fused_file_computes_the_decomposed_one(family: str, position_ids: bool, tmp_path: Path) -> None:
@@ -95,7 +87,7 @@ def test_fused_file_computes_the_decomposed_one(family: str, position_ids: bool,
     assert ops["RotaryEmbedding"] == (0 if family == "gpt2" else 4)
     ref = KVDecoder(model).eval()  # the decomposed module, transformers' own numerics checked in test_generation
     ref.explicit_positions = position_ids
-    want = _steps(ref, _torch(ref))
+    want = _steps(ref, decoder_steps(ref))
     fused = _steps(ref, _ort(files["fused"], ref))
     decomposed = _steps(ref, _ort(files["decomposed"], ref))
     torch.testing.assert_close(decomposed, want, atol=2e-4, rtol=1e-4)
@@ -103,7 +95,7 @@ def test_fused_file_computes_the_decomposed_one(family: str, position_ids: bool,
     # the module traced for the fused file (its ops' torch references) is the decomposed module
     traced = KVDecoder(model, attention="fused").eval()
     traced.explicit_positions = position_ids
-    torch.testing.assert_close(_steps(traced, _torch(traced)), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_steps(traced, decoder_steps(traced)), want, atol=1e-5, rtol=1e-5)
     ids = torch.randint(1, 128, (2, 7), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
