@@ -96,10 +96,14 @@ def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: tor
         w_sym = Int4Weight(codes, scale, torch.full_like(zp, 8), group, True)
         w_asym = Int4Weight(codes, scale, zp, group, False)
         wbytes = n * k // 2 + scale.numel() * 4
-        q4 = [(pack_nibbles(codes).to(dev), scale.to(dev), zp.to(dev)) for _ in range(_copies(wbytes, cuda))]
+        # scales and zero points column-major, as W4A16Linear stores them (a tile's columns adjacent)
+        q4 = [(pack_nibbles(codes).to(dev), scale.t().contiguous().t().to(dev), zp.t().contiguous().t().to(dev))
+              for _ in range(_copies(wbytes, cuda))]
         w16 = dequantize_int4(w_sym).half().to(dev)
         w16s = [w16] + [w16.clone() for _ in range(_copies(n * k * 2, cuda) - 1)]
-        deq_asym = dequantize_int4(w_asym).half().to(dev)
+        # the references: the exact int4 weights (float32 scales), in float64
+        exact_sym = dequantize_int4(w_sym).double().to(dev)
+        exact_asym = dequantize_int4(w_asym).double().to(dev)
         for m in tokens:
             x = (torch.randn(m, k, generator=g) * 0.5).half().to(dev)
 
@@ -126,18 +130,19 @@ def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: tor
                 "speedup_zp": t_fp16 / (t_fused_zp if auto == "fused" else t_deq),
                 "fused_GBps": wbytes / (t_fused * 1e-3) / 1e9, "fp16_GBps": n * k * 2 / (t_fp16 * 1e-3) / 1e9,
                 "config": None if cfg is None else (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} split{cfg.split_k}"
-                                                   + " acc3" * cfg.acc3 + " prefetch" * cfg.prefetch),
+                                                   + " acc3" * cfg.acc3 + " prefetch" * cfg.prefetch
+                                                   + f" s{cfg.num_stages} scaled-acc" * cfg.scaled_acc),
                 "copies": len(q4),
                 "tinygemm_ms": t.get("tinygemm"), "speedup_tinygemm": t_fp16 / t["tinygemm"] if "tinygemm" in t else None,
                 "best": min(("auto", t_auto), ("tinygemm", t.get("tinygemm") or float("inf")), key=lambda kv: kv[1])[0],
-                "sqnr_db": min(sqnr_db(x.double() @ w16.double().T, y_sym),
-                               sqnr_db(x.double() @ deq_asym.double().T, y_asym),
-                               sqnr_db(x.double() @ w16.double().T, y_deq)),
+                "sqnr_db": min(sqnr_db(x.double() @ exact_sym.T, y_sym),
+                               sqnr_db(x.double() @ exact_asym.T, y_asym),
+                               sqnr_db(x.double() @ exact_sym.T, y_deq)),
             }
             rows.append(row)
-            log.info("N=%d K=%d M=%d: fp16 %.4f ms, fused %.4f ms (%s, %.0f GB/s), zp %.4f, dequant %.4f; auto %s %.2fx; "
-                     "sqnr %.1f dB", n, k, m, t_fp16, t_fused, row["config"], row["fused_GBps"], t_fused_zp, t_deq,
-                     auto, row["speedup"], row["sqnr_db"])
+            log.info("N=%d K=%d M=%d: fp16 %.4f ms, fused %.4f ms (%s, %.0f GB/s), zp %.4f, dequant %.4f, tinygemm %s; "
+                     "auto %s %.2fx; sqnr %.1f dB", n, k, m, t_fp16, t_fused, row["config"], row["fused_GBps"], t_fused_zp,
+                     t_deq, t.get("tinygemm"), auto, row["speedup"], row["sqnr_db"])
     return rows
 
 
@@ -214,7 +219,7 @@ def _markdown(data: dict[str, Any]) -> str:
         "`fused`: one kernel, weight dequantized in registers (tuned tile and split-K in the config column); "
         "`dequant`: dequantize once, then cuBLAS; `auto`: what `w4a16_gemm` runs (dequant from "
         f"M = {data.get('dequant_min_m', '?')}). GB/s: int4 weight and scale bytes per fused call over its time. "
-        "SQNR: kernel output vs fp64 on the same int4 weight (the kernel's rounding, not quantization error). "
+        "SQNR: kernel output vs fp64 on the same int4 weight with its float32 scales (the kernel's rounding, not quantization error; the dequantizing kernels round the weight to fp16 first, the `scaled-acc` one does not). "
         "`tinygemm`: PyTorch's int4 kernel (`aten._weight_int4pack_mm`) on the same weights with bf16 "
         "activations and bf16 scales, the library baseline; `tg x`: fp16 ms over its ms.",
         "",

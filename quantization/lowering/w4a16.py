@@ -71,6 +71,11 @@ def tinygemm_scales_and_zeros(scale: torch.Tensor, zero_point: torch.Tensor | No
     return torch.stack([s.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
 
 
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[N, G]`` with ``N`` contiguous (strides ``(1, N)``)."""
+    return t.t().contiguous().t()
+
+
 class W4A16Linear(nn.Module):
     """Linear with int4 weights ``[out, in/2]`` packed two per byte, group scales, fp16/bf16 activations."""
 
@@ -106,10 +111,11 @@ class W4A16Linear(nn.Module):
             raise UnsupportedModelError(f"it has {k} input features; the int4 kernel packs pairs (an even count)")
         new = cls(k, n, group_size=w.group_size)
         new.register_buffer("weight_packed", pack_nibbles(w.codes))
-        new.register_buffer("weight_scale", w.scale.float().contiguous())
+        # scales and zero points [N, G] stored column-major: a K-tile's BLOCK_N values are adjacent
+        new.register_buffer("weight_scale", _column_major(w.scale.float()))
         # symmetric int4 has zero point 8 everywhere: the kernel uses the constant instead of loading it
         sym = bool((w.zero_point == 8).all())
-        new.register_buffer("weight_zero_point", None if sym else w.zero_point.contiguous())
+        new.register_buffer("weight_zero_point", None if sym else _column_major(w.zero_point))
         new.register_buffer("g_idx", w.g_idx)
         new._tinygemm_refusal = tinygemm_refusal(n, k, w.group_size, w.g_idx is not None)
         new.register_buffer("bias", None if bias is None else bias.detach().float().clone())

@@ -67,6 +67,9 @@ class W4Config(GemmConfig):
 
     acc3: bool = False  # CUDA cores: accumulate elementwise, reduce over K once at the end
     prefetch: bool = False  # load the next weight tile before dequantizing this one
+    # tensor cores on the codes, group scale on the accumulator (kernels/w4a16_mma.py; fp16/bf16,
+    # K-tiles inside one group): no per-weight conversion or scale multiply
+    scaled_acc: bool = False
 
 
 @triton.jit
@@ -361,6 +364,15 @@ def _launch_fused(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: 
                   c: W4Config) -> None:
     m, k = x.shape
     n = wt.packed.shape[0]
+    if c.scaled_acc:
+        from quantization.lowering.kernels import w4a16_mma
+
+        if c.block_m < 16 or not w4a16_mma.supports(x.dtype, wt.group_size, c.block_k, wt.g_idx is not None):
+            raise CompressError(
+                f"w4a16_gemm: scaled_acc tiles need block_m >= 16, fp16/bf16 activations, no g_idx and a block_k of "
+                f"at least 32 dividing the group (got block {c.block_m}x{c.block_k}, {x.dtype}, group {wt.group_size})")
+        w4a16_mma.launch(x, wt, bias, act, out, c)
+        return
     if c.block_k % 2:
         raise CompressError(f"w4a16_gemm: block_k must be even (got {c.block_k})")
     if c.block_m >= 16 and c.block_k < 32:  # each of the two tl.dot calls reduces over block_k / 2 >= 16
@@ -405,7 +417,8 @@ def _sm_count() -> int:
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
 
 
-def _candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool) -> list[W4Config]:
+def _candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool,
+                x_dtype: torch.dtype = torch.float16) -> list[W4Config]:
     """Launch configurations worth timing for this shape on CUDA."""
     sms = _sm_count()
     bks = [bk for bk in (64, 128, 256) if not tile_in_group_ok or group_size % bk == 0] or [64]
@@ -426,19 +439,51 @@ def _candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool)
     tiles += [(bm, bn, bk, mma) for bn in (32, 64, 128) for bk in bks if bk <= 128]
     if bm == 16:
         tiles += [(bm, bn, bk, mma) for bn in (32, 64) for bk in deep if bk == 256]
+    out += _scaled_acc_candidates(m, n, k, group_size, tile_in_group_ok, x_dtype, sms)
     for bm, bn, bk, variants in tiles:
         programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         k_tiles = triton.cdiv(k, bk)
-        for split in (1, 2, 4, 8, 16):
-            # splitting K pays while the programs do not yet fill the SMs a few times over; each
-            # split keeps at least two K-tiles
-            if split > 1 and (k_tiles < 2 * split or programs * split > 4 * sms):
-                continue
-            if programs * split < sms and split < 16 and k_tiles >= 4 * split:
-                continue  # too few programs for the SMs while a larger split exists
+        for split in _splits(programs, k_tiles, sms):
             for acc3, prefetch in variants:
                 out.append(W4Config(bm, bn, bk, num_warps=4 if bm * bn < 8192 else 8, num_stages=3, split_k=split,
                                     acc3=acc3, prefetch=prefetch))
+    return out
+
+
+def _splits(programs: int, k_tiles: int, sms: int) -> list[int]:
+    """The K splits worth timing for ``programs`` output tiles of ``k_tiles`` K-tiles each."""
+    out = []
+    for split in (1, 2, 4, 8, 16):
+        # splitting K pays while the programs do not yet fill the SMs a few times over; each
+        # split keeps at least two K-tiles
+        if split > 1 and (k_tiles < 2 * split or programs * split > 4 * sms):
+            continue
+        if programs * split < sms and split < 16 and k_tiles >= 4 * split:
+            continue  # too few programs for the SMs while a larger split exists
+        out.append(split)
+    return out
+
+
+def _scaled_acc_candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool, x_dtype: torch.dtype,
+                           sms: int) -> list[W4Config]:
+    """Tensor-core tiles on the codes (kernels/w4a16_mma.py) for decode and small prefill (M < 32)."""
+    from quantization.lowering.kernels import w4a16_mma
+
+    if m >= DEQUANT_MIN_M or not tile_in_group_ok:
+        return []
+    bm = 16 if m <= 16 else 32
+    out = []
+    for bn in (32, 64, 128):
+        for bk in (64, 128):
+            if not w4a16_mma.supports(x_dtype, group_size, bk, False):
+                continue
+            programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+            for split in _splits(programs, triton.cdiv(k, bk), sms):
+                # software pipelining (stages) or a register prefetch of the next tile: which keeps
+                # more weight bytes in flight depends on the tile, so both are timed
+                for stages, prefetch in ((4, False), (2, True)):
+                    out.append(W4Config(bm, bn, bk, num_warps=4, num_stages=stages, split_k=split, prefetch=prefetch,
+                                        scaled_acc=True))
     return out
 
 
@@ -467,7 +512,7 @@ def _pick(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: int, out
         def timer(fn: Any) -> float:
             return float(do_bench(fn, warmup=5, rep=20, return_mode="median"))
 
-    cands = _candidates(m, n, k, wt.group_size, wt.g_idx is None)
+    cands = _candidates(m, n, k, wt.group_size, wt.g_idx is None, x.dtype)
     # first use of a shape: compiling and timing the candidates takes seconds, once per process
     log.info("w4a16_gemm: tuning %d launch configurations for M<=%d, N=%d, K=%d", len(cands), key[0], n, k)
     best: tuple[float, W4Config] | None = None

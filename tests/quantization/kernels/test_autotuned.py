@@ -110,7 +110,7 @@ def test_tuned_w4a16_path(m: int, interpret_only: None, monkeypatch: pytest.Monk
     x = torch.randint(-4, 5, (m, k), generator=g).float()  # exact sums: any tile and split agree bit for bit
     wt = w4._weight(pack_nibbles(w.codes), w.scale, w.zero_point, None, gs, x.device)
     out = torch.empty(m, n)
-    cands = w4._candidates(m, n, k, gs, True)
+    cands = w4._candidates(m, n, k, gs, True, x.dtype)
     # 1..4 rows also try CUDA-core tiles; a K-tile lies inside a group or, for decode, spans whole
     # groups (one scale load per row and group); splits keep >= 2 tiles
     assert any(c.block_m < 16 for c in cands) == (m <= 4)
