@@ -498,8 +498,8 @@ def tune_key(m: int, n: int, k: int, group_size: int, dtype: torch.dtype, *, has
 
 def _pick(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: int, out: torch.Tensor,
           timer: Any = None) -> W4Config:
-    """The fastest candidate for this shape and flag set, timed once (``timer``: triton's do_bench,
-    CUDA events, L2 flushed) and cached."""
+    """The fastest candidate for this shape and flag set, timed once (``timer``: triton's
+    do_bench_cudagraph, CUDA-graph replays) and cached."""
     m, k = x.shape
     n = wt.packed.shape[0]
     key = tune_key(m, n, k, wt.group_size, x.dtype, has_zp=wt.zp is not None, has_gidx=wt.g_idx is not None,
@@ -507,10 +507,13 @@ def _pick(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: int, out
     if key in _TUNED:
         return _TUNED[key]
     if timer is None:
-        from triton.testing import do_bench
+        from triton.testing import do_bench_cudagraph
 
         def timer(fn: Any) -> float:
-            return float(do_bench(fn, warmup=5, rep=20, return_mode="median"))
+            # replayed as a CUDA graph: a decode-sized launch runs for microseconds, about as long as
+            # launching it, so eager timings ranked candidates by host overhead (measured on an H200:
+            # the eager pick ran 1.5x slower than the best candidate in graph replays)
+            return float(do_bench_cudagraph(fn, rep=20, return_mode="median"))
 
     cands = _candidates(m, n, k, wt.group_size, wt.g_idx is None, x.dtype)
     # first use of a shape: compiling and timing the candidates takes seconds, once per process
