@@ -73,19 +73,21 @@ def test_split_k_graphs_each_own_their_workspace() -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = int8_gemm(a, b, a_scale=sa, b_scale=sb, out_dtype=torch.float32, config=cfg)
-        cases.append((graph, out, ref))
-    for graph, out, ref in reversed(cases):
+        # a graph replays the addresses it captured: its inputs must outlive it (the loop rebinds
+        # a, b, sa, sb, which freed the first graph's inputs and failed this test on an H200)
+        cases.append((graph, out, ref, (a, b, sa, sb)))
+    for graph, out, ref, _inputs in reversed(cases):
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ref)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for _ in range(20):
-        for (graph, _out, _), st in zip(cases, streams, strict=True):
+        for (graph, _out, _ref, _inputs), st in zip(cases, streams, strict=True):
             with torch.cuda.stream(st):
                 graph.replay()
     torch.cuda.synchronize()
-    assert all(torch.equal(out, ref) for _, out, ref in cases)
+    assert all(torch.equal(out, ref) for _, out, ref, _inputs in cases)
 
 
 def test_strided_activation_and_saturated_values(device: str) -> None:
