@@ -302,6 +302,17 @@ def find_producers(
             h.remove()
     scopes.whole = (args, kwargs, ref)
     found: dict[str, Producer | None] = {}
+    proved: dict[tuple[Any, ...], bool] = {}
+
+    def exact(c: str, group: list[str], width: int, off: bool) -> bool:
+        # a fold's exactness is a property of the code the tensor flows through, so a trial proved in
+        # one decoder layer holds for every layer of the same structure (same classes, relative names
+        # and weight shapes): 30 layers cost one trial each, not 30
+        key = _structure([c, *group], mods, off)
+        if key not in proved:
+            proved[key] = _fold_is_exact(root, c, group, width, scopes, tol, offset=off)
+        return proved[key]
+
     for group in groups:
         x = reads.get(group[0])
         producer: Producer | None = None
@@ -315,11 +326,27 @@ def find_producers(
                 cands = [n for n, m in mods.items() if isinstance(m, nn.Linear) and n.rpartition(".")[0] == parent
                          and n not in group and m.out_features == width]
             producer = next((Producer(c, off) for c in cands for off in (False, True)
-                             if (not off or not isinstance(mods[c], nn.Linear))
-                             and _fold_is_exact(root, c, group, width, scopes, tol, offset=off)), None)
+                             if (not off or not isinstance(mods[c], nn.Linear)) and exact(c, group, width, off)), None)
         for n in group:
             found[n] = producer
     return found
+
+
+def _structure(names: list[str], mods: dict[str, nn.Module], offset: bool) -> tuple[Any, ...]:
+    """What a fold trial's outcome depends on: the classes of the modules that hold ``names`` (up
+    to the root), and for each name the classes on its path down from their nearest common holder,
+    its weight shape and its name relative to that holder (``model.layers.3.self_attn.q_proj`` ->
+    ``self_attn.q_proj``): an MLP of another class around the same Linears is another structure."""
+    common = _common_prefix(names)
+    cut = len(common) + 1 if common else 0
+    holders = tuple(type(mods[a]).__name__ for a in [common, *_ancestors(common)] if a in mods) if common else ()
+    parts = []
+    for n in names:
+        w = getattr(mods[n], "weight", None)
+        path = [a for a in reversed(_ancestors(n)) if len(a) > len(common)] + [n]
+        parts.append((n[cut:], tuple(type(mods[a]).__name__ for a in path),
+                      tuple(w.shape) if isinstance(w, torch.Tensor) else None))
+    return (holders, tuple(parts), offset)
 
 
 class _Scopes:

@@ -99,6 +99,36 @@ def test_fold_trials_rerun_one_layer_not_the_model() -> None:
     assert found["model.layers.0.self_attn.q_proj"].name == "model.layers.0.input_layernorm"  # type: ignore[union-attr]
 
 
+def test_one_fold_trial_per_layer_structure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers of one structure share their trial's outcome (3 layers, 4 groups each: 4 trials, not
+    12), with the producers a trial per layer finds; a layer of another structure is tried anew."""
+    import quantization.algorithms.smoothquant as sq
+
+    def run(m: nn.Module, layers: int) -> tuple[dict[str, Any], int]:
+        groups = [g for i in range(layers) for g in (
+            [f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"], [f"model.layers.{i}.self_attn.o_proj"],
+            [f"model.layers.{i}.mlp.gate_proj", f"model.layers.{i}.mlp.up_proj"], [f"model.layers.{i}.mlp.down_proj"])]
+        trials: list[str] = []
+        inner = sq._fold_is_exact
+        monkeypatch.setattr(sq, "_fold_is_exact", lambda root, c, *a, **kw: trials.append(c) or inner(root, c, *a, **kw))
+        found = find_producers(m, groups, (), {"input_ids": _data(1)[0]})
+        monkeypatch.setattr(sq, "_fold_is_exact", inner)
+        return {g[0]: (found[g[0]].name if found[g[0]] else None) for g in groups}, len(trials)
+
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SMALL, "num_hidden_layers": 3}, num_key_value_heads=4)).eval()
+    shared, n_shared = run(m, 3)
+    monkeypatch.setattr(sq, "_structure", lambda names, mods, off: (tuple(names), off))  # a trial per layer
+    each, n_each = run(m, 3)
+    assert shared == each and n_shared * 3 == n_each
+    assert shared["model.layers.2.self_attn.o_proj"] == "model.layers.2.self_attn.v_proj"
+    monkeypatch.undo()
+    # layer 1's MLP another class: its groups are tried again, the other layers' are not
+    m.model.layers[1].mlp = transformers.models.qwen2.modeling_qwen2.Qwen2MLP(m.config)
+    _, n_mixed = run(m, 3)
+    assert n_mixed == n_shared + 3  # the norm into gate/up, then gate and up (refused, found) into down
+
+
 def test_gemma_norms_take_the_factor_as_one_plus_weight() -> None:
     """Gemma's RMSNorm multiplies by 1 + weight: the fold into it is proved in that form, and the
     smoothed model keeps its float function with no Mul left before q/k/v or gate/up."""
