@@ -114,22 +114,20 @@ class CostTable:
         return min(same, key=lambda r: (r.shape.distance(shape), r.shape.features)) if same else None
 
     def boundary_us(self, kind: str, elements: float) -> tuple[float, float] | None:
-        """``(float_us, int8_us)`` of a boundary kind at ``elements``: interpolated linearly between
-        the measured sizes around it, the smallest size's cost below them, and scaled with the
-        element count above them (large tensors cost per element); None without rows of that kind."""
+        """``(float_us, int8_us)`` of a boundary kind at ``elements``: linear in the element count
+        between the measured sizes around it and past the largest (the last two sizes' slope: large
+        tensors cost per element), the smallest size's cost below them; None without rows of that kind."""
         rs = sorted((r for r in self.boundary if r.shape.kind == kind), key=lambda r: r.shape.features[0])
         if not rs:
             return None
         sizes = [r.shape.features[0] for r in rs]
-        if elements <= sizes[0]:
+        if elements <= sizes[0] or len(rs) == 1:
             return rs[0].float_us, rs[0].int8_us
-        if elements >= sizes[-1]:
-            k = elements / sizes[-1]
-            return rs[-1].float_us * k, rs[-1].int8_us * k
-        i = next(i for i, s in enumerate(sizes) if s >= elements)
+        i = next((i for i, s in enumerate(sizes) if s >= elements), len(sizes) - 1)
         a, b = rs[i - 1], rs[i]
-        t = (elements - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
-        return a.float_us + t * (b.float_us - a.float_us), a.int8_us + t * (b.int8_us - a.int8_us)
+        t = (elements - sizes[i - 1]) / max(sizes[i] - sizes[i - 1], 1e-9)
+        return (max(a.float_us + t * (b.float_us - a.float_us), 0.0),
+                max(a.int8_us + t * (b.int8_us - a.int8_us), 0.0))
 
 
 def _boundary_row(r: Mapping[str, Any]) -> Row:
