@@ -16,7 +16,7 @@ import quantization.preparation as preparation
 from compress.models import build_zoo_model
 from quantization import QuantizeParams, quantize
 from quantization.placement import cost_table as ct
-from quantization.placement.model_cost import model_cost
+from quantization.placement.model_cost import model_cost, unpriced_ops
 from quantization.placement.place import Placement
 from quantization.placement.speed_check import layer_calls
 from quantization.placement.trace import trace_graph
@@ -116,6 +116,20 @@ def test_cost_table_off_and_tables_without_boundary_rows_quantize(monkeypatch: p
     assert view(old).model_float is None and is_quantized(old)
 
 
+def test_models_with_unpriced_integer_ops_keep_the_layer_rows_placement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transformers ViT: attention's activation products run as integer kernels the table has no
+    rows for (measured faster in int8 on the suite), so the model-level check does not judge it."""
+    transformers = pytest.importorskip("transformers")
+    _use(monkeypatch, TABLE)
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32, num_labels=10)
+    q = quantize(transformers.ViTForImageClassification(cfg).eval(), "w8a8", _images(2, 16))
+    assert view(q).model_float is None and is_quantized(q)
+    g = trace_graph(transformers.ViTForImageClassification(cfg).eval(), (_images(1, 16)[0],), {})
+    assert unpriced_ops(g), "the ViT's attention should count as unpriced"
+
+
 def test_model_cost_counts_entries_exits_and_adds() -> None:
     """The quickstart's ResNet all int8: the input and the classifier's input enter int8, the last
     block's output (read by the float mean) and the logits leave it, and the three residual adds are
@@ -143,6 +157,7 @@ def test_model_cost_counts_entries_exits_and_adds() -> None:
     assert c.float_us < c.int8_us  # at batch 1 the boundaries cost more than the kernels save
     assert model_cost(graph, layers, set(layers), TABLE, batch=512, example_batch=8).speedup > 1.0
     assert set(layer_calls(graph, layers)) == set(layers)
+    assert not unpriced_ops(graph)  # a conv net: every op whose int8 form differs in cost is priced
 
 
 def test_boundary_lookup_interpolates_and_scales() -> None:
