@@ -127,7 +127,7 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
             # the nearest row's times scaled by the work (the product of the shape features: rows x in x
             # out, channels x kernel x pixels) from its shape to this one: the grid is coarse, and a sum
             # over a model needs each layer's time, not only its ratio
-            k = math.prod(key.features) / max(math.prod(row.shape.features), 1.0) if key is not None and row else 0.0
+            work = math.prod(key.features) / max(math.prod(row.shape.features), 1.0) if key is not None and row else 0.0
             bias = 0.0
             if isinstance(mod, nn.Linear) and mod.bias is not None and data is not None and len(data.shape) > 2:
                 # fp32 ORT runs a Linear over batched rows as MatMul then a separate bias Add (Gemm, with
@@ -136,8 +136,8 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
                 bias = (table.boundary_us("add", float(rows * mod.out_features)) or (0.0, 0.0))[0]
             if n.scope in int8:
                 layout = "linear" if isinstance(mod, nn.Linear) else "conv"
-                lf += (row.float_kernel * k if row is not None else 0.0) + bias
-                li += row.int8_us * k if row is not None else 0.0
+                lf += (row.float_kernel * work if row is not None else 0.0) + bias
+                li += row.int8_us * work if row is not None else 0.0
                 t = _tid(data) if data is not None else None
                 if t is not None and t not in region and f"enter {t}" not in paid and data is not None:
                     paid.add(f"enter {t}")
@@ -145,7 +145,7 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
                     entries += 1
                 region[out] = layout
             else:
-                other += (row.float_kernel * k if row is not None else 0.0) + bias
+                other += (row.float_kernel * work if row is not None else 0.0) + bias
                 for t, o in zip(ids, acts, strict=True):
                     leave(t, o.shape)
             if n.kind == "conv":
