@@ -211,17 +211,48 @@ def unpriced_ops(graph: OpGraph) -> dict[str, int]:
     return out
 
 
+#: how far (summed |log2| over the shape features, :meth:`LayerShape.distance`) a layer may be from
+#: its nearest measured row for the model-level sum to use it: up to 8x the work along one feature.
+#: Past it a row's ratio is extrapolated too far to add up: the small suite's HF ResNet at batch 32
+#: has a 3 -> 32 channel 7x7 stem on 32k pixels, 5.8 from the nearest row (3 -> 16, 3x3, 6272
+#: pixels, int8 3.5x slower), which scaled by work predicted the model at 0.33x where it ran 1.09x
+MAX_DISTANCE = 3.0
+
+
+def _uncovered(layers: Mapping[str, nn.Module], int8: set[str], calls: Mapping[str, LayerCall], table: CostTable,
+               batch: int, example_batch: int | None) -> str | None:
+    """Why the table cannot price the int8 layers at ``batch`` (a layer with no row within
+    :data:`MAX_DISTANCE`), None where it can. Float layers cost the same in both models: not checked."""
+    for name in sorted(int8):
+        call = calls.get(name)
+        key = layer_shape(layers[name], _scale(call.shape, batch, example_batch)) if call is not None else None
+        row = table.nearest(key) if key is not None else None
+        if key is not None and (row is None or key.distance(row.shape) > MAX_DISTANCE):
+            near = "none" if row is None else "x".join(f"{f:g}" for f in row.shape.features)
+            return (f"{name} ({key.kind} {'x'.join(f'{f:g}' for f in key.features)}) has no measured shape near it "
+                    f"(nearest: {near})")
+    return None
+
+
 def decide(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], calls: Mapping[str, LayerCall],
            table: CostTable, *, batches: Sequence[int], example_batch: int | None) -> ModelDecision:
     """Keep ``int8`` (the layers the layer rows left int8), or also keep float the layers whose row
     loses at a requested batch, or keep the whole model float: whichever's slowest requested batch is
     predicted fastest, int8 only where it is predicted faster than fp32 at every one of ``batches``.
-    A model with ops the table cannot price (:func:`unpriced_ops`) keeps the layer rows' placement."""
+    A model with ops the table cannot price (:func:`unpriced_ops`) keeps the layer rows' placement,
+    and a batch at which an int8 layer has no measured shape near it (:data:`MAX_DISTANCE`) is not
+    predicted."""
     where = f"the cost table ({table.runtime}, {table.isa})"
     unpriced = unpriced_ops(graph)
     if unpriced:
         log.info("cost table: no model-level check (integer ops it has no rows for: %s)",
                  ", ".join(f"{k} x{v}" for k, v in sorted(unpriced.items())))
+        return ModelDecision({}, None, {})
+    far = {b: why for b in batches if (why := _uncovered(layers, int8, calls, table, b, example_batch)) is not None}
+    for b, why in far.items():
+        log.info("cost table: no model-level prediction at batch %d: %s", b, why)
+    batches = [b for b in batches if b not in far]
+    if not batches:
         return ModelDecision({}, None, {})
     losers: dict[str, str] = {}
     for name in sorted(int8):
@@ -250,7 +281,8 @@ def decide(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], call
             log.info("cost table: int8 model predicted at batch %d: %s", b, c.describe())
         return ModelDecision(extra, None, costs)
     slow_b = min(costs, key=lambda b: costs[b].speedup)
-    others = ", ".join(f"batch {b}: {c.speedup:.2f}x" for b, c in costs.items() if b != slow_b)
+    others = ", ".join([f"batch {b}: {c.speedup:.2f}x" for b, c in costs.items() if b != slow_b]
+                       + [f"batch {b}: not predicted, {why}" for b, why in far.items()])
     reason = (f"int8 predicted slower than fp32 at batch {slow_b}: {costs[slow_b].describe()}, by {where}"
               f"{f' ({others} predicted)' if others else ''}; the whole model stays float "
               "(cost_table: false quantizes it anyway, speed_check times its layers here)")

@@ -35,6 +35,15 @@ def _bound(kind: str, elements: float, us: float, float_us: float = 0.0) -> ct.R
 #: int8 kernels level with float at a few pixels, 3x faster at many; entering/leaving int8 5-8 us,
 #: an integer add 4 us where a float one costs 3 (the shape of the measured rows, rounded)
 TABLE = ct.CostTable("onnxruntime", "test ISA", "test", (
+    _row("conv", (3, 16, 49, 64), 20.0, 22.0, 19.0),
+    _row("conv", (3, 16, 49, 2048), 300.0, 200.0, 290.0),
+    _row("conv", (3, 64, 49, 4096), 1500.0, 700.0, 1450.0),
+    _row("conv", (16, 16, 9, 4), 5.0, 4.0, 3.0),
+    _row("conv", (16, 16, 1, 4), 4.0, 3.0, 2.0),
+    _row("conv", (16, 16, 9, 128), 30.0, 14.0, 28.0),
+    _row("conv", (16, 16, 1, 128), 12.0, 6.0, 11.0),
+    _row("conv", (64, 64, 9, 1024), 800.0, 250.0, 780.0),
+    _row("conv", (64, 64, 1, 256), 40.0, 15.0, 38.0),
     _row("conv", (16, 16, 9, 64), 9.0, 6.0, 6.0),
     _row("conv", (16, 16, 9, 2048), 80.0, 30.0, 75.0),
     _row("conv", (64, 64, 9, 65536), 3000.0, 1000.0, 2900.0),
@@ -114,6 +123,22 @@ def test_cost_table_off_and_tables_without_boundary_rows_quantize(monkeypatch: p
     _use(monkeypatch, ct.CostTable("onnxruntime", "old", "test", TABLE.rows))  # a table measured before boundary rows
     old = quantize(copy.deepcopy(model), "w8a8", _images(4, 16))
     assert view(old).model_float is None and is_quantized(old)
+
+
+def test_a_batch_far_from_every_measured_shape_is_not_judged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Boundaries so costly that any predicted batch keeps the model float: at batch 1 it does; at
+    batch 4096 the layers are far from every row (MAX_DISTANCE), nothing is predicted, int8 stays."""
+    costly = ct.CostTable("onnxruntime", "test ISA", "test", TABLE.rows,
+                          tuple(ct.Row(r.shape, r.float_us, r.int8_us * 1e4) for r in TABLE.boundary))
+    _use(monkeypatch, costly)
+    model = _hf_resnet([16, 16])
+    b1 = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(batch_sizes=(1,)))
+    assert view(b1).model_float is not None
+    far = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(batch_sizes=(4096,)))
+    assert view(far).model_float is None and is_quantized(far)
+    both = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(batch_sizes=(1, 4096)))
+    got = view(both).model_float
+    assert got is not None and "batch 4096: not predicted" in got
 
 
 def test_models_with_unpriced_integer_ops_keep_the_layer_rows_placement(monkeypatch: pytest.MonkeyPatch) -> None:
