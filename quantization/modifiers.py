@@ -295,6 +295,7 @@ class QATModifier(Modifier[QATSpec]):
             target=s.target,
             quantize_embeddings=s.quantize_embeddings,
             example_inputs=capture_first_call(model, loop) if scheme.static_activations else None,
+            batch_sizes=state.serving_batch_sizes,
             where=self.where,
         )
         calibrate(model, loop, where=self.where)
