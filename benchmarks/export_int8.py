@@ -331,9 +331,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.part == "quickstart":
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(1)
+        load0 = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as d:
             res = quickstart(Path(d))
-        text = _quickstart_section(res)
+        # a shared machine: how loaded it was is part of the figures
+        text = _quickstart_section(res) + (f"\n\nLoad average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
+                                           "end (2 cores shared with other jobs).")
         write_section("export_int8_quickstart", text, res)
         print(text)
         return
