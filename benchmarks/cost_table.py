@@ -6,8 +6,8 @@ int8 neighbours, run in ORT with per-node profiling (1 thread), medians after wa
 holds what each choice costs inside an int8 model. Besides the layers, the model-level costs no
 layer row holds, under ``boundary``: entering int8 (the QuantizeLinear of a float tensor, and for a
 conv the NCHW -> NHWC transpose of QLinearConv's layout) and leaving it (transpose back,
-DequantizeLinear), by element count, from the same int8 profiles; and residual adds, ORT's float Add
-against its QLinearAdd. The rows are written, under this machine's int8
+DequantizeLinear), by element count, from the same int8 profiles; residual adds, ORT's float Add
+against its QLinearAdd; and what the profiler itself adds to each node's time. The rows are written, under this machine's int8
 instruction set (compress.core.machine.int8_isa), into quantization/placement/data/ort_cpu_costs.json
 (rows of other ISAs already there are kept) and a summary into benchmarks/RESULTS.md.
 
@@ -134,6 +134,46 @@ def measure_add(shape: list[int], runs: int, tmp: Path) -> dict[str, Any]:
             "int8_op": ops["int8"], "int8_us": round(us["int8"], 2)}
 
 
+def _neg_chain(n: int) -> bytes:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])
+    nodes = [helper.make_node("Neg", ["x" if i == 0 else f"t{i}"], ["y" if i == n - 1 else f"t{i + 1}"]) for i in range(n)]
+    return helper.make_model(helper.make_graph(nodes, "chain", [x], [y]),
+                             opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def profile_overhead(tmp: Path, nodes: int = 41) -> float:
+    """What ORT's profiler adds to a node's measured time: on a chain of trivial nodes (Neg on 64
+    floats), the profiled per-node median less the unprofiled time each added node costs (1 thread)."""
+    import onnxruntime as ort
+
+    x = {"x": np.ones((1, 64), np.float32)}
+
+    def wall(n: int) -> float:
+        sess = ort.InferenceSession(_neg_chain(n), session_options(threads=1), providers=["CPUExecutionProvider"])
+        for _ in range(200):
+            sess.run(None, x)
+        rounds = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                sess.run(None, x)
+            rounds.append((time.perf_counter() - t0) / 200 * 1e6)
+        return statistics.median(rounds)
+
+    per_node = (wall(nodes) - wall(1)) / (nodes - 1)
+    sess = ort.InferenceSession(_neg_chain(nodes), session_options(threads=1, profile_prefix=tmp / "chain"),
+                                providers=["CPUExecutionProvider"])
+    for _ in range(100):
+        sess.run(None, x)
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    profiled = statistics.median(float(e["dur"]) for e in events
+                                 if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+    return max(profiled - per_node, 0.0)
+
+
 def _merge_bounds(bounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One boundary row per (kind, elements): the median of the shapes measured at that size."""
     by: dict[tuple[str, float], list[dict[str, Any]]] = {}
@@ -172,12 +212,14 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(r[0])
                 bounds.extend(r[1])
         adds = [measure_add(shape, args.runs, Path(d)) for shape in add_grid(args.quick)]
+        overhead = profile_overhead(Path(d))
     boundary = _merge_bounds(bounds + adds)
     machine = f"{cpu_name()} ({isa}), {os.cpu_count()} cores, load average {load:.1f} at the start"
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
     data.setdefault("onnxruntime", {})[key] = {"runtime": "onnxruntime", "isa": isa, "machine": machine,
                                                "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                               "rows": rows, "boundary": boundary}
+                                               "rows": rows, "boundary": boundary,
+                                               "profile_overhead_us": round(overhead, 2)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     slower = [r for r in rows if r["int8_us"] >= r["float_us"]]
@@ -194,7 +236,9 @@ def main(argv: list[str] | None = None) -> None:
                           for r in bad[:12])
         lines.append(f"| {k} | {len(rs)} | {len(bad)} | {feats}{' ...' if len(bad) > 12 else ''} |")
     lines += ["", f"Boundary rows (`boundary`, read by the model-level check, quantization/placement/model_cost.py): "
-              f"{len(boundary)}; the entering / leaving costs at a few sizes (elements: us) and adds (float Add vs QLinearAdd):", ""]
+              f"{len(boundary)}; the entering / leaving costs at a few sizes (elements: us) and adds (float Add vs QLinearAdd). "
+              f"The profiler adds {overhead:.2f} us to each node's time (`profile_overhead_us`: a trivial node's profiled "
+              "median less its unprofiled cost), which the model-level sum takes off every node it counts:", ""]
     for kind in ("enter:conv", "leave:conv", "enter:linear", "leave:linear", "add"):
         rs = [b for b in boundary if b["kind"] == kind]
         shown = rs[:: max(1, len(rs) // 6)][:7]

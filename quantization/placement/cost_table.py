@@ -108,6 +108,9 @@ class CostTable:
     machine: str
     rows: tuple[Row, ...]
     boundary: tuple[Row, ...] = ()
+    #: what ORT's profiler adds to each node's measured time (its per-node median on a chain of trivial
+    #: nodes less their unprofiled time per node): the model-level sum takes it off every node it adds
+    profile_overhead_us: float = 0.0
 
     def nearest(self, shape: LayerShape) -> Row | None:
         same = [r for r in self.rows if r.shape.kind == shape.kind]
@@ -142,7 +145,8 @@ def table_from_data(data: Mapping[str, Any]) -> CostTable:
                      float(r["int8_us"]), float(r["float_kernel_us"]) if "float_kernel_us" in r else None)
                  for r in data["rows"])
     boundary = tuple(_boundary_row(r) for r in data.get("boundary", ()))
-    return CostTable(str(data["runtime"]), str(data["isa"]), str(data.get("machine", "")), rows, boundary)
+    return CostTable(str(data["runtime"]), str(data["isa"]), str(data.get("machine", "")), rows, boundary,
+                     float(data.get("profile_overhead_us", 0.0)))
 
 
 @functools.cache

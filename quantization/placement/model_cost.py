@@ -101,12 +101,19 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
     lf = li = other = bd = af = ai = 0.0
     entries = exits = adds = 0
 
+    def net(us: float, nodes: int) -> float:
+        # the rows are profiled per node; the profiler adds its own cost to each (about 1.7 us on a
+        # trivial node that runs in 0.2-0.3 us here), which at batch 1 is most of a small kernel's time
+        return max(us - nodes * table.profile_overhead_us, 0.1 * us)
+
     def elements(shape: Sequence[int]) -> float:
         return float(math.prod(_scale(shape, batch, example_batch)))
 
     def boundary(kind: str, shape: Sequence[int]) -> float:
         got = table.boundary_us(kind, elements(shape))
-        return got[1] if got is not None else 0.0
+        # entering or leaving a conv chain is two nodes (QuantizeLinear and the NHWC transpose, or the
+        # transpose back and DequantizeLinear); a Linear's one
+        return net(got[1], 2 if kind.endswith(":conv") else 1) if got is not None else 0.0
 
     def leave(t: str | None, shape: Sequence[int]) -> None:
         nonlocal bd, exits
@@ -133,11 +140,11 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
                 # fp32 ORT runs a Linear over batched rows as MatMul then a separate bias Add (Gemm, with
                 # the bias inside, is 2-D only); QGemm / MatMulIntegerToFloat take the bias in the kernel
                 rows = math.prod(_scale(data.shape, batch, example_batch)[:-1])
-                bias = (table.boundary_us("add", float(rows * mod.out_features)) or (0.0, 0.0))[0]
+                bias = net((table.boundary_us("add", float(rows * mod.out_features)) or (0.0, 0.0))[0], 1)
             if n.scope in int8:
                 layout = "linear" if isinstance(mod, nn.Linear) else "conv"
-                lf += (row.float_kernel * work if row is not None else 0.0) + bias
-                li += row.int8_us * work if row is not None else 0.0
+                lf += (net(row.float_kernel, 1) * work if row is not None else 0.0) + bias
+                li += net(row.int8_us, 1) * work if row is not None else 0.0
                 t = _tid(data) if data is not None else None
                 if t is not None and t not in region and f"enter {t}" not in paid and data is not None:
                     paid.add(f"enter {t}")
@@ -145,7 +152,7 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
                     entries += 1
                 region[out] = layout
             else:
-                other += (row.float_kernel * work if row is not None else 0.0) + bias
+                other += (net(row.float_kernel, 1) * work if row is not None else 0.0) + bias
                 for t, o in zip(ids, acts, strict=True):
                     leave(t, o.shape)
             if n.kind == "conv":
@@ -162,8 +169,8 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
             got = table.boundary_us("add", elements(acts[0].shape)) or (0.0, 0.0)
             fused = any(t in conv_out for t in ids)
             if all(t in region for t in ids):
-                ai += got[1]
-                af += 0.0 if fused else got[0]
+                ai += net(got[1], 1)
+                af += 0.0 if fused else net(got[0], 1)
                 adds += 1
                 region[out] = region[ids[0]]
             else:
