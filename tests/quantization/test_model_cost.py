@@ -181,6 +181,11 @@ def test_model_cost_counts_entries_exits_and_adds() -> None:
     assert c2.float_us == pytest.approx(c.float_us)  # the fp32 model is the same either way
     assert c.float_us < c.int8_us  # at batch 1 the boundaries cost more than the kernels save
     assert model_cost(graph, layers, set(layers), TABLE, batch=512, example_batch=8).speedup > 1.0
+    # the profiler's cost per node comes off every node counted: two per conv boundary, one per add
+    lean = ct.CostTable("onnxruntime", "test ISA", "test", TABLE.rows, TABLE.boundary, profile_overhead_us=1.0)
+    c3 = model_cost(graph, layers, set(layers), lean, batch=1, example_batch=8)
+    assert c3.boundary_us == pytest.approx(c.boundary_us - (2 + 2 + 1 + 1))
+    assert c3.adds_int8_us == pytest.approx(c.adds_int8_us - 3)
     assert set(layer_calls(graph, layers)) == set(layers)
     assert not unpriced_ops(graph)  # a conv net: every op whose int8 form differs in cost is priced
 
@@ -201,7 +206,8 @@ def test_boundary_lookup_interpolates_and_scales() -> None:
     assert t.boundary_us("add", 64) == (2.0, 3.0)
     old = ct.table_from_data({**data, "rows": [{k: v for k, v in data["rows"][0].items() if k != "float_kernel_us"}],
                               "boundary": []})
-    assert old.rows[0].float_kernel == 3.0 and old.boundary == ()
+    assert old.rows[0].float_kernel == 3.0 and old.boundary == () and old.profile_overhead_us == 0.0
+    assert ct.table_from_data({**data, "profile_overhead_us": 1.5}).profile_overhead_us == 1.5
 
 
 def test_shipped_table_has_boundary_rows_for_its_isas() -> None:
