@@ -292,7 +292,61 @@ def quickstart(tmp: Path) -> dict[str, Any]:
             for k in files]
     prof = {k: {b: _op_profile(files[k], x, b, 400, tmp) for b in (1, 32)}
             for k in ("fp32", "served at 32 (per-layer rows)", "all int8 (cost table off)")}
-    return {"rows": rows, "profile": prof, "kept_float": kept}
+    return {"rows": rows, "profile": prof, "kept_float": kept, "predicted": predicted_vs_measured(tmp)}
+
+
+def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
+    """The model-level check's prediction against measurement on small conv nets (random weights):
+    the int8 model's predicted speedup at batch 1 and 32 (the cost table's rows for this CPU), the
+    default's decision for [1, 32], and every layer int8 timed side by side with fp32 (1 thread)."""
+    import transformers
+
+    from compress.core.machine import int8_isa
+    from export.runtimes import load_session
+    from export.validate import time_side_by_side
+    from quantization.api import QuantizeParams, quantize
+    from quantization.placement.cost_table import slower_by_table, table_for
+    from quantization.placement.model_cost import decide
+    from quantization.placement.speed_check import layer_calls
+    from quantization.placement.trace import trace_graph
+    from quantization.view import view
+
+    table = table_for(int8_isa())
+    if table is None:
+        return []
+    torch.manual_seed(0)
+    hf = transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        num_channels=3, embedding_size=32, hidden_sizes=[32, 64], depths=[1, 1], layer_type="basic", num_labels=10))
+    models: dict[str, tuple[nn.Module, tuple[int, ...]]] = {
+        "zoo resnet w16 (quickstart), 1x8x8": (build_zoo_model("resnet", {"width": 16, "in_channels": 1}), (1, 8, 8)),
+        "zoo resnet w32, 1x8x8": (build_zoo_model("resnet", {"width": 32, "in_channels": 1}), (1, 8, 8)),
+        "zoo resnet w16, 3x32x32": (build_zoo_model("resnet", {"width": 16, "in_channels": 3}), (3, 32, 32)),
+        "zoo mobilenetv2, 1x8x8": (build_zoo_model("mobilenetv2", {"in_channels": 1}), (1, 8, 8)),
+        "transformers ResNet 32/64, 3x32x32": (hf, (3, 32, 32)),
+    }
+    rows = []
+    for name, (model, shape) in models.items():
+        model.eval()
+        g = torch.Generator().manual_seed(0)
+        calib = [torch.randn(8, *shape, generator=g) for _ in range(2)]
+        graph = trace_graph(model, (calib[0],), {})
+        layers = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))}
+        calls = layer_calls(graph, layers)
+        kept = set(layers) - set(slower_by_table(layers, calls, table))
+        pred = decide(graph, layers, kept, calls, table, batches=[1, 32], example_batch=8).costs
+        default = quantize(copy.deepcopy(model), "w8a8", calib, params=QuantizeParams(batch_sizes=(1, 32)))
+        every = quantize(copy.deepcopy(model), "w8a8", calib, params=QuantizeParams(cost_table=False))
+        files = {"fp32": export_onnx(copy.deepcopy(model), calib[0], tmp / "p_fp32.onnx"),
+                 "all_int8": export_onnx(every, calib[0], tmp / "p_int8.onnx")}
+        sessions = {k: load_session("onnxruntime", p, threads=1) for k, p in files.items()}
+        x = {sessions["fp32"].input_names[0]: torch.randn(32, *shape, generator=g).numpy()}
+        lat, _ = time_side_by_side(sessions, x, [1, 32], 30, 300)
+        rows.append({"model": name, "predicted_b1": pred[1].speedup if 1 in pred else None,
+                     "predicted_b32": pred[32].speedup if 32 in pred else None,
+                     "measured_all_int8_b1": lat["fp32"][1] / lat["all_int8"][1],  # type: ignore[operator]
+                     "measured_all_int8_b32": lat["fp32"][32] / lat["all_int8"][32],  # type: ignore[operator]
+                     "default_for_1_32": "float (whole model)" if view(default).model_float else "int8"})
+    return rows
 
 
 def _quickstart_section(res: dict[str, Any]) -> str:
@@ -312,6 +366,13 @@ def _quickstart_section(res: dict[str, Any]) -> str:
     why = res["kept_float"].get("default")
     if why:
         md += [f"`default` kept the whole model float: {why}", ""]
+    if res.get("predicted"):
+        md += ["The model-level check's prediction against measurement on small conv nets (random weights; "
+               "`predicted`: the int8 model's speedup over fp32 that the check computes from the cost table at "
+               "batch 1 and 32; `measured`: every layer int8, timed side by side with fp32, 1 thread; `default`: what "
+               "`quantize(..., batch_sizes=(1, 32))` keeps):", "",
+               table(res["predicted"], ["model", "predicted_b1", "measured_all_int8_b1", "predicted_b32",
+                                        "measured_all_int8_b32", "default_for_1_32"]), ""]
     md += ["Where the batch-1 time goes (ORT per-node profiling, 1 thread, 400 runs; per-op sums of per-node medians, "
            "microseconds; the profiler adds about as much again per node, so `run` exceeds the unprofiled latency above):", "",
            "| file | batch | run | per op |", "|---|---|---|---|"]
