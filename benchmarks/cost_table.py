@@ -3,7 +3,11 @@
 For a grid of Linear, Conv2d and depthwise Conv2d shapes: the one-layer float and QDQ graphs that
 ``speed_check`` builds (quantization/placement/speed_check.py), both between a Q and a DQ standing for
 int8 neighbours, run in ORT with per-node profiling (1 thread), medians after warm-up; each row
-holds what each choice costs inside an int8 model. The rows are written, under this machine's int8
+holds what each choice costs inside an int8 model. Besides the layers, the model-level costs no
+layer row holds, under ``boundary``: entering int8 (the QuantizeLinear of a float tensor, and for a
+conv the NCHW -> NHWC transpose of QLinearConv's layout) and leaving it (transpose back,
+DequantizeLinear), by element count, from the same int8 profiles; residual adds, ORT's float Add
+against its QLinearAdd; and what the profiler itself adds to each node's time. The rows are written, under this machine's int8
 instruction set (compress.core.machine.int8_isa), into quantization/placement/data/ort_cpu_costs.json
 (rows of other ISAs already there are kept) and a summary into benchmarks/RESULTS.md.
 
@@ -15,51 +19,174 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from benchmarks._results import write_section
 from compress.core.machine import cpu_name, int8_isa
+from compress.core.ort import session_options
 from quantization.placement.cost_table import TABLE_FILE, isa_key, layer_shape
-from quantization.placement.speed_check import _graphs, _island_cost, _profile
+from quantization.placement.speed_check import _graphs, _island_cost, _profile, boundary_costs
 
 SECTION = "cost_table"
 HEADING = "## ORT CPU cost table: default keep-float decisions"
 
 
 def grid(quick: bool = False) -> list[tuple[nn.Module, list[int]]]:
-    """(layer, input shape) pairs covering toy to serving sizes."""
+    """(layer, input shape) pairs covering toy to serving sizes, and batch 1 on small images (the
+    quickstart's 8x8 digits: 64, 16 and 4 pixels after its strides)."""
     out: list[tuple[nn.Module, list[int]]] = []
-    rows = (16, 128, 1024) if not quick else (16, 256)
+    rows = (1, 16, 128, 1024) if not quick else (1, 256)
     feats = (16, 64, 256, 768) if not quick else (16, 256)
     for m, k, n in itertools.product(rows, feats, feats):
         out.append((nn.Linear(k, n), [m, k]))
     chans = (3, 16, 64, 256) if not quick else (3, 64)
-    for cin, cout, ks, hw in itertools.product(chans, (16, 64, 256) if not quick else (16, 64), (1, 3),
-                                               (8, 28) if not quick else (16,)):
-        out.append((nn.Conv2d(cin, cout, ks, padding=ks // 2), [8, cin, hw, hw]))
-    for c, ks, hw in itertools.product((16, 64, 256) if not quick else (16, 128), (3, 5), (8, 28) if not quick else (16,)):
-        out.append((nn.Conv2d(c, c, ks, padding=ks // 2, groups=c), [8, c, hw, hw]))
+    sizes = ((8, 8), (8, 28), (1, 2), (1, 4), (1, 8)) if not quick else ((8, 16), (1, 4))
+    for cin, cout, ks, (b, hw) in itertools.product(chans, (16, 64, 256) if not quick else (16, 64), (1, 3), sizes):
+        out.append((nn.Conv2d(cin, cout, ks, padding=ks // 2), [b, cin, hw, hw]))
+    dw_sizes = ((8, 8), (8, 28), (1, 4), (1, 8)) if not quick else ((8, 16), (1, 4))
+    for c, ks, (b, hw) in itertools.product((16, 64, 256) if not quick else (16, 128), (3, 5), dw_sizes):
+        out.append((nn.Conv2d(c, c, ks, padding=ks // 2, groups=c), [b, c, hw, hw]))
     return out
 
 
-def measure(m: nn.Module, shape: list[int], runs: int, tmp: Path) -> dict[str, Any] | None:
+def add_grid(quick: bool = False) -> list[list[int]]:
+    """Shapes of residual adds: feature maps (batch, channels, pixels) and token rows."""
+    maps = [[b, c, hw, hw] for b, c, hw in itertools.product((1, 8), (16, 64, 256), (2, 8, 28))]
+    tokens = [[r, f] for r, f in itertools.product((1, 16, 128, 1024), (64, 256, 768))]
+    return (maps + tokens) if not quick else [[1, 16, 8, 8], [128, 256]]
+
+
+def measure(m: nn.Module, shape: list[int], runs: int, tmp: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """The layer's row, and its two boundary rows (entering int8 at its input, leaving at its output)."""
     built = _graphs(m, shape)
     key = layer_shape(m, shape)
     if built is None or key is None:
         return None
     f, q, in_shape = built
-    costs = [_island_cost(_profile(g, in_shape, threads=1, runs=runs, tmp=tmp, tag=tag), kept_float=tag == "float",
-                          model_input=False, model_output=False, tag=tag)
-             for g, tag in ((f, "float"), (q, "int8"))]
-    return {"kind": key.kind, "features": list(key.features), "float_op": costs[0][0], "float_us": round(costs[0][1], 2),
-            "int8_op": costs[1][0], "int8_us": round(costs[1][1], 2)}
+    prof = {tag: _profile(g, in_shape, threads=1, runs=runs, tmp=tmp, tag=tag) for g, tag in ((f, "float"), (q, "int8"))}
+    costs = {tag: _island_cost(p, kept_float=tag == "float", model_input=False, model_output=False, tag=tag)
+             for tag, p in prof.items()}
+    # the float kernel alone (no conversions around it): what the layer costs in the fp32 model
+    kernel = _island_cost(prof["float"], kept_float=True, model_input=True, model_output=True, tag="float")[1]
+    enter, leave = boundary_costs(prof["int8"], tag="int8")
+    layout = "linear" if key.kind == "linear" else "conv"
+    out_elems = math.prod(in_shape) // in_shape[1] * (m.out_features if isinstance(m, nn.Linear) else m.out_channels)
+    bounds = [{"kind": f"enter:{layout}", "features": [float(math.prod(in_shape))], "us": round(enter, 2)},
+              {"kind": f"leave:{layout}", "features": [float(out_elems)], "us": round(leave, 2)}]
+    return ({"kind": key.kind, "features": list(key.features), "float_op": costs["float"][0],
+             "float_us": round(costs["float"][1], 2), "float_kernel_us": round(kernel, 2), "int8_op": costs["int8"][0], "int8_us": round(costs["int8"][1], 2)},
+            bounds)
+
+
+def _add_graph(shape: list[int]) -> Any:
+    """A residual add between int8 neighbours: Q/DQ on both inputs and the output. ORT runs the QDQ
+    form as QLinearAdd; the float one (QDQ fusion off) as a float Add between the same conversions."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("a", "b")]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)
+    inits = [numpy_helper.from_array(np.array(np.float32(s)), f"s{i}") for i, s in enumerate((4 / 255, 5 / 255, 8 / 255))]
+    inits.append(numpy_helper.from_array(np.array(128, np.uint8), "zp"))
+    nodes = []
+    for i, n in enumerate(("a", "b")):
+        nodes += [helper.make_node("QuantizeLinear", [n, f"s{i}", "zp"], [f"{n}q"]),
+                  helper.make_node("DequantizeLinear", [f"{n}q", f"s{i}", "zp"], [f"{n}d"])]
+    nodes += [helper.make_node("Add", ["ad", "bd"], ["sum"]), helper.make_node("QuantizeLinear", ["sum", "s2", "zp"], ["yq"]),
+              helper.make_node("DequantizeLinear", ["yq", "s2", "zp"], ["y"])]
+    return helper.make_model(helper.make_graph(nodes, "add", x, [y], inits), opset_imports=[helper.make_opsetid("", 17)])
+
+
+def measure_add(shape: list[int], runs: int, tmp: Path) -> dict[str, Any]:
+    """An add's row: ORT's float Add kernel and its QLinearAdd, by element count."""
+    import onnxruntime as ort
+
+    g = _add_graph(shape)
+    us: dict[str, float] = {}
+    ops: dict[str, str] = {}
+    for tag in ("float", "int8"):
+        so = session_options(threads=1, profile_prefix=tmp / f"add_{tag}", quantize_qdq=tag != "float")
+        sess = ort.InferenceSession(g.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(1)
+        feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in ("a", "b")}
+        for _ in range(runs):
+            sess.run(None, feeds)
+        events = json.loads(Path(sess.end_profiling()).read_text())
+        per: dict[str, list[float]] = {}
+        for e in events:
+            op = e.get("args", {}).get("op_name", "")
+            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and op in ("Add", "QLinearAdd"):
+                per.setdefault(op, []).append(float(e["dur"]))
+        op = "QLinearAdd" if tag == "int8" and "QLinearAdd" in per else "Add"
+        if op not in per:
+            raise SystemExit(f"ORT's profile of the {tag} add at {shape} has no {op} node")
+        us[tag], ops[tag] = statistics.median(per[op][2:] or per[op]), op
+    return {"kind": "add", "features": [float(math.prod(shape))], "float_op": ops["float"], "float_us": round(us["float"], 2),
+            "int8_op": ops["int8"], "int8_us": round(us["int8"], 2)}
+
+
+def _neg_chain(n: int) -> bytes:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])
+    nodes = [helper.make_node("Neg", ["x" if i == 0 else f"t{i}"], ["y" if i == n - 1 else f"t{i + 1}"]) for i in range(n)]
+    return helper.make_model(helper.make_graph(nodes, "chain", [x], [y]),
+                             opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def profile_overhead(tmp: Path, nodes: int = 41) -> float:
+    """What ORT's profiler adds to a node's measured time: on a chain of trivial nodes (Neg on 64
+    floats), the profiled per-node median less the unprofiled time each added node costs (1 thread)."""
+    import onnxruntime as ort
+
+    x = {"x": np.ones((1, 64), np.float32)}
+
+    def wall(n: int) -> float:
+        sess = ort.InferenceSession(_neg_chain(n), session_options(threads=1), providers=["CPUExecutionProvider"])
+        for _ in range(200):
+            sess.run(None, x)
+        rounds = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                sess.run(None, x)
+            rounds.append((time.perf_counter() - t0) / 200 * 1e6)
+        return statistics.median(rounds)
+
+    per_node = (wall(nodes) - wall(1)) / (nodes - 1)
+    sess = ort.InferenceSession(_neg_chain(nodes), session_options(threads=1, profile_prefix=tmp / "chain"),
+                                providers=["CPUExecutionProvider"])
+    for _ in range(100):
+        sess.run(None, x)
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    profiled = statistics.median(float(e["dur"]) for e in events
+                                 if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"))
+    return max(profiled - per_node, 0.0)
+
+
+def _merge_bounds(bounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One boundary row per (kind, elements): the median of the shapes measured at that size."""
+    by: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for b in bounds:
+        by.setdefault((b["kind"], b["features"][0]), []).append(b)
+    out = []
+    for (k, e), bs in sorted(by.items()):
+        row: dict[str, Any] = {"kind": k, "features": [e]}
+        for f in ("us", "float_us", "int8_us"):
+            if f in bs[0]:
+                row[f] = round(statistics.median(b[f] for b in bs), 2)
+        out.append(row)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", type=int, default=12)
     ap.add_argument("--quick", action="store_true", help="a small grid (a smoke run)")
     ap.add_argument("--out", type=Path, default=TABLE_FILE)
+    ap.add_argument("--no-section", dest="section", action="store_false", help="do not rewrite benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     isa = int8_isa()
@@ -75,17 +203,23 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no cost-table key for this CPU's int8 instructions ({isa})")
     load = os.getloadavg()[0]
     t0 = time.time()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    bounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d:
         for m, shape in grid(args.quick):
             r = measure(m, shape, args.runs, Path(d))
             if r is not None:
-                rows.append(r)
+                rows.append(r[0])
+                bounds.extend(r[1])
+        adds = [measure_add(shape, args.runs, Path(d)) for shape in add_grid(args.quick)]
+        overhead = profile_overhead(Path(d))
+    boundary = _merge_bounds(bounds + adds)
     machine = f"{cpu_name()} ({isa}), {os.cpu_count()} cores, load average {load:.1f} at the start"
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
     data.setdefault("onnxruntime", {})[key] = {"runtime": "onnxruntime", "isa": isa, "machine": machine,
                                                "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                               "rows": rows}
+                                               "rows": rows, "boundary": boundary,
+                                               "profile_overhead_us": round(overhead, 2)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     slower = [r for r in rows if r["int8_us"] >= r["float_us"]]
@@ -101,7 +235,18 @@ def main(argv: list[str] | None = None) -> None:
         feats = "; ".join("x".join(f"{f:g}" for f in r["features"]) + f" ({r['float_us'] / max(r['int8_us'], 1e-9):.2f}x)"
                           for r in bad[:12])
         lines.append(f"| {k} | {len(rs)} | {len(bad)} | {feats}{' ...' if len(bad) > 12 else ''} |")
-    write_section(SECTION, "\n".join(lines))
+    lines += ["", f"Boundary rows (`boundary`, read by the model-level check, quantization/placement/model_cost.py): "
+              f"{len(boundary)}; the entering / leaving costs at a few sizes (elements: us) and adds (float Add vs QLinearAdd). "
+              f"The profiler adds {overhead:.2f} us to each node's time (`profile_overhead_us`: a trivial node's profiled "
+              "median less its unprofiled cost), which the model-level sum takes off every node it counts:", ""]
+    for kind in ("enter:conv", "leave:conv", "enter:linear", "leave:linear", "add"):
+        rs = [b for b in boundary if b["kind"] == kind]
+        shown = rs[:: max(1, len(rs) // 6)][:7]
+        vals = "; ".join(f"{b['features'][0]:g}: " + (f"{b['us']:g}" if "us" in b else f"{b['float_us']:g} vs {b['int8_us']:g}")
+                         for b in shown)
+        lines.append(f"- {kind} ({len(rs)} sizes): {vals}")
+    if args.section:
+        write_section(SECTION, "\n".join(lines))
     print("\n".join(lines))
 
 

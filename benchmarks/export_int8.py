@@ -227,7 +227,180 @@ def minilm(tmp: Path) -> dict[str, Any]:
     return {"rows": rows, "failed": failed}
 
 
-def main() -> None:
+def _op_profile(path: Path, example: np.ndarray, batch: int, runs: int, tmp: Path) -> tuple[float, dict[str, float]]:
+    """ORT's per-node profile of ``path`` at ``batch`` (1 thread): the median run time and the summed
+    per-node medians by op type, microseconds (the profiler adds its own cost per node, so the sums
+    exceed an unprofiled run)."""
+    import json
+    import statistics
+
+    from compress.core.ort import inference_session, session_options
+
+    so = session_options(threads=1, spinning=False, profile_prefix=tmp / f"{path.stem}_b{batch}")
+    sess = inference_session(path, so)
+    feeds = {sess.get_inputs()[0].name: np.ascontiguousarray(np.resize(example, (batch, *example.shape[1:])))}
+    for _ in range(runs):
+        sess.run(None, feeds)
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    per: dict[str, list[float]] = {}
+    op: dict[str, str] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            per.setdefault(e["name"], []).append(float(e["dur"]))
+            op[e["name"]] = e.get("args", {}).get("op_name", "")
+    skip = runs // 5
+    by_op: dict[str, float] = {}
+    for n, ds in per.items():
+        by_op[op[n]] = by_op.get(op[n], 0.0) + statistics.median(ds[skip:])
+    run_us = statistics.median(float(e["dur"]) for e in events if e.get("name") == "model_run")
+    return run_us, dict(sorted(by_op.items(), key=lambda kv: -kv[1]))
+
+
+def quickstart(tmp: Path) -> dict[str, Any]:
+    """The README quickstart's recipe as `compress apply` runs it: the default now (its validation
+    batch sizes [1, 32]; the cost table's model-level check decides), the same recipe validated at
+    batch 32 only (the check passes: the int8 placement the layer rows choose, what the default was
+    before the check), and every layer int8 (cost table off); timed side by side with the fp32
+    baseline at batch 1 and 32, 1 thread, and profiled per op at batch 1."""
+    import compress
+    from export.runtimes import load_session
+    from export.validate import time_side_by_side
+
+    runs = {
+        "default": [],
+        "served at 32 (per-layer rows)": ["validate.batch_sizes=[32]"],
+        "all int8 (cost table off)": ["stages.0.modifiers.0.cost_table=false"],
+    }
+    files: dict[str, Path] = {}
+    kept: dict[str, str | None] = {}
+    for key, sets in runs.items():
+        recipe = compress.load_recipe("quickstart", overrides=[*sets, "validate.runs=2", "validate.warmup=1"])
+        out = tmp / f"qs{len(files)}"
+        rep = compress.apply(recipe, out_dir=out)
+        final = next(e for e in rep.exports if e.role == "final")
+        base = next(e for e in rep.exports if e.role == "baseline")
+        files.setdefault("fp32", out / base.path)  # paths in the report are relative to its run folder
+        files[key] = out / final.path
+        kept[key] = final.model_float
+    sessions = {k: load_session("onnxruntime", p, threads=1) for k, p in files.items()}
+    x = np.random.default_rng(0).standard_normal((32, 1, 8, 8)).astype(np.float32)
+    feeds = {sessions["fp32"].input_names[0]: x}
+    lat, _ = time_side_by_side(sessions, feeds, [1, 32], 50, 400)
+    rows = [{"model": k, "precision": "int8" if "int8" in files[k].name else "fp32",
+             "b1_us": 1e3 * lat[k][1], "b1_speedup": lat["fp32"][1] / lat[k][1],  # type: ignore[operator]
+             "b32_us": 1e3 * lat[k][32], "b32_speedup": lat["fp32"][32] / lat[k][32]}  # type: ignore[operator]
+            for k in files]
+    prof = {k: {b: _op_profile(files[k], x, b, 400, tmp) for b in (1, 32)}
+            for k in ("fp32", "served at 32 (per-layer rows)", "all int8 (cost table off)")}
+    return {"rows": rows, "profile": prof, "kept_float": kept, "predicted": predicted_vs_measured(tmp)}
+
+
+def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
+    """The model-level check's prediction against measurement on small conv nets (random weights):
+    the int8 model's predicted speedup at batch 1 and 32 (the cost table's rows for this CPU), the
+    default's decision for [1, 32], and every layer int8 timed side by side with fp32 (1 thread)."""
+    import transformers
+
+    from compress.core.machine import int8_isa
+    from export.runtimes import load_session
+    from export.validate import time_side_by_side
+    from quantization.api import QuantizeParams, quantize
+    from quantization.placement.cost_table import slower_by_table, table_for
+    from quantization.placement.model_cost import decide
+    from quantization.placement.speed_check import layer_calls
+    from quantization.placement.trace import trace_graph
+    from quantization.view import view
+
+    table = table_for(int8_isa())
+    if table is None:
+        return []
+    torch.manual_seed(0)
+    hf = transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        num_channels=3, embedding_size=32, hidden_sizes=[32, 64], depths=[1, 1], layer_type="basic", num_labels=10))
+    models: dict[str, tuple[nn.Module, tuple[int, ...]]] = {
+        "zoo resnet w16 (quickstart), 1x8x8": (build_zoo_model("resnet", {"width": 16, "in_channels": 1}), (1, 8, 8)),
+        "zoo resnet w32, 1x8x8": (build_zoo_model("resnet", {"width": 32, "in_channels": 1}), (1, 8, 8)),
+        "zoo resnet w16, 3x32x32": (build_zoo_model("resnet", {"width": 16, "in_channels": 3}), (3, 32, 32)),
+        "zoo mobilenetv2, 1x8x8": (build_zoo_model("mobilenetv2", {"in_channels": 1}), (1, 8, 8)),
+        "transformers ResNet 32/64, 3x32x32": (hf, (3, 32, 32)),
+    }
+    rows = []
+    for name, (model, shape) in models.items():
+        model.eval()
+        g = torch.Generator().manual_seed(0)
+        calib = [torch.randn(8, *shape, generator=g) for _ in range(2)]
+        graph = trace_graph(model, (calib[0],), {})
+        layers = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))}
+        calls = layer_calls(graph, layers)
+        kept = set(layers) - set(slower_by_table(layers, calls, table))
+        pred = decide(graph, layers, kept, calls, table, batches=[1, 32], example_batch=8).costs
+        default = quantize(copy.deepcopy(model), "w8a8", calib, params=QuantizeParams(batch_sizes=(1, 32)))
+        every = quantize(copy.deepcopy(model), "w8a8", calib, params=QuantizeParams(cost_table=False))
+        files = {"fp32": export_onnx(copy.deepcopy(model), calib[0], tmp / "p_fp32.onnx"),
+                 "all_int8": export_onnx(every, calib[0], tmp / "p_int8.onnx")}
+        sessions = {k: load_session("onnxruntime", p, threads=1) for k, p in files.items()}
+        x = {sessions["fp32"].input_names[0]: torch.randn(32, *shape, generator=g).numpy()}
+        lat, _ = time_side_by_side(sessions, x, [1, 32], 30, 300)
+        rows.append({"model": name, "predicted_b1": pred[1].speedup if 1 in pred else None,
+                     "predicted_b32": pred[32].speedup if 32 in pred else None,
+                     "measured_all_int8_b1": lat["fp32"][1] / lat["all_int8"][1],  # type: ignore[operator]
+                     "measured_all_int8_b32": lat["fp32"][32] / lat["all_int8"][32],  # type: ignore[operator]
+                     "default_for_1_32": "float (whole model)" if view(default).model_float else "int8"})
+    return rows
+
+
+def _quickstart_section(res: dict[str, Any]) -> str:
+    md = [
+        "## Export: the README quickstart's own model at batch 1 and 32 (`benchmarks/export_int8.py --part quickstart`)",
+        "",
+        "`compress apply recipes/quickstart.yaml` (digits ResNet, width 16: 16/32/64 channels on 8x8 images), three "
+        "ways, each file timed side by side with the run's fp32 baseline in ORT, 1 intra-op thread, warm-up 50 then "
+        "median of 400 interleaved runs. `default`: the recipe as shipped (validation batch sizes [1, 32]: the cost "
+        "table's model-level check, quantization/placement/model_cost.py, must predict int8 faster at both); `served "
+        "at 32`: the same recipe with `validate.batch_sizes=[32]` (the check passes; the int8 placement the layer "
+        "rows choose, which was the default before the check); `all int8`: the cost table off.",
+        "",
+        table(res["rows"], ["model", "precision", "b1_us", "b1_speedup", "b32_us", "b32_speedup"]),
+        "",
+    ]
+    why = res["kept_float"].get("default")
+    if why:
+        md += [f"`default` kept the whole model float: {why}", ""]
+    if res.get("predicted"):
+        md += ["The model-level check's prediction against measurement on small conv nets (random weights; "
+               "`predicted`: the int8 model's speedup over fp32 that the check computes from the cost table at "
+               "batch 1 and 32; `measured`: every layer int8, timed side by side with fp32, 1 thread; `default`: what "
+               "`quantize(..., batch_sizes=(1, 32))` keeps):", "",
+               table(res["predicted"], ["model", "predicted_b1", "measured_all_int8_b1", "predicted_b32",
+                                        "measured_all_int8_b32", "default_for_1_32"]), ""]
+    md += ["Where the batch-1 time goes (ORT per-node profiling, 1 thread, 400 runs; per-op sums of per-node medians, "
+           "microseconds; the profiler adds about as much again per node, so `run` exceeds the unprofiled latency above):", "",
+           "| file | batch | run | per op |", "|---|---|---|---|"]
+    for k, by_b in res["profile"].items():
+        for b, (run_us, ops) in by_b.items():
+            md.append(f"| {k} | {b} | {run_us:.0f} | " + ", ".join(f"{o} {v:.0f}" for o, v in ops.items()) + " |")
+    return "\n".join(md)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("all", "quickstart"), default="all",
+                    help="quickstart: only the README quickstart's model at batch 1 and 32 (about a minute)")
+    args = ap.parse_args(argv)
+    if args.part == "quickstart":
+        logging.basicConfig(level=logging.WARNING)
+        torch.set_num_threads(1)
+        load0 = os.getloadavg()[0]
+        with tempfile.TemporaryDirectory() as d:
+            res = quickstart(Path(d))
+        # a shared machine: how loaded it was is part of the figures
+        text = _quickstart_section(res) + (f"\n\nLoad average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the "
+                                           "end (2 cores shared with other jobs).")
+        write_section("export_int8_quickstart", text, res)
+        print(text)
+        return
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(THREADS)
     cols = ["model", "score", "cosine_vs_fp32", "sqnr_db_vs_fp32", "top1_vs_fp32", "b1_ms", "b1_speedup", "b32_ms",

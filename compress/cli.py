@@ -136,7 +136,7 @@ def summary(report: Report, *, out: Path) -> str:
 
 
 #: validation notes that change what a user should do with the file: shown on the console
-WARNING_NOTES = ("measured slower", "CPU without VNNI")
+WARNING_NOTES = ("measured slower", "CPU without VNNI", "predicted slower")
 
 
 def _slower_warnings(v: ValidationRecord) -> list[str]:

@@ -138,6 +138,7 @@ class Session:
             select_evaluate=select_evaluate,
             higher_is_better=higher_is_better,
             out_dir=Path(out_dir) if out_dir is not None else None,
+            serving_batch_sizes=(tuple(self.recipe.validate_.batch_sizes) or None) if self.recipe.validate_.enabled else None,
         )
         self.modifiers: list[list[Modifier[Any]]] = [
             [

@@ -139,6 +139,9 @@ def _export(
         )
     else:
         target = model
+        float_why = view(model).model_float
+        if float_why is not None:  # quantize() kept the whole model float: the file is the float model
+            log.warning("export: %s holds the float model (no Q/DQ): %s", Path(path).name, float_why)
     if fp16:
         target = edge.Float16Wrapper(copy.deepcopy(target) if target is model else target)
     args, kwargs = _exportable_batch(args, kwargs, dynamic_batch)

@@ -51,6 +51,10 @@ def export_model(
     suffix = ".int8" if quantized else (".fp16" if spec.fp16 else "")
     final = _export_one(model, example_inputs, spec, out_dir / f"{name}{suffix}.onnx", role="final", fp16=spec.fp16,
                         metadata=metadata, quantized=quantized)
+    kept = view(model)
+    if not quantized and kept.model_float is not None:  # quantization left the whole model float, and said why
+        final.model_float, final.kept_float = kept.model_float, {**final.kept_float, **kept.kept_float}
+        log.warning("export: %s is the float model: %s", final.path.name, kept.model_float)
     records.append(final)
     if spec.baseline and baseline is not None:
         if is_quantized(baseline):

@@ -33,6 +33,9 @@ class ExportRecord(BaseModel):
     #: what stays float and why (``op call: why``): layers and ops the quantizer placement left float,
     #: calls only the export ran (unseen by the placement), nodes the exporter made inside another op
     kept_float: dict[str, str] = Field(default_factory=dict)
+    #: why the whole model was left float at quantization (the cost table predicted int8 slower than
+    #: fp32 at a batch size the run serves): the file is the float model
+    model_float: str | None = None
     opset: int | None = None
     dynamic_batch: bool = True
     inputs: list[str] = Field(default_factory=list)

@@ -192,6 +192,8 @@ def validate_exports(
                 )
             )
         for vr, rec in zip(results[-len(records):], records):
+            if rec.model_float is not None:
+                vr.notes.append(f"kept float at quantization: {rec.model_float}")
             if (runtime == "onnxruntime" and rec.precision == "int8" and rec.reduce_range is False
                     and vr.device.endswith(":CPU") and has_vnni() is False):
                 vr.notes.append("CPU without VNNI: ORT's u8s8 kernels can saturate 8-bit weights; "

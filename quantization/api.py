@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, PositiveInt
 from torch import nn
 
 from compress.core.batching import CalibrationData, ForwardLoop, as_forward_loop, require_module
@@ -49,6 +49,11 @@ class QuantizeParams(ApiParams):
     ``cost_table``: without ``speed_check``, keep float the layers that the shipped ORT CPU cost table
     for this CPU's int8 instructions says run slower in int8 (quantization/placement/cost_table.py):
     nothing is timed at quantize time, so the placement is reproducible; False quantizes them all.
+    ``batch_sizes``: the batches the model will be served at (default: batch 1). With ``cost_table``,
+    the table predicts the whole int8 model against fp32 at each of them, the costs of entering and
+    leaving int8 and of integer adds included (quantization/placement/model_cost.py); where int8 is not
+    predicted faster at every one, the whole model stays float, the reason in ``placement.model_float``
+    and logged as a warning.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -65,6 +70,7 @@ class QuantizeParams(ApiParams):
     quantize_embeddings: bool = True
     speed_check: SpeedCheck | None = None
     cost_table: bool = True
+    batch_sizes: tuple[PositiveInt, ...] | None = Field(None, min_length=1)
 
 
 def quantize(
@@ -117,7 +123,8 @@ def post_training_quantize(
     swapped = prepare(
         model, scheme, targets=targets, ignore=ignore, first_last=p.first_last, bn=p.bn,
         quantize_ops=p.quantize_ops, target=p.target, quantize_embeddings=p.quantize_embeddings,
-        example_inputs=example, speed_check=p.speed_check, cost_table=p.cost_table, where=where,
+        example_inputs=example, speed_check=p.speed_check, cost_table=p.cost_table, batch_sizes=p.batch_sizes,
+        where=where,
     )
     if p.kv_cache is not None:
         attach_kv_quantization(model, p.kv_cache)

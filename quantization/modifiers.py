@@ -91,7 +91,8 @@ class PTQSpec(_QuantSpecBase):
     sensitive layers in float until the drop fits. ``speed_check`` (``{batch: 32, threads: 1}``) times
     each layer's ONNX Runtime integer kernel against its float one and keeps the slower ones float;
     without it, ``cost_table`` (default on) keeps float the layers the shipped ORT CPU cost table says
-    run slower in int8, timing nothing.
+    run slower in int8, timing nothing, and the whole model where the table predicts its int8 form
+    slower than fp32 at a batch size the recipe validates (``validate.batch_sizes``).
     """
 
     type: Literal["ptq"] = "ptq"
@@ -202,7 +203,7 @@ class PTQModifier(Modifier[PTQSpec]):
                                 quantize_embeddings=s.quantize_embeddings, smoothquant=s.smoothquant,
                                 smoothquant_unfolded=s.smoothquant_unfolded, bias_correction=s.bias_correction,
                                 kv_cache=s.kv_cache, speed_check=s.speed_check,
-                                cost_table=s.cost_table)
+                                cost_table=s.cost_table, batch_sizes=state.serving_batch_sizes)
         swapped = post_training_quantize(model, scheme, loop, targets=s.targets, ignore=s.ignore, params=params,
                                          where=self.where)
         state.metrics["quantized_modules"] = len(swapped)
@@ -294,6 +295,7 @@ class QATModifier(Modifier[QATSpec]):
             target=s.target,
             quantize_embeddings=s.quantize_embeddings,
             example_inputs=capture_first_call(model, loop) if scheme.static_activations else None,
+            batch_sizes=state.serving_batch_sizes,
             where=self.where,
         )
         calibrate(model, loop, where=self.where)

@@ -33,8 +33,9 @@ from quantization.placement.activations import (
     place_graph,
     targeted_fn,
 )
-from quantization.placement.cost_table import slower_by_table, table_for
+from quantization.placement.cost_table import CostTable, slower_by_table, table_for
 from quantization.placement.mode import detach, graph_of, unsmooth
+from quantization.placement.model_cost import decide
 from quantization.placement.place import ROUTER_REASON, router_layers
 from quantization.placement.runtimes import Target, get_profile
 from quantization.placement.speed_check import SpeedCheck, layer_calls, slower_in_int8, time_layers
@@ -111,6 +112,7 @@ def prepare(
     example_inputs: Any = None,
     speed_check: SpeedCheck | None = None,
     cost_table: bool = True,
+    batch_sizes: Sequence[int] | None = None,
     where: str = "quantize",
 ) -> dict[str, nn.Module]:
     """Swap the targeted layers of ``model`` (in place) for quantized ones; returns them by name.
@@ -133,6 +135,10 @@ def prepare(
     ``cost_table``: without ``speed_check``, keep float the layers the shipped ORT CPU cost table for this
     CPU's int8 instructions says run slower in int8 (quantization/placement/cost_table.py; onnxruntime
     target, static activations, traced shapes); nothing is timed, so the placement is reproducible.
+    Where the table also holds model-level rows, the whole int8 model is predicted against fp32 at
+    ``batch_sizes`` (the batches it will be served at; batch 1 when None), entering and leaving int8
+    and integer adds included (quantization/placement/model_cost.py): the whole model stays float,
+    the reason in ``placement.model_float``, unless int8 is predicted faster at every one of them.
     """
     scheme = resolve_scheme(scheme)
     model = unwrap(model)
@@ -154,6 +160,7 @@ def prepare(
         order=flow,
     )
     skip: dict[str, str] = {}
+    model_float: str | None = None
     if first_last == "float" and graph_mode:
         selected = [n for n in (flow or []) if _is_target(model, n, targets, ignore)]
         skip = dict.fromkeys({selected[0], selected[-1]} if selected else (), "kept float by the first/last-layer policy")
@@ -171,10 +178,12 @@ def prepare(
         table = table_for(int8_isa())
         if table is not None:
             layers = {n: model.get_submodule(n) for n in plan}
-            slow = _rank0_decides(lambda: slower_by_table(layers, layer_calls(graph0, layers), table), where=where)
-            for name in slow:
+            serving = tuple(batch_sizes) if batch_sizes else (1,)
+            slow = _rank0_decides(lambda: _table_decides(graph0, layers, table, call, serving), where=where)
+            model_float = slow.pop(_WHOLE_MODEL, None)
+            for name in (list(plan) if model_float is not None else slow):
                 del plan[name]
-            skip.update(slow)
+                skip[name] = model_float or slow[name]
     pairs = find_conv_bn_pairs(model) if bn != "keep" else {}
     if graph0 is not None and bn != "keep":
         pairs.update(bn_pairs_from_graph(model, graph0))
@@ -205,7 +214,7 @@ def prepare(
         config = GraphConfig(
             target=target, targets=list(targets), ignore=list(ignore), quantize_ops=quantize_ops,
             activation_spec=scheme.inputs.with_(granularity="tensor", axis=0), weight_spec=scheme.weights,
-            swapped=set(swapped), skip_layers=skip, quantize_embeddings=quantize_embeddings,
+            swapped=set(swapped), skip_layers=skip, quantize_embeddings=quantize_embeddings, model_float=model_float,
         )
         new_graph(model, config)
         if call is not None:
@@ -338,6 +347,31 @@ def _rank0_decides(decide: Callable[[], dict[str, str]], *, where: str) -> dict[
     return dict(box[0])
 
 
+#: the key of :func:`_table_decides`'s answer that keeps the whole model float (never a layer name:
+#: the root module's name is the empty string, and the root is not a layer the plan holds)
+_WHOLE_MODEL = ""
+
+
+def _table_decides(graph0: Any, layers: dict[str, nn.Module], table: CostTable, call: Any,
+                   batches: tuple[int, ...]) -> dict[str, str]:
+    """``{layer: reason}`` kept float by the cost table's layer rows and its model-level check
+    (``{_WHOLE_MODEL: reason}`` for the whole model)."""
+    calls = layer_calls(graph0, layers)
+    slow = slower_by_table(layers, calls, table)
+    if not table.boundary or not layers:
+        return slow
+    decision = decide(graph0, layers, set(layers) - set(slow), calls, table, batches=batches,
+                      example_batch=_example_batch(call))
+    if decision.whole_model is not None:
+        return {_WHOLE_MODEL: decision.whole_model}
+    return {**slow, **decision.float_layers}
+
+
+def _example_batch(call: Any) -> int | None:
+    leaves = tensor_leaves((call[0], call[1] or {}))
+    return int(leaves[0][1].shape[0]) if leaves and leaves[0][1].dim() else None
+
+
 def _measure(
     model: nn.Module, plan: dict[str, QuantSpec | None], graph0: Any, call: Any, check: SpeedCheck, *, target: str,
     graph_mode: bool, where: str,
@@ -349,10 +383,8 @@ def _measure(
         raise CompressError(f"{where}: speed_check applies to schemes with static activations (e.g. w8a8)")
     if graph0 is None:
         raise CompressError(f"{where}: speed_check needs the traced shapes: pass example inputs or calibration data")
-    leaves = tensor_leaves((call[0], call[1] or {}))
-    example_batch = int(leaves[0][1].shape[0]) if leaves and leaves[0][1].dim() else None
     layers = {n: model.get_submodule(n) for n in plan}
-    timings = time_layers(layers, layer_calls(graph0, layers), check, example_batch=example_batch)
+    timings = time_layers(layers, layer_calls(graph0, layers), check, example_batch=_example_batch(call))
     return slower_in_int8(timings, check)
 
 

@@ -52,6 +52,7 @@ class QuantizedView:
     ``placed_weights``: weights the placement quantizes where they are used functionally (quantizer id
     -> parameter name; :func:`functional_weights` gives those without a layer of their own).
     ``kv_cache``: names of attention modules with a simulated int8 KV cache.
+    ``model_float``: why the whole model was left float (the cost table's model-level check), else None.
     """
 
     target: str = "onnxruntime"
@@ -60,6 +61,7 @@ class QuantizedView:
     op_entries: tuple[str, ...] = ()
     placed_weights: dict[str, str] = field(default_factory=dict)
     kv_cache: tuple[str, ...] = ()
+    model_float: str | None = None
 
 
 def view(model: nn.Module) -> QuantizedView:
@@ -76,6 +78,7 @@ def view(model: nn.Module) -> QuantizedView:
         op_entries=tuple(k for k, entry in p.entries.items() if entry),
         placed_weights={qid: use.param for qid, use in p.weights.items()},
         kv_cache=kv,
+        model_float=p.model_float,
     )
 
 

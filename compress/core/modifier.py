@@ -101,6 +101,9 @@ class State:
     #: True while a stage resumed from a mid-stage checkpoint initializes: what initialize would
     #: compute and the checkpoint holds anyway (a teacher's training) may be skipped
     resuming: bool = False
+    #: the batch sizes the run's model will be served and timed at (the recipe's validate.batch_sizes;
+    #: None without validation): the cost table's model-level check decides int8 vs float for them
+    serving_batch_sizes: tuple[int, ...] | None = None
 
     @property
     def stage_epoch(self) -> float:

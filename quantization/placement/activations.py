@@ -44,6 +44,8 @@ class GraphConfig:
     swapped: set[str] = field(default_factory=set)
     skip_layers: dict[str, str] = field(default_factory=dict)  # layer -> why it stays float
     quantize_embeddings: bool = True
+    #: why the whole model stays float (the cost table's model-level check): nothing is placed
+    model_float: str | None = None
 
 
 #: an embedding table is stored int8 only when its dequantized form is this close to the float table
@@ -191,7 +193,7 @@ def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kw
     placement = place(
         graph, get_profile(config.target), targeted=targeted_fn(model, config.targets, config.ignore),
         swapped=config.swapped, skip_layers=config.skip_layers, quantize_ops=config.quantize_ops,
-        embeddings=config.quantize_embeddings, tied=tied_weights(model, config.swapped),
+        embeddings=config.quantize_embeddings, tied=tied_weights(model, config.swapped), model_float=config.model_float,
     )
     qg.placement, qg.pending = placement, False
     build_quantizers(qg)

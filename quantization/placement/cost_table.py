@@ -73,33 +73,80 @@ def layer_shape(m: nn.Module, in_shape: tuple[int, ...] | list[int]) -> LayerSha
 
 @dataclass(frozen=True)
 class Row:
+    """A measured shape: ``float_us`` the float layer between int8 neighbours (its DQ, reorders and Q
+    included), ``int8_us`` its integer kernel there, ``float_kernel_us`` the float kernel alone, what
+    it costs in the fp32 model (None in rows measured before it was: ``float_us`` stands in)."""
+
     shape: LayerShape
     float_us: float
     int8_us: float
+    float_kernel_us: float | None = None
 
     @property
     def speedup(self) -> float:
         return self.float_us / max(self.int8_us, 1e-9)
 
+    @property
+    def float_kernel(self) -> float:
+        return self.float_us if self.float_kernel_us is None else self.float_kernel_us
+
 
 @dataclass(frozen=True)
 class CostTable:
-    """One runtime's and ISA's measured rows (see the module docstring)."""
+    """One runtime's and ISA's measured rows (see the module docstring).
+
+    ``boundary``: the model-level costs no layer row holds (quantization/placement/model_cost.py),
+    keyed by element count: ``enter:conv`` / ``enter:linear`` (a float tensor quantized for an int8
+    layer, with the NCHW -> NHWC transpose QLinearConv's layout adds), ``leave:conv`` /
+    ``leave:linear`` (back to float) as int8-only costs (``float_us`` 0), and ``add`` (ORT's float Add
+    against its QLinearAdd). Empty in tables measured before they were: the model-level check is then
+    skipped.
+    """
 
     runtime: str
     isa: str
     machine: str
     rows: tuple[Row, ...]
+    boundary: tuple[Row, ...] = ()
+    #: what ORT's profiler adds to each node's measured time (its per-node median on a chain of trivial
+    #: nodes less their unprofiled time per node): the model-level sum takes it off every node it adds
+    profile_overhead_us: float = 0.0
 
     def nearest(self, shape: LayerShape) -> Row | None:
         same = [r for r in self.rows if r.shape.kind == shape.kind]
         return min(same, key=lambda r: (r.shape.distance(shape), r.shape.features)) if same else None
 
+    def boundary_us(self, kind: str, elements: float) -> tuple[float, float] | None:
+        """``(float_us, int8_us)`` of a boundary kind at ``elements``: linear in the element count
+        between the measured sizes around it and past the largest (the last two sizes' slope: large
+        tensors cost per element), the smallest size's cost below them; None without rows of that kind."""
+        rs = sorted((r for r in self.boundary if r.shape.kind == kind), key=lambda r: r.shape.features[0])
+        if not rs:
+            return None
+        sizes = [r.shape.features[0] for r in rs]
+        if elements <= sizes[0] or len(rs) == 1:
+            return rs[0].float_us, rs[0].int8_us
+        i = next((i for i, s in enumerate(sizes) if s >= elements), len(sizes) - 1)
+        a, b = rs[i - 1], rs[i]
+        t = (elements - sizes[i - 1]) / max(sizes[i] - sizes[i - 1], 1e-9)
+        return (max(a.float_us + t * (b.float_us - a.float_us), 0.0),
+                max(a.int8_us + t * (b.int8_us - a.int8_us), 0.0))
+
+
+def _boundary_row(r: Mapping[str, Any]) -> Row:
+    shape = LayerShape(str(r["kind"]), tuple(float(f) for f in r["features"]))
+    if "us" in r:  # enter/leave: paid by the int8 model only
+        return Row(shape, 0.0, float(r["us"]))
+    return Row(shape, float(r["float_us"]), float(r["int8_us"]))
+
 
 def table_from_data(data: Mapping[str, Any]) -> CostTable:
     rows = tuple(Row(LayerShape(r["kind"], tuple(float(f) for f in r["features"])), float(r["float_us"]),
-                     float(r["int8_us"])) for r in data["rows"])
-    return CostTable(str(data["runtime"]), str(data["isa"]), str(data.get("machine", "")), rows)
+                     float(r["int8_us"]), float(r["float_kernel_us"]) if "float_kernel_us" in r else None)
+                 for r in data["rows"])
+    boundary = tuple(_boundary_row(r) for r in data.get("boundary", ()))
+    return CostTable(str(data["runtime"]), str(data["isa"]), str(data.get("machine", "")), rows, boundary,
+                     float(data.get("profile_overhead_us", 0.0)))
 
 
 @functools.cache

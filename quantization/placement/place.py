@@ -68,6 +68,9 @@ class Placement:
     #: (transformers' ``repeat_kv`` once a mask exists) keeps the Q right after the producer, where
     #: the runtime fuses it
     produced: dict[str, list[str]] = field(default_factory=dict)
+    #: why the whole model was left float (the cost table predicted int8 slower than fp32 at a batch it
+    #: will be served at, quantization/placement/model_cost.py); None where quantizers were placed
+    model_float: str | None = None
 
     def to_data(self) -> dict[str, Any]:
         """A plain dict (torch.load(weights_only=True) and JSON can hold it)."""
@@ -79,6 +82,7 @@ class Placement:
             "floats": dict(self.floats),
             "sites": dict(self.sites),
             "produced": {k: list(v) for k, v in self.produced.items()},
+            "model_float": self.model_float,
         }
 
     @classmethod
@@ -92,6 +96,7 @@ class Placement:
             floats=dict(data.get("floats", {})),
             sites=dict(data.get("sites", {})),
             produced={k: list(v) for k, v in data.get("produced", {}).items()},
+            model_float=data.get("model_float"),
         )
 
 
@@ -174,6 +179,7 @@ def place(
     quantize_ops: bool = True,
     embeddings: bool = True,
     tied: dict[str, str] | None = None,
+    model_float: str | None = None,
 ) -> Placement:
     """Place quantizers on ``graph`` for ``profile``.
 
@@ -189,7 +195,17 @@ def place(
     quantized, pass-through ops sharing their neighbours' quantizers, products whose output is
     quantized anyway given quantized operands where one 8-bit scale holds them, elementwise ops
     extended into integer chains, then one quantizer id per group of tensors.
+
+    ``model_float``: the whole model stays float for this reason; nothing is placed, and each
+    weighted op, add, concat, matmul and attention call is named in ``floats`` with it.
     """
+    if model_float is not None:
+        pl = Placement(target=profile.name, model_float=model_float)
+        pl.sites = {n.key: n.site for n in graph.nodes.values()}
+        for n in graph.nodes.values():
+            if n.kind in ("add", "cat", "matmul", "sdpa", "embedding") or weighted_operands(n) is not None:
+                pl.floats[n.key] = model_float
+        return pl
     placer = _Placer(graph, profile, targeted=targeted, swapped=swapped, skip_layers=skip_layers or {},
                      quantize_ops=quantize_ops, embeddings=embeddings, tied=tied or {})
     for n in placer.nodes:

@@ -246,6 +246,27 @@ def _island_cost(nodes: list[tuple[str, float]], *, kept_float: bool, model_inpu
     an int8 layer pays none between int8 neighbours (ORT keeps a chain in NHWC), but at a model
     input it quantizes (and transposes) the input and at a model output it dequantizes its result.
     """
+    kernel, enter, leave, before, after = _split(nodes, tag)
+    cost = sum(us for _, us in kernel)
+    if kept_float:
+        cost += (0.0 if model_input else before) + (0.0 if model_output else after)
+    else:
+        cost += (enter if model_input else 0.0) + (leave if model_output else 0.0)
+    return "+".join(dict.fromkeys(op for op, _ in kernel)), cost
+
+
+def boundary_costs(nodes: list[tuple[str, float]], *, tag: str) -> tuple[float, float]:
+    """``(enter, leave)`` microseconds of an int8 layer's profile ``Q(x) ... kernel ... DQ(y)``: what
+    entering int8 costs before its kernel (the input's QuantizeLinear and the layout transpose ORT
+    adds for an NHWC QLinearConv) and what leaving it costs after (transpose back, DequantizeLinear);
+    between int8 neighbours neither is paid (:func:`_island_cost`)."""
+    _, enter, leave, _, _ = _split(nodes, tag)
+    return enter, leave
+
+
+def _split(nodes: list[tuple[str, float]], tag: str) -> tuple[list[tuple[str, float]], float, float, float, float]:
+    """A one-layer profile cut into (kernel nodes, Q(x) + nodes before the kernel, nodes after the
+    kernel + DQ(y), nodes before the kernel, nodes after it)."""
     ops = [op for op, _ in nodes]
     if "QuantizeLinear" not in ops or "DequantizeLinear" not in ops:
         raise CompressError(f"measured placement: ORT's profile of the {tag} layer lost its boundary nodes: {ops}")
@@ -255,14 +276,9 @@ def _island_cost(nodes: list[tuple[str, float]], *, kept_float: bool, model_inpu
     if not kernels:
         raise CompressError(f"measured placement: ORT's profile of the {tag} layer has no kernel: {ops}")
     k0, k1 = kernels[0], kernels[-1]
-    before, kernel, after = inner[:k0], inner[k0:k1 + 1], inner[k1 + 1:]
-    cost = sum(us for _, us in kernel)
-    if kept_float:
-        cost += (0.0 if model_input else sum(us for _, us in before)) + (0.0 if model_output else sum(us for _, us in after))
-    else:
-        cost += (nodes[i0][1] + sum(us for _, us in before) if model_input else 0.0)
-        cost += (sum(us for _, us in after) + nodes[i1][1] if model_output else 0.0)
-    return "+".join(dict.fromkeys(op for op, _ in kernel)), cost
+    before = sum(us for _, us in inner[:k0])
+    after = sum(us for _, us in inner[k1 + 1:])
+    return inner[k0:k1 + 1], nodes[i0][1] + before, after + nodes[i1][1], before, after
 
 
 def time_layers(

@@ -1,0 +1,297 @@
+"""The model-level check of the cost table's placement: is the int8 model, as a whole, predicted
+faster than fp32 at the batch sizes it will be served at?
+
+A layer row of the cost table (cost_table.py) compares one layer's kernels between int8 neighbours.
+A whole model also pays what no layer row holds, and at small shapes that decides: the quickstart's
+digits ResNet (8x8 images, 16-64 channels) ran its int8 ONNX at 0.84x fp32 at batch 1 and 1.5x at
+batch 32 (benchmarks/RESULTS.md, ``cost_table``), its kernels about level at batch 1 while the int8
+graph added the input's QuantizeLinear, ORT's NCHW -> NHWC transposes around the QLinearConv chain,
+the DequantizeLinear where it left int8, and three QLinearAdd nodes for residual adds that fp32 ORT
+fuses into the conv before them. This module walks the traced graph at each requested batch, sums the
+layer rows and the table's ``boundary`` rows (measured by benchmarks/cost_table.py: entering and
+leaving int8 by element count, float Add against QLinearAdd) on each side, and predicts both models'
+cost. Nothing is timed: the same model, table and batch sizes give the same answer.
+
+:func:`decide` compares the placement the layer rows chose, the same with the layers that lose at a
+requested batch kept float too, and the whole model float (exactly fp32's cost), and keeps the one
+whose slowest requested batch is fastest: int8 is kept only where it is predicted faster than fp32 at
+every batch asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from quantization.placement.cost_table import CostTable, layer_shape
+from quantization.placement.speed_check import LayerCall
+from quantization.placement.trace import Operand, OpGraph
+
+log = logging.getLogger(__name__)
+
+#: ops whose output is int8 where their one activation input is (ORT folds BN and ReLU into the
+#: QLinearConv before them; reshapes, pools and pads run on the codes)
+_KEEP = frozenset({"relu", "relu6", "batch_norm", "reshape", "max_pool", "dropout", "pad"})
+#: ops that stay int8 where all their activation inputs are (QLinearConcat, QLinearMatMul, QLinearMul,
+#: attention on codes); their own cost is counted alike on both sides, so not at all
+_JOIN = frozenset({"cat", "matmul", "sdpa", "mul"})
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Predicted microseconds of the fp32 and the int8 model at ``batch``, and their parts."""
+
+    batch: int
+    layers_float_us: float
+    layers_int8_us: float
+    boundary_us: float
+    adds_float_us: float
+    adds_int8_us: float
+    entries: int
+    exits: int
+    adds: int
+    other_float_us: float = 0.0  # layers kept float in the int8 model (their float cost, both sides)
+
+    @property
+    def float_us(self) -> float:
+        return self.layers_float_us + self.adds_float_us + self.other_float_us
+
+    @property
+    def int8_us(self) -> float:
+        return self.layers_int8_us + self.boundary_us + self.adds_int8_us + self.other_float_us
+
+    @property
+    def speedup(self) -> float:
+        return self.float_us / max(self.int8_us, 1e-9)
+
+    def describe(self) -> str:
+        return (f"int8 {self.int8_us:.0f} us vs fp32 {self.float_us:.0f} us ({self.speedup:.2f}x): int8 layers "
+                f"{self.layers_int8_us:.0f} us where float runs them in {self.layers_float_us:.0f}, entering/leaving "
+                f"int8 {self.boundary_us:.0f} us ({self.entries} entries, {self.exits} exits), {self.adds} integer adds "
+                f"{self.adds_int8_us:.0f} us where float pays {self.adds_float_us:.0f} us")
+
+
+def _tid(o: Operand) -> str | None:
+    if o.source == "op":
+        return f"{o.producer}/{o.index}"
+    if o.source == "input":
+        return f"<{o.name}>"
+    return None
+
+
+def _scale(shape: Sequence[int], batch: int, example_batch: int | None) -> list[int]:
+    out = list(shape)
+    if example_batch and out and out[0] % example_batch == 0:
+        out[0] = out[0] // example_batch * batch
+    return out
+
+
+def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], table: CostTable, *, batch: int,
+               example_batch: int | None) -> ModelCost:
+    """The predicted cost of ``graph``'s model at ``batch`` (the traced batch is ``example_batch``)
+    with the layers ``int8`` of ``layers`` quantized and the others float; ops other than layers and
+    adds cost the same in both models and are left out."""
+    region: dict[str, str] = {}  # int8 tensor -> its layout ("conv": NHWC codes, "linear")
+    conv_out: set[str] = set()  # made by a conv (through BN): fp32 ORT fuses an add after it into the conv
+    paid: set[str] = set()
+    lf = li = other = bd = af = ai = 0.0
+    entries = exits = adds = 0
+
+    def net(us: float, nodes: int) -> float:
+        # the rows are profiled per node; the profiler adds its own cost to each (about 1.7 us on a
+        # trivial node that runs in 0.2-0.3 us here), which at batch 1 is most of a small kernel's time
+        return max(us - nodes * table.profile_overhead_us, 0.1 * us)
+
+    def elements(shape: Sequence[int]) -> float:
+        return float(math.prod(_scale(shape, batch, example_batch)))
+
+    def boundary(kind: str, shape: Sequence[int]) -> float:
+        got = table.boundary_us(kind, elements(shape))
+        # entering or leaving a conv chain is two nodes (QuantizeLinear and the NHWC transpose, or the
+        # transpose back and DequantizeLinear); a Linear's one
+        return net(got[1], 2 if kind.endswith(":conv") else 1) if got is not None else 0.0
+
+    def leave(t: str | None, shape: Sequence[int]) -> None:
+        nonlocal bd, exits
+        if t is not None and t in region and f"leave {t}" not in paid:
+            paid.add(f"leave {t}")
+            bd += boundary(f"leave:{region[t]}", shape)
+            exits += 1
+
+    for n in graph.nodes.values():
+        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating and o.shape]
+        ids = [t for t in (_tid(o) for o in acts) if t is not None]  # acts are ops' outputs or model inputs
+        out = f"{n.key}/0"
+        if n.kind in ("linear", "conv") and n.scope in layers:
+            mod = layers[n.scope]
+            data = next((o for o in n.operands if o.position == 0), None)
+            key = layer_shape(mod, _scale(data.shape, batch, example_batch)) if data is not None and data.shape else None
+            row = table.nearest(key) if key is not None else None
+            # the nearest row's times scaled by the work (the product of the shape features: rows x in x
+            # out, channels x kernel x pixels) from its shape to this one: the grid is coarse, and a sum
+            # over a model needs each layer's time, not only its ratio
+            work = math.prod(key.features) / max(math.prod(row.shape.features), 1.0) if key is not None and row else 0.0
+            bias = 0.0
+            if isinstance(mod, nn.Linear) and mod.bias is not None and data is not None and len(data.shape) > 2:
+                # fp32 ORT runs a Linear over batched rows as MatMul then a separate bias Add (Gemm, with
+                # the bias inside, is 2-D only); QGemm / MatMulIntegerToFloat take the bias in the kernel
+                rows = math.prod(_scale(data.shape, batch, example_batch)[:-1])
+                bias = net((table.boundary_us("add", float(rows * mod.out_features)) or (0.0, 0.0))[0], 1)
+            if n.scope in int8:
+                layout = "linear" if isinstance(mod, nn.Linear) else "conv"
+                lf += (net(row.float_kernel, 1) * work if row is not None else 0.0) + bias
+                li += net(row.int8_us, 1) * work if row is not None else 0.0
+                t = _tid(data) if data is not None else None
+                if t is not None and t not in region and f"enter {t}" not in paid and data is not None:
+                    paid.add(f"enter {t}")
+                    bd += boundary(f"enter:{layout}", data.shape)
+                    entries += 1
+                region[out] = layout
+            else:
+                other += (net(row.float_kernel, 1) * work if row is not None else 0.0) + bias
+                for t, o in zip(ids, acts, strict=True):
+                    leave(t, o.shape)
+            if n.kind == "conv":
+                conv_out.add(out)
+            continue
+        if n.kind in _KEEP and acts:
+            if ids[0] in region:
+                for i in range(max(n.n_outputs, 1)):
+                    region[f"{n.key}/{i}"] = region[ids[0]]
+            if n.kind == "batch_norm" and ids[0] in conv_out:
+                conv_out.add(out)
+            continue
+        if n.kind == "add" and len(acts) == 2:
+            got = table.boundary_us("add", elements(acts[0].shape)) or (0.0, 0.0)
+            fused = any(t in conv_out for t in ids)
+            if all(t in region for t in ids):
+                ai += net(got[1], 1)
+                af += 0.0 if fused else net(got[0], 1)
+                adds += 1
+                region[out] = region[ids[0]]
+            else:
+                for t, o in zip(ids, acts, strict=True):
+                    leave(t, o.shape)
+            continue
+        if n.kind in _JOIN and acts and all(t in region for t in ids):
+            region[out] = region[ids[0]]
+            continue
+        for t, o in zip(ids, acts, strict=True):
+            leave(t, o.shape)
+    for k, i in sorted(graph.outputs):
+        node = graph.nodes.get(k)
+        if node is not None and i < len(node.out_shapes):
+            leave(f"{k}/{i}", node.out_shapes[i])
+    return ModelCost(batch, lf, li, bd, af, ai, entries, exits, adds, other)
+
+
+@dataclass(frozen=True)
+class ModelDecision:
+    """What :func:`decide` chose: layers to keep float besides the layer rows' (with reasons), or the
+    whole model (``whole_model``: the reason), and the predicted costs of the int8 placement kept
+    (or, for a float model, of the best one rejected) by batch."""
+
+    float_layers: dict[str, str]
+    whole_model: str | None
+    costs: dict[int, ModelCost]
+
+
+#: integer ops the table has no rows for, whose int8 form runs faster than float in ORT (attention's
+#: QLinearMatMul on activations, QLinearSoftmax, QLinearMul, int8 embedding gathers): a model holding
+#: them gains in int8 what :func:`model_cost` cannot price (the transformers suite's small models,
+#: measured faster in int8 at batch 32, were predicted slower without them), so it is not judged
+UNPRICED = frozenset({"matmul", "sdpa", "mha", "einsum", "softmax", "mul", "embedding"})
+
+
+def unpriced_ops(graph: OpGraph) -> dict[str, int]:
+    """Counts of the ops of ``graph`` whose int8 gain the table cannot price (:data:`UNPRICED`):
+    activation products and attention (a product with a constant operand is a scale, not counted)."""
+    out: dict[str, int] = {}
+    for n in graph.nodes.values():
+        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+        if n.kind in UNPRICED and (n.kind not in ("mul", "matmul") or len(acts) >= 2):
+            out[n.kind] = out.get(n.kind, 0) + 1
+    return out
+
+
+#: how far (summed |log2| over the shape features, :meth:`LayerShape.distance`) a layer may be from
+#: its nearest measured row for the model-level sum to use it: up to 8x the work along one feature.
+#: Past it a row's ratio is extrapolated too far to add up: the small suite's HF ResNet at batch 32
+#: has a 3 -> 32 channel 7x7 stem on 32k pixels, 5.8 from the nearest row (3 -> 16, 3x3, 6272
+#: pixels, int8 3.5x slower), which scaled by work predicted the model at 0.33x where it ran 1.09x
+MAX_DISTANCE = 3.0
+
+
+def _uncovered(layers: Mapping[str, nn.Module], int8: set[str], calls: Mapping[str, LayerCall], table: CostTable,
+               batch: int, example_batch: int | None) -> str | None:
+    """Why the table cannot price the int8 layers at ``batch`` (a layer with no row within
+    :data:`MAX_DISTANCE`), None where it can. Float layers cost the same in both models: not checked."""
+    for name in sorted(int8):
+        call = calls.get(name)
+        key = layer_shape(layers[name], _scale(call.shape, batch, example_batch)) if call is not None else None
+        row = table.nearest(key) if key is not None else None
+        if key is not None and (row is None or key.distance(row.shape) > MAX_DISTANCE):
+            near = "none" if row is None else "x".join(f"{f:g}" for f in row.shape.features)
+            return (f"{name} ({key.kind} {'x'.join(f'{f:g}' for f in key.features)}) has no measured shape near it "
+                    f"(nearest: {near})")
+    return None
+
+
+def decide(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], calls: Mapping[str, LayerCall],
+           table: CostTable, *, batches: Sequence[int], example_batch: int | None) -> ModelDecision:
+    """Keep ``int8`` (the layers the layer rows left int8), or also keep float the layers whose row
+    loses at a requested batch, or keep the whole model float: whichever's slowest requested batch is
+    predicted fastest, int8 only where it is predicted faster than fp32 at every one of ``batches``.
+    A model with ops the table cannot price (:func:`unpriced_ops`) keeps the layer rows' placement,
+    and a batch at which an int8 layer has no measured shape near it (:data:`MAX_DISTANCE`) is not
+    predicted."""
+    where = f"the cost table ({table.runtime}, {table.isa})"
+    unpriced = unpriced_ops(graph)
+    if unpriced:
+        log.info("cost table: no model-level check (integer ops it has no rows for: %s)",
+                 ", ".join(f"{k} x{v}" for k, v in sorted(unpriced.items())))
+        return ModelDecision({}, None, {})
+    far = {b: why for b in batches if (why := _uncovered(layers, int8, calls, table, b, example_batch)) is not None}
+    for b, why in far.items():
+        log.info("cost table: no model-level prediction at batch %d: %s", b, why)
+    batches = [b for b in batches if b not in far]
+    if not batches:
+        return ModelDecision({}, None, {})
+    losers: dict[str, str] = {}
+    for name in sorted(int8):
+        call = calls.get(name)
+        if call is None or call.pooled or call.model_output:  # kept int8 by the layer rule too
+            continue
+        for b in batches:
+            key = layer_shape(layers[name], _scale(call.shape, b, example_batch))
+            row = table.nearest(key) if key is not None else None
+            if row is not None and row.speedup < 1.0:
+                feats = "x".join(f"{f:g}" for f in row.shape.features)
+                losers[name] = (f"kept float by {where} at batch {b}: the nearest measured {row.shape.kind} ({feats}) "
+                                f"ran int8 {row.int8_us:.0f} us vs float {row.float_us:.0f} us ({row.speedup:.2f}x)")
+                break
+    options: list[tuple[dict[str, str], set[str]]] = [({}, set(int8))]
+    if losers:
+        options.append((losers, set(int8) - set(losers)))
+    scored = []
+    for extra, kept in options:
+        costs = {b: model_cost(graph, layers, kept, table, batch=b, example_batch=example_batch) for b in batches}
+        scored.append((min(c.speedup for c in costs.values()), len(extra), extra, costs))
+    best = max(scored, key=lambda s: (s[0], -s[1]))
+    worst, _, extra, costs = best
+    if worst > 1.0:
+        for b, c in costs.items():
+            log.info("cost table: int8 model predicted at batch %d: %s", b, c.describe())
+        return ModelDecision(extra, None, costs)
+    slow_b = min(costs, key=lambda b: costs[b].speedup)
+    others = ", ".join([f"batch {b}: {c.speedup:.2f}x" for b, c in costs.items() if b != slow_b]
+                       + [f"batch {b}: not predicted, {why}" for b, why in far.items()])
+    reason = (f"int8 predicted slower than fp32 at batch {slow_b}: {costs[slow_b].describe()}, by {where}"
+              f"{f' ({others} predicted)' if others else ''}; the whole model stays float "
+              "(cost_table: false quantizes it anyway, speed_check times its layers here)")
+    log.warning("%s", reason)
+    return ModelDecision({}, reason, costs)

@@ -1,0 +1,245 @@
+"""The cost table's model-level check (issue 32): a whole int8 model predicted against fp32 at the
+batches it is served at, entering and leaving int8 and integer adds included; where int8 is not
+predicted faster at every one, the whole model stays float and says why, in the placement, the export
+record and the run's validation report."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import quantization.preparation as preparation
+from compress.models import build_zoo_model
+from quantization import QuantizeParams, quantize
+from quantization.placement import cost_table as ct
+from quantization.placement.model_cost import model_cost, unpriced_ops
+from quantization.placement.place import Placement
+from quantization.placement.speed_check import layer_calls
+from quantization.placement.trace import trace_graph
+from quantization.view import is_quantized, view
+
+
+def _row(kind: str, feats: tuple[float, ...], float_us: float, int8_us: float,
+         kernel_us: float | None = None) -> ct.Row:
+    return ct.Row(ct.LayerShape(kind, feats), float_us, int8_us, kernel_us)
+
+
+def _bound(kind: str, elements: float, us: float, float_us: float = 0.0) -> ct.Row:
+    return _row(kind, (elements,), float_us, us)
+
+
+#: int8 kernels level with float at a few pixels, 3x faster at many; entering/leaving int8 5-8 us,
+#: an integer add 4 us where a float one costs 3 (the shape of the measured rows, rounded)
+TABLE = ct.CostTable("onnxruntime", "test ISA", "test", (
+    _row("conv", (3, 16, 49, 64), 20.0, 22.0, 19.0),
+    _row("conv", (3, 16, 49, 2048), 300.0, 200.0, 290.0),
+    _row("conv", (3, 64, 49, 4096), 1500.0, 700.0, 1450.0),
+    _row("conv", (16, 16, 9, 4), 5.0, 4.0, 3.0),
+    _row("conv", (16, 16, 1, 4), 4.0, 3.0, 2.0),
+    _row("conv", (16, 16, 9, 128), 30.0, 14.0, 28.0),
+    _row("conv", (16, 16, 1, 128), 12.0, 6.0, 11.0),
+    _row("conv", (64, 64, 9, 1024), 800.0, 250.0, 780.0),
+    _row("conv", (64, 64, 1, 256), 40.0, 15.0, 38.0),
+    _row("conv", (16, 16, 9, 64), 9.0, 6.0, 6.0),
+    _row("conv", (16, 16, 9, 2048), 80.0, 30.0, 75.0),
+    _row("conv", (64, 64, 9, 65536), 3000.0, 1000.0, 2900.0),
+    _row("conv", (16, 16, 1, 64), 6.0, 4.0, 4.0),
+    _row("conv", (16, 16, 1, 2048), 30.0, 12.0, 28.0),
+    _row("conv", (64, 64, 1, 65536), 1000.0, 350.0, 950.0),
+    _row("linear", (1, 64, 10), 4.0, 3.0, 3.0),
+    _row("linear", (32, 512, 10), 8.0, 4.0, 7.0),
+), (
+    _bound("enter:conv", 64, 5.0), _bound("enter:conv", 1e6, 80.0),
+    _bound("leave:conv", 64, 5.0), _bound("leave:conv", 1e6, 80.0),
+    _bound("enter:linear", 16, 4.0), _bound("enter:linear", 1e5, 20.0),
+    _bound("leave:linear", 16, 4.0), _bound("leave:linear", 1e5, 20.0),
+    _bound("add", 64, 4.0, 3.0), _bound("add", 1e6, 200.0, 150.0),
+))
+
+
+def _hf_resnet(hidden: list[int]) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.ResNetConfig(num_channels=3, embedding_size=hidden[0], hidden_sizes=hidden,
+                                    depths=[1] * len(hidden), layer_type="basic", num_labels=10)
+    return transformers.ResNetForImageClassification(cfg).eval()
+
+
+def _images(batch: int, size: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, 3, size, size, generator=g) for _ in range(2)]
+
+
+def _use(monkeypatch: pytest.MonkeyPatch, table: ct.CostTable) -> None:
+    monkeypatch.setattr(preparation, "table_for", lambda isa: table)
+
+
+def test_small_model_predicted_slower_at_batch_1_stays_float_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """A transformers ResNet at a few pixels: its kernels gain little and entering/leaving int8 and
+    the integer adds cost more; at batch 1 (the default) the whole model stays float, each layer and
+    add named with the reason, nothing placed, nothing quantized in the export."""
+    _use(monkeypatch, TABLE)
+    model = _hf_resnet([16, 16])
+    q = quantize(copy.deepcopy(model), "w8a8", _images(4, 16))
+    v = view(q)
+    assert v.model_float is not None and v.model_float.startswith("int8 predicted slower than fp32 at batch 1: "), v
+    assert "entering/leaving int8" in v.model_float and "test ISA)" in v.model_float
+    assert not is_quantized(q)
+    convs = [k for k in v.kept_float if ":conv#" in k]
+    assert convs and all(v.kept_float[k] == v.model_float for k in convs)
+    assert any(":add#" in k for k in v.kept_float)
+    import onnx
+
+    from export.onnx import export_onnx
+
+    path = export_onnx(q, _images(1, 16)[0], tmp_path / "m.onnx")
+    assert not [n for n in onnx.load(str(path)).graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
+    # served at batch 32 only, the same model is predicted faster in int8 and quantized
+    q32 = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(batch_sizes=(32,)))
+    assert view(q32).model_float is None and is_quantized(q32)
+    # asked for both, the slowest batch decides
+    both = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(batch_sizes=(1, 32)))
+    got = view(both).model_float
+    assert got is not None and "at batch 1" in got and "batch 32: " in got
+
+
+def test_a_larger_model_stays_int8_at_batch_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wider channels on larger images: the kernels' gain outweighs the boundaries at batch 1."""
+    _use(monkeypatch, TABLE)
+    q = quantize(_hf_resnet([64, 64]), "w8a8", _images(2, 128))
+    assert view(q).model_float is None and is_quantized(q)
+
+
+def test_cost_table_off_and_tables_without_boundary_rows_quantize(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _hf_resnet([16, 16])
+    _use(monkeypatch, TABLE)
+    off = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(cost_table=False))
+    assert view(off).model_float is None and is_quantized(off)
+    _use(monkeypatch, ct.CostTable("onnxruntime", "old", "test", TABLE.rows))  # a table measured before boundary rows
+    old = quantize(copy.deepcopy(model), "w8a8", _images(4, 16))
+    assert view(old).model_float is None and is_quantized(old)
+
+
+def test_a_batch_far_from_every_measured_shape_is_not_judged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Boundaries so costly that any predicted batch keeps the model float: at batch 1 it does; at
+    batch 4096 the layers are far from every row (MAX_DISTANCE), nothing is predicted, int8 stays."""
+    costly = ct.CostTable("onnxruntime", "test ISA", "test", TABLE.rows,
+                          tuple(ct.Row(r.shape, r.float_us, r.int8_us * 1e4) for r in TABLE.boundary))
+    _use(monkeypatch, costly)
+    model = _hf_resnet([16, 16])
+    b1 = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(batch_sizes=(1,)))
+    assert view(b1).model_float is not None
+    far = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(batch_sizes=(4096,)))
+    assert view(far).model_float is None and is_quantized(far)
+    both = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(batch_sizes=(1, 4096)))
+    got = view(both).model_float
+    assert got is not None and "batch 4096: not predicted" in got
+
+
+def test_models_with_unpriced_integer_ops_keep_the_layer_rows_placement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transformers ViT: attention's activation products run as integer kernels the table has no
+    rows for (measured faster in int8 on the suite), so the model-level check does not judge it."""
+    transformers = pytest.importorskip("transformers")
+    _use(monkeypatch, TABLE)
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32, num_labels=10)
+    q = quantize(transformers.ViTForImageClassification(cfg).eval(), "w8a8", _images(2, 16))
+    assert view(q).model_float is None and is_quantized(q)
+    g = trace_graph(transformers.ViTForImageClassification(cfg).eval(), (_images(1, 16)[0],), {})
+    assert unpriced_ops(g), "the ViT's attention should count as unpriced"
+
+
+def test_model_cost_counts_entries_exits_and_adds() -> None:
+    """The quickstart's ResNet all int8: the input and the classifier's input enter int8, the last
+    block's output (read by the float mean) and the logits leave it, and the three residual adds are
+    integer ones that fp32 ORT fuses into the conv before them (free on the float side)."""
+    torch.manual_seed(0)
+    m = build_zoo_model("resnet", {"width": 16, "depth": 1, "num_classes": 10, "in_channels": 1}).eval()
+    x = torch.randn(8, 1, 8, 8)
+    graph = trace_graph(m, (x,), {})
+    layers = {n: mod for n, mod in m.named_modules() if isinstance(mod, (nn.Conv2d, nn.Linear))}
+    c = model_cost(graph, layers, set(layers), TABLE, batch=1, example_batch=8)
+    assert (c.entries, c.exits, c.adds) == (2, 2, 3)
+    def us(kind: str, n: float) -> float:
+        return (TABLE.boundary_us(kind, n) or (0.0, 0.0))[1]
+
+    # batch 1: the adds at 16x8x8, 32x4x4, 64x2x2; in 1x8x8, out of the last block 64x2x2, the
+    # classifier's input 64 and its logits 10
+    assert c.adds_float_us == 0.0 and c.adds_int8_us == pytest.approx(us("add", 1024) + us("add", 512) + us("add", 256))
+    assert c.boundary_us == pytest.approx(us("enter:conv", 64) + us("leave:conv", 256) + us("enter:linear", 64)
+                                          + us("leave:linear", 10))
+    # the stem float: the first block's conv enters int8 instead, and its residual add (the stem's
+    # float output plus int8) stays float
+    c2 = model_cost(graph, layers, set(layers) - {"stem.0"}, TABLE, batch=1, example_batch=8)
+    assert (c2.entries, c2.adds) == (3, 2) and c2.other_float_us > 0
+    assert c2.float_us == pytest.approx(c.float_us)  # the fp32 model is the same either way
+    assert c.float_us < c.int8_us  # at batch 1 the boundaries cost more than the kernels save
+    assert model_cost(graph, layers, set(layers), TABLE, batch=512, example_batch=8).speedup > 1.0
+    # the profiler's cost per node comes off every node counted: two per conv boundary, one per add
+    lean = ct.CostTable("onnxruntime", "test ISA", "test", TABLE.rows, TABLE.boundary, profile_overhead_us=1.0)
+    c3 = model_cost(graph, layers, set(layers), lean, batch=1, example_batch=8)
+    assert c3.boundary_us == pytest.approx(c.boundary_us - (2 + 2 + 1 + 1))
+    assert c3.adds_int8_us == pytest.approx(c.adds_int8_us - 3)
+    assert set(layer_calls(graph, layers)) == set(layers)
+    assert not unpriced_ops(graph)  # a conv net: every op whose int8 form differs in cost is priced
+
+
+def test_boundary_lookup_interpolates_and_scales() -> None:
+    assert TABLE.boundary_us("enter:conv", 10) == (0.0, 5.0)  # below the smallest size: its cost
+    f, i = TABLE.boundary_us("enter:conv", 64 + (1e6 - 64) / 2) or (None, None)
+    assert f == 0.0 and i == pytest.approx(42.5)
+    f, i = TABLE.boundary_us("add", 2e6 - 64) or (None, None)  # above the largest: the last slope
+    assert f == pytest.approx(297.0) and i == pytest.approx(396.0)
+    assert TABLE.boundary_us("enter:depthwise", 64) is None
+    data = {"runtime": "onnxruntime", "isa": "x", "rows": [
+        {"kind": "conv", "features": [1, 2, 9, 4], "float_us": 3, "int8_us": 2, "float_kernel_us": 1}],
+        "boundary": [{"kind": "enter:conv", "features": [64], "us": 5},
+                     {"kind": "add", "features": [64], "float_us": 2, "int8_us": 3}]}
+    t = ct.table_from_data(data)
+    assert t.rows[0].float_kernel == 1.0 and t.boundary_us("enter:conv", 64) == (0.0, 5.0)
+    assert t.boundary_us("add", 64) == (2.0, 3.0)
+    old = ct.table_from_data({**data, "rows": [{k: v for k, v in data["rows"][0].items() if k != "float_kernel_us"}],
+                              "boundary": []})
+    assert old.rows[0].float_kernel == 3.0 and old.boundary == () and old.profile_overhead_us == 0.0
+    assert ct.table_from_data({**data, "profile_overhead_us": 1.5}).profile_overhead_us == 1.5
+
+
+def test_shipped_table_has_boundary_rows_for_its_isas() -> None:
+    for t in ct.shipped_tables().values():
+        kinds = {r.shape.kind for r in t.boundary}
+        assert {"enter:conv", "leave:conv", "enter:linear", "leave:linear", "add"} <= kinds, kinds
+        assert any(r.shape.kind == "conv" and r.shape.features[3] <= 64 for r in t.rows)  # batch-1 small images
+
+
+def test_placement_keeps_its_model_float_reason_as_data() -> None:
+    p = Placement(target="onnxruntime", model_float="int8 predicted slower than fp32 at batch 1: ...")
+    assert Placement.from_data(p.to_data()).model_float == p.model_float
+    older = {k: v for k, v in p.to_data().items() if k != "model_float"}
+    assert Placement.from_data(older).model_float is None
+
+
+def test_quickstart_report_carries_the_reason(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The quickstart recipe with the shipped AVX-512 VNNI table (whatever this CPU is): its digits
+    ResNet at batch 1, one of the recipe's validation batch sizes, stays float, and the run's
+    validation report and console warnings say why."""
+    import compress
+
+    tables = ct.shipped_tables()
+    if "vnni" not in tables:
+        pytest.skip("no AVX-512 VNNI table shipped")
+    _use(monkeypatch, tables["vnni"])
+    recipe = compress.load_recipe("quickstart", overrides=["train.epochs=1", "validate.runs=2", "validate.warmup=1"])
+    report = compress.apply(recipe, out_dir=tmp_path / "run")
+    final = next(r for r in report.validation if r.role == "final")
+    notes = " ".join(final.notes)
+    assert "kept float at quantization: int8 predicted slower than fp32 at batch 1" in notes, final.notes
+    assert "batch 32: " in notes
+    assert "int8 predicted slower than fp32 at batch 1" in (tmp_path / "run" / "report.md").read_text()
+    rec = next(e for e in report.exports if e.role == "final")
+    assert rec.model_float is not None and rec.precision == "fp32"
