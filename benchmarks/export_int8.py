@@ -257,18 +257,18 @@ def _op_profile(path: Path, example: np.ndarray, batch: int, runs: int, tmp: Pat
 
 
 def quickstart(tmp: Path) -> dict[str, Any]:
-    """The README quickstart's recipe as `compress apply` runs it: the default now (its validation
-    batch sizes [1, 32]; the cost table's model-level check decides), the same recipe validated at
-    batch 32 only (the check passes: the int8 placement the layer rows choose, what the default was
-    before the check), and every layer int8 (cost table off); timed side by side with the fp32
-    baseline at batch 1 and 32, 1 thread, and profiled per op at batch 1."""
+    """The README quickstart's recipe as `compress apply` runs it: the default (the cost table's
+    layer rows decide; its model-level prediction for the validation batch sizes [1, 32] is only
+    logged), the same recipe with ``model_check: float`` (that prediction decides), and every layer
+    int8 (cost table off); timed side by side with the fp32 baseline at batch 1 and 32, 1 thread,
+    and profiled per op at batch 1."""
     import compress
     from export.runtimes import load_session
     from export.validate import time_side_by_side
 
     runs = {
-        "default": [],
-        "served at 32 (per-layer rows)": ["validate.batch_sizes=[32]"],
+        "default (per-layer rows)": [],
+        "model_check: float": ["stages.0.modifiers.0.model_check=float"],
         "all int8 (cost table off)": ["stages.0.modifiers.0.cost_table=false"],
     }
     files: dict[str, Path] = {}
@@ -291,14 +291,15 @@ def quickstart(tmp: Path) -> dict[str, Any]:
              "b32_us": 1e3 * lat[k][32], "b32_speedup": lat["fp32"][32] / lat[k][32]}  # type: ignore[operator]
             for k in files]
     prof = {k: {b: _op_profile(files[k], x, b, 400, tmp) for b in (1, 32)}
-            for k in ("fp32", "served at 32 (per-layer rows)", "all int8 (cost table off)")}
+            for k in ("fp32", "default (per-layer rows)", "all int8 (cost table off)")}
     return {"rows": rows, "profile": prof, "kept_float": kept, "predicted": predicted_vs_measured(tmp)}
 
 
 def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
     """The model-level check's prediction against measurement on small conv nets (random weights):
     the int8 model's predicted speedup at batch 1 and 32 (the cost table's rows for this CPU), the
-    default's decision for [1, 32], and every layer int8 timed side by side with fp32 (1 thread)."""
+    decision ``model_check="float"`` makes for [1, 32], and every layer int8 timed side by side with
+    fp32 (1 thread)."""
     import transformers
 
     from compress.core.machine import int8_isa
@@ -334,7 +335,8 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
         calls = layer_calls(graph, layers)
         kept = set(layers) - set(slower_by_table(layers, calls, table))
         pred = decide(graph, layers, kept, calls, table, batches=[1, 32], example_batch=8).costs
-        default = quantize(copy.deepcopy(model), "w8a8", calib, params=QuantizeParams(batch_sizes=(1, 32)))
+        checked = quantize(copy.deepcopy(model), "w8a8", calib,
+                           params=QuantizeParams(batch_sizes=(1, 32), model_check="float"))
         every = quantize(copy.deepcopy(model), "w8a8", calib, params=QuantizeParams(cost_table=False))
         files = {"fp32": export_onnx(copy.deepcopy(model), calib[0], tmp / "p_fp32.onnx"),
                  "all_int8": export_onnx(every, calib[0], tmp / "p_int8.onnx")}
@@ -345,7 +347,7 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
                      "predicted_b32": pred[32].speedup if 32 in pred else None,
                      "measured_all_int8_b1": lat["fp32"][1] / lat["all_int8"][1],  # type: ignore[operator]
                      "measured_all_int8_b32": lat["fp32"][32] / lat["all_int8"][32],  # type: ignore[operator]
-                     "default_for_1_32": "float (whole model)" if view(default).model_float else "int8"})
+                     "model_check_float_1_32": "float (whole model)" if view(checked).model_float else "int8"})
     return rows
 
 
@@ -355,24 +357,25 @@ def _quickstart_section(res: dict[str, Any]) -> str:
         "",
         "`compress apply recipes/quickstart.yaml` (digits ResNet, width 16: 16/32/64 channels on 8x8 images), three "
         "ways, each file timed side by side with the run's fp32 baseline in ORT, 1 intra-op thread, warm-up 50 then "
-        "median of 400 interleaved runs. `default`: the recipe as shipped (validation batch sizes [1, 32]: the cost "
-        "table's model-level check, quantization/placement/model_cost.py, must predict int8 faster at both); `served "
-        "at 32`: the same recipe with `validate.batch_sizes=[32]` (the check passes; the int8 placement the layer "
-        "rows choose, which was the default before the check); `all int8`: the cost table off.",
+        "median of 400 interleaved runs. `default`: the recipe as shipped (the cost table's layer rows decide; the "
+        "model-level prediction, quantization/placement/model_cost.py, for its validation batch sizes [1, 32] is "
+        "logged, not applied); `model_check: float`: the same recipe where that prediction decides (int8 only if "
+        "predicted faster at both); `all int8`: the cost table off.",
         "",
         table(res["rows"], ["model", "precision", "b1_us", "b1_speedup", "b32_us", "b32_speedup"]),
         "",
     ]
-    why = res["kept_float"].get("default")
+    why = res["kept_float"].get("model_check: float")
     if why:
-        md += [f"`default` kept the whole model float: {why}", ""]
+        md += [f"`model_check: float` kept the whole model float: {why}", ""]
     if res.get("predicted"):
         md += ["The model-level check's prediction against measurement on small conv nets (random weights; "
                "`predicted`: the int8 model's speedup over fp32 that the check computes from the cost table at "
-               "batch 1 and 32; `measured`: every layer int8, timed side by side with fp32, 1 thread; `default`: what "
-               "`quantize(..., batch_sizes=(1, 32))` keeps):", "",
+               "batch 1 and 32; `measured`: every layer int8, timed side by side with fp32, 1 thread; last column: what "
+               "`quantize(..., batch_sizes=(1, 32), model_check=\"float\")` keeps, which is why it is not the "
+               "default):", "",
                table(res["predicted"], ["model", "predicted_b1", "measured_all_int8_b1", "predicted_b32",
-                                        "measured_all_int8_b32", "default_for_1_32"]), ""]
+                                        "measured_all_int8_b32", "model_check_float_1_32"]), ""]
     md += ["Where the batch-1 time goes (ORT per-node profiling, 1 thread, 400 runs; per-op sums of per-node medians, "
            "microseconds; the profiler adds about as much again per node, so `run` exceeds the unprofiled latency above):", "",
            "| file | batch | run | per op |", "|---|---|---|---|"]

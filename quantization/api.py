@@ -21,7 +21,7 @@ from quantization.numerics.spec import QuantScheme, resolve_scheme
 from quantization.placement.activations import capture_first_call, ensure_placed
 from quantization.placement.runtimes import Target
 from quantization.placement.speed_check import SpeedCheck
-from quantization.preparation import BnMode, FirstLast, prepare
+from quantization.preparation import BnMode, FirstLast, ModelCheck, prepare
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,11 @@ class QuantizeParams(ApiParams):
     nothing is timed at quantize time, so the placement is reproducible; False quantizes them all.
     ``batch_sizes``: the batches the model will be served at (default: batch 1). With ``cost_table``,
     the table predicts the whole int8 model against fp32 at each of them, the costs of entering and
-    leaving int8 and of integer adds included (quantization/placement/model_cost.py); where int8 is not
-    predicted faster at every one, the whole model stays float, the reason in ``placement.model_float``
-    and logged as a warning.
+    leaving int8 and of integer adds included (quantization/placement/model_cost.py).
+    ``model_check``: where that prediction says int8 is not faster at every one of them, ``"warn"``
+    (default) logs it and keeps the int8 placement; ``"float"`` keeps the whole model float, the
+    reason in ``placement.model_float``. Not the default: at batch 1 on small models the table's
+    rows predict int8 slower than it runs (benchmarks/RESULTS.md, ``export_int8_quickstart``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -71,6 +73,7 @@ class QuantizeParams(ApiParams):
     speed_check: SpeedCheck | None = None
     cost_table: bool = True
     batch_sizes: tuple[PositiveInt, ...] | None = Field(None, min_length=1)
+    model_check: ModelCheck = "warn"
 
 
 def quantize(
@@ -123,7 +126,7 @@ def post_training_quantize(
     swapped = prepare(
         model, scheme, targets=targets, ignore=ignore, first_last=p.first_last, bn=p.bn,
         quantize_ops=p.quantize_ops, target=p.target, quantize_embeddings=p.quantize_embeddings,
-        example_inputs=example, speed_check=p.speed_check, cost_table=p.cost_table, batch_sizes=p.batch_sizes,
+        example_inputs=example, speed_check=p.speed_check, cost_table=p.cost_table, batch_sizes=p.batch_sizes, model_check=p.model_check,
         where=where,
     )
     if p.kv_cache is not None:

@@ -32,6 +32,7 @@ from quantization.placement.runtimes import Target
 from quantization.placement.speed_check import SpeedCheck
 from quantization.preparation import (
     FirstLast,
+    ModelCheck,
     calibrate_weight,
     plan_targets,
     prepare,
@@ -60,6 +61,8 @@ class _QuantSpecBase(ModifierSpec):
     observer: str | None = None
     observer_params: dict[str, Any] = Field(default_factory=dict)
     weight_observer: str | None = None
+    #: the cost table's whole-model prediction: "warn" logs it and keeps int8, "float" keeps the model float
+    model_check: ModelCheck = "warn"
 
     @field_validator("scheme", mode="before")
     @classmethod
@@ -91,8 +94,9 @@ class PTQSpec(_QuantSpecBase):
     sensitive layers in float until the drop fits. ``speed_check`` (``{batch: 32, threads: 1}``) times
     each layer's ONNX Runtime integer kernel against its float one and keeps the slower ones float;
     without it, ``cost_table`` (default on) keeps float the layers the shipped ORT CPU cost table says
-    run slower in int8, timing nothing, and the whole model where the table predicts its int8 form
-    slower than fp32 at a batch size the recipe validates (``validate.batch_sizes``).
+    run slower in int8, timing nothing. Where the table predicts the whole int8 model slower than fp32
+    at a batch size the recipe validates (``validate.batch_sizes``), ``model_check: warn`` (default)
+    says so and keeps int8, ``model_check: float`` keeps the model float.
     """
 
     type: Literal["ptq"] = "ptq"
@@ -203,7 +207,8 @@ class PTQModifier(Modifier[PTQSpec]):
                                 quantize_embeddings=s.quantize_embeddings, smoothquant=s.smoothquant,
                                 smoothquant_unfolded=s.smoothquant_unfolded, bias_correction=s.bias_correction,
                                 kv_cache=s.kv_cache, speed_check=s.speed_check,
-                                cost_table=s.cost_table, batch_sizes=state.serving_batch_sizes)
+                                cost_table=s.cost_table, batch_sizes=state.serving_batch_sizes,
+                                model_check=s.model_check)
         swapped = post_training_quantize(model, scheme, loop, targets=s.targets, ignore=s.ignore, params=params,
                                          where=self.where)
         state.metrics["quantized_modules"] = len(swapped)
@@ -296,6 +301,7 @@ class QATModifier(Modifier[QATSpec]):
             quantize_embeddings=s.quantize_embeddings,
             example_inputs=capture_first_call(model, loop) if scheme.static_activations else None,
             batch_sizes=state.serving_batch_sizes,
+            model_check=s.model_check,
             where=self.where,
         )
         calibrate(model, loop, where=self.where)
