@@ -27,18 +27,13 @@ beside the dequantizing kernel and keeps the faster per shape.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
 from quantization.lowering.kernels.gemm import split_workspace
 from quantization.lowering.kernels.runtime import interpret_mode
-from quantization.lowering.kernels.w4a16 import _finish
-
-if TYPE_CHECKING:
-    from quantization.lowering.kernels.w4a16 import W4Config, _Weight
+from quantization.lowering.kernels.w4_common import W4Config, _finish, _Weight
 
 INTERPRETED = interpret_mode()
 
