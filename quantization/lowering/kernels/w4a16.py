@@ -14,10 +14,13 @@ features of X meet them in two products. The weight never exists in memory as fp
 K-tile lies inside one group (``group_size % BLOCK_K == 0``, no g_idx) a tile needs one scale
 (and zero point) per row; otherwise, or with act_order's g_idx, each feature gathers its group's.
 
-Three ways to run, by the number of rows M (``path``):
+Four ways to run, by the number of rows M and the dtype (``path``):
 - ``fused`` with ``BLOCK_M < 16`` (decode, M = 1..4): no tensor cores; products are summed on
   the CUDA cores, so the 16-row minimum of ``tl.dot`` is not paid for 1 row.
 - ``fused`` with ``BLOCK_M >= 16``: ``tl.dot`` (tensor cores) with float32 accumulation.
+- ``fused`` with a ``scaled_acc`` config (fp16/bf16, K-tiles inside one group; kernels/w4a16_mma.py):
+  tensor cores on the int4 codes themselves, the group scale applied to the float32 sum per tile.
+  At decode shapes on an H200 the tuner picked it at every LLaMA-7B shape (benchmarks/RESULTS.md).
 - ``dequant`` (prefill, large M): one kernel writes the dequantized weight in the activation
   dtype, then cuBLAS multiplies. At large M the product is compute-bound and re-dequantizing a
   weight tile for every M-tile costs more than writing it once.
