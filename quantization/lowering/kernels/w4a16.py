@@ -31,9 +31,10 @@ activation. On CUDA the tile and split are tuned per (M bucket, N, K, group, fla
 candidates on first use; under ``TRITON_INTERPRET=1`` fixed tiles run on CPU tensors.
 
 Numerics: the dequantized weight is bit-exact against :func:`quantization.lowering.int4.dequantize_int4`
-cast to the activation dtype on every path (tested through an identity activation); the fused
-product differs from torch's only by float32 accumulation order, the dequant path's is cuBLAS's
-on that same weight (bias added in the activation dtype, as nn.Linear does).
+cast to the activation dtype on the dequantizing paths (tested through an identity activation); the
+fused product differs from torch's only by float32 accumulation order, the dequant path's is cuBLAS's
+on that same weight (bias added in the activation dtype, as nn.Linear does). The ``scaled_acc``
+kernel multiplies the exact int4 weight (float32 scales, no rounding of the weight to fp16).
 """
 
 from __future__ import annotations
