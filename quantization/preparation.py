@@ -369,10 +369,13 @@ def _table_decides(graph0: Any, layers: dict[str, nn.Module], table: CostTable, 
                       example_batch=_example_batch(call))
     if decision.whole_model is not None:
         if model_check == "float":
-            return {_WHOLE_MODEL: decision.whole_model}
+            reason = (f"{decision.whole_model}; the whole model stays float (model_check: float; cost_table: false "
+                      "quantizes it anyway, speed_check times its layers here)")
+            log.warning("%s: %s", where, reason)
+            return {_WHOLE_MODEL: reason}
         # a prediction, not a decision, by default: on small models at batch 1 the table's rows
         # (profiled kernels of a few microseconds) predicted 0.72-0.96x for nets that ran 1.18-1.55x
-        log.warning("%s: %s; int8 kept (model_check='float' keeps such a model float)", where, decision.whole_model)
+        log.warning("%s: %s; int8 kept (model_check: float keeps such a model float)", where, decision.whole_model)
         return slow
     return {**slow, **decision.float_layers}
 

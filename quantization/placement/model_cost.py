@@ -290,8 +290,7 @@ def decide(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], call
     slow_b = min(costs, key=lambda b: costs[b].speedup)
     others = ", ".join([f"batch {b}: {c.speedup:.2f}x" for b, c in costs.items() if b != slow_b]
                        + [f"batch {b}: not predicted, {why}" for b, why in far.items()])
+    # the prediction only: what follows from it (float or a warning) is the caller's model_check
     reason = (f"int8 predicted slower than fp32 at batch {slow_b}: {costs[slow_b].describe()}, by {where}"
-              f"{f' ({others} predicted)' if others else ''}; the whole model stays float "
-              "(cost_table: false quantizes it anyway, speed_check times its layers here)")
-    log.warning("%s", reason)
+              f"{f' ({others} predicted)' if others else ''}")
     return ModelDecision({}, reason, costs)

@@ -1,7 +1,7 @@
 """The cost table's model-level check (issue 32): a whole int8 model predicted against fp32 at the
 batches it is served at, entering and leaving int8 and integer adds included; where int8 is not
-predicted faster at every one, the whole model stays float and says why, in the placement, the export
-record and the run's validation report."""
+predicted faster at every one, a warning by default, and with ``model_check="float"`` the whole model
+stays float and says why, in the placement, the export record and the run's validation report."""
 
 from __future__ import annotations
 
@@ -81,8 +81,9 @@ def _use(monkeypatch: pytest.MonkeyPatch, table: ct.CostTable) -> None:
 def test_small_model_predicted_slower_at_batch_1_stays_float_with_the_reason(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     """A transformers ResNet at a few pixels: its kernels gain little and entering/leaving int8 and
-    the integer adds cost more; at batch 1 (the default) the whole model stays float, each layer and
-    add named with the reason, nothing placed, nothing quantized in the export."""
+    the integer adds cost more; at batch 1 (the default batch) with ``model_check="float"`` the whole
+    model stays float, each layer and add named with the reason, nothing placed, nothing quantized in
+    the export."""
     _use(monkeypatch, TABLE)
     model = _hf_resnet([16, 16])
     q = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(model_check="float"))
