@@ -209,9 +209,8 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
              "int8 instructions.", "",
              "compress: the default (w8a8; the shipped cost table keeps float the layers it says run slower in int8 "
              "on this CPU's ISA, quantization/placement/cost_table.py; its whole-model prediction at the serving batch, "
-             "passed as `QuantizeParams(batch_sizes=...)`, quantization/placement/model_cost.py, is logged, not applied: "
-             "it kept no model of this suite float when applied, in the run of 2026-11-26 21:56); all int8: the cost "
-             "table off; measured: "
+             "passed as `QuantizeParams(batch_sizes=...)`, quantization/placement/model_cost.py, is logged, not applied, "
+             "by default: `model_check`); all int8: the cost table off; measured: "
              "`speed_check` (each layer's ORT integer kernel timed against its float kernel at the serving batch, "
              "the slower ones kept float). Integer kernels: every QLinear*/QGemm/MatMulIntegerToFloat node of ORT's "
              "optimized graph (ORT fuses DQ -> op -> Q into them); the QLinear* breakdown is in the JSON.", "",
