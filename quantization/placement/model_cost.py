@@ -15,7 +15,9 @@ cost. Nothing is timed: the same model, table and batch sizes give the same answ
 :func:`decide` compares the placement the layer rows chose, the same with the layers that lose at a
 requested batch kept float too, and the whole model float (exactly fp32's cost), and keeps the one
 whose slowest requested batch is fastest: int8 is kept only where it is predicted faster than fp32 at
-every batch asked for.
+every batch asked for. That is a prediction; placement applies a whole-model-float answer only with
+``model_check="float"`` (quantization/preparation.py), and by default logs it, because at batch 1 on
+small models the rows predict int8 slower than it runs (RESULTS.md, ``export_int8_quickstart``).
 """
 
 from __future__ import annotations
