@@ -31,7 +31,7 @@ from torch import nn
 
 from quantization.placement.cost_table import CostTable, layer_shape
 from quantization.placement.speed_check import LayerCall
-from quantization.placement.trace import Operand, OpGraph
+from quantization.placement.trace import OpGraph
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +77,6 @@ class ModelCost:
                 f"{self.adds_int8_us:.0f} us where float pays {self.adds_float_us:.0f} us")
 
 
-def _tid(o: Operand) -> str | None:
-    if o.source == "op":
-        return f"{o.producer}/{o.index}"
-    if o.source == "input":
-        return f"<{o.name}>"
-    return None
-
-
 def _scale(shape: Sequence[int], batch: int, example_batch: int | None) -> list[int]:
     out = list(shape)
     if example_batch and out and out[0] % example_batch == 0:
@@ -126,7 +118,7 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
 
     for n in graph.nodes.values():
         acts = [o for o in n.operands if o.source in ("op", "input") and o.floating and o.shape]
-        ids = [t for t in (_tid(o) for o in acts) if t is not None]  # acts are ops' outputs or model inputs
+        ids = [t for t in (o.tensor_id for o in acts) if t is not None]  # acts are ops' outputs or model inputs
         out = f"{n.key}/0"
         if n.kind in ("linear", "conv") and n.scope in layers:
             mod = layers[n.scope]
@@ -147,7 +139,7 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
                 layout = "linear" if isinstance(mod, nn.Linear) else "conv"
                 lf += (net(row.float_kernel, 1) * work if row is not None else 0.0) + bias
                 li += net(row.int8_us, 1) * work if row is not None else 0.0
-                t = _tid(data) if data is not None else None
+                t = data.tensor_id if data is not None else None
                 if t is not None and t not in region and f"enter {t}" not in paid and data is not None:
                     paid.add(f"enter {t}")
                     bd += boundary(f"enter:{layout}", data.shape)

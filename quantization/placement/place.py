@@ -161,14 +161,6 @@ class _Groups:
             self.parent[rb] = ra
 
 
-def _tid(o: Operand) -> str | None:
-    if o.source == "op":
-        return f"{o.producer}/{o.index}"
-    if o.source == "input":
-        return f"<{o.name}>"
-    return None
-
-
 def place(
     graph: OpGraph,
     profile: RuntimeProfile,
@@ -258,7 +250,7 @@ class _Placer:
         return _new_constant(self.pl, f"{n.key} operand {o.position} ({o.source})")
 
     def quantize(self, o: Operand) -> bool:
-        t = _tid(o)
+        t = o.tensor_id
         if t is None or not o.floating:
             return False
         self.groups.add(t)
@@ -316,7 +308,7 @@ class _Placer:
         for o in chosen:
             self.quantize(o)
         if rule.shared:
-            tids = [_tid(o) for o in chosen]
+            tids = [o.tensor_id for o in chosen]
             for t in tids[1:]:
                 self.groups.union(str(tids[0]), str(t))
             out = f"{n.key}/0"
@@ -467,7 +459,7 @@ class _Placer:
                 src = [o for o in n.operands if o.source in ("op", "input") and o.floating]
                 if len(src) != 1:
                     continue
-                t = _tid(src[0])
+                t = src[0].tensor_id
                 assert t is not None
                 for i in range(n.n_outputs):
                     out = f"{n.key}/{i}"
@@ -511,7 +503,7 @@ class _Placer:
         ops): the layer's output quantizer fuses into its integer kernel (QGemm, QLinearConv with an
         8-bit output), so a layer-scale product after it runs as QLinearMul instead of a float Mul
         between the layer's float output and the next quantizer."""
-        t = _tid(o)
+        t = o.tensor_id
         while t is not None and o.source == "op" and len(self.consumers.get(t, [])) == 1:
             prod = self.producers.get(str(o.producer))
             if prod is None or prod.key in self.inside:
@@ -523,7 +515,7 @@ class _Placer:
             src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
             if prod.kind not in self.profile.pass_through or len(src) != 1:
                 return False
-            o, t = src[0], _tid(src[0])
+            o, t = src[0], src[0].tensor_id
         return False
 
     # ---- pass 4a: a product whose output is quantized anyway (a Linear's input, an integer add's
@@ -601,7 +593,7 @@ class _Placer:
             if not self.passes(prod) or len(src) != 1:
                 break
             root = src[0]
-        t = _tid(root)
+        t = root.tensor_id
         if t is None:
             return ""
         if root.source == "input":
@@ -626,7 +618,7 @@ class _Placer:
     def grid_known(self, o: Operand) -> bool:
         """Whether ``o`` is quantized or shares a quantized tensor's grid through pass-through ops,
         without recording it (:meth:`on_grid` records)."""
-        t = _tid(o)
+        t = o.tensor_id
         while t is not None and t not in self.quantized:
             prod = self.producers.get(str(o.producer)) if o.source == "op" else None
             if prod is None or not self.passes(prod) or prod.key in self.inside:
@@ -634,7 +626,7 @@ class _Placer:
             src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
             if len(src) != 1:
                 return False
-            o, t = src[0], _tid(src[0])
+            o, t = src[0], src[0].tensor_id
         return t is not None
 
     def passes(self, n: OpNode) -> bool:
@@ -645,7 +637,7 @@ class _Placer:
     def on_grid(self, o: Operand) -> bool:
         """Whether a tensor is quantized, or made by pass-through ops (a select, a reshape) from one
         that is: then it is on that quantizer's grid and shares it (attention's ``q = qkv[0]``)."""
-        t = _tid(o)
+        t = o.tensor_id
         if t is None:
             return False
         if t in self.quantized:
@@ -656,7 +648,7 @@ class _Placer:
         src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
         if len(src) != 1 or not self.on_grid(src[0]):
             return False
-        self.groups.union(str(_tid(src[0])), t)
+        self.groups.union(str(src[0].tensor_id), t)
         self.quantized.add(t)
         return True
 
@@ -683,7 +675,7 @@ class _Placer:
             if n.key in self.weighted_keys and n.key not in self.pl.floats:
                 cut = self.sliced.get(n.key)
                 data_op = cut[0] if cut is not None else weighted_operands(n)[0]  # type: ignore[index]
-                t = _tid(data_op)
+                t = data_op.tensor_id
                 if t is None or t not in self.quantized:
                     self.pl.floats[n.key] = "its input is not quantized"
 
@@ -784,7 +776,7 @@ def activation_regions(graph: OpGraph) -> dict[str, list[str]]:
     readers: dict[str, set[str]] = {}
     for n in graph.nodes.values():
         for o in n.operands:
-            t = _tid(o)
+            t = o.tensor_id
             if t is not None:
                 readers.setdefault(t, set()).add(n.key)
     found: dict[str, list[str]] = {}
@@ -797,12 +789,12 @@ def activation_regions(graph: OpGraph) -> dict[str, list[str]]:
             continue
         if any(o.source == "param" for n in ops for o in n.operands):
             continue
-        ins = {t for n in ops for o in n.operands if (t := _tid(o)) is not None and t.split("/")[0] not in keys}
+        ins = {t for n in ops for o in n.operands if (t := o.tensor_id) is not None and t.split("/")[0] not in keys}
         outs = {f"{n.key}/{i}" for n in ops for i in range(n.n_outputs)}
         leaving = {t for t in outs if t in outputs or readers.get(t, set()) - keys}
         if len(ins) != 1 or len(leaving) != 1:
             continue
-        shape = next(o.shape for n in ops for o in n.operands if _tid(o) in ins)
+        shape = next(o.shape for n in ops for o in n.operands if o.tensor_id in ins)
         if any(n.out_shapes[:1] != [shape] for n in ops):
             continue
         if _gated(ops, ins):
@@ -824,7 +816,7 @@ def _gated(ops: list[OpNode], ins: set[str]) -> bool:
     gate, mul = ops
     if mul.kind != "mul" or (gate.func if gate.kind == "act" else gate.kind) not in _GATES:
         return False
-    return {_tid(o) for o in mul.operands} == {*ins, f"{gate.key}/0"}
+    return {o.tensor_id for o in mul.operands} == {*ins, f"{gate.key}/0"}
 
 
 #: an add whose operands' magnitudes differ by more than this stays float: its output's 8-bit scale
@@ -913,7 +905,7 @@ def _consumers(nodes: list[OpNode]) -> dict[str, list[tuple[OpNode, Operand]]]:
     consumers: dict[str, list[tuple[OpNode, Operand]]] = {}
     for n in nodes:
         for o in n.operands:
-            t = _tid(o)
+            t = o.tensor_id
             if t is not None:
                 consumers.setdefault(t, []).append((n, o))
     return consumers

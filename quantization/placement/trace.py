@@ -125,6 +125,16 @@ class Operand:
     shape: tuple[int, ...] = ()
     floating: bool = True
 
+    @property
+    def tensor_id(self) -> str | None:
+        """The activation tensor this operand reads (``producer/index``, or ``<input>``); None for
+        parameters, constants and scalars."""
+        if self.source == "op":
+            return f"{self.producer}/{self.index}"
+        if self.source == "input":
+            return f"<{self.name}>"
+        return None
+
 
 @dataclass
 class OpNode:
