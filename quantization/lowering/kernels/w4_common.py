@@ -49,6 +49,72 @@ def _finish(y, rn, bias_ptr, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, INTER
     return y
 
 
+@triton.jit
+def _tile_start(x_ptr, w_ptr, M, N, K, TILES_PER_SPLIT, stride_xm, stride_xk, stride_wn, stride_wk,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's output tile (``program_id(0)``) and K split (``program_id(1)``): its rows and
+    columns, the wrapped column indices, the byte offsets of a K-tile, its K range and the first
+    x and packed-weight pointers."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // num_pid_n
+    pid_n = tl.program_id(0) % num_pid_n
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # wrapped indices: out-of-range rows/columns re-read valid memory and are masked at the store
+    ram = rm % M
+    rbn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
+    rb = tl.arange(0, BLOCK_K // 2)  # byte b of a K-tile holds features 2b (low nibble) and 2b + 1
+    # a split is a whole number of K-tiles, so its byte offset keeps 16-byte alignment (vector loads)
+    k_start = pid_k * TILES_PER_SPLIT * BLOCK_K
+    k_stop = tl.minimum(k_start + TILES_PER_SPLIT * BLOCK_K, K)
+    x_ptrs = x_ptr + ram[:, None] * stride_xm + (k_start + 2 * rb)[None, :] * stride_xk
+    w_ptrs = w_ptr + rbn[:, None] * stride_wn + (k_start // 2 + rb)[None, :] * stride_wk
+    return rm, rn, rbn, rb, k_start, k_stop, x_ptrs, w_ptrs
+
+
+@triton.jit
+def _first_w(w_ptrs, rb, k_start, K, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
+    """With PREFETCH the split's first packed-weight tile, loaded before the loop; else a 0 the loop
+    carries unused. Splits are never empty."""
+    r = 0
+    if PREFETCH:
+        if EVEN_K:
+            r = tl.load(w_ptrs)
+        else:
+            r = tl.load(w_ptrs, mask=((2 * rb) < (K - k_start))[None, :], other=0)
+    return r
+
+
+@triton.jit
+def _tile_loads(x_ptrs, w_ptrs, wb_next, rb, k0, k_stop, K, stride_xk, stride_wk, BLOCK_K: tl.constexpr,
+                EVEN_K: tl.constexpr, PREFETCH: tl.constexpr):
+    """The K-tile at ``k0``: its packed weights ``[BLOCK_N, BLOCK_K/2]`` (with PREFETCH the tile loaded
+    one step earlier, while the next goes in flight), x's even and odd features (0 past K), and the
+    next prefetched tile."""
+    in_k = (2 * rb) < (K - k0)  # K is even: a pair is inside K when its even feature is
+    if PREFETCH:
+        wb = wb_next
+        nxt = k0 + BLOCK_K
+        if EVEN_K:  # one scalar mask for the whole tile keeps the loads 16 bytes wide
+            more = tl.full((1, BLOCK_K // 2), 1, tl.int1) & (nxt < k_stop)
+            wb_next = tl.load(w_ptrs + (BLOCK_K // 2) * stride_wk, mask=more, other=0)
+        else:
+            wb_next = tl.load(w_ptrs + (BLOCK_K // 2) * stride_wk, mask=((2 * rb) < (k_stop - nxt))[None, :],
+                              other=0)
+    elif EVEN_K:
+        wb = tl.load(w_ptrs)
+    else:
+        wb = tl.load(w_ptrs, mask=in_k[None, :], other=0)
+    if EVEN_K:
+        xe = tl.load(x_ptrs)
+        xo = tl.load(x_ptrs + stride_xk)
+    else:  # past K: x is 0, so the codes' value there does not matter
+        xe = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
+        xo = tl.load(x_ptrs + stride_xk, mask=in_k[None, :], other=0.0)
+    return wb, xe, xo, wb_next
+
+
 @dataclass(frozen=True)
 class _Weight:
     """The packed weight's tensors on the activation's device, with placeholders for absent ones."""

@@ -50,7 +50,15 @@ import triton.language as tl
 from compress.core.errors import CompressError
 from quantization.lowering.kernels.gemm import GemmConfig, m_bucket
 from quantization.lowering.kernels.runtime import ACTIVATIONS, check_device, interpret_mode
-from quantization.lowering.kernels.w4_common import W4Config, _finish, _round_bf16, _Weight
+from quantization.lowering.kernels.w4_common import (
+    W4Config,
+    _finish,
+    _first_w,
+    _round_bf16,
+    _tile_loads,
+    _tile_start,
+    _Weight,
+)
 
 log = logging.getLogger(__name__)
 INTERPRETED = interpret_mode()
@@ -115,51 +123,17 @@ def _w4a16_kernel(
     EVEN_K: tl.constexpr, TILE_IN_GROUP: tl.constexpr, ACC3: tl.constexpr, PREFETCH: tl.constexpr,
     TILE_GROUPS: tl.constexpr = 1,
 ):
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = tl.program_id(0) // num_pid_n
-    pid_n = tl.program_id(0) % num_pid_n
+    rm, rn, rbn, rb, k_start, k_stop, x_ptrs, w_ptrs = _tile_start(
+        x_ptr, w_ptr, M, N, K, TILES_PER_SPLIT, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K)
     pid_k = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # wrapped indices: out-of-range rows/columns re-read valid memory and are masked at the store
-    ram = rm % M
-    rbn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
-    rb = tl.arange(0, BLOCK_K // 2)  # byte b of a K-tile holds features 2b (low nibble) and 2b + 1
-    # a split is a whole number of K-tiles, so its byte offset keeps 16-byte alignment (vector loads)
-    k_start = pid_k * TILES_PER_SPLIT * BLOCK_K
-    k_stop = tl.minimum(k_start + TILES_PER_SPLIT * BLOCK_K, K)
-    x_ptrs = x_ptr + ram[:, None] * stride_xm + (k_start + 2 * rb)[None, :] * stride_xk
-    w_ptrs = w_ptr + rbn[:, None] * stride_wn + (k_start // 2 + rb)[None, :] * stride_wk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if ACC3:  # CUDA cores: elementwise partial sums, one reduction over K after the loop
         acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-    if PREFETCH:  # the next weight tile is in flight while this one is dequantized
-        if EVEN_K:
-            wb_next = tl.load(w_ptrs)  # splits are never empty
-        else:
-            wb_next = tl.load(w_ptrs, mask=((2 * rb) < (K - k_start))[None, :], other=0)
+    wb_next = _first_w(w_ptrs, rb, k_start, K, EVEN_K, PREFETCH)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        in_k = (2 * rb) < (K - k0)  # K is even: a pair is inside K when its even feature is
-        if PREFETCH:
-            wb = wb_next
-            nxt = k0 + BLOCK_K
-            if EVEN_K:  # one scalar mask for the whole tile keeps the loads 16 bytes wide
-                more = tl.full((1, BLOCK_K // 2), 1, tl.int1) & (nxt < k_stop)
-                wb_next = tl.load(w_ptrs + (BLOCK_K // 2) * stride_wk, mask=more, other=0)
-            else:
-                wb_next = tl.load(w_ptrs + (BLOCK_K // 2) * stride_wk, mask=((2 * rb) < (k_stop - nxt))[None, :],
-                                  other=0)
-        elif EVEN_K:
-            wb = tl.load(w_ptrs)
-        else:
-            wb = tl.load(w_ptrs, mask=in_k[None, :], other=0)
-        if EVEN_K:
-            xe = tl.load(x_ptrs)
-            xo = tl.load(x_ptrs + stride_xk)
-        else:
-            xe = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
-            xo = tl.load(x_ptrs + stride_xk, mask=in_k[None, :], other=0.0)
+        wb, xe, xo, wb_next = _tile_loads(x_ptrs, w_ptrs, wb_next, rb, k0, k_stop, K, stride_xk, stride_wk, BLOCK_K,
+                                          EVEN_K, PREFETCH)
         lo = (wb & 0xF).to(tl.int32)  # [BLOCK_N, BLOCK_K/2]
         hi = (wb >> 4).to(tl.int32)
         if TILE_IN_GROUP:

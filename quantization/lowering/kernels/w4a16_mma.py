@@ -33,7 +33,14 @@ import triton.language as tl
 
 from quantization.lowering.kernels.gemm import split_workspace
 from quantization.lowering.kernels.runtime import interpret_mode
-from quantization.lowering.kernels.w4_common import W4Config, _finish, _Weight
+from quantization.lowering.kernels.w4_common import (
+    W4Config,
+    _finish,
+    _first_w,
+    _tile_loads,
+    _tile_start,
+    _Weight,
+)
 
 INTERPRETED = interpret_mode()
 
@@ -80,48 +87,16 @@ def _w4a16_mma_kernel(
     INTERP_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    num_pid_n = tl.cdiv(N, BLOCK_N)
     tile = tl.program_id(0)
-    pid_m = tile // num_pid_n
-    pid_n = tile % num_pid_n
     pid_k = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # wrapped indices: out-of-range rows/columns re-read valid memory and are masked at the store
-    ram = rm % M
-    rbn = tl.max_contiguous(tl.multiple_of(rn % N, BLOCK_N), BLOCK_N)
-    rb = tl.arange(0, BLOCK_K // 2)  # byte b of a K-tile holds features 2b (low nibble) and 2b + 1
-    k_start = pid_k * TILES_PER_SPLIT * BLOCK_K
-    k_stop = tl.minimum(k_start + TILES_PER_SPLIT * BLOCK_K, K)
-    x_ptrs = x_ptr + ram[:, None] * stride_xm + (k_start + 2 * rb)[None, :] * stride_xk
-    w_ptrs = w_ptr + rbn[:, None] * stride_wn + (k_start // 2 + rb)[None, :] * stride_wk
+    rm, rn, rbn, rb, k_start, k_stop, x_ptrs, w_ptrs = _tile_start(
+        x_ptr, w_ptr, M, N, K, TILES_PER_SPLIT, stride_xm, stride_xk, stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K)
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH:  # the next weight tile is in flight while this one is converted and multiplied
-        if EVEN_K:
-            wb_next = tl.load(w_ptrs)
-        else:
-            wb_next = tl.load(w_ptrs, mask=((2 * rb) < (K - k_start))[None, :], other=0)
+    wb_next = _first_w(w_ptrs, rb, k_start, K, EVEN_K, PREFETCH)  # PREFETCH: the next tile in flight meanwhile
     for k0 in range(k_start, k_stop, BLOCK_K):
-        in_k = (2 * rb) < (K - k0)
-        if PREFETCH:
-            wb = wb_next
-            nxt = k0 + BLOCK_K
-            if EVEN_K:
-                more = tl.full((1, BLOCK_K // 2), 1, tl.int1) & (nxt < k_stop)
-                wb_next = tl.load(w_ptrs + (BLOCK_K // 2) * stride_wk, mask=more, other=0)
-            else:
-                wb_next = tl.load(w_ptrs + (BLOCK_K // 2) * stride_wk, mask=((2 * rb) < (k_stop - nxt))[None, :],
-                                  other=0)
-        elif EVEN_K:
-            wb = tl.load(w_ptrs)
-        else:
-            wb = tl.load(w_ptrs, mask=in_k[None, :], other=0)
-        if EVEN_K:
-            xe = tl.load(x_ptrs)
-            xo = tl.load(x_ptrs + stride_xk)
-        else:  # past K: x is 0, so the codes' value there does not matter
-            xe = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
-            xo = tl.load(x_ptrs + stride_xk, mask=in_k[None, :], other=0.0)
+        wb, xe, xo, wb_next = _tile_loads(x_ptrs, w_ptrs, wb_next, rb, k0, k_stop, K, stride_xk, stride_wk, BLOCK_K,
+                                          EVEN_K, PREFETCH)
         g = k0 // GROUP_SIZE
         s = tl.load(s_ptr + rbn * stride_sn + g * stride_sg)
         if HAS_ZP:
