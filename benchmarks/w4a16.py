@@ -131,7 +131,7 @@ def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: tor
                 "fused_GBps": wbytes / (t_fused * 1e-3) / 1e9, "fp16_GBps": n * k * 2 / (t_fp16 * 1e-3) / 1e9,
                 "config": None if cfg is None else (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} split{cfg.split_k}"
                                                    + " acc3" * cfg.acc3 + " prefetch" * cfg.prefetch
-                                                   + f" s{cfg.num_stages} scaled-acc" * cfg.scaled_acc),
+                                                   + f" s{cfg.num_stages} scaled-acc" * cfg.scaled_acc + " gemv" * cfg.gemv),
                 "copies": len(q4),
                 "tinygemm_ms": t.get("tinygemm"), "speedup_tinygemm": t_fp16 / t["tinygemm"] if "tinygemm" in t else None,
                 "best": min(("auto", t_auto), ("tinygemm", t.get("tinygemm") or float("inf")), key=lambda kv: kv[1])[0],

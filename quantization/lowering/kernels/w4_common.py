@@ -1,7 +1,8 @@
 # mypy: disable-error-code="no-untyped-def"
 # (Triton kernels annotate only their constexpr parameters; the rest are typed by the JIT.)
 """What the two W4A16 kernel modules share (kernels/w4a16.py, the dequantizing kernels and the tuner;
-kernels/w4a16_mma.py, the tensor-core kernel on the codes): the launch configuration, the weight's
+kernels/w4a16_mma.py, the tensor-core kernel on the codes; kernels/w4a16_gemv.py, the decode kernel on the
+codes): the launch configuration, the weight's
 device tensors, and the epilogue."""
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class W4Config(GemmConfig):
     # tensor cores on the codes, group scale on the accumulator (kernels/w4a16_mma.py; fp16/bf16,
     # K-tiles inside one group): no per-weight conversion or scale multiply
     scaled_acc: bool = False
+    # decode (block_m <= 4) on CUDA cores on the codes, the group scale on each row's group sum
+    # (kernels/w4a16_gemv.py): three instructions and one FMA per row for each code
+    gemv: bool = False
 
 
 @triton.jit
@@ -48,6 +52,35 @@ def _finish(y, rn, bias_ptr, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, INTER
         y = _round_bf16(y)  # exact in bf16 now: the interpreter's truncating cast keeps it
     return y
 
+
+
+@triton.jit
+def _store_tile(acc, rm, rn, M, N, tile, pid_k, y_ptr, stride_ym, stride_yn, ws_ptr, cnt_ptr, bias_ptr,
+                HAS_BIAS: tl.constexpr, ACT: tl.constexpr, INTERP_BF16: tl.constexpr, SPLIT: tl.constexpr):
+    """Store float32 tile ``acc`` (rows ``rm``, columns ``rn``) with bias and activation; with SPLIT, as
+    split ``pid_k``'s partial of output tile ``tile`` (workspace ``ws_ptr``, counters ``cnt_ptr``).
+
+    Split K in one kernel: each split stores its partial, then counts itself in on the tile's counter;
+    the last to arrive adds the partials in split order (deterministic), re-zeroes the counter (CUDA-graph
+    replays stay right) and runs the epilogue."""
+    inside = (rm < M)[:, None] & (rn < N)[None, :]
+    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn
+    if SPLIT:
+        n_split = tl.num_programs(1)
+        ws_tile = ws_ptr + rm[:, None] * N + rn[None, :]
+        tl.store(ws_tile + pid_k * M * N, acc, mask=inside)
+        tl.debug_barrier()  # every thread's partials are stored before the arrival is counted
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == n_split - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for sk in range(0, n_split):  # split order: the sum does not depend on arrival order
+                # .cg: read from L2, where the other programs' stores are, not a stale L1 line
+                total += tl.load(ws_tile + sk * M * N, mask=inside, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
+            y = _finish(total, rn[None, :], bias_ptr, N, HAS_BIAS, ACT, INTERP_BF16)
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=inside)
+    else:
+        y = _finish(acc, rn[None, :], bias_ptr, N, HAS_BIAS, ACT, INTERP_BF16)
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=inside)
 
 @triton.jit
 def _tile_start(x_ptr, w_ptr, M, N, K, TILES_PER_SPLIT, stride_xm, stride_xk, stride_wn, stride_wk,

@@ -14,13 +14,15 @@ features of X meet them in two products. The weight never exists in memory as fp
 K-tile lies inside one group (``group_size % BLOCK_K == 0``, no g_idx) a tile needs one scale
 (and zero point) per row; otherwise, or with act_order's g_idx, each feature gathers its group's.
 
-Four ways to run, by the number of rows M and the dtype (``path``):
+Five ways to run, by the number of rows M and the dtype (``path``):
 - ``fused`` with ``BLOCK_M < 16`` (decode, M = 1..4): no tensor cores; products are summed on
   the CUDA cores, so the 16-row minimum of ``tl.dot`` is not paid for 1 row.
 - ``fused`` with ``BLOCK_M >= 16``: ``tl.dot`` (tensor cores) with float32 accumulation.
 - ``fused`` with a ``scaled_acc`` config (fp16/bf16, K-tiles inside one group; kernels/w4a16_mma.py):
   tensor cores on the int4 codes themselves, the group scale applied to the float32 sum per tile.
   At decode shapes on an H200 the tuner picked it at every LLaMA-7B shape (benchmarks/RESULTS.md).
+- ``fused`` with a ``gemv`` config (decode, M = 1..4; kernels/w4a16_gemv.py): CUDA cores on the
+  codes, three instructions and one FMA per row for each code, the group scale on each group's sum.
 - ``dequant`` (prefill, large M): one kernel writes the dequantized weight in the activation
   dtype, then cuBLAS multiplies. At large M the product is compute-bound and re-dequantizing a
   weight tile for every M-tile costs more than writing it once.
@@ -298,6 +300,16 @@ def _launch_fused(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: 
                 f"at least 32 dividing the group (got block {c.block_m}x{c.block_k}, {x.dtype}, group {wt.group_size})")
         w4a16_mma.launch(x, wt, bias, act, out, c)
         return
+    if c.gemv:
+        from quantization.lowering.kernels import w4a16_gemv
+
+        if not w4a16_gemv.supports(m, k, wt.group_size, c.block_m, c.block_k, wt.g_idx is not None):
+            raise CompressError(
+                f"w4a16_gemm: gemv tiles need block_m <= 4, K and the group multiples of 8, no g_idx and a "
+                f"power-of-two block_k inside one group or spanning whole power-of-two groups (got block "
+                f"{c.block_m}x{c.block_k}, K={k}, group {wt.group_size})")
+        w4a16_gemv.launch(x, wt, bias, act, out, c)
+        return
     if c.block_k % 2:
         raise CompressError(f"w4a16_gemm: block_k must be even (got {c.block_k})")
     if c.block_m >= 16 and c.block_k < 32:  # each of the two tl.dot calls reduces over block_k / 2 >= 16
@@ -365,6 +377,7 @@ def _candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool,
     if bm == 16:
         tiles += [(bm, bn, bk, mma) for bn in (32, 64) for bk in deep if bk == 256]
     out += _scaled_acc_candidates(m, n, k, group_size, tile_in_group_ok, x_dtype, sms)
+    out += _gemv_candidates(m, n, k, group_size, tile_in_group_ok, sms)
     for bm, bn, bk, variants in tiles:
         programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         k_tiles = triton.cdiv(k, bk)
@@ -409,6 +422,36 @@ def _scaled_acc_candidates(m: int, n: int, k: int, group_size: int, tile_in_grou
                 for stages, prefetch in ((4, False), (2, True)):
                     out.append(W4Config(bm, bn, bk, num_warps=4, num_stages=stages, split_k=split, prefetch=prefetch,
                                         scaled_acc=True))
+    return out
+
+
+def _gemv_candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool, sms: int) -> list[W4Config]:
+    """CUDA-core tiles on the codes (kernels/w4a16_gemv.py) for decode (M <= 4)."""
+    from quantization.lowering.kernels import w4a16_gemv
+
+    if m > 4 or not tile_in_group_ok:
+        return []
+    bm = triton.next_power_of_2(m)
+    out = []
+    for bn in (32, 64, 128, 256) if bm > 1 else (64, 128, 256):
+        for bk in (128, 256, 512):
+            if not w4a16_gemv.supports(m, k, group_size, bm, bk, False):
+                continue
+            # 32-bit words per thread: 4 warps, or 8 where a tile would hold more than 16 words per
+            # thread; above that (x the rows' partial sums) the sm90 compile neared 255 registers
+            warps = 4 if bn * bk // 8 <= 16 * 128 else 8
+            if bn * bk // 8 > 16 * 32 * warps or bm * bn * bk // 8 > 32 * 32 * warps:
+                continue
+            programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+            k_tiles = triton.cdiv(k, bk)
+            # enough programs for 2-8 per SM: each keeps only its own tile's weight bytes in flight,
+            # and a memory-bound GEMV needs tens of KB in flight per SM
+            splits = [sp for sp in (1, 2, 4, 8, 16, 32) if sp <= k_tiles and sms <= programs * sp <= 8 * sms]
+            for split in splits[-2:] or [max(1, min(k_tiles, -(-sms // programs)))]:
+                # a split of one tile has nothing to prefetch
+                for prefetch in (False, True) if triton.cdiv(k_tiles, split) > 1 else (False,):
+                    out.append(W4Config(bm, bn, bk, num_warps=warps, num_stages=1, split_k=split, prefetch=prefetch,
+                                        gemv=True))
     return out
 
 

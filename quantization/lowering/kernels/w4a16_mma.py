@@ -35,8 +35,8 @@ from quantization.lowering.kernels.gemm import split_workspace
 from quantization.lowering.kernels.runtime import interpret_mode
 from quantization.lowering.kernels.w4_common import (
     W4Config,
-    _finish,
     _first_w,
+    _store_tile,
     _tile_loads,
     _tile_start,
     _Weight,
@@ -115,25 +115,8 @@ def _w4a16_mma_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += (BLOCK_K // 2) * stride_wk
 
-    inside = (rm < M)[:, None] & (rn < N)[None, :]
-    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn
-    if SPLIT:
-        n_split = tl.num_programs(1)
-        ws_tile = ws_ptr + rm[:, None] * N + rn[None, :]
-        tl.store(ws_tile + pid_k * M * N, acc, mask=inside)
-        tl.debug_barrier()  # every thread's partials are stored before the arrival is counted
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == n_split - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for sk in range(0, n_split):  # split order: the sum does not depend on arrival order
-                # .cg: read from L2, where the other programs' stores are, not a stale L1 line
-                total += tl.load(ws_tile + sk * M * N, mask=inside, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")
-            y = _finish(total, rn[None, :], bias_ptr, N, HAS_BIAS, ACT, INTERP_BF16)
-            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=inside)
-    else:
-        y = _finish(acc, rn[None, :], bias_ptr, N, HAS_BIAS, ACT, INTERP_BF16)
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=inside)
-
+    _store_tile(acc, rm, rn, M, N, tile, pid_k, y_ptr, stride_ym, stride_yn, ws_ptr, cnt_ptr, bias_ptr, HAS_BIAS, ACT,
+                INTERP_BF16, SPLIT)
 
 _X_KIND = {torch.float16: 1, torch.bfloat16: 2}
 
