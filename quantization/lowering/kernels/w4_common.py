@@ -57,22 +57,24 @@ def _finish(y, rn, bias_ptr, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, INTER
 @triton.jit
 def _store_tile(acc, rm, rn, M, N, tile, pid_k, y_ptr, stride_ym, stride_yn, ws_ptr, cnt_ptr, bias_ptr,
                 HAS_BIAS: tl.constexpr, ACT: tl.constexpr, INTERP_BF16: tl.constexpr, SPLIT: tl.constexpr):
-    """Store float32 tile ``acc`` (rows ``rm``, columns ``rn``) with bias and activation; with SPLIT, as
-    split ``pid_k``'s partial of output tile ``tile`` (workspace ``ws_ptr``, counters ``cnt_ptr``).
+    """Store float32 tile ``acc`` (rows ``rm``, columns ``rn``) with bias and activation; with ``SPLIT``
+    (the number of K splits) above 1, as split ``pid_k``'s partial of output tile ``tile`` (workspace
+    ``ws_ptr``, counters ``cnt_ptr``).
 
     Split K in one kernel: each split stores its partial, then counts itself in on the tile's counter;
     the last to arrive adds the partials in split order (deterministic), re-zeroes the counter (CUDA-graph
-    replays stay right) and runs the epilogue."""
+    replays stay right) and runs the epilogue. The split count is a compile-time constant so that the
+    last program's reads of the partials are unrolled and all in flight at once: a loop over a runtime
+    count issued them a few at a time, one L2 round trip after another."""
     inside = (rm < M)[:, None] & (rn < N)[None, :]
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn
-    if SPLIT:
-        n_split = tl.num_programs(1)
+    if SPLIT > 1:
         ws_tile = ws_ptr + rm[:, None] * N + rn[None, :]
         tl.store(ws_tile + pid_k * M * N, acc, mask=inside)
         tl.debug_barrier()  # every thread's partials are stored before the arrival is counted
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == n_split - 1:
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
             total = tl.zeros(acc.shape, dtype=tl.float32)
-            for sk in range(0, n_split):  # split order: the sum does not depend on arrival order
+            for sk in tl.static_range(SPLIT):  # split order: the sum does not depend on arrival order
                 # .cg: read from L2, where the other programs' stores are, not a stale L1 line
                 total += tl.load(ws_tile + sk * M * N, mask=inside, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed")

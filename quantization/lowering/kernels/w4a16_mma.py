@@ -148,6 +148,6 @@ def launch(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: int, ou
         z.stride(0), z.stride(1), out.stride(0), out.stride(1),
         HAS_ZP=wt.zp is not None, HAS_BIAS=bias is not None, ACT=act, X_KIND=_X_KIND[x.dtype],
         INTERP_BF16=INTERPRETED and x.dtype == torch.bfloat16, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-        BLOCK_K=c.block_k, SPLIT=split > 1, EVEN_K=k % c.block_k == 0, PREFETCH=c.prefetch,
+        BLOCK_K=c.block_k, SPLIT=split, EVEN_K=k % c.block_k == 0, PREFETCH=c.prefetch,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )

@@ -153,7 +153,7 @@ names = list(k._w4a16_gemv_kernel.arg_names)
 for x, bm, bn, bk, zp, prefetch in (("fp16", 1, 128, 128, False, False), ("bf16", 1, 128, 256, True, True),
                                     ("fp16", 4, 64, 128, True, False)):
     const = {"HAS_ZP": zp, "HAS_BIAS": True, "ACT": 0, "INTERP_BF16": False, "GROUP": 128, "BLOCK_M": bm,
-             "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": True, "EVEN_K": True, "PREFETCH": prefetch,
+             "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": 8, "EVEN_K": True, "PREFETCH": prefetch,
              # what a launch on contiguous tensors specializes (strides of 1)
              "stride_wk": 1, "stride_xk": 1, "stride_sn": 1, "stride_zn": 1, "stride_yn": 1}
     ptrs = {"x_ptr": f"*{x}", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*u8", "bias_ptr": "*fp32", "y_ptr": f"*{x}",

@@ -135,7 +135,8 @@ from quantization.lowering.kernels import w4a16_mma as k
 names = list(k._w4a16_mma_kernel.arg_names)
 for x, split, prefetch, zp in (("fp16", False, False, False), ("bf16", True, True, True), ("fp16", True, False, True)):
     const = {"HAS_ZP": zp, "HAS_BIAS": True, "ACT": 2, "X_KIND": {"fp16": 1, "bf16": 2}[x], "INTERP_BF16": False,
-             "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": split, "EVEN_K": True, "PREFETCH": prefetch}
+             "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT": 4 if split else 1, "EVEN_K": True,
+             "PREFETCH": prefetch}
     ptrs = {"x_ptr": f"*{x}", "w_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8", "bias_ptr": "*fp32", "y_ptr": f"*{x}",
             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     sig = {n: ptrs.get(n, "constexpr" if n in const else "i32") for n in names}
