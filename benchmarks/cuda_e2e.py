@@ -456,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="Llama phases to time")
     ap.add_argument("--decode-batches", nargs="*", type=int, default=None, help="Llama decode batch sizes")
     ap.add_argument("--profile", action="store_true", help="CUDA kernel time per kind for each variant")
+    ap.add_argument("--schemes", nargs="*", default=None, metavar="SCHEME",
+                    help="only these schemes (e.g. W4A16 w8a8); fp16 always runs as the baseline")
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/cuda_e2e.json"))
     ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                     help="merge result files of runs on one GPU into --json and RESULTS.md (no GPU needed)")
@@ -482,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         plan["llama"]["prefill"] = []
     for part in ("llama", "bert", "resnet"):
         plan[part]["profile"] = args.profile
+        if args.schemes is not None:
+            plan["schemes"][part] = [s for s in plan["schemes"][part] if s in args.schemes]
     runs = args.runs if cuda else 1
     data: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0) if cuda else "cpu (TRITON_INTERPRET smoke)",
                             "plan": plan, "rows": [], "errors": [], "profiles": {}}
