@@ -47,7 +47,7 @@ def _for(m: int, gs: int, base: W4Config) -> W4Config:
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("asym", [False, True], ids=["sym", "asym"])
 @pytest.mark.parametrize("mnkg", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_dyadic_product_is_bit_exact(mnkg: tuple[int, int, int, int], asym: bool, dtype: torch.dtype, config: str,
