@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 from compress.core.errors import CompressError
+from quantization.lowering.fused_norm import layernorm_tolerance
 from quantization.lowering.kernels import layernorm_quantize, quantize_per_token
-
-_F32_EPS = torch.finfo(torch.float32).eps
 
 
 def _norm(k: int, dtype: torch.dtype, device: str, *, bias: bool = True, affine: bool = True,
@@ -33,18 +32,10 @@ def _x(shape: tuple[int, ...], dtype: torch.dtype, device: str, seed: int = 1) -
 
 
 def bound(x: torch.Tensor, norm: nn.LayerNorm, ref: torch.Tensor) -> torch.Tensor:
-    """How far the kernel's y may be from torch's, per element: both compute in float32 and round
-    once, but sum in different orders (and the GPU's rsqrt is approximate), so their float32 values
-    differ by a few float32 ulps of the terms (the mean's error |x|-sized, times |w| r; the affine's
-    |b|-sized), and rounding that to the output dtype adds at most one unit in its last place."""
-    xd = x.double()
-    mu = xd.mean(-1, keepdim=True)
-    r = (xd.var(-1, unbiased=False, keepdim=True) + norm.eps).rsqrt()
-    w = norm.weight.double().abs() if norm.weight is not None else 1.0
-    b = norm.bias.double().abs() if norm.bias is not None else 0.0
-    f32 = 16 * _F32_EPS * (w * r * ((xd - mu).abs() + xd.abs().mean(-1, keepdim=True)) + b)
-    out = torch.finfo(ref.dtype)
-    return (out.eps * ref.double().abs() + out.tiny + f32).to(ref.device)
+    """The bound fused_norm.layernorm_tolerance states (and the conversion's proof uses): one unit in
+    the last place of the output plus 16 float32 ulps of the terms (the mean's error times |w| r,
+    the bias)."""
+    return layernorm_tolerance(x, norm.weight, norm.bias, norm.eps, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
