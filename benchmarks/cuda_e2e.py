@@ -293,7 +293,7 @@ _BERT_KEYS = (("quantize", ("_per_token_kernel", "_static_kernel", "_qdq_kernel"
               ("norm", ("_norm_quant_kernel", "layer_norm", "layernorm", "rms_norm", "rmsnorm")),
               ("attention", ("flash", "fmha", "attention", "sdpa", "efficient", "softmax")),
               ("gemm_fp16", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "_mm_", "mm_kernel",
-                             "splitk", "sm90_", "sm80_", "ampere_")),
+                             "splitk", "sm90_", "sm80_", "ampere_", "triton_tem")),
               ("elementwise", ("elementwise", "vectorized", "unrolled", "gelu", "add", "mul", "copy", "fill", "cat",
                                "index", "embedding", "gather", "where", "memcpy", "memset", "triton_poi")))
 
@@ -301,7 +301,7 @@ _BERT_KEYS = (("quantize", ("_per_token_kernel", "_static_kernel", "_qdq_kernel"
 def _bert_category(kernel: str, op: str) -> str:
     """The category of one kernel, from its name and the aten op that launched it ("" if none)."""
     low = kernel.lower()
-    if low.startswith("_gemm_kernel") or op == "aten::_scaled_mm" or "e4m3" in low:
+    if low.startswith("_gemm_kernel") or "scaled_mm" in op or "e4m3" in low:  # _scaled_mm(_v2)
         return "gemm_q"
     if op in _GEMM_OPS and not low.startswith(("triton_poi", "triton_red", "triton_per")):
         return "gemm_fp16"

@@ -153,7 +153,7 @@ class FusedNorm(nn.Module):
     def from_module(cls, mod: nn.Module) -> FusedNorm:
         """The fused form of the norm ``mod`` (sharing its parameters), or UnsupportedModelError why not."""
         if not cls.candidate(mod):
-            raise UnsupportedModelError(f"it is not an {cls.form} with a 1-D weight and eps")
+            raise UnsupportedModelError(f"it is not a candidate {cls.form} (a 1-D weight and eps)")
         why = cls.prove(mod)
         if why is not None:
             raise UnsupportedModelError(why)

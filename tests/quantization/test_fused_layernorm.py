@@ -226,6 +226,8 @@ def test_cuda_e2e_bert_kernel_categories() -> None:
     cases = {("_gemm_kernel", ""): "gemm_q",
              ("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128", "aten::_scaled_mm"): "gemm_q",
              ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN", "aten::addmm"): "gemm_fp16",
+             ("nvjet_unknown_fp8_name", "aten::_scaled_mm_v2"): "gemm_q",
+             ("triton_tem_fused_addmm_gelu_0", ""): "gemm_fp16",
              ("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x256x64", "aten::mm"): "gemm_fp16",
              ("_per_token_kernel", ""): "quantize", ("_norm_quant_kernel", ""): "norm",
              ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::Half, float>",
