@@ -256,6 +256,8 @@ def bench_bert(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs
                rows: list[dict[str, Any]], profiles: dict[str, Any]) -> None:
     from transformers import BertConfig, BertModel
 
+    from quantization.lowering.fused_norm import FusedLayerNorm, fuse_norms
+
     cfg = BertConfig(hidden_size=spec["hidden"], num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
                      intermediate_size=spec["inter"], vocab_size=30522, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -263,18 +265,102 @@ def bench_bert(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs
     fp32 = fp32.to(dev)
     calib = [{"input_ids": torch.randint(0, 30522, (4, spec["seq"])).to(dev)}]
     models: dict[str, nn.Module] = {"fp32": fp32, "fp16": copy.deepcopy(fp32).half()}
+    # the stricter baseline, as for Llama: fp16 whose LayerNorms run the converted models' norm kernel
+    # (without codes). The converted models fuse theirs (convert's default for placed="drop"): each
+    # post-LN LayerNorm also writes the per-token codes of q/k/v (next layer) or of the MLP's first Linear
+    models[_FP16N] = copy.deepcopy(models["fp16"])
+    fuse_norms(models[_FP16N], record=lambda *_: None, forms=(FusedLayerNorm,))
     info = {}
     for s in schemes:
         models[s], info[s] = _convert(fp32, s, calib, dev, torch.float16)
+        log.info("bert %s: %s", s, info[s])
     for b in spec["batch"]:
         ids = torch.randint(0, 30522, (b, spec["seq"])).to(dev)
         timed = _with_compiled(models, spec.get("compile", False))
-        with torch.no_grad():
+        with torch.no_grad():  # also the eager warm-up in which each fused norm finds its readers
             outs = {k: m(input_ids=ids).last_hidden_state.float() for k, m in timed.items()}
         fns = {k: (lambda m=m, ids=ids: m(input_ids=ids)) for k, m in timed.items() if k != "fp32"}
-        if spec.get("profile"):
-            profiles[f"bert batch {b}"] = _profile(fns, dev)
+        # always (cheap): the per-category breakdown is what says where BERT's time goes
+        profiles[f"bert batch {b}"] = _bert_profile(fns, dev)
         rows += _rows_for("bert-base", fns, outs, dev, runs, {"phase": "encode", "batch": b, "tokens": spec["seq"]}, info)
+
+
+# BERT's kernel-time categories, in the order of the RESULTS table. gemm_q: the int8 Triton GEMM and
+# FP8's cuBLASLt GEMMs (launched by aten::_scaled_mm); gemm_fp16: every other GEMM.
+_BERT_CATS = ("gemm_q", "gemm_fp16", "quantize", "norm", "attention", "elementwise", "other")
+_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul")
+_BERT_KEYS = (("quantize", ("_per_token_kernel", "_static_kernel", "_qdq_kernel")),
+              ("norm", ("_norm_quant_kernel", "layer_norm", "layernorm", "rms_norm", "rmsnorm")),
+              ("attention", ("flash", "fmha", "attention", "sdpa", "efficient", "softmax")),
+              ("gemm_fp16", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "_mm_", "mm_kernel",
+                             "splitk", "sm90_", "sm80_", "ampere_", "triton_tem")),
+              ("elementwise", ("elementwise", "vectorized", "unrolled", "gelu", "add", "mul", "copy", "fill", "cat",
+                               "index", "embedding", "gather", "where", "memcpy", "memset", "triton_poi")))
+
+
+def _bert_category(kernel: str, op: str) -> str:
+    """The category of one kernel, from its name and the aten op that launched it ("" if none)."""
+    low = kernel.lower()
+    if low.startswith("_gemm_kernel") or "scaled_mm" in op or "e4m3" in low:  # _scaled_mm(_v2)
+        return "gemm_q"
+    if op in _GEMM_OPS and not low.startswith(("triton_poi", "triton_red", "triton_per")):
+        return "gemm_fp16"
+    return next((cat for cat, keys in _BERT_KEYS if any(key in low for key in keys)), "other")
+
+
+def _bert_profile(fns: dict[str, Callable[[], Any]], dev: torch.device, iters: int = 3) -> dict[str, dict[str, Any]]:
+    """Per variant: device kernel ms per forward in each of _BERT_CATS (and their shares), the kinds
+    of the common profile table, the five longest kernels; per scheme, the Amdahl ceiling its GEMMs
+    allow (the GEMM share of fp16's kernel time, the scheme's GEMMs' speed over fp16's)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    out: dict[str, dict[str, Any]] = {}
+    for k, fn in fns.items():
+        with torch.no_grad():
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            with profile(activities=acts) as prof:
+                for _ in range(iters):
+                    fn()
+                if cuda:
+                    torch.cuda.synchronize()
+        per: dict[str, float] = {}  # kernel (CPU: top-level op) name -> ms per forward
+        ops: dict[str, dict[str, float]] = {}  # kernel name -> launching op -> ms
+        for e in prof.events():
+            if (e.device_type == DeviceType.CUDA) if cuda else e.cpu_parent is None:
+                per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / iters
+            if cuda and e.device_type == DeviceType.CPU:
+                for kern in e.kernels:
+                    by = ops.setdefault(kern.name, {})
+                    by[e.name] = by.get(e.name, 0.0) + kern.duration
+        cats = dict.fromkeys(_BERT_CATS, 0.0)
+        kinds: dict[str, float] = {}
+        for name, t in per.items():
+            op = max(ops[name], key=ops[name].__getitem__) if name in ops else (name if not cuda else "")
+            cats[_bert_category(name, op)] += t
+            kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + t
+        total = sum(per.values())
+        top = sorted(per.items(), key=lambda kv: -kv[1])[:5]
+        out[k] = {"total_ms": total, **{f"{kind}_ms": kinds.get(kind, 0.0) for kind, _ in _KINDS},
+                  "other_ms": kinds.get("other", 0.0), "top": [[n[:80], round(t, 4)] for n, t in top],
+                  "breakdown_ms": cats, "breakdown_share": {c: (t / total if total else 0.0) for c, t in cats.items()}}
+        log.info("bert breakdown %s: %s", k, {c: round(t, 3) for c, t in cats.items() if t})
+    for k, p in out.items():
+        base = out.get("fp16" + _COMPILED if k.endswith(_COMPILED) else "fp16")
+        if k.removesuffix(_COMPILED) in ("fp16", _FP16N) or base is None:
+            continue
+        gemm16 = base["breakdown_ms"]["gemm_fp16"] + base["breakdown_ms"]["gemm_q"]
+        gemm = p["breakdown_ms"]["gemm_fp16"] + p["breakdown_ms"]["gemm_q"]
+        x = gemm16 / base["total_ms"] if base["total_ms"] else 0.0
+        y = gemm16 / gemm if gemm else float("nan")
+        p["amdahl"] = {"gemm_share_fp16": x, "gemm_speedup": y, "ceiling": 1 / (1 - x + x / y) if gemm else float("nan"),
+                       "ceiling_at_2x": 1 / (1 - x + x / 2), "kernel_time_ratio": base["total_ms"] / p["total_ms"]}
+        log.info("bert amdahl %s: %s", k, {a: round(v, 3) for a, v in p["amdahl"].items()})
+    return out
 
 
 def _resnet() -> tuple[str, nn.Module]:
@@ -369,7 +455,7 @@ def _markdown(data: dict[str, Any]) -> str:
         table(rows, ["model", "phase", "batch", "tokens", "scheme", "mode", "fp16_ms", "ms", "speedup", "fp16n_ms",
                      "speedup_fp16n", "cosine", "sqnr_db", "fp16_cosine", "layers", "kept_float"]),
     ]
-    parts.append("\n`fp16n_ms` / `speedup_fp16n` (Llama): against fp16 whose RMSNorms run the same norm kernel as the "
+    parts.append("\n`fp16n_ms` / `speedup_fp16n` (Llama, BERT): against fp16 whose RMSNorms (LayerNorms) run the same norm kernel as the "
                  "converted models (without codes): the stricter baseline, which does not credit the norm's fusion. "
                  "It still credits the horizontal fusion (the int8 Linears reading one tensor, q/k/v and gate/up, "
                  "run as one GEMM), which an fp16 model could also use (vLLM's fused QKV): the baseline keeps "
@@ -388,10 +474,42 @@ def _markdown(data: dict[str, Any]) -> str:
         prof = [{"run": run, "variant": v, **{k: x for k, x in p.items() if k != "top"}}
                 for run, per in data["profiles"].items() for v, p in per.items()]
         parts.append(table(prof, ["run", "variant", "total_ms", "gemm_ms", "quantize_ms", "attention_ms", "other_ms"]))
+    parts += _bert_breakdown_md(data.get("profiles", {}))
     if data.get("errors"):
         parts.append("\nParts that failed on this machine:\n")
         parts += [f"- {e}" for e in data["errors"]]
     return "\n".join(parts) + "\n"
+
+
+def _bert_breakdown_md(profiles: dict[str, Any]) -> list[str]:
+    """BERT's kernel time per category (ms per forward and share) and the Amdahl ceilings."""
+    from benchmarks._results import table
+
+    runs = {run: per for run, per in profiles.items() if run.startswith("bert")
+            and any("breakdown_ms" in p for p in per.values())}
+    if not runs:
+        return []
+    rows, amdahl = [], []
+    for run, per in runs.items():
+        for v, p in per.items():
+            bd, sh = p.get("breakdown_ms", {}), p.get("breakdown_share", {})
+            rows.append({"run": run, "variant": v, "total_ms": p["total_ms"],
+                         **{c: f"{bd.get(c, 0.0):.3f} ({100 * sh.get(c, 0.0):.0f}%)" for c in _BERT_CATS}})
+            if "amdahl" in p:
+                amdahl.append({"run": run, "variant": v, **p["amdahl"]})
+    parts = ["\nBERT-base, where the kernel time goes (profiler, one eager forward, or `+compile`; ms per forward "
+             "and share of the variant's kernel time): `gemm_q` the int8 Triton GEMM and FP8's cuBLASLt GEMMs, "
+             "`gemm_fp16` every other GEMM, `quantize` our per-token activation quantization kernels, `norm` "
+             "LayerNorm (ours with the codes, or torch's), `attention` SDPA's kernels, `elementwise` GELU, residual "
+             "adds, embeddings, copies.\n", table(rows, ["run", "variant", "total_ms", *_BERT_CATS])]
+    if amdahl:
+        parts += ["\nAmdahl: with GEMMs a share X of fp16's kernel time and the scheme's GEMMs (all of them, "
+                  "quantized and fp16) Y times faster than fp16's, no saving elsewhere gives more than "
+                  "1/(1-X+X/Y) (`ceiling`; `ceiling_at_2x`: Y = 2, the H100/H200 int8/fp8 tensor-core peak over "
+                  "fp16). `kernel_time_ratio`: fp16 kernel ms over the variant's.\n",
+                  table(amdahl, ["run", "variant", "gemm_share_fp16", "gemm_speedup", "ceiling", "ceiling_at_2x",
+                                 "kernel_time_ratio"])]
+    return parts
 
 
 def _row_key(r: dict[str, Any]) -> tuple[Any, ...]:

@@ -25,7 +25,7 @@ from torch import nn
 from compress.core.errors import RecipeError, UnsupportedModelError, did_you_mean
 from quantization.algorithms.bn_fold import sequential_pairs
 from quantization.lowering.fp8 import FP8Linear
-from quantization.lowering.fused_norm import fuse_rmsnorms
+from quantization.lowering.fused_norm import fuse_norms as fuse_norm_modules
 from quantization.lowering.horizontal import track_readers
 from quantization.lowering.int4 import is_int4_weight_only
 from quantization.lowering.int8 import Int8Conv2d, Int8Linear, StaticQDQ
@@ -51,8 +51,9 @@ _LAYERS = (QuantLinear, QuantConv2d, QuantConv1d)
 class LayerConversion:
     """What happened to one quantized module: converted to ``int8_type`` or kept float (``reason``).
 
-    ``kind``: ``"layer"`` for quantized layers, ``"norm"`` for RMSNorms (``int8_type`` FusedRMSNorm:
-    one kernel that also quantizes for its readers; else kept as they are, with the reason)."""
+    ``kind``: ``"layer"`` for quantized layers, ``"norm"`` for RMSNorms and LayerNorms (``int8_type``
+    FusedRMSNorm / FusedLayerNorm: one kernel that also quantizes for its readers; else kept as they
+    are, with the reason)."""
 
     name: str
     quant_type: str
@@ -174,9 +175,10 @@ def convert_with_report(
     model runs without it eagerly and traces in one graph under torch.compile; a ``fuse`` model keeps
     the interception, which torch.compile does not run (its placed quantizers would be skipped).
 
-    ``fuse_norms``: replace each Llama-family RMSNorm (proven equal on a probe input) by a
-    FusedRMSNorm, one kernel that also writes the per-token codes its dynamic int8/fp8 readers would
-    compute (quantization/lowering/fused_norm.py); reported as ``kind="norm"`` rows. The kernel sums
+    ``fuse_norms``: replace each Llama-family RMSNorm and each LayerNorm (proven equal on probe
+    inputs) by a FusedRMSNorm / FusedLayerNorm, one kernel that also writes the per-token codes its
+    dynamic int8/fp8 readers would compute (quantization/lowering/fused_norm.py); reported as
+    ``kind="norm"`` rows. The kernel sums
     in another order than torch (its output may differ by a unit in the last place, and a code then
     by one step), so the default (None) fuses for deployment (``placed="drop"``) and not for the
     parity model (``placed="fuse"``, the fake-quant model's exact arithmetic).
@@ -235,10 +237,11 @@ def convert_with_report(
     if shared:
         log.info("convert: %d layers share their input quantization with another reader of the same tensor", shared)
     if (placed == "drop" if fuse_norms is None else fuse_norms) and _any_converted(report):
-        norms = fuse_rmsnorms(root, record=lambda n, t, why: report.append(
-            LayerConversion(n, t, None if why else "FusedRMSNorm", reason=why or "", kind="norm")))
+        norms = fuse_norm_modules(root, record=lambda n, t, why, new: report.append(
+            LayerConversion(n, t, None if why else new, reason=why or "", kind="norm")))
         if norms:
-            log.info("convert: %d RMSNorms run as one kernel that also quantizes for their readers", norms)
+            log.info("convert: %s run as one kernel that also quantizes for their readers",
+                     ", ".join(f"{n} {form}s" for form, n in norms.items()))
     if horizontal:
         track_readers([m for m in root.modules() if isinstance(m, Int8Linear)])
     fused = _fuse_static_quantizers(root, drop=placed == "drop") if _any_converted(report) else 0

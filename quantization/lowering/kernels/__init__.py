@@ -42,6 +42,7 @@ _LAZY = {
     "int8_conv2d": "conv",
     "w4a16_gemm": "w4a16",
     "rmsnorm_quantize": "norm",
+    "layernorm_quantize": "norm",
 }
 
 
@@ -57,6 +58,7 @@ if TYPE_CHECKING:  # the lazy names above, for type checkers (importing them loa
     from quantization.lowering.kernels.conv import int8_conv2d as int8_conv2d
     from quantization.lowering.kernels.gemm import GemmConfig as GemmConfig
     from quantization.lowering.kernels.gemm import int8_gemm as int8_gemm
+    from quantization.lowering.kernels.norm import layernorm_quantize as layernorm_quantize
     from quantization.lowering.kernels.norm import rmsnorm_quantize as rmsnorm_quantize
     from quantization.lowering.kernels.quant import quantize_per_token as quantize_per_token
     from quantization.lowering.kernels.quant import quantize_static as quantize_static

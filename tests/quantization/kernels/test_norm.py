@@ -88,27 +88,29 @@ def test_bad_inputs_raise(device: str) -> None:
 
 def test_kernel_compiles_for_hopper_without_a_gpu() -> None:
     # Triton compiles to PTX and cubin without a device: the CUDA path (not the interpreter's) builds,
-    # for int8 and fp8 codes, SmoothQuant's pre-scale, bf16, a wider output dtype and long rows
+    # for int8 and fp8 codes, SmoothQuant's pre-scale, bf16, a wider output dtype and long rows, RMSNorm
+    # and LayerNorm (with and without weight and bias)
     code = """
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from quantization.lowering.kernels import norm as k
 
-        def build(x="fp16", y="fp16", single=True, codes=True, pqs=False, fp8=False):
-            names = list(k._rmsnorm_quant_kernel.arg_names)
+        def build(x="fp16", y="fp16", single=True, codes=True, pqs=False, fp8=False, layer=False, w=True, b=False):
+            names = list(k._norm_quant_kernel.arg_names)
             const = {"QMIN": -448.0 if fp8 else -128, "QMAX": 448.0 if fp8 else 127.0, "QEPS": 1.1920928955078125e-07,
                      "BLOCK_K": 4096, "SINGLE": single, "CODES": codes, "HAS_PQS": pqs, "FP8": fp8,
-                     "X_BF16": x == "bf16", "Y_BF16": y == "bf16"}
-            ptrs = {"x_ptr": "*" + x, "w_ptr": "*" + y, "y_ptr": "*" + y, "q_ptr": "*fp8e4nv" if fp8 else "*i8",
+                     "X_BF16": x == "bf16", "Y_BF16": y == "bf16", "LAYER": layer, "HAS_W": w, "HAS_B": b}
+            ptrs = {"x_ptr": "*" + x, "w_ptr": "*" + y, "b_ptr": "*" + y, "y_ptr": "*" + y, "q_ptr": "*fp8e4nv" if fp8 else "*i8",
                     "scale_ptr": "*fp32", "pqs_ptr": "*fp32"}
             sig = {n: ptrs.get(n, "constexpr" if n in const else "fp32" if n == "eps" else "i32") for n in names}
-            src = ASTSource(fn=k._rmsnorm_quant_kernel, signature=sig,
+            src = ASTSource(fn=k._norm_quant_kernel, signature=sig,
                             constexprs={(names.index(c),): v for c, v in const.items()})
             return len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["cubin"])
 
         sizes = [build(), build(x="bf16", y="bf16", pqs=True, fp8=True), build(y="fp32", pqs=True),
-                 build(single=False), build(codes=False)]
+                 build(single=False), build(codes=False), build(layer=True, b=True),
+                 build(x="bf16", y="bf16", layer=True, w=False, fp8=True, pqs=True), build(layer=True, single=False, b=True)]
         print("OK", all(s > 0 for s in sizes))
     """
     import os
