@@ -368,7 +368,11 @@ def _candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool,
     # tile one group deep is 64 bytes per row at g128, too little weight in flight per SM
     deep = [bk for bk in (256, 512) if tile_in_group_ok and multi_group_tile(bk, group_size) > 1 and k % bk == 0]
     tiles: list[tuple[int, int, int, list[tuple[bool, bool]]]] = []
-    if m <= 4:
+    gemv = _gemv_candidates(m, n, k, group_size, tile_in_group_ok, sms)
+    if m <= 4 and not gemv:
+        # the dequantizing CUDA-core tiles only where the gemv kernel cannot run (act_order, K not a
+        # multiple of 8): on an H200 at LLaMA-7B decode shapes the tensor-core tiles beat them at every
+        # shape, and each candidate costs a compile at first use
         bm = triton.next_power_of_2(m)
         tiles += [(bm, bn, bk, [(True, True)]) for bn in (32, 64, 128) for bk in bks + deep if bm * bn * bk <= 16384]
     bm = max(16, min(triton.next_power_of_2(m), 128))
@@ -377,7 +381,7 @@ def _candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool,
     if bm == 16:
         tiles += [(bm, bn, bk, mma) for bn in (32, 64) for bk in deep if bk == 256]
     out += _scaled_acc_candidates(m, n, k, group_size, tile_in_group_ok, x_dtype, sms)
-    out += _gemv_candidates(m, n, k, group_size, tile_in_group_ok, sms)
+    out += gemv
     for bm, bn, bk, variants in tiles:
         programs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
         k_tiles = triton.cdiv(k, bk)

@@ -112,10 +112,12 @@ def test_tuned_w4a16_path(m: int, interpret_only: None, monkeypatch: pytest.Monk
     out = torch.empty(m, n)
     cands = w4._candidates(m, n, k, gs, True, x.dtype)
     # 1..4 rows also try CUDA-core tiles; a K-tile lies inside a group or, for decode, spans whole
-    # groups (one scale load per row and group); splits keep >= 2 tiles
+    # groups (one scale load per row and group); splits keep >= 2 tiles (the gemv kernel's, which
+    # hold their weight in flight by program count, >= 1)
     assert any(c.block_m < 16 for c in cands) == (m <= 4)
+    assert any(c.gemv for c in cands) == (m <= 4)
     assert all((gs % c.block_k == 0 or w4.multi_group_tile(c.block_k, gs) > 1)
-               and (c.split_k == 1 or k // c.block_k >= 2 * c.split_k) for c in cands)
+               and (c.split_k == 1 or k // c.block_k >= (1 if c.gemv else 2) * c.split_k) for c in cands)
     assert any(w4.multi_group_tile(c.block_k, gs) > 1 for c in cands) == (m <= 16)
     chosen = w4._pick(x, wt, None, 0, out, timer=bench)
     assert chosen == cands[2] and len(timed) == len(cands)
