@@ -83,7 +83,9 @@ def _tinygemm_calls(q4: list[Any], x: torch.Tensor, group: int, k: int) -> list[
     return [lambda t=t, sz=sz, xb=xb: torch.ops.aten._weight_int4pack_mm(xb, t, group, sz) for t, sz in ops]
 
 
-def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: torch.device, cuda: bool) -> list[dict[str, Any]]:
+def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: torch.device, cuda: bool,
+          on_row: Any = None) -> list[dict[str, Any]]:
+    """One row per (shape, M); ``on_row(rows)`` after each, so a run cut short keeps what it measured."""
     from quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
     from quantization.lowering.kernels import w4a16 as k4
 
@@ -139,7 +141,10 @@ def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: tor
                                sqnr_db(x.double() @ exact_asym.T, y_asym),
                                sqnr_db(x.double() @ exact_sym.T, y_deq)),
             }
+            row["date"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
             log.info("N=%d K=%d M=%d: fp16 %.4f ms, fused %.4f ms (%s, %.0f GB/s), zp %.4f, dequant %.4f, tinygemm %s; "
                      "auto %s %.2fx; sqnr %.1f dB", n, k, m, t_fp16, t_fused, row["config"], row["fused_GBps"], t_fused_zp,
                      t_deq, t.get("tinygemm"), auto, row["speedup"], row["sqnr_db"])
@@ -224,8 +229,8 @@ def _markdown(data: dict[str, Any]) -> str:
         "activations and bf16 scales, the library baseline; `tg x`: fp16 ms over its ms.",
         "",
         "| N x K | M | fp16 ms | fused ms | fused+zp ms | dequant ms | auto | speedup | +zp | tinygemm ms | tg x "
-        "| fused GB/s | fused config | SQNR dB |",
-        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|",
+        "| fused GB/s | fused config | SQNR dB | measured (UTC) |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in data["rows"]:
         tg = r.get("tinygemm_ms")
@@ -233,7 +238,7 @@ def _markdown(data: dict[str, Any]) -> str:
         lines.append(
             f"| {r['N']}x{r['K']} | {r['M']} | {r['fp16_ms']:.4f} | {r['fused_ms']:.4f} | {r['fused_zp_ms']:.4f} | "
             f"{r['dequant_ms']:.4f} | {r['auto']} | {r['speedup']:.2f}x | {r['speedup_zp']:.2f}x | {tg_cells} | "
-            f"{r['fused_GBps']:.0f} | {r['config']} | {r['sqnr_db']:.1f} |"
+            f"{r['fused_GBps']:.0f} | {r['config']} | {r['sqnr_db']:.1f} | {r.get('date', 'an earlier run')} |"
         )
     return "\n".join(lines)
 
@@ -264,20 +269,27 @@ def main(argv: list[str] | None = None) -> int:
     cuda = not args.interpret_smoke
     shapes, tokens, group = (LLAMA7B, TOKENS, GROUP) if cuda else (SMOKE["shapes"], SMOKE["tokens"], SMOKE["group"])
     tokens = args.tokens or tokens
-    data: dict[str, Any] = {
-        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu (TRITON_INTERPRET smoke)",
-        "group": group,
-        "dequant_min_m": DEQUANT_MIN_M,
-        "rows": bench(shapes, tokens, group, dev, cuda),  # type: ignore[arg-type]
-    }
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=2))
-    if cuda:  # smoke figures are interpreter timings: never written over measured results
-        from benchmarks._results import write_section
+    gpu = torch.cuda.get_device_name(0) if cuda else "cpu (TRITON_INTERPRET smoke)"
+    # rows of an earlier run on the same GPU that this run does not re-measure stay, with their dates
+    old = json.loads(args.json.read_text()) if args.json is not None and args.json.exists() else {}
+    old_rows = old.get("rows", []) if old.get("gpu") == gpu and old.get("group") == group else []
 
-        write_section("w4a16", _markdown(data), data)
-    else:
+    def write(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        fresh = {(r["N"], r["K"], r["M"]) for r in rows}
+        kept = [r for r in old_rows if (r["N"], r["K"], r["M"]) not in fresh]
+        merged = sorted(kept + rows, key=lambda r: (r["N"], r["K"], r["M"]))
+        data = {"gpu": gpu, "group": group, "dequant_min_m": DEQUANT_MIN_M, "rows": merged}
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(data, indent=2))
+        if cuda:  # smoke figures are interpreter timings: never written over measured results
+            from benchmarks._results import write_section
+
+            write_section("w4a16", _markdown(data), data)
+        return data
+
+    data = write(bench(shapes, tokens, group, dev, cuda, on_row=write))  # type: ignore[arg-type]
+    if not cuda:
         print(_markdown(data))
     return 0
 

@@ -190,9 +190,12 @@ def test_fused_layernorms_on_cuda_in_fp16_and_under_cuda_graphs(scheme: str, mon
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.no_grad():
         conv(input_ids=static_ids)
+        # cuBLAS is set up before the capture (SDPA ran cuBLAS inside it and failed to create its
+        # handle there, CUBLAS_STATUS_NOT_INITIALIZED on the H200), and the capture uses this stream
+        torch.ones(16, 16, device="cuda", dtype=torch.float16) @ torch.ones(16, 16, device="cuda", dtype=torch.float16)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
+    with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
         out = conv(input_ids=static_ids).last_hidden_state
     graph.replay()
     torch.cuda.synchronize()
