@@ -238,7 +238,7 @@ def _markdown(data: dict[str, Any]) -> str:
         lines.append(
             f"| {r['N']}x{r['K']} | {r['M']} | {r['fp16_ms']:.4f} | {r['fused_ms']:.4f} | {r['fused_zp_ms']:.4f} | "
             f"{r['dequant_ms']:.4f} | {r['auto']} | {r['speedup']:.2f}x | {r['speedup_zp']:.2f}x | {tg_cells} | "
-            f"{r['fused_GBps']:.0f} | {r['config']} | {r['sqnr_db']:.1f} | {r.get('date', 'an earlier run')} |"
+            f"{r['fused_GBps']:.0f} | {r['config']} | {r['sqnr_db']:.1f} | {r.get('date', '2026-11-26 (earlier stop)')} |"
         )
     return "\n".join(lines)
 
