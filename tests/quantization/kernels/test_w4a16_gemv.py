@@ -140,6 +140,24 @@ def test_tuner_times_gemv_tiles_for_decode_only() -> None:
     assert all(c.block_n * c.block_k // 8 <= 16 * 32 * c.num_warps for c in cands(1))
 
 
+def test_tuners_time_weights_from_device_memory(device: str) -> None:
+    # an H200's L2 is 50 MB: a LLaMA-7B 4096x4096 int4 layer (8.4 MB) is timed over 12 copies, a
+    # layer larger than twice L2 once; never more than 32 copies
+    from quantization.lowering.kernels import w4a16 as k4
+
+    assert k4.copies_beyond_l2(8_912_896, 50 * 2**20) == 12
+    assert k4.copies_beyond_l2(200 * 2**20, 50 * 2**20) == 1
+    assert k4.copies_beyond_l2(1000, 50 * 2**20) == 32
+    w = _int4(64, 256, 64, asym=True, g=torch.Generator().manual_seed(1), dyadic=False)
+    wt = k4._weight(pack_nibbles(w.codes).to(device), w.scale.t().contiguous().t(), w.zero_point, None, 64,
+                    torch.device(device))
+    copies = k4.hbm_copies(wt)
+    assert copies[0] is wt and (len(copies) == 1) == (device == "cpu")
+    for c in copies[1:]:  # separate memory, same values and layout (column-major scales)
+        assert c.packed.data_ptr() != wt.packed.data_ptr() and torch.equal(c.packed, wt.packed)
+        assert c.scale.stride() == wt.scale.stride() and torch.equal(c.scale, wt.scale)
+
+
 COMPILE_SCRIPT = r'''
 import re
 import triton
