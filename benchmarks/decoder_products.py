@@ -8,7 +8,7 @@ sigmoid(gate), silu(gate), up, their product), each quantized per tensor to uint
 scale from the calibration windows (as the placement's observers do) and compared on held-out
 windows: SQNR and peak/RMS per tensor, and for rsqrt its worst row (20 log10(510 amin / amax): the
 token scaled by the grid's first codes). Then the model's logits against fp32 with the placement
-before (products float, angles quantized) and after (placement.place's integer products and float
+before (products float, angles quantized) and after (the placement's integer products and float
 angles): logits SQNR, next-token top-1 agreement, held-out NLL.
 
 ``python -m benchmarks.decoder_products [--layers 30]`` writes its section of benchmarks/RESULTS.md.
@@ -144,6 +144,7 @@ def tensor_table(model: Any, calib: torch.Tensor, held: torch.Tensor) -> list[di
 def fidelity(model: Any, calib: torch.Tensor, held: torch.Tensor) -> dict[str, dict[str, float]]:
     """Logits SQNR, top-1 agreement and NLL against fp32, before and after the integer products."""
     import compress
+    from quantization.placement import fidelity_guards
     from quantization.placement import place as placement
 
     with torch.no_grad():
@@ -160,14 +161,14 @@ def fidelity(model: Any, calib: torch.Tensor, held: torch.Tensor) -> dict[str, d
                 "nll": round(nll(out), 4)}
 
     after = run()
-    products, phase = placement._Placer.integer_products, placement._phase_error
+    products, phase = placement._Placer.integer_products, fidelity_guards.phase_error
     placement._Placer.integer_products = lambda self: None  # type: ignore[method-assign]
-    placement._phase_error = lambda n, readers: None
+    fidelity_guards.phase_error = lambda n, readers: None
     try:
         before = run()
     finally:
         placement._Placer.integer_products = products  # type: ignore[method-assign]
-        placement._phase_error = phase
+        fidelity_guards.phase_error = phase
     return {"fp32": {"nll": round(nll(ref), 4)}, "before": before, "after": after}
 
 
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
              f"SmolLM2-135M-Instruct's real weights, first {args.layers} decoder layers; calibration 4 x 128 tokens, held out "
              "16 x 128 (compress.data.lm, the stdlib text). Per tensor: uint8 with one min/max scale from the calibration "
              "windows, SQNR on the held-out ones, ranges over the layers; rsqrt's worst row is 20 log10(510 amin/amax), "
-             "the token its smallest value scales. The placement's bars (quantization/placement/place.py): a broadcast "
+             "the token its smallest value scales. The placement's bars (quantization/placement/fidelity_guards.py): a broadcast "
              "factor 40 dB counting its worst row, a same-size operand peak/RMS <= 32, a constant 40 dB.", "",
              "| tensor | SQNR dB | peak/RMS | worst row dB |", "|---|---|---|---|"]
     for r in table:

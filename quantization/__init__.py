@@ -35,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "set_quantizers": "quantization.preparation",
     "calibrate": "quantization.numerics.calibration",
     "input_quantizer": "quantization.placement.mode",
-    "Placement": "quantization.placement.place",
+    "Placement": "quantization.placement.records",
     "PROFILES": "quantization.placement.runtimes",
     "RuntimeProfile": "quantization.placement.runtimes",
     "trace_graph": "quantization.placement.trace",

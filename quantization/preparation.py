@@ -34,9 +34,9 @@ from quantization.placement.activations import (
     targeted_fn,
 )
 from quantization.placement.cost_table import CostTable, slower_by_table, table_for
+from quantization.placement.fidelity_guards import ROUTER_REASON, router_layers
 from quantization.placement.mode import detach, graph_of, unsmooth
 from quantization.placement.model_cost import decide
-from quantization.placement.place import ROUTER_REASON, router_layers
 from quantization.placement.runtimes import Target, get_profile
 from quantization.placement.speed_check import SpeedCheck, layer_calls, slower_in_int8, time_layers
 from quantization.placement.trace import trace_graph

@@ -23,8 +23,10 @@ from compress.core.errors import CalibrationError, CompressError
 from compress.core.targets import pattern_matches
 from compress.core.tracing import tensor_leaves
 from quantization.numerics.spec import QuantSpec
+from quantization.placement.graph_patterns import weighted_operands
 from quantization.placement.mode import QuantizerGraph, attach, build_quantizers, calibrate_weights, graph_of
-from quantization.placement.place import Placement, place, weighted_operands
+from quantization.placement.place import place
+from quantization.placement.records import Placement
 from quantization.placement.runtimes import get_profile
 from quantization.placement.trace import OpGraph, OpNode, trace_graph
 

@@ -32,7 +32,7 @@ from compress.core.errors import CalibrationError
 from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.spec import QuantSpec
 from quantization.placement.attention import MASK_GAP, attention_with_weights, decomposed_attention, redirect
-from quantization.placement.place import CONSTANT_PREFIX, Placement
+from quantization.placement.records import CONSTANT_PREFIX, Placement
 from quantization.placement.trace import ScopeTracker, call_kind, is_unseen, register_mode_file, site_index
 
 ATTR = "quantizer_graph"

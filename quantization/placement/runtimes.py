@@ -24,7 +24,7 @@ runtime drops DQ -> op -> Q with equal scales around them); ``extend``: elementw
 integer kernel that pays off only when their inputs are quantized anyway (between two integer
 convs): they get an output quantizer then, and SiLU (hardswish) runs as ``x * sigmoid(x)``
 (``x * hardsigmoid(x)``) with one on the gate. With ``mul`` in it, a product whose output is
-quantized anyway also gets quantized operands where one 8-bit scale holds them (place.py,
+quantized anyway also gets quantized operands where one 8-bit scale holds them (integer_chains.py,
 ``integer_products``: RMSNorm's, rotary's and SwiGLU's products).
 """
 

@@ -492,7 +492,7 @@ def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     if kind == "mha":  # not decomposed (see quantization/placement/attention.py): say why
         a = attention.bind_mha(args, kwargs)
         return {"reason": attention.mha_unsupported(a["query"], a["key"], a["value"]) or "nn.MultiheadAttention left whole"}
-    if kind == "cat":  # the largest magnitude it joins: an angle read by cos/sin stays float (place.py)
+    if kind == "cat":  # the largest magnitude it joins: an angle read by cos/sin stays float (fidelity_guards.py)
         parts = args[0] if args and isinstance(args[0], (list, tuple)) else kwargs.get("tensors", ())
         return {"amax": max((_amax(v) for v in parts), default=0.0)}
     if kind == "avg_pool":

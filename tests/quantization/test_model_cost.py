@@ -17,7 +17,7 @@ from compress.models import build_zoo_model
 from quantization import QuantizeParams, quantize
 from quantization.placement import cost_table as ct
 from quantization.placement.model_cost import model_cost, unpriced_ops
-from quantization.placement.place import Placement
+from quantization.placement.records import Placement
 from quantization.placement.speed_check import layer_calls
 from quantization.placement.trace import trace_graph
 from quantization.view import is_quantized, view

@@ -17,7 +17,7 @@ import compress
 from compress.core.errors import UnsupportedModelError
 from compress.core.moe import UnpackedExperts, expert_blocks, set_dense, unpack_experts
 from export.runtimes import ort_coverage
-from quantization.placement.place import ROUTER_REASON
+from quantization.placement.fidelity_guards import ROUTER_REASON
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)

@@ -203,7 +203,7 @@ class SinkNorm(nn.Module):
 
 
 def test_variance_plus_eps_stays_float_where_quantizing_it_breaks_normal_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quantization.placement import place as placement
+    from quantization.placement import fidelity_guards
 
     def batches(n: int, seed: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
@@ -218,7 +218,7 @@ def test_variance_plus_eps_stays_float_where_quantizing_it_breaks_normal_tokens(
     ref = m(x)
     guarded = quantize(copy.deepcopy(m), SEVEN_BIT, batches(3, 1))
     assert "in magnitude" in guarded.quantizer_graph.placement.floats[":add#0"]
-    monkeypatch.setattr(placement, "MAX_OPERAND_RATIO", float("inf"))  # the rule off: var + eps quantized
+    monkeypatch.setattr(fidelity_guards, "MAX_OPERAND_RATIO", float("inf"))  # the rule off: var + eps quantized
     forced = quantize(copy.deepcopy(m), SEVEN_BIT, batches(3, 1))
     assert ":add#0" in forced.quantizer_graph.placement.entries
     with torch.no_grad():

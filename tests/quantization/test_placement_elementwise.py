@@ -19,7 +19,7 @@ from export.onnx import export_onnx
 from export.runtimes import ort_coverage, ort_optimized_graph
 from quantization import QuantizeParams, quantize
 from quantization.placement.mode import graph_of
-from quantization.placement.place import Placement
+from quantization.placement.records import Placement
 
 SEVEN_BIT = {"preset": "w8a8", "weights": {"reduce_range": True}}
 

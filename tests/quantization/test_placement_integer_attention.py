@@ -21,9 +21,9 @@ from torch import nn
 from export.onnx import export_onnx
 from export.runtimes import ort_coverage, ort_optimized_graph
 from quantization import quantize
-from quantization.placement import place, runtimes
+from quantization.placement import fidelity_guards, runtimes
 from quantization.placement.mode import graph_of
-from quantization.placement.place import Placement
+from quantization.placement.records import Placement
 
 SEVEN_BIT = {"preset": "w8a8", "weights": {"reduce_range": True}}
 T, E, H = 12, 32, 4
@@ -238,9 +238,9 @@ def test_layer_scale_guard_follows_what_one_8bit_scale_costs(name: str, monkeypa
     """The measurement behind CONSTANT_MIN_SQNR, with the product float (guard at +inf) and int8
     (guard at -inf): a layer scale spanning four decades loses little (its small channels carry little
     of the branch), a spike loses several dB, and the default guard keeps only the spike float."""
-    monkeypatch.setattr(place, "CONSTANT_MIN_SQNR", float("inf"))
+    monkeypatch.setattr(fidelity_guards, "CONSTANT_MIN_SQNR", float("inf"))
     kept = _branch_sqnr(SCALES[name]())
-    monkeypatch.setattr(place, "CONSTANT_MIN_SQNR", float("-inf"))
+    monkeypatch.setattr(fidelity_guards, "CONSTANT_MIN_SQNR", float("-inf"))
     forced = _branch_sqnr(SCALES[name]())
     print(f"layer scale {name}: scaled-branch SQNR {kept:.1f} dB with it float, {forced:.1f} dB int8 per tensor")
     if name == "spike":

@@ -17,7 +17,7 @@ from torch import nn
 from export.onnx import export_onnx
 from export.runtimes import ort_coverage
 from quantization import quantize
-from quantization.placement.place import Placement
+from quantization.placement.records import Placement
 
 SEVEN_BIT = {"preset": "w8a8", "weights": {"reduce_range": True}}
 

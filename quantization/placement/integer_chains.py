@@ -1,0 +1,205 @@
+"""The placement's integer-chain passes (quantization/placement/place.py runs them): products whose
+output is quantized anyway get quantized operands where one 8-bit scale holds them (RMSNorm's
+``x * rsqrt(var + eps) * weight``, rotary's products, SwiGLU's ``silu(gate) * up``), so the runtime
+runs them as QLinearMul, and elementwise ops whose inputs are all quantized extend into integer
+chains. The fidelity bars they apply live in quantization/placement/fidelity_guards.py."""
+
+from __future__ import annotations
+
+import math
+
+from quantization.placement import fidelity_guards as guards
+from quantization.placement.placer_state import PlacerState
+from quantization.placement.records import new_internal
+from quantization.placement.trace import Operand, OpNode
+
+#: how deep a product's operands are followed back through integer-kernel ops (RMSNorm's two
+#: products, SiLU's gate): the chains that pay off are short
+PRODUCT_DEPTH = 3
+
+
+class IntegerChains(PlacerState):
+    """Passes 4 and 4a of :func:`quantization.placement.place.place`, on the state they share."""
+
+    # ---- pass 4: elementwise ops whose inputs are all quantized by now run as integer kernels too
+    # (a chain extends one op at a time, in graph order); their output gets a quantizer. A product's
+    # other operand may be a constant (attention's ``q * scale``, a Python number, a layer scale): it
+    # gets a quantizer of its own (ORT's QLinearMul reads it as a quantized initializer) where one
+    # 8-bit scale holds it (guards.holds: a per-channel layer scale that spans decades stays float)
+    def extend_chains(self) -> None:
+        for n in self.nodes:
+            kind = n.func if n.kind in ("act", "softmax") else n.kind  # hardsigmoid, leaky_relu: by their call
+            if kind not in self.profile.extend or not self.targeted(n.scope) or not self.quantize_ops \
+                    or n.key in self.inside:
+                continue
+            acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+            arity = 2 if kind == "mul" else 1
+            out = f"{n.key}/0"
+            if len(n.operands) != arity or not acts or not self.consumers.get(out):
+                continue
+            consts = [o for o in n.operands if o not in acts]
+            if consts and (any(not o.floating or not guards.holds(n, o) for o in consts) or len(acts) != 1):
+                continue
+            if not all(self.on_grid(o) for o in acts) and not (
+                    any(math.prod(o.shape) > 1 for o in consts) and self.pull_onto_grid(acts[0]) and self.on_grid(acts[0])):
+                continue
+            self.groups.add(out)
+            self.quantized.add(out)
+            for o in consts:
+                self.pl.entries.setdefault(n.key, {})[str(o.position)] = self.constant_quantizer(n, o)
+            if kind in ("silu", "hardswish"):  # run as x * q(gate(x)): a QLinearMul with a quantized gate
+                self.pl.entries.setdefault(n.key, {})["g"] = new_internal(self.pl, f"{n.key}.g")
+
+    def pull_onto_grid(self, o: Operand) -> bool:
+        """Quantize ``o`` where it is a Linear/Conv output read by this op alone (through pass-through
+        ops): the layer's output quantizer fuses into its integer kernel (QGemm, QLinearConv with an
+        8-bit output), so a layer-scale product after it runs as QLinearMul instead of a float Mul
+        between the layer's float output and the next quantizer."""
+        t = o.tensor_id
+        while t is not None and o.source == "op" and len(self.consumers.get(t, [])) == 1:
+            prod = self.producers.get(str(o.producer))
+            if prod is None or prod.key in self.inside:
+                return False
+            if prod.key in self.weighted_keys and prod.key not in self.pl.floats:
+                self.groups.add(t)
+                self.quantized.add(t)
+                return True
+            src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+            if prod.kind not in self.profile.pass_through or len(src) != 1:
+                return False
+            o, t = src[0], src[0].tensor_id
+        return False
+
+    # ---- pass 4a: a product whose output is quantized anyway (a Linear's input, an integer add's
+    # operand) gets quantized operands, so the runtime runs it as QLinearMul instead of a float Mul
+    # between a DQ and that Q: RMSNorm's ``x * rsqrt(var + eps) * weight``, rotary's ``q * cos``
+    # and ``rotate_half(q) * sin``, SwiGLU's ``silu(gate) * up``. Walked from the last op back, so a
+    # chain is decided from the product its reader reads.
+    def integer_products(self) -> None:
+        if "mul" not in self.profile.extend or not self.quantize_ops:
+            return
+        for n in reversed(self.nodes):
+            if n.kind != "mul" or f"{n.key}/0" not in self.quantized or n.key in self.pl.floats:
+                continue
+            plan = self.product_plan(n, 0)
+            if isinstance(plan, str):
+                if plan:
+                    self.pl.floats[n.key] = plan
+                continue
+            for t in plan:
+                self.groups.add(t)
+                self.quantized.add(t)
+
+    def product_plan(self, n: OpNode, depth: int) -> list[str] | str:
+        """The tensors to quantize so that product ``n`` runs in integer, or why it cannot (an empty
+        reason: nothing to record, the product is not one this pass places)."""
+        if n.key in self.inside or not self.targeted(n.scope) or len(n.operands) != 2 or depth > PRODUCT_DEPTH:
+            return ""
+        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+        consts = [o for o in n.operands if o not in acts]
+        if not acts or any(not o.floating for o in consts):
+            return ""
+        for o in consts:
+            if not guards.holds(n, o):
+                sq = n.attrs.get("const_sqnr", [])
+                db = sq[o.position] if o.position < len(sq) else None
+                return (f"its constant operand {o.name or o.position} keeps {guards.sqnr_text(db)} under one 8-bit scale "
+                        f"(< {guards.CONSTANT_MIN_SQNR:.0f} dB): the product stays float")
+        off = [o for o in acts if not self.grid_known(o)]
+        if not off:
+            return []
+        plan: list[str] = []
+        need: list[Operand] = []
+        for o in off:
+            why = guards.unheld(n, o)
+            if why is not None:
+                return why
+            part = self.operand_plan(o, depth, others=False)
+            if isinstance(part, str):
+                need.append(o)
+            else:
+                plan += part
+        # a quantizer after a float op (rsqrt, cos) pays off only where the integer product also
+        # saves a dequantization: another operand already quantized, or quantized for free
+        if need and len(need) == len(acts):
+            return ""
+        for o in need:
+            part = self.operand_plan(o, depth, others=True)
+            if isinstance(part, str):
+                return part
+            plan += part
+        return plan
+
+    def operand_plan(self, o: Operand, depth: int, *, others: bool) -> list[str] | str:
+        """The tensors to quantize to put operand ``o`` of a product on an 8-bit grid: its root
+        (before pass-through ops and identity casts) where a Linear/Conv makes it (the layer's output
+        quantizer fuses into its integer kernel) or the model takes it; an integer-kernel op's inputs
+        (SiLU, sigmoid, another product) where they can be put there in turn; else a quantizer after
+        the op that makes it (``others``: only where the product has another quantized operand)."""
+        root = o
+        while root.source == "op":
+            prod = self.producers.get(str(root.producer))
+            if prod is None or prod.key in self.inside:
+                return ""
+            src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+            if not self.passes(prod) or len(src) != 1:
+                break
+            root = src[0]
+        t = root.tensor_id
+        if t is None:
+            return ""
+        if root.source == "input":
+            return [t]
+        prod = self.producers[str(root.producer)]
+        if prod.key in self.weighted_keys:
+            return [t] if prod.key not in self.pl.floats else ""
+        if prod.kind in ("silu", "sigmoid") and len(prod.operands) == 1 and prod.kind in self.profile.extend:
+            inner = prod.operands[0]
+            if self.grid_known(inner):
+                return []
+            if guards.unheld(prod, inner) is None:
+                part = self.operand_plan(inner, depth + 1, others=False)
+                if not isinstance(part, str):
+                    return part
+        if prod.kind == "mul" and depth < PRODUCT_DEPTH:
+            part = self.product_plan(prod, depth + 1)
+            if not isinstance(part, str):
+                return [t, *part]
+        return [t] if others and prod.n_outputs == 1 else ""
+
+    def grid_known(self, o: Operand) -> bool:
+        """Whether ``o`` is quantized or shares a quantized tensor's grid through pass-through ops,
+        without recording it (:meth:`on_grid` records)."""
+        t = o.tensor_id
+        while t is not None and t not in self.quantized:
+            prod = self.producers.get(str(o.producer)) if o.source == "op" else None
+            if prod is None or not self.passes(prod) or prod.key in self.inside:
+                return False
+            src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+            if len(src) != 1:
+                return False
+            o, t = src[0], src[0].tensor_id
+        return t is not None
+
+    def passes(self, n: OpNode) -> bool:
+        """Whether a tensor keeps its grid through ``n``: a pass-through op of the profile, or a call
+        that returned its input (a cast to the dtype it had)."""
+        return n.kind in self.profile.pass_through or bool(n.attrs.get("identity"))
+
+    def on_grid(self, o: Operand) -> bool:
+        """Whether a tensor is quantized, or made by pass-through ops (a select, a reshape) from one
+        that is: then it is on that quantizer's grid and shares it (attention's ``q = qkv[0]``)."""
+        t = o.tensor_id
+        if t is None:
+            return False
+        if t in self.quantized:
+            return True
+        prod = self.producers.get(str(o.producer)) if o.source == "op" else None
+        if prod is None or not self.passes(prod) or prod.key in self.inside:
+            return False
+        src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+        if len(src) != 1 or not self.on_grid(src[0]):
+            return False
+        self.groups.union(str(src[0].tensor_id), t)
+        self.quantized.add(t)
+        return True
