@@ -1,4 +1,4 @@
-"""The graph view the QDQ passes edit (export/qdq_graph.py, export/qdq_moves.py): producer and
+"""The graph view the QDQ passes edit (export/qdq_graph.py runs them): producer and
 consumer maps over an ONNX GraphProto, and the constant and attribute lookups they share."""
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ class QdqGraph:
             k += 1
             name = f"{base}_{k}"
         return name
+
+
+def quant_axis(node: onnx.NodeProto) -> int:
+    """A Q/DQ node's ``axis`` attribute (1, ONNX's default, where it has none)."""
+    for a in node.attribute:
+        if a.name == "axis":
+            return int(helper.get_attribute_value(a))
+    return 1
 
 
 def node_attr(node: onnx.NodeProto, name: str, default: object = None) -> object:
