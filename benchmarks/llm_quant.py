@@ -93,7 +93,7 @@ def torch_methods(scheme: Any, data: list[torch.Tensor]) -> dict[str, Callable[[
     """Each PyTorch method by its table name: quantizes a model in place with ``scheme``,
     calibrating on the batches ``data``."""
     import compress
-    from quantization.algorithms.awq import AWQParams
+    from quantization.algorithms.awq_search import AWQParams
     from quantization.algorithms.gptq import GPTQParams
 
     return {
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _awq_samples() -> str:
     """AWQ's default sample sizes, as the sections state them."""
-    from quantization.algorithms.awq import AWQParams
+    from quantization.algorithms.awq_search import AWQParams
 
     p = AWQParams()
     return f"scales searched on up to {p.sample_tokens} calibration tokens and clips on {p.clip_tokens}"

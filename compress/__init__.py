@@ -60,7 +60,7 @@ _EXPORTS: dict[str, str] = {
     "gptq": "quantization.algorithms.gptq",
     "awq": "quantization.algorithms.awq",
     "GPTQParams": "quantization.algorithms.gptq",
-    "AWQParams": "quantization.algorithms.awq",
+    "AWQParams": "quantization.algorithms.awq_search",
     "QuantSpec": "quantization.numerics.spec",
     "QuantScheme": "quantization.numerics.spec",
     # pruning

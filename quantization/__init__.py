@@ -48,7 +48,7 @@ _EXPORTS: dict[str, str] = {
     "gptq": "quantization.algorithms.gptq",
     "awq": "quantization.algorithms.awq",
     "GPTQParams": "quantization.algorithms.gptq",
-    "AWQParams": "quantization.algorithms.awq",
+    "AWQParams": "quantization.algorithms.awq_search",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -15,7 +15,8 @@ from torch import nn
 from compress.core.batching import RankShare
 from compress.core.errors import CalibrationError
 from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
-from quantization.algorithms.awq import AWQFields, AWQParams, awq_layer, scale_error_ratio
+from quantization.algorithms.awq import awq_layer, scale_error_ratio
+from quantization.algorithms.awq_search import AWQFields, AWQParams
 from quantization.algorithms.gptq import GPTQFields, GPTQParams, gptq_layer
 from quantization.algorithms.sequential import DEFAULT_SCHEME, sequential_quantize
 from quantization.numerics.spec import QuantScheme, resolve_scheme

@@ -14,13 +14,9 @@ from torch import nn
 
 import compress
 from compress.core.errors import CalibrationError
-from quantization.algorithms.awq import (
-    AWQParams,
-    find_fold_groups,
-    scale_error_ratio,
-    search_clip,
-    search_scales,
-)
+from quantization.algorithms.awq import scale_error_ratio
+from quantization.algorithms.awq_folds import find_fold_groups
+from quantization.algorithms.awq_search import AWQParams, search_clip, search_scales
 from quantization.algorithms.sequential import capture_inputs, decoder_layers
 from quantization.numerics.calibration import float_mode
 from quantization.numerics.modules import QuantLinear
@@ -163,7 +159,7 @@ def test_scales_are_chosen_for_the_clipped_weights_they_will_get() -> None:
     """With clip_in_search each candidate is judged after the clip search the weights will get;
     the error it reports is that of the final weights, and never above the error of scales chosen
     on rounding alone and clipped afterwards."""
-    from quantization.algorithms.awq import clip_weight
+    from quantization.algorithms.awq_search import clip_weight
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(512, 64, generator=g)
@@ -274,7 +270,8 @@ def test_scale_search_reads_each_group_at_its_module_output() -> None:
 def test_a_clip_is_kept_only_where_the_inspected_module_agrees() -> None:
     """The clip search judges each Linear alone; a clip that raises the attention output's error
     (here q_proj cut to a tenth of its range) is rejected, one that changes nothing is kept."""
-    from quantization.algorithms.awq import ModuleOutputError, _guard_clips, clip_weight
+    from quantization.algorithms.awq import _guard_clips
+    from quantization.algorithms.awq_search import ModuleOutputError, clip_weight
     from quantization.algorithms.sequential import sequential_quantize
 
     seen: list[set[str]] = []
@@ -366,7 +363,8 @@ def test_a_lone_linears_objective_is_read_from_its_gram_matrix_not_rerun() -> No
     """o_proj's and down_proj's groups are judged on their own output: the same error as rerunning
     the Linear on the recorded tokens, read from ``X^T X`` once, so AWQ passes each calibration
     token through down_proj about once (the recording pass), not once per scale candidate."""
-    from quantization.algorithms.awq import LinearOutputError, ModuleOutputError, awq_layer
+    from quantization.algorithms.awq import awq_layer
+    from quantization.algorithms.awq_search import LinearOutputError, ModuleOutputError
     from quantization.algorithms.sequential import sequential_quantize
 
     g = torch.Generator().manual_seed(5)
@@ -413,7 +411,7 @@ def test_module_reruns_are_screened_to_the_best_candidates(monkeypatch: pytest.M
     """Judging a scale candidate at the attention's output reruns the attention (most of AWQ's
     time): the grid is screened by the Linears' own output error and only s = 1 and the best
     ``module_candidates - 1`` are rerun; here the screen keeps the full grid's winner."""
-    from quantization.algorithms.awq import ModuleOutputError
+    from quantization.algorithms.awq_search import ModuleOutputError
 
     model = _llama()
     layer = decoder_layers(model)[1][0]
@@ -451,9 +449,9 @@ def test_module_reruns_are_screened_to_the_best_candidates(monkeypatch: pytest.M
 
 
 def test_rows_sampled_from_chunks_are_those_sampled_from_their_concatenation() -> None:
-    from quantization.algorithms.awq import _sample_chunks, _sample_rows
+    from quantization.algorithms.awq_search import sample_chunks, sample_rows
 
     g = torch.Generator().manual_seed(0)
     chunks = [torch.randn(n, 8, generator=g) for n in (5, 17, 9)]
-    assert torch.equal(_sample_chunks(chunks, 12, 3), _sample_rows(torch.cat(chunks), 12, 3))
-    assert torch.equal(_sample_chunks(chunks, 40, 3), torch.cat(chunks))
+    assert torch.equal(sample_chunks(chunks, 12, 3), sample_rows(torch.cat(chunks), 12, 3))
+    assert torch.equal(sample_chunks(chunks, 40, 3), torch.cat(chunks))
