@@ -389,7 +389,7 @@ def _rms(v: Any) -> float:
 def _sdpa_ranges(args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The largest |score| (``q @ k^T * scale``) and |mask| of an attention call with a float mask:
     placement quantizes the mask add only where one 8-bit scale serves both; ``masked`` names a
-    boolean or causal mask (filled, not added: see place.py's BOOL_MASK_REASON)."""
+    boolean or causal mask (filled, not added: see attention.MASK_GAP)."""
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
     a = dict(zip(names, args, strict=False)) | kwargs
     q, k, mask = a.get("query"), a.get("key"), a.get("attn_mask")
