@@ -1,7 +1,8 @@
-"""SmoothQuant's statistics pass runs the calibration batches as micro-batches, so its peak memory is
-that of a few samples, not of a batch, with the statistics and the smoothed model of whole batches
-(maxima over tokens, and a reservoir of rows filled in the same order); its fold proofs run the
-model without a KV cache."""
+"""SmoothQuant in bounded memory: its statistics pass runs the calibration batches as micro-batches
+(peak memory of a few samples, not of a batch) with the statistics and the smoothed model of whole
+batches (maxima over tokens, and a reservoir of rows filled in the same order); one alpha-search
+sample per group of layers reading one tensor; fold proofs without a KV cache, holding the inputs of
+one layer per build."""
 
 from __future__ import annotations
 
@@ -137,3 +138,35 @@ def test_split_inputs_cuts_only_what_is_one_batch() -> None:
     assert split_inputs(odd, 2) == [odd]
     with pytest.raises(CalibrationError, match="micro-batch"), micro_batches(0):
         pass
+
+
+def test_one_alpha_search_sample_per_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    filled: set[int] = set()
+    real = sq._Reservoir.add
+
+    def add(self: sq._Reservoir, x: torch.Tensor) -> None:
+        filled.add(id(self))
+        real(self, x)
+
+    monkeypatch.setattr(sq._Reservoir, "add", add)
+    quantize(_llm("llama"), "W8A8", _data(), ignore=["lm_head"], params=_params(1))
+    # per layer: q/k/v, o, gate/up, down; 7 Linears
+    assert len(filled) == 4 * SMALL["num_hidden_layers"]
+
+
+def test_fold_proofs_copy_the_inputs_of_one_layer_per_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[Any] = []
+
+    class Spy(sq._Scopes):
+        def __init__(self, *a: Any) -> None:
+            super().__init__(*a)
+            made.append(self)
+
+    monkeypatch.setattr(sq, "_Scopes", Spy)
+    m = _llm("llama")
+    groups = [[f"model.layers.{i}.self_attn.{p}_proj" for p in "qkv"] for i in range(2)] + [
+        [f"model.layers.{i}.mlp.down_proj"] for i in range(2)]
+    found = sq.find_producers(m, groups, (_data()[0][:1],), {"use_cache": False})
+    assert found["model.layers.1.mlp.down_proj"] is not None and found["model.layers.1.mlp.down_proj"].name.endswith("up_proj")
+    copied = {n for n, v in made[0].inputs.items() if v is not None}
+    assert copied == {"model", "model.layers.0", "model.layers.0.self_attn", "model.layers.0.mlp"}
