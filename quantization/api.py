@@ -34,6 +34,8 @@ class QuantizeParams(ApiParams):
     ``smoothquant``: SmoothQuant's alpha for Linear layers, ``"auto"`` (chosen per layer), or None (off).
     ``smoothquant_unfolded``: a group whose factor folds into no producer keeps it as a Mul before its
     quantizer (``mul``) or is not smoothed (``skip``: what compressed-tensors checkpoints can hold).
+    ``smoothquant_micro_batch``: SmoothQuant's statistics pass runs each calibration batch as pieces of
+    this many samples (None: whole); the same statistics, the activation memory of that many samples.
     ``bias_correction``: correct the output mean shift caused by weight rounding.
     ``max_batches``: cap on calibration batches when ``forward_loop`` is an iterable.
     ``target``: the runtime whose fusion rules place the activation quantizers (onnxruntime,
@@ -65,6 +67,7 @@ class QuantizeParams(ApiParams):
     quantize_ops: bool = True
     smoothquant: SmoothQuantField = None
     smoothquant_unfolded: Unfolded = "mul"
+    smoothquant_micro_batch: PositiveInt | None = 1
     bias_correction: bool = False
     max_batches: int | None = Field(None, ge=1)
     target: Target = "onnxruntime"
@@ -135,7 +138,8 @@ def post_training_quantize(
         ensure_placed(model, loop)  # the placement traces the model's own forward, every position
         with last_logits_only(model, ops_placed=p.quantize_ops):
             if p.smoothquant is not None:
-                smooth_quant(model, loop, alpha=p.smoothquant, unfolded=p.smoothquant_unfolded)
+                smooth_quant(model, loop, alpha=p.smoothquant, unfolded=p.smoothquant_unfolded,
+                             micro_batch=p.smoothquant_micro_batch)
             calibrate(model, loop, where=where)
             if p.bias_correction:
                 bias_correction(model, loop)

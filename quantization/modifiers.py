@@ -7,7 +7,7 @@ import logging
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, PositiveInt, field_validator
 from torch import nn
 
 from compress.core.batching import ForwardLoop, as_forward_loop
@@ -87,7 +87,8 @@ class PTQSpec(_QuantSpecBase):
     """Post-training quantization: prepare, calibrate over ``num_batches`` calibration batches.
 
     ``smoothquant`` (alpha) smooths Linear inputs first (``smoothquant_unfolded: skip`` only where the
-    factor folds into the layer before); ``bias_correction`` fixes the output mean
+    factor folds into the layer before; its statistics pass runs ``smoothquant_micro_batch`` samples
+    at a time); ``bias_correction`` fixes the output mean
     shift of weight rounding; ``kv_cache`` (per_token / per_head) quantizes a decoder's keys and
     values entering attention to int8; ``sensitivity`` ("metric" or "sqnr") adds a per-layer table and plot;
     ``max_accuracy_drop`` (metric units, e.g. 0.005 = half a point of accuracy) keeps the most
@@ -106,6 +107,7 @@ class PTQSpec(_QuantSpecBase):
     bn: Literal["fold", "keep"] = "fold"
     smoothquant: SmoothQuantField = None
     smoothquant_unfolded: Unfolded = "mul"
+    smoothquant_micro_batch: PositiveInt | None = 1
     bias_correction: bool = False
     kv_cache: KVCache | None = None
     sensitivity: Literal["none", "metric", "sqnr"] = "none"
@@ -205,7 +207,8 @@ class PTQModifier(Modifier[PTQSpec]):
             float_metric = judge(model)
         params = QuantizeParams(first_last=s.first_last, bn=s.bn, quantize_ops=s.quantize_ops, target=s.target,
                                 quantize_embeddings=s.quantize_embeddings, smoothquant=s.smoothquant,
-                                smoothquant_unfolded=s.smoothquant_unfolded, bias_correction=s.bias_correction,
+                                smoothquant_unfolded=s.smoothquant_unfolded,
+                                smoothquant_micro_batch=s.smoothquant_micro_batch, bias_correction=s.bias_correction,
                                 kv_cache=s.kv_cache, speed_check=s.speed_check,
                                 cost_table=s.cost_table, batch_sizes=state.serving_batch_sizes,
                                 model_check=s.model_check)

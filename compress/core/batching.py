@@ -7,13 +7,15 @@ keyword inputs), ``targets`` a Tensor or None. A bare Tensor or dict is a batch 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from compress.core.errors import CalibrationError, RecipeError
 from compress.core.tracing import iter_tensors
@@ -49,6 +51,45 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
     if isinstance(obj, (tuple, list)):
         return type(obj)(to_device(v, device) for v in obj)
     return obj
+
+
+#: the micro-batch size the calibration loops cut their batches to (None: the batches as they are)
+_MICRO_BATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("micro_batch", default=None)
+
+
+@contextlib.contextmanager
+def micro_batches(size: int | None) -> Iterator[None]:
+    """Inside the block, the calibration loops (:func:`as_forward_loop`'s and the session's) run each
+    batch as micro-batches of at most ``size`` samples (:func:`run_batch`), so a statistics pass that
+    only needs every sample seen peaks at the activations of ``size`` samples, not of the whole batch.
+    A forward function ``fn(model)`` calls the model itself and keeps its own batch size."""
+    if size is not None and size < 1:
+        raise CalibrationError(f"micro-batch size must be at least 1 (got {size})")
+    token = _MICRO_BATCH.set(size)
+    try:
+        yield
+    finally:
+        _MICRO_BATCH.reset(token)
+
+
+def split_inputs(inputs: Any, size: int) -> list[Any]:
+    """``inputs`` cut along the batch dimension into pieces of at most ``size`` samples, in order;
+    ``[inputs]`` when they cannot be cut safely (no tensor, or tensors whose leading sizes differ:
+    which of them is the batch is then unknown)."""
+    leaves = list(iter_tensors(inputs))
+    sizes = {t.shape[0] if t.dim() else -1 for t in leaves}
+    if len(sizes) != 1 or (n := next(iter(sizes))) <= size:
+        return [inputs]
+    return [pytree.tree_map(lambda t, lo=lo: t[lo : lo + size] if isinstance(t, torch.Tensor) else t, inputs)
+            for lo in range(0, n, size)]
+
+
+def run_batch(model: nn.Module, inputs: Any) -> None:
+    """Run ``model`` on a calibration batch for what its hooks see (the outputs are dropped): whole,
+    or micro-batch by micro-batch inside :func:`micro_batches`."""
+    size = _MICRO_BATCH.get()
+    for piece in [inputs] if size is None else split_inputs(inputs, size):
+        call_model(model, piece)
 
 
 def primary_output(outputs: Any) -> torch.Tensor:
@@ -226,7 +267,7 @@ def as_forward_loop(data: CalibrationData, *, max_batches: int | None = None) ->
                 bad = count_non_finite(inputs)
                 if bad:  # NaN scales would follow: name the batch instead
                     raise CalibrationError(f"data: calibration batch {i + 1} holds {bad} NaN/inf values; clean the data")
-                call_model(model, to_device(inputs, device))
+                run_batch(model, to_device(inputs, device))
                 n += 1
         return n
 

@@ -118,7 +118,7 @@ class State:
 
         ``share``: under torchrun, this rank's share of the batches only (:class:`RankShare`), for
         calibrations that reduce their statistics across the ranks."""
-        from compress.core.batching import RankShare, batch_size_of, call_model, split_batch, to_device
+        from compress.core.batching import RankShare, batch_size_of, run_batch, split_batch, to_device
 
         if self.calibration_data is None:
             from compress.core.errors import CalibrationError
@@ -136,7 +136,7 @@ class State:
                     break
                 inputs, _ = split_batch(batch)
                 inputs = to_device(inputs, self.device)
-                call_model(model, inputs)
+                run_batch(model, inputs)
                 seen += batch_size_of(inputs)
         model.train(was_training)
         return seen

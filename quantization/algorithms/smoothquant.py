@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -37,7 +39,7 @@ from pydantic import Field
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from compress.core.batching import ForwardLoop, as_forward_loop
+from compress.core.batching import ForwardLoop, as_forward_loop, micro_batches
 from compress.core.errors import CalibrationError
 from compress.core.tracing import tensor_leaves
 from quantization.numerics.calibration import float_mode
@@ -95,6 +97,7 @@ def smooth_quant(
     min_scale: float = 1e-2,
     sample_rows: int = 512,
     unfolded: Unfolded = "mul",
+    micro_batch: int | None = 1,
 ) -> dict[str, torch.Tensor]:
     """Smooth every QuantLinear that quantizes its input; returns the factors ``s`` by layer name
     (all ones where ``alpha="auto"`` chose no smoothing). ``1/s`` is folded into the tensor's
@@ -105,7 +108,11 @@ def smooth_quant(
 
     Runs ``forward_loop`` once in float to record per-feature activation maxima (O(features)
     memory; with ``"auto"`` also ``sample_rows`` input rows per group), then rescales weights in
-    place and recalibrates the weight quantizers. Layers that read the same tensor (BERT's query,
+    place and recalibrates the weight quantizers. The statistics are maxima over tokens and a
+    reservoir of rows in order, so the loop's batches are run as micro-batches of ``micro_batch``
+    samples (None: as they come): the same statistics, at the activation memory of that many
+    samples (SmolLM2, 8 x 512 tokens: the KV cache and the MLP activations of 8 windows at once). A
+    forward function ``fn(model)`` feeds the model its own batches. Layers that read the same tensor (BERT's query,
     key and value) get one ``s``, from the maxima of all their weights, so the exported graph
     quantizes that tensor once. ``s`` is clamped to ``[min_scale, 1/min_scale]`` so that dead
     features do not blow up the weight.
@@ -122,6 +129,10 @@ def smooth_quant(
     amax: dict[str, torch.Tensor] = {}
     first_input: dict[str, tuple[Any, ...]] = {}
     samples = {n: _Reservoir(sample_rows, seed=i) for i, n in enumerate(layers)} if auto else {}
+    # a layer that reads the very tensor the layer hooked before it read (k and v after q, up after
+    # gate) takes its rows from that layer's sample: the alpha search reads one sample per group
+    sampled_by: dict[str, str] = {}
+    last: list[Any] = [None, ""]
 
     def hook(name: str) -> Any:
         def fn(_: nn.Module, args: tuple[Any, ...]) -> None:
@@ -132,17 +143,22 @@ def smooth_quant(
                 flat = x.reshape(-1)
                 first_input[name] = (tuple(x.shape), float(flat.double().sum()), tuple(flat[:16].tolist()))
             if auto:
-                samples[name].add(x)
+                if name not in sampled_by:
+                    sampled_by[name] = last[1] if args[0] is last[0] else name
+                if sampled_by[name] == name:
+                    samples[name].add(x)
+                last[:] = [args[0], sampled_by[name]]
 
         return fn
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
     try:
-        with float_mode(root), torch.no_grad():
+        with float_mode(root), torch.no_grad(), micro_batches(micro_batch):
             loop(model)
     finally:
         for h in handles:
             h.remove()
+        last.clear()
     for name in layers:
         if name not in amax:
             raise CalibrationError(f"smoothquant: layer '{name}' saw no data during the forward loop")
@@ -150,7 +166,7 @@ def smooth_quant(
     for name in layers:
         groups.setdefault(first_input[name], []).append(name)
     call = capture_first_call(root, loop)
-    producers = find_producers(root, list(groups.values()), *_first_sample(call.args, call.kwargs)) if call else {}
+    producers = find_producers(root, list(groups.values()), *_proof_call(root, call.args, call.kwargs)) if call else {}
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     scales: dict[str, torch.Tensor] = {}
     chosen: list[float | None] = []
@@ -177,7 +193,7 @@ def smooth_quant(
                 torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX)
             w = torch.stack([r.abs().amax(0).float() for r in raw]).amax(0)
             if auto:
-                rows = samples[names[0]].rows
+                rows = samples[sampled_by.get(names[0], names[0])].rows
                 assert rows is not None
                 best = _pick_alpha(mods, raw, rows, a, w, min_scale, input_quantizer(root, names[0]))
                 if distributed:  # rank 0's choice, so the weights stay identical across ranks
@@ -246,15 +262,28 @@ def divide_output_channels(mod: nn.Module, s: torch.Tensor, *, offset: bool = Fa
             b.div_(s.to(b.device, b.dtype))
 
 
-def _first_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call cut to its first sample when every tensor in it has the same leading (batch) size:
-    the fold proofs run one forward per candidate, and one sample proves a fold as well as many."""
+#: the attribute find_producers tags a module's output with during its forward: the module's name
+_MADE_BY = "_compress_made_by"
+#: the keywords transformers' models take a KV cache by (4.x and 5.x names)
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
+
+
+def _proof_call(root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call the fold proofs run: cut to its first sample when every tensor in it has the same
+    leading (batch) size (one sample proves a fold as well as many), and without a KV cache when the
+    model takes ``use_cache`` and the call brings no cache of its own. The proofs copy each decoder
+    layer's inputs as they were, and a cache filled as the forward goes is in every later layer's
+    inputs: SmolLM2's 30 copies of it (0.7 GB at 512 tokens) were SmoothQuant's peak memory."""
     sizes = {t.shape[0] if t.dim() else -1 for _, t in tensor_leaves((args, kwargs or {}))}
-    if len(sizes) != 1 or next(iter(sizes)) <= 1:
-        return args, kwargs
-    cut: tuple[tuple[Any, ...], dict[str, Any]] = pytree.tree_map(
-        lambda t: t[:1] if isinstance(t, torch.Tensor) else t, (args, kwargs))
-    return cut
+    if len(sizes) == 1 and next(iter(sizes)) > 1:
+        args, kwargs = pytree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    try:
+        takes = "use_cache" in inspect.signature(root.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if takes and all(kwargs.get(k) is None for k in _CACHE_KWARGS):
+        kwargs = {**kwargs, "use_cache": False}
+    return args, kwargs
 
 
 def _outputs(out: Any) -> torch.Tensor:
@@ -280,18 +309,27 @@ def find_producers(
     touched weight with modules outside it: a trial then costs one layer, not the whole model."""
     mods = dict(root.named_modules())
     consumers = {n for g in groups for n in g}
-    reads: dict[str, torch.Tensor] = {}
-    produced: dict[int, tuple[str, torch.Tensor]] = {}
+    # what each consumer read: its width and the module with weights that made it, tagged on the
+    # tensor as it is made (holding every activation of the forward to match them afterwards by
+    # identity would keep the whole forward's activations alive)
+    reads: dict[str, tuple[int, str | None]] = {}
+    tagged: list[weakref.ref[torch.Tensor]] = []
     scopes = _Scopes(root, groups)
     handles = scopes.hooks()
+
+    def read(m: nn.Module, a: tuple[Any, ...], n: str) -> None:
+        if n not in reads:
+            reads[n] = (a[0].shape[-1], a[0].__dict__.get(_MADE_BY))
+
     for name, mod in mods.items():
         if name in consumers:
-            handles.append(mod.register_forward_pre_hook(lambda m, a, n=name: reads.setdefault(n, a[0])))
+            handles.append(mod.register_forward_pre_hook(functools.partial(read, n=name)))
         if name and any(True for _ in mod.parameters(recurse=False)) and name not in consumers:
 
             def post(m: nn.Module, a: Any, out: Any, n: str = name) -> None:
-                if isinstance(out, torch.Tensor):
-                    produced.setdefault(id(out), (n, out))  # kept alive: ids stay unique
+                if isinstance(out, torch.Tensor) and _MADE_BY not in out.__dict__:  # the first maker counts
+                    setattr(out, _MADE_BY, n)
+                    tagged.append(weakref.ref(out))
 
             handles.append(mod.register_forward_hook(post))
     try:
@@ -300,6 +338,9 @@ def find_producers(
     finally:
         for h in handles:
             h.remove()
+        for r in tagged:  # a tensor that outlives the forward (a module returning its own weight) is left as it was
+            if (t := r()) is not None:
+                delattr(t, _MADE_BY)
     scopes.whole = (args, kwargs, ref)
     found: dict[str, Producer | None] = {}
     proved: dict[tuple[Any, ...], bool] = {}
@@ -314,13 +355,12 @@ def find_producers(
         return proved[key]
 
     for group in groups:
-        x = reads.get(group[0])
+        seen = reads.get(group[0])
         producer: Producer | None = None
-        if x is not None:
-            width = x.shape[-1]
-            hit = produced.get(id(x))
-            if hit is not None:
-                cands = [hit[0]]
+        if seen is not None:
+            width, made_by = seen
+            if made_by is not None:
+                cands = [made_by]
             else:
                 parent = group[0].rpartition(".")[0]
                 cands = [n for n, m in mods.items() if isinstance(m, nn.Linear) and n.rpartition(".")[0] == parent
@@ -352,11 +392,18 @@ def _structure(names: list[str], mods: dict[str, nn.Module], offset: bool) -> tu
 class _Scopes:
     """The modules a fold trial may rerun instead of the whole model: every ancestor of a group's
     first Linear, with the inputs of its first call (copied before it ran: a KV cache it appends to
-    is seen as it was) and how often it was called."""
+    is seen as it was) and how often it was called.
+
+    Inputs are copied for the first module of each build (class, submodules, weight shapes) only:
+    trials are made once per layer structure, in the first layer that has it, so SmolLM2's 29 later
+    decoder layers would hold copies no trial reads. A trial whose scope has no copy runs the next
+    enclosing scope that has one (the whole model at worst)."""
 
     def __init__(self, root: nn.Module, groups: list[list[str]]) -> None:
         self.root = root
         self.names = sorted({a for g in groups for a in _ancestors(g[0])})
+        self.builds = {n: _build(root.get_submodule(n)) for n in self.names}
+        self.copied: set[Any] = set()
         self.calls: dict[str, int] = {}
         self.inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]] | None] = {}
         self.refs: dict[str, torch.Tensor] = {}
@@ -370,7 +417,8 @@ class _Scopes:
         def pre(n: str) -> Any:
             def fn(m: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
                 self.calls[n] = self.calls.get(n, 0) + 1
-                if n not in self.inputs:
+                if n not in self.inputs and self.builds[n] not in self.copied:
+                    self.copied.add(self.builds[n])
                     try:
                         self.inputs[n] = copy.deepcopy((tuple(a), dict(kw)))
                     except Exception:  # an argument that cannot be copied: trials run the whole model
@@ -408,6 +456,14 @@ class _Scopes:
                 if any(not o.startswith(scope + ".") for o in self.owners.get(id(prm), [])):
                     return False
         return True
+
+
+def _build(mod: nn.Module) -> tuple[Any, ...]:
+    """What tells a module's build apart: the classes of it and its submodules by relative name, and
+    the shapes and dtypes of their own weights and buffers."""
+    return tuple((rel, type(sub).__name__, tuple((k, tuple(t.shape), t.dtype) for k, t in
+                                                 [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]))
+                 for rel, sub in mod.named_modules())
 
 
 def _ancestors(name: str) -> list[str]:
