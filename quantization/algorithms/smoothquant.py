@@ -17,7 +17,7 @@ Where the smoothed tensor is made by a module that nothing else reads (a decoder
 pre-MLP RMSNorm before q/k/v and gate/up) or by an elementwise product with a sibling Linear
 (SwiGLU's ``act(gate) * up`` before down_proj), ``1/s`` is folded into that producer's weight
 instead (the norm's weight, up_proj's output rows): no Mul is left in the model or its export. The
-fold is found in the running model and proved numerically, as AWQ does (quantization/algorithms/awq.py): a
+fold is found in the running model and proved numerically, as AWQ does (quantization/algorithms/awq_folds.py): a
 random factor folded into the candidate must leave the model's outputs unchanged. Elsewhere (a
 post-LN encoder, whose LayerNorm output also feeds the residual) the factor stays a
 ``pre_quant_scale``.
