@@ -71,6 +71,7 @@ from export.llm_attention import (
 from export.matmul_nbits import (  # noqa: F401
     MatMulNBitsLinear,
     _MatMulNBitsFn,
+    int8_head,
     matmul_nbits_tensors,
     pack_projections,
 )
@@ -233,19 +234,27 @@ class KVDecoder(nn.Module):
         h = getattr(base, lay.embed)(input_ids)
         if not self.rotary:
             h = h + getattr(base, lay.positions)(pos)  # type: ignore[arg-type]
+        # the op rotates q and k itself at the KV slots where positions are the slots up to a per-row shift
+        # (derived from the mask, not fed) and the rotary covers whole heads; else RotaryEmbedding per q and k
+        in_op = self.rotary and not self.explicit_positions and 2 * self.cos_cache.shape[1] == self.head_dim
         presents: list[torch.Tensor] = []
         pending: torch.Tensor | None = None  # the sublayer output not yet added to the residual stream h
         for i, layer in enumerate(getattr(base, lay.layers)):
             attn = getattr(layer, lay.attn)
             x, h = self._add_norm(getattr(layer, lay.attn_norm), h, pending)
-            q, k, v = self._flat_qkv(attn, x)
-            if self.rotary:
-                q = RotaryFn.apply(q, pos, self.cos_cache, self.sin_cache, self.n_heads)
-                k = RotaryFn.apply(k, pos, self.cos_cache, self.sin_cache, self.n_kv)
+            packed = self._packed_qkv(attn, x) if in_op or not self.rotary else None
+            if packed is not None:  # [q | k | v] straight from one projection into the op, no Split
+                q = k = v = packed
+            else:
+                q, k, v = self._flat_qkv(attn, x)
+                if self.rotary and not in_op:
+                    q = RotaryFn.apply(q, pos, self.cos_cache, self.sin_cache, self.n_heads)
+                    k = RotaryFn.apply(k, pos, self.cos_cache, self.sin_cache, self.n_kv)
             w = self.windows[i]
             o, pk, pv = GroupQueryAttentionFn.apply(q, k, v, past[2 * i], past[2 * i + 1], seqlens, total, bias,
-                                                    query_lens, self.n_heads, self.n_kv, float(attn.scaling),
-                                                    -1 if w is None else w)
+                                                    query_lens, self.cos_cache, self.sin_cache, self.n_heads,
+                                                    self.n_kv, float(attn.scaling), -1 if w is None else w,
+                                                    int(packed is not None), int(in_op))
             presents += [pk, pv]
             x, h = self._add_norm(getattr(layer, lay.mlp_norm), h, getattr(attn, lay.out_proj)(o))
             pending = layer.mlp(x)
@@ -262,6 +271,16 @@ class KVDecoder(nn.Module):
             h = h + pending
             return norm(h), h
         return SkipRMSNormFn.apply(h, pending, rms[0], rms[1])
+
+    def _packed_qkv(self, attn: Any, x: torch.Tensor) -> torch.Tensor | None:
+        """``[q | k | v]`` ``[B, S, (H+2*KV)*D]`` where one projection computes them (a packed
+        MatMulNBits, Phi-3's ``qkv_proj``, GPT-2's ``c_attn``) and nothing runs between it and the
+        attention (Qwen3's q/k norms do); else None."""
+        fused = getattr(attn, "qkv_proj", None) or getattr(attn, "c_attn", None)
+        if fused is None or hasattr(attn, "q_norm"):
+            return None
+        out: torch.Tensor = fused(x)
+        return out
 
     def _flat_qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as ``[B, S, heads*D]`` (what GroupQueryAttention reads), Qwen3's q/k norms applied."""
@@ -431,18 +450,26 @@ def export_llm_onnx(
     path: str | Path,
     *,
     weights: Weights = "int4",
-    accuracy_level: int = 0,
+    accuracy_level: int = 4,
     opset: int = 17,
     check: bool = True,
     metadata: Mapping[str, str] | None = None,
     position_ids: bool = False,
     attention: Literal["auto", "fused", "decomposed"] = "auto",
+    lm_head: Literal["auto", "int8", "float"] = "auto",
 ) -> Path:
     """Write ``model`` (a transformers causal LM of a :data:`LAYOUTS` family, float or fake-quant)
     as a single ONNX file with past/present key-value tensors. Returns the path.
 
     ``weights="int4"`` writes weight-only 4-bit layers as MatMulNBits (``accuracy_level`` is its
-    attribute: 0 computes in float32, 4 lets ORT's CPU kernel quantize activations to int8);
+    attribute: 4, the default, lets ORT's CPU kernel quantize activations to int8 per block, as
+    llama.cpp's Q4_0 dot products do and about 1.4x faster decode; 0 computes in float32, the
+    fake-quant model's numbers); ``lm_head="int8"`` writes a float lm_head of such a file as an
+    8-bit MatMulNBits (round to nearest, blocks of 32: llama.cpp's default Q8_0 for SmolLM2's tied
+    embedding), which decodes about 3x faster than its float32 MatMul at a negligible perplexity cost
+    (benchmarks/RESULTS.md ``ort_decode_sweep``), ``"float"`` keeps it float, ``"auto"`` (default) is
+    int8 at accuracy_level 4 and float at 0 (whose file computes the model's own numbers); an lm_head
+    the model quantized to 4 bits is written as it is;
     ``"fp32"`` writes all weights in float32; ``"w8a8"`` writes Linears with quantized inputs as
     integer ops (module docstring). The model itself is not modified. ``check`` runs the file once
     in ONNX Runtime against the traced PyTorch module (ExportError when they disagree). The file's
@@ -493,6 +520,13 @@ def export_llm_onnx(
         pack_projections(getattr(getattr(m, lay.base), lay.layers), attn=lay.attn)
     if weights == "int4" and counts["int4"] == 0:
         raise UnsupportedModelError("export_llm_onnx(weights='int4'): the model has no weight-only 4-bit layers")
+    if lm_head not in ("auto", "int8", "float"):
+        raise ExportError(f"export_llm_onnx: lm_head must be 'auto', 'int8' or 'float' (got {lm_head!r})")
+    head = getattr(m, "lm_head", None)
+    head_int8 = lm_head == "int8" or (lm_head == "auto" and accuracy_level == 4)
+    if weights == "int4" and head_int8 and type(head) is nn.Linear:
+        # always accuracy_level 4: ORT's 8-bit kernel at level 0 took 277 ms for this head where level 4 took 3
+        m.lm_head = int8_head(head, accuracy_level=4)
     if weights == "w8a8" and counts["w8a8"] == 0:
         raise UnsupportedModelError("export_llm_onnx(weights='w8a8'): the model has no Linears with quantized inputs")
     remove_placement(m)  # its quantizers now live in the swapped layers
@@ -537,14 +571,13 @@ def export_llm_onnx(
     log.info("LLM ONNX (%s weights: %d W8A8, %d MatMulNBits, %d float Linears; %s attention) written to %s", weights,
              counts["w8a8"], counts["int4"], counts["float"], form, out)
     if check:
-        _check_in_ort(out, dec, float_check=weights != "w8a8" and (weights == "fp32" or accuracy_level == 0),
-                      float_dec=float_reference)
+        _check_in_ort(out, dec, float_check=weights != "w8a8", float_dec=float_reference)
     return out
 
 
-#: Float-compute files (fp32 weights, MatMulNBits with accuracy_level 0) differ from the traced module
-#: only by float rounding, which grows with depth: SmolLM2-135M (30 layers) GPTQ w4 g64 measured
-#: 78.8 dB logits SQNR, a 2-layer model 120+ dB. A wrong graph (a dropped zero point, a transposed
+#: Float-compute files (fp32 weights, MatMulNBits, whose traced forward quantizes the activations as
+#: ORT's kernel does at accuracy_level 4) differ from the traced module only by float rounding, which
+#: grows with depth: SmolLM2-135M (30 layers) GPTQ w4 g64 measured 78.8 dB logits SQNR, a 2-layer model 120+ dB. A wrong graph (a dropped zero point, a transposed
 #: or mis-scaled weight) lands below 20 dB, so 40 dB (1% noise amplitude) separates the two with
 #: room on either side, where a relative max difference (the former 1e-4) failed deep models.
 FLOAT_MIN_SQNR_DB = 40.0
@@ -600,7 +633,8 @@ def _check_in_ort(path: Path, dec: KVDecoder, *, float_check: bool, float_dec: K
     on each side's own cache — against the traced module, and judge what a deep model's user sees:
     the logits' SQNR and top-1 (greedy token) agreement.
 
-    - float compute (``float_check``): SQNR >= :data:`FLOAT_MIN_SQNR_DB` and top-1 >= :data:`MIN_TOP1`.
+    - fp32 and int4 files (``float_check``; MatMulNBits at accuracy_level 4 is traced with the int8
+      activations its kernel computes with): SQNR >= :data:`FLOAT_MIN_SQNR_DB` and top-1 >= :data:`MIN_TOP1`.
     - W8A8 (``float_dec`` is the model with its quantizers off): the file may not differ from the
       fake-quant model more than quantization moved that model from float (SQNR at least the
       quantization's own, top-1 at least its own). A difference is expected at all because a
@@ -610,7 +644,6 @@ def _check_in_ort(path: Path, dec: KVDecoder, *, float_check: bool, float_dec: K
       unfused float graph differs from its fused integer one by as much), so an elementwise
       tolerance cannot tell a right file from a wrong one; a wrong zero point or int16 saturation
       lands far below the quantization's own error.
-    - neither (MatMulNBits with int8 activations, accuracy_level 4): reported only.
     """
     torch.manual_seed(0)
     vocab = int(dec.lm.config.vocab_size)
