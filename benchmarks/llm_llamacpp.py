@@ -265,25 +265,34 @@ def main(argv: list[str] | None = None) -> None:
     files: dict[str, tuple[str, Path, Timer]] = {
         "ours RTN Q4_0 GGUF (embedding F32)": (f"llama.cpp {llama_cpp.__version__}", p4,
                                                llamacpp_timer(p4, prompt, new, args.threads))}
-    for attention in ("decomposed", "fused"):
-        for level in (0, 4):
-            onnx4 = export_llm_onnx(q4, work / f"int4_{attention}_l{level}" / "model.onnx", weights="int4",
-                                    accuracy_level=level, attention=attention)
-            files[f"ours int4 MatMulNBits (accuracy_level {level}), {attention} attention, lm_head F32"] = (
-                "onnxruntime", onnx4, ort_timer(onnx4, prompt, new, args.threads))
-    # not the like-for-like comparison (the rows above keep the tied embedding/lm_head F32 on both sides):
-    # a 4-bit lm_head on each side, llama.cpp's defaults file against ours with lm_head as MatMulNBits too
+    # lm_head F32 on both sides: our int4 file at accuracy_level 0 (float activations) and 4 (int8 activations
+    # per block, as llama.cpp's Q4_0 x Q8_0 dot products), attention fused (q/k/v packed into GroupQueryAttention)
+    for level in (0, 4):
+        onnx4 = export_llm_onnx(q4, work / f"int4_l{level}" / "model.onnx", weights="int4", accuracy_level=level,
+                                lm_head="float")
+        files[f"ours int4 MatMulNBits (accuracy_level {level}), lm_head F32"] = (
+            "onnxruntime", onnx4, ort_timer(onnx4, prompt, new, args.threads))
+    # not the like-for-like comparison (the rows above keep the tied embedding/lm_head F32 on both sides): a
+    # quantized lm_head on each side, llama.cpp's defaults file (Q8_0 token_embd, read as the output) against
+    # our export's default (lm_head 8-bit MatMulNBits, blocks of 32) and with lm_head int4 g32
+    onnx_default = export_llm_onnx(q4, work / "int4_default" / "model.onnx", weights="int4")
+    files["ours int4 MatMulNBits, export defaults (accuracy_level 4, lm_head 8-bit g32)"] = (
+        "onnxruntime", onnx_default, ort_timer(onnx_default, prompt, new, args.threads))
     head4 = compress.quantize(copy.deepcopy(fp), compress.QuantScheme(
         weights=compress.QuantSpec(bits=4, granularity="group", group_size=32), inputs=None))
-    onnx_head = export_llm_onnx(head4, work / "int4_head4" / "model.onnx", weights="int4", accuracy_level=4)
-    files["ours int4 MatMulNBits (accuracy_level 4), fused attention, lm_head int4 too"] = (
+    onnx_head = export_llm_onnx(head4, work / "int4_head4" / "model.onnx", weights="int4")
+    files["ours int4 MatMulNBits (accuracy_level 4), lm_head int4 g32 too"] = (
         "onnxruntime", onnx_head, ort_timer(onnx_head, prompt, new, args.threads))
     default_q4 = work / "llamacpp.Q4_0.default.gguf"
-    files["llama.cpp Q4_0 GGUF (defaults: embedding and output quantized)"] = (
+    files["llama.cpp Q4_0 GGUF (defaults: token_embd / output Q8_0)"] = (
         f"llama.cpp {llama_cpp.__version__}", default_q4, llamacpp_timer(default_q4, prompt, new, args.threads))
     timed = interleaved({k: t for k, (_, _, t) in files.items()})
+    from benchmarks.ort_decode_sweep import ort_ppl
+
     speed = [{"runtime": runtime, "file": k, "MiB": path.stat().st_size / 2**20, "prefill_ms": timed[k][0],
-              "decode_tok_s": timed[k][1]} for k, (runtime, path, _) in files.items()]
+              "decode_tok_s": timed[k][1],
+              "ppl": ort_ppl(path, windows) if runtime == "onnxruntime" else llamacpp_ppl(path, windows, args.threads)[0]}
+             for k, (runtime, path, _) in files.items()]
     for row in speed:
         log.info("%s", row)
     md = ("## llama.cpp on our GGUF files, real SmolLM2-135M (`python -m benchmarks.llm_llamacpp`)\n\n"
@@ -297,10 +306,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.threads}.\n\n"
           + table(rows, ["file", "by", "MiB", "ppl_llamacpp", "ppl_torch", "top1_vs_torch", "greedy_prefix", "quantize_s"])
           + f"\nCPU decode, prompt of {len(prompt)} tokens then {new} greedy tokens, median of 5 after a warm-up, "
-          "every row in this one run, the rows taking turns within each of the 5 rounds. The first rows keep the tied embedding / lm_head F32 on both sides; the last "
-          "two quantize it to 4 bits on both sides (llama.cpp's defaults file; ours with lm_head as MatMulNBits g32), "
-          "not comparable with the rows above:\n\n"
-          + table(speed, ["runtime", "file", "MiB", "prefill_ms", "decode_tok_s"])
+          "every row in this one run, the rows taking turns within each of the 5 rounds; threads: "
+          f"{args.threads}. The first three rows keep the tied embedding / lm_head F32 on both sides; the last four "
+          "quantize the lm_head (llama.cpp's defaults file: token_embd Q8_0, read as the output; ours: the export's "
+          "default 8-bit MatMulNBits in blocks of 32, or 4-bit g32 quantized with the layers). Our files: q/k/v packed "
+          "into one MatMulNBits whose output is GroupQueryAttention's packed query, RoPE in that op. `ppl`: each "
+          "runtime's own logits on the held-out windows above (ONNX Runtime's for ours, llama.cpp's for its files):\n\n"
+          + table(speed, ["runtime", "file", "MiB", "prefill_ms", "decode_tok_s", "ppl"])
           + f"\nMachine load at start (1/5/15 min): {tuple(round(x, 1) for x in load)}.\n")
     write_section("llm_llamacpp", md, {"rows": rows, "speed": speed, "threads": args.threads})
     print(md)

@@ -34,7 +34,7 @@ def profile_decode(path: Path, *, threads: int, steps: int, prompt: int = 128) -
     nodes per step, share of the node time."""
     import onnx
 
-    import export.llm_onnx as lo
+    import export.llm_ort as lo
 
     graph = onnx.load(str(path), load_external_data=False).graph
     real = lo.session_options
