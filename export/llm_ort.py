@@ -18,6 +18,7 @@ from compress.core.errors import ExportError
 from compress.core.machine import has_vnni
 from compress.core.ort import inference_session, session_options
 from export.llm_decoder import KVDecoder, positions
+from export.matmul_nbits import MatMulNBitsLinear
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,12 @@ FLOAT_MIN_SQNR_DB = 40.0
 #: greedy agreement floor for float compute: at 40+ dB a top-1 flips only on a near tie of the
 #: two best logits; more than one position in ten flipping means the logits are wrong
 MIN_TOP1 = 0.9
+
+
+#: the level-4 floor's margin under the int8 activations' own effect: tie flips and that effect are
+#: both rounding decisions of the same int8 grid, so the file lands near it on either side (36.8 dB
+#: against 34.2 on SmolLM2); 6 dB (half the amplitude) keeps a right file above the floor
+LEVEL4_MARGIN_DB = 6.0
 
 
 @dataclass(frozen=True)
@@ -79,8 +86,14 @@ def check_in_ort(path: Path, dec: KVDecoder, *, float_check: bool, float_dec: KV
     on each side's own cache — against the traced module, and judge what a deep model's user sees:
     the logits' SQNR and top-1 (greedy token) agreement.
 
-    - fp32 and int4 files (``float_check``; MatMulNBits at accuracy_level 4 is traced with the int8
-      activations its kernel computes with): SQNR >= :data:`FLOAT_MIN_SQNR_DB` and top-1 >= :data:`MIN_TOP1`.
+    - fp32 and int4 files (``float_check``): SQNR >= :data:`FLOAT_MIN_SQNR_DB` and top-1 >= :data:`MIN_TOP1`.
+      MatMulNBits at accuracy_level 4 is traced with the int8 activations its kernel computes with
+      (one op: 130 dB from ORT), but in a deep model a value on a rounding tie takes the
+      neighbouring code on one side and the flips cascade (SmolLM2-135M RTN g32: 36.8 dB, top-1
+      1.0); there the floor is lowered to what the int8 activations themselves move the module's
+      logits (the module at accuracy_level 0 against itself at 4: 34.2 dB, top-1 0.947 there, the
+      yardstick W8A8 uses below) less :data:`LEVEL4_MARGIN_DB`, which a wrong graph (a dropped zero
+      point: below 20 dB) stays under.
     - W8A8 (``float_dec`` is the model with its quantizers off): the file may not differ from the
       fake-quant model more than quantization moved that model from float (SQNR at least the
       quantization's own, top-1 at least its own). A difference is expected at all because a
@@ -124,15 +137,29 @@ def check_in_ort(path: Path, dec: KVDecoder, *, float_check: bool, float_dec: KV
     got = _generation_logits(ort_run, dec, ids, mask, steps)
     result = OrtCheck(sqnr_db=_sqnr_db(ref, got), top1=float((ref.argmax(-1) == got.argmax(-1)).float().mean()),
                       max_rel=float((got - ref).abs().max()) / (float(ref.abs().max()) or 1.0))
+    level4 = [m for m in dec.modules() if isinstance(m, MatMulNBitsLinear) and m.accuracy_level == 4]
+    flt = None
     if float_dec is not None:
         flt = _generation_logits(decoder_steps(float_dec), float_dec, ids, mask, steps)
+    elif float_check and level4:  # the yardstick: the same module with float activations (accuracy_level 0)
+        for m in level4:
+            m.accuracy_level = 0
+        try:
+            flt = _generation_logits(decoder_steps(dec), dec, ids, mask, steps)
+        finally:
+            for m in level4:
+                m.accuracy_level = 4
+    if flt is not None:
         result = OrtCheck(result.sqnr_db, result.top1, result.max_rel, quant_sqnr_db=_sqnr_db(flt, ref),
                           quant_top1=float((flt.argmax(-1) == ref.argmax(-1)).float().mean()))
     log.info("%s in ONNX Runtime vs PyTorch: logits SQNR %.1f dB, greedy top-1 %.3f, max error %.2e of the "
              "largest logit%s", path.name, result.sqnr_db, result.top1, result.max_rel,
              "" if result.quant_sqnr_db is None else
-             f" (quantization vs float: {result.quant_sqnr_db:.1f} dB, top-1 {result.quant_top1:.3f})")
-    if float_check:
+             f" (quantization vs float activations: {result.quant_sqnr_db:.1f} dB, top-1 {result.quant_top1:.3f})")
+    if float_check and result.quant_sqnr_db is not None and result.quant_top1 is not None:
+        sqnr_floor = min(FLOAT_MIN_SQNR_DB, result.quant_sqnr_db - LEVEL4_MARGIN_DB)
+        top1_floor = min(MIN_TOP1, result.quant_top1)
+    elif float_check:
         sqnr_floor, top1_floor = FLOAT_MIN_SQNR_DB, MIN_TOP1
     elif result.quant_sqnr_db is not None and result.quant_top1 is not None:
         sqnr_floor, top1_floor = result.quant_sqnr_db, result.quant_top1
