@@ -9,8 +9,8 @@ or asymmetric, ``accuracy_level`` 0 (float32 activations) or 4 (int8 activations
 lm_head float32, 8-bit (``lm_head="int8"``, the export's default at level 4) or 4-bit (quantized
 with the layers), the attention as written now (q/k/v packed into GroupQueryAttention's query,
 RoPE in the op) or as before (a Split and two RotaryEmbedding nodes per layer), 1 or 2 threads.
-Decode: a 128-token prompt then 64 greedy tokens, median of ``--rounds`` after a warm-up, every
-row in this one run, the rows taking turns within each round. Perplexity: ONNX Runtime's own
+Decode: ``--rounds`` rounds after a warm-up round, each a 128-token prompt per file then 64
+greedy steps, the files taking turns step by step (``benchmarks.llm_llamacpp.interleaved_steps``). Perplexity: ONNX Runtime's own
 logits of each file over the held-out windows of ``benchmarks.llm_llamacpp`` (8 x 256 tokens of
 stdlib code), so the int8 activations and the head's bits count. The default file is also
 profiled (ORT's per-node profiler): per-node overhead against kernel time.
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import compress
     from benchmarks._results import table, write_section
-    from benchmarks.llm_llamacpp import _windows, interleaved, ort_timer
+    from benchmarks.llm_llamacpp import _windows, interleaved_steps, ort_stepper
     from benchmarks.llm_runtimes import load_smollm2
     from benchmarks.ort_decode_profile import profile_decode
     from export.llm_onnx import export_llm_onnx
@@ -133,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"file": label, "MiB": path.stat().st_size / 2**20, "file_nodes": nodes,
                      "ppl_ort": ort_ppl(path, windows)})
         log.info("%s", rows[-1])
-    timers = {(label, 1): ort_timer(files[label], prompt, new, 1) for label, *_ in configs}
+    steppers = {f"{label} @1": ort_stepper(files[label], prompt, 1) for label, *_ in configs}
     for label in (configs[0][0], configs[3][0]):
-        timers[(label, 2)] = ort_timer(files[label], prompt, new, 2)
-    timed = interleaved({f"{k[0]} @{k[1]}": t for k, t in timers.items()}, rounds=args.rounds)
+        steppers[f"{label} @2"] = ort_stepper(files[label], prompt, 2)
+    timed = interleaved_steps(steppers, new, rounds=args.rounds)
     speed = [{"file": k.rsplit(" @", 1)[0], "threads": int(k.rsplit(" @", 1)[1]), "prefill_ms": v[0],
               "decode_tok_s": v[1]} for k, v in timed.items()]
     for row in speed:
@@ -153,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
           "two RotaryEmbedding nodes per layer before GroupQueryAttention (now: the packed q/k/v output is the op's "
           "query, RoPE in the op). `ppl_ort`: perplexity from ONNX Runtime's own logits on 8 held-out windows of 256 "
           f"tokens (stdlib code, as `llm_llamacpp`); the float32 file gives {float_ppl:.3f}. Decode: a {len(prompt)}-token "
-          f"prompt then {new} greedy tokens, median of {args.rounds} after a warm-up, all rows in this one run taking "
-          "turns within each round.\n\n"
+          f"prompt then {new} greedy tokens, {args.rounds} rounds after a warm-up round, all rows in this one run: each "
+          "round prefills every file, then the files take turns step by step; `prefill_ms`: median over the rounds, "
+          "`decode_tok_s`: 1 / the median step.\n\n"
           + table(rows, ["file", "MiB", "file_nodes", "ppl_ort"])
           + "\n" + table(speed, ["file", "threads", "prefill_ms", "decode_tok_s"])
           + f"\nThe default file under ORT's profiler (1 thread, {prof['steps']} decode steps after the prompt; per step): "
