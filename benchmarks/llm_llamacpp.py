@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
           + f"\nCPU decode, prompt of {len(prompt)} tokens then {new} greedy tokens, {args.rounds} rounds after a "
           "warm-up round, every row in this one run: each round prefills every file, then the files take turns "
           "step by step; `prefill_ms`: median over the rounds, `decode_tok_s`: 1 / the median step; threads: "
-          f"{args.threads}. The first three rows keep the tied embedding / lm_head F32 on both sides; the last four "
+          f"{args.threads}. The first three rows keep the tied embedding / lm_head F32 on both sides; the last three "
           "quantize the lm_head (llama.cpp's defaults file: token_embd Q8_0, read as the output; ours: the export's "
           "default 8-bit MatMulNBits in blocks of 32, or 4-bit g32 quantized with the layers). Our files: q/k/v packed "
           "into one MatMulNBits whose output is GroupQueryAttention's packed query, RoPE in that op. `ppl`: each "
