@@ -175,6 +175,64 @@ def interleaved(timers: dict[str, Timer], rounds: int = 5) -> dict[str, tuple[fl
     return {k: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for k, v in got.items()}
 
 
+Stepper = tuple[Callable[[], None], Callable[[], None]]
+
+
+def llamacpp_stepper(path: Path, prompt: list[int], new: int, threads: int) -> Stepper:
+    """``(prefill, step)`` of llama.cpp on ``path``: the prompt from an empty cache, then one greedy token."""
+    llm = _llama(path, len(prompt) + 8 * new + 8, threads, logits_all=False)
+    state = {"next": 0}
+
+    def prefill() -> None:
+        llm.reset()
+        llm.eval(prompt)
+        state["next"] = _last_argmax(llm)
+
+    def step() -> None:
+        llm.eval([state["next"]])
+        state["next"] = _last_argmax(llm)
+    return prefill, step
+
+
+def ort_stepper(path: Path, prompt: list[int], threads: int) -> Stepper:
+    """``(prefill, step)`` of ONNX Runtime on ``path`` (:class:`export.llm_onnx.OrtGenerator`)."""
+    from export.llm_onnx import OrtGenerator
+
+    gen = OrtGenerator(path, threads=threads)
+    ids = np.asarray([prompt], dtype=np.int64)
+    state: dict[str, np.ndarray] = {}
+
+    def prefill() -> None:
+        state["logits"] = gen.prefill(ids, None)
+
+    def step() -> None:
+        state["logits"] = gen.step(state["logits"].argmax(-1).astype(np.int64))
+    return prefill, step
+
+
+def interleaved_steps(steppers: dict[str, Stepper], new: int, rounds: int = 5) -> dict[str, tuple[float, float]]:
+    """``(prefill ms, decode tokens/s)`` per stepper: each round prefills every one, then runs ``new``
+    decode steps taking turns step by step (the order reversed every other step), so a burst of load
+    on the shared machine falls on all of them alike; medians over the rounds (prefill) and over
+    every step (decode), after one warm-up round."""
+    pre: dict[str, list[float]] = {k: [] for k in steppers}
+    dec: dict[str, list[float]] = {k: [] for k in steppers}
+    keys = list(steppers)
+    for r in range(rounds + 1):
+        for k in keys:
+            t0 = time.perf_counter()
+            steppers[k][0]()
+            if r:
+                pre[k].append((time.perf_counter() - t0) * 1e3)
+        for i in range(new):
+            for k in keys if i % 2 == 0 else keys[::-1]:
+                t0 = time.perf_counter()
+                steppers[k][1]()
+                if r:
+                    dec[k].append(time.perf_counter() - t0)
+    return {k: (statistics.median(pre[k]), 1 / statistics.median(dec[k])) for k in keys}
+
+
 def llamacpp_quantize(src: Path, dst: Path, ftype: str, *, keep_embedding: bool) -> Path:
     """llama.cpp's own quantization of ``src`` to ``ftype`` (Q4_0, Q8_0)."""
     import llama_cpp
@@ -215,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gptq", action="store_true", help="also GPTQ (16 calibration windows of 256 tokens)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--windows", type=int, default=8, help="held-out windows of 256 tokens")
+    ap.add_argument("--rounds", type=int, default=5, help="decode timing rounds (prompt + 64 steps each)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
@@ -262,28 +321,37 @@ def main(argv: list[str] | None = None) -> None:
             log.info("%s", rows[-1])
     prompt, new = windows[0][:128], 64
     q4, p4 = ours["RTN Q4_0"]
-    files: dict[str, tuple[str, Path, Timer]] = {
+    files: dict[str, tuple[str, Path, Stepper]] = {
         "ours RTN Q4_0 GGUF (embedding F32)": (f"llama.cpp {llama_cpp.__version__}", p4,
-                                               llamacpp_timer(p4, prompt, new, args.threads))}
-    for attention in ("decomposed", "fused"):
-        for level in (0, 4):
-            onnx4 = export_llm_onnx(q4, work / f"int4_{attention}_l{level}" / "model.onnx", weights="int4",
-                                    accuracy_level=level, attention=attention)
-            files[f"ours int4 MatMulNBits (accuracy_level {level}), {attention} attention, lm_head F32"] = (
-                "onnxruntime", onnx4, ort_timer(onnx4, prompt, new, args.threads))
-    # not the like-for-like comparison (the rows above keep the tied embedding/lm_head F32 on both sides):
-    # a 4-bit lm_head on each side, llama.cpp's defaults file against ours with lm_head as MatMulNBits too
+                                               llamacpp_stepper(p4, prompt, new, args.threads))}
+    # lm_head F32 on both sides: our int4 file at accuracy_level 0 (float activations) and 4 (int8 activations
+    # per block, as llama.cpp's Q4_0 x Q8_0 dot products), attention fused (q/k/v packed into GroupQueryAttention)
+    for level in (0, 4):
+        onnx4 = export_llm_onnx(q4, work / f"int4_l{level}" / "model.onnx", weights="int4", accuracy_level=level,
+                                lm_head="float")
+        files[f"ours int4 MatMulNBits (accuracy_level {level}), lm_head F32"] = (
+            "onnxruntime", onnx4, ort_stepper(onnx4, prompt, args.threads))
+    # not the like-for-like comparison (the rows above keep the tied embedding/lm_head F32 on both sides): a
+    # quantized lm_head on each side, llama.cpp's defaults file (Q8_0 token_embd, read as the output) against
+    # our export's default (lm_head 8-bit MatMulNBits, blocks of 32) and with lm_head int4 g32
+    onnx_default = export_llm_onnx(q4, work / "int4_default" / "model.onnx", weights="int4")
+    files["ours int4 MatMulNBits, export defaults (accuracy_level 4, lm_head 8-bit g32)"] = (
+        "onnxruntime", onnx_default, ort_stepper(onnx_default, prompt, args.threads))
     head4 = compress.quantize(copy.deepcopy(fp), compress.QuantScheme(
         weights=compress.QuantSpec(bits=4, granularity="group", group_size=32), inputs=None))
-    onnx_head = export_llm_onnx(head4, work / "int4_head4" / "model.onnx", weights="int4", accuracy_level=4)
-    files["ours int4 MatMulNBits (accuracy_level 4), fused attention, lm_head int4 too"] = (
-        "onnxruntime", onnx_head, ort_timer(onnx_head, prompt, new, args.threads))
+    onnx_head = export_llm_onnx(head4, work / "int4_head4" / "model.onnx", weights="int4")
+    files["ours int4 MatMulNBits (accuracy_level 4), lm_head int4 g32 too"] = (
+        "onnxruntime", onnx_head, ort_stepper(onnx_head, prompt, args.threads))
     default_q4 = work / "llamacpp.Q4_0.default.gguf"
-    files["llama.cpp Q4_0 GGUF (defaults: embedding and output quantized)"] = (
-        f"llama.cpp {llama_cpp.__version__}", default_q4, llamacpp_timer(default_q4, prompt, new, args.threads))
-    timed = interleaved({k: t for k, (_, _, t) in files.items()})
+    files["llama.cpp Q4_0 GGUF (defaults: token_embd / output Q8_0)"] = (
+        f"llama.cpp {llama_cpp.__version__}", default_q4, llamacpp_stepper(default_q4, prompt, new, args.threads))
+    timed = interleaved_steps({k: t for k, (_, _, t) in files.items()}, new, rounds=args.rounds)
+    from benchmarks.ort_decode_sweep import ort_ppl
+
     speed = [{"runtime": runtime, "file": k, "MiB": path.stat().st_size / 2**20, "prefill_ms": timed[k][0],
-              "decode_tok_s": timed[k][1]} for k, (runtime, path, _) in files.items()]
+              "decode_tok_s": timed[k][1],
+              "ppl": ort_ppl(path, windows) if runtime == "onnxruntime" else llamacpp_ppl(path, windows, args.threads)[0]}
+             for k, (runtime, path, _) in files.items()]
     for row in speed:
         log.info("%s", row)
     md = ("## llama.cpp on our GGUF files, real SmolLM2-135M (`python -m benchmarks.llm_llamacpp`)\n\n"
@@ -296,11 +364,15 @@ def main(argv: list[str] | None = None) -> None:
           f"`greedy_prefix`: 4 prompts of 32 tokens, tokens generated alike before the first difference. Threads: "
           f"{args.threads}.\n\n"
           + table(rows, ["file", "by", "MiB", "ppl_llamacpp", "ppl_torch", "top1_vs_torch", "greedy_prefix", "quantize_s"])
-          + f"\nCPU decode, prompt of {len(prompt)} tokens then {new} greedy tokens, median of 5 after a warm-up, "
-          "every row in this one run, the rows taking turns within each of the 5 rounds. The first rows keep the tied embedding / lm_head F32 on both sides; the last "
-          "two quantize it to 4 bits on both sides (llama.cpp's defaults file; ours with lm_head as MatMulNBits g32), "
-          "not comparable with the rows above:\n\n"
-          + table(speed, ["runtime", "file", "MiB", "prefill_ms", "decode_tok_s"])
+          + f"\nCPU decode, prompt of {len(prompt)} tokens then {new} greedy tokens, {args.rounds} rounds after a "
+          "warm-up round, every row in this one run: each round prefills every file, then the files take turns "
+          "step by step; `prefill_ms`: median over the rounds, `decode_tok_s`: 1 / the median step; threads: "
+          f"{args.threads}. The first three rows keep the tied embedding / lm_head F32 on both sides; the last three "
+          "quantize the lm_head (llama.cpp's defaults file: token_embd Q8_0, read as the output; ours: the export's "
+          "default 8-bit MatMulNBits in blocks of 32, or 4-bit g32 quantized with the layers). Our files: q/k/v packed "
+          "into one MatMulNBits whose output is GroupQueryAttention's packed query, RoPE in that op. `ppl`: each "
+          "runtime's own logits on the held-out windows above (ONNX Runtime's for ours, llama.cpp's for its files):\n\n"
+          + table(speed, ["runtime", "file", "MiB", "prefill_ms", "decode_tok_s", "ppl"])
           + f"\nMachine load at start (1/5/15 min): {tuple(round(x, 1) for x in load)}.\n")
     write_section("llm_llamacpp", md, {"rows": rows, "speed": speed, "threads": args.threads})
     print(md)

@@ -34,7 +34,7 @@ def profile_decode(path: Path, *, threads: int, steps: int, prompt: int = 128) -
     nodes per step, share of the node time."""
     import onnx
 
-    import export.llm_onnx as lo
+    import export.llm_ort as lo
 
     graph = onnx.load(str(path), load_external_data=False).graph
     real = lo.session_options
@@ -89,9 +89,10 @@ def _markdown(data: dict[str, Any]) -> str:
         "## Where ONNX Runtime's int4 decode time goes, real SmolLM2-135M (`python -m benchmarks.ort_decode_profile`)\n",
         "Our `export_llm_onnx(weights=\"int4\")` file (RTN int4 g32, MatMulNBits accuracy_level 4, lm_head float, "
         "as in the llama.cpp comparison), written twice in one run: attention `decomposed` (masks, rotate-half RoPE, "
-        "KV repeat, matmul/softmax in plain ONNX ops) and `fused` (per layer RotaryEmbedding on q and k and one "
-        "GroupQueryAttention, each residual add with the RMSNorm after it as one SkipSimplifiedLayerNormalization); "
-        f"both with q/k/v and gate/up packed into one MatMulNBits each. {data['threads']} thread, a 128-token prompt then {data['steps']} decode steps under "
+        "KV repeat, matmul/softmax in plain ONNX ops) and `fused` (per layer one GroupQueryAttention reading the packed "
+        "q/k/v MatMulNBits output as its query and applying RoPE itself, each residual add with the RMSNorm after "
+        "it as one SkipSimplifiedLayerNormalization); both with q/k/v and gate/up packed into one MatMulNBits each."
+        f" {data['threads']} thread, a 128-token prompt then {data['steps']} decode steps under "
         "ORT's profiler (prefill events left out; `run_ms`, `kernel_ms`, `lm_head_ms` and `tok_s_profiled` are "
         "per step under the profiler, which adds overhead); `tok_s`: decode tokens/s of the same file without the "
         f"profiler (64 greedy tokens after the prompt, median of 5 after a warm-up, the two files taking turns). `overhead_ms`: `run` minus the "
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt = list(range(100, 228))
     paths = {}
     for form in ("decomposed", "fused"):
-        paths[form] = export_llm_onnx(q, work / form / "model.onnx", weights="int4", accuracy_level=4, attention=form)
+        paths[form] = export_llm_onnx(q, work / form / "model.onnx", weights="int4", accuracy_level=4, attention=form,
+                                      lm_head="float")
         forms[form] = profile_decode(paths[form], threads=args.threads, steps=args.steps)
     timed = interleaved({form: ort_timer(path, prompt, 64, args.threads) for form, path in paths.items()})
     for form in forms:

@@ -95,24 +95,45 @@ class RotaryFn(torch.autograd.Function):
         return out
 
 
+def slot_rotary(x: torch.Tensor, first: int, cos_cache: torch.Tensor, sin_cache: torch.Tensor, heads: int) -> torch.Tensor:
+    """:class:`RotaryFn` at positions ``first, first+1, ...`` in every row (the KV slots): what
+    GroupQueryAttention's own rotary (``do_rotary``) applies when it is given no ``position_ids``."""
+    b, s = x.shape[:2]
+    return RotaryFn.forward(None, x, (torch.arange(s) + first).expand(b, s), cos_cache, sin_cache, heads)
+
+
 class GroupQueryAttentionFn(torch.autograd.Function):
     """Causal attention of ``q`` ``[B, S, H*D]`` over ``past_k/v`` ``[B, KV, P, D]`` and the new
     ``k/v`` ``[B, S, KV*D]``, each KV head shared by ``H/KV`` consecutive query heads, plus
     ``bias`` ``[B, 1, S, P+S]`` (0 or float32 min: left padding); a layer with a ``window`` drops
     keys ``window`` or more slots behind the query. Returns ``(out [B, S, H*D], present_k,
-    present_v [B, KV, P+S, D])``; exported as ``com.microsoft.GroupQueryAttention``."""
+    present_v [B, KV, P+S, D])``; exported as ``com.microsoft.GroupQueryAttention``.
+
+    ``packed`` (0/1; ints, which the exporter passes to ``symbolic`` as they are): ``q`` is ``[q | k | v]`` ``[B, S, (H+2*KV)*D]`` (one projection's output, the op's
+    packed-QKV input; ``k`` and ``v`` are ignored), which spares the Split a file would otherwise
+    run per layer. ``rotary`` (0/1): the op applies rotate-half RoPE from ``cos_cache``/``sin_cache`` to q and
+    k itself (``do_rotary``), at the KV slot of each token (``P + i``): in a left-padded row that
+    is the token's position plus the row's padding, a shift common to all its queries and keys,
+    which RoPE's scores do not see (they depend on position differences only), so the two
+    RotaryEmbedding nodes per layer go away."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
                 past_v: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor, bias: torch.Tensor,
-                query_lens: torch.Tensor, heads: int, kv_heads: int, scale: float,
-                window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                query_lens: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor, heads: int,
+                kv_heads: int, scale: float, window: int, packed: int,
+                rotary: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, s = q.shape[:2]
         d = past_k.shape[3]
         p = past_k.shape[2]
         t = p + s
-        present_k = torch.cat([past_k, k.view(b, s, kv_heads, d).transpose(1, 2)], dim=2)
-        present_v = torch.cat([past_v, v.view(b, s, kv_heads, d).transpose(1, 2)], dim=2)
+        if packed:
+            q, k, v = q.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        if rotary:
+            q = slot_rotary(q, p, cos_cache, sin_cache, heads)
+            k = slot_rotary(k, p, cos_cache, sin_cache, kv_heads)
+        present_k = torch.cat([past_k, k.reshape(b, s, kv_heads, d).transpose(1, 2)], dim=2)
+        present_v = torch.cat([past_v, v.reshape(b, s, kv_heads, d).transpose(1, 2)], dim=2)
         rep = heads // kv_heads
         kk = present_k[:, :, None].expand(b, kv_heads, rep, t, d).reshape(b, heads, t, d)
         vv = present_v[:, :, None].expand(b, kv_heads, rep, t, d).reshape(b, heads, t, d)
@@ -122,20 +143,28 @@ class GroupQueryAttentionFn(torch.autograd.Function):
             masked = masked | ((slot[:, None] - torch.arange(t)[None, :]) >= window)
         # the decomposed form's additive mask: float32 min once wherever a key is masked for any reason
         add = torch.where(masked[None, None], torch.finfo(torch.float32).min, bias)
-        qh = q.view(b, s, heads, d).transpose(1, 2)
+        qh = q.reshape(b, s, heads, d).transpose(1, 2)
         probs = torch.softmax((qh @ kk.transpose(2, 3) * scale + add).float(), dim=-1).to(q.dtype)
         out = (probs @ vv).transpose(1, 2).reshape(b, s, heads * d)
         return out, present_k, present_v
 
     @staticmethod
     def symbolic(g: Any, q: Any, k: Any, v: Any, past_k: Any, past_v: Any, seqlens_k: Any, total: Any, bias: Any,
-                 query_lens: Any, heads: int, kv_heads: int, scale: float, window: int) -> Any:
+                 query_lens: Any, cos_cache: Any, sin_cache: Any, heads: int, kv_heads: int, scale: float, window: int,
+                 packed: int, rotary: int) -> Any:
         none = _none(g)
-        inputs = [q, k, v, past_k, past_v, seqlens_k, total, none, none, none, bias, none, none, none, none, none,
+        kv = [none, none] if packed else [k, v]
+        caches = [cos_cache, sin_cache] if rotary else [none, none]
+        inputs = [q, *kv, past_k, past_v, seqlens_k, total, *caches, none, bias, none, none, none, none, none,
                   query_lens]
         out, pk, pv = g.op("com.microsoft::GroupQueryAttention", *inputs, outputs=3, num_heads_i=heads,
-                           kv_num_heads_i=kv_heads, scale_f=scale, local_window_size_i=window, do_rotary_i=0)
-        out.setType(q.type())
+                           kv_num_heads_i=kv_heads, scale_f=scale, local_window_size_i=window,
+                           do_rotary_i=int(rotary), rotary_interleaved_i=0)
+        sizes = q.type().varyingSizes()
+        if packed and sizes is not None and sizes[-1] is not None:  # H*D wide, not the packed (H+2*KV)*D
+            out.setType(q.type().with_sizes([*sizes[:-1], sizes[-1] // (heads + 2 * kv_heads) * heads]))
+        else:
+            out.setType(q.type())
         pk.setType(past_k.type())
         pv.setType(past_v.type())
         return out, pk, pv

@@ -31,9 +31,13 @@ class ExportSpec(_Strict):
     #: decoder LLMs: the ONNX that generates with a KV cache (int4 MatMulNBits / W8A8 / fp32 weights,
     #: export.generation) instead of the single-pass graph; validated as greedy generation
     generation: bool = False
-    #: MatMulNBits' accuracy_level for int4 generation files: 0 computes in float32 (the fake-quant
-    #: model's numbers), 4 lets ORT's CPU kernel quantize activations to int8 (faster decode)
-    accuracy_level: int = Field(0, ge=0, le=4)
+    #: MatMulNBits' accuracy_level for int4 generation files: 4 (default) lets ORT's CPU kernel quantize
+    #: activations to int8 per block (faster decode, as llama.cpp's Q4_0), 0 computes in float32 (the
+    #: fake-quant model's numbers)
+    accuracy_level: int = Field(4, ge=0, le=4)
+    #: int4 generation files: a float lm_head written as 8-bit MatMulNBits (llama.cpp's Q8_0 default for
+    #: a tied embedding of SmolLM2's width; faster decode), or kept float; auto: int8 at accuracy_level 4
+    lm_head: Literal["auto", "int8", "float"] = "auto"
     #: generation files' attention: ORT's fused RotaryEmbedding + GroupQueryAttention, plain ONNX ops,
     #: or (auto) fused where the installed onnxruntime has the inputs it needs
     attention: Literal["auto", "fused", "decomposed"] = "auto"

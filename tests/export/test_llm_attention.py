@@ -84,7 +84,13 @@ def test_fused_file_computes_the_decomposed_one(family: str, position_ids: bool,
                                    attention=form) for form in ("fused", "decomposed")}
     ops = collections.Counter(n.op_type for n in onnx.load(str(files["fused"])).graph.node)
     assert ops["GroupQueryAttention"] == 2 and ops["Softmax"] == 0
-    assert ops["RotaryEmbedding"] == (0 if family == "gpt2" else 4)
+    # RoPE inside GroupQueryAttention (do_rotary) unless positions are fed (position_ids) or the rotary
+    # covers part of each head (Phi-3's partial_rotary_factor): then RotaryEmbedding on q and k
+    in_op = family in ("llama", "qwen3")
+    assert ops["RotaryEmbedding"] == (0 if family == "gpt2" or in_op else 4)
+    gqa = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+           for n in onnx.load(str(files["fused"])).graph.node if n.op_type == "GroupQueryAttention"]
+    assert [a["do_rotary"] for a in gqa] == [int(in_op)] * 2
     ref = KVDecoder(model).eval()  # the decomposed module, transformers' own numerics checked in test_generation
     ref.explicit_positions = position_ids
     want = _steps(ref, decoder_steps(ref))
@@ -105,10 +111,17 @@ def test_fused_file_computes_the_decomposed_one(family: str, position_ids: bool,
 
 def test_int4_llama_ops_one_attention_per_layer_no_kv_repeat(tmp_path: Path) -> None:
     model = compress.quantize(_model("llama"), "w4_weight_only_g128", ignore=["lm_head"])
-    path = export_llm_onnx(model, tmp_path / "m.onnx")  # auto: fused with this onnxruntime
+    # auto: fused with this onnxruntime; float compute and a float lm_head: transformers' tokens
+    path = export_llm_onnx(model, tmp_path / "m.onnx", accuracy_level=0, lm_head="float")
     proto = onnx.load(str(path))
     ops = collections.Counter(n.op_type for n in proto.graph.node)
-    assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 4 and ops["MatMulNBits"] == 8
+    # q/k/v packed into one MatMulNBits whose output is the op's packed query (key/value absent), RoPE in
+    # the op: no RotaryEmbedding, and the only Splits are the gate/up ones
+    assert ops["GroupQueryAttention"] == 2 and ops["RotaryEmbedding"] == 0 and ops["MatMulNBits"] == 8
+    assert ops["Split"] == 2
+    producer = {o: n.op_type for n in proto.graph.node for o in n.output}
+    for node in (n for n in proto.graph.node if n.op_type == "GroupQueryAttention"):
+        assert producer[node.input[0]] == "MatMulNBits" and list(node.input[1:3]) == ["", ""]
     # the only Expand is the padding bias, built once per step; no Tile, no per-layer mask or KV repeat
     assert ops["Expand"] == 1 and ops["Tile"] == 0 and ops["Softmax"] == 0 and ops["Concat"] <= 2
     # every residual add with the RMSNorm after it (layer 1's two, layer 2's two with the final norm's)
@@ -161,6 +174,18 @@ def test_decomposed_where_onnxruntime_lacks_the_fused_inputs(tmp_path: Path, mon
         export_llm_onnx(model, tmp_path / "g.onnx", weights="fp32", attention="flash")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2-window"])
+def test_int4_packed_qkv_with_rotary_in_the_op_computes_the_model(family: str, tmp_path: Path) -> None:
+    # the packed query and the op's own RoPE at KV slots (a left-padded row's positions shifted by its
+    # padding) against the fake-quant model's decomposed forward at cumsum positions: left padding,
+    # a multi-token step on a past, decode steps, a sliding-window layer
+    model = compress.quantize(_model(family), "w4_weight_only_g128", ignore=["lm_head"])
+    path = export_llm_onnx(model, tmp_path / "m.onnx", accuracy_level=0, lm_head="float")  # float compute
+    assert sum(n.op_type == "RotaryEmbedding" for n in onnx.load(str(path)).graph.node) == 0
+    ref = KVDecoder(model).eval()
+    torch.testing.assert_close(_steps(ref, _ort(path, ref)), _steps(ref, decoder_steps(ref)), atol=2e-4, rtol=1e-4)
+
+
 def test_rotary_cache_covers_the_models_positions() -> None:
     # positions up to max_position_embeddings - 1 read the same cos/sin the decomposed form computes
     dec = KVDecoder(_model("llama"), attention="fused")
@@ -172,7 +197,7 @@ def test_rotary_cache_covers_the_models_positions() -> None:
     np.testing.assert_array_equal(dec.sin_cache[pos].numpy(), (freqs.sin() * dec.rope_scaling).numpy())
 
 
-@pytest.mark.slow  # two exports of the 135M model, about two minutes on an idle 2-core CPU
+@pytest.mark.slow  # three exports of the 135M model, about three minutes on an idle 2-core CPU
 def test_real_smollm2_int4_fused_file_generates_the_decomposed_files_tokens(smollm2: Any, tmp_path: Path) -> None:
     # SmolLM2-135M (30 layers, GQA 9/3, head_dim 64, tied embedding) at int4 g32: the fused file holds one
     # GroupQueryAttention per layer and 4 MatMulNBits per layer, and generates what the decomposed file
@@ -183,10 +208,15 @@ def test_real_smollm2_int4_fused_file_generates_the_decomposed_files_tokens(smol
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     q = compress.quantize(model, compress.QuantScheme(
         weights=compress.QuantSpec(bits=4, granularity="group", group_size=32), inputs=None), ignore=["lm_head"])
-    fused = export_llm_onnx(q, tmp_path / "fused.onnx", attention="fused")
-    decomposed = export_llm_onnx(q, tmp_path / "decomposed.onnx", attention="decomposed", check=False)
-    ops = collections.Counter(n.op_type for n in onnx.load(str(fused)).graph.node)
-    assert (ops["GroupQueryAttention"], ops["RotaryEmbedding"], ops["MatMulNBits"]) == (30, 60, 120)
+    # the defaults (accuracy_level 4, lm_head 8-bit) pass the export's check on the real model; q/k/v
+    # packed into the op's query, RoPE in the op: no RotaryEmbedding, Splits only for gate/up
+    default = export_llm_onnx(q, tmp_path / "default.onnx")
+    ops = collections.Counter(n.op_type for n in onnx.load(str(default)).graph.node)
+    assert (ops["GroupQueryAttention"], ops["RotaryEmbedding"], ops["MatMulNBits"], ops["Split"]) == (30, 0, 121, 30)
+    # float compute: the fused form's tokens are the decomposed form's
+    fused = export_llm_onnx(q, tmp_path / "fused.onnx", attention="fused", accuracy_level=0, check=False)
+    decomposed = export_llm_onnx(q, tmp_path / "decomposed.onnx", attention="decomposed", accuracy_level=0,
+                                 check=False)
     text = Path(os.__file__).read_text()
     ids = torch.tensor([tok(text[1000:1400])["input_ids"][:24], tok(text[5000:5400])["input_ids"][:24]])
     mask = torch.ones_like(ids)

@@ -64,7 +64,9 @@ def _hf_greedy(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int
 )
 def test_ort_greedy_tokens_match_pytorch(kind: str, scheme: QuantScheme, weights: str, tmp_path: Path) -> None:
     fq = _model(kind, scheme)
-    path = export_llm_onnx(fq, tmp_path / "m.onnx", weights=weights)  # type: ignore[arg-type]
+    # float compute (accuracy_level 0) and the lm_head as the model holds it: transformers' own tokens
+    path = export_llm_onnx(fq, tmp_path / "m.onnx", weights=weights, accuracy_level=0,  # type: ignore[arg-type]
+                           lm_head="float")
     nodes = [n for n in onnx.load(str(path)).graph.node if n.op_type == "MatMulNBits"]
     assert len(nodes) == (8 if weights == "int4" else 0)  # per layer q/k/v and gate/up packed: 4
     if nodes:  # q/k/v packed: K = 64, N = 64 + 2 x 32; g32 blocks, or one 64-wide block per channel; zero points when asym
@@ -104,6 +106,60 @@ def test_matmul_nbits_layout_pads_ragged_blocks_exactly(tmp_path: Path) -> None:
 
     (y,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
     np.testing.assert_allclose(y, ref.numpy(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("bits", "block", "zero_points"), [(4, 32, False), (4, 128, True), (8, 32, False)])
+def test_accuracy_level_4_forward_is_what_orts_kernel_computes(bits: int, block: int, zero_points: bool,
+                                                               tmp_path: Path) -> None:
+    # at accuracy_level 4 ORT quantizes the activations to int8 per weight block; the layer's torch forward
+    # (what the export's check compares with) does the same: ORT within float rounding of it, where the
+    # float-activation product is ~40 dB away. K=80 with blocks of 128: one ragged block.
+    g = torch.Generator().manual_seed(5)
+    n, k = 48, 80 if block == 128 else 96
+    groups = -(-k // block)
+    w = Int4Weight(torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8),
+                   torch.rand(n, groups, generator=g) * 0.01,
+                   torch.randint(0, 1 << bits, (n, groups), generator=g, dtype=torch.uint8) if zero_points
+                   else torch.full((n, groups), 1 << (bits - 1), dtype=torch.uint8), block, not zero_points,
+                   offset=1 << (bits - 1))
+    layer = MatMulNBitsLinear(w, None, accuracy_level=4, bits=bits)
+    x = torch.randn(5, k, generator=g)
+    x[:, 3] *= 20  # an outlier feature: its blocks' activation scale is coarse
+    path = tmp_path / "one.onnx"
+    with pytest.warns(DeprecationWarning):
+        torch.onnx.export(layer, (x,), str(path), input_names=["x"], dynamo=False, custom_opsets={"com.microsoft": 1})
+    import onnxruntime as ort
+
+    (y,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
+    got = torch.from_numpy(y)
+
+    def sqnr(ref: torch.Tensor) -> float:
+        return float(10 * torch.log10((ref ** 2).mean() / ((got - ref) ** 2).mean()))
+
+    assert sqnr(layer(x)) > 100
+    assert sqnr(x @ dequantize_int4(w).T) < 60
+
+
+def test_default_int4_file_quantizes_the_float_lm_head_as_llamacpp_q8_0(tmp_path: Path) -> None:
+    # by default a float lm_head (ignored by the quantization, as llm-compressor's default is) becomes an
+    # 8-bit MatMulNBits in blocks of 32 at accuracy_level 4, as every layer's MatMulNBits; lm_head="float" keeps
+    # it a MatMul; the export's check (40 dB against the traced module) passes on both
+    model = _model("llama", _w4(32, symmetric=True))
+    default = onnx.load(str(export_llm_onnx(model, tmp_path / "d.onnx")))
+    nodes = [n for n in default.graph.node if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: a.i for a in n.attribute} for n in nodes]
+    assert len(nodes) == 9 and all(a["accuracy_level"] == 4 for a in attrs)
+    assert [a for a in attrs if a["bits"] == 8] == [
+        {"K": 64, "N": 256, "bits": 8, "block_size": 32, "accuracy_level": 4}]
+    head = next(n for n in nodes if {a.name: a.i for a in n.attribute}["bits"] == 8)
+    assert len(head.input) == 3  # symmetric: no zero points
+    kept = onnx.load(str(export_llm_onnx(model, tmp_path / "f.onnx", lm_head="float")))
+    assert sum(n.op_type == "MatMulNBits" for n in kept.graph.node) == 8
+    with pytest.raises(ExportError, match="lm_head must be"):
+        export_llm_onnx(model, tmp_path / "x.onnx", lm_head="int4")  # type: ignore[arg-type]
+    # auto: float where the file computes in float (accuracy_level 0), so it keeps the model's numbers
+    level0 = onnx.load(str(export_llm_onnx(model, tmp_path / "l0.onnx", accuracy_level=0)))
+    assert sum(n.op_type == "MatMulNBits" for n in level0.graph.node) == 8
 
 
 def test_packed_projections_compute_each_layers_columns(tmp_path: Path) -> None:
@@ -210,12 +266,12 @@ def test_position_ids_input_generates_the_same_tokens(tmp_path: Path) -> None:
 
 def test_ort_decode_profile_attributes_the_step_to_op_types(tmp_path: Path) -> None:
     # the profiler behind benchmarks/ort_decode_profile.py on a small int4 Llama: decode steps only,
-    # every MatMulNBits of the model (q/k/v and gate/up packed) once per step, the shares summing to the whole node time
+    # every MatMulNBits of the model (q/k/v and gate/up packed, the lm_head) once per step, the shares summing to the whole node time
     from benchmarks.ort_decode_profile import profile_decode
 
     path = export_llm_onnx(_model("llama", _w4(32, symmetric=True)), tmp_path / "m.onnx", weights="int4")
     data = profile_decode(path, threads=1, steps=3, prompt=8)
     ops = {r["op"]: r for r in data["rows"]}
-    assert data["steps"] == 3 and ops["MatMulNBits"]["nodes_per_step"] == 2 * 4
+    assert data["steps"] == 3 and ops["MatMulNBits"]["nodes_per_step"] == 2 * 4 + 1  # and the 8-bit lm_head
     assert abs(sum(r["share"] for r in data["rows"]) - 1) < 1e-6
     assert 0 < data["node_ms"] <= data["model_run_ms"]
