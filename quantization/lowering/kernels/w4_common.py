@@ -29,7 +29,7 @@ class W4Config(GemmConfig):
     # K-tiles inside one group): no per-weight conversion or scale multiply
     scaled_acc: bool = False
     # decode (block_m <= 4) on CUDA cores on the codes, the group scale on each row's group sum
-    # (kernels/w4a16_gemv.py): three instructions and one FMA per row for each code
+    # (kernels/w4a16_gemv.py): two instructions and one FMA per row for each code
     gemv: bool = False
 
 

@@ -22,7 +22,7 @@ Five ways to run, by the number of rows M and the dtype (``path``):
   tensor cores on the int4 codes themselves, the group scale applied to the float32 sum per tile.
   At decode shapes on an H200 the tuner picked it at every LLaMA-7B shape (benchmarks/RESULTS.md).
 - ``fused`` with a ``gemv`` config (decode, M = 1..4; kernels/w4a16_gemv.py): CUDA cores on the
-  codes, three instructions and one FMA per row for each code, the group scale on each group's sum.
+  codes, two instructions and one FMA per row for each code, the group scale on each group's sum.
 - ``dequant`` (prefill, large M): one kernel writes the dequantized weight in the activation
   dtype, then cuBLAS multiplies. At large M the product is compute-bound and re-dequantizing a
   weight tile for every M-tile costs more than writing it once.

@@ -7,13 +7,16 @@ row's per-group sum, not each weight.
 :mod:`quantization.lowering.kernels.w4a16`. A one-token product is bound by reading the weight; a
 16-row tensor-core tile for one row pays the conversion of every code to a float and spends 15/16
 of the MMA on padding. Here each thread reads the packed weight as 32-bit words (eight codes, 128-bit
-vector loads of four words), and per code runs three instructions plus one FMA per row of X:
+vector loads of four words), and per code runs two instructions plus one FMA per row of X (the sm90
+SASS: a LOP3, an FADD, an FFMA):
 
-- ``(w & (0xF << 4j)) | 0x4B000000`` is the float32 ``2^23 + u * 16^j`` exactly (no conversion
-  instruction; int-to-float converts run at a quarter rate). The upper four codes of a word come from
-  ``w >> 16`` (one shift per eight codes).
-- Subtracting ``2^23 + z * 16^j`` leaves ``(u - z) * 16^j`` exactly (integers below 2^24).
-- The FMA multiplies it by ``x * 16^-j`` (exact: a power-of-two scaling), so the product is
+- ``(w & (0xF << 4p)) | 0x4B000000`` is the float32 ``2^23 + u * 16^p`` exactly (no conversion
+  instruction; int-to-float converts run at a quarter rate). Codes 0-3 of a word sit at positions
+  p = 0-3 of ``w``, codes 4-7 at p = 1-4 of ``w >> 12`` (one shift per word: a lone code at position 0
+  of a shifted word compiles to a shift and a bit-field extract instead of one LOP3).
+- Subtracting ``2^23 + z * 16^p`` (computed once per tile) leaves ``(u - z) * 16^p`` exactly
+  (integers below 2^24).
+- The FMA multiplies it by ``x * 16^-p`` (exact: a power-of-two scaling), so the product is
   ``(u - z) * x`` exactly in float32 and only the sums round.
 
 Per row and group the float32 sum of those products is multiplied by the group's scale ``s``, the
