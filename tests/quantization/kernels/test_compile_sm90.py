@@ -5,14 +5,7 @@ TRITON_INTERPRET."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[3]
+from tests.quantization.kernels.kernel_cases import compile_without_interpreter
 
 SCRIPT = r'''
 import triton
@@ -41,9 +34,4 @@ comp(q._qdq_kernel, {"x_ptr": "*fp16", "y_ptr": "*fp16", "scale_ptr": "*fp32"}, 
 
 
 def test_activation_kernels_compile_for_sm90() -> None:
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 7
+    assert compile_without_interpreter(SCRIPT).count("compiled") == 7

@@ -9,8 +9,8 @@ import torch
 
 from compress.core.errors import CompressError
 from quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
-from quantization.lowering.kernels import w4a16_gemm
 from quantization.lowering.kernels.w4a16 import W4Config
+from tests.quantization.kernels.kernel_cases import compile_without_interpreter, int4_weight, run_w4a16
 
 # (M, N, K, group): K=80 with group 16 is ragged (a shorter last group; K-tiles past the last group);
 # K=576 with group 128 is SmolLM2's hidden width (a 64-wide last group)
@@ -21,22 +21,6 @@ CONFIGS = {
     # K-tile of several groups (where the group is smaller), split 3 with prefetch
     "multi-group-split3": W4Config(1, 16, 64, split_k=3, prefetch=True, gemv=True),
 }
-
-
-def _int4(n: int, k: int, gs: int, *, asym: bool, g: torch.Generator, dyadic: bool) -> Int4Weight:
-    groups = -(-k // gs)
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    if dyadic:  # powers of two: with integer x every product and sum below is exact in float32
-        scale = 2.0 ** -torch.randint(2, 7, (n, groups), generator=g).float()
-    else:
-        scale = torch.rand(n, groups, generator=g) * 0.02 + 1e-3
-    zp = torch.randint(0, 16, (n, groups), generator=g, dtype=torch.uint8) if asym else torch.full((n, groups), 8, dtype=torch.uint8)
-    return Int4Weight(codes, scale, zp, gs, not asym)
-
-
-def _run(x: torch.Tensor, w: Int4Weight, device: str, config: W4Config, **kw: object) -> torch.Tensor:
-    return w4a16_gemm(x.to(device), pack_nibbles(w.codes).to(device), scale=w.scale.to(device), group_size=w.group_size,
-                      zero_point=None if w.symmetric else w.zero_point.to(device), config=config, **kw).cpu()  # type: ignore[arg-type]
 
 
 def _for(m: int, gs: int, base: W4Config) -> W4Config:
@@ -57,16 +41,16 @@ def test_dyadic_product_is_bit_exact(mnkg: tuple[int, int, int, int], asym: bool
     # added: then y is exact
     m, n, k, gs = mnkg
     g = torch.Generator().manual_seed(m * 100 + n + k + asym)
-    w = _int4(n, k, gs, asym=asym, g=g, dyadic=True)
+    w = int4_weight(n, k, gs, asym=asym, g=g, dyadic=True)
     x = torch.randint(-4, 5, (m, k), generator=g).to(dtype)
     bias = torch.randint(-8, 8, (n,), generator=g).float() / 4
     cfg = _for(m, gs, CONFIGS[config])
-    y = _run(x, w, device, cfg, bias=bias)
+    y = run_w4a16(x, w, device, cfg, bias=bias)
     ref = (x.double() @ dequantize_int4(w).double().T + bias.double()).to(dtype)
     assert ref.float().abs().max() > 1
     torch.testing.assert_close(y, ref, atol=0, rtol=0)
     # the split's tile counters were re-zeroed by the last split: a second call sums the same way
-    torch.testing.assert_close(_run(x, w, device, cfg, bias=bias), y, atol=0, rtol=0)
+    torch.testing.assert_close(run_w4a16(x, w, device, cfg, bias=bias), y, atol=0, rtol=0)
 
 
 def test_every_nibble_position_is_its_own_feature(device: str) -> None:
@@ -78,7 +62,7 @@ def test_every_nibble_position_is_its_own_feature(device: str) -> None:
         codes[r, r * 8 + r] = 15  # row r: feature 8r + r, which is code r of word r
     w = Int4Weight(codes, torch.ones(8, k // gs), torch.full((8, k // gs), 8, dtype=torch.uint8), gs, True)
     x = torch.arange(1, k + 1, dtype=torch.float16)[None, :]
-    y = _run(x, w, device, W4Config(1, 8, 32, gemv=True))
+    y = run_w4a16(x, w, device, W4Config(1, 8, 32, gemv=True))
     expected = torch.tensor([[7.0 * (r * 9 + 1) for r in range(8)]], dtype=torch.float16)
     torch.testing.assert_close(y, expected, atol=0, rtol=0)
 
@@ -88,9 +72,9 @@ def test_random_product_is_the_exact_int4_weights(device: str) -> None:
     # weight is float32 summation (per group, then one scaled add per group) plus the output's rounding
     m, n, k, gs = 1, 40, 256, 64
     g = torch.Generator().manual_seed(7)
-    w = _int4(n, k, gs, asym=True, g=g, dyadic=False)
+    w = int4_weight(n, k, gs, asym=True, g=g, dyadic=False)
     x = torch.randn(m, k, generator=g).half()
-    y = _run(x, w, device, W4Config(1, 16, 128, split_k=2, gemv=True)).double()
+    y = run_w4a16(x, w, device, W4Config(1, 16, 128, split_k=2, gemv=True)).double()
     wd = dequantize_int4(w).double()
     exact = x.double() @ wd.T
     u, steps = 2.0**-24, k + k // gs + 2
@@ -101,10 +85,10 @@ def test_random_product_is_the_exact_int4_weights(device: str) -> None:
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_fused_activation_after_the_split_sum(activation: str, device: str) -> None:
     g = torch.Generator().manual_seed(4)
-    w = _int4(20, 128, 32, asym=False, g=g, dyadic=False)
+    w = int4_weight(20, 128, 32, asym=False, g=g, dyadic=False)
     x = torch.randn(3, 128, generator=g).half()
     bias = torch.randn(20, generator=g)
-    y = _run(x, w, device, W4Config(4, 16, 32, split_k=2, prefetch=True, gemv=True), bias=bias,
+    y = run_w4a16(x, w, device, W4Config(4, 16, 32, split_k=2, prefetch=True, gemv=True), bias=bias,
              activation=activation).float()
     ref = torch.nn.functional.linear(x.float(), dequantize_int4(w), bias)
     ref = torch.relu(ref) if activation == "relu" else torch.nn.functional.gelu(ref)
@@ -113,16 +97,16 @@ def test_fused_activation_after_the_split_sum(activation: str, device: str) -> N
 
 def test_refusals_name_what_does_not_fit(device: str) -> None:
     g = torch.Generator().manual_seed(0)
-    w = _int4(16, 96, 48, asym=False, g=g, dyadic=False)  # group 48: no power-of-two tile fits it
+    w = int4_weight(16, 96, 48, asym=False, g=g, dyadic=False)  # group 48: no power-of-two tile fits it
     x = torch.randn(1, 96, generator=g).half()
     with pytest.raises(CompressError, match=r"gemv tiles need .*group 48"):
-        _run(x, w, device, W4Config(1, 16, 32, gemv=True))
-    w = _int4(16, 64, 32, asym=False, g=g, dyadic=False)
+        run_w4a16(x, w, device, W4Config(1, 16, 32, gemv=True))
+    w = int4_weight(16, 64, 32, asym=False, g=g, dyadic=False)
     with pytest.raises(CompressError, match=r"gemv tiles need .*block 8x32"):
-        _run(torch.randn(2, 64, generator=g).half(), w, device, W4Config(8, 16, 32, gemv=True))
-    w = _int4(16, 36, 12, asym=False, g=g, dyadic=False)  # K not a multiple of 8: words straddle the end
+        run_w4a16(torch.randn(2, 64, generator=g).half(), w, device, W4Config(8, 16, 32, gemv=True))
+    w = int4_weight(16, 36, 12, asym=False, g=g, dyadic=False)  # K not a multiple of 8: words straddle the end
     with pytest.raises(CompressError, match=r"gemv tiles need .*K=36"):
-        _run(torch.randn(1, 36, generator=g).half(), w, device, W4Config(1, 16, 16, gemv=True))
+        run_w4a16(torch.randn(1, 36, generator=g).half(), w, device, W4Config(1, 16, 16, gemv=True))
 
 
 def test_tuner_times_gemv_tiles_for_decode_only() -> None:
@@ -148,7 +132,7 @@ def test_tuners_time_weights_from_device_memory(device: str) -> None:
     assert k4.copies_beyond_l2(8_912_896, 50 * 2**20) == 12
     assert k4.copies_beyond_l2(200 * 2**20, 50 * 2**20) == 1
     assert k4.copies_beyond_l2(1000, 50 * 2**20) == 32
-    w = _int4(64, 256, 64, asym=True, g=torch.Generator().manual_seed(1), dyadic=False)
+    w = int4_weight(64, 256, 64, asym=True, g=torch.Generator().manual_seed(1), dyadic=False)
     wt = k4._weight(pack_nibbles(w.codes).to(device), w.scale.t().contiguous().t(), w.zero_point, None, 64,
                     torch.device(device))
     copies = k4.hbm_copies(wt)
@@ -191,15 +175,4 @@ for x, bm, bn, bk, zp, prefetch in (("fp16", 1, 128, 128, False, False), ("bf16"
 
 
 def test_compiles_for_sm90_with_vector_loads_and_no_code_conversions() -> None:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=Path(__file__).resolve().parents[3], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 3
+    assert compile_without_interpreter(COMPILE_SCRIPT).count("compiled") == 3

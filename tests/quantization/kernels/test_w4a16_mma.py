@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from compress.core.errors import CompressError
-from quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
-from quantization.lowering.kernels import w4a16_gemm
+from quantization.lowering.int4 import dequantize_int4
 from quantization.lowering.kernels.w4a16 import W4Config
+from tests.quantization.kernels.kernel_cases import compile_without_interpreter, int4_weight, run_w4a16
 
 # (M, N, K, group): decode rows; K=80 with group 32 is ragged (a shorter last group, K-tile masked);
 # M=20 takes 32-row tiles
@@ -18,22 +18,6 @@ CONFIGS = {
     "whole-k": W4Config(16, 32, 32, num_stages=2, scaled_acc=True),
     "split3-prefetch": W4Config(16, 16, 32, num_stages=2, split_k=3, prefetch=True, scaled_acc=True),
 }
-
-
-def _int4(n: int, k: int, gs: int, *, asym: bool, g: torch.Generator, dyadic: bool) -> Int4Weight:
-    groups = -(-k // gs)
-    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    if dyadic:  # powers of two: with integer x every product and sum below is exact in float32
-        scale = 2.0 ** -torch.randint(2, 7, (n, groups), generator=g).float()
-    else:
-        scale = torch.rand(n, groups, generator=g) * 0.02 + 1e-3
-    zp = torch.randint(0, 16, (n, groups), generator=g, dtype=torch.uint8) if asym else torch.full((n, groups), 8, dtype=torch.uint8)
-    return Int4Weight(codes, scale, zp, gs, not asym)
-
-
-def _run(x: torch.Tensor, w: Int4Weight, device: str, config: W4Config, **kw: object) -> torch.Tensor:
-    return w4a16_gemm(x.to(device), pack_nibbles(w.codes).to(device), scale=w.scale.to(device), group_size=w.group_size,
-                      zero_point=None if w.symmetric else w.zero_point.to(device), config=config, **kw).cpu()  # type: ignore[arg-type]
 
 
 def _tile_rows(m: int) -> int:
@@ -50,18 +34,18 @@ def test_dyadic_product_is_bit_exact(mnkg: tuple[int, int, int, int], asym: bool
     # (the exponent-bits conversion), and the split partials must all be added: then y is exact
     m, n, k, gs = mnkg
     g = torch.Generator().manual_seed(m * 100 + n + k + asym)
-    w = _int4(n, k, gs, asym=asym, g=g, dyadic=True)
+    w = int4_weight(n, k, gs, asym=asym, g=g, dyadic=True)
     x = torch.randint(-4, 5, (m, k), generator=g).to(dtype)
     bias = torch.randint(-8, 8, (n,), generator=g).float() / 4
     base = CONFIGS[config]
     cfg = W4Config(_tile_rows(m), base.block_n, base.block_k, num_stages=base.num_stages, split_k=base.split_k,
                    prefetch=base.prefetch, scaled_acc=True)
-    y = _run(x, w, device, cfg, bias=bias)
+    y = run_w4a16(x, w, device, cfg, bias=bias)
     ref = (x.double() @ dequantize_int4(w).double().T + bias.double()).to(dtype)
     assert ref.float().abs().max() > 1
     torch.testing.assert_close(y, ref, atol=0, rtol=0)
     # the split's tile counters were re-zeroed by the last split: a second call sums the same way
-    torch.testing.assert_close(_run(x, w, device, cfg, bias=bias), y, atol=0, rtol=0)
+    torch.testing.assert_close(run_w4a16(x, w, device, cfg, bias=bias), y, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -71,9 +55,9 @@ def test_random_product_is_the_exact_int4_weights(config: str, device: str) -> N
     # per tile: gamma_(K + tiles)) plus the output's rounding to fp16
     m, n, k, gs = 3, 40, 256, 64
     g = torch.Generator().manual_seed(7)
-    w = _int4(n, k, gs, asym=True, g=g, dyadic=False)
+    w = int4_weight(n, k, gs, asym=True, g=g, dyadic=False)
     x = torch.randn(m, k, generator=g).half()
-    y = _run(x, w, device, CONFIGS[config]).double()
+    y = run_w4a16(x, w, device, CONFIGS[config]).double()
     wd = dequantize_int4(w).double()
     exact = x.double() @ wd.T
     u, steps = 2.0**-24, k + k // 32 + 2
@@ -87,10 +71,10 @@ def test_random_product_is_the_exact_int4_weights(config: str, device: str) -> N
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_fused_activation_after_the_split_sum(activation: str, device: str) -> None:
     g = torch.Generator().manual_seed(4)
-    w = _int4(20, 128, 32, asym=False, g=g, dyadic=False)
+    w = int4_weight(20, 128, 32, asym=False, g=g, dyadic=False)
     x = torch.randn(3, 128, generator=g).half()
     bias = torch.randn(20, generator=g)
-    y = _run(x, w, device, CONFIGS["split3-prefetch"], bias=bias, activation=activation).float()
+    y = run_w4a16(x, w, device, CONFIGS["split3-prefetch"], bias=bias, activation=activation).float()
     ref = torch.nn.functional.linear(x.float(), dequantize_int4(w), bias)
     ref = torch.relu(ref) if activation == "relu" else torch.nn.functional.gelu(ref)
     torch.testing.assert_close(y, ref, atol=2e-3, rtol=2e-3)
@@ -98,18 +82,18 @@ def test_fused_activation_after_the_split_sum(activation: str, device: str) -> N
 
 def test_refusals_name_what_does_not_fit(device: str) -> None:
     g = torch.Generator().manual_seed(0)
-    w = _int4(16, 96, 48, asym=False, g=g, dyadic=False)  # group 48: no K-tile of 32+ inside one group
+    w = int4_weight(16, 96, 48, asym=False, g=g, dyadic=False)  # group 48: no K-tile of 32+ inside one group
     x = torch.randn(2, 96, generator=g).half()
     with pytest.raises(CompressError, match=r"scaled_acc tiles need .* group 48"):
-        _run(x, w, device, W4Config(16, 16, 32, scaled_acc=True))
-    w = _int4(16, 64, 32, asym=False, g=g, dyadic=False)
+        run_w4a16(x, w, device, W4Config(16, 16, 32, scaled_acc=True))
+    w = int4_weight(16, 64, 32, asym=False, g=g, dyadic=False)
     with pytest.raises(CompressError, match=r"scaled_acc tiles need .*float32"):
-        _run(torch.randn(2, 64, generator=g), w, device, W4Config(16, 16, 32, scaled_acc=True))
+        run_w4a16(torch.randn(2, 64, generator=g), w, device, W4Config(16, 16, 32, scaled_acc=True))
     with pytest.raises(CompressError, match=r"scaled_acc tiles need .*block 4x32"):
-        _run(torch.randn(2, 64, generator=g).half(), w, device, W4Config(4, 16, 32, scaled_acc=True))
+        run_w4a16(torch.randn(2, 64, generator=g).half(), w, device, W4Config(4, 16, 32, scaled_acc=True))
 
 
-def test_tuner_times_the_scaled_tiles_only_where_they_run() -> None:
+def test_tuner_times_the_scaled_tiles_only_where_theyrun_w4a16() -> None:
     from quantization.lowering.kernels import w4a16 as k4
 
     def scaled(m: int, dtype: torch.dtype, gs: int = 128, tile_in_group: bool = True) -> list[W4Config]:
@@ -155,15 +139,4 @@ for x, split, prefetch, zp in (("fp16", False, False, False), ("bf16", True, Tru
 
 
 def test_compiles_for_sm90_with_mma_and_no_weight_conversions() -> None:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    res = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=Path(__file__).resolve().parents[3], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 3
+    assert compile_without_interpreter(COMPILE_SCRIPT).count("compiled") == 3
