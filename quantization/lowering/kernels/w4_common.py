@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantization.lowering.kernels.gemm import GemmConfig, bias_activation
+from quantization.lowering.kernels.gemm import GemmConfig, bias_activation, split_workspace
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,27 @@ def _tile_loads(x_ptrs, w_ptrs, wb_next, rb, k0, k_stop, K, stride_xk, stride_wk
         xe = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
         xo = tl.load(x_ptrs + stride_xk, mask=in_k[None, :], other=0.0)
     return wb, xe, xo, wb_next
+
+
+def k_splits(k: int, c: W4Config) -> tuple[int, int]:
+    """``(split, tiles_per_split)`` for K split ``c.split_k`` ways into K-tiles of ``c.block_k``: at
+    most one split per tile, and no empty split."""
+    k_tiles = triton.cdiv(k, c.block_k)
+    tiles_per_split = triton.cdiv(k_tiles, max(1, min(c.split_k, k_tiles)))
+    return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split
+
+
+def one_kernel_split(m: int, n: int, k: int, c: W4Config, out: torch.Tensor) -> tuple[int, int, int, torch.Tensor,
+                                                                                       torch.Tensor]:
+    """``(tiles, split, tiles_per_split, workspace, counters)`` of a launch that sums its K splits in
+    the same kernel (:func:`_store_tile`): float32 partials ``[split, m, n]`` and one zeroed counter
+    per output tile, or ``out`` twice (unused) without a split."""
+    split, tiles_per_split = k_splits(k, c)
+    tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
+    if split == 1:
+        return tiles, split, tiles_per_split, out, out
+    ws = torch.empty((split, m, n), device=out.device, dtype=torch.float32)
+    return tiles, split, tiles_per_split, ws, split_workspace(out.device, tiles)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,7 @@ from quantization.lowering.kernels.w4_common import (
     _tile_loads,
     _tile_start,
     _Weight,
+    k_splits,
 )
 
 log = logging.getLogger(__name__)
@@ -314,10 +315,7 @@ def _launch_fused(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: 
         raise CompressError(f"w4a16_gemm: block_k must be even (got {c.block_k})")
     if c.block_m >= 16 and c.block_k < 32:  # each of the two tl.dot calls reduces over block_k / 2 >= 16
         raise CompressError(f"w4a16_gemm: tensor-core tiles (block_m >= 16) need block_k >= 32 (got {c.block_k})")
-    k_tiles = triton.cdiv(k, c.block_k)
-    split = max(1, min(c.split_k, k_tiles))
-    tiles_per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, tiles_per_split)  # no empty splits
+    split, tiles_per_split = k_splits(k, c)
     ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else out
     tile_in_group = wt.g_idx is None and wt.group_size % c.block_k == 0
     tile_groups = multi_group_tile(c.block_k, wt.group_size) if wt.g_idx is None and not tile_in_group else 1

@@ -32,9 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quantization.lowering.kernels.gemm import split_workspace
 from quantization.lowering.kernels.runtime import interpret_mode
-from quantization.lowering.kernels.w4_common import W4Config, _store_tile, _Weight
+from quantization.lowering.kernels.w4_common import W4Config, _store_tile, _Weight, one_kernel_split
 
 INTERPRETED = interpret_mode()
 
@@ -189,16 +188,7 @@ def launch(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: int, ou
     m, k = x.shape
     n = wt.packed.shape[0]
     words = wt.packed.view(torch.int32) if wt.packed.stride(1) == 1 else wt.packed.contiguous().view(torch.int32)
-    k_tiles = triton.cdiv(k, c.block_k)
-    split = max(1, min(c.split_k, k_tiles))
-    tiles_per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, tiles_per_split)  # no empty splits
-    tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, c.block_n)
-    if split > 1:
-        ws = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-        cnt = split_workspace(x.device, tiles)
-    else:
-        ws, cnt = out, out
+    tiles, split, tiles_per_split, ws, cnt = one_kernel_split(m, n, k, c, out)
     z = wt.zp if wt.zp is not None else wt.scale
     _w4a16_gemv_kernel[(tiles, split)](
         x, words, wt.scale, z, bias if bias is not None else wt.scale, out, ws, cnt,
