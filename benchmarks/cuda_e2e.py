@@ -168,33 +168,54 @@ def _kind(kernel: str) -> str:
     return next((k for k, keys in _KINDS if any(key in low for key in keys)), "other")
 
 
-def _profile(fns: dict[str, Callable[[], Any]], dev: torch.device, iters: int = 3) -> dict[str, dict[str, Any]]:
-    """Per variant: device kernel time per forward (ms) summed per kind, and the five longest kernels."""
+def _kernel_times(fn: Callable[[], Any], dev: torch.device, iters: int, *,
+                  with_ops: bool = False) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """``fn`` under torch.profiler after a warm-up call: device kernel ms per call by kernel name
+    (on CPU: top-level ops), and with ``with_ops`` on CUDA, per kernel the ms of each op that
+    launched it (CPU activity recorded too)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = dev.type == "cuda"
-    out: dict[str, dict[str, Any]] = {}
-    for k, fn in fns.items():
-        with torch.no_grad():
-            fn()
+    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    if cuda and with_ops:
+        acts.append(ProfilerActivity.CPU)
+    with torch.no_grad():
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            for _ in range(iters):
+                fn()
             if cuda:
                 torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-                for _ in range(iters):
-                    fn()
-                if cuda:
-                    torch.cuda.synchronize()
-        per: dict[str, float] = {}
-        for e in prof.events():
-            if (e.device_type == DeviceType.CUDA) if cuda else e.cpu_parent is None:
-                per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / iters
-        kinds: dict[str, float] = {}
-        for name, t in per.items():
-            kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + t
-        top = sorted(per.items(), key=lambda kv: -kv[1])[:5]
-        out[k] = {"total_ms": sum(per.values()), **{f"{kind}_ms": kinds.get(kind, 0.0) for kind, _ in _KINDS},
-                  "other_ms": kinds.get("other", 0.0), "top": [[n[:80], round(t, 4)] for n, t in top]}
+    per: dict[str, float] = {}
+    ops: dict[str, dict[str, float]] = {}
+    for e in prof.events():
+        if (e.device_type == DeviceType.CUDA) if cuda else e.cpu_parent is None:
+            per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / iters
+        if cuda and with_ops and e.device_type == DeviceType.CPU:
+            for kern in e.kernels:
+                by = ops.setdefault(kern.name, {})
+                by[e.name] = by.get(e.name, 0.0) + kern.duration
+    return per, ops
+
+
+def _by_kind(per: dict[str, float]) -> dict[str, Any]:
+    """The common profile row of kernel times ``per`` (name -> ms): total, ms per kind, the five longest."""
+    kinds: dict[str, float] = {}
+    for name, t in per.items():
+        kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + t
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:5]
+    return {"total_ms": sum(per.values()), **{f"{kind}_ms": kinds.get(kind, 0.0) for kind, _ in _KINDS},
+            "other_ms": kinds.get("other", 0.0), "top": [[n[:80], round(t, 4)] for n, t in top]}
+
+
+def _profile(fns: dict[str, Callable[[], Any]], dev: torch.device, iters: int = 3) -> dict[str, dict[str, Any]]:
+    """Per variant: device kernel time per forward (ms) summed per kind, and the five longest kernels."""
+    out: dict[str, dict[str, Any]] = {}
+    for k, fn in fns.items():
+        out[k] = _by_kind(_kernel_times(fn, dev, iters)[0])
         log.info("profile %s: %s", k, {kk: round(v, 3) for kk, v in out[k].items() if kk != "top"})
     return out
 
@@ -312,42 +333,18 @@ def _bert_profile(fns: dict[str, Callable[[], Any]], dev: torch.device, iters: i
     """Per variant: device kernel ms per forward in each of _BERT_CATS (and their shares), the kinds
     of the common profile table, the five longest kernels; per scheme, the Amdahl ceiling its GEMMs
     allow (the GEMM share of fp16's kernel time, the scheme's GEMMs' speed over fp16's)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = dev.type == "cuda"
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     out: dict[str, dict[str, Any]] = {}
     for k, fn in fns.items():
-        with torch.no_grad():
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            with profile(activities=acts) as prof:
-                for _ in range(iters):
-                    fn()
-                if cuda:
-                    torch.cuda.synchronize()
-        per: dict[str, float] = {}  # kernel (CPU: top-level op) name -> ms per forward
-        ops: dict[str, dict[str, float]] = {}  # kernel name -> launching op -> ms
-        for e in prof.events():
-            if (e.device_type == DeviceType.CUDA) if cuda else e.cpu_parent is None:
-                per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / iters
-            if cuda and e.device_type == DeviceType.CPU:
-                for kern in e.kernels:
-                    by = ops.setdefault(kern.name, {})
-                    by[e.name] = by.get(e.name, 0.0) + kern.duration
+        per, ops = _kernel_times(fn, dev, iters, with_ops=True)  # ops: kernel name -> launching op -> ms
         cats = dict.fromkeys(_BERT_CATS, 0.0)
-        kinds: dict[str, float] = {}
         for name, t in per.items():
             op = max(ops[name], key=ops[name].__getitem__) if name in ops else (name if not cuda else "")
             cats[_bert_category(name, op)] += t
-            kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + t
-        total = sum(per.values())
-        top = sorted(per.items(), key=lambda kv: -kv[1])[:5]
-        out[k] = {"total_ms": total, **{f"{kind}_ms": kinds.get(kind, 0.0) for kind, _ in _KINDS},
-                  "other_ms": kinds.get("other", 0.0), "top": [[n[:80], round(t, 4)] for n, t in top],
-                  "breakdown_ms": cats, "breakdown_share": {c: (t / total if total else 0.0) for c, t in cats.items()}}
+        row = _by_kind(per)
+        total = row["total_ms"]
+        out[k] = {**row, "breakdown_ms": cats,
+                  "breakdown_share": {c: (t / total if total else 0.0) for c, t in cats.items()}}
         log.info("bert breakdown %s: %s", k, {c: round(t, 3) for c, t in cats.items() if t})
     for k, p in out.items():
         base = out.get("fp16" + _COMPILED if k.endswith(_COMPILED) else "fp16")
