@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 import compress  # noqa: E402
 from quantization.lowering.convert import convert_with_report  # noqa: E402
 from quantization.lowering.fused_norm import FusedLayerNorm, FusedNorm, FusedRMSNorm, fuse_norms, prove  # noqa: E402
-from quantization.lowering.kernels import load  # noqa: E402
+from tests.quantization.kernels.kernel_cases import QuantizeSpy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,21 +54,6 @@ def _converted(arch: str, scheme: str, *, fuse_norms: bool = True) -> tuple[nn.M
     return conv, report, {k: v.to(DEV) for k, v in batch.items()}
 
 
-class _Spy:
-    """Counts the per-token quantize kernel launches (every caller reaches it through load("quant"))."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        quant = load("quant")
-        real = quant.quantize_per_token
-        self.calls = 0
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(quant, "quantize_per_token", counted)
-
-
 def _readers_fused(conv: nn.Module, arch: str) -> list[FusedNorm]:
     """The norms whose outputs feed int8 layers (the ones that must now quantize for them)."""
     if arch == "bert":
@@ -81,7 +66,7 @@ def _readers_fused(conv: nn.Module, arch: str) -> list[FusedNorm]:
 def test_fused_layernorms_quantize_for_their_readers(arch: str, scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if scheme == "FP8_DYNAMIC" and DEV == "cpu":
         pytest.skip("FP8Linear's GEMM (torch._scaled_mm) needs CUDA")
-    spy = _Spy(monkeypatch)
+    spy = QuantizeSpy(monkeypatch)
     conv, report, batch = _converted(arch, scheme)
     norms = [r for r in report if r.kind == "norm"]
     # BERT: the embeddings' and two per layer; ViT: two per layer and the final one
@@ -172,7 +157,7 @@ def test_fused_layernorms_on_cuda_in_fp16_and_under_cuda_graphs(scheme: str, mon
 
     if scheme == "FP8_DYNAMIC" and not fp8_capable(torch.device("cuda"))[0]:
         pytest.skip("fp8 needs compute capability 8.9")
-    spy = _Spy(monkeypatch)
+    spy = QuantizeSpy(monkeypatch)
     conv, report, batch = _converted("bert", scheme)
     assert sum(r.converted for r in report if r.kind == "norm") == 2 * LAYERS + 1
     conv = cast_float_layers(conv, torch.float16).eval()

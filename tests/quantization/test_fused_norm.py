@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 import compress  # noqa: E402
 from quantization.lowering.convert import convert_with_report  # noqa: E402
 from quantization.lowering.fused_norm import FusedRMSNorm, fuse_rmsnorms, prove  # noqa: E402
-from quantization.lowering.kernels import load  # noqa: E402
+from tests.quantization.kernels.kernel_cases import QuantizeSpy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -46,28 +46,13 @@ def _converted(arch: str, scheme: str, *, fuse_norms: bool = True, device: str =
     return convert_with_report(fq, fuse_norms=fuse_norms)
 
 
-class _Spy:
-    """Counts the per-token quantize kernel launches (every caller reaches it through load("quant"))."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        quant = load("quant")
-        real = quant.quantize_per_token
-        self.calls = 0
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(quant, "quantize_per_token", counted)
-
-
 @pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Spy]:
-    yield _Spy(monkeypatch)
+def spy(monkeypatch: pytest.MonkeyPatch) -> Iterator[QuantizeSpy]:
+    yield QuantizeSpy(monkeypatch)
 
 
 @pytest.mark.parametrize(("arch", "scheme"), [("llama", "W8A8"), ("qwen2", "W8A8"), ("llama", "FP8_DYNAMIC")])
-def test_fused_norms_quantize_for_qkv_and_gate_up(arch: str, scheme: str, spy: _Spy) -> None:
+def test_fused_norms_quantize_for_qkv_and_gate_up(arch: str, scheme: str, spy: QuantizeSpy) -> None:
     conv, report = _converted(arch, scheme)
     norms = [r for r in report if r.kind == "norm"]
     # every decoder norm and the final one (which feeds the float lm_head: norm only)
@@ -141,7 +126,7 @@ def test_fuse_norms_off_keeps_the_float_norms() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC"])
-def test_fused_norms_on_cuda_in_fp16_and_under_cuda_graphs(scheme: str, spy: _Spy) -> None:
+def test_fused_norms_on_cuda_in_fp16_and_under_cuda_graphs(scheme: str, spy: QuantizeSpy) -> None:
     from export.cuda import cast_float_layers
     from quantization.lowering.fp8 import fp8_capable
 
@@ -190,7 +175,7 @@ def test_the_converted_model_deep_copies_with_its_adopted_readers() -> None:
     assert consumer is not None and consumer.layer is twin.model.layers[0].self_attn.q_proj
 
 
-def test_readers_that_disagree_one_group_fused_the_other_quantizes_itself(spy: _Spy) -> None:
+def test_readers_that_disagree_one_group_fused_the_other_quantizes_itself(spy: QuantizeSpy) -> None:
     """A norm read by a SmoothQuant-scaled per-token layer (claims it first: its pre-scale goes into the
     norm's codes) and by a narrow-range one (another quantization: quantizes for itself)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -231,7 +216,7 @@ def test_readers_that_disagree_one_group_fused_the_other_quantizes_itself(spy: _
 
 
 @pytest.mark.parametrize("fuse_norms", [False, True])
-def test_converted_decoder_runs_under_inference_mode(fuse_norms: bool, spy: _Spy) -> None:
+def test_converted_decoder_runs_under_inference_mode(fuse_norms: bool, spy: QuantizeSpy) -> None:
     # inference tensors have no version counter: shared codes are not reused there (they were read
     # unconditionally before, and a converted Llama raised under torch.inference_mode)
     conv, _ = _converted("llama", "W8A8", fuse_norms=fuse_norms)

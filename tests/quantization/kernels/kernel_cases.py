@@ -1,5 +1,6 @@
-"""What several kernel test modules build: random or dyadic int4 weights, a W4A16 product on a
-device, and a script run for the sm90 compiler in a process without the interpreter."""
+"""What several kernel test modules share: random or dyadic int4 weights, a W4A16 product on a
+device, the check that a fused kernel's codes are quantize_per_token's, a counter of per-token
+quantize launches, and a script run for the sm90 compiler in a process without the interpreter."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 from quantization.lowering.int4 import Int4Weight, pack_nibbles
-from quantization.lowering.kernels import w4a16_gemm
-from quantization.lowering.kernels.w4a16 import W4Config
+from quantization.lowering.kernels import load
+
+if TYPE_CHECKING:
+    from quantization.lowering.kernels.w4a16 import W4Config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -33,6 +37,8 @@ def int4_weight(n: int, k: int, gs: int, *, asym: bool, g: torch.Generator, dyad
 
 def run_w4a16(x: torch.Tensor, w: Int4Weight, device: str, config: W4Config, **kw: object) -> torch.Tensor:
     """``w4a16_gemm`` of ``x`` and ``w`` on ``device`` with launch ``config``, back on the CPU."""
+    from quantization.lowering.kernels import w4a16_gemm  # Triton's modules load with the kernels
+
     return w4a16_gemm(x.to(device), pack_nibbles(w.codes).to(device), scale=w.scale.to(device), group_size=w.group_size,
                       zero_point=None if w.symmetric else w.zero_point.to(device), config=config, **kw).cpu()  # type: ignore[arg-type]
 
@@ -46,3 +52,33 @@ def compile_without_interpreter(script: str) -> str:
     res = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
+
+
+def assert_codes_match(y: torch.Tensor, q: torch.Tensor | None, s: torch.Tensor | None, *, rows: int, k: int, qmin: int,
+                       qmax: int, pre_scale: torch.Tensor | None, fp8: bool) -> None:
+    """A fused kernel's codes ``q`` and scales ``s`` of its output ``y`` are ``quantize_per_token(y)``'s,
+    bit for bit (fp8 included), in the dtype and ``[rows, k]`` shape asked for."""
+    from quantization.lowering.kernels import quantize_per_token
+
+    q_ref, s_ref = quantize_per_token(y, qmin=qmin, qmax=qmax, pre_scale=pre_scale, fp8=fp8)
+    assert q is not None and s is not None
+    assert q.dtype == (torch.float8_e4m3fn if fp8 else torch.int8) and q.shape == (rows, k)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.int8), q_ref.reshape(rows, k).view(torch.int8))
+    if not fp8:
+        assert int(q.min()) >= qmin
+
+
+class QuantizeSpy:
+    """Counts the per-token quantize kernel launches (every caller reaches it through load("quant"))."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        quant = load("quant")
+        real = quant.quantize_per_token
+        self.calls = 0
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(quant, "quantize_per_token", counted)

@@ -10,7 +10,8 @@ from torch import nn
 
 from compress.core.errors import CompressError
 from quantization.lowering.fused_norm import layernorm_tolerance
-from quantization.lowering.kernels import layernorm_quantize, quantize_per_token
+from quantization.lowering.kernels import layernorm_quantize
+from tests.quantization.kernels.kernel_cases import assert_codes_match
 
 
 def _norm(k: int, dtype: torch.dtype, device: str, *, bias: bool = True, affine: bool = True,
@@ -76,13 +77,7 @@ def test_codes_are_quantize_per_token_of_the_output(dtype: torch.dtype, fp8: boo
     pqs = (torch.rand(k, generator=torch.Generator().manual_seed(4)) * 3 + 0.2).to(device) if smooth else None
     qmin, qmax = (-127, 127) if not fp8 else (-128, 127)  # a narrow int8 range is passed through
     y, q, s = layernorm_quantize(x, norm.weight, norm.bias, norm.eps, qmin=qmin, qmax=qmax, pre_scale=pqs, fp8=fp8)
-    q_ref, s_ref = quantize_per_token(y, qmin=qmin, qmax=qmax, pre_scale=pqs, fp8=fp8)
-    assert q is not None and s is not None
-    assert q.dtype == (torch.float8_e4m3fn if fp8 else torch.int8) and q.shape == (12, k)
-    assert torch.equal(s, s_ref)
-    assert torch.equal(q.view(torch.int8), q_ref.reshape(12, k).view(torch.int8))  # the bits, fp8 included
-    if not fp8:
-        assert int(q.min()) >= -127
+    assert_codes_match(y, q, s, rows=12, k=k, qmin=qmin, qmax=qmax, pre_scale=pqs, fp8=fp8)
 
 
 def test_output_dtype_is_the_input_dtype_like_torch(device: str) -> None:

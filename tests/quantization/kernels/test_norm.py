@@ -9,7 +9,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from compress.core.errors import CompressError  # noqa: E402
-from quantization.lowering.kernels import quantize_per_token, rmsnorm_quantize  # noqa: E402
+from quantization.lowering.kernels import rmsnorm_quantize  # noqa: E402
+from tests.quantization.kernels.kernel_cases import assert_codes_match  # noqa: E402
 
 
 def _norm(k: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
@@ -56,13 +57,7 @@ def test_codes_are_quantize_per_token_of_the_output(dtype: torch.dtype, fp8: boo
     pqs = (torch.rand(k, generator=torch.Generator().manual_seed(4)) * 3 + 0.2).to(device) if smooth else None
     qmin, qmax = (-127, 127) if not fp8 else (-128, 127)  # a narrow int8 range is passed through
     y, q, s = rmsnorm_quantize(x, norm.weight, norm.variance_epsilon, qmin=qmin, qmax=qmax, pre_scale=pqs, fp8=fp8)
-    q_ref, s_ref = quantize_per_token(y, qmin=qmin, qmax=qmax, pre_scale=pqs, fp8=fp8)
-    assert q is not None and s is not None
-    assert q.dtype == (torch.float8_e4m3fn if fp8 else torch.int8) and q.shape == (12, k)
-    assert torch.equal(s, s_ref)
-    assert torch.equal(q.view(torch.int8), q_ref.reshape(12, k).view(torch.int8))  # the bits, fp8 included
-    if not fp8:
-        assert int(q.min()) >= -127
+    assert_codes_match(y, q, s, rows=12, k=k, qmin=qmin, qmax=qmax, pre_scale=pqs, fp8=fp8)
 
 
 def test_weight_dtype_promotes_like_torch(device: str) -> None:
