@@ -110,7 +110,7 @@ def test_real_smollm2_smoothquant_w8a8_export_passes_its_check(smollm2: Any, tmp
     data = [ids[i * 64 : (i + 1) * 64][None] for i in range(4)]
     q = compress.quantize(model, STATIC, data, ignore=["lm_head"],
                           params=compress.QuantizeParams(quantize_ops=False, smoothquant=0.5))
-    with caplog.at_level(logging.INFO, logger="export.llm_onnx"):
+    with caplog.at_level(logging.INFO, logger="export.llm_ort"):  # the export check logs there
         export_llm_onnx(q, tmp_path / "smollm2.w8a8.onnx", weights="w8a8")
     line = next(r.getMessage() for r in caplog.records if "logits SQNR" in r.getMessage())
     assert "quantization vs float" in line, line
