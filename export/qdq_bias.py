@@ -75,11 +75,7 @@ def matmul_bias_to_gemm(g: QdqGraph, shapes: Mapping[str, tuple[int | None, ...]
                     helper.make_node("Concat", [u["lead"], u["n"]], [u["outshape"]], name=u["outshape"], axis=0),
                     helper.make_node("Reshape", [u["gemm"], u["outshape"]], [add.output[0]], name=f"{n.name}_out"),
                 ]
-        idx = list(g.g.node).index(n)
-        g.g.node.remove(n)
-        g.g.node.remove(add)
-        for j, node in enumerate(new):
-            g.g.node.insert(idx + j, node)
+        g.replace([n, add], new)
         g.refresh()
         done += 1
     return done

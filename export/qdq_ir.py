@@ -42,6 +42,15 @@ class QdqGraph:
             if o.name == old:  # keep graph output names: rename the producer instead
                 raise ValueError("rewire of a graph output")
 
+    def replace(self, old: list[onnx.NodeProto], new: list[onnx.NodeProto]) -> None:
+        """Remove ``old`` and put ``new`` where the first of them stood (topological order kept when
+        ``new`` reads only what ``old`` read); the maps are stale until :meth:`refresh`."""
+        idx = list(self.g.node).index(old[0])
+        for n in old:
+            self.g.node.remove(n)
+        for k, n in enumerate(new):
+            self.g.node.insert(idx + k, n)
+
     def unique(self, base: str) -> str:
         names = set(self.init) | set(self.producer) | {i.name for i in self.g.input}
         k, name = 0, base

@@ -119,10 +119,7 @@ def fold_weight_slices(g: QdqGraph) -> int:
             attrs = {a.name: helper.get_attribute_value(a) for a in dq.attribute}
             inputs = names[: len([i for i in dq.input if i])]
             new.append(helper.make_node("DequantizeLinear", inputs, [out], name=g.unique(f"{out}_dq"), **attrs))
-        idx = list(g.g.node).index(node)
-        g.g.node.remove(node)
-        for k, n in enumerate(new):
-            g.g.node.insert(idx + k, n)
+        g.replace([node], new)
         if is_dq and dq is not None and not any(src in n.input for n in g.g.node):
             g.g.node.remove(dq)
         g.refresh()
@@ -161,10 +158,7 @@ def blocked_gemm_to_matmul(g: QdqGraph) -> int:
         nodes = [helper.make_node("MatMul", [n.input[0], weight], [mm_out], name=g.unique(f"{n.name}_matmul"))]
         if has_bias:
             nodes.append(helper.make_node("Add", [mm_out, n.input[2]], [n.output[0]], name=g.unique(f"{n.name}_bias")))
-        idx = list(g.g.node).index(n)
-        g.g.node.remove(n)
-        for k, node in enumerate(nodes):
-            g.g.node.insert(idx + k, node)
+        g.replace([n], nodes)
         g.refresh()
         done += 1
     return done
@@ -195,16 +189,13 @@ def _gather_rows(g: QdqGraph, n: onnx.NodeProto, codes: str, row_scale: str) -> 
     """Replace the Gather ``n`` by ``Gather(codes) -> Cast -> Mul(Gather(row_scale))`` (same output)."""
     out = n.output[0]
     gq, gc, gs = (g.unique(f"{out}_{s}") for s in ("codes", "float", "scale"))
-    idx = list(g.g.node).index(n)
     new = [
         helper.make_node("Gather", [codes, n.input[1]], [gq], name=g.unique(f"{n.name}_int8"), axis=0),
         helper.make_node("Cast", [gq], [gc], name=g.unique(f"{n.name}_cast"), to=onnx.TensorProto.FLOAT),
         helper.make_node("Gather", [row_scale, n.input[1]], [gs], name=g.unique(f"{n.name}_scale"), axis=0),
         helper.make_node("Mul", [gc, gs], [out], name=g.unique(f"{n.name}_dequant")),
     ]
-    g.g.node.remove(n)
-    for k, node in enumerate(new):
-        g.g.node.insert(idx + k, node)
+    g.replace([n], new)
 
 
 def quantize_embedding_tables(g: QdqGraph, *, min_numel: int = 1 << 16) -> int:
