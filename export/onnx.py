@@ -29,7 +29,7 @@ from compress.core.errors import ExportError, RecipeError
 from compress.core.io import umask_mode
 from compress.core.moe import unpacked_experts
 from compress.core.precision import float32_inputs, float32_weights
-from export import edge, qdq
+from export import edge, graph_forms, qdq
 from export.records import DECOMPOSED_KEY
 from quantization.view import is_quantized, tracking_unseen, view
 
@@ -151,6 +151,8 @@ def _export(
     with tracking_unseen(model):
         proto = _dynamo_export(target, args, kwargs, in_names, out_names, opset=opset, dynamic_batch=dynamic_batch,
                                quantized=quantized)
+    # both files: the float baseline keeps the same graph around the ops the int8 one quantizes
+    graph_forms.spatial_means_to_pools(proto)
     if quantized:
         runtime = view(model).target
         stats = qdq.tidy_qdq_graph(proto, quantize_embeddings=quantize_embeddings, ort_float_weights=runtime == "onnxruntime")

@@ -84,7 +84,8 @@ class _Placer(IntegerChains):
         if n.kind == "embedding":
             self.embedding(n)
             return
-        rule = profile.rules.get(n.kind)
+        # a mean over an image's spatial dims is a global average pool (trace.py), placed as one
+        rule = profile.rules.get("avg_pool" if n.kind == "mean" and n.attrs.get("global_pool") else n.kind)
         cut = self.sliced.get(n.key)
         w = (cut[0], cut[2], cut[3]) if cut is not None else weighted_operands(n)
         if w is not None:

@@ -498,7 +498,21 @@ def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     if kind == "avg_pool":
         size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
         return {"output_size": size}
+    if kind == "mean":
+        return {"global_pool": _global_pool(args, kwargs)}
     return {}
+
+
+def _global_pool(args: Any, kwargs: dict[str, Any]) -> bool:
+    """A mean over exactly the spatial dims of an image tensor (rank >= 4, dims 2 ..): a global
+    average pool, exported as one (export/graph_forms.py). Rank 3 is left out: there a mean over the
+    last dim is a norm's statistic."""
+    x = args[0] if args else kwargs.get("input")
+    dims = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if not isinstance(x, torch.Tensor) or x.dim() < 4 or dims is None or kwargs.get("dtype") is not None:
+        return False
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return all(isinstance(d, int) for d in dims) and sorted(d % x.dim() for d in dims) == list(range(2, x.dim()))
 
 
 def trace_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpGraph:
