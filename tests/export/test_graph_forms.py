@@ -108,3 +108,36 @@ def test_a_norm_statistic_stays_reduce_mean(tmp_path: Path) -> None:
     q = quantize(m, SEVEN_BIT, [torch.randn(4, 5, 8) for _ in range(2)])
     ops8 = _ops(export_onnx(q, x, tmp_path / "int8.onnx"))
     assert "ReduceMean" in ops8 and "GlobalAveragePool" not in ops8, ops8
+
+
+@pytest.mark.parametrize(("out_scale", "pooled"), [(0.02, True), (1e-5, False)])
+def test_scales_outside_the_integer_kernel_keep_the_reduce_mean(out_scale: float, pooled: bool) -> None:
+    """MLAS's QLinearGlobalAveragePool raises unless in_scale / (out_scale x H x W) lies in
+    [2^-32, 256): a QAT-learned output scale far below the input's keeps the float ReduceMean,
+    which ORT runs, where the rewrite would have given a file that fails at run time."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from export.graph_forms import spatial_means_to_pools
+
+    inits = [numpy_helper.from_array(np.array(v, dtype=np.float32), n) for n, v in
+             (("sx", 0.05), ("sy", out_scale))] + [
+        numpy_helper.from_array(np.array(0, dtype=np.uint8), "z"),
+        numpy_helper.from_array(np.array([2, 3], dtype=np.int64), "axes")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "z"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "sx", "z"], ["xd"]),
+             helper.make_node("ReduceMean", ["xd", "axes"], ["m"], keepdims=1),
+             helper.make_node("QuantizeLinear", ["m", "sy", "z"], ["mq"]),
+             helper.make_node("DequantizeLinear", ["mq", "sy", "z"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 3, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    assert spatial_means_to_pools(model) == int(pooled)
+    assert ("GlobalAveragePool" in _ops_of(model)) is pooled
+    x = np.random.default_rng(0).random((2, 4, 3, 3), dtype=np.float32)
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert y.shape == (2, 4, 1, 1)
+
+
+def _ops_of(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
