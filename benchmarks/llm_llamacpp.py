@@ -5,7 +5,7 @@ same float model, and beside our ONNX int4 file in ONNX Runtime for CPU decode s
 
 Files, all read by llama.cpp itself (``llama_cpp.Llama``):
 - the float model as an F32 GGUF (``save_gguf`` of the unquantized model);
-- ours: RTN (and GPTQ with ``--gptq``) at 4 bits, groups of 32, symmetric, written as Q4_0 blocks with our
+- ours: RTN (and GPTQ with ``--gptq``, at both types) at 4 bits, groups of 32, symmetric, written as Q4_0 blocks with our
   codes; 8 bits as Q8_0;
 - llama.cpp's: ``llama_model_quantize`` of that F32 file to Q4_0 and Q8_0, once with its defaults (the
   token embedding quantized too) and once with the token embedding kept F32, as ours keeps it.
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         raise SystemExit("needs llama-cpp-python (pip install -e '.[llamacpp]'; it builds llama.cpp from source)") from None
     ap = argparse.ArgumentParser(prog="python -m benchmarks.llm_llamacpp", description=__doc__.splitlines()[0])
-    ap.add_argument("--gptq", action="store_true", help="also GPTQ (16 calibration windows of 256 tokens)")
+    ap.add_argument("--gptq", action="store_true", help="also GPTQ at Q4_0 and Q8_0 (16 calibration windows of 256 tokens)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--windows", type=int, default=8, help="held-out windows of 256 tokens")
     ap.add_argument("--rounds", type=int, default=5, help="decode timing rounds (prompt + 64 steps each)")
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     for bits, qtype in ((4, "Q4_0"), (8, "Q8_0")):
         scheme = compress.QuantScheme(weights=compress.QuantSpec(bits=bits, granularity="group", group_size=32),
                                       inputs=None)
-        methods = ["RTN"] + (["GPTQ"] if args.gptq and bits == 4 else [])
+        methods = ["RTN"] + (["GPTQ"] if args.gptq else [])
         for method in methods:
             t0 = time.perf_counter()
             if method == "GPTQ":
