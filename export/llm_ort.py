@@ -44,6 +44,14 @@ LEVEL4_MARGIN_DB = 6.0
 LEVEL4_FLIP_FACTOR = 10 ** (LEVEL4_MARGIN_DB / 20)
 
 
+def level4_floors(quant_sqnr_db: float, quant_top1: float) -> tuple[float, float]:
+    """The (SQNR dB, top-1) floors of an accuracy_level-4 file, from what the int8 activations alone
+    move the module's logits (``quant_*``): :data:`LEVEL4_MARGIN_DB` under its SQNR (capped at the
+    float floor), :data:`LEVEL4_FLIP_FACTOR` times its greedy flips."""
+    return (min(FLOAT_MIN_SQNR_DB, quant_sqnr_db - LEVEL4_MARGIN_DB),
+            1.0 - LEVEL4_FLIP_FACTOR * (1.0 - min(MIN_TOP1, quant_top1)))
+
+
 @dataclass(frozen=True)
 class OrtCheck:
     """What :func:`export_llm_onnx`'s check measured: ORT's file against the traced module over a
@@ -163,8 +171,7 @@ def check_in_ort(path: Path, dec: KVDecoder, *, float_check: bool, float_dec: KV
              "" if result.quant_sqnr_db is None else
              f" (quantization vs float activations: {result.quant_sqnr_db:.1f} dB, top-1 {result.quant_top1:.3f})")
     if float_check and result.quant_sqnr_db is not None and result.quant_top1 is not None:
-        sqnr_floor = min(FLOAT_MIN_SQNR_DB, result.quant_sqnr_db - LEVEL4_MARGIN_DB)
-        top1_floor = 1.0 - LEVEL4_FLIP_FACTOR * (1.0 - min(MIN_TOP1, result.quant_top1))
+        sqnr_floor, top1_floor = level4_floors(result.quant_sqnr_db, result.quant_top1)
     elif float_check:
         sqnr_floor, top1_floor = FLOAT_MIN_SQNR_DB, MIN_TOP1
     elif result.quant_sqnr_db is not None and result.quant_top1 is not None:

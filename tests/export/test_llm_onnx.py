@@ -275,3 +275,21 @@ def test_ort_decode_profile_attributes_the_step_to_op_types(tmp_path: Path) -> N
     assert data["steps"] == 3 and ops["MatMulNBits"]["nodes_per_step"] == 2 * 4 + 1  # and the 8-bit lm_head
     assert abs(sum(r["share"] for r in data["rows"]) - 1) < 1e-6
     assert 0 < data["node_ms"] <= data["model_run_ms"]
+
+
+def test_level4_floors_take_one_margin_on_both_measures() -> None:
+    """The shipped AWQ recipe's file (SmolLM2, w4 g128): 37.8 dB and 16 of 19 greedy positions against
+    a yardstick of 34.0 dB and 18 of 19 passes; a dropped zero point (below 20 dB) does not, nor does
+    a file that flips half the positions."""
+    from export.llm_ort import level4_floors
+
+    sqnr_floor, top1_floor = level4_floors(34.0, 18 / 19)
+
+    def passes(sqnr: float, top1: float) -> bool:
+        return sqnr >= sqnr_floor and top1 >= top1_floor
+
+    assert sqnr_floor == pytest.approx(28.0)
+    assert passes(37.8, 16 / 19)
+    assert not passes(19.0, 1.0)
+    assert not passes(37.8, 0.5)
+    assert level4_floors(60.0, 1.0) == pytest.approx((40.0, 0.8005), abs=1e-3)  # capped at the float floor
