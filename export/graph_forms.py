@@ -31,15 +31,18 @@ def spatial_means_to_pools(model: onnx.ModelProto) -> int:
 
     Rank 3 is left alone: a mean over the last dim of (batch, tokens, hidden) is a norm's statistic,
     whose ReduceMean ORT's LayerNormalization fusions look for."""
-    if not any(n.op_type == "ReduceMean" for n in model.graph.node):
-        return 0  # shape inference of a large graph is not free
-    shapes = static_shapes(model)
     g = QdqGraph(model.graph)
+    # spatial dims of a rank >= 4 tensor are two or more: a one-axis mean (a norm's statistic, in
+    # every transformer) is no candidate, and shape inference of a large graph is not free
+    candidates = [(n, axes) for n in g.g.node if n.op_type == "ReduceMean"
+                  and (axes := _axes(g, n)) is not None and len(axes) >= 2]
+    if not candidates:
+        return 0
+    shapes = static_shapes(model)
     done = 0
-    for n in [n for n in g.g.node if n.op_type == "ReduceMean"]:
+    for n, axes in candidates:
         rank = len(shapes.get(n.input[0], ()))
-        axes = _axes(g, n)
-        if rank < 4 or axes is None or sorted(a % rank for a in axes) != list(range(2, rank)):
+        if rank < 4 or sorted(a % rank for a in axes) != list(range(2, rank)):
             continue
         out, spatial = n.output[0], shapes[n.input[0]][2:]
         readers = g.consumers.get(out, [])

@@ -55,7 +55,7 @@ class TokenNorm(nn.Module):
 
 
 def _ops(path: Path) -> list[str]:
-    return [n.op_type for n in onnx.load(str(path)).graph.node]
+    return _ops_of(onnx.load(str(path)))
 
 
 def _run(path: Path, x: torch.Tensor) -> np.ndarray:
