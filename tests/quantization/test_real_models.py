@@ -70,6 +70,9 @@ TEST_SUITE: dict[str, Callable[[int], SuiteModel]] = {
 #: 4 dB, with ORT's own quantize_static too), so the same small differences weigh more there.
 PARITY_FLOOR_DB = {"mobilenetv2": 10.0}
 DEFAULT_FLOOR_DB = 25.0
+#: vision models whose head pools an image's spatial dims (AdaptiveAvgPool2d or ``mean((-2, -1))``,
+#: ConvNeXt's read by a float LayerNorm); Swin pools tokens (rank 3) and stays out
+POOLED = ("convnext", "mobilenetv2", "mobilevit", "regnet", "resnet")
 #: 7-bit weight codes (calibrated so): ORT's u8s8 kernels on CPUs without VNNI saturate on 8-bit ones
 SCHEME = {"preset": "w8a8", "weights": {"reduce_range": True}}
 
@@ -96,7 +99,7 @@ def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
 def test_real_model_exports_int8_that_ort_runs_in_integers(name: str, tmp_path: Path) -> None:
     import compress
     from export.onnx import export_onnx
-    from export.runtimes import ort_coverage
+    from export.runtimes import ort_coverage, ort_optimized_ops
 
     sm = TEST_SUITE[name](0)
     q = compress.quantize(sm.model, SCHEME, sm.calibration[:2])
@@ -118,6 +121,9 @@ def test_real_model_exports_int8_that_ort_runs_in_integers(name: str, tmp_path: 
         assert cov.float_nodes == [] and cov.integer > 0, cov.float_nodes
     if sm.kind == "text":  # token (and position) embedding tables are int8 rows
         assert any(u.table for u in pl.weights.values()), pl.weights
+    if name in POOLED:  # the head's spatial mean runs on the codes (export/graph_forms.py)
+        ops = ort_optimized_ops(path)
+        assert ops["QLinearGlobalAveragePool"] >= 1 and not ops["GlobalAveragePool"], ops
 
 
 @pytest.mark.parametrize("name", ["resnet", "bert"])
