@@ -184,7 +184,9 @@ def test_fused_layernorms_on_cuda_in_fp16_and_under_cuda_graphs(scheme: str, mon
         out = conv(input_ids=static_ids).last_hidden_state
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, second)
+    # open on the H200 (2026-11-27): the replay differed from eager by up to 0.0039 (last bits), also
+    # from an eager run on the capture's own stream, so not cuBLAS's per-stream workspace
+    assert torch.equal(out, second), (out.float() - second.float()).abs().max().item()
     plain, _, _ = _converted("bert", scheme, fuse_norms=False)
     plain = cast_float_layers(plain, torch.float16).eval()
     with torch.no_grad():
