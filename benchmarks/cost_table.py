@@ -8,8 +8,9 @@ layer row holds, under ``boundary``: entering int8 (the QuantizeLinear of a floa
 conv the NCHW -> NHWC transpose of QLinearConv's layout) and leaving it (transpose back,
 DequantizeLinear), by element count, from the same int8 profiles; residual adds, ORT's float Add
 against its QLinearAdd; and what the profiler itself adds to each node's time. The rows are written, under this machine's int8
-instruction set (compress.core.machine.int8_isa), into quantization/placement/data/ort_cpu_costs.json
-(rows of other ISAs already there are kept) and a summary into benchmarks/RESULTS.md.
+instruction set and CPU vendor (``vnni:intel``; compress.core.machine), into
+quantization/placement/data/ort_cpu_costs.json (tables of other CPUs already there are kept), and a
+summary of every table in the file into benchmarks/RESULTS.md.
 
 Run: ``nice -n 10 python -m benchmarks.cost_table`` (a few minutes on 2 cores).
 """
@@ -34,7 +35,7 @@ from torch import nn
 from benchmarks._results import write_section
 from compress.core.machine import cpu_name, int8_isa
 from compress.core.ort import session_options
-from quantization.placement.cost_table import TABLE_FILE, isa_key, layer_shape
+from quantization.placement.cost_table import TABLE_FILE, layer_shape, table_key
 from quantization.placement.speed_check import _graphs, _island_cost, _profile, boundary_costs
 
 SECTION = "cost_table"
@@ -45,7 +46,7 @@ def grid(quick: bool = False) -> list[tuple[nn.Module, list[int]]]:
     """(layer, input shape) pairs covering toy to serving sizes, and batch 1 on small images (the
     quickstart's 8x8 digits: 64, 16 and 4 pixels after its strides)."""
     out: list[tuple[nn.Module, list[int]]] = []
-    rows = (1, 16, 128, 1024) if not quick else (1, 256)
+    rows = (1, 16, 128, 1024, 8192) if not quick else (1, 256)
     feats = (16, 64, 256, 768) if not quick else (16, 256)
     for m, k, n in itertools.product(rows, feats, feats):
         out.append((nn.Linear(k, n), [m, k]))
@@ -56,6 +57,16 @@ def grid(quick: bool = False) -> list[tuple[nn.Module, list[int]]]:
     dw_sizes = ((8, 8), (8, 28), (1, 4), (1, 8)) if not quick else ((8, 16), (1, 4))
     for c, ks, (b, hw) in itertools.product((16, 64, 256) if not quick else (16, 128), (3, 5), dw_sizes):
         out.append((nn.Conv2d(c, c, ks, padding=ks // 2, groups=c), [b, c, hw, hw]))
+    if quick:
+        return out
+    # serving sizes of small vision nets (batch 32 of 64x64 images): stems of 3 channels (3x3 and
+    # 7x7) and the first stage at 32k pixels, wide 1x1 heads (MobileNet's 1280), depthwise at 32k pixels
+    for cin, cout, ks in [(3, 16, 3), (3, 64, 3), (3, 16, 7), (3, 64, 7), (16, 16, 3), (16, 64, 1), (64, 16, 1)]:
+        out.append((nn.Conv2d(cin, cout, ks, padding=ks // 2), [32, cin, 32, 32]))
+    for cin, (b, hw) in itertools.product((64, 256), ((1, 4), (8, 8))):
+        out.append((nn.Conv2d(cin, 1024, 1), [b, cin, hw, hw]))
+    for c, ks in itertools.product((16, 64), (3, 5)):
+        out.append((nn.Conv2d(c, c, ks, padding=ks // 2, groups=c), [32, c, 32, 32]))
     return out
 
 
@@ -88,9 +99,15 @@ def measure(m: nn.Module, shape: list[int], runs: int, tmp: Path) -> tuple[dict[
             bounds)
 
 
-def _add_graph(shape: list[int]) -> Any:
-    """A residual add between int8 neighbours: Q/DQ on both inputs and the output. ORT runs the QDQ
-    form as QLinearAdd; the float one (QDQ fusion off) as a float Add between the same conversions."""
+#: elementwise ops with two activation inputs that ORT runs on int8 codes (QLinearAdd, QLinearMul),
+#: measured by element count for the model-level check
+ELEMENTWISE = ("add", "mul")
+
+
+def _binary_graph(op: str, shape: list[int]) -> Any:
+    """A residual add (or a product of two activations: gates, hardswish) between int8 neighbours:
+    Q/DQ on both inputs and the output. ORT runs the QDQ form as QLinearAdd / QLinearMul; the float
+    one (QDQ fusion off) as a float Add / Mul between the same conversions."""
     from onnx import TensorProto, helper, numpy_helper
 
     x = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("a", "b")]
@@ -101,20 +118,22 @@ def _add_graph(shape: list[int]) -> Any:
     for i, n in enumerate(("a", "b")):
         nodes += [helper.make_node("QuantizeLinear", [n, f"s{i}", "zp"], [f"{n}q"]),
                   helper.make_node("DequantizeLinear", [f"{n}q", f"s{i}", "zp"], [f"{n}d"])]
-    nodes += [helper.make_node("Add", ["ad", "bd"], ["sum"]), helper.make_node("QuantizeLinear", ["sum", "s2", "zp"], ["yq"]),
+    nodes += [helper.make_node(op.capitalize(), ["ad", "bd"], ["out"]),
+              helper.make_node("QuantizeLinear", ["out", "s2", "zp"], ["yq"]),
               helper.make_node("DequantizeLinear", ["yq", "s2", "zp"], ["y"])]
-    return helper.make_model(helper.make_graph(nodes, "add", x, [y], inits), opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(helper.make_graph(nodes, op, x, [y], inits), opset_imports=[helper.make_opsetid("", 17)])
 
 
-def measure_add(shape: list[int], runs: int, tmp: Path) -> dict[str, Any]:
-    """An add's row: ORT's float Add kernel and its QLinearAdd, by element count."""
+def measure_binary(op: str, shape: list[int], runs: int, tmp: Path) -> dict[str, Any]:
+    """An elementwise op's row (``op``: add or mul): ORT's float kernel and its integer one, by element count."""
     import onnxruntime as ort
 
-    g = _add_graph(shape)
+    g = _binary_graph(op, shape)
+    names = {"float": op.capitalize(), "int8": f"QLinear{op.capitalize()}"}
     us: dict[str, float] = {}
     ops: dict[str, str] = {}
     for tag in ("float", "int8"):
-        so = session_options(threads=1, profile_prefix=tmp / f"add_{tag}", quantize_qdq=tag != "float")
+        so = session_options(threads=1, profile_prefix=tmp / f"{op}_{tag}", quantize_qdq=tag != "float")
         sess = ort.InferenceSession(g.SerializeToString(), so, providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(1)
         feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in ("a", "b")}
@@ -123,14 +142,14 @@ def measure_add(shape: list[int], runs: int, tmp: Path) -> dict[str, Any]:
         events = json.loads(Path(sess.end_profiling()).read_text())
         per: dict[str, list[float]] = {}
         for e in events:
-            op = e.get("args", {}).get("op_name", "")
-            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and op in ("Add", "QLinearAdd"):
-                per.setdefault(op, []).append(float(e["dur"]))
-        op = "QLinearAdd" if tag == "int8" and "QLinearAdd" in per else "Add"
-        if op not in per:
-            raise SystemExit(f"ORT's profile of the {tag} add at {shape} has no {op} node")
-        us[tag], ops[tag] = statistics.median(per[op][2:] or per[op]), op
-    return {"kind": "add", "features": [float(math.prod(shape))], "float_op": ops["float"], "float_us": round(us["float"], 2),
+            name = e.get("args", {}).get("op_name", "")
+            if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and name in names.values():
+                per.setdefault(name, []).append(float(e["dur"]))
+        got = names[tag] if names[tag] in per else names["float"]
+        if got not in per:
+            raise SystemExit(f"ORT's profile of the {tag} {op} at {shape} has no {names[tag]} node")
+        us[tag], ops[tag] = statistics.median(per[got][2:] or per[got]), got
+    return {"kind": op, "features": [float(math.prod(shape))], "float_op": ops["float"], "float_us": round(us["float"], 2),
             "int8_op": ops["int8"], "int8_us": round(us["int8"], 2)}
 
 
@@ -198,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     isa = int8_isa()
-    key = isa_key(isa)
+    key = table_key(isa, cpu_name())
     if key is None:
         raise SystemExit(f"no cost-table key for this CPU's int8 instructions ({isa})")
     load = os.getloadavg()[0]
@@ -211,43 +230,58 @@ def main(argv: list[str] | None = None) -> None:
             if r is not None:
                 rows.append(r[0])
                 bounds.extend(r[1])
-        adds = [measure_add(shape, args.runs, Path(d)) for shape in add_grid(args.quick)]
+        adds = [measure_binary(op, shape, args.runs, Path(d)) for op in ELEMENTWISE for shape in add_grid(args.quick)]
         overhead = profile_overhead(Path(d))
     boundary = _merge_bounds(bounds + adds)
     machine = f"{cpu_name()} ({isa}), {os.cpu_count()} cores, load average {load:.1f} at the start"
     data = json.loads(args.out.read_text()) if args.out.exists() else {}
     data.setdefault("onnxruntime", {})[key] = {"runtime": "onnxruntime", "isa": isa, "machine": machine,
                                                "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                               "runs": args.runs, "seconds": round(time.time() - t0),
                                                "rows": rows, "boundary": boundary,
                                                "profile_overhead_us": round(overhead, 2)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
-    slower = [r for r in rows if r["int8_us"] >= r["float_us"]]
-    by_kind = {k: [r for r in rows if r["kind"] == k] for k in ("linear", "conv", "depthwise")}
-    lines = [HEADING, "", f"`nice -n 10 python -m benchmarks.cost_table` on {machine}; ORT 1 thread, {args.runs} profiled runs "
-             f"per graph (median after 2 warm-up runs), {len(rows)} layer shapes in {time.time() - t0:.0f} s; written to "
-             f"`{args.out.relative_to(Path(__file__).parents[1]) if args.out.is_relative_to(Path(__file__).parents[1]) else args.out}` "
-             f"under `{key}`.", "",
+    root = Path(__file__).parents[1]
+    where = args.out.relative_to(root) if args.out.is_relative_to(root) else args.out
+    text = "\n".join([HEADING, "", f"`nice -n 10 python -m benchmarks.cost_table` writes `{where}`, one table per "
+                      "runtime, int8 instruction set and CPU vendor; placement reads the one for the CPU it runs on "
+                      "(quantization/placement/cost_table.py `table_for`). Every table in the file:", "",
+                      *(line for k, t in sorted(data["onnxruntime"].items()) for line in table_summary(k, t))])
+    if args.section:
+        write_section(SECTION, text)
+    print(text)
+
+
+def table_summary(key: str, t: dict[str, Any]) -> list[str]:
+    """One table's lines in the RESULTS section: its machine, the shapes where int8 lost, the boundary rows."""
+    rows, boundary = t["rows"], t.get("boundary", [])
+    how = f"{t['runs']} profiled runs per graph (median after 2 warm-up runs), " if "runs" in t else ""
+    took = f" in {t['seconds']} s" if "seconds" in t else ""
+    lines = [f"### `{key}`: {t['machine']}", "", f"Measured {t.get('measured', '?')}; ORT 1 thread, {how}"
+             f"{len(rows)} layer shapes{took}.", "",
              "| kind | shapes | int8 slower than float | their features (in, out, kernel, pixels / rows, in, out) |",
              "|---|---|---|---|"]
-    for k, rs in by_kind.items():
-        bad = [r for r in rs if r in slower]
+    for k in ("linear", "conv", "depthwise"):
+        rs = [r for r in rows if r["kind"] == k]
+        bad = [r for r in rs if r["int8_us"] >= r["float_us"]]
         feats = "; ".join("x".join(f"{f:g}" for f in r["features"]) + f" ({r['float_us'] / max(r['int8_us'], 1e-9):.2f}x)"
                           for r in bad[:12])
         lines.append(f"| {k} | {len(rs)} | {len(bad)} | {feats}{' ...' if len(bad) > 12 else ''} |")
     lines += ["", f"Boundary rows (`boundary`, read by the model-level check, quantization/placement/model_cost.py): "
-              f"{len(boundary)}; the entering / leaving costs at a few sizes (elements: us) and adds (float Add vs QLinearAdd). "
-              f"The profiler adds {overhead:.2f} us to each node's time (`profile_overhead_us`: a trivial node's profiled "
-              "median less its unprofiled cost), which the model-level sum takes off every node it counts:", ""]
-    for kind in ("enter:conv", "leave:conv", "enter:linear", "leave:linear", "add"):
+              f"{len(boundary)}; the entering / leaving costs at a few sizes (elements: us) and elementwise ops (float "
+              f"against integer kernel). The profiler adds {t.get('profile_overhead_us', 0):.2f} us to each node's time "
+              "(`profile_overhead_us`: a trivial node's profiled median less its unprofiled cost), which the model-level "
+              "sum takes off every node it counts:", ""]
+    for kind in ("enter:conv", "leave:conv", "enter:linear", "leave:linear", *ELEMENTWISE):
         rs = [b for b in boundary if b["kind"] == kind]
+        if not rs:
+            continue
         shown = rs[:: max(1, len(rs) // 6)][:7]
         vals = "; ".join(f"{b['features'][0]:g}: " + (f"{b['us']:g}" if "us" in b else f"{b['float_us']:g} vs {b['int8_us']:g}")
                          for b in shown)
         lines.append(f"- {kind} ({len(rs)} sizes): {vals}")
-    if args.section:
-        write_section(SECTION, "\n".join(lines))
-    print("\n".join(lines))
+    return [*lines, ""]
 
 
 if __name__ == "__main__":

@@ -302,7 +302,7 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
     fp32 (1 thread)."""
     import transformers
 
-    from compress.core.machine import int8_isa
+    from compress.core.machine import cpu_name, int8_isa
     from export.runtimes import load_session
     from export.validate import time_side_by_side
     from quantization.api import QuantizeParams, quantize
@@ -312,7 +312,7 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
     from quantization.placement.trace import trace_graph
     from quantization.view import view
 
-    table = table_for(int8_isa())
+    table = table_for(int8_isa(), cpu_name())
     if table is None:
         return []
     torch.manual_seed(0)

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from benchmarks.hf_suite import SERVING, SUITE, SuiteModel
 from benchmarks.pattern_models import PATTERNS
@@ -104,6 +105,31 @@ def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int) -> dict[str,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _predicted(model: nn.Module, calib: Any, batch: int) -> tuple[float | None, str]:
+    """The cost table's model-level prediction for ``model``'s default placement at ``batch``: the int8
+    model's predicted speedup over fp32, or None and why the check does not judge it."""
+    from compress.core.machine import cpu_name, int8_isa
+    from quantization.placement.cost_table import slower_by_table, table_for
+    from quantization.placement.model_cost import decide, unpriced_ops
+    from quantization.placement.speed_check import layer_calls
+    from quantization.placement.trace import trace_graph
+
+    table = table_for(int8_isa(), cpu_name())
+    if table is None:
+        return None, "no cost table (none for this CPU, or COMPRESS_COST_TABLE off)"
+    args, kwargs = ((), dict(calib)) if isinstance(calib, dict) else ((calib,), {})
+    graph = trace_graph(model, args, kwargs)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))}
+    unpriced = unpriced_ops(graph, table)
+    if unpriced:
+        return None, "unpriced: " + ", ".join(sorted(unpriced))
+    calls = layer_calls(graph, layers)
+    kept = set(layers) - set(slower_by_table(layers, calls, table))
+    example = next(iter(kwargs.values())) if kwargs else calib
+    costs = decide(graph, layers, kept, calls, table, batches=[batch], example_batch=int(example.shape[0])).costs
+    return (round(costs[batch].speedup, 3), table.source) if batch in costs else (None, "no row near a layer")
+
+
 def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dict[str, Any]:
     import compress
     from export.onnx import export_onnx
@@ -115,6 +141,7 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
     sm = suite[name](0)
     fp = copy.deepcopy(sm.model)
     fm = copy.deepcopy(sm.model)
+    pm = copy.deepcopy(sm.model)
     am = copy.deepcopy(sm.model)
     serving = _serving_input(sm)
     # the speed check scales the traced batch; for text, tokens per Linear call are what count
@@ -158,6 +185,7 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
         lat = _time(sessions, serving, rounds, reps=3 if size == "small" else 1)
         nbytes = {k: p.stat().st_size for k, p in files.items()}
     placement = q.quantizer_graph.placement
+    predicted, why = _predicted(pm, sm.calibration[0], int(check_batch))
     return {
         "model": name,
         "kind": sm.kind,
@@ -171,6 +199,8 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
         "latency_ms": {k: round(v, 3) for k, v in lat.items()},
         "speedup": {k: round(lat["fp32"] / lat[k], 3) for k in ("compress", "all_int8", "measured", "ort")},
         "size_ratio": {k: round(nbytes[k] / nbytes["fp32"], 3) for k in ("compress", "measured", "ort")},
+        "predicted": predicted,  # the model-level check's int8/fp32 prediction at the serving batch
+        "predicted_by": why,
         "quantize_s": {"compress": round(t_quant, 2), "measured": round(t_measured, 2), "ort": round(t_ort, 2)},
         "measured_float": {k: v for k, v in qm.quantizer_graph.placement.floats.items()
                            if v.startswith("kept float by measured placement")},
@@ -187,6 +217,12 @@ def _machine() -> str:
     isa = f" ({m['int8_isa']})" if m.get("int8_isa") else ""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return f"{m['cpu']}{isa}, {m['cores']} cores, torch {torch.__version__}, load average {load:.1f} at the start"
+
+
+def _pred_cell(r: dict[str, Any]) -> str:
+    if "predicted" not in r:
+        return "-"
+    return f"{r['predicted']:.2f}x" if r["predicted"] is not None else f"not judged ({r['predicted_by']})"
 
 
 def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: str = "small") -> None:
@@ -210,7 +246,8 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
              "compress: the default (w8a8; the shipped cost table keeps float the layers it says run slower in int8 "
              "on this CPU's ISA, quantization/placement/cost_table.py; its whole-model prediction at the serving batch, "
              "passed as `QuantizeParams(batch_sizes=...)`, quantization/placement/model_cost.py, is logged, not applied, "
-             "by default: `model_check`); all int8: the cost table off; measured: "
+             "by default: `model_check`; column `model check: predicted`, the compress column's placement, or why the check "
+             "does not judge the model); all int8: the cost table off; measured: "
              "`speed_check` (each layer's ORT integer kernel timed against its float kernel at the serving batch, "
              "the slower ones kept float). Integer kernels: every QLinear*/QGemm/MatMulIntegerToFloat node of ORT's "
              "optimized graph (ORT fuses DQ -> op -> Q into them); the QLinear* breakdown is in the JSON.", "",
@@ -221,12 +258,12 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
              "the work left in float does not.", "",
              "| model | coverage compress / measured / ORT | integer kernels compress / ORT | float ops left compress / "
              "ORT | QLinearMul / QLinearAdd compress vs ORT | SQNR dB compress / measured / ORT (compress 7-bit) | speedup compress / all int8 / measured / ORT | "
-             "size compress / measured / ORT | kept float by table / by measurement |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "size compress / measured / ORT | kept float by table / by measurement | model check: predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['model']} | failed: {r['error']} | | | | | | | | |")
             continue
         c, s, v, z = r["coverage"], r["sqnr_db"], r["speedup"], r["size_ratio"]
         ops = r.get("integer_ops", {})
@@ -243,7 +280,7 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
                      f"{v['compress']:.2f}x / {v.get('all_int8', nan):.2f}x / {v.get('measured', nan):.2f}x / "
                      f"{v['ort']:.2f}x | "
                      f"{z['compress']:.2f} / {z.get('measured', nan):.2f} / {z['ort']:.2f} | "
-                     f"{len(r.get('table_float', {}))} / {len(r.get('measured_float', {}))} |")
+                     f"{len(r.get('table_float', {}))} / {len(r.get('measured_float', {}))} | {_pred_cell(r)} |")
     ok = [r for r in rows if "error" not in r]
     if ok:
         keys = [k for k in ("compress", "all_int8", "measured", "ort") if all(k in r["speedup"] for r in ok)]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from compress.core.errors import CompressError
-from compress.core.machine import int8_isa
+from compress.core.machine import cpu_name, int8_isa
 from compress.core.moe import unpack_experts
 from compress.core.targets import select_modules
 from compress.core.tracing import tensor_leaves
@@ -179,7 +179,7 @@ def prepare(
             del plan[name]
         skip.update(slow)
     elif cost_table and graph_mode and target == "onnxruntime" and graph0 is not None:
-        table = table_for(int8_isa())
+        table = table_for(int8_isa(), cpu_name())
         if table is not None:
             layers = {n: model.get_submodule(n) for n in plan}
             serving = tuple(batch_sizes) if batch_sizes else (1,)

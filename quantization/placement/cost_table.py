@@ -8,8 +8,10 @@ each row one layer shape (a Linear's rows x in x out, a conv's channels, kernel,
 size), its float and int8 kernel times inside an int8 model (:func:`speed_check._island_cost`) and
 their ratio. A layer's speedup is read off the row nearest to it (log-distance over the shape
 features, within its kind); a layer below ``min_speedup`` stays float, the row named in the reason.
-The answer depends only on the layer's traced shape, the table and the ISA the table is chosen for,
-so quantizing twice gives the same placement. ``speed_check`` refines it when asked.
+The answer depends only on the layer's traced shape, the table and the CPU the table is chosen for
+(its int8 instruction set, then its vendor: two CPUs with the same instructions can differ twofold in
+what entering and leaving int8 costs), so quantizing twice gives the same placement. ``speed_check``
+refines it when asked.
 """
 
 from __future__ import annotations
@@ -41,6 +43,19 @@ def isa_key(isa: str | None) -> str | None:
     if isa in ("AMX-INT8", "AVX-512 VNNI", "AVX-VNNI"):
         return "vnni" if isa != "AMX-INT8" else "amx"
     return "avx2" if isa == "AVX2 without VNNI" else None
+
+
+def cpu_vendor(cpu: str | None) -> str | None:
+    """``intel`` or ``amd`` from a CPU's model name (compress.core.machine.cpu_name), None otherwise."""
+    low = (cpu or "").lower()
+    return next((v for v in ("intel", "amd") if v in low), None)
+
+
+def table_key(isa: str | None, cpu: str | None) -> str | None:
+    """The key a table measured on this CPU is stored under: ``vnni:intel``, ``avx2:amd``, or the ISA
+    key alone where the vendor is unknown."""
+    key, vendor = isa_key(isa), cpu_vendor(cpu)
+    return None if key is None else f"{key}:{vendor}" if vendor else key
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,12 @@ class CostTable:
     #: nodes less their unprofiled time per node): the model-level sum takes it off every node it adds
     profile_overhead_us: float = 0.0
 
+    @property
+    def source(self) -> str:
+        """Runtime, ISA and CPU model, as reasons name the table (``onnxruntime, AVX-512 VNNI, Intel Xeon``)."""
+        cpu = self.machine.split(" (", 1)[0].split(",", 1)[0].strip()
+        return f"{self.runtime}, {self.isa}" + (f", {cpu}" if cpu else "")
+
     def nearest(self, shape: LayerShape) -> Row | None:
         same = [r for r in self.rows if r.shape.kind == shape.kind]
         return min(same, key=lambda r: (r.shape.distance(shape), r.shape.features)) if same else None
@@ -166,23 +187,27 @@ def shipped_tables(path: Path = TABLE_FILE) -> dict[str, CostTable]:
 ENV_SWITCH = "COMPRESS_COST_TABLE"
 
 
-def table_for(isa: str | None) -> CostTable | None:
-    """The shipped ORT CPU table for ``isa`` (compress.core.machine.int8_isa's names), None if none
-    (or if the ``COMPRESS_COST_TABLE`` environment variable is ``off``)."""
+def table_for(isa: str | None, cpu: str | None = None) -> CostTable | None:
+    """The shipped ORT CPU table for ``isa`` (compress.core.machine.int8_isa's names) on ``cpu`` (its
+    model name, for the vendor), None if none (or if the ``COMPRESS_COST_TABLE`` environment variable
+    is ``off``). Looked up in this order: the ISA's table measured on this vendor's CPU, the ISA's
+    table of unknown vendor, the ISA's table of another vendor, then the same for the nearest other
+    ISAs (:data:`FALLBACK`)."""
     if os.environ.get(ENV_SWITCH, "").strip().lower() in ("off", "0", "false", "none"):
         return None
     key = isa_key(isa)
     if key is None:
         return None
     tables = shipped_tables()
-    if key in tables:
-        return tables[key]
-    # another x86 int8 ISA's rows beat none: on AVX2 without VNNI int8 gains less than with VNNI, so
-    # the VNNI rows keep float at least the layers slow there too (AMX: the other way round)
-    for other in FALLBACK.get(key, ()):
-        if other in tables:
-            _warn_fallback(isa or key, tables[other].isa)
-            return tables[other]
+    vendor = cpu_vendor(cpu)
+    for i, k in enumerate((key, *FALLBACK.get(key, ()))):
+        mine = [f"{k}:{vendor}"] if vendor else []
+        others = sorted(t for t in tables if t.startswith(f"{k}:") and t not in mine)
+        for cand in (*mine, k, *others):
+            if cand in tables:
+                if i or cand in others:
+                    _warn_fallback(f"{isa or key} on {cpu or 'this CPU'}", tables[cand].machine or cand)
+                return tables[cand]
     return None
 
 
@@ -208,8 +233,8 @@ def slower_by_table(layers: Mapping[str, nn.Module], calls: Mapping[str, LayerCa
         if call is None or row is None or call.pooled or call.model_output or row.speedup >= min_speedup:
             continue
         feats = "x".join(f"{f:g}" for f in row.shape.features)
-        slow[name] = (f"kept float by the cost table ({table.runtime}, {table.isa}): the nearest measured "
+        slow[name] = (f"kept float by the cost table ({table.source}): the nearest measured "
                       f"{row.shape.kind} ({feats}) ran int8 {row.int8_us:.0f} us vs float {row.float_us:.0f} us "
                       f"({row.speedup:.2f}x)")
-    log.info("cost table (%s, %s): %d of %d layers keep float", table.runtime, table.isa, len(slow), len(layers))
+    log.info("cost table (%s): %d of %d layers keep float", table.source, len(slow), len(layers))
     return slow

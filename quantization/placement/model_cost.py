@@ -73,7 +73,7 @@ class ModelCost:
     def describe(self) -> str:
         return (f"int8 {self.int8_us:.0f} us vs fp32 {self.float_us:.0f} us ({self.speedup:.2f}x): int8 layers "
                 f"{self.layers_int8_us:.0f} us where float runs them in {self.layers_float_us:.0f}, entering/leaving "
-                f"int8 {self.boundary_us:.0f} us ({self.entries} entries, {self.exits} exits), {self.adds} integer adds "
+                f"int8 {self.boundary_us:.0f} us ({self.entries} entries, {self.exits} exits), {self.adds} integer adds and products "
                 f"{self.adds_int8_us:.0f} us where float pays {self.adds_float_us:.0f} us")
 
 
@@ -171,6 +171,19 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
                 for t, o in zip(ids, acts, strict=True):
                     leave(t, o.shape)
             continue
+        if n.kind == "mul" and len(acts) == 2 and table.boundary_us("mul", 1.0) is not None:
+            # a product of two activations (a gate, x * hardsigmoid(x)): QLinearMul where both are
+            # int8, by the elements it writes (a gate broadcasts one operand)
+            got = table.boundary_us("mul", max(elements(o.shape) for o in acts)) or (0.0, 0.0)
+            if all(t in region for t in ids):
+                ai += net(got[1], 1)
+                af += net(got[0], 1)
+                adds += 1
+                region[out] = region[ids[0]]
+            else:
+                for t, o in zip(ids, acts, strict=True):
+                    leave(t, o.shape)
+            continue
         if n.kind in _JOIN and acts and all(t in region for t in ids):
             region[out] = region[ids[0]]
             continue
@@ -201,13 +214,15 @@ class ModelDecision:
 UNPRICED = frozenset({"matmul", "sdpa", "mha", "einsum", "softmax", "mul", "embedding"})
 
 
-def unpriced_ops(graph: OpGraph) -> dict[str, int]:
-    """Counts of the ops of ``graph`` whose int8 gain the table cannot price (:data:`UNPRICED`):
-    activation products and attention (a product with a constant operand is a scale, not counted)."""
+def unpriced_ops(graph: OpGraph, table: CostTable | None = None) -> dict[str, int]:
+    """Counts of the ops of ``graph`` whose int8 gain ``table`` cannot price (:data:`UNPRICED`):
+    activation products and attention (a product with a constant operand is a scale, not counted);
+    a product of two activations is priced by a table with ``mul`` rows."""
+    priced = {"mul"} if table is not None and table.boundary_us("mul", 1.0) is not None else set()
     out: dict[str, int] = {}
     for n in graph.nodes.values():
         acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
-        if n.kind in UNPRICED and (n.kind not in ("mul", "matmul") or len(acts) >= 2):
+        if n.kind in UNPRICED - priced and (n.kind not in ("mul", "matmul") or len(acts) >= 2):
             out[n.kind] = out.get(n.kind, 0) + 1
     return out
 
@@ -243,8 +258,8 @@ def decide(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], call
     A model with ops the table cannot price (:func:`unpriced_ops`) keeps the layer rows' placement,
     and a batch at which an int8 layer has no measured shape near it (:data:`MAX_DISTANCE`) is not
     predicted."""
-    where = f"the cost table ({table.runtime}, {table.isa})"
-    unpriced = unpriced_ops(graph)
+    where = f"the cost table ({table.source})"
+    unpriced = unpriced_ops(graph, table)
     if unpriced:
         log.info("cost table: no model-level check (integer ops it has no rows for: %s)",
                  ", ".join(f"{k} x{v}" for k, v in sorted(unpriced.items())))

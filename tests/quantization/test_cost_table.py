@@ -58,13 +58,13 @@ def _no_timing(*a: Any, **k: Any) -> Any:
 
 
 def test_table_keeps_slow_layers_float_without_timing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(preparation, "table_for", lambda isa: TABLE)
+    monkeypatch.setattr(preparation, "table_for", lambda isa, cpu=None: TABLE)
     monkeypatch.setattr(speed_check, "_profile", _no_timing)
     torch.manual_seed(0)
     floats = [_floats(quantize(Net().eval(), "w8a8", _data())) for _ in range(2)]
     assert floats[0] == floats[1]  # reproducible: a table lookup, not a measurement
     assert list(floats[0]) == ["stem:conv#0"], floats[0]
-    assert "cost table (onnxruntime, test ISA)" in floats[0]["stem:conv#0"] and "0.56x" in floats[0]["stem:conv#0"]
+    assert "cost table (onnxruntime, test ISA, test)" in floats[0]["stem:conv#0"] and "0.56x" in floats[0]["stem:conv#0"]
     torch.manual_seed(0)
     off = _floats(quantize(Net().eval(), "w8a8", _data(), params=QuantizeParams(cost_table=False)))
     assert "stem:conv#0" not in off, off
@@ -100,7 +100,9 @@ def test_shipped_table_loads_for_known_isas(tmp_path: Any) -> None:
     tables = ct.shipped_tables()
     assert tables, "quantization/placement/data/ort_cpu_costs.json holds no table"
     for key, t in tables.items():
-        assert key in ("avx2", "vnni", "amx") and t.runtime == "onnxruntime"
+        isa, _, vendor = key.partition(":")
+        assert isa in ("avx2", "vnni", "amx") and vendor in ("", "intel", "amd") and t.runtime == "onnxruntime"
+        assert vendor == (ct.cpu_vendor(t.machine) or "")  # stored under the CPU it was measured on
         assert {r.shape.kind for r in t.rows} == {"linear", "conv", "depthwise"}
         assert all(r.float_us > 0 and r.int8_us > 0 for r in t.rows)
     assert ct.isa_key("AVX2 without VNNI") == "avx2" and ct.isa_key("AVX-512 VNNI") == "vnni"
@@ -125,3 +127,24 @@ def test_an_isa_without_rows_reads_the_nearest_x86_table(monkeypatch: pytest.Mon
     avx2 = ct.CostTable("onnxruntime", "AVX2 without VNNI", "test", TABLE.rows)
     monkeypatch.setattr(ct, "shipped_tables", lambda: {"vnni": vnni, "avx2": avx2})
     assert ct.table_for("AVX2 without VNNI") is avx2  # its own rows, once measured, win
+
+
+def test_tables_are_chosen_by_cpu_vendor_within_an_isa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two CPUs with the same int8 instructions can differ twofold in per-node costs (AMD EPYC and
+    Intel Xeon, both AVX-512 VNNI: benchmarks/RESULTS.md, ``cost_table``): each reads the table
+    measured on its vendor's CPU, then a table of unknown vendor, then another vendor's (warned)."""
+    amd = ct.CostTable("onnxruntime", "AVX-512 VNNI", "AMD EPYC (AVX-512 VNNI), 2 cores", TABLE.rows)
+    intel = ct.CostTable("onnxruntime", "AVX-512 VNNI", "Intel Xeon (AVX-512 VNNI), 2 cores", TABLE.rows)
+    monkeypatch.setenv(ct.ENV_SWITCH, "on")
+    assert ct.cpu_vendor("Intel(R) Xeon(R) Platinum 8480+") == "intel" and ct.cpu_vendor("AMD EPYC 9654") == "amd"
+    assert ct.cpu_vendor("Apple M2") is None and ct.cpu_vendor(None) is None
+    assert ct.table_key("AVX-512 VNNI", "AMD EPYC 9654") == "vnni:amd" and ct.table_key("AVX-512 VNNI", "?") == "vnni"
+    assert ct.table_key("no AVX2", "Intel Xeon") is None
+    monkeypatch.setattr(ct, "shipped_tables", lambda: {"vnni:amd": amd, "vnni:intel": intel})
+    assert ct.table_for("AVX-512 VNNI", "Intel Xeon") is intel and ct.table_for("AVX-512 VNNI", "AMD EPYC") is amd
+    assert ct.table_for("AVX-512 VNNI", "Some Other CPU") is amd  # another vendor's: the first by key
+    assert ct.table_for("AVX2 without VNNI", "Intel Core i7") is intel  # the ISA's fallback, this vendor first
+    plain = ct.CostTable("onnxruntime", "AVX-512 VNNI", "", TABLE.rows)
+    monkeypatch.setattr(ct, "shipped_tables", lambda: {"vnni:amd": amd, "vnni": plain})
+    assert ct.table_for("AVX-512 VNNI", "Intel Xeon") is plain  # unknown vendor before another vendor's
+    assert amd.source == "onnxruntime, AVX-512 VNNI, AMD EPYC" and plain.source == "onnxruntime, AVX-512 VNNI"
