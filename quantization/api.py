@@ -54,10 +54,11 @@ class QuantizeParams(ApiParams):
     ``batch_sizes``: the batches the model will be served at (default: batch 1). With ``cost_table``,
     the table predicts the whole int8 model against fp32 at each of them, the costs of entering and
     leaving int8 and of integer adds included (quantization/placement/model_cost.py).
-    ``model_check``: where that prediction says int8 is not faster at every one of them, ``"warn"``
-    (default) logs it and keeps the int8 placement; ``"float"`` keeps the whole model float, the
-    reason in ``placement.model_float``. Not the default: at batch 1 on small models the table's
-    rows predict int8 slower than it runs (benchmarks/RESULTS.md, ``export_int8_quickstart``).
+    ``model_check``: where that prediction says int8 is not faster at every one of them, ``"float"``
+    keeps the whole model float, the reason in ``placement.model_float``; ``"warn"`` logs it and keeps
+    the int8 placement; ``"auto"`` (default) keeps float where int8 is predicted slower at a batch of
+    16 or more and warns at smaller ones, since at batch 1 on small models the table's rows predict
+    int8 slower than it runs (benchmarks/RESULTS.md, ``export_int8_quickstart``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -76,7 +77,7 @@ class QuantizeParams(ApiParams):
     speed_check: SpeedCheck | None = None
     cost_table: bool = True
     batch_sizes: tuple[PositiveInt, ...] | None = Field(None, min_length=1)
-    model_check: ModelCheck = "warn"
+    model_check: ModelCheck = "auto"
 
 
 def quantize(

@@ -61,8 +61,9 @@ class _QuantSpecBase(ModifierSpec):
     observer: str | None = None
     observer_params: dict[str, Any] = Field(default_factory=dict)
     weight_observer: str | None = None
-    #: the cost table's whole-model prediction: "warn" logs it and keeps int8, "float" keeps the model float
-    model_check: ModelCheck = "warn"
+    #: the cost table's whole-model prediction: "warn" logs it and keeps int8, "float" keeps the model
+    #: float, "auto" keeps it float where it is predicted slower at a batch of 16 or more
+    model_check: ModelCheck = "auto"
 
     @field_validator("scheme", mode="before")
     @classmethod
@@ -96,8 +97,9 @@ class PTQSpec(_QuantSpecBase):
     each layer's ONNX Runtime integer kernel against its float one and keeps the slower ones float;
     without it, ``cost_table`` (default on) keeps float the layers the shipped ORT CPU cost table says
     run slower in int8, timing nothing. Where the table predicts the whole int8 model slower than fp32
-    at a batch size the recipe validates (``validate.batch_sizes``), ``model_check: warn`` (default)
-    says so and keeps int8, ``model_check: float`` keeps the model float.
+    at a batch size the recipe validates (``validate.batch_sizes``), ``model_check: warn`` says so and
+    keeps int8, ``model_check: float`` keeps the model float, and ``model_check: auto`` (default) keeps
+    it float where that batch is 16 or more and warns at smaller ones.
     """
 
     type: Literal["ptq"] = "ptq"

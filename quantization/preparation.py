@@ -36,7 +36,7 @@ from quantization.placement.activations import (
 from quantization.placement.cost_table import CostTable, slower_by_table, table_for
 from quantization.placement.fidelity_guards import ROUTER_REASON, router_layers
 from quantization.placement.mode import detach, graph_of, unsmooth
-from quantization.placement.model_cost import decide
+from quantization.placement.model_cost import TRUSTED_BATCH, decide
 from quantization.placement.runtimes import Target, get_profile
 from quantization.placement.speed_check import SpeedCheck, layer_calls, slower_in_int8, time_layers
 from quantization.placement.trace import trace_graph
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 FirstLast = Literal["quantize", "float", "w8"]
 BnMode = Literal["fold", "qat", "keep"]
 #: what the cost table's whole-model prediction does: log it ("warn") or keep the model float ("float")
-ModelCheck = Literal["warn", "float"]
+ModelCheck = Literal["auto", "warn", "float"]
 
 # 8-bit per-channel weights for first/last layers kept at higher precision under 4-bit schemes
 _W8 = QuantSpec(granularity="channel", axis=0)
@@ -115,7 +115,7 @@ def prepare(
     speed_check: SpeedCheck | None = None,
     cost_table: bool = True,
     batch_sizes: Sequence[int] | None = None,
-    model_check: ModelCheck = "warn",
+    model_check: ModelCheck = "auto",
     where: str = "quantize",
 ) -> dict[str, nn.Module]:
     """Swap the targeted layers of ``model`` (in place) for quantized ones; returns them by name.
@@ -142,7 +142,9 @@ def prepare(
     ``batch_sizes`` (the batches it will be served at; batch 1 when None), entering and leaving int8
     and integer adds included (quantization/placement/model_cost.py); where int8 is not predicted faster
     at every one of them, ``model_check="float"`` keeps the whole model float (the reason in
-    ``placement.model_float``) and ``"warn"`` logs the prediction and keeps int8.
+    ``placement.model_float``), ``"warn"`` logs the prediction and keeps int8, and ``"auto"`` (default)
+    keeps it float where it is predicted slower at a batch of ``TRUSTED_BATCH`` (16) or more, where the
+    prediction has held, and warns otherwise (quantization/placement/model_cost.py).
     """
     scheme = resolve_scheme(scheme)
     model = unwrap(model)
@@ -368,14 +370,18 @@ def _table_decides(graph0: Any, layers: dict[str, nn.Module], table: CostTable, 
     decision = decide(graph0, layers, set(layers) - set(slow), calls, table, batches=batches,
                       example_batch=_example_batch(call))
     if decision.whole_model is not None:
-        if model_check == "float":
-            reason = (f"{decision.whole_model}; the whole model stays float (model_check: float; cost_table: false "
+        trusted = sorted(b for b, c in decision.costs.items() if c.speedup <= 1.0 and b >= TRUSTED_BATCH)
+        if model_check == "float" or (model_check == "auto" and trusted):
+            why = ("model_check: float" if model_check == "float" else
+                   f"model_check: auto, predicted slower at batch {trusted[0]} >= {TRUSTED_BATCH}, where the prediction holds")
+            reason = (f"{decision.whole_model}; the whole model stays float ({why}; cost_table: false "
                       "quantizes it anyway, speed_check times its layers here)")
             log.warning("%s: %s", where, reason)
             return {_WHOLE_MODEL: reason}
-        # a prediction, not a decision, by default: on small models at batch 1 the table's rows
+        # a prediction, not a decision, at small batches: on small models at batch 1 the table's rows
         # (profiled kernels of a few microseconds) predicted 0.72-0.96x for nets that ran 1.18-1.55x
-        log.warning("%s: %s; int8 kept (model_check: float keeps such a model float)", where, decision.whole_model)
+        log.warning("%s: %s; int8 kept (model_check: float keeps such a model float; auto does from batch %d)",
+                    where, decision.whole_model, TRUSTED_BATCH)
         return slow
     return {**slow, **decision.float_layers}
 

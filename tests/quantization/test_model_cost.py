@@ -121,6 +121,27 @@ def test_by_default_the_prediction_is_logged_and_int8_kept(monkeypatch: pytest.M
                for r in caplog.records)
 
 
+def test_by_default_a_model_predicted_slower_at_batch_16_or_more_stays_float(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model_check="auto"`` (the default) acts on the prediction where it has held (batch >= 16:
+    model_cost.TRUSTED_BATCH) and only warns below; ``warn`` never acts."""
+    from quantization.placement.model_cost import TRUSTED_BATCH
+
+    # a row near the classifier at batch 32, and boundaries so costly that any judged batch loses
+    costly = ct.CostTable("onnxruntime", "test ISA", "test", (*TABLE.rows, _row("linear", (32, 16, 10), 5.0, 4.0, 4.0)),
+                          tuple(ct.Row(r.shape, r.float_us, r.int8_us * 1e4) for r in TABLE.boundary))
+    _use(monkeypatch, costly)
+    model = _hf_resnet([16, 16])
+    served = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(batch_sizes=(1, 32)))
+    got = view(served).model_float
+    assert got is not None and not is_quantized(served)
+    assert f"model_check: auto, predicted slower at batch 32 >= {TRUSTED_BATCH}" in got
+    small = quantize(copy.deepcopy(model), "w8a8", _images(4, 16), params=QuantizeParams(batch_sizes=(1, 8)))
+    assert view(small).model_float is None and is_quantized(small)  # below the trusted batch: a warning
+    warned = quantize(copy.deepcopy(model), "w8a8", _images(4, 16),
+                      params=QuantizeParams(batch_sizes=(32,), model_check="warn"))
+    assert view(warned).model_float is None and is_quantized(warned)
+
+
 def test_a_larger_model_stays_int8_at_batch_1(monkeypatch: pytest.MonkeyPatch) -> None:
     """Wider channels on larger images: the kernels' gain outweighs the boundaries at batch 1."""
     _use(monkeypatch, TABLE)
