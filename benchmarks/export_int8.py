@@ -358,9 +358,10 @@ def _quickstart_section(res: dict[str, Any]) -> str:
         "`compress apply recipes/quickstart.yaml` (digits ResNet, width 16: 16/32/64 channels on 8x8 images), three "
         "ways, each file timed side by side with the run's fp32 baseline in ORT, 1 intra-op thread, warm-up 50 then "
         "median of 400 interleaved runs. `default`: the recipe as shipped (the cost table's layer rows decide; the "
-        "model-level prediction, quantization/placement/model_cost.py, for its validation batch sizes [1, 32] is "
-        "logged, not applied); `model_check: float`: the same recipe where that prediction decides (int8 only if "
-        "predicted faster at both); `all int8`: the cost table off.",
+        "model-level prediction, quantization/placement/model_cost.py, for its validation batch sizes [1, 32] "
+        "decides only where int8 is predicted slower at batch 32, `model_check: auto`, and is logged otherwise); "
+        "`model_check: float`: the same recipe where that prediction decides at both (int8 only if predicted "
+        "faster at both); `all int8`: the cost table off.",
         "",
         table(res["rows"], ["model", "precision", "b1_us", "b1_speedup", "b32_us", "b32_speedup"]),
         "",
@@ -372,8 +373,8 @@ def _quickstart_section(res: dict[str, Any]) -> str:
         md += ["The model-level check's prediction against measurement on small conv nets (random weights; "
                "`predicted`: the int8 model's speedup over fp32 that the check computes from the cost table at "
                "batch 1 and 32; `measured`: every layer int8, timed side by side with fp32, 1 thread; last column: what "
-               "`quantize(..., batch_sizes=(1, 32), model_check=\"float\")` keeps, which is why it is not the "
-               "default):", "",
+               "`quantize(..., batch_sizes=(1, 32), model_check=\"float\")` keeps; the batch-1 predictions are why "
+               "the default, `auto`, acts from batch 16 only):", "",
                table(res["predicted"], ["model", "predicted_b1", "measured_all_int8_b1", "predicted_b32",
                                         "measured_all_int8_b32", "model_check_float_1_32"]), ""]
     md += ["Where the batch-1 time goes (ORT per-node profiling, 1 thread, 400 runs; per-op sums of per-node medians, "

@@ -219,6 +219,16 @@ def _machine() -> str:
     return f"{m['cpu']}{isa}, {m['cores']} cores, torch {torch.__version__}, load average {load:.1f} at the start"
 
 
+def _by_reason(floats: dict[str, str]) -> str:
+    """Layers kept float grouped by their reason (a whole model kept float gives every layer the same
+    one): up to three names each, then how many more."""
+    groups: dict[str, list[str]] = {}
+    for k, v in floats.items():
+        groups.setdefault(v, []).append(k)
+    return "; ".join(", ".join(f"`{k}`" for k in ks[:3]) + (f" and {len(ks) - 3} more" if len(ks) > 3 else "") + f": {v}"
+                     for v, ks in groups.items())
+
+
 def _pred_cell(r: dict[str, Any]) -> str:
     if "predicted" not in r:
         return "-"
@@ -295,8 +305,7 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
         lines += ["", "Rows measured at different times (load differs between them): " + "; ".join(
             f"{t}: {', '.join(r['model'] for r in rows if r.get('measured_at', 'the first run (no time kept)') == t)}"
             for t in sorted(stamps))]
-    floats = [f"- {r['model']}: " + "; ".join(f"`{k}`: {v}" for k, v in r["kept_float"].items()
-                                            if k not in r.get("table_float", {}))
+    floats = [f"- {r['model']}: " + _by_reason({k: v for k, v in r["kept_float"].items() if k not in r.get("table_float", {})})
               for r in ok if set(r["kept_float"]) - set(r.get("table_float", {}))]
     if floats:
         lines += ["", "Left float by compress's placement, with its reason:", *floats]
