@@ -253,11 +253,12 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
              "SQNR 7-bit: compress's export with `reduce_range=True` (7-bit weight codes), which a CPU with AVX2 "
              "and no VNNI needs to avoid ORT's u8s8 int16 saturation (README); the machine line names this one's "
              "int8 instructions.", "",
-             "compress: the default (w8a8; the shipped cost table keeps float the layers it says run slower in int8 "
-             "on this CPU's ISA, quantization/placement/cost_table.py; its whole-model prediction at the serving batch, "
-             "passed as `QuantizeParams(batch_sizes=...)`, quantization/placement/model_cost.py, is logged, not applied, "
-             "by default: `model_check`; column `model check: predicted`, the compress column's placement, or why the check "
-             "does not judge the model); all int8: the cost table off; measured: "
+             "compress: the default (w8a8; the shipped cost table for this CPU keeps float the layers it says run slower "
+             "in int8, quantization/placement/cost_table.py; its whole-model prediction at the serving batch, passed as "
+             "`QuantizeParams(batch_sizes=...)`, quantization/placement/model_cost.py, keeps the whole model float where "
+             "int8 is predicted slower, the default `model_check: auto` at a batch of 16 or more; column `model check: "
+             "predicted`, for the compress column's placement, or why the check does not judge the model); all int8: "
+             "the cost table off; measured: "
              "`speed_check` (each layer's ORT integer kernel timed against its float kernel at the serving batch, "
              "the slower ones kept float). Integer kernels: every QLinear*/QGemm/MatMulIntegerToFloat node of ORT's "
              "optimized graph (ORT fuses DQ -> op -> Q into them); the QLinear* breakdown is in the JSON.", "",
