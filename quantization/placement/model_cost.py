@@ -209,11 +209,12 @@ class ModelDecision:
 
 
 #: the smallest batch at which a predicted-slower model is kept float by default (``model_check="auto"``):
-#: at batch 32 (16 sequences for text) the prediction was on the measured side of 1 for every model it
-#: judged (on the Intel Xeon: the small suite's ResNet 0.66x predicted / 0.92x measured, hardswish_net
-#: 0.76x / 0.91x, MobileNetV2 1.21x / 1.74x; two zoo nets 1.75x / 1.24x and 1.99x / 1.20x), at batch 1
-#: it was not (two of four small nets predicted 0.72-0.96x ran 1.09-1.27x): benchmarks/RESULTS.md,
-#: ``real_models`` and ``export_int8_quickstart``. Below it the prediction is only logged.
+#: at batch 32 (16 sequences for text) every model the check judged measured on its predicted side of 1
+#: or level (on the Intel Xeon: the small suite's ResNet 0.66x predicted / 0.91x and 1.00x measured in
+#: two runs, hardswish_net 0.76x / 0.76x, MobileNetV2 1.21x / 1.73x, a zoo ResNet 1.23x / 1.47x with
+#: every layer int8); at batch 1 it was not (two of four small nets predicted 0.63-0.76x ran 1.09-1.47x,
+#: on the AMD and the Intel CPU alike): benchmarks/RESULTS.md, ``real_models`` and
+#: ``export_int8_quickstart``. Below it the prediction is only logged.
 TRUSTED_BATCH = 16
 
 #: integer ops the table has no rows for, whose int8 form runs faster than float in ORT (attention's
