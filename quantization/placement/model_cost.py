@@ -160,25 +160,16 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
             if n.kind == "batch_norm" and ids[0] in conv_out:
                 conv_out.add(out)
             continue
-        if n.kind == "add" and len(acts) == 2:
-            got = table.boundary_us("add", elements(acts[0].shape)) or (0.0, 0.0)
-            fused = any(t in conv_out for t in ids)
+        if len(acts) == 2 and (n.kind == "add" or (n.kind == "mul" and table.boundary_us("mul", 1.0) is not None)):
+            # a residual add, or a product of two activations (a gate, x * hardsigmoid(x)): QLinearAdd /
+            # QLinearMul where both are int8; a product by the elements it writes (a gate broadcasts one
+            # operand), and fp32 ORT fuses an add after a conv into the conv
+            size = elements(acts[0].shape) if n.kind == "add" else max(elements(o.shape) for o in acts)
+            got = table.boundary_us(n.kind, size) or (0.0, 0.0)
+            fused = n.kind == "add" and any(t in conv_out for t in ids)
             if all(t in region for t in ids):
                 ai += net(got[1], 1)
                 af += 0.0 if fused else net(got[0], 1)
-                adds += 1
-                region[out] = region[ids[0]]
-            else:
-                for t, o in zip(ids, acts, strict=True):
-                    leave(t, o.shape)
-            continue
-        if n.kind == "mul" and len(acts) == 2 and table.boundary_us("mul", 1.0) is not None:
-            # a product of two activations (a gate, x * hardsigmoid(x)): QLinearMul where both are
-            # int8, by the elements it writes (a gate broadcasts one operand)
-            got = table.boundary_us("mul", max(elements(o.shape) for o in acts)) or (0.0, 0.0)
-            if all(t in region for t in ids):
-                ai += net(got[1], 1)
-                af += net(got[0], 1)
                 adds += 1
                 region[out] = region[ids[0]]
             else:
