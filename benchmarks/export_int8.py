@@ -306,9 +306,8 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
     from export.runtimes import load_session
     from export.validate import time_side_by_side
     from quantization.api import QuantizeParams, quantize
-    from quantization.placement.cost_table import slower_by_table, table_for
-    from quantization.placement.model_cost import decide
-    from quantization.placement.speed_check import layer_calls
+    from quantization.placement.cost_table import table_for
+    from quantization.placement.model_cost import predict
     from quantization.placement.trace import trace_graph
     from quantization.view import view
 
@@ -332,9 +331,7 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
         calib = [torch.randn(8, *shape, generator=g) for _ in range(2)]
         graph = trace_graph(model, (calib[0],), {})
         layers = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))}
-        calls = layer_calls(graph, layers)
-        kept = set(layers) - set(slower_by_table(layers, calls, table))
-        pred = decide(graph, layers, kept, calls, table, batches=[1, 32], example_batch=8).costs
+        pred = predict(graph, layers, table, batches=[1, 32], example_batch=8).costs
         checked = quantize(copy.deepcopy(model), "w8a8", calib,
                            params=QuantizeParams(batch_sizes=(1, 32), model_check="float"))
         every = quantize(copy.deepcopy(model), "w8a8", calib, params=QuantizeParams(cost_table=False))

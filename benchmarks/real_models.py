@@ -109,9 +109,8 @@ def _predicted(model: nn.Module, calib: Any, batch: int) -> tuple[float | None, 
     """The cost table's model-level prediction for ``model``'s default placement at ``batch``: the int8
     model's predicted speedup over fp32, or None and why the check does not judge it."""
     from compress.core.machine import cpu_name, int8_isa
-    from quantization.placement.cost_table import slower_by_table, table_for
-    from quantization.placement.model_cost import decide, unpriced_ops
-    from quantization.placement.speed_check import layer_calls
+    from quantization.placement.cost_table import table_for
+    from quantization.placement.model_cost import predict, unpriced_ops
     from quantization.placement.trace import trace_graph
 
     table = table_for(int8_isa(), cpu_name())
@@ -123,10 +122,8 @@ def _predicted(model: nn.Module, calib: Any, batch: int) -> tuple[float | None, 
     unpriced = unpriced_ops(graph, table)
     if unpriced:
         return None, "unpriced: " + ", ".join(sorted(unpriced))
-    calls = layer_calls(graph, layers)
-    kept = set(layers) - set(slower_by_table(layers, calls, table))
     example = next(iter(kwargs.values())) if kwargs else calib
-    costs = decide(graph, layers, kept, calls, table, batches=[batch], example_batch=int(example.shape[0])).costs
+    costs = predict(graph, layers, table, batches=[batch], example_batch=int(example.shape[0])).costs
     return (round(costs[batch].speedup, 3), table.source) if batch in costs else (None, "no row near a layer")
 
 

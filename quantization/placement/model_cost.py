@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from quantization.placement.cost_table import CostTable, layer_shape
-from quantization.placement.speed_check import LayerCall
+from quantization.placement.cost_table import CostTable, layer_shape, slower_by_table
+from quantization.placement.speed_check import LayerCall, layer_calls
 from quantization.placement.trace import OpGraph
 
 log = logging.getLogger(__name__)
@@ -304,3 +304,12 @@ def decide(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], call
     reason = (f"int8 predicted slower than fp32 at batch {slow_b}: {costs[slow_b].describe()}, by {where}"
               f"{f' ({others} predicted)' if others else ''}")
     return ModelDecision({}, reason, costs)
+
+
+def predict(graph: OpGraph, layers: Mapping[str, nn.Module], table: CostTable, *, batches: Sequence[int],
+            example_batch: int | None) -> ModelDecision:
+    """The check as default placement runs it on ``layers`` of the traced ``graph``: the table's layer
+    rows first, then :func:`decide` on the layers they leave int8 (for benchmarks and reports)."""
+    calls = layer_calls(graph, layers)
+    kept = set(layers) - set(slower_by_table(layers, calls, table))
+    return decide(graph, layers, kept, calls, table, batches=batches, example_batch=example_batch)
