@@ -1,6 +1,7 @@
 """Build the ORT CPU cost table that placement reads by default (quantization/placement/cost_table.py).
 
-For a grid of Linear, Conv2d and depthwise Conv2d shapes: the one-layer float and QDQ graphs that
+For a grid of Linear, Conv2d and depthwise Conv2d shapes (and attention's products of two activations,
+``matmul`` rows: float MatMul against QLinearMatMul): the one-layer float and QDQ graphs that
 ``speed_check`` builds (quantization/placement/speed_check.py), both between a Q and a DQ standing for
 int8 neighbours, run in ORT with per-node profiling (1 thread), medians after warm-up; each row
 holds what each choice costs inside an int8 model. Besides the layers, the model-level costs no
@@ -67,6 +68,14 @@ def grid(quick: bool = False) -> list[tuple[nn.Module, list[int]]]:
         out.append((nn.Conv2d(cin, 1024, 1), [b, cin, hw, hw]))
     for c, ks in itertools.product((16, 64), (3, 5)):
         out.append((nn.Conv2d(c, c, ks, padding=ks // 2, groups=c), [32, c, 32, 32]))
+    # squeeze-and-excitation 1x1 convs on pooled 1x1 maps (RegNet, MobileNetV3, EfficientNet): 4:1
+    # squeezes and 1:4 excites, one pixel per image
+    for (cin, cout), b in itertools.product([(16, 4), (32, 8), (64, 16), (256, 64), (4, 16), (8, 32), (16, 64), (64, 256)],
+                                            (1, 8, 32)):
+        out.append((nn.Conv2d(cin, cout, 1), [b, cin, 1, 1]))
+    # vocabulary heads: wide outputs
+    for m, k, n in itertools.product((16, 128, 1024), (64, 256, 768), (2048, 8192)):
+        out.append((nn.Linear(k, n), [m, k]))
     return out
 
 
@@ -91,7 +100,8 @@ def measure(m: nn.Module, shape: list[int], runs: int, tmp: Path) -> tuple[dict[
     kernel = _island_cost(prof["float"], kept_float=True, model_input=True, model_output=True, tag="float")[1]
     enter, leave = boundary_costs(prof["int8"], tag="int8")
     layout = "linear" if key.kind == "linear" else "conv"
-    out_elems = math.prod(in_shape) // in_shape[1] * (m.out_features if isinstance(m, nn.Linear) else m.out_channels)
+    with torch.no_grad():  # a strided conv writes fewer pixels than it reads
+        out_elems = m(torch.zeros(in_shape)).numel()
     bounds = [{"kind": f"enter:{layout}", "features": [float(math.prod(in_shape))], "us": round(enter, 2)},
               {"kind": f"leave:{layout}", "features": [float(out_elems)], "us": round(leave, 2)}]
     return ({"kind": key.kind, "features": list(key.features), "float_op": costs["float"][0],
@@ -126,17 +136,69 @@ def _binary_graph(op: str, shape: list[int]) -> Any:
 
 def measure_binary(op: str, shape: list[int], runs: int, tmp: Path) -> dict[str, Any]:
     """An elementwise op's row (``op``: add or mul): ORT's float kernel and its integer one, by element count."""
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in ("a", "b")}
+    us, ops = _op_times(_binary_graph(op, shape), feeds, {"float": op.capitalize(), "int8": f"QLinear{op.capitalize()}"},
+                        runs, tmp, op)
+    return {"kind": op, "features": [float(math.prod(shape))], "float_op": ops["float"], "float_us": round(us["float"], 2),
+            "int8_op": ops["int8"], "int8_us": round(us["int8"], 2)}
+
+
+def matmul_grid(quick: bool = False) -> list[tuple[int, int, int, int]]:
+    """Attention's two products of activations as (batch x heads, M, K, N): scores ``q @ k^T``
+    (L, d, L) and the weighted sum ``p @ v`` (L, L, d), from toy to serving sizes."""
+    bhs, lens, dims = ((8, 64, 256), (16, 64, 256), (16, 64)) if not quick else ((8,), (16, 64), (16,))
+    out = []
+    for bh, n, d in itertools.product(bhs, lens, dims):
+        out += [(bh, n, d, n), (bh, n, n, d)]
+    return out
+
+
+def _matmul_graph(shape: tuple[int, int, int, int]) -> Any:
+    """A product of two activations between int8 neighbours (Q/DQ on both inputs and the output):
+    ORT runs the QDQ form as QLinearMatMul, the float one (QDQ fusion off) as MatMul."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    bh, m, k, n = shape
+    x = [helper.make_tensor_value_info("a", TensorProto.FLOAT, [bh, m, k]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, [bh, k, n])]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [bh, m, n])
+    inits = [numpy_helper.from_array(np.array(np.float32(s)), f"s{i}") for i, s in enumerate((4 / 255, 5 / 255, 64 / 255))]
+    inits.append(numpy_helper.from_array(np.array(128, np.uint8), "zp"))
+    nodes = []
+    for i, t in enumerate(("a", "b")):
+        nodes += [helper.make_node("QuantizeLinear", [t, f"s{i}", "zp"], [f"{t}q"]),
+                  helper.make_node("DequantizeLinear", [f"{t}q", f"s{i}", "zp"], [f"{t}d"])]
+    nodes += [helper.make_node("MatMul", ["ad", "bd"], ["out"]),
+              helper.make_node("QuantizeLinear", ["out", "s2", "zp"], ["yq"]),
+              helper.make_node("DequantizeLinear", ["yq", "s2", "zp"], ["y"])]
+    return helper.make_model(helper.make_graph(nodes, "matmul", x, [y], inits), opset_imports=[helper.make_opsetid("", 17)])
+
+
+def measure_matmul(shape: tuple[int, int, int, int], runs: int, tmp: Path) -> dict[str, Any]:
+    """A product of two activations' row (kind ``matmul``, features batch x heads, M, K, N): ORT's
+    float MatMul against its QLinearMatMul, the kernels alone (the conversions are the model-level
+    check's boundary rows)."""
+    bh, m, k, n = shape
+    feeds = {"a": np.random.default_rng(1).standard_normal((bh, m, k)).astype(np.float32),
+             "b": np.random.default_rng(2).standard_normal((bh, k, n)).astype(np.float32)}
+    us, ops = _op_times(_matmul_graph(shape), feeds, {"float": "MatMul", "int8": "QLinearMatMul"}, runs, tmp, "matmul")
+    return {"kind": "matmul", "features": [float(f) for f in shape], "float_op": ops["float"],
+            "float_us": round(us["float"], 2), "float_kernel_us": round(us["float"], 2), "int8_op": ops["int8"],
+            "int8_us": round(us["int8"], 2)}
+
+
+def _op_times(g: Any, feeds: dict[str, Any], names: dict[str, str], runs: int, tmp: Path,
+              tag: str) -> tuple[dict[str, float], dict[str, str]]:
+    """Median profiled microseconds of the one compute node of ``g`` run float (QDQ fusion off) and
+    int8 (on): ``names`` the op each should run, ``float`` standing in where ORT kept the float op."""
     import onnxruntime as ort
 
-    g = _binary_graph(op, shape)
-    names = {"float": op.capitalize(), "int8": f"QLinear{op.capitalize()}"}
     us: dict[str, float] = {}
     ops: dict[str, str] = {}
-    for tag in ("float", "int8"):
-        so = session_options(threads=1, profile_prefix=tmp / f"{op}_{tag}", quantize_qdq=tag != "float")
+    for mode in ("float", "int8"):
+        so = session_options(threads=1, profile_prefix=tmp / f"{tag}_{mode}", quantize_qdq=mode != "float")
         sess = ort.InferenceSession(g.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        rng = np.random.default_rng(1)
-        feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in ("a", "b")}
         for _ in range(runs):
             sess.run(None, feeds)
         events = json.loads(Path(sess.end_profiling()).read_text())
@@ -145,12 +207,11 @@ def measure_binary(op: str, shape: list[int], runs: int, tmp: Path) -> dict[str,
             name = e.get("args", {}).get("op_name", "")
             if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and name in names.values():
                 per.setdefault(name, []).append(float(e["dur"]))
-        got = names[tag] if names[tag] in per else names["float"]
+        got = names[mode] if names[mode] in per else names["float"]
         if got not in per:
-            raise SystemExit(f"ORT's profile of the {tag} {op} at {shape} has no {names[tag]} node")
-        us[tag], ops[tag] = statistics.median(per[got][2:] or per[got]), got
-    return {"kind": op, "features": [float(math.prod(shape))], "float_op": ops["float"], "float_us": round(us["float"], 2),
-            "int8_op": ops["int8"], "int8_us": round(us["int8"], 2)}
+            raise SystemExit(f"ORT's profile of the {mode} {tag} graph has no {names[mode]} node")
+        us[mode], ops[mode] = statistics.median(per[got][2:] or per[got]), got
+    return us, ops
 
 
 def _neg_chain(n: int) -> bytes:
@@ -231,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(r[0])
                 bounds.extend(r[1])
         adds = [measure_binary(op, shape, args.runs, Path(d)) for op in ELEMENTWISE for shape in add_grid(args.quick)]
+        rows += [measure_matmul(shape, args.runs, Path(d)) for shape in matmul_grid(args.quick)]
         overhead = profile_overhead(Path(d))
     boundary = _merge_bounds(bounds + adds)
     machine = f"{cpu_name()} ({isa}), {os.cpu_count()} cores, load average {load:.1f} at the start"
@@ -260,9 +322,10 @@ def table_summary(key: str, t: dict[str, Any]) -> list[str]:
     took = f" in {t['seconds']} s" if "seconds" in t else ""
     lines = [f"### `{key}`: {t['machine']}", "", f"Measured {t.get('measured', '?')}; ORT 1 thread, {how}"
              f"{len(rows)} layer shapes{took}.", "",
-             "| kind | shapes | int8 slower than float | their features (in, out, kernel, pixels / rows, in, out) |",
+             "| kind | shapes | int8 slower than float | their features (conv: in, out, kernel, pixels; linear: rows, in, "
+             "out; depthwise: channels, kernel, pixels; matmul of two activations: batch x heads, M, K, N) |",
              "|---|---|---|---|"]
-    for k in ("linear", "conv", "depthwise"):
+    for k in ("linear", "conv", "depthwise", "matmul"):
         rs = [r for r in rows if r["kind"] == k]
         bad = [r for r in rs if r["int8_us"] >= r["float_us"]]
         feats = "; ".join("x".join(f"{f:g}" for f in r["features"]) + f" ({r['float_us'] / max(r['int8_us'], 1e-9):.2f}x)"

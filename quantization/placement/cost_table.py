@@ -137,6 +137,22 @@ class CostTable:
         same = [r for r in self.rows if r.shape.kind == shape.kind]
         return min(same, key=lambda r: (r.shape.distance(shape), r.shape.features)) if same else None
 
+    @functools.cached_property
+    def prices_attention(self) -> bool:
+        """Whether the table has ``matmul`` rows (products of two activations), so the model-level
+        check can price attention (tables measured before they were cannot)."""
+        return any(r.shape.kind == "matmul" for r in self.rows)
+
+    def matmul_us(self, bh: float, m: float, k: float, n: float) -> tuple[float, float] | None:
+        """``(float_us, int8_us)`` of ``bh`` products of ``m x k`` by ``k x n`` activations: the nearest
+        ``matmul`` row scaled by the multiply-adds; None without such rows."""
+        shape = LayerShape("matmul", (bh, m, k, n))
+        row = self.nearest(shape)
+        if row is None:
+            return None
+        work = math.prod(shape.features) / max(math.prod(row.shape.features), 1.0)
+        return row.float_kernel * work, row.int8_us * work
+
     def boundary_us(self, kind: str, elements: float) -> tuple[float, float] | None:
         """``(float_us, int8_us)`` of a boundary kind at ``elements``: linear in the element count
         between the measured sizes around it and past the largest (the last two sizes' slope: large

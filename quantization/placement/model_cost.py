@@ -32,7 +32,7 @@ from torch import nn
 
 from quantization.placement.cost_table import CostTable, layer_shape, slower_by_table
 from quantization.placement.speed_check import LayerCall, layer_calls
-from quantization.placement.trace import OpGraph
+from quantization.placement.trace import OpGraph, OpNode
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +58,19 @@ class ModelCost:
     exits: int
     adds: int
     other_float_us: float = 0.0  # layers kept float in the int8 model (their float cost, both sides)
+    #: attention's products of two activations on int8 codes (QLinearMatMul) and the quantization of
+    #: the softmax output they read, against float MatMul
+    matmul_float_us: float = 0.0
+    matmul_int8_us: float = 0.0
+    matmuls: int = 0
 
     @property
     def float_us(self) -> float:
-        return self.layers_float_us + self.adds_float_us + self.other_float_us
+        return self.layers_float_us + self.adds_float_us + self.other_float_us + self.matmul_float_us
 
     @property
     def int8_us(self) -> float:
-        return self.layers_int8_us + self.boundary_us + self.adds_int8_us + self.other_float_us
+        return self.layers_int8_us + self.boundary_us + self.adds_int8_us + self.other_float_us + self.matmul_int8_us
 
     @property
     def speedup(self) -> float:
@@ -75,7 +80,9 @@ class ModelCost:
         return (f"int8 {self.int8_us:.0f} us vs fp32 {self.float_us:.0f} us ({self.speedup:.2f}x): int8 layers "
                 f"{self.layers_int8_us:.0f} us where float runs them in {self.layers_float_us:.0f}, entering/leaving "
                 f"int8 {self.boundary_us:.0f} us ({self.entries} entries, {self.exits} exits), {self.adds} integer adds and products "
-                f"{self.adds_int8_us:.0f} us where float pays {self.adds_float_us:.0f} us")
+                f"{self.adds_int8_us:.0f} us where float pays {self.adds_float_us:.0f} us"
+                + (f", {self.matmuls} attention products {self.matmul_int8_us:.0f} us where float pays "
+                   f"{self.matmul_float_us:.0f} us" if self.matmuls else ""))
 
 
 def _scale(shape: Sequence[int], batch: int, example_batch: int | None) -> list[int]:
@@ -93,8 +100,8 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
     region: dict[str, str] = {}  # int8 tensor -> its layout ("conv": NHWC codes, "linear")
     conv_out: set[str] = set()  # made by a conv (through BN): fp32 ORT fuses an add after it into the conv
     paid: set[str] = set()
-    lf = li = other = bd = af = ai = 0.0
-    entries = exits = adds = 0
+    lf = li = other = bd = af = ai = mf = mi = 0.0
+    entries = exits = adds = mm = 0
 
     def net(us: float, nodes: int) -> float:
         # the rows are profiled per node; the profiler adds its own cost to each (about 1.7 us on a
@@ -116,6 +123,40 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
             paid.add(f"leave {t}")
             bd += boundary(f"leave:{region[t]}", shape)
             exits += 1
+
+    def attention(n: OpNode, out: str) -> None:
+        # attention's products of two activations: QLinearMatMul where both are int8 (scores q @ k^T,
+        # then the softmax output @ v, whose float softmax output is quantized first); the softmax
+        # itself costs alike on both sides
+        nonlocal mf, mi, mm, bd, entries
+        want = {"matmul": 2, "sdpa": 3, "softmax": 1}[n.kind]
+        ops = sorted((o for o in n.operands if o.position < want and o.source in ("op", "input") and o.floating
+                      and o.shape and o.tensor_id is not None), key=lambda o: o.position)
+        shapes = [_scale(o.shape, batch, example_batch) for o in ops]
+        if len(ops) < want or not all(o.tensor_id in region for o in ops):
+            for o in ops:
+                leave(o.tensor_id, o.shape)
+            return
+        if n.kind == "softmax":
+            bd += boundary("enter:linear", ops[0].shape)
+            entries += 1
+            region[out] = "linear"
+            return
+        if n.kind == "matmul":
+            a, b = shapes
+            products = [(float(math.prod(a[:-2])), a[-2] if len(a) > 1 else 1, a[-1], b[-1])]
+        else:
+            q, k, v = shapes
+            bh, length, keys = float(math.prod(q[:-2])), q[-2], k[-2]
+            products = [(bh, length, q[-1], keys), (bh, length, keys, v[-1])]
+            bd += net((table.boundary_us("enter:linear", bh * length * keys) or (0.0, 0.0))[1], 1)
+            entries += 1
+        for shape in products:
+            got = table.matmul_us(*(float(f) for f in shape)) or (0.0, 0.0)
+            mf += net(got[0], 1)
+            mi += net(got[1], 1)
+            mm += 1
+        region[out] = "linear"
 
     for n in graph.nodes.values():
         acts = [o for o in n.operands if o.source in ("op", "input") and o.floating and o.shape]
@@ -176,6 +217,9 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
                 for t, o in zip(ids, acts, strict=True):
                     leave(t, o.shape)
             continue
+        if table.prices_attention and n.kind in ("matmul", "sdpa", "softmax"):
+            attention(n, out)
+            continue
         if n.kind in _JOIN and acts and all(t in region for t in ids):
             region[out] = region[ids[0]]
             continue
@@ -185,7 +229,7 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
         node = graph.nodes.get(k)
         if node is not None and i < len(node.out_shapes):
             leave(f"{k}/{i}", node.out_shapes[i])
-    return ModelCost(batch, lf, li, bd, af, ai, entries, exits, adds, other)
+    return ModelCost(batch, lf, li, bd, af, ai, entries, exits, adds, other, mf, mi, mm)
 
 
 @dataclass(frozen=True)
@@ -220,6 +264,9 @@ def unpriced_ops(graph: OpGraph, table: CostTable | None = None) -> dict[str, in
     activation products and attention (a product with a constant operand is a scale, not counted);
     a product of two activations is priced by a table with ``mul`` rows."""
     priced = {"mul"} if table is not None and table.boundary_us("mul", 1.0) is not None else set()
+    if table is not None and table.prices_attention:
+        # embeddings stay float gathers in the int8 export: alike on both sides
+        priced |= {"matmul", "sdpa", "softmax", "embedding"}
     out: dict[str, int] = {}
     for n in graph.nodes.values():
         acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]

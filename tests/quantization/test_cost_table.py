@@ -103,7 +103,8 @@ def test_shipped_table_loads_for_known_isas(tmp_path: Any) -> None:
         isa, _, vendor = key.partition(":")
         assert isa in ("avx2", "vnni", "amx") and vendor in ("", "intel", "amd") and t.runtime == "onnxruntime"
         assert vendor == (ct.cpu_vendor(t.machine) or "")  # stored under the CPU it was measured on
-        assert {r.shape.kind for r in t.rows} == {"linear", "conv", "depthwise"}
+        # matmul: attention's products of two activations, in tables measured since they were
+        assert {"linear", "conv", "depthwise"} <= {r.shape.kind for r in t.rows} <= {"linear", "conv", "depthwise", "matmul"}
         assert all(r.float_us > 0 and r.int8_us > 0 for r in t.rows)
     assert ct.isa_key("AVX2 without VNNI") == "avx2" and ct.isa_key("AVX-512 VNNI") == "vnni"
     assert ct.isa_key(None) is None and ct.table_for("no AVX2") is None
@@ -148,3 +149,15 @@ def test_tables_are_chosen_by_cpu_vendor_within_an_isa(monkeypatch: pytest.Monke
     monkeypatch.setattr(ct, "shipped_tables", lambda: {"vnni:amd": amd, "vnni": plain})
     assert ct.table_for("AVX-512 VNNI", "Intel Xeon") is plain  # unknown vendor before another vendor's
     assert amd.source == "onnxruntime, AVX-512 VNNI, AMD EPYC" and plain.source == "onnxruntime, AVX-512 VNNI"
+
+
+def test_the_benchmark_times_attention_products_as_integer_kernels(tmp_path: Any) -> None:
+    """The cost-table benchmark's ``matmul`` row: ORT fuses the QDQ product of two activations into
+    QLinearMatMul (what the int8 model runs) and keeps the float one a MatMul."""
+    from benchmarks.cost_table import matmul_grid, measure_matmul
+
+    row = measure_matmul((2, 8, 4, 8), 3, tmp_path)
+    assert (row["kind"], row["features"]) == ("matmul", [2.0, 8.0, 4.0, 8.0])
+    assert (row["float_op"], row["int8_op"]) == ("MatMul", "QLinearMatMul")
+    assert row["float_us"] > 0 and row["int8_us"] > 0
+    assert (8, 16, 16, 16) in matmul_grid(quick=True) and (8, 16, 16, 16) in matmul_grid()  # scores q @ k^T

@@ -256,6 +256,58 @@ def test_products_of_activations_are_priced_by_tables_with_mul_rows() -> None:
     assert model_cost(graph, layers, set(layers), TABLE, batch=1, example_batch=2).adds == 0  # not priced there
 
 
+class _Attention(nn.Module):
+    """One attention block: q/k/v projections, attention (the fused call, or written out with a
+    softmax as LeViT and MobileViT write it) and the output projection."""
+
+    def __init__(self, written_out: bool) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+        self.written_out = written_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 2, 16).transpose(1, 2) for p in (self.q, self.k, self.v))
+        if self.written_out:
+            a = torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1) @ v
+        else:
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(a.transpose(1, 2).reshape(b, t, 32))
+
+
+#: TABLE with attention's products measured: QLinearMatMul level with float MatMul at a small
+#: size, 20% faster at a large one
+WITH_MATMUL = ct.CostTable("onnxruntime", "test ISA", "test", (
+    *TABLE.rows, _row("matmul", (4, 16, 16, 16), 10.0, 10.0, 10.0), _row("matmul", (64, 256, 64, 256), 5000.0, 4000.0, 5000.0),
+), TABLE.boundary)
+
+
+@pytest.mark.parametrize("written_out", [False, True])
+def test_attention_products_are_priced_by_tables_with_matmul_rows(written_out: bool) -> None:
+    """A table with ``matmul`` rows prices attention on int8 codes (scores ``q @ k^T``, then the
+    softmax output, quantized, by ``v``) against float MatMul; a table without them leaves the model
+    unjudged, and a model whose q/k/v are float pays no product at all."""
+    torch.manual_seed(0)
+    m = _Attention(written_out).eval()
+    graph = trace_graph(m, (torch.randn(2, 16, 32),), {})
+    layers = {n: getattr(m, n) for n in "qkvo"}
+    assert unpriced_ops(graph, TABLE) and not unpriced_ops(graph, WITH_MATMUL)
+    c = model_cost(graph, layers, set(layers), WITH_MATMUL, batch=1, example_batch=2)
+    assert c.matmuls == 2
+    # batch 1: 2 heads of 16 tokens by 16 dims, both products 2x16x16x16 = half the small row's work
+    assert (c.matmul_float_us, c.matmul_int8_us) == (pytest.approx(10.0), pytest.approx(10.0))
+    # entering int8: the input (16x32) and the softmax output (2x16x16); leaving: o's output
+    enter = (WITH_MATMUL.boundary_us("enter:linear", 512) or (0.0, 0.0))[1]
+    leave = (WITH_MATMUL.boundary_us("leave:linear", 512) or (0.0, 0.0))[1]
+    assert (c.entries, c.exits) == (2, 1) and c.boundary_us == pytest.approx(2 * enter + leave)
+    assert "2 attention products" in c.describe()
+    # a larger product reads the large row, scaled by the multiply-adds (twice its work here)
+    assert WITH_MATMUL.matmul_us(128, 256, 64, 256) == (pytest.approx(10000.0), pytest.approx(8000.0))
+    # q, k, v float: attention runs float in both models, and o enters int8 after it
+    c2 = model_cost(graph, layers, {"o"}, WITH_MATMUL, batch=1, example_batch=2)
+    assert (c2.matmuls, c2.matmul_float_us, c2.matmul_int8_us) == (0, 0.0, 0.0)
+
+
 def test_boundary_lookup_interpolates_and_scales() -> None:
     assert TABLE.boundary_us("enter:conv", 10) == (0.0, 5.0)  # below the smallest size: its cost
     f, i = TABLE.boundary_us("enter:conv", 64 + (1e6 - 64) / 2) or (None, None)
