@@ -324,19 +324,29 @@ def main(argv: list[str] | None = None) -> None:
     files: dict[str, tuple[str, Path, Stepper]] = {
         "ours RTN Q4_0 GGUF (embedding F32)": (f"llama.cpp {llama_cpp.__version__}", p4,
                                                llamacpp_stepper(p4, prompt, new, args.threads))}
+    # a file with the last position's logits only computes the same numbers at that position: its
+    # perplexity (every position's logits) is read from the same file written with all of them
+    ppl_of: dict[str, Path] = {}
     # lm_head F32 on both sides: our int4 file at accuracy_level 0 (float activations) and 4 (int8 activations
-    # per block, as llama.cpp's Q4_0 x Q8_0 dot products), attention fused (q/k/v packed into GroupQueryAttention)
-    for level in (0, 4):
-        onnx4 = export_llm_onnx(q4, work / f"int4_l{level}" / "model.onnx", weights="int4", accuracy_level=level,
-                                lm_head="float")
-        files[f"ours int4 MatMulNBits (accuracy_level {level}), lm_head F32"] = (
-            "onnxruntime", onnx4, ort_stepper(onnx4, prompt, args.threads))
+    # per block, as llama.cpp's Q4_0 x Q8_0 dot products), attention fused (q/k/v packed into GroupQueryAttention);
+    # llama.cpp's prefill computes the last prompt position's logits only (logits_all off), as our files
+    # with logits="last" do
+    for level, logits in ((0, "all"), (4, "all"), (4, "last")):
+        onnx4 = export_llm_onnx(q4, work / f"int4_l{level}_{logits}" / "model.onnx", weights="int4", accuracy_level=level,
+                                lm_head="float", logits=logits)  # type: ignore[arg-type]
+        key = f"ours int4 MatMulNBits (accuracy_level {level}), lm_head F32" + (", last logits" if logits == "last" else "")
+        files[key] = ("onnxruntime", onnx4, ort_stepper(onnx4, prompt, args.threads))
+        ppl_of[key] = work / f"int4_l{level}_all" / "model.onnx"
     # not the like-for-like comparison (the rows above keep the tied embedding/lm_head F32 on both sides): a
     # quantized lm_head on each side, llama.cpp's defaults file (Q8_0 token_embd, read as the output) against
     # our export's default (lm_head 8-bit MatMulNBits, blocks of 32) and with lm_head int4 g32
     onnx_default = export_llm_onnx(q4, work / "int4_default" / "model.onnx", weights="int4")
     files["ours int4 MatMulNBits, export defaults (accuracy_level 4, lm_head 8-bit g32)"] = (
         "onnxruntime", onnx_default, ort_stepper(onnx_default, prompt, args.threads))
+    onnx_last = export_llm_onnx(q4, work / "int4_default_last" / "model.onnx", weights="int4", logits="last")
+    files["ours int4 MatMulNBits, export defaults, last logits"] = (
+        "onnxruntime", onnx_last, ort_stepper(onnx_last, prompt, args.threads))
+    ppl_of["ours int4 MatMulNBits, export defaults, last logits"] = onnx_default
     head4 = compress.quantize(copy.deepcopy(fp), compress.QuantScheme(
         weights=compress.QuantSpec(bits=4, granularity="group", group_size=32), inputs=None))
     onnx_head = export_llm_onnx(head4, work / "int4_head4" / "model.onnx", weights="int4")
@@ -350,7 +360,8 @@ def main(argv: list[str] | None = None) -> None:
 
     speed = [{"runtime": runtime, "file": k, "MiB": path.stat().st_size / 2**20, "prefill_ms": timed[k][0],
               "decode_tok_s": timed[k][1],
-              "ppl": ort_ppl(path, windows) if runtime == "onnxruntime" else llamacpp_ppl(path, windows, args.threads)[0]}
+              "ppl": (ort_ppl(ppl_of.get(k, path), windows) if runtime == "onnxruntime"
+                      else llamacpp_ppl(path, windows, args.threads)[0])}
              for k, (runtime, path, _) in files.items()]
     for row in speed:
         log.info("%s", row)
@@ -367,9 +378,12 @@ def main(argv: list[str] | None = None) -> None:
           + f"\nCPU decode, prompt of {len(prompt)} tokens then {new} greedy tokens, {args.rounds} rounds after a "
           "warm-up round, every row in this one run: each round prefills every file, then the files take turns "
           "step by step; `prefill_ms`: median over the rounds, `decode_tok_s`: 1 / the median step; threads: "
-          f"{args.threads}. The first three rows keep the tied embedding / lm_head F32 on both sides; the last three "
+          f"{args.threads}. The first four rows keep the tied embedding / lm_head F32 on both sides; the last four "
           "quantize the lm_head (llama.cpp's defaults file: token_embd Q8_0, read as the output; ours: the export's "
-          "default 8-bit MatMulNBits in blocks of 32, or 4-bit g32 quantized with the layers). Our files: q/k/v packed "
+          "default 8-bit MatMulNBits in blocks of 32, or 4-bit g32 quantized with the layers). `last logits`: "
+          "`export_llm_onnx(logits=\"last\")`, the lm_head run on the last prompt position only, as llama.cpp's "
+          "prefill does (its `logits_all` off); their `ppl` is the same file's with every position's logits. "
+          "Our files: q/k/v packed "
           "into one MatMulNBits whose output is GroupQueryAttention's packed query, RoPE in that op. `ppl`: each "
           "runtime's own logits on the held-out windows above (ONNX Runtime's for ours, llama.cpp's for its files):\n\n"
           + table(speed, ["runtime", "file", "MiB", "prefill_ms", "decode_tok_s", "ppl"])

@@ -67,6 +67,7 @@ def export_generation(
         suffix, fmt, precision = _KINDS[weights]
         path = export_llm_onnx(m, out_dir / f"{name}{suffix}.onnx", weights=weights,  # type: ignore[arg-type]
                                accuracy_level=spec.accuracy_level, attention=spec.attention, lm_head=spec.lm_head,
+                               logits=spec.logits,
                                metadata={"compress.role": role, **(metadata or {})})
         rec = describe_onnx(path, role=role, count_integer=False)
         if weights != "fp32":  # integer ops as ORT runs the file; what stays float is named

@@ -83,6 +83,9 @@ class KVDecoder(nn.Module):
         self.windows = sliding_windows(cfg)
         #: a ``position_ids`` input after the mask (what Optimum feeds) instead of positions from the mask
         self.explicit_positions = False
+        #: logits of the last position only (``[B, 1, V]``): what generation reads, without the lm_head
+        #: over every prompt position (llama.cpp's default; a fifth of SmolLM2-135M's prefill work)
+        self.last_logits = False
         if attention not in ("fused", "decomposed"):
             raise ExportError(f"attention must be 'fused' or 'decomposed' (got {attention!r})")
         #: "fused": RotaryEmbedding + GroupQueryAttention per layer (export/llm_attention.py)
@@ -149,7 +152,7 @@ class KVDecoder(nn.Module):
             o = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
             h = h + getattr(attn, lay.out_proj)(o)
             h = h + layer.mlp(getattr(layer, lay.mlp_norm)(h))
-        logits = self.lm.lm_head(getattr(base, lay.final_norm)(h))
+        logits = self.lm.lm_head(self._positions_read(getattr(base, lay.final_norm)(h)))
         return (logits, *presents)
 
     def _forward_fused(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pos: torch.Tensor,
@@ -190,7 +193,11 @@ class KVDecoder(nn.Module):
             x, h = self._add_norm(getattr(layer, lay.mlp_norm), h, getattr(attn, lay.out_proj)(o))
             pending = layer.mlp(x)
         x, _ = self._add_norm(getattr(base, lay.final_norm), h, pending)
-        return (self.lm.lm_head(x), *presents)
+        return (self.lm.lm_head(self._positions_read(x)), *presents)
+
+    def _positions_read(self, x: torch.Tensor) -> torch.Tensor:
+        """The final hidden states the lm_head runs on: every position, or the last (:attr:`last_logits`)."""
+        return x[:, -1:] if self.last_logits else x
 
     @staticmethod
     def _add_norm(norm: Any, h: torch.Tensor, pending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -188,6 +188,7 @@ def export_llm_onnx(
     position_ids: bool = False,
     attention: Literal["auto", "fused", "decomposed"] = "auto",
     lm_head: Literal["auto", "int8", "float"] = "auto",
+    logits: Literal["all", "last"] = "all",
 ) -> Path:
     """Write ``model`` (a transformers causal LM of a :data:`LAYOUTS` family, float or fake-quant)
     as a single ONNX file with past/present key-value tensors. Returns the path.
@@ -211,8 +212,13 @@ def export_llm_onnx(
     layer's attention as ``com.microsoft`` RotaryEmbedding + GroupQueryAttention (export/llm_attention.py),
     ``"decomposed"`` as plain ONNX ops (masks, matmuls, softmax: any ONNX runtime, ORT before 1.32);
     ``"auto"`` (default) is fused where the installed onnxruntime's GroupQueryAttention has the inputs
-    the fused form feeds, else decomposed.
+    the fused form feeds, else decomposed. ``logits``: ``"all"`` (default) outputs ``[B, S, V]``, what
+    perplexity and Optimum's forward read; ``"last"`` outputs the last position's ``[B, 1, V]``, what
+    generation reads (ORT GenAI, :class:`export.llm_ort.OrtGenerator`), and skips the lm_head over the
+    rest of the prompt, as llama.cpp does by default (benchmarks/RESULTS.md ``llm_llamacpp``).
     """
+    if logits not in ("all", "last"):
+        raise ExportError(f"export_llm_onnx: logits must be 'all' or 'last' (got {logits!r})")
     if weights not in ("int4", "fp32", "w8a8"):
         raise ExportError(f"export_llm_onnx: weights must be 'int4', 'fp32' or 'w8a8' (got {weights!r})")
     if attention not in ("auto", "fused", "decomposed"):
@@ -263,10 +269,13 @@ def export_llm_onnx(
     remove_placement(m)  # its quantizers now live in the swapped layers
     dec = KVDecoder(m, attention=form).eval()
     dec.explicit_positions = position_ids
+    dec.last_logits = logits == "last"
     if float_reference is not None:
         float_reference.explicit_positions = position_ids
+        float_reference.last_logits = dec.last_logits
     inputs, outputs = io_names(dec.n_layers, position_ids=position_ids)
-    dyn: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"},
+    dyn: dict[str, dict[int, str]] = {"input_ids": {0: "batch", 1: "sequence"},
+                                      "logits": {0: "batch"} if dec.last_logits else {0: "batch", 1: "sequence"},
                                       "attention_mask": {0: "batch", 1: "total_sequence"}}
     if position_ids:
         dyn["position_ids"] = {0: "batch", 1: "sequence"}
@@ -294,9 +303,12 @@ def export_llm_onnx(
         from export.onnx import atomic_save
 
         proto = onnx.load(str(traced))
+        if dec.last_logits:  # the exporter leaves the slice's length symbolic: it is one position
+            proto.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 1
         precision = {"int4": "int4" if counts["int4"] else "fp32", "w8a8": "int8", "fp32": "fp32"}[weights]
         set_metadata(proto, {"compress.precision": precision, "compress.kind": "generation",
                              "compress.model_type": str(m.config.model_type), "compress.attention": form,
+                             "compress.logits": logits,
                              **(metadata or {})})
         atomic_save(proto, out)
     log.info("LLM ONNX (%s weights: %d W8A8, %d MatMulNBits, %d float Linears; %s attention) written to %s", weights,

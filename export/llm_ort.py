@@ -75,7 +75,7 @@ def _generation_logits(run: Any, dec: KVDecoder, ids: torch.Tensor, mask: torch.
     """Logits ``[N, V]`` of the unpadded prefill positions and of each decode step, as generation
     meets them: ``run(input_ids, attention_mask, past) -> (logits, present)`` with its own cache."""
     logits, past = run(ids, mask, dec.empty_past(ids.shape[0]))
-    rows = [logits[mask.bool()]]
+    rows = [logits[mask.bool()] if logits.shape[1] == ids.shape[1] else logits[:, -1]]  # every position, or the last
     for tok in steps:
         mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
         logits, past = run(tok, mask, past)

@@ -38,6 +38,9 @@ class ExportSpec(_Strict):
     #: int4 generation files: a float lm_head written as 8-bit MatMulNBits (llama.cpp's Q8_0 default for
     #: a tied embedding of SmolLM2's width; faster decode), or kept float; auto: int8 at accuracy_level 4
     lm_head: Literal["auto", "int8", "float"] = "auto"
+    #: generation files' logits output: every position (perplexity, Optimum's forward) or the last only
+    #: (what generation reads; skips the lm_head over the rest of the prompt, as llama.cpp does)
+    logits: Literal["all", "last"] = "all"
     #: generation files' attention: ORT's fused RotaryEmbedding + GroupQueryAttention, plain ONNX ops,
     #: or (auto) fused where the installed onnxruntime has the inputs it needs
     attention: Literal["auto", "fused", "decomposed"] = "auto"

@@ -10,7 +10,10 @@ the DequantizeLinear where it left int8, and three QLinearAdd nodes for residual
 fuses into the conv before them. This module walks the traced graph at each requested batch, sums the
 layer rows and the table's ``boundary`` rows (measured by benchmarks/cost_table.py: entering and
 leaving int8 by element count, float Add against QLinearAdd) on each side, and predicts both models'
-cost. Nothing is timed: the same model, table and batch sizes give the same answer.
+cost. Attention on int8 codes is priced from the table's ``matmul`` rows (QLinearMatMul against
+MatMul for the scores and the weighted sum, plus quantizing the softmax output) where the table has
+them; embeddings stay float gathers on both sides. Nothing is timed: the same model, table and batch
+sizes give the same answer.
 
 :func:`decide` compares the placement the layer rows chose, the same with the layers that lose at a
 requested batch kept float too, and the whole model float (exactly fp32's cost), and keeps the one
@@ -252,10 +255,10 @@ class ModelDecision:
 #: ``export_int8_quickstart``. Below it the prediction is only logged.
 TRUSTED_BATCH = 16
 
-#: integer ops the table has no rows for, whose int8 form runs faster than float in ORT (attention's
-#: QLinearMatMul on activations, QLinearSoftmax, QLinearMul, int8 embedding gathers): a model holding
-#: them gains in int8 what :func:`model_cost` cannot price (the transformers suite's small models,
-#: measured faster in int8 at batch 32, were predicted slower without them), so it is not judged
+#: ops whose int8 form a table may have no rows for (attention's QLinearMatMul on activations and the
+#: softmax around it, QLinearMul, embeddings): a model holding them is not judged by such a table. A
+#: table with ``mul`` rows prices products of two activations, one with ``matmul`` rows attention,
+#: softmax and embeddings; ``mha`` and ``einsum`` stay unpriced
 UNPRICED = frozenset({"matmul", "sdpa", "mha", "einsum", "softmax", "mul", "embedding"})
 
 

@@ -264,6 +264,39 @@ def test_position_ids_input_generates_the_same_tokens(tmp_path: Path) -> None:
     assert torch.equal(generate_ort(explicit, ids, attention_mask=mask, max_new_tokens=6), want)
 
 
+@pytest.mark.parametrize("attention", ["fused", "decomposed"])
+def test_last_position_logits_generate_the_same_tokens(attention: str, tmp_path: Path) -> None:
+    """``logits="last"`` outputs the last position's logits only (``[B, 1, V]``, the lm_head not run
+    over the rest of the prompt): the same values as that position of the full file, and the same
+    greedy tokens, left padding included; on both attention forms and in the W8A8 file too."""
+    import onnxruntime as ort
+
+    from export.llm_attention import fused_attention_supported
+
+    if attention == "fused" and not fused_attention_supported():
+        pytest.skip("this onnxruntime's GroupQueryAttention lacks the fused form's inputs")
+    model = _model("llama", _w4(32, symmetric=False))
+    full = export_llm_onnx(model, tmp_path / "all.onnx", attention=attention)  # type: ignore[arg-type]
+    last = export_llm_onnx(model, tmp_path / "last.onnx", attention=attention, logits="last")  # type: ignore[arg-type]
+    assert onnx.load(str(last)).graph.output[0].type.tensor_type.shape.dim[1].dim_value == 1
+    meta = {p.key: p.value for p in onnx.load(str(last)).metadata_props}
+    assert meta["compress.logits"] == "last"
+    ids, mask = _prompts(3)
+    feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+    for name in [i.name for i in onnx.load(str(full)).graph.input][2:]:
+        feed[name] = np.zeros((2, SMALL["num_key_value_heads"], 0, 16), np.float32)
+    a = ort.InferenceSession(str(full)).run(["logits"], feed)[0]
+    b = ort.InferenceSession(str(last)).run(["logits"], feed)[0]
+    assert a.shape == (2, 7, 256) and b.shape == (2, 1, 256)
+    np.testing.assert_allclose(b[:, 0], a[:, -1], rtol=1e-5, atol=1e-5)
+    want = generate_ort(full, ids, attention_mask=mask, max_new_tokens=5)
+    assert torch.equal(generate_ort(last, ids, attention_mask=mask, max_new_tokens=5), want)
+    w8 = export_llm_onnx(_model("llama", "w8a8_dynamic"), tmp_path / "w8.onnx", weights="w8a8", logits="last")
+    assert generate_ort(w8, ids, attention_mask=mask, max_new_tokens=3).shape == (2, 10)
+    with pytest.raises(ExportError, match="logits must be 'all' or 'last'"):
+        export_llm_onnx(model, tmp_path / "x.onnx", logits="first")  # type: ignore[arg-type]
+
+
 def test_ort_decode_profile_attributes_the_step_to_op_types(tmp_path: Path) -> None:
     # the profiler behind benchmarks/ort_decode_profile.py on a small int4 Llama: decode steps only,
     # every MatMulNBits of the model (q/k/v and gate/up packed, the lm_head) once per step, the shares summing to the whole node time

@@ -37,12 +37,13 @@ def _model(kind: str, vocab: int) -> Any:
     return compress.quantize(cls(cfg(**common)).eval(), scheme, ignore=["lm_head"])
 
 
-@pytest.mark.parametrize(("kind", "position_ids"), [("llama", False), ("qwen2", True)])
-def test_genai_loads_the_folder_and_generates_our_tokens(kind: str, position_ids: bool, tokenizer: Any,
+@pytest.mark.parametrize(("kind", "position_ids", "logits"), [("llama", False, "all"), ("qwen2", True, "all"),
+                                                             ("llama", False, "last")])
+def test_genai_loads_the_folder_and_generates_our_tokens(kind: str, position_ids: bool, logits: Any, tokenizer: Any,
                                                          tmp_path: Path) -> None:
     og = pytest.importorskip("onnxruntime_genai", reason="the llm extra: pip install -e '.[llm]'")
     model = _model(kind, len(tokenizer))
-    path = export_llm_onnx(model, tmp_path / "model.int4.onnx", position_ids=position_ids)
+    path = export_llm_onnx(model, tmp_path / "model.int4.onnx", position_ids=position_ids, logits=logits)
     written = {p.name for p in write_runtime_files(path, model, tokenizer=tokenizer)}
     assert {"genai_config.json", "config.json", "tokenizer.json", "tokenizer_config.json"} <= written
     ids = torch.randint(3, len(tokenizer), (1, 6), generator=torch.Generator().manual_seed(1))
