@@ -36,7 +36,7 @@ from quantization.placement.activations import (
 from quantization.placement.cost_table import CostTable, slower_by_table, table_for
 from quantization.placement.fidelity_guards import ROUTER_REASON, router_layers
 from quantization.placement.mode import detach, graph_of, unsmooth
-from quantization.placement.model_cost import TRUSTED_BATCH, decide
+from quantization.placement.model_cost import TRUSTED_BATCH, decide, trusted_slower
 from quantization.placement.runtimes import Target, get_profile
 from quantization.placement.speed_check import SpeedCheck, layer_calls, slower_in_int8, time_layers
 from quantization.placement.trace import trace_graph
@@ -370,7 +370,7 @@ def _table_decides(graph0: Any, layers: dict[str, nn.Module], table: CostTable, 
     decision = decide(graph0, layers, set(layers) - set(slow), calls, table, batches=batches,
                       example_batch=_example_batch(call))
     if decision.whole_model is not None:
-        trusted = sorted(b for b, c in decision.costs.items() if c.speedup <= 1.0 and b >= TRUSTED_BATCH)
+        trusted = trusted_slower(decision)
         if model_check == "float" or (model_check == "auto" and trusted):
             why = ("model_check: float" if model_check == "float" else
                    f"model_check: auto, predicted slower at batch {trusted[0]} >= {TRUSTED_BATCH}, where the prediction holds")
@@ -380,8 +380,10 @@ def _table_decides(graph0: Any, layers: dict[str, nn.Module], table: CostTable, 
             return {_WHOLE_MODEL: reason}
         # a prediction, not a decision, at small batches: on small models at batch 1 the table's rows
         # (profiled kernels of a few microseconds) predicted 0.72-0.96x for nets that ran 1.18-1.55x
-        log.warning("%s: %s; int8 kept (model_check: float keeps such a model float; auto does from batch %d)",
-                    where, decision.whole_model, TRUSTED_BATCH)
+        attention = any(c.matmuls for c in decision.costs.values())
+        log.warning("%s: %s; int8 kept (model_check: float keeps such a model float; auto does from batch %d%s)",
+                    where, decision.whole_model, TRUSTED_BATCH, ", not for attention, whose prediction is coarser"
+                    if attention else "")
         return slow
     return {**slow, **decision.float_layers}
 

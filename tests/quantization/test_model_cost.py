@@ -308,6 +308,26 @@ def test_attention_products_are_priced_by_tables_with_matmul_rows(written_out: b
     assert (c2.matmuls, c2.matmul_float_us, c2.matmul_int8_us) == (0, 0.0, 0.0)
 
 
+def test_auto_warns_but_does_not_act_on_attention(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """An attention model predicted slower at batch 32: the default (``auto``) keeps int8 and warns,
+    since such predictions fell on the wrong side of 1 for ViT, Swin and windowed attention on the
+    suite (model_cost.trusted_slower); ``model_check="float"`` acts on it."""
+    # a row at the projections' shape at batch 32 (16 tokens each), and boundaries so costly that int8 loses
+    costly = ct.CostTable("onnxruntime", "test ISA", "test", (*WITH_MATMUL.rows, _row("linear", (512, 32, 32), 20.0, 10.0, 18.0)),
+                          tuple(ct.Row(r.shape, r.float_us, r.int8_us * 1e4) for r in WITH_MATMUL.boundary))
+    _use(monkeypatch, costly)
+    torch.manual_seed(0)
+    data = [torch.randn(2, 16, 32) for _ in range(2)]
+    with caplog.at_level("WARNING"):
+        q = quantize(_Attention(False).eval(), "w8a8", data, params=QuantizeParams(batch_sizes=(32,)))
+    assert view(q).model_float is None and is_quantized(q)
+    assert any("int8 predicted slower than fp32 at batch 32" in r.getMessage() and "not for attention" in r.getMessage()
+               for r in caplog.records)
+    f = quantize(_Attention(False).eval(), "w8a8", data, params=QuantizeParams(batch_sizes=(32,), model_check="float"))
+    assert view(f).model_float is not None and not is_quantized(f)
+
+
 def test_boundary_lookup_interpolates_and_scales() -> None:
     assert TABLE.boundary_us("enter:conv", 10) == (0.0, 5.0)  # below the smallest size: its cost
     f, i = TABLE.boundary_us("enter:conv", 64 + (1e6 - 64) / 2) or (None, None)
