@@ -3,8 +3,9 @@ as it is.
 
 - ONNX Runtime GenAI (``onnxruntime_genai.Model(dir)``): ``genai_config.json`` in its documented
   decoder schema — the graph's input/output names (``past_key_values.%d.key`` ... ``present.%d.value``),
-  the head layout, the special tokens and greedy search defaults. The graph concatenates its past and
-  new keys, so ``past_present_share_buffer`` is false; ``position_ids`` is declared when the graph
+  the head layout, the special tokens and greedy search defaults. ``past_present_share_buffer`` is true
+  for fused attention (GroupQueryAttention appends to the past in place, the cache is not copied each
+  step) and false for the decomposed graph, which concatenates; ``position_ids`` is declared when the graph
   takes it (``export_llm_onnx(position_ids=True)``), else positions come from ``attention_mask``.
 - The tokenizer files (``tokenizer.json``, ``tokenizer_config.json``) and ``config.json`` /
   ``generation_config.json`` of the model, which GenAI's tokenizer and transformers-style clients read.
@@ -35,7 +36,11 @@ def genai_config(onnx_path: str | Path, config: Any, *, max_length: int | None =
     """The ``genai_config.json`` content for the export at ``onnx_path`` of a model with transformers
     ``config``. ExportError when the file is not an export_llm_onnx graph."""
     path = Path(onnx_path)
-    graph = onnx.load(str(path), load_external_data=False).graph
+    proto = onnx.load(str(path), load_external_data=False)
+    graph = proto.graph
+    # GroupQueryAttention appends to a past bound as its own present in place; the decomposed graph
+    # concatenates a new present
+    shared = {p.key: p.value for p in proto.metadata_props}.get("compress.attention") == "fused"
     inputs = [i.name for i in graph.input]
     outputs = [o.name for o in graph.output]
     layers = int(config.num_hidden_layers)
@@ -74,7 +79,7 @@ def genai_config(onnx_path: str | Path, config: Any, *, max_length: int | None =
         "search": {
             "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
             "max_length": context, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
-            "num_return_sequences": 1, "past_present_share_buffer": False, "repetition_penalty": 1.0,
+            "num_return_sequences": 1, "past_present_share_buffer": shared, "repetition_penalty": 1.0,
             "temperature": 1.0, "top_k": 1, "top_p": 1.0,
         },
     }

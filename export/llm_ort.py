@@ -205,9 +205,16 @@ def _full_8bit_codes(dec: KVDecoder) -> bool:
 
 
 class OrtGenerator:
-    """Greedy generation on an :func:`export_llm_onnx` file: ``prefill`` then ``step`` per token."""
+    """Greedy generation on an :func:`export_llm_onnx` file: ``prefill`` then ``step`` per token.
 
-    def __init__(self, path: str | Path, *, threads: int | None = None) -> None:
+    A file with fused attention (GroupQueryAttention) keeps its keys and values in one buffer per
+    layer that the op appends to in place: each past is bound (ORT IOBinding) as both the input and
+    the present output, as ONNX Runtime GenAI's ``past_present_share_buffer`` does, so no step copies
+    the cache (SmolLM2-135M int4, 1 thread: 1.07x decode speed at 128-176 tokens, 1.36x at
+    1000-1048, the same logits bit for bit). The buffer grows by doubling when a step would pass it.
+    ``share_buffer=False`` feeds the past as arrays and takes the present back every step instead."""
+
+    def __init__(self, path: str | Path, *, threads: int | None = None, share_buffer: bool = True) -> None:
         so = session_options(threads=threads, inter_op_threads=1 if threads is not None else None, log_severity=2)
         self.session = inference_session(path, so)
         names = [i.name for i in self.session.get_inputs()]
@@ -218,8 +225,12 @@ class OrtGenerator:
         self.position_ids = "position_ids" in names
         self.n_kv, self.head_dim = int(past[0].shape[1]), int(past[0].shape[3])
         self.output_names = [o.name for o in self.session.get_outputs()]
+        meta = self.session.get_modelmeta().custom_metadata_map
+        #: the past bound in place (fused attention only: the decomposed graph concatenates a new present)
+        self.share_buffer = share_buffer and meta.get("compress.attention") == "fused"
         self.past: list[np.ndarray] = []
         self.mask = np.ones((0, 0), dtype=np.int64)
+        self._buffers: list[Any] = []
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
         """Run the prompts ``[B, S]`` with an empty cache; returns the last position's logits ``[B, V]``.
@@ -230,19 +241,49 @@ class OrtGenerator:
         self.mask = np.ones(input_ids.shape, dtype=np.int64) if attention_mask is None else attention_mask.astype(np.int64)
         if self.mask.shape != input_ids.shape:
             raise ExportError(f"attention_mask has shape {self.mask.shape}, input_ids {input_ids.shape}")
+        if self.share_buffer:
+            self._buffers = []
+            self._reserve(b, max(256, 2 * input_ids.shape[1]))
+            return self._run(input_ids, [])
         empty = np.zeros((b, self.n_kv, 0, self.head_dim), dtype=np.float32)
         return self._run(input_ids, [empty] * len(self.past_names))
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """Feed one token per sequence ``[B]``; returns the next logits ``[B, V]``."""
         self.mask = np.concatenate([self.mask, np.ones((self.mask.shape[0], 1), dtype=np.int64)], axis=1)
+        if self.share_buffer and self.mask.shape[1] > self._capacity:
+            self._reserve(self.mask.shape[0], 2 * self._capacity)
         return self._run(tokens.reshape(-1, 1), self.past)
 
+    @property
+    def _capacity(self) -> int:
+        return int(self._buffers[0].shape()[2]) if self._buffers else 0
+
+    def _reserve(self, batch: int, length: int) -> None:
+        """Buffers of ``length`` slots per layer, the cache so far copied into the new ones."""
+        import onnxruntime as ort
+
+        old = [b.numpy() for b in self._buffers]
+        new = np.zeros((len(self.past_names), batch, self.n_kv, length, self.head_dim), dtype=np.float32)
+        for i, o in enumerate(old):
+            new[i, :, :, : o.shape[2]] = o
+        self._buffers = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(n)) for n in new]
+
     def _run(self, ids: np.ndarray, past: list[np.ndarray]) -> np.ndarray:
-        feed = {"input_ids": ids.astype(np.int64), "attention_mask": self.mask, **dict(zip(self.past_names, past))}
+        feed = {"input_ids": ids.astype(np.int64), "attention_mask": self.mask}
         if self.position_ids:
             feed["position_ids"] = positions(torch.from_numpy(self.mask), ids.shape[1]).numpy()
-        logits, *present = self.session.run(self.output_names, feed)
+        if self.share_buffer:
+            binding = self.session.io_binding()
+            for name, value in feed.items():
+                binding.bind_cpu_input(name, value)
+            binding.bind_output(self.output_names[0])
+            for name, out, buf in zip(self.past_names, self.output_names[1:], self._buffers, strict=True):
+                binding.bind_ortvalue_input(name, buf)
+                binding.bind_ortvalue_output(out, buf)
+            self.session.run_with_iobinding(binding)
+            return binding.get_outputs()[0].numpy()[:, -1]
+        logits, *present = self.session.run(self.output_names, {**feed, **dict(zip(self.past_names, past))})
         self.past = present
         return logits[:, -1]
 

@@ -297,6 +297,31 @@ def test_last_position_logits_generate_the_same_tokens(attention: str, tmp_path:
         export_llm_onnx(model, tmp_path / "x.onnx", logits="first")  # type: ignore[arg-type]
 
 
+def test_shared_kv_buffer_generates_what_separate_presents_do(tmp_path: Path) -> None:
+    """A fused-attention file decodes with its keys and values appended in place to one buffer per
+    layer (bound as both the past input and the present output): the same logits as feeding the
+    past and taking the present back, for a left-padded batch, past the buffer's first 256 slots
+    (where it grows); a decomposed file, which concatenates, takes the past as arrays."""
+    from export.llm_attention import fused_attention_supported
+
+    if not fused_attention_supported():
+        pytest.skip("this onnxruntime's GroupQueryAttention lacks the fused form's inputs")
+    model = _model("llama", _w4(32, symmetric=False))
+    path = export_llm_onnx(model, tmp_path / "m.onnx", attention="fused")
+    shared, separate = OrtGenerator(path), OrtGenerator(path, share_buffer=False)
+    assert shared.share_buffer and not separate.share_buffer
+    ids, mask = _prompts(4)
+    a, b = shared.prefill(ids.numpy(), mask.numpy()), separate.prefill(ids.numpy(), mask.numpy())
+    np.testing.assert_array_equal(a, b)
+    for _ in range(260):
+        nxt = b.argmax(-1).astype(np.int64)
+        a, b = shared.step(nxt), separate.step(nxt)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert shared.mask.shape[1] == 267 and shared._capacity == 512
+    decomposed = export_llm_onnx(model, tmp_path / "d.onnx", attention="decomposed")
+    assert not OrtGenerator(decomposed).share_buffer
+
+
 def test_ort_decode_profile_attributes_the_step_to_op_types(tmp_path: Path) -> None:
     # the profiler behind benchmarks/ort_decode_profile.py on a small int4 Llama: decode steps only,
     # every MatMulNBits of the model (q/k/v and gate/up packed, the lm_head) once per step, the shares summing to the whole node time

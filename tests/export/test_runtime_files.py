@@ -61,7 +61,10 @@ def test_genai_config_names_the_graph_and_refuses_other_files(tokenizer: Any, tm
     cfg = genai_config(path, model.config)
     dec = cfg["model"]["decoder"]
     assert dec["filename"] == "m.onnx" and dec["num_key_value_heads"] == 2 and dec["head_size"] == 16
-    assert cfg["search"]["past_present_share_buffer"] is False  # the graph concatenates past and new keys
+    # fused attention appends to the past in place (the default here); the decomposed graph concatenates
+    assert cfg["search"]["past_present_share_buffer"] is True
+    decomposed = export_llm_onnx(model, tmp_path / "d.onnx", attention="decomposed")
+    assert genai_config(decomposed, model.config)["search"]["past_present_share_buffer"] is False
     json.dumps(cfg)
     other = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=4)
     with pytest.raises(ExportError, match="not an export_llm_onnx graph of a 3-layer model"):
