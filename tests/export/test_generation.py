@@ -95,6 +95,25 @@ def test_w8a8_generation_file_runs_integer_kernels(preset: str, op: str, tmp_pat
     assert rec.integer_ops == {op: 14} and rec.integer_nodes == 14  # static: ORT's fusion; dynamic: as written
 
 
+def test_recipe_logits_field_reaches_the_file(tmp_path: Path) -> None:
+    """``export.logits: last`` writes the generation file with the last position's logits only; an
+    unknown value is refused with the field named."""
+    import onnx
+
+    import compress
+    from export.generation import export_generation
+    from export.specs import ExportSpec
+
+    q = compress.quantize(_llama(), compress.QuantScheme(weights=compress.QuantSpec(bits=4, granularity="group",
+                                                                                     group_size=32), inputs=None),
+                          ignore=["lm_head"])
+    (rec,) = export_generation(q, ExportSpec(generation=True, logits="last"), tmp_path, name="m")
+    meta = {p.key: p.value for p in onnx.load(str(tmp_path / "m.int4.onnx")).metadata_props}
+    assert meta["compress.logits"] == "last" and rec.precision == "int4"
+    with pytest.raises(ValidationError, match="logits"):
+        ExportSpec(generation=True, logits="first")  # type: ignore[arg-type]
+
+
 def test_generation_refuses_formats_it_does_not_write() -> None:
     from export.specs import ExportSpec
 
