@@ -114,31 +114,33 @@ def measure(m: nn.Module, shape: list[int], runs: int, tmp: Path) -> tuple[dict[
 ELEMENTWISE = ("add", "mul")
 
 
-def _binary_graph(op: str, shape: list[int]) -> Any:
-    """A residual add (or a product of two activations: gates, hardswish) between int8 neighbours:
-    Q/DQ on both inputs and the output. ORT runs the QDQ form as QLinearAdd / QLinearMul; the float
-    one (QDQ fusion off) as a float Add / Mul between the same conversions."""
+def _qdq_graph(op_type: str, a: list[int], b: list[int], out: list[int], out_scale: float) -> Any:
+    """``op_type`` of two activations between int8 neighbours: Q/DQ on both inputs and the output.
+    ORT runs the QDQ form as its integer kernel (QLinearAdd, QLinearMul, QLinearMatMul); the float one
+    (QDQ fusion off) as the float op between the same conversions."""
     from onnx import TensorProto, helper, numpy_helper
 
-    x = [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("a", "b")]
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)
-    inits = [numpy_helper.from_array(np.array(np.float32(s)), f"s{i}") for i, s in enumerate((4 / 255, 5 / 255, 8 / 255))]
+    x = [helper.make_tensor_value_info(n, TensorProto.FLOAT, sh) for n, sh in (("a", a), ("b", b))]
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, out)
+    inits = [numpy_helper.from_array(np.array(np.float32(s)), f"s{i}") for i, s in enumerate((4 / 255, 5 / 255, out_scale))]
     inits.append(numpy_helper.from_array(np.array(128, np.uint8), "zp"))
     nodes = []
     for i, n in enumerate(("a", "b")):
         nodes += [helper.make_node("QuantizeLinear", [n, f"s{i}", "zp"], [f"{n}q"]),
                   helper.make_node("DequantizeLinear", [f"{n}q", f"s{i}", "zp"], [f"{n}d"])]
-    nodes += [helper.make_node(op.capitalize(), ["ad", "bd"], ["out"]),
+    nodes += [helper.make_node(op_type, ["ad", "bd"], ["out"]),
               helper.make_node("QuantizeLinear", ["out", "s2", "zp"], ["yq"]),
               helper.make_node("DequantizeLinear", ["yq", "s2", "zp"], ["y"])]
-    return helper.make_model(helper.make_graph(nodes, op, x, [y], inits), opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(helper.make_graph(nodes, op_type.lower(), x, [y], inits),
+                             opset_imports=[helper.make_opsetid("", 17)])
 
 
 def measure_binary(op: str, shape: list[int], runs: int, tmp: Path) -> dict[str, Any]:
     """An elementwise op's row (``op``: add or mul): ORT's float kernel and its integer one, by element count."""
     rng = np.random.default_rng(1)
     feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in ("a", "b")}
-    us, ops = _op_times(_binary_graph(op, shape), feeds, {"float": op.capitalize(), "int8": f"QLinear{op.capitalize()}"},
+    # a residual add, or a product of two activations (gates, hardswish)
+    us, ops = _op_times(_qdq_graph(op.capitalize(), shape, shape, shape, 8 / 255), feeds, {"float": op.capitalize(), "int8": f"QLinear{op.capitalize()}"},
                         runs, tmp, op)
     return {"kind": op, "features": [float(math.prod(shape))], "float_op": ops["float"], "float_us": round(us["float"], 2),
             "int8_op": ops["int8"], "int8_us": round(us["int8"], 2)}
@@ -154,27 +156,6 @@ def matmul_grid(quick: bool = False) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _matmul_graph(shape: tuple[int, int, int, int]) -> Any:
-    """A product of two activations between int8 neighbours (Q/DQ on both inputs and the output):
-    ORT runs the QDQ form as QLinearMatMul, the float one (QDQ fusion off) as MatMul."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    bh, m, k, n = shape
-    x = [helper.make_tensor_value_info("a", TensorProto.FLOAT, [bh, m, k]),
-         helper.make_tensor_value_info("b", TensorProto.FLOAT, [bh, k, n])]
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [bh, m, n])
-    inits = [numpy_helper.from_array(np.array(np.float32(s)), f"s{i}") for i, s in enumerate((4 / 255, 5 / 255, 64 / 255))]
-    inits.append(numpy_helper.from_array(np.array(128, np.uint8), "zp"))
-    nodes = []
-    for i, t in enumerate(("a", "b")):
-        nodes += [helper.make_node("QuantizeLinear", [t, f"s{i}", "zp"], [f"{t}q"]),
-                  helper.make_node("DequantizeLinear", [f"{t}q", f"s{i}", "zp"], [f"{t}d"])]
-    nodes += [helper.make_node("MatMul", ["ad", "bd"], ["out"]),
-              helper.make_node("QuantizeLinear", ["out", "s2", "zp"], ["yq"]),
-              helper.make_node("DequantizeLinear", ["yq", "s2", "zp"], ["y"])]
-    return helper.make_model(helper.make_graph(nodes, "matmul", x, [y], inits), opset_imports=[helper.make_opsetid("", 17)])
-
-
 def measure_matmul(shape: tuple[int, int, int, int], runs: int, tmp: Path) -> dict[str, Any]:
     """A product of two activations' row (kind ``matmul``, features batch x heads, M, K, N): ORT's
     float MatMul against its QLinearMatMul, the kernels alone (the conversions are the model-level
@@ -182,7 +163,7 @@ def measure_matmul(shape: tuple[int, int, int, int], runs: int, tmp: Path) -> di
     bh, m, k, n = shape
     feeds = {"a": np.random.default_rng(1).standard_normal((bh, m, k)).astype(np.float32),
              "b": np.random.default_rng(2).standard_normal((bh, k, n)).astype(np.float32)}
-    us, ops = _op_times(_matmul_graph(shape), feeds, {"float": "MatMul", "int8": "QLinearMatMul"}, runs, tmp, "matmul")
+    us, ops = _op_times(_qdq_graph("MatMul", [bh, m, k], [bh, k, n], [bh, m, n], 64 / 255), feeds, {"float": "MatMul", "int8": "QLinearMatMul"}, runs, tmp, "matmul")
     return {"kind": "matmul", "features": [float(f) for f in shape], "float_op": ops["float"],
             "float_us": round(us["float"], 2), "float_kernel_us": round(us["float"], 2), "int8_op": ops["int8"],
             "int8_us": round(us["int8"], 2)}

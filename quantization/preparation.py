@@ -380,10 +380,9 @@ def _table_decides(graph0: Any, layers: dict[str, nn.Module], table: CostTable, 
             return {_WHOLE_MODEL: reason}
         # a prediction, not a decision, at small batches: on small models at batch 1 the table's rows
         # (profiled kernels of a few microseconds) predicted 0.72-0.96x for nets that ran 1.18-1.55x
-        attention = any(c.matmuls for c in decision.costs.values())
         log.warning("%s: %s; int8 kept (model_check: float keeps such a model float; auto does from batch %d%s)",
                     where, decision.whole_model, TRUSTED_BATCH, ", not for attention, whose prediction is coarser"
-                    if attention else "")
+                    if decision.prices_attention else "")
         return slow
     return {**slow, **decision.float_layers}
 

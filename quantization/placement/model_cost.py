@@ -245,6 +245,11 @@ class ModelDecision:
     whole_model: str | None
     costs: dict[int, ModelCost]
 
+    @property
+    def prices_attention(self) -> bool:
+        """Whether the prediction prices attention on int8 codes (the table's ``matmul`` rows)."""
+        return any(c.matmuls for c in self.costs.values())
+
 
 #: the smallest batch at which a predicted-slower model is kept float by default (``model_check="auto"``):
 #: at batch 32 (16 sequences for text) every model without attention that the check judged measured on
@@ -268,7 +273,7 @@ def trusted_slower(decision: ModelDecision) -> list[int]:
     prediction whose attention runs float on both sides (Llama's and Qwen2's rotary leaves q and k
     float in the check) is made of layer and boundary rows, as a conv net's (benchmarks/RESULTS.md
     ``real_models``)."""
-    if any(c.matmuls for c in decision.costs.values()):
+    if decision.prices_attention:
         return []
     return sorted(b for b, c in decision.costs.items() if c.speedup <= 1.0 and b >= TRUSTED_BATCH)
 
