@@ -36,10 +36,10 @@ from quantization.placement.activations import (
 from quantization.placement.cost_table import CostTable, slower_by_table, table_for
 from quantization.placement.fidelity_guards import ROUTER_REASON, router_layers
 from quantization.placement.mode import detach, graph_of, unsmooth
-from quantization.placement.model_cost import TRUSTED_BATCH, decide, trusted_slower
+from quantization.placement.model_cost import TRUSTED_BATCH, decide, slower_attention, trusted_slower
 from quantization.placement.runtimes import Target, get_profile
 from quantization.placement.speed_check import SpeedCheck, layer_calls, slower_in_int8, time_layers
-from quantization.placement.trace import trace_graph
+from quantization.placement.trace import is_op_key, trace_graph
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ def prepare(
         order=flow,
     )
     skip: dict[str, str] = {}
+    float_ops: dict[str, str] = {}
     model_float: str | None = None
     if first_last == "float" and graph_mode:
         selected = [n for n in (flow or []) if _is_target(model, n, targets, ignore)]
@@ -188,6 +189,7 @@ def prepare(
             slow = _rank0_decides(lambda: _table_decides(graph0, layers, table, call, serving, model_check, where),
                                   where=where)
             model_float = slow.pop(_WHOLE_MODEL, None)
+            float_ops = {k: slow.pop(k) for k in list(slow) if is_op_key(k)}
             for name in (list(plan) if model_float is not None else slow):
                 del plan[name]
                 skip[name] = model_float or slow[name]
@@ -222,6 +224,7 @@ def prepare(
             target=target, targets=list(targets), ignore=list(ignore), quantize_ops=quantize_ops,
             activation_spec=scheme.inputs.with_(granularity="tensor", axis=0), weight_spec=scheme.weights,
             swapped=set(swapped), skip_layers=skip, quantize_embeddings=quantize_embeddings, model_float=model_float,
+            float_ops=float_ops,
         )
         new_graph(model, config)
         if call is not None:
@@ -361,14 +364,16 @@ _WHOLE_MODEL = ""
 
 def _table_decides(graph0: Any, layers: dict[str, nn.Module], table: CostTable, call: Any,
                    batches: tuple[int, ...], model_check: ModelCheck, where: str) -> dict[str, str]:
-    """``{layer: reason}`` kept float by the cost table's layer rows and its model-level check
-    (``{_WHOLE_MODEL: reason}`` for the whole model with ``model_check="float"``)."""
+    """``{layer or attention op key: reason}`` kept float by the cost table's layer and attention rows
+    and its model-level check (``{_WHOLE_MODEL: reason}`` for the whole model with ``model_check="float"``)."""
     calls = layer_calls(graph0, layers)
     slow = slower_by_table(layers, calls, table)
+    ops = slower_attention(graph0, table, batches=batches, example_batch=_example_batch(call))
+    slow.update(ops)
     if not table.boundary or not layers:
         return slow
     decision = decide(graph0, layers, set(layers) - set(slow), calls, table, batches=batches,
-                      example_batch=_example_batch(call))
+                      example_batch=_example_batch(call), float_ops=ops)
     if decision.whole_model is not None:
         trusted = trusted_slower(decision)
         if model_check == "float" or (model_check == "auto" and trusted):
@@ -382,7 +387,7 @@ def _table_decides(graph0: Any, layers: dict[str, nn.Module], table: CostTable, 
         # (profiled kernels of a few microseconds) predicted 0.72-0.96x for nets that ran 1.18-1.55x
         log.warning("%s: %s; int8 kept (model_check: float keeps such a model float; auto does from batch %d%s)",
                     where, decision.whole_model, TRUSTED_BATCH, ", not for attention, whose prediction is coarser"
-                    if decision.prices_attention else "")
+                    if decision.has_attention else "")
         return slow
     return {**slow, **decision.float_layers}
 

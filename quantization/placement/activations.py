@@ -48,6 +48,7 @@ class GraphConfig:
     quantize_embeddings: bool = True
     #: why the whole model stays float (the cost table's model-level check): nothing is placed
     model_float: str | None = None
+    float_ops: dict[str, str] = field(default_factory=dict)  # attention call (op key) -> why it stays float
 
 
 #: an embedding table is stored int8 only when its dequantized form is this close to the float table
@@ -196,6 +197,7 @@ def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kw
         graph, get_profile(config.target), targeted=targeted_fn(model, config.targets, config.ignore),
         swapped=config.swapped, skip_layers=config.skip_layers, quantize_ops=config.quantize_ops,
         embeddings=config.quantize_embeddings, tied=tied_weights(model, config.swapped), model_float=config.model_float,
+        float_ops=config.float_ops,
     )
     qg.placement, qg.pending = placement, False
     build_quantizers(qg)

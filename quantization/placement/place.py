@@ -34,6 +34,7 @@ def place(
     embeddings: bool = True,
     tied: dict[str, str] | None = None,
     model_float: str | None = None,
+    float_ops: Mapping[str, str] | None = None,
 ) -> Placement:
     """Place quantizers on ``graph`` for ``profile``.
 
@@ -50,6 +51,9 @@ def place(
     quantized anyway given quantized operands where one 8-bit scale holds them, elementwise ops
     extended into integer chains, then one quantizer id per group of tensors.
 
+    ``float_ops``: attention calls (op keys: an SDPA call, a product of two activations) kept float,
+    mapped to the reason recorded in ``floats``; their operands are not quantized for them.
+
     ``model_float``: the whole model stays float for this reason; nothing is placed, and each
     weighted op, add, concat, matmul and attention call is named in ``floats`` with it.
     """
@@ -61,7 +65,7 @@ def place(
                 pl.floats[n.key] = model_float
         return pl
     placer = _Placer(graph, profile, targeted=targeted, swapped=swapped, skip_layers=skip_layers or {},
-                     quantize_ops=quantize_ops, embeddings=embeddings, tied=tied or {})
+                     quantize_ops=quantize_ops, embeddings=embeddings, tied=tied or {}, float_ops=float_ops or {})
     for n in placer.nodes:
         if n.key not in placer.inside:
             placer.op(n)
@@ -101,6 +105,9 @@ class _Placer(IntegerChains):
         if not self.targeted(n.scope):
             if n.kind in ("add", "sdpa", "matmul", "cat"):
                 pl.floats[n.key] = "excluded by targets/ignore"
+            return
+        if n.key in self.float_ops:
+            pl.floats[n.key] = self.float_ops[n.key]
             return
         if n.kind == "sdpa":
             self.sdpa(n)

@@ -45,9 +45,11 @@ class PlacerState:
     built, the graph's indexes, and the quantized tensors with their scale-sharing groups."""
 
     def __init__(self, graph: OpGraph, profile: RuntimeProfile, *, targeted: Callable[[str], bool], swapped: set[str],
-                 skip_layers: Mapping[str, str], quantize_ops: bool, embeddings: bool, tied: dict[str, str]) -> None:
+                 skip_layers: Mapping[str, str], quantize_ops: bool, embeddings: bool, tied: dict[str, str],
+                 float_ops: Mapping[str, str]) -> None:
         self.graph, self.profile, self.targeted, self.swapped = graph, profile, targeted, swapped
         self.skip_layers, self.quantize_ops, self.embeddings, self.tied = skip_layers, quantize_ops, embeddings, tied
+        self.float_ops = float_ops
         self.pl = pl = Placement(target=profile.name)
         self.nodes = nodes = list(graph.nodes.values())
         pl.sites = {n.key: n.site for n in nodes}

@@ -201,6 +201,11 @@ def split_key(key: str) -> tuple[str, str]:
     return scope, rest.split("#", 1)[0]
 
 
+def is_op_key(name: str) -> bool:
+    """Whether ``name`` is a traced op key (``scope:kind#n``) rather than a module name."""
+    return ":" in name and "#" in name.rpartition(":")[2]
+
+
 def is_unseen(key: str) -> bool:
     """Whether ``key`` names a call the placement's trace never saw (see :class:`ScopeTracker`)."""
     return "@" in key
@@ -386,6 +391,22 @@ def _rms(v: Any) -> float:
     return 0.0
 
 
+#: float32's smallest normal and smallest subnormal, as natural logs: a softmax output exp(x - max)
+#: is subnormal where x - max falls between them
+_LOG_NORMAL, _LOG_SUBNORMAL = math.log(torch.finfo(torch.float32).tiny), math.log(2.0**-149)
+
+
+def subnormal_share(logits: Any, dim: int = -1) -> float:
+    """The share of a float32 softmax's outputs over ``logits`` (along ``dim``) that are subnormal:
+    a finite mask such as Swin's -100 pushes scores 87-103 below their row's largest, whose
+    probabilities x86 CPUs compute and multiply many times slower than normal floats."""
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point() or not logits.numel():
+        return 0.0
+    x = logits.detach().float()
+    gap = x - x.amax(dim=dim, keepdim=True)
+    return float(((gap < _LOG_NORMAL) & (gap > _LOG_SUBNORMAL)).float().mean())
+
+
 def _sdpa_ranges(args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The largest |score| (``q @ k^T * scale``) and |mask| of an attention call with a float mask:
     placement quantizes the mask add only where one 8-bit scale serves both; ``masked`` names a
@@ -403,7 +424,8 @@ def _sdpa_ranges(args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     if q.dim() >= 3 and k.dim() >= 3 and q.size(-3) != k.size(-3):
         k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
     scale = a.get("scale") or 1.0 / math.sqrt(q.size(-1))
-    return {"amax": {"scores": _amax(torch.matmul(q, k.transpose(-2, -1)) * scale), "mask": _amax(mask)}}
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    return {"amax": {"scores": _amax(scores), "mask": _amax(mask)}, "subnormal": subnormal_share(scores + mask)}
 
 
 #: the largest operand whose per-tensor 8-bit SQNR the tracer computes (a per-channel scale vector)
@@ -495,6 +517,9 @@ def _attrs(kind: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     if kind == "cat":  # the largest magnitude it joins: an angle read by cos/sin stays float (fidelity_guards.py)
         parts = args[0] if args and isinstance(args[0], (list, tuple)) else kwargs.get("tensors", ())
         return {"amax": max((_amax(v) for v in parts), default=0.0)}
+    if kind == "softmax":
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else -1)
+        return {"subnormal": subnormal_share(args[0] if args else kwargs.get("input"), dim if isinstance(dim, int) else -1)}
     if kind == "avg_pool":
         size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
         return {"output_size": size}

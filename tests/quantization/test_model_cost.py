@@ -303,9 +303,14 @@ def test_attention_products_are_priced_by_tables_with_matmul_rows(written_out: b
     assert "2 attention products" in c.describe()
     # a larger product reads the large row, scaled by the multiply-adds (twice its work here)
     assert WITH_MATMUL.matmul_us(128, 256, 64, 256) == (pytest.approx(10000.0), pytest.approx(8000.0))
-    # q, k, v float: attention runs float in both models, and o enters int8 after it
+    # q, k, v float: placement still runs attention on codes, so q, k, v and the softmax output enter int8
     c2 = model_cost(graph, layers, {"o"}, WITH_MATMUL, batch=1, example_batch=2)
-    assert (c2.matmuls, c2.matmul_float_us, c2.matmul_int8_us) == (0, 0.0, 0.0)
+    assert (c2.matmuls, c2.entries, c2.exits) == (2, 4, 1)
+    # attention kept float (slower_attention's keys): nothing priced for it, and o enters int8 after it
+    att = [n.key for n in graph.nodes.values() if n.kind in ("matmul", "sdpa")]
+    c3 = model_cost(graph, layers, {"o"}, WITH_MATMUL, batch=1, example_batch=2, float_ops=att)
+    assert (c3.matmuls, c3.matmul_float_us, c3.matmul_int8_us, c3.float_attention) == (0, 0.0, 0.0, len(att))
+    assert (c3.entries, c3.exits) == (1, 1)
 
 
 def test_auto_warns_but_does_not_act_on_attention(monkeypatch: pytest.MonkeyPatch,
@@ -382,3 +387,86 @@ def test_quickstart_report_carries_the_reason(monkeypatch: pytest.MonkeyPatch, t
     assert "int8 predicted slower than fp32 at batch 1" in (tmp_path / "run" / "report.md").read_text()
     rec = next(e for e in report.exports if e.role == "final")
     assert rec.model_float is not None and rec.precision == "fp32"
+
+
+#: WITH_MATMUL with QLinearMatMul 4x faster than MatMul at every size: attention on codes pays
+FAST_MATMUL = ct.CostTable("onnxruntime", "test ISA", "test", (
+    *TABLE.rows, _row("matmul", (4, 16, 16, 16), 40.0, 10.0, 40.0), _row("matmul", (64, 256, 64, 256), 20000.0, 5000.0, 20000.0),
+), TABLE.boundary)
+
+
+@pytest.mark.parametrize("written_out", [False, True])
+def test_attention_the_matmul_rows_price_slower_stays_float(written_out: bool, monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path: Any) -> None:
+    """The cost table's per-op rule for attention: where its ``matmul`` rows price the products on
+    int8 codes (and quantizing the softmax output) no faster than float MatMul, the SDPA call or the
+    written-out products stay float, named with the reason; the projections stay int8 and the
+    exported graph has no QLinearMatMul between activations. Where int8 products win, attention runs
+    on codes as before."""
+    from export.onnx import export_onnx
+    from export.runtimes import ort_coverage
+    from quantization.placement.model_cost import slower_attention
+
+    torch.manual_seed(0)
+    m = _Attention(written_out).eval()
+    data = [torch.randn(2, 16, 32) for _ in range(2)]
+    graph = trace_graph(m, (data[0],), {})
+    calls = [n.key for n in graph.nodes.values() if n.kind in ("matmul", "sdpa")]
+    slow = slower_attention(graph, WITH_MATMUL, batches=[1], example_batch=2)
+    assert sorted(slow) == sorted(calls) and all("QLinearMatMul vs MatMul rows" in r for r in slow.values())
+    assert slower_attention(graph, FAST_MATMUL, batches=[1], example_batch=2) == {}
+    assert slower_attention(graph, TABLE, batches=[1], example_batch=2) == {}  # no matmul rows: no rule
+    ops = {}
+    for name, table in (("slow", WITH_MATMUL), ("fast", FAST_MATMUL)):
+        _use(monkeypatch, table)
+        q = quantize(copy.deepcopy(m), "w8a8", data, params=QuantizeParams(model_check="warn"))
+        floats = view(q).kept_float
+        assert all((k in floats) == (name == "slow") for k in calls), floats
+        export_onnx(q, data[0], tmp_path / f"{name}.onnx")
+        ops[name] = ort_coverage(tmp_path / f"{name}.onnx").integer_ops
+    products = {k: v.get("QLinearMatMul", 0) + v.get("MatMulIntegerToFloat", 0) for k, v in ops.items()}
+    assert products == {"slow": 0, "fast": 2} and ops["slow"].get("QGemm") == 4, ops  # q, k, v, o int8 in both
+
+
+class _ShiftedWindow(nn.Module):
+    """Swin's shifted-window attention in small: a finite mask of -100 added to the scores between
+    positions of different windows."""
+
+    def __init__(self, fill: float, written_out: bool) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(32, 96), nn.Linear(32, 32)
+        self.written_out = written_out
+        group = torch.arange(16) // 8
+        self.register_buffer("mask", torch.where(group[:, None] == group[None, :], 0.0, fill))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 16).permute(2, 0, 3, 1, 4)
+        if self.written_out:
+            a = torch.softmax(q @ k.transpose(-2, -1) * 0.25 + self.mask, dim=-1) @ v
+        else:
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        return self.o(a.transpose(1, 2).reshape(b, t, 32))
+
+
+@pytest.mark.parametrize("written_out", [False, True])
+def test_attention_with_subnormal_probabilities_stays_on_codes(written_out: bool) -> None:
+    """A finite -100 mask leaves a share of the float softmax's outputs subnormal, which x86 runs many
+    times slower (Swin's shifted windows): such a call stays int8 whatever the ``matmul`` rows say.
+    A mask of -inf or a small bias leaves no subnormals, and the rows decide."""
+    from quantization.placement.model_cost import SUBNORMAL_SHARE, slower_attention
+    from quantization.placement.trace import subnormal_share
+
+    assert subnormal_share(torch.tensor([[0.0, -95.0]])) == 0.5
+    assert subnormal_share(torch.tensor([[0.0, -float("inf"), -50.0, -120.0]])) == 0.0
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 32)
+    for fill, kept_int8 in ((-100.0, True), (-float("inf"), False), (-1.0, False)):
+        m = _ShiftedWindow(fill, written_out).eval()
+        graph = trace_graph(m, (x,), {})
+        (probs,) = [n for n in graph.nodes.values() if n.kind in ("sdpa", "softmax")]
+        assert (probs.attrs.get("subnormal", 0.0) >= SUBNORMAL_SHARE) == kept_int8, (fill, probs.attrs)
+        slow = slower_attention(graph, WITH_MATMUL, batches=[1], example_batch=2)
+        # written out: the weighted sum reads the subnormal probabilities; the scores product does not
+        last = [n.key for n in graph.nodes.values() if n.kind in ("sdpa", "matmul")][-1]
+        assert (last not in slow) == kept_int8, (fill, slow)
