@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -90,14 +91,27 @@ def _serving_input(sm: SuiteModel) -> Any:
     return torch.randn(32, *x.shape[1:], generator=g)
 
 
+#: the least time one round spends on each file: at a few milliseconds a run, rounds of three runs
+#: measured the same float file 5-15% apart from fp32 (benchmarks/RESULTS.md, ``real_models``)
+ROUND_S = 0.25
+
+
 def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int) -> dict[str, float]:
+    """Median milliseconds per run of each session, in interleaved rounds of at least ``reps`` runs
+    and :data:`ROUND_S` seconds each, the order rotated every round (no file always runs first)."""
     feeds = {k: _feeds(s, x) for k, s in sessions.items()}
-    for k, s in sessions.items():  # warm-up
+    warm: list[float] = []
+    for k, s in sessions.items():  # warm-up, which also sizes the rounds
         for _ in range(3):
+            t0 = time.perf_counter()
             s.run(None, feeds[k])
+            warm.append(time.perf_counter() - t0)
+    reps = max(reps, math.ceil(ROUND_S / max(statistics.median(warm), 1e-6)))
     times: dict[str, list[float]] = {k: [] for k in sessions}
-    for _ in range(rounds):
-        for k, s in sessions.items():
+    order = list(sessions)
+    for r in range(rounds):
+        for k in order[r % len(order):] + order[:r % len(order)]:
+            s = sessions[k]
             t0 = time.perf_counter()
             for _ in range(reps):
                 s.run(None, feeds[k])
