@@ -134,7 +134,7 @@ SUBNORMAL_SHARE = 0.01
 #: stays float: their own repeatability. The shipped Intel table measured the same shape twice at
 #: 1.21x and 0.94x, and a shape of BERT's remeasured moved from 0.85x to 1.11x. Set between what
 #: the suites measured (benchmarks/RESULTS.md, ``real_models``): toy-width attention the rows price
-#: 1.2-1.6x slower ran faster float, by 1-20% of the model; BERT's at serving width, priced 1.17x
+#: 1.2-1.6x slower ran faster float, by 1-15% of the model; BERT's at serving width, priced 1.17x
 #: slower, ran 4-10% faster on codes.
 ATTENTION_MARGIN = 1.2
 
