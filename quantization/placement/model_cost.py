@@ -106,6 +106,11 @@ def _net(table: CostTable, us: float, nodes: int) -> float:
     return max(us - nodes * table.profile_overhead_us, 0.1 * us)
 
 
+def _quantize_us(table: CostTable, elements: float) -> float:
+    """Quantizing ``elements`` float values into int8 (one QuantizeLinear node): the ``enter:linear`` row."""
+    return _net(table, (table.boundary_us("enter:linear", elements) or (0.0, 0.0))[1], 1)
+
+
 def _attention_operands(n: OpNode) -> list[Operand]:
     want = {"matmul": 2, "sdpa": 3, "softmax": 1}[n.kind]
     ops = sorted((o for o in n.operands if o.position < want and o.source in ("op", "input") and o.floating
@@ -200,7 +205,7 @@ def slower_attention(graph: OpGraph, table: CostTable, *, batches: Sequence[int]
                 break
             fl, i8, products, quantized = got
             if quantized:
-                i8 += _net(table, (table.boundary_us("enter:linear", quantized) or (0.0, 0.0))[1], 1)
+                i8 += _quantize_us(table, quantized)
             if i8 >= fl * ATTENTION_MARGIN:
                 what = f"{products} product{'s' if products > 1 else ''} of activations" + (
                     f" and quantizing {quantized:.0f} softmax outputs" if quantized else "")
@@ -268,7 +273,7 @@ def model_cost(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], 
                 entries += 1
         fl, i8, products, quantized = got
         if n.kind == "sdpa":
-            bd += net((table.boundary_us("enter:linear", quantized) or (0.0, 0.0))[1], 1)
+            bd += _quantize_us(table, quantized)
             entries += 1
         mf, mi, mm = mf + fl, mi + i8, mm + products
         region[out] = "linear"
