@@ -480,3 +480,26 @@ def test_attention_with_subnormal_probabilities_stays_on_codes(written_out: bool
         # written out: the weighted sum reads the subnormal probabilities; the scores product does not
         last = [n.key for n in graph.nodes.values() if n.kind in ("sdpa", "matmul")][-1]
         assert (last not in slow) == kept_int8, (fill, slow)
+
+
+@pytest.mark.parametrize("name", ["bert", "llama", "swin"])
+def test_attention_rule_on_transformers_architectures(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On transformers' own BERT, Llama and Swin (from configs, random weights): with rows that price
+    attention on codes twice as slow, every SDPA call stays float, named with the cost table's
+    reason (none here has a subnormal-heavy softmax: the small Swin has no shifted-window block);
+    with rows that price it faster, none does."""
+    pytest.importorskip("transformers")
+    from benchmarks.hf_suite import suite
+
+    sm = suite(layers=2)[name](0)
+    graph = trace_graph(copy.deepcopy(sm.model).eval(), *(((), dict(sm.calibration[0])) if isinstance(
+        sm.calibration[0], dict) else ((sm.calibration[0],), {})))
+    calls = {n.key: n.attrs.get("subnormal", 0.0) for n in graph.nodes.values() if n.kind == "sdpa"}
+    assert len(calls) >= 2, calls
+    assert all(v < 0.01 for v in calls.values()), calls
+    for table, slow in ((SLOW_MATMUL, True), (FAST_MATMUL, False)):
+        _use(monkeypatch, table)
+        q = quantize(copy.deepcopy(sm.model), "w8a8", sm.calibration[:2], params=QuantizeParams(model_check="warn"))
+        floats = view(q).kept_float
+        kept = {k for k in calls if "QLinearMatMul vs MatMul rows" in floats.get(k, "")}
+        assert kept == (set(calls) if slow else set()), (kept, calls)
