@@ -1,15 +1,16 @@
 """The placement's integer-chain passes (quantization/placement/place.py runs them): products whose
 output is quantized anyway get quantized operands where one 8-bit scale holds them (RMSNorm's
 ``x * rsqrt(var + eps) * weight``, rotary's products, SwiGLU's ``silu(gate) * up``), so the runtime
-runs them as QLinearMul, and elementwise ops whose inputs are all quantized extend into integer
-chains. The fidelity bars they apply live in quantization/placement/fidelity_guards.py."""
+runs them as QLinearMul, elementwise ops whose inputs are all quantized extend into integer
+chains, and a chain with no integer kernel on either side returns to float. The fidelity bars they
+apply live in quantization/placement/fidelity_guards.py."""
 
 from __future__ import annotations
 
 import math
 
 from quantization.placement import fidelity_guards as guards
-from quantization.placement.placer_state import PlacerState
+from quantization.placement.placer_state import PlacerState, TensorGroups
 from quantization.placement.records import new_internal
 from quantization.placement.trace import Operand, OpNode
 
@@ -19,7 +20,7 @@ PRODUCT_DEPTH = 3
 
 
 class IntegerChains(PlacerState):
-    """Passes 4 and 4a of :func:`quantization.placement.place.place`, on the state they share."""
+    """Passes 4, 4a and 4b of :func:`quantization.placement.place.place`, on the state they share."""
 
     # ---- pass 4: elementwise ops whose inputs are all quantized by now run as integer kernels too
     # (a chain extends one op at a time, in graph order); their output gets a quantizer. A product's
@@ -203,3 +204,122 @@ class IntegerChains(PlacerState):
         self.groups.union(str(src[0].tensor_id), t)
         self.quantized.add(t)
         return True
+
+    # ---- pass 4b: a chain of elementwise integer ops with no integer kernel on either side (its
+    # inputs made by float ops or the model, its outputs read by float ops only) returns to float:
+    # on codes it pays a QuantizeLinear on each way in and a DequantizeLinear on each way out for
+    # elementwise work ORT's integer kernels do no faster. LeViT's attention-bias add and softmax,
+    # between a scores product and a weighted sum the cost table kept float, ran as QuantizeLinear,
+    # QLinearAdd, QLinearSoftmax and DequantizeLinear; its QLinearSoftmax alone took 167 us where the
+    # float file's Softmax took 83 (small suite, batch 32, Intel Xeon, profiled in ORT)
+    def float_islands(self) -> None:
+        if not self.quantize_ops:
+            return
+        ew = {n.key: n for n in self.nodes if self._elementwise_on_codes(n)}
+        links = TensorGroups()
+        for key, n in ew.items():
+            links.add(key)
+            for o in self._acts(n):
+                root = self._root(o)
+                if root.source == "op" and str(root.producer) in ew:
+                    links.union(key, str(root.producer))
+        chains: dict[str, list[OpNode]] = {}
+        for key, n in ew.items():
+            chains.setdefault(links.find(key), []).append(n)
+        for chain in chains.values():
+            drop = self._island(chain, ew)
+            if drop is not None:
+                self._to_float(chain, drop)
+
+    def _acts(self, n: OpNode) -> list[Operand]:
+        return [o for o in n.operands if o.source in ("op", "input") and o.floating]
+
+    def _elementwise_on_codes(self, n: OpNode) -> bool:
+        kind = n.func if n.kind in ("act", "softmax") else n.kind
+        add = self.profile.rules.get("add")
+        if not (kind in self.profile.extend or (kind == "add" and add is not None and add.output)):
+            return False
+        if n.key in self.weighted_keys or n.key in self.inside or n.key in self.pl.floats:
+            return False
+        acts = self._acts(n)
+        return f"{n.key}/0" in self.quantized and bool(acts) and all(self.grid_known(o) for o in acts)
+
+    def _root(self, o: Operand) -> Operand:
+        """The operand whose codes ``o`` reads, before pass-through ops on quantized tensors."""
+        while o.source == "op":
+            prod = self.producers.get(str(o.producer))
+            if prod is None or not self.passes(prod) or prod.key in self.inside:
+                break
+            src = self._acts(prod)
+            if len(src) != 1 or src[0].tensor_id not in self.quantized:
+                break
+            o = src[0]
+        return o
+
+    def _readers(self, t: str, path: list[str]) -> list[tuple[OpNode, Operand]]:
+        """The ops reading tensor ``t``'s codes, through pass-through ops whose outputs are quantized
+        (their tensors appended to ``path``)."""
+        out: list[tuple[OpNode, Operand]] = []
+        for n, o in self.consumers.get(t, []):
+            nxt = f"{n.key}/0"
+            if self.passes(n) and n.key not in self.inside and nxt in self.quantized:
+                path.append(nxt)
+                out += self._readers(nxt, path)
+            else:
+                out.append((n, o))
+        return out
+
+    def _on_codes(self, n: OpNode, ew: dict[str, OpNode]) -> bool:
+        """Whether ``n`` runs as an integer kernel on the codes of its quantized inputs."""
+        if n.key in ew:
+            return True
+        if n.key in self.pl.floats or n.key in self.inside:
+            return False
+        if n.kind == "embedding":  # a gather from an int8 table reads codes
+            return n.key in self.pl.entries
+        pool = n.kind == "avg_pool" or (n.kind == "mean" and bool(n.attrs.get("global_pool")))
+        if n.key not in self.weighted_keys and n.kind not in ("matmul", "sdpa", "cat") and not pool:
+            return False
+        if n.kind == "sdpa":  # quantizes its own inputs where it is not kept float
+            return True
+        acts = self._acts(n)
+        return bool(acts) and any(self.grid_known(o) for o in acts)
+
+    def _island(self, chain: list[OpNode], ew: dict[str, OpNode]) -> list[str] | None:
+        """The quantized tensors of ``chain`` and around it, where no integer kernel writes its inputs
+        or reads its outputs; None where one does."""
+        keys = {n.key for n in chain}
+        drop: list[str] = []
+        for n in chain:
+            for o in self._acts(n):
+                root = self._root(o)
+                if root.source == "op" and str(root.producer) in keys:
+                    continue
+                prod = self.producers.get(str(root.producer)) if root.source == "op" else None
+                if prod is not None and self._on_codes(prod, ew):
+                    return None
+                t = str(root.tensor_id)
+                path = [t]
+                if any(m.key not in keys and self._on_codes(m, ew) for m, _ in self._readers(t, path)):
+                    return None
+                drop += path
+            t = f"{n.key}/0"
+            path = [t]
+            if any(m.key not in keys and self._on_codes(m, ew) for m, _ in self._readers(t, path)):
+                return None
+            drop += path
+        return drop
+
+    def _to_float(self, chain: list[OpNode], drop: list[str]) -> None:
+        self.quantized.difference_update(drop)
+        pl = self.pl
+        gone: set[str] = set()
+        for n in chain:
+            gone.update(pl.entries.pop(n.key, {}).values())  # constant operands' quantizers, a gate's
+            pl.floats[n.key] = ("elementwise op between float ops (no integer kernel makes its inputs or reads its "
+                                "output): on codes it would add a quantize before it and a dequantize after it")
+        used = {q for e in pl.entries.values() for q in e.values()}
+        for qid in gone - used:
+            pl.activations.pop(qid, None)
+        for name in [k for k, v in self.by_param.items() if v in gone - used]:
+            del self.by_param[name]

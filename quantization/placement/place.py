@@ -49,7 +49,8 @@ def place(
     (embedding tables, weighted ops, attention, adds, concats, matmuls, the rest), the outputs the runtime wants
     quantized, pass-through ops sharing their neighbours' quantizers, products whose output is
     quantized anyway given quantized operands where one 8-bit scale holds them, elementwise ops
-    extended into integer chains, then one quantizer id per group of tensors.
+    extended into integer chains, chains with no integer kernel on either side returned to float,
+    then one quantizer id per group of tensors.
 
     ``float_ops``: attention calls (op keys: an SDPA call, a product of two activations) kept float,
     mapped to the reason recorded in ``floats``; their operands are not quantized for them.
@@ -73,6 +74,7 @@ def place(
     placer.pass_through()
     placer.integer_products()
     placer.extend_chains()
+    placer.float_islands()
     placer.assign_ids()
     placer.report_unquantized()
     return placer.pl

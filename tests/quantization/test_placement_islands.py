@@ -1,0 +1,130 @@
+"""Elementwise integer ops with no integer kernel on either side (issue 32): a chain of adds,
+products and softmaxes whose inputs are made by float ops and whose outputs are read only by float
+ops returns to float (placement pass ``float_islands``), named with its reason; on codes it would
+only add a QuantizeLinear before it and a DequantizeLinear after it. The same chain between integer
+kernels stays on codes."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from export.onnx import export_onnx
+from export.runtimes import ort_coverage, ort_optimized_graph
+from quantization import QuantizeParams, quantize
+from quantization.view import view
+from tests.quantization.test_model_cost import SLOW_MATMUL, _use
+
+REASON = "elementwise op between float ops"
+
+
+def _params(name: str) -> QuantizeParams:
+    """``slow``: the cost table's ``matmul`` rows keep attention's products float; ``on codes``: the
+    table off, every product on int8 codes."""
+    return QuantizeParams(model_check="warn") if name == "slow" else QuantizeParams(cost_table=False)
+
+
+class _BiasedAttention(nn.Module):
+    """LeViT's attention: ``q @ k^T * scale`` plus a learned bias per head and position pair,
+    softmax, ``@ v``, written out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(32, 32) for _ in range(4))
+        self.bias = nn.Parameter(torch.randn(2, 16, 16) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 2, 16).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = torch.softmax(q @ k.transpose(-2, -1) * 0.25 + self.bias, dim=-1) @ v
+        return self.o(a.transpose(1, 2).reshape(b, t, 32))
+
+
+def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
+    return float(10 * torch.log10(ref.pow(2).mean() / (ref - out).pow(2).mean()))
+
+
+def test_bias_add_and_softmax_between_float_products_stay_float(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """With both products kept float by the cost table, the bias add and the softmax between them
+    stay float, named with the reason: no QLinearAdd or QLinearSoftmax in ORT's graph, and no
+    DequantizeLinear. With the products on codes, the weighted sum reads the softmax's codes, and the
+    softmax stays an integer kernel."""
+    torch.manual_seed(0)
+    m = _BiasedAttention().eval()
+    data = [torch.randn(2, 16, 32) for _ in range(3)]
+    x = torch.randn(2, 16, 32)
+    with torch.no_grad():
+        ref = m(x)
+    ops: dict[str, dict[str, int]] = {}
+    for name in ("slow", "on codes"):
+        _use(monkeypatch, SLOW_MATMUL)
+        q = quantize(copy.deepcopy(m), "w8a8", data, params=_params(name))
+        floats = view(q).kept_float
+        islands = {k for k, v in floats.items() if v.startswith(REASON)}
+        if name == "slow":
+            assert {k.split(":")[-1] for k in islands} == {"add#0", "softmax#0"}, floats
+            pl = q.quantizer_graph.placement
+            assert not any(k in pl.entries for k in islands), pl.entries  # no quantizer reads or writes them
+            assert not any(qid.startswith("c") for qid in pl.activations), pl.activations  # the bias's is gone
+        else:
+            assert not islands, floats
+        path = export_onnx(q, x, tmp_path / f"{name}.onnx")
+        ops[name] = dict(ort_coverage(path).integer_ops)
+        kinds = [n.op_type for n in ort_optimized_graph(path).graph.node]
+        if name == "slow":
+            # quantized where the model enters int8 and where the float weighted sum enters o: nothing
+            # is dequantized
+            assert "Softmax" in kinds and kinds.count("QuantizeLinear") == 2 and "DequantizeLinear" not in kinds, kinds
+        with torch.no_grad():
+            assert _sqnr(ref, q(x)) > 25.0
+    assert "QLinearSoftmax" not in ops["slow"] and "QLinearAdd" not in ops["slow"], ops
+    assert ops["slow"].get("QGemm") == 4, ops
+    assert ops["on codes"].get("QLinearSoftmax") == 1, ops
+
+
+class _Between(nn.Module):
+    """The same add and softmax between two integer convs: both sides on codes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.bias = nn.Parameter(torch.randn(1, 8, 1, 1) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.softmax(self.a(x) + self.bias, dim=1))
+
+
+def test_the_same_chain_between_integer_kernels_stays_on_codes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    data = [torch.randn(4, 3, 12, 12) for _ in range(3)]
+    q = quantize(_Between().eval(), {"preset": "w8a8", "weights": {"reduce_range": True}}, data,
+                 params=QuantizeParams(cost_table=False))
+    assert not any(v.startswith(REASON) for v in view(q).kept_float.values())
+    ints = ort_coverage(export_onnx(q, data[0], tmp_path / "m.onnx")).integer_ops
+    assert ints.get("QLinearSoftmax") == 1 and ints.get("QLinearAdd") == 1, ints
+
+
+def test_levit_attention_bias_and_softmax_stay_float_where_its_products_do(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    """transformers' LeViT (from a config, random weights): with the weighted sums kept float, each
+    attention's bias add and softmax stay float and ORT's graph runs no QLinearSoftmax; with every
+    product on codes, every softmax runs as QLinearSoftmax."""
+    pytest.importorskip("transformers")
+    from benchmarks.hf_suite import suite
+
+    sm = suite(layers=1)["levit"](0)
+    softmaxes = {}
+    for name in ("slow", "on codes"):
+        _use(monkeypatch, SLOW_MATMUL)
+        q = quantize(copy.deepcopy(sm.model), "w8a8", sm.calibration[:2], params=_params(name))
+        floats = view(q).kept_float
+        islands = {k.split(":")[-1].split("#")[0] for k, v in floats.items() if v.startswith(REASON)}
+        assert islands == ({"add", "softmax"} if name == "slow" else set()), floats
+        path = export_onnx(q, sm.example, tmp_path / f"{name}.onnx")
+        softmaxes[name] = ort_coverage(path).integer_ops.get("QLinearSoftmax", 0)
+    assert softmaxes["slow"] == 0 and softmaxes["on codes"] >= 2, softmaxes
