@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, Literal, cast
 
 import torch
@@ -134,7 +135,9 @@ def prepare(
     ``quantize_embeddings``: embedding tables get int8 per-row weights (the static-activation path),
     unless that costs fidelity (graph_prepare.TABLE_MIN_SQNR_DB).
     ``speed_check``: time each layer's ORT integer kernel against its float one at the traced shape
-    and keep the layers float where int8 is slower (quantization/placement/speed_check.py; needs ``example_inputs``).
+    and keep the layers float where int8 is slower (quantization/placement/speed_check.py; needs ``example_inputs``);
+    attention's products of two activations, which are no layer, are decided by the cost table's
+    rule at the batch timed, as on the default path (none where ``cost_table`` is off).
     ``cost_table``: without ``speed_check``, keep float the layers the shipped ORT CPU cost table for this
     CPU's int8 instructions says run slower in int8 (quantization/placement/cost_table.py; onnxruntime
     target, static activations, traced shapes); nothing is timed, so the placement is reproducible.
@@ -181,6 +184,13 @@ def prepare(
         for name in slow:
             del plan[name]
         skip.update(slow)
+        # the speed check times layers; attention's products of two activations are no layer, and the
+        # cost table's rule decides them at the batch timed, as it does on the default path
+        rows = table_for(int8_isa(), cpu_name()) if cost_table and graph_mode and target == "onnxruntime" else None
+        if rows is not None and graph0 is not None:
+            batch = speed_check.batch or _example_batch(call) or 1
+            float_ops = _rank0_decides(partial(slower_attention, graph0, rows, batches=(batch,),
+                                               example_batch=_example_batch(call)), where=where)
     elif cost_table and graph_mode and target == "onnxruntime" and graph0 is not None:
         table = table_for(int8_isa(), cpu_name())
         if table is not None:

@@ -71,7 +71,10 @@ def test_table_keeps_slow_layers_float_without_timing(monkeypatch: pytest.Monkey
 
 
 def test_speed_check_refines_instead_of_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(preparation, "table_for", _no_timing)  # not consulted when speed_check is given
+    """With speed_check, layers are decided by their timings: the table's row that keeps the stem float
+    (test_table_keeps_slow_layers_float_without_timing) is not read for them (the table decides only
+    attention's products there: test_model_cost.py)."""
+    monkeypatch.setattr(preparation, "table_for", lambda isa, cpu=None: TABLE)
     timed: list[str] = []
 
     def fake_time(layers: Any, calls: Any, check: Any, *, example_batch: Any) -> list[speed_check.LayerTiming]:

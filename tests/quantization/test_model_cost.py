@@ -438,6 +438,25 @@ def test_attention_the_matmul_rows_price_slower_stays_float(written_out: bool, m
     assert products == {"slow": 0, "fast": 2} and ops["slow"].get("QGemm") == 4, ops  # q, k, v, o int8 in both
 
 
+def test_speed_check_leaves_attention_to_the_table_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The speed check times layers; attention's products are no layer, so the cost table's rule
+    keeps them float at the batch timed, as on the default path, and ``cost_table=False`` turns it off."""
+    from quantization.placement.speed_check import SpeedCheck
+
+    torch.manual_seed(0)
+    m = _Attention(written_out=True).eval()
+    data = [torch.randn(2, 16, 32) for _ in range(2)]
+    calls = [n.key for n in trace_graph(m, (data[0],), {}).nodes.values() if n.kind == "matmul"]
+    _use(monkeypatch, SLOW_MATMUL)
+    check = SpeedCheck(batch=4, runs=4, min_speedup=1e-6)  # every layer passes its timing
+    for table_on in (True, False):
+        q = quantize(copy.deepcopy(m), "w8a8", data, params=QuantizeParams(speed_check=check, cost_table=table_on))
+        floats = view(q).kept_float
+        kept = {k for k in calls if "QLinearMatMul vs MatMul rows" in floats.get(k, "")}
+        assert kept == (set(calls) if table_on else set()), floats
+        assert not any(k.split(":")[0] in "qkvo" and ":linear" in k for k in floats), floats
+
+
 class _ShiftedWindow(nn.Module):
     """Swin's shifted-window attention in small: a finite mask of -100 added to the scores between
     positions of different windows."""
