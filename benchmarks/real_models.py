@@ -96,9 +96,12 @@ def _serving_input(sm: SuiteModel) -> Any:
 ROUND_S = 0.25
 
 
-def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int) -> dict[str, float]:
+def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int) -> tuple[dict[str, float], dict[str, float]]:
     """Median milliseconds per run of each session, in interleaved rounds of at least ``reps`` runs
-    and :data:`ROUND_S` seconds each, the order rotated every round (no file always runs first)."""
+    and :data:`ROUND_S` seconds each, the order rotated every round (no file always runs first); and
+    each session's speedup over the first one (fp32), the median of the rounds' own ratios: paired
+    within a round, they hold where this VM's speed shifts between rounds (the same fp32 file ran
+    1.6 and 2.4 ms a run minutes apart), which a ratio of the two medians does not."""
     feeds = {k: _feeds(s, x) for k, s in sessions.items()}
     warm: list[float] = []
     for k, s in sessions.items():  # warm-up, which also sizes the rounds
@@ -116,7 +119,9 @@ def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int) -> dict[str,
             for _ in range(reps):
                 s.run(None, feeds[k])
             times[k].append((time.perf_counter() - t0) / reps * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+    base = times[order[0]]
+    ratios = {k: statistics.median(b / t for b, t in zip(base, v, strict=True)) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, ratios
 
 
 def _predicted(model: nn.Module, calib: Any, batch: int) -> tuple[float | None, str]:
@@ -193,7 +198,7 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
                 s = rr if k == "compress_7bit" else sessions[k]
                 sq[k].append(_sqnr(ref, s.run(None, _feeds(s, x))[0]))
         cov = {k: ort_coverage(files[k]) for k in ("compress", "all_int8", "measured", "ort")}
-        lat = _time(sessions, serving, rounds, reps=3 if size == "small" else 1)
+        lat, paired = _time(sessions, serving, rounds, reps=3 if size == "small" else 1)
         nbytes = {k: p.stat().st_size for k, p in files.items()}
     placement = q.quantizer_graph.placement
     predicted, why = _predicted(pm, sm.calibration[0], int(check_batch))
@@ -208,7 +213,9 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
         "kept_float": placement.floats,
         "sqnr_db": {k: round(statistics.mean(v), 2) for k, v in sq.items()},
         "latency_ms": {k: round(v, 3) for k, v in lat.items()},
-        "speedup": {k: round(lat["fp32"] / lat[k], 3) for k in ("compress", "all_int8", "measured", "ort")},
+        "speedup": {k: round(paired[k], 3) for k in ("compress", "all_int8", "measured", "ort")},
+        # the whole model kept float: compress's file is the fp32 model, and its speedup the timing's noise
+        "whole_float": placement.model_float is not None,
         "size_ratio": {k: round(nbytes[k] / nbytes["fp32"], 3) for k in ("compress", "measured", "ort")},
         "predicted": predicted,  # the model-level check's int8/fp32 prediction at the serving batch
         "predicted_by": why,
@@ -257,7 +264,7 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
                 "was kept float), so read speedups as +-0.2x.", ""] if loaded else []),
              f"`python -m benchmarks.real_models --size {size}` on {machine}; {what}; ORT {threads} thread(s); "
              "serving batch: 32 images or 8 sequences of max(64, calibration length) tokens; latency = "
-             "interleaved medians after warm-up. Coverage = integer kernels / (integer + "
+             "interleaved rounds after warm-up, speedup = the median of each round's fp32 / file ratio. Coverage = integer kernels / (integer + "
              "float Conv/MatMul/Gemm/Add) in ORT's optimized graph. SQNR of each int8 model's ORT output to the "
              "fp32 model's ORT output on held-out inputs. Random-weight models from transformers configs "
              "(benchmarks/hf_suite.py).", "",
@@ -308,10 +315,14 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
         keys = [k for k in ("compress", "all_int8", "measured", "ort") if all(k in r["speedup"] for r in ok)]
         med = {k: statistics.median(r["speedup"][k] for r in ok) for k in keys}
         cov = {k: statistics.median(r["coverage"][k] for r in ok) for k in keys if k in ok[0]["coverage"]}
-        slower = {k: [r["model"] for r in ok if r["speedup"][k] < 1.0] for k in keys}
+        slower = {k: [r["model"] for r in ok if r["speedup"][k] < 1.0 and not (k == "compress" and r.get("whole_float"))]
+                  for k in keys}
+        same = [f"{r['model']} {r['speedup']['compress']:.2f}x" for r in ok if r.get("whole_float")]
         lines += ["", f"Medians over {len(ok)} models: coverage " + ", ".join(f"{cov[k]:.2f} ({k})" for k in cov)
                   + "; speedup " + ", ".join(f"{med[k]:.2f}x ({k})" for k in keys) + ". Slower than fp32: "
-                  + "; ".join(f"{k} {', '.join(slower[k]) or 'none'}" for k in keys) + "."]
+                  + "; ".join(f"{k} {', '.join(slower[k]) or 'none'}" for k in keys) + "."
+                  + (f" Kept whole float by compress, so its file is the fp32 model and its figure the timing's spread: "
+                     f"{', '.join(same)}." if same else "")]
     stamps = {r.get("measured_at", "the first run (no time kept)") for r in rows}
     if len(stamps) > 1:
         lines += ["", "Rows measured at different times (load differs between them): " + "; ".join(
