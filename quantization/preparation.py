@@ -178,6 +178,8 @@ def prepare(
         for name in router_layers(graph0) & set(plan):
             del plan[name]
             skip[name] = ROUTER_REASON
+    table = (table_for(int8_isa(), cpu_name())
+             if cost_table and graph_mode and target == "onnxruntime" and graph0 is not None else None)
     if speed_check is not None:
         slow = _rank0_decides(lambda: _measure(model, plan, graph0, call, speed_check, target=target,
                                                graph_mode=graph_mode, where=where), where=where)
@@ -186,23 +188,21 @@ def prepare(
         skip.update(slow)
         # the speed check times layers; attention's products of two activations are no layer, and the
         # cost table's rule decides them at the batch timed, as it does on the default path
-        rows = table_for(int8_isa(), cpu_name()) if cost_table and graph_mode and target == "onnxruntime" else None
-        if rows is not None and graph0 is not None:
-            batch = speed_check.batch or _example_batch(call) or 1
-            float_ops = _rank0_decides(partial(slower_attention, graph0, rows, batches=(batch,),
-                                               example_batch=_example_batch(call)), where=where)
-    elif cost_table and graph_mode and target == "onnxruntime" and graph0 is not None:
-        table = table_for(int8_isa(), cpu_name())
-        if table is not None:
-            layers = {n: model.get_submodule(n) for n in plan}
-            serving = tuple(batch_sizes) if batch_sizes else (1,)
-            slow = _rank0_decides(lambda: _table_decides(graph0, layers, table, call, serving, model_check, where),
-                                  where=where)
-            model_float = slow.pop(_WHOLE_MODEL, None)
-            float_ops = {k: slow.pop(k) for k in list(slow) if is_op_key(k)}
-            for name in (list(plan) if model_float is not None else slow):
-                del plan[name]
-                skip[name] = model_float or slow[name]
+        if table is not None and graph0 is not None:
+            example = _example_batch(call)
+            batch = speed_check.batch or example or 1
+            float_ops = _rank0_decides(partial(slower_attention, graph0, table, batches=(batch,), example_batch=example),
+                                       where=where)
+    elif table is not None and graph0 is not None:
+        layers = {n: model.get_submodule(n) for n in plan}
+        serving = tuple(batch_sizes) if batch_sizes else (1,)
+        slow = _rank0_decides(lambda: _table_decides(graph0, layers, table, call, serving, model_check, where),
+                              where=where)
+        model_float = slow.pop(_WHOLE_MODEL, None)
+        float_ops = {k: slow.pop(k) for k in list(slow) if is_op_key(k)}
+        for name in (list(plan) if model_float is not None else slow):
+            del plan[name]
+            skip[name] = model_float or slow[name]
     pairs = find_conv_bn_pairs(model) if bn != "keep" else {}
     if graph0 is not None and bn != "keep":
         pairs.update(bn_pairs_from_graph(model, graph0))

@@ -33,7 +33,7 @@ class IntegerChains(PlacerState):
             if kind not in self.profile.extend or not self.targeted(n.scope) or not self.quantize_ops \
                     or n.key in self.inside:
                 continue
-            acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+            acts = self._acts(n)
             arity = 2 if kind == "mul" else 1
             out = f"{n.key}/0"
             if len(n.operands) != arity or not acts or not self.consumers.get(out):
@@ -65,7 +65,7 @@ class IntegerChains(PlacerState):
                 self.groups.add(t)
                 self.quantized.add(t)
                 return True
-            src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+            src = self._acts(prod)
             if prod.kind not in self.profile.pass_through or len(src) != 1:
                 return False
             o, t = src[0], src[0].tensor_id
@@ -96,7 +96,7 @@ class IntegerChains(PlacerState):
         reason: nothing to record, the product is not one this pass places)."""
         if n.key in self.inside or not self.targeted(n.scope) or len(n.operands) != 2 or depth > PRODUCT_DEPTH:
             return ""
-        acts = [o for o in n.operands if o.source in ("op", "input") and o.floating]
+        acts = self._acts(n)
         consts = [o for o in n.operands if o not in acts]
         if not acts or any(not o.floating for o in consts):
             return ""
@@ -142,7 +142,7 @@ class IntegerChains(PlacerState):
             prod = self.producers.get(str(root.producer))
             if prod is None or prod.key in self.inside:
                 return ""
-            src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+            src = self._acts(prod)
             if not self.passes(prod) or len(src) != 1:
                 break
             root = src[0]
@@ -176,7 +176,7 @@ class IntegerChains(PlacerState):
             prod = self.producers.get(str(o.producer)) if o.source == "op" else None
             if prod is None or not self.passes(prod) or prod.key in self.inside:
                 return False
-            src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+            src = self._acts(prod)
             if len(src) != 1:
                 return False
             o, t = src[0], src[0].tensor_id
@@ -198,7 +198,7 @@ class IntegerChains(PlacerState):
         prod = self.producers.get(str(o.producer)) if o.source == "op" else None
         if prod is None or not self.passes(prod) or prod.key in self.inside:
             return False
-        src = [p for p in prod.operands if p.source in ("op", "input") and p.floating]
+        src = self._acts(prod)
         if len(src) != 1 or not self.on_grid(src[0]):
             return False
         self.groups.union(str(src[0].tensor_id), t)
@@ -231,7 +231,9 @@ class IntegerChains(PlacerState):
             if drop is not None:
                 self._to_float(chain, drop)
 
-    def _acts(self, n: OpNode) -> list[Operand]:
+    @staticmethod
+    def _acts(n: OpNode) -> list[Operand]:
+        """``n``'s floating activation operands (ops' outputs and model inputs)."""
         return [o for o in n.operands if o.source in ("op", "input") and o.floating]
 
     def _elementwise_on_codes(self, n: OpNode) -> bool:
@@ -290,24 +292,24 @@ class IntegerChains(PlacerState):
         or reads its outputs; None where one does."""
         keys = {n.key for n in chain}
         drop: list[str] = []
+
+        def read_on_codes(t: str) -> bool:  # by an integer kernel outside the chain; else t's tensors go
+            path = [t]
+            if any(m.key not in keys and self._on_codes(m, ew) for m, _ in self._readers(t, path)):
+                return True
+            drop.extend(path)
+            return False
+
         for n in chain:
             for o in self._acts(n):
                 root = self._root(o)
                 if root.source == "op" and str(root.producer) in keys:
                     continue
                 prod = self.producers.get(str(root.producer)) if root.source == "op" else None
-                if prod is not None and self._on_codes(prod, ew):
+                if (prod is not None and self._on_codes(prod, ew)) or read_on_codes(str(root.tensor_id)):
                     return None
-                t = str(root.tensor_id)
-                path = [t]
-                if any(m.key not in keys and self._on_codes(m, ew) for m, _ in self._readers(t, path)):
-                    return None
-                drop += path
-            t = f"{n.key}/0"
-            path = [t]
-            if any(m.key not in keys and self._on_codes(m, ew) for m, _ in self._readers(t, path)):
+            if read_on_codes(f"{n.key}/0"):
                 return None
-            drop += path
         return drop
 
     def _to_float(self, chain: list[OpNode], drop: list[str]) -> None:
