@@ -288,6 +288,13 @@ def test_decomposed_attention_matches_sdpa(gqa: bool) -> None:
         ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kw)  # type: ignore[arg-type]
         out = decomposed_attention(q, k, v, enable_gqa=gqa, quant=lambda _, t: t, **kw)  # type: ignore[arg-type]
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # on codes the biased scores are finite: -inf lands on the grid's lowest code, and a row of it
+    # alone weighs its keys evenly, as a row of finfo.min does in float (no guard, no NaN)
+    on_codes = lambda role, t: t.clamp(min=-1e4) if role == "biased" else t  # noqa: E731
+    out = decomposed_attention(q, k, v, neg_inf, enable_gqa=gqa, quant=on_codes)
+    evenly = F.scaled_dot_product_attention(q, k, v, neg_inf.clamp(min=torch.finfo(q.dtype).min), enable_gqa=gqa)
+    assert evenly[0, :, 2].abs().sum() > 0
+    torch.testing.assert_close(out, evenly, atol=1e-5, rtol=1e-5)
 
 
 class Reversed(nn.Module):

@@ -20,7 +20,7 @@ from torch import nn
 
 from export.onnx import export_onnx
 from export.runtimes import ort_coverage, ort_optimized_graph
-from quantization import quantize
+from quantization import QuantizeParams, quantize
 from quantization.placement import fidelity_guards, runtimes
 from quantization.placement.mode import graph_of
 from quantization.placement.records import Placement
@@ -145,6 +145,51 @@ def test_shipped_ort_profile_keeps_the_scores_float() -> None:
     torch.manual_seed(0)
     q = quantize(Attention("causal").eval(), SEVEN_BIT, [dict(zip(("x", "keep"), _inputs(s), strict=True)) for s in range(2)])
     assert set(_placement(q).entries[":sdpa#0"]) == {"q", "k", "v", "p"}
+
+
+class WindowAttention(nn.Module):
+    """Swin's attention: SDPA with a float mask, a learned bias per head and position pair plus a
+    shift mask (0 or -8 here) given per window."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+        self.out = nn.Linear(E, E)
+        self.bias = nn.Parameter(torch.randn(H, T, T))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        q, k, v = self.qkv(x).view(b, T, 3, H, E // H).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias + mask[:, None])
+        return self.out(o.transpose(1, 2).reshape(b, T, E))
+
+
+def _window_inputs(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(4, T, T)
+    mask[1:, :6, 6:] = mask[1:, 6:, :6] = -8.0  # windows whose halves must not see each other
+    return {"x": torch.randn(4, T, E, generator=g), "mask": mask}
+
+
+def test_float_mask_on_codes_keeps_the_softmax_integer(tmp_path: Path) -> None:
+    """On codes a float mask lands on its grid, -inf on the lowest code: the softmax reads finite
+    codes, so no guard for rows that see no key stands between QLinearSoftmax and the probabilities'
+    quantizer (no Where, no reduction over the mask), and a row of -inf at serving weighs its keys
+    evenly in the int8 file as in the fake-quant model."""
+    torch.manual_seed(0)
+    m = WindowAttention().eval()
+    q = quantize(m, SEVEN_BIT, [_window_inputs(s) for s in range(3)], params=QuantizeParams(cost_table=False))
+    assert {"biased", "mask", "p", "v"} <= set(_placement(q).entries[":sdpa#0"])
+    x = _window_inputs(5)
+    x["mask"][2, 3] = float("-inf")  # query 3 of window 2 sees no key
+    path = export_onnx(q, x, tmp_path / "m.int8.onnx")
+    kinds = [n.op_type for n in ort_optimized_graph(path).graph.node]
+    assert ort_coverage(path).integer_ops.get("QLinearSoftmax") == 1
+    assert not {"Where", "ReduceMax", "Softmax"} & set(kinds), kinds
+    with torch.no_grad():
+        fake = q(**x)
+    assert fake.isfinite().all()
+    assert _sqnr(fake, _ort(path, x["x"], x["mask"])) > 25.0
 
 
 class Permute(nn.Module):
