@@ -79,13 +79,13 @@ def decomposed_attention(
             mask = quant("mask", attn_mask)
             biased = quant("scores", scores) + mask
             scores = quant("biased", biased)
-            if scores is biased and mask is attn_mask:
-                # float -inf reaches the softmax: a row of it alone (max -inf) would be NaN. Where the
-                # mask or the sum is quantized, -inf lands on the grid's lowest code like any value
-                # below the calibrated range, and such a row weighs its keys evenly (as a row of
-                # finfo.min does in float): no guard then, nothing between the softmax and its codes
-                if attn_mask.size(-1):  # one reduction, where isneginf().all() took three passes
-                    dead_probs = attn_mask.amax(dim=-1, keepdim=True) == float("-inf")
+            # float -inf reaches the softmax: a row of it alone (max -inf) would be NaN. Where the
+            # mask or the sum is quantized, -inf lands on the grid's lowest code like any value
+            # below the calibrated range, and such a row weighs its keys evenly (as a row of
+            # finfo.min does in float): no guard then, nothing between the softmax and its codes
+            if scores is biased and mask is attn_mask and attn_mask.size(-1):
+                # one reduction, where isneginf().all() took three passes
+                dead_probs = attn_mask.amax(dim=-1, keepdim=True) == float("-inf")
     elif not is_causal:
         scores = quant("scores", scores)  # the softmax's input: QLinearSoftmax where it is quantized
     probs = torch.softmax(scores, dim=-1)
