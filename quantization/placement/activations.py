@@ -49,6 +49,7 @@ class GraphConfig:
     #: why the whole model stays float (the cost table's model-level check): nothing is placed
     model_float: str | None = None
     float_ops: dict[str, str] = field(default_factory=dict)  # attention call (op key) -> why it stays float
+    serving_batch: int = 1  # the largest batch the model will be served at (integer_chains.FLOAT_WRITER_BATCH)
 
 
 #: an embedding table is stored int8 only when its dequantized form is this close to the float table
@@ -197,7 +198,7 @@ def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kw
         graph, get_profile(config.target), targeted=targeted_fn(model, config.targets, config.ignore),
         swapped=config.swapped, skip_layers=config.skip_layers, quantize_ops=config.quantize_ops,
         embeddings=config.quantize_embeddings, tied=tied_weights(model, config.swapped), model_float=config.model_float,
-        float_ops=config.float_ops,
+        float_ops=config.float_ops, serving_batch=config.serving_batch,
     )
     qg.placement, qg.pending = placement, False
     build_quantizers(qg)

@@ -18,6 +18,14 @@ from quantization.placement.trace import Operand, OpNode
 #: products, SiLU's gate): the chains that pay off are short
 PRODUCT_DEPTH = 3
 
+#: the serving batch from which an elementwise chain stays on codes next to a Linear that could write
+#: float instead: there its int8 kernels, reading and writing a quarter of the bytes, beat float ones
+#: and the dequantization after them, where below it each extra node's fixed cost weighs more. Measured
+#: pairwise (Intel Xeon, AVX-512 VNNI, ORT 1 thread): at batch 1 such chains in float ran the windowed-
+#: attention model 1.52x -> 1.58x of fp32 and Llama 0.99x -> 1.02x (its rotary products); at batch 32
+#: Swin's residual adds in float ran it 2.03x -> 1.97x, Llama level at 2.52x
+FLOAT_WRITER_BATCH = 16
+
 
 class IntegerChains(PlacerState):
     """Passes 4, 4a and 4b of :func:`quantization.placement.place.place`, on the state they share."""
@@ -215,14 +223,20 @@ class IntegerChains(PlacerState):
     def float_islands(self) -> None:
         if not self.quantize_ops:
             return
-        ew = {n.key: n for n in self.nodes if self._elementwise_on_codes(n)}
+        ew = {n.key: n for n in self.nodes if self._elementwise_on_codes(n) or self._cat_on_codes(n)}
         links = TensorGroups()
+        first_reader: dict[str, str] = {}
         for key, n in ew.items():
             links.add(key)
             for o in self._acts(n):
                 root = self._root(o)
                 if root.source == "op" and str(root.producer) in ew:
                     links.union(key, str(root.producer))
+                elif root.tensor_id is not None:
+                    # chains reading one tensor's codes are decided together: each would otherwise
+                    # keep the others on codes as integer readers of it (rotary's cos and sin, read
+                    # by every layer's products)
+                    links.union(key, first_reader.setdefault(root.tensor_id, key))
         chains: dict[str, list[OpNode]] = {}
         for key, n in ew.items():
             chains.setdefault(links.find(key), []).append(n)
@@ -245,6 +259,30 @@ class IntegerChains(PlacerState):
             return False
         acts = self._acts(n)
         return f"{n.key}/0" in self.quantized and bool(acts) and all(self.grid_known(o) for o in acts)
+
+    def _cat_on_codes(self, n: OpNode) -> bool:
+        """A concat the runtime requantizes on codes (ORT's QLinearConcat): data movement that joins
+        the chain it sits in (rotary's ``rotate_half``), on codes or in float with it."""
+        if n.kind != "cat" or not self._requantizes_cats():
+            return False
+        if n.key in self.inside or n.key in self.pl.floats or f"{n.key}/0" not in self.quantized:
+            return False
+        acts = self._acts(n)
+        return bool(acts) and all(self.grid_known(o) for o in acts)
+
+    def _requantizes_cats(self) -> bool:
+        rule = self.profile.rules.get("cat")
+        return rule is not None and rule.output and not rule.shared
+
+    def _writes_codes(self, n: OpNode, ew: dict[str, OpNode]) -> bool:
+        """Whether integer kernel ``n`` writes codes for an elementwise chain: ORT's MatMulIntegerToFloat
+        and QGemm write float at no cost (rules with no ``output``: Linear, addmm, products, attention)
+        where the model is served below FLOAT_WRITER_BATCH; QLinearConv, QLinearAdd, QLinearConcat, a
+        pool and an int8 gather write codes."""
+        if n.key in ew or self.serving_batch >= FLOAT_WRITER_BATCH:
+            return True
+        rule = self.profile.rules.get(n.kind)
+        return rule is None or rule.output
 
     def _root(self, o: Operand) -> Operand:
         """The operand whose codes ``o`` reads, before pass-through ops on quantized tensors."""
@@ -279,6 +317,8 @@ class IntegerChains(PlacerState):
             return False
         if n.kind == "embedding":  # a gather from an int8 table reads codes
             return n.key in self.pl.entries
+        if n.kind == "cat" and self._requantizes_cats():  # QLinearConcat only with its output quantized
+            return self._cat_on_codes(n)
         pool = n.kind == "avg_pool" or (n.kind == "mean" and bool(n.attrs.get("global_pool")))
         if n.key not in self.weighted_keys and n.kind not in ("matmul", "sdpa", "cat") and not pool:
             return False
@@ -306,7 +346,9 @@ class IntegerChains(PlacerState):
                 if root.source == "op" and str(root.producer) in keys:
                     continue
                 prod = self.producers.get(str(root.producer)) if root.source == "op" else None
-                if (prod is not None and self._on_codes(prod, ew)) or read_on_codes(str(root.tensor_id)):
+                # a Linear or product whose codes only the chain reads writes float instead
+                if (prod is not None and self._on_codes(prod, ew) and self._writes_codes(prod, ew)) \
+                        or read_on_codes(str(root.tensor_id)):
                     return None
             if read_on_codes(f"{n.key}/0"):
                 return None

@@ -35,6 +35,7 @@ def place(
     tied: dict[str, str] | None = None,
     model_float: str | None = None,
     float_ops: Mapping[str, str] | None = None,
+    serving_batch: int = 1,
 ) -> Placement:
     """Place quantizers on ``graph`` for ``profile``.
 
@@ -55,6 +56,10 @@ def place(
     ``float_ops``: attention calls (op keys: an SDPA call, a product of two activations) kept float,
     mapped to the reason recorded in ``floats``; their operands are not quantized for them.
 
+    ``serving_batch``: the largest batch the model will be served at; below
+    :data:`~quantization.placement.integer_chains.FLOAT_WRITER_BATCH`, a Linear whose codes only an
+    elementwise chain reads does not keep that chain on codes (it writes float instead).
+
     ``model_float``: the whole model stays float for this reason; nothing is placed, and each
     weighted op, add, concat, matmul and attention call is named in ``floats`` with it.
     """
@@ -66,7 +71,8 @@ def place(
                 pl.floats[n.key] = model_float
         return pl
     placer = _Placer(graph, profile, targeted=targeted, swapped=swapped, skip_layers=skip_layers or {},
-                     quantize_ops=quantize_ops, embeddings=embeddings, tied=tied or {}, float_ops=float_ops or {})
+                     quantize_ops=quantize_ops, embeddings=embeddings, tied=tied or {}, float_ops=float_ops or {},
+                     serving_batch=serving_batch)
     for n in placer.nodes:
         if n.key not in placer.inside:
             placer.op(n)

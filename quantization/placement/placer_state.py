@@ -46,10 +46,10 @@ class PlacerState:
 
     def __init__(self, graph: OpGraph, profile: RuntimeProfile, *, targeted: Callable[[str], bool], swapped: set[str],
                  skip_layers: Mapping[str, str], quantize_ops: bool, embeddings: bool, tied: dict[str, str],
-                 float_ops: Mapping[str, str]) -> None:
+                 float_ops: Mapping[str, str], serving_batch: int = 1) -> None:
         self.graph, self.profile, self.targeted, self.swapped = graph, profile, targeted, swapped
         self.skip_layers, self.quantize_ops, self.embeddings, self.tied = skip_layers, quantize_ops, embeddings, tied
-        self.float_ops = float_ops
+        self.float_ops, self.serving_batch = float_ops, serving_batch
         self.pl = pl = Placement(target=profile.name)
         self.nodes = nodes = list(graph.nodes.values())
         pl.sites = {n.key: n.site for n in nodes}

@@ -128,3 +128,36 @@ def test_levit_attention_bias_and_softmax_stay_float_where_its_products_do(monke
         path = export_onnx(q, sm.example, tmp_path / f"{name}.onnx")
         softmaxes[name] = ort_coverage(path).integer_ops.get("QLinearSoftmax", 0)
     assert softmaxes["slow"] == 0 and softmaxes["on codes"] >= 2, softmaxes
+
+
+def test_llama_rotary_stays_float_between_its_projections_and_float_attention(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    """transformers' Llama (from a config, random weights): with attention kept float, the rotary
+    products, adds and ``rotate_half`` concats of every layer stay float, decided together (they all
+    read the same cos and sin): q_proj and k_proj, still int8, write float at no cost, so no integer
+    kernel is on either side. With attention on codes they run as QLinearMul and QLinearConcat, and
+    so they do served at batch 32 (FLOAT_WRITER_BATCH), where the projections write codes for them."""
+    pytest.importorskip("transformers")
+    from benchmarks.hf_suite import suite
+
+    sm = suite(layers=2)["llama"](0)
+    concats = {}
+    for name in ("slow", "on codes", "slow at batch 32"):
+        _use(monkeypatch, SLOW_MATMUL)
+        params = _params(name.split(" at ")[0])
+        if name.endswith("32"):
+            params = params.model_copy(update={"batch_sizes": (32,)})
+        q = quantize(copy.deepcopy(sm.model), "w8a8", sm.calibration[:2], params=params)
+        floats = view(q).kept_float
+        rotary = {k for k, v in floats.items() if ".self_attn:" in k and v.startswith(REASON)}
+        if name == "slow":
+            assert {k.rsplit(":", 1)[1].split("#")[0] for k in rotary} == {"mul", "add", "cat"}, floats
+            assert len({k.split(".self_attn:")[0] for k in rotary}) == 2, rotary  # both layers
+            assert not any("_proj:" in k for k in floats), floats  # the projections stay int8
+        else:
+            assert not rotary, floats
+        if name.endswith("32"):  # attention float there too: only the batch changed
+            assert any(k.endswith(":sdpa#0") for k in floats), floats
+        path = export_onnx(q, sm.example, tmp_path / f"{name}.onnx")
+        concats[name] = ort_coverage(path).integer_ops.get("QLinearConcat", 0)
+    assert concats["slow"] == 0 and concats["on codes"] >= 4 and concats["slow at batch 32"] >= 4, concats

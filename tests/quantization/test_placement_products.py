@@ -241,6 +241,9 @@ def test_real_smollm2_layers_keep_their_fidelity_with_integer_products(
     after = measure(after_q)
     with pytest.MonkeyPatch.context() as mp:  # the placement without this pass: what it was before
         mp.setattr(placement._Placer, "integer_products", lambda self: None)
+        # and without float islands, which without integer products would return the residual adds
+        # around the float RMSNorms to float (o_proj and down_proj write float at no cost)
+        mp.setattr(placement._Placer, "float_islands", lambda self: None)
         before = measure(quantize(copy.deepcopy(model), "w8a8", [calib[:2], calib[2:]]))
     assert after[0] >= before[0] - 0.5, (before, after)
     assert after[1] >= before[1] - 0.03, (before, after)

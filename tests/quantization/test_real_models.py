@@ -112,12 +112,13 @@ def test_real_model_exports_int8_that_ort_runs_in_integers(name: str, tmp_path: 
     assert weighted_float == [], weighted_float  # every Conv/MatMul/Gemm runs in integers
     # adds with a constant or broadcast operand (position embeddings, attention biases, GELU's 1 + tanh)
     # run as QLinearAdd too; what stays float is an add the placement names, for its measured reason
-    # (RMSNorm's var + eps in Llama and Qwen2: an operand 1e2-1e8x the other)
+    # (RMSNorm's var + eps in Llama and Qwen2: an operand 1e2-1e8x the other; a residual add between a
+    # Linear that writes float at no cost and float readers, Swin's first: integer_chains.float_islands)
     pl = q.quantizer_graph.placement
     kept_adds = {k: r for k, r in pl.floats.items() if ":add#" in k}
     assert len(cov.float_nodes) <= len(kept_adds), (cov.float_nodes, kept_adds)
-    assert all("in magnitude" in r for r in kept_adds.values()), kept_adds
-    if name not in ("llama", "qwen2"):
+    assert all("in magnitude" in r or r.startswith("elementwise op between float ops") for r in kept_adds.values()), kept_adds
+    if not kept_adds:
         assert cov.float_nodes == [] and cov.integer > 0, cov.float_nodes
     if sm.kind == "text":  # token (and position) embedding tables are int8 rows
         assert any(u.table for u in pl.weights.values()), pl.weights
