@@ -234,7 +234,7 @@ def prepare(
             target=target, targets=list(targets), ignore=list(ignore), quantize_ops=quantize_ops,
             activation_spec=scheme.inputs.with_(granularity="tensor", axis=0), weight_spec=scheme.weights,
             swapped=set(swapped), skip_layers=skip, quantize_embeddings=quantize_embeddings, model_float=model_float,
-            float_ops=float_ops, serving_batch=max(batch_sizes) if batch_sizes else 1,
+            float_ops=float_ops, serving_batch=_serving_batch(batch_sizes, speed_check),
         )
         new_graph(model, config)
         if call is not None:
@@ -242,6 +242,14 @@ def prepare(
     log.info("%s: prepared %d modules (%s)", where, len(swapped), _summary(swapped))
     attach_quantized_save(model)
     return swapped
+
+
+def _serving_batch(batch_sizes: Sequence[int] | None, speed_check: SpeedCheck | None) -> int:
+    """The largest batch the model will be served at: ``batch_sizes``, else the batch ``speed_check``
+    times at, else 1."""
+    if batch_sizes:
+        return max(batch_sizes)
+    return speed_check.batch if speed_check is not None and speed_check.batch else 1
 
 
 def _save_pretrained_quantized(self: nn.Module, save_directory: Any, *args: Any, **kwargs: Any) -> Any:

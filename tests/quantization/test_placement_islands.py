@@ -161,3 +161,13 @@ def test_llama_rotary_stays_float_between_its_projections_and_float_attention(mo
         path = export_onnx(q, sm.example, tmp_path / f"{name}.onnx")
         concats[name] = ort_coverage(path).integer_ops.get("QLinearConcat", 0)
     assert concats["slow"] == 0 and concats["on codes"] >= 4 and concats["slow at batch 32"] >= 4, concats
+
+
+def test_the_chains_are_decided_at_the_largest_batch_the_model_is_served_at() -> None:
+    """``batch_sizes`` (a recipe's ``validate.batch_sizes``), else the batch ``speed_check`` times at."""
+    from quantization.placement.speed_check import SpeedCheck
+    from quantization.preparation import _serving_batch
+
+    assert _serving_batch((1, 32), None) == 32 and _serving_batch((4,), SpeedCheck(batch=64)) == 4
+    assert _serving_batch(None, SpeedCheck(batch=32)) == 32 and _serving_batch(None, SpeedCheck()) == 1
+    assert _serving_batch(None, None) == 1
