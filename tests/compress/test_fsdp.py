@@ -475,10 +475,14 @@ def test_killed_rank_two_nodes_then_resume_on_two_ranks_and_on_one(tmp_path: Pat
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     port = _free_port()
-    # the multi-node command of docs/distributed.md, as two nodes of one process each on this machine
+    # the multi-node command of docs/distributed.md, as two nodes of one process each on this machine.
+    # Node 0 hosts the rendezvous store, as the node the endpoint names does on real machines: here
+    # both match the endpoint's host, and whichever bound first hosted it, so the killed rank's node
+    # could take the store down with it and the survivor's agent stop rank 0 before it said anything
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}",
          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=fsdp-test",
+         f"--rdzv-conf=is_host={int(n == 0)}",
          str(driver), "apply", str(recipe), "--out", str(out)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
     t0 = time.monotonic()
