@@ -22,8 +22,8 @@ PRODUCT_DEPTH = 3
 #: float instead: there its int8 kernels, reading and writing a quarter of the bytes, beat float ones
 #: and the dequantization after them, where below it each extra node's fixed cost weighs more. Measured
 #: pairwise (Intel Xeon, AVX-512 VNNI, ORT 1 thread): at batch 1 such chains in float ran the windowed-
-#: attention model 1.52x -> 1.58x of fp32 and Llama 0.99x -> 1.02x (its rotary products); at batch 32
-#: Swin's residual adds in float ran it 2.03x -> 1.97x, Llama level at 2.52x
+#: attention model 1.52x -> 1.58x of fp32 and Llama 0.99x -> 1.03x (its rotary products); at batch 32
+#: Swin's residual adds in float ran it 2.05x -> 1.96x, Llama level at 2.52x (benchmarks/RESULTS.md)
 FLOAT_WRITER_BATCH = 16
 
 
