@@ -219,7 +219,9 @@ class IntegerChains(PlacerState):
     # elementwise work ORT's integer kernels do no faster. LeViT's attention-bias add and softmax,
     # between a scores product and a weighted sum the cost table kept float, ran as QuantizeLinear,
     # QLinearAdd, QLinearSoftmax and DequantizeLinear; its QLinearSoftmax alone took 167 us where the
-    # float file's Softmax took 83 (small suite, batch 32, Intel Xeon, profiled in ORT)
+    # float file's Softmax took 83 (small suite, batch 32, Intel Xeon, profiled in ORT). Concats on
+    # codes are chain members; below FLOAT_WRITER_BATCH a Linear or product whose codes only the chain
+    # reads counts as a float maker (:meth:`_writes_codes`)
     def float_islands(self) -> None:
         if not self.quantize_ops:
             return
