@@ -246,7 +246,7 @@ def prepare(
 
 def _serving_batch(batch_sizes: Sequence[int] | None, speed_check: SpeedCheck | None) -> int:
     """The largest batch the model will be served at: ``batch_sizes``, else the batch ``speed_check``
-    times at, else 1."""
+    is told to time at, else 1."""
     if batch_sizes:
         return max(batch_sizes)
     return speed_check.batch if speed_check is not None and speed_check.batch else 1

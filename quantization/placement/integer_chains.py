@@ -276,15 +276,13 @@ class IntegerChains(PlacerState):
         rule = self.profile.rules.get("cat")
         return rule is not None and rule.output and not rule.shared
 
-    def _writes_codes(self, n: OpNode, ew: dict[str, OpNode]) -> bool:
+    def _writes_codes(self, n: OpNode) -> bool:
         """Whether integer kernel ``n`` writes codes for an elementwise chain: ORT's MatMulIntegerToFloat
         and QGemm write float at no cost (rules with no ``output``: Linear, addmm, products, attention)
         where the model is served below FLOAT_WRITER_BATCH; QLinearConv, QLinearAdd, QLinearConcat, a
         pool and an int8 gather write codes."""
-        if n.key in ew or self.serving_batch >= FLOAT_WRITER_BATCH:
-            return True
         rule = self.profile.rules.get(n.kind)
-        return rule is None or rule.output
+        return self.serving_batch >= FLOAT_WRITER_BATCH or rule is None or rule.output
 
     def _root(self, o: Operand) -> Operand:
         """The operand whose codes ``o`` reads, before pass-through ops on quantized tensors."""
@@ -348,8 +346,9 @@ class IntegerChains(PlacerState):
                 if root.source == "op" and str(root.producer) in keys:
                     continue
                 prod = self.producers.get(str(root.producer)) if root.source == "op" else None
-                # a Linear or product whose codes only the chain reads writes float instead
-                if (prod is not None and self._on_codes(prod, ew) and self._writes_codes(prod, ew)) \
+                # a Linear or product whose codes only the chain reads writes float instead (a chain op
+                # making the input would have linked it into this chain)
+                if (prod is not None and self._on_codes(prod, ew) and self._writes_codes(prod)) \
                         or read_on_codes(str(root.tensor_id)):
                     return None
             if read_on_codes(f"{n.key}/0"):
