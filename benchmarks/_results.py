@@ -7,6 +7,7 @@ benchmarks can be rerun independently without clobbering each other's figures.
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 import time
@@ -34,6 +35,23 @@ def machine_line(m: dict[str, Any] | None = None) -> str:
         f"{m['cpu']}" + (f" ({m['int8_isa']})" if m.get("int8_isa") else "") + f", {m['cores']} cores, {m['memory_gib']} GiB{gpu}; "
         f"Python {m['python']}, torch {m['torch']}" + (f", onnxruntime {m['onnxruntime']}" if "onnxruntime" in m else "")
     )
+
+
+def median_interval(xs: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of ``xs`` at confidence ``level``: the order
+    statistics ``x_(j)`` and ``x_(n+1-j)`` where the count of samples below the median is
+    Binomial(n, 1/2); too few samples for ``level`` give the whole range (7 give 98.4%)."""
+    s = sorted(xs)
+    n = len(s)
+    if n == 0:
+        raise ValueError("median_interval: no samples")
+    tail, j = 0.0, 0
+    for k in range(n + 1):
+        p = math.comb(n, k) / 2**n
+        if tail + p > (1 - level) / 2:
+            break
+        tail, j = tail + p, k + 1
+    return (s[0], s[-1]) if j == 0 else (s[j - 1], s[n - j])
 
 
 def median_time_ms(fn: Callable[[], Any], *, warmup: int = 5, runs: int = 20) -> float:

@@ -8,10 +8,11 @@ same calibration batches; then, side by side in one run:
 - coverage: integer kernels / (integer + float Conv/MatMul/Gemm/Add) in ORT's optimized graph;
 - SQNR (dB) of each int8 model's ORT output against the fp32 model's ORT output on held-out inputs;
 - ORT latency at a serving batch (fp32, compress int8 and ORT int8 timed in interleaved rounds,
-  medians after warm-up) and the speedups over fp32;
+  medians after warm-up) and the speedups over fp32, each the median of the rounds' paired ratios
+  with its 95% interval: a row is slower than fp32 only where that interval lies below 1;
 - file size over the fp32 file.
 
-``python -m benchmarks.real_models [--size small|serving] [--models resnet bert ...] [--rounds N]``
+``python -m benchmarks.real_models [--size small|serving] [--models resnet bert ...] [--rounds N] [--max-rounds M]``
 writes benchmarks/results/real_models[_serving].json and its section of benchmarks/RESULTS.md.
 ``small`` is the test suite's configs (coverage and fidelity); ``serving`` the same architectures at
 their published widths (speed: the small ones are all Q/DQ overhead).
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from benchmarks._results import median_interval
 from benchmarks.hf_suite import SERVING, SUITE, SuiteModel
 from benchmarks.pattern_models import PATTERNS
 
@@ -96,12 +98,15 @@ def _serving_input(sm: SuiteModel) -> Any:
 ROUND_S = 0.25
 
 
-def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int) -> tuple[dict[str, float], dict[str, float]]:
+def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int, *, max_rounds: int | None = None,
+          judged: str = "compress") -> tuple[dict[str, float], dict[str, list[float]]]:
     """Median milliseconds per run of each session, in interleaved rounds of at least ``reps`` runs
     and :data:`ROUND_S` seconds each, the order rotated every round (no file always runs first); and
-    each session's speedup over the first one (fp32), the median of the rounds' own ratios: paired
-    within a round, they hold where this VM's speed shifts between rounds (the same fp32 file ran
-    1.6 and 2.4 ms a run minutes apart), which a ratio of the two medians does not."""
+    each round's fp32 / file ratio per session (the first session is fp32): paired within a round,
+    they hold where this VM's speed shifts between rounds (the same fp32 file ran 1.6 and 2.4 ms a
+    run minutes apart), which a ratio of two medians does not. Past ``rounds``, rounds are added up
+    to ``max_rounds`` while the 95% interval of ``judged``'s median ratio still holds 1: whether a
+    file is slower than fp32 is then decided by more rounds, not by one run's draw."""
     feeds = {k: _feeds(s, x) for k, s in sessions.items()}
     warm: list[float] = []
     for k, s in sessions.items():  # warm-up, which also sizes the rounds
@@ -112,16 +117,32 @@ def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int) -> tuple[dic
     reps = max(reps, math.ceil(ROUND_S / max(statistics.median(warm), 1e-6)))
     times: dict[str, list[float]] = {k: [] for k in sessions}
     order = list(sessions)
-    for r in range(rounds):
+
+    def ratios() -> dict[str, list[float]]:
+        return {k: [b / t for b, t in zip(times[order[0]], v, strict=True)] for k, v in times.items()}
+
+    r = 0
+    while r < rounds or (r < (max_rounds or rounds) and _interval_holds_one(ratios()[judged])):
         for k in order[r % len(order):] + order[:r % len(order)]:
             s = sessions[k]
             t0 = time.perf_counter()
             for _ in range(reps):
                 s.run(None, feeds[k])
             times[k].append((time.perf_counter() - t0) / reps * 1e3)
-    base = times[order[0]]
-    ratios = {k: statistics.median(b / t for b, t in zip(base, v, strict=True)) for k, v in times.items()}
-    return {k: statistics.median(v) for k, v in times.items()}, ratios
+        r += 1
+    return {k: statistics.median(v) for k, v in times.items()}, ratios()
+
+
+def _interval_holds_one(xs: list[float]) -> bool:
+    lo, hi = median_interval(xs)
+    return lo <= 1.0 <= hi
+
+
+def _verdict(xs: list[float]) -> str:
+    """``slower``, ``faster`` or ``level`` than fp32: where the 95% interval of the median paired
+    ratio lies (benchmarks/_results.py, :func:`median_interval`)."""
+    lo, hi = median_interval(xs)
+    return "slower" if hi < 1.0 else "faster" if lo > 1.0 else "level"
 
 
 def _predicted(model: nn.Module, calib: Any, batch: int) -> tuple[float | None, str]:
@@ -146,7 +167,7 @@ def _predicted(model: nn.Module, calib: Any, batch: int) -> tuple[float | None, 
     return (round(costs[batch].speedup, 3), table.source) if batch in costs else (None, "no row near a layer")
 
 
-def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dict[str, Any]:
+def run_one(name: str, *, rounds: int, threads: int, size: str = "small", max_rounds: int | None = None) -> dict[str, Any]:
     import compress
     from export.onnx import export_onnx
     from export.runtimes import ort_coverage
@@ -198,7 +219,7 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
                 s = rr if k == "compress_7bit" else sessions[k]
                 sq[k].append(_sqnr(ref, s.run(None, _feeds(s, x))[0]))
         cov = {k: ort_coverage(files[k]) for k in ("compress", "all_int8", "measured", "ort")}
-        lat, paired = _time(sessions, serving, rounds, reps=3 if size == "small" else 1)
+        lat, paired = _time(sessions, serving, rounds, reps=3 if size == "small" else 1, max_rounds=max_rounds)
         nbytes = {k: p.stat().st_size for k, p in files.items()}
     placement = q.quantizer_graph.placement
     predicted, why = _predicted(pm, sm.calibration[0], int(check_batch))
@@ -213,7 +234,12 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small") -> dic
         "kept_float": placement.floats,
         "sqnr_db": {k: round(statistics.mean(v), 2) for k, v in sq.items()},
         "latency_ms": {k: round(v, 3) for k, v in lat.items()},
-        "speedup": {k: round(paired[k], 3) for k in ("compress", "all_int8", "measured", "ort")},
+        "speedup": {k: round(statistics.median(paired[k]), 3) for k in ("compress", "all_int8", "measured", "ort")},
+        # the 95% interval of each median paired ratio, and where it lies against fp32
+        "speedup_interval": {k: [round(v, 3) for v in median_interval(paired[k])]
+                             for k in ("compress", "all_int8", "measured", "ort")},
+        "verdict": {k: _verdict(paired[k]) for k in ("compress", "all_int8", "measured", "ort")},
+        "rounds": len(paired["fp32"]),
         # the whole model kept float: compress's file is the fp32 model, and its speedup the timing's noise
         "whole_float": placement.model_float is not None,
         "size_ratio": {k: round(nbytes[k] / nbytes["fp32"], 3) for k in ("compress", "measured", "ort")},
@@ -253,6 +279,17 @@ def _pred_cell(r: dict[str, Any]) -> str:
     return f"{r['predicted']:.2f}x" if r["predicted"] is not None else f"not judged ({r['predicted_by']})"
 
 
+def _interval_cell(r: dict[str, Any]) -> str:
+    iv = r.get("speedup_interval", {}).get("compress")
+    return f" ({iv[0]:.2f}-{iv[1]:.2f}, {r['rounds']} rounds)" if iv else ""
+
+
+def _slower(r: dict[str, Any], k: str) -> bool:
+    """Slower than fp32: by the interval where the row has one, else (rows of older runs) by the median."""
+    verdict = r.get("verdict", {}).get(k)
+    return verdict == "slower" if verdict is not None else bool(r["speedup"][k] < 1.0)
+
+
 def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: str = "small") -> None:
     what = ("the small configs (benchmarks/hf_suite.py SUITE; the tests run them at one layer)" if size == "small" else
             "published base widths with fewer blocks (benchmarks/hf_suite.py SERVING)")
@@ -264,7 +301,8 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
                 "was kept float), so read speedups as +-0.2x.", ""] if loaded else []),
              f"`python -m benchmarks.real_models --size {size}` on {machine}; {what}; ORT {threads} thread(s); "
              "serving batch: 32 images or 8 sequences of max(64, calibration length) tokens; latency = "
-             "interleaved rounds after warm-up, speedup = the median of each round's fp32 / file ratio. Coverage = integer kernels / (integer + "
+             "interleaved rounds after warm-up, speedup = the median of each round's fp32 / file ratio (for compress, "
+             "its 95% interval and the rounds run in brackets). Coverage = integer kernels / (integer + "
              "float Conv/MatMul/Gemm/Add) in ORT's optimized graph. SQNR of each int8 model's ORT output to the "
              "fp32 model's ORT output on held-out inputs. Random-weight models from transformers configs "
              "(benchmarks/hf_suite.py).", "",
@@ -306,7 +344,7 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
                      f"{mul['ort']} / {add['ort']} | "
                      f"{s['compress']:.1f} / {s.get('measured', nan):.1f} / {s['ort']:.1f} "
                      f"({s.get('compress_7bit', nan):.1f}) | "
-                     f"{v['compress']:.2f}x / {v.get('all_int8', nan):.2f}x / {v.get('measured', nan):.2f}x / "
+                     f"{v['compress']:.2f}x{_interval_cell(r)} / {v.get('all_int8', nan):.2f}x / {v.get('measured', nan):.2f}x / "
                      f"{v['ort']:.2f}x | "
                      f"{z['compress']:.2f} / {z.get('measured', nan):.2f} / {z['ort']:.2f} | "
                      f"{len(r.get('table_float', {}))} / {len(r.get('measured_float', {}))} | {_pred_cell(r)} |")
@@ -315,12 +353,18 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
         keys = [k for k in ("compress", "all_int8", "measured", "ort") if all(k in r["speedup"] for r in ok)]
         med = {k: statistics.median(r["speedup"][k] for r in ok) for k in keys}
         cov = {k: statistics.median(r["coverage"][k] for r in ok) for k in keys if k in ok[0]["coverage"]}
-        slower = {k: [r["model"] for r in ok if r["speedup"][k] < 1.0 and not (k == "compress" and r.get("whole_float"))]
+        slower = {k: [r["model"] for r in ok if _slower(r, k) and not (k == "compress" and r.get("whole_float"))]
                   for k in keys}
+        level = [f"{r['model']} {r['speedup']['compress']:.2f}x" for r in ok if r.get("verdict", {}).get("compress") == "level"
+                 and r["speedup"]["compress"] < 1.0 and not r.get("whole_float")]
         same = [f"{r['model']} {r['speedup']['compress']:.2f}x" for r in ok if r.get("whole_float")]
         lines += ["", f"Medians over {len(ok)} models: coverage " + ", ".join(f"{cov[k]:.2f} ({k})" for k in cov)
                   + "; speedup " + ", ".join(f"{med[k]:.2f}x ({k})" for k in keys) + ". Slower than fp32: "
                   + "; ".join(f"{k} {', '.join(slower[k]) or 'none'}" for k in keys) + "."
+                  + (" A row is slower only where the 95% interval of its median paired ratio lies below 1 (the rounds "
+                     "of each row, at least --rounds and more while compress's interval holds 1); compress rows below "
+                     f"1x whose interval holds 1, level with fp32 within this run's spread: {', '.join(level)}."
+                     if level else "")
                   + (f" Kept whole float by compress, so its file is the fp32 model and its figure the timing's spread: "
                      f"{', '.join(same)}." if same else "")]
     stamps = {r.get("measured_at", "the first run (no time kept)") for r in rows}
@@ -358,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--size", choices=sorted(SUITES), default="small")
     ap.add_argument("--models", nargs="*", default=None)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--max-rounds", type=int, default=21,
+                    help="rounds a row may take while compress's speedup interval still holds 1")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--merge", action="store_true",
                     help="replace --models' rows in the last run's results and keep the others (each row keeps its time)")
@@ -370,7 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     names = args.models or list(SUITES[args.size])
     for i, name in enumerate(names):
         try:
-            row = run_one(name, rounds=args.rounds, threads=args.threads, size=args.size)
+            row = run_one(name, rounds=args.rounds, threads=args.threads, size=args.size, max_rounds=args.max_rounds)
         except Exception as exc:  # one model's failure is a result, not the end of the run
             row = {"model": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
         row["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
