@@ -234,7 +234,7 @@ def prepare(
             target=target, targets=list(targets), ignore=list(ignore), quantize_ops=quantize_ops,
             activation_spec=scheme.inputs.with_(granularity="tensor", axis=0), weight_spec=scheme.weights,
             swapped=set(swapped), skip_layers=skip, quantize_embeddings=quantize_embeddings, model_float=model_float,
-            float_ops=float_ops, serving_batch=_serving_batch(batch_sizes, speed_check),
+            float_ops=float_ops, serving_batch=_serving_batch(batch_sizes, speed_check), cost_table=table,
         )
         new_graph(model, config)
         if call is not None:

@@ -23,6 +23,7 @@ from compress.core.errors import CalibrationError, CompressError
 from compress.core.targets import pattern_matches
 from compress.core.tracing import tensor_leaves
 from quantization.numerics.spec import QuantSpec
+from quantization.placement.cost_table import CostTable
 from quantization.placement.graph_patterns import weighted_operands
 from quantization.placement.mode import QuantizerGraph, attach, build_quantizers, calibrate_weights, graph_of
 from quantization.placement.place import place
@@ -49,7 +50,8 @@ class GraphConfig:
     #: why the whole model stays float (the cost table's model-level check): nothing is placed
     model_float: str | None = None
     float_ops: dict[str, str] = field(default_factory=dict)  # attention call (op key) -> why it stays float
-    serving_batch: int = 1  # the largest batch the model will be served at (integer_chains.FLOAT_WRITER_BATCH)
+    serving_batch: int = 1  # the largest batch the model will be served at (integer_chains.float_islands)
+    cost_table: CostTable | None = None  # the target's: prices elementwise chains at serving_batch
 
 
 #: an embedding table is stored int8 only when its dequantized form is this close to the float table
@@ -181,6 +183,12 @@ def _place(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, c
     place_graph(model, config, args, kwargs)
 
 
+def _leading_dim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The batch of the traced call: its first tensor's leading dimension."""
+    leaves = tensor_leaves((args, kwargs or {}))
+    return int(leaves[0][1].shape[0]) if leaves and leaves[0][1].dim() else None
+
+
 def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Placement:
     """Trace ``model`` on the example call and place its quantizers in its QuantizerGraph."""
     qg = graph_of(model)
@@ -198,7 +206,8 @@ def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kw
         graph, get_profile(config.target), targeted=targeted_fn(model, config.targets, config.ignore),
         swapped=config.swapped, skip_layers=config.skip_layers, quantize_ops=config.quantize_ops,
         embeddings=config.quantize_embeddings, tied=tied_weights(model, config.swapped), model_float=config.model_float,
-        float_ops=config.float_ops, serving_batch=config.serving_batch,
+        float_ops=config.float_ops, serving_batch=config.serving_batch, cost_table=config.cost_table,
+        example_batch=_leading_dim(args, kwargs),
     )
     qg.placement, qg.pending = placement, False
     build_quantizers(qg)

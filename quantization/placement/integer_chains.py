@@ -8,22 +8,30 @@ apply live in quantization/placement/fidelity_guards.py."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from quantization.placement import fidelity_guards as guards
+from quantization.placement.model_cost import dequantize_us, elementwise_us, quantize_us, scale_shape
 from quantization.placement.placer_state import PlacerState, TensorGroups
 from quantization.placement.records import new_internal
 from quantization.placement.trace import Operand, OpNode
+
+#: why a chain with no integer kernel beside it returns to float (pass 4b)
+ISLAND_REASON = ("elementwise op between float ops (no integer kernel makes its inputs or reads its output): on codes "
+                 "it would add a quantize before it and a dequantize after it")
 
 #: how deep a product's operands are followed back through integer-kernel ops (RMSNorm's two
 #: products, SiLU's gate): the chains that pay off are short
 PRODUCT_DEPTH = 3
 
-#: the serving batch from which an elementwise chain stays on codes next to a Linear that could write
-#: float instead: there its int8 kernels, reading and writing a quarter of the bytes, beat float ones
-#: and the dequantization after them, where below it each extra node's fixed cost weighs more. Measured
-#: pairwise (Intel Xeon, AVX-512 VNNI, ORT 1 thread): at batch 1 such chains in float ran the windowed-
-#: attention model 1.52x -> 1.58x of fp32 and Llama 0.99x -> 1.03x (its rotary products); at batch 32
-#: Swin's residual adds in float ran it 2.05x -> 1.96x, Llama level at 2.52x (benchmarks/RESULTS.md)
+#: without a cost table for the target: the serving batch from which an elementwise chain stays on
+#: codes next to a Linear that could write float instead: there its int8 kernels, reading and writing a
+#: quarter of the bytes, beat float ones and the dequantization after them, where below it each extra
+#: node's fixed cost weighs more. Measured pairwise (Intel Xeon, AVX-512 VNNI, ORT 1 thread): at batch 1
+#: such chains in float ran the windowed-attention model 1.52x -> 1.58x of fp32 and Llama 0.99x -> 1.03x
+#: (its rotary products); at batch 32 Swin's residual adds in float ran it 2.05x -> 1.96x, Llama level at
+#: 2.52x (benchmarks/RESULTS.md). With a table the chain is priced instead (:meth:`IntegerChains._priced`):
+#: the same question asked in elements, so text at 8 x 64 tokens and images at batch 1 are answered alike
 FLOAT_WRITER_BATCH = 16
 
 
@@ -220,8 +228,9 @@ class IntegerChains(PlacerState):
     # between a scores product and a weighted sum the cost table kept float, ran as QuantizeLinear,
     # QLinearAdd, QLinearSoftmax and DequantizeLinear; its QLinearSoftmax alone took 167 us where the
     # float file's Softmax took 83 (small suite, batch 32, Intel Xeon, profiled in ORT). Concats on
-    # codes are chain members; below FLOAT_WRITER_BATCH a Linear or product whose codes only the chain
-    # reads counts as a float maker (:meth:`_writes_codes`)
+    # codes are chain members. A chain with integer kernels beside it is priced where the target has a
+    # cost table (:meth:`_priced`); without one, below FLOAT_WRITER_BATCH a Linear or product whose
+    # codes only the chain reads counts as a float maker (:meth:`_writes_codes`)
     def float_islands(self) -> None:
         if not self.quantize_ops:
             return
@@ -243,9 +252,9 @@ class IntegerChains(PlacerState):
         for key, n in ew.items():
             chains.setdefault(links.find(key), []).append(n)
         for chain in chains.values():
-            drop = self._island(chain, ew)
-            if drop is not None:
-                self._to_float(chain, drop)
+            decided = self._island(chain, ew)
+            if decided is not None:
+                self._to_float(chain, *decided)
 
     @staticmethod
     def _acts(n: OpNode) -> list[Operand]:
@@ -277,12 +286,11 @@ class IntegerChains(PlacerState):
         return rule is not None and rule.output and not rule.shared
 
     def _writes_codes(self, n: OpNode) -> bool:
-        """Whether integer kernel ``n`` writes codes for an elementwise chain: ORT's MatMulIntegerToFloat
-        and QGemm write float at no cost (rules with no ``output``: Linear, addmm, products, attention)
-        where the model is served below FLOAT_WRITER_BATCH; QLinearConv, QLinearAdd, QLinearConcat, a
-        pool and an int8 gather write codes."""
+        """Whether integer kernel ``n`` writes codes: QLinearConv, QLinearAdd, QLinearConcat, a pool and
+        an int8 gather do; ORT's MatMulIntegerToFloat and QGemm write float at no cost (rules with no
+        ``output``: Linear, addmm, products, attention)."""
         rule = self.profile.rules.get(n.kind)
-        return self.serving_batch >= FLOAT_WRITER_BATCH or rule is None or rule.output
+        return rule is None or rule.output
 
     def _root(self, o: Operand) -> Operand:
         """The operand whose codes ``o`` reads, before pass-through ops on quantized tensors."""
@@ -327,44 +335,124 @@ class IntegerChains(PlacerState):
         acts = self._acts(n)
         return bool(acts) and any(self.grid_known(o) for o in acts)
 
-    def _island(self, chain: list[OpNode], ew: dict[str, OpNode]) -> list[str] | None:
-        """The quantized tensors of ``chain`` and around it, where no integer kernel writes its inputs
-        or reads its outputs; None where one does."""
+    def _island(self, chain: list[OpNode], ew: dict[str, OpNode]) -> tuple[list[str], str] | None:
+        """The quantized tensors of ``chain`` and around it to drop, and why, where the chain returns to
+        float: no integer kernel writes its inputs or reads its outputs, or the cost table prices it
+        faster in float with the ones that do (:meth:`_priced`); None where it stays on codes. Tensors an
+        integer kernel writes as codes or reads stay quantized either way."""
         keys = {n.key for n in chain}
         drop: list[str] = []
+        bill = _Bill()
+        seen: set[str] = set()
+        beside = 0  # integer kernels writing the chain's inputs or reading its outputs
 
-        def read_on_codes(t: str) -> bool:  # by an integer kernel outside the chain; else t's tensors go
+        def readers(t: str) -> tuple[bool, bool, list[str]]:
+            # (read by an integer kernel outside the chain, read by a float op outside it, the tensors
+            # from t through pass-through ops)
             path = [t]
-            if any(m.key not in keys and self._on_codes(m, ew) for m, _ in self._readers(t, path)):
-                return True
-            drop.extend(path)
-            return False
+            rs = [m for m, _ in self._readers(t, path) if m.key not in keys]
+            on = [self._on_codes(m, ew) for m in rs]
+            return any(on), not all(on), path
 
         for n in chain:
             for o in self._acts(n):
                 root = self._root(o)
-                if root.source == "op" and str(root.producer) in keys:
+                t = str(root.tensor_id)
+                if (root.source == "op" and str(root.producer) in keys) or t in seen:
                     continue
+                seen.add(t)
                 prod = self.producers.get(str(root.producer)) if root.source == "op" else None
-                # a Linear or product whose codes only the chain reads writes float instead (a chain op
-                # making the input would have linked it into this chain)
-                if (prod is not None and self._on_codes(prod, ew) and self._writes_codes(prod)) \
-                        or read_on_codes(str(root.tensor_id)):
-                    return None
-            if read_on_codes(f"{n.key}/0"):
-                return None
-        return drop
+                writer = prod is not None and self._on_codes(prod, ew)
+                read_int, _, path = readers(t)
+                if read_int or (writer and prod is not None and self._writes_codes(prod)):
+                    beside += 1
+                    bill.float_side("dequantize", dequantize_us, root.shape)  # in float the chain reads DQ(codes)
+                    continue
+                drop.extend(path)
+                if writer and (self.cost_table is not None or self.serving_batch >= FLOAT_WRITER_BATCH):
+                    # a Linear or product whose codes only the chain reads: its output quantizer fuses into
+                    # the integer kernel, and in float it writes float instead; free either way
+                    beside += 1
+                elif not writer:
+                    bill.codes_side("quantize", quantize_us, root.shape)
+            out = f"{n.key}/0"
+            read_int, read_float, path = readers(out)
+            if read_int:  # stays quantized for its integer readers; in float a QuantizeLinear writes it
+                beside += 1
+                bill.float_side("quantize", quantize_us, n.out_shapes[0] if n.out_shapes else ())
+            else:
+                drop.extend(path)
+                if read_float:
+                    bill.codes_side("dequantize", dequantize_us, n.out_shapes[0] if n.out_shapes else ())
+            bill.op(n)
+        if not beside:
+            return drop, ISLAND_REASON
+        priced = self._priced(bill, len(chain))
+        return (drop, priced) if priced is not None else None
 
-    def _to_float(self, chain: list[OpNode], drop: list[str]) -> None:
+    def _priced(self, bill: _Bill, ops: int) -> str | None:
+        """Why a chain with integer kernels beside it returns to float: the cost table prices its ops'
+        integer and float kernels (the ``add`` and ``mul`` rows; other ops cost alike) and the
+        quantizes and dequantizes each placement adds at the serving batch, and float is cheaper;
+        None where codes are, or without a table."""
+        table = self.cost_table
+        if table is None:
+            return None
+        codes, flt = bill.total(table, self.serving_batch, self.example_batch)
+        if flt >= codes:
+            return None
+        return (f"elementwise chain of {ops} op{'s' if ops > 1 else ''} priced faster in float at batch "
+                f"{self.serving_batch}: {flt:.0f} us in float ({bill.describe('float')}) vs {codes:.0f} us on codes "
+                f"({bill.describe('codes')}), by the cost table ({table.source})")
+
+    def _to_float(self, chain: list[OpNode], drop: list[str], reason: str) -> None:
         self.quantized.difference_update(drop)
         pl = self.pl
         gone: set[str] = set()
         for n in chain:
             gone.update(pl.entries.pop(n.key, {}).values())  # constant operands' quantizers, a gate's
-            pl.floats[n.key] = ("elementwise op between float ops (no integer kernel makes its inputs or reads its "
-                                "output): on codes it would add a quantize before it and a dequantize after it")
+            pl.floats[n.key] = reason
         used = {q for e in pl.entries.values() for q in e.values()}
         for qid in gone - used:
             pl.activations.pop(qid, None)
         for name in [k for k, v in self.by_param.items() if v in gone - used]:
             del self.by_param[name]
+
+
+class _Bill:
+    """What an elementwise chain costs on codes and in float beyond what both placements share: its
+    add and product kernels, and the quantizes and dequantizes at its edges, each as (what, the
+    tensor's traced shape), priced by :meth:`total` against a cost table at the serving batch."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, list[tuple[str, Any, tuple[int, ...]]]] = {"codes": [], "float": []}
+
+    def codes_side(self, what: str, price: Any, shape: tuple[int, ...]) -> None:
+        self.items["codes"].append((what, price, tuple(shape)))
+
+    def float_side(self, what: str, price: Any, shape: tuple[int, ...]) -> None:
+        self.items["float"].append((what, price, tuple(shape)))
+
+    def op(self, n: OpNode) -> None:
+        if n.kind not in ("add", "mul"):
+            return  # softmax, sigmoid, concat: no rows, priced alike on both sides
+        shapes = [tuple(o.shape) for o in n.operands if o.shape] + [tuple(s) for s in n.out_shapes[:1]]
+        shape = max(shapes, key=math.prod, default=())
+
+        def side(i: int) -> Any:
+            return lambda table, shape: (elementwise_us(table, n.kind, math.prod(shape)) or (0.0, 0.0))[i]
+
+        self.items["float"].append((n.kind, side(0), shape))
+        self.items["codes"].append((n.kind, side(1), shape))
+
+    def total(self, table: Any, batch: int, example_batch: int | None) -> tuple[float, float]:
+        """Microseconds on codes and in float."""
+        def side(k: str) -> float:
+            return sum(price(table, scale_shape(shape, batch, example_batch)) for _, price, shape in self.items[k])
+        return side("codes"), side("float")
+
+    def describe(self, k: str) -> str:
+        counts: dict[str, int] = {}
+        for what, _, _ in self.items[k]:
+            counts[what] = counts.get(what, 0) + 1
+        return ", ".join(f"{v} {w}" for w, v in counts.items()) or "nothing"

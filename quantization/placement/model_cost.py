@@ -111,6 +111,34 @@ def _quantize_us(table: CostTable, elements: float) -> float:
     return _net(table, (table.boundary_us("enter:linear", elements) or (0.0, 0.0))[1], 1)
 
 
+def scale_shape(shape: Sequence[int], batch: int, example_batch: int | None) -> list[int]:
+    """A traced tensor's shape at ``batch`` (the traced call had ``example_batch``)."""
+    return _scale(shape, batch, example_batch)
+
+
+def _edge_us(table: CostTable, side: str, shape: Sequence[int]) -> float:
+    # one QuantizeLinear or DequantizeLinear node: the ``:linear`` rows (a conv region's NHWC transposes,
+    # in the ``:conv`` rows, are the region's, paid whether or not an elementwise op beside it is on codes)
+    return _net(table, (table.boundary_us(f"{side}:linear", float(math.prod(shape))) or (0.0, 0.0))[1], 1)
+
+
+def quantize_us(table: CostTable, shape: Sequence[int]) -> float:
+    """Quantizing a float tensor of ``shape`` into int8 codes, by the table's ``enter`` rows."""
+    return _edge_us(table, "enter", shape)
+
+
+def dequantize_us(table: CostTable, shape: Sequence[int]) -> float:
+    """Dequantizing int8 codes of ``shape`` back to float, by the table's ``leave`` rows."""
+    return _edge_us(table, "leave", shape)
+
+
+def elementwise_us(table: CostTable, kind: str, elements: float) -> tuple[float, float] | None:
+    """``(float_us, int8_us)`` of one ``add`` or ``mul`` node writing ``elements`` values (Add against
+    QLinearAdd, Mul against QLinearMul), less the profiler's cost per node; None without rows."""
+    got = table.boundary_us(kind, elements)
+    return None if got is None else (_net(table, got[0], 1), _net(table, got[1], 1))
+
+
 def _attention_operands(n: OpNode) -> list[Operand]:
     want = {"matmul": 2, "sdpa": 3, "softmax": 1}[n.kind]
     ops = sorted((o for o in n.operands if o.position < want and o.source in ("op", "input") and o.floating

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from quantization.placement import fidelity_guards as guards
+from quantization.placement.cost_table import CostTable
 from quantization.placement.graph_patterns import output_tensors, weighted_operands
 from quantization.placement.integer_chains import IntegerChains
 from quantization.placement.records import Placement, WeightUse, new_constant, new_internal
@@ -36,6 +37,8 @@ def place(
     model_float: str | None = None,
     float_ops: Mapping[str, str] | None = None,
     serving_batch: int = 1,
+    cost_table: CostTable | None = None,
+    example_batch: int | None = None,
 ) -> Placement:
     """Place quantizers on ``graph`` for ``profile``.
 
@@ -56,7 +59,9 @@ def place(
     ``float_ops``: attention calls (op keys: an SDPA call, a product of two activations) kept float,
     mapped to the reason recorded in ``floats``; their operands are not quantized for them.
 
-    ``serving_batch``: the largest batch the model will be served at; below
+    ``serving_batch``: the largest batch the model will be served at; ``cost_table`` (the target's,
+    None for none) prices an elementwise chain beside integer kernels at that batch, on codes against in
+    float (the traced call's batch is ``example_batch``); without a table, below
     :data:`~quantization.placement.integer_chains.FLOAT_WRITER_BATCH`, a Linear whose codes only an
     elementwise chain reads does not keep that chain on codes (it writes float instead).
 
@@ -72,7 +77,7 @@ def place(
         return pl
     placer = _Placer(graph, profile, targeted=targeted, swapped=swapped, skip_layers=skip_layers or {},
                      quantize_ops=quantize_ops, embeddings=embeddings, tied=tied or {}, float_ops=float_ops or {},
-                     serving_batch=serving_batch)
+                     serving_batch=serving_batch, cost_table=cost_table, example_batch=example_batch)
     for n in placer.nodes:
         if n.key not in placer.inside:
             placer.op(n)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from quantization.placement.cost_table import CostTable
 from quantization.placement.graph_patterns import (
     activation_regions,
     sliced_weight,
@@ -46,10 +47,14 @@ class PlacerState:
 
     def __init__(self, graph: OpGraph, profile: RuntimeProfile, *, targeted: Callable[[str], bool], swapped: set[str],
                  skip_layers: Mapping[str, str], quantize_ops: bool, embeddings: bool, tied: dict[str, str],
-                 float_ops: Mapping[str, str], serving_batch: int = 1) -> None:
+                 float_ops: Mapping[str, str], serving_batch: int = 1, cost_table: CostTable | None = None,
+                 example_batch: int | None = None) -> None:
         self.graph, self.profile, self.targeted, self.swapped = graph, profile, targeted, swapped
         self.skip_layers, self.quantize_ops, self.embeddings, self.tied = skip_layers, quantize_ops, embeddings, tied
         self.float_ops, self.serving_batch = float_ops, serving_batch
+        # prices elementwise chains beside integer kernels at the serving batch (the traced call had
+        # example_batch); None: the batch rule of integer_chains.FLOAT_WRITER_BATCH
+        self.cost_table, self.example_batch = cost_table, example_batch
         self.pl = pl = Placement(target=profile.name)
         self.nodes = nodes = list(graph.nodes.values())
         pl.sites = {n.key: n.site for n in nodes}

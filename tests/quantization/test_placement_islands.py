@@ -16,16 +16,28 @@ from torch import nn
 from export.onnx import export_onnx
 from export.runtimes import ort_coverage, ort_optimized_graph
 from quantization import QuantizeParams, quantize
+from quantization.placement import cost_table as ct
 from quantization.view import view
-from tests.quantization.test_model_cost import SLOW_MATMUL, _use
+from tests.quantization.test_model_cost import SLOW_MATMUL, _bound, _use
 
 REASON = "elementwise op between float ops"
+PRICED = "elementwise chain of"
+
+#: SLOW_MATMUL's attention rows, with adds and products whose integer kernels gain 3x per element
+#: over a fixed cost and quantizes and dequantizes of nearly fixed cost: priced by elements, an
+#: elementwise chain beside integer kernels pays on codes only at large tensors
+CHEAP_ELEMENTWISE = ct.CostTable("onnxruntime", "test ISA", "test", SLOW_MATMUL.rows, (
+    _bound("enter:linear", 16, 4.0), _bound("enter:linear", 1e6, 5.0),
+    _bound("leave:linear", 16, 4.0), _bound("leave:linear", 1e6, 5.0),
+    _bound("add", 64, 3.0, 4.0), _bound("add", 1e6, 200.0, 600.0),  # (elements, int8 us, float us)
+    _bound("mul", 64, 3.0, 4.0), _bound("mul", 1e6, 200.0, 600.0),
+))
 
 
 def _params(name: str) -> QuantizeParams:
-    """``slow``: the cost table's ``matmul`` rows keep attention's products float; ``on codes``: the
-    table off, every product on int8 codes."""
-    return QuantizeParams(model_check="warn") if name == "slow" else QuantizeParams(cost_table=False)
+    """``on codes``: the table off, every product on int8 codes; else the cost table's (``slow``: its
+    ``matmul`` rows keep attention's products float)."""
+    return QuantizeParams(model_check="warn") if name != "on codes" else QuantizeParams(cost_table=False)
 
 
 class _BiasedAttention(nn.Module):
@@ -134,33 +146,37 @@ def test_llama_rotary_stays_float_between_its_projections_and_float_attention(mo
                                                                             tmp_path: Path) -> None:
     """transformers' Llama (from a config, random weights): with attention kept float, the rotary
     products, adds and ``rotate_half`` concats of every layer stay float, decided together (they all
-    read the same cos and sin): q_proj and k_proj, still int8, write float at no cost, so no integer
-    kernel is on either side. With attention on codes they run as QLinearMul and QLinearConcat, and
-    so they do served at batch 32 (FLOAT_WRITER_BATCH), where the projections write codes for them."""
+    read the same cos and sin): q_proj and k_proj, still int8, write float at no cost, and on codes
+    the chain would pay a quantize of cos and sin and a dequantize before attention. With attention
+    on codes they run as QLinearMul and QLinearConcat. Without a cost table, so they do served at
+    batch 32 (FLOAT_WRITER_BATCH), where the projections write codes for them."""
     pytest.importorskip("transformers")
     from benchmarks.hf_suite import suite
 
     sm = suite(layers=2)["llama"](0)
     concats = {}
-    for name in ("slow", "on codes", "slow at batch 32"):
-        _use(monkeypatch, SLOW_MATMUL)
-        params = _params(name.split(" at ")[0])
+    for name in ("slow", "on codes", "cheap elementwise at batch 1", "cheap elementwise at batch 32"):
+        _use(monkeypatch, CHEAP_ELEMENTWISE if name.startswith("cheap") else SLOW_MATMUL)
+        params = _params(name)
         if name.endswith("32"):
             params = params.model_copy(update={"batch_sizes": (32,)})
         q = quantize(copy.deepcopy(sm.model), "w8a8", sm.calibration[:2], params=params)
         floats = view(q).kept_float
-        rotary = {k for k, v in floats.items() if ".self_attn:" in k and v.startswith(REASON)}
-        if name == "slow":
+        rotary = {k: v for k, v in floats.items() if ".self_attn:" in k and v.startswith((REASON, PRICED))}
+        if name in ("slow", "cheap elementwise at batch 1"):
             assert {k.rsplit(":", 1)[1].split("#")[0] for k in rotary} == {"mul", "add", "cat"}, floats
             assert len({k.split(".self_attn:")[0] for k in rotary}) == 2, rotary  # both layers
             assert not any("_proj:" in k for k in floats), floats  # the projections stay int8
+            # the projections are integer kernels beside the chain: the table prices it, batch and all
+            assert all(v.startswith(PRICED) and "at batch 1:" in v for v in rotary.values()), rotary
         else:
             assert not rotary, floats
-        if name.endswith("32"):  # attention float there too: only the batch changed
+        if name.startswith("cheap"):  # attention float there too: only the batch changed
             assert any(k.endswith(":sdpa#0") for k in floats), floats
         path = export_onnx(q, sm.example, tmp_path / f"{name}.onnx")
         concats[name] = ort_coverage(path).integer_ops.get("QLinearConcat", 0)
-    assert concats["slow"] == 0 and concats["on codes"] >= 4 and concats["slow at batch 32"] >= 4, concats
+    assert concats["slow"] == 0 and concats["on codes"] >= 4, concats
+    assert concats["cheap elementwise at batch 1"] == 0 and concats["cheap elementwise at batch 32"] >= 4, concats
 
 
 def test_the_chains_are_decided_at_the_largest_batch_the_model_is_served_at() -> None:
