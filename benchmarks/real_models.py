@@ -98,22 +98,31 @@ def _serving_input(sm: SuiteModel) -> Any:
 ROUND_S = 0.25
 
 
-def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int, *, max_rounds: int | None = None,
+#: fresh ORT sessions per file that the rounds take turns on: two sessions of one file measured
+#: apart by up to 9% in one run (the small ResNet kept whole float, its file the fp32 model itself,
+#: at 0.91x with every round below 1), an effect of the session's memory, not of the file, which
+#: pairing rounds does not cancel; rotated through replicas it becomes spread the interval shows
+REPLICAS = 3
+
+
+def _time(sessions: dict[str, list[Any]], x: Any, rounds: int, reps: int, *, max_rounds: int | None = None,
           judged: str = "compress") -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Median milliseconds per run of each session, in interleaved rounds of at least ``reps`` runs
-    and :data:`ROUND_S` seconds each, the order rotated every round (no file always runs first); and
-    each round's fp32 / file ratio per session (the first session is fp32): paired within a round,
-    they hold where this VM's speed shifts between rounds (the same fp32 file ran 1.6 and 2.4 ms a
-    run minutes apart), which a ratio of two medians does not. Past ``rounds``, rounds are added up
-    to ``max_rounds`` while the 95% interval of ``judged``'s median ratio still holds 1: whether a
-    file is slower than fp32 is then decided by more rounds, not by one run's draw."""
-    feeds = {k: _feeds(s, x) for k, s in sessions.items()}
+    """Median milliseconds per run of each file, in interleaved rounds of at least ``reps`` runs and
+    :data:`ROUND_S` seconds each, the order rotated every round (no file always runs first) and each
+    round on the next of the file's session replicas; and each round's fp32 / file ratio per file
+    (the first is fp32): paired within a round, they hold where this VM's speed shifts between
+    rounds (the same fp32 file ran 1.6 and 2.4 ms a run minutes apart), which a ratio of two medians
+    does not. Past ``rounds``, rounds are added up to ``max_rounds`` while the 95% interval of
+    ``judged``'s median ratio still holds 1: whether a file is slower than fp32 is then decided by
+    more rounds, not by one run's draw."""
+    feeds = {k: _feeds(reps_[0], x) for k, reps_ in sessions.items()}
     warm: list[float] = []
-    for k, s in sessions.items():  # warm-up, which also sizes the rounds
-        for _ in range(3):
-            t0 = time.perf_counter()
-            s.run(None, feeds[k])
-            warm.append(time.perf_counter() - t0)
+    for k, replicas in sessions.items():  # warm-up, which also sizes the rounds
+        for s in replicas:
+            for _ in range(3):
+                t0 = time.perf_counter()
+                s.run(None, feeds[k])
+                warm.append(time.perf_counter() - t0)
     reps = max(reps, math.ceil(ROUND_S / max(statistics.median(warm), 1e-6)))
     times: dict[str, list[float]] = {k: [] for k in sessions}
     order = list(sessions)
@@ -124,7 +133,7 @@ def _time(sessions: dict[str, Any], x: Any, rounds: int, reps: int, *, max_round
     r = 0
     while r < rounds or (r < (max_rounds or rounds) and _interval_holds_one(ratios()[judged])):
         for k in order[r % len(order):] + order[:r % len(order)]:
-            s = sessions[k]
+            s = sessions[k][r % len(sessions[k])]
             t0 = time.perf_counter()
             for _ in range(reps):
                 s.run(None, feeds[k])
@@ -210,13 +219,13 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small", max_ro
         t_ort = time.perf_counter() - t0
         held = suite[name](7).calibration[:2]  # other inputs, same shapes
         files = {"fp32": f32, "compress": ours, "all_int8": every, "measured": measured, "ort": theirs}
-        sessions = {k: _session(p, threads) for k, p in files.items()}
+        sessions = {k: [_session(p, threads) for _ in range(REPLICAS)] for k, p in files.items()}
         rr = _session(ours_rr, threads)
         sq: dict[str, list[float]] = {"compress": [], "all_int8": [], "measured": [], "ort": [], "compress_7bit": []}
         for x in held:
-            ref = sessions["fp32"].run(None, _feeds(sessions["fp32"], x))[0]
+            ref = sessions["fp32"][0].run(None, _feeds(sessions["fp32"][0], x))[0]
             for k in sq:
-                s = rr if k == "compress_7bit" else sessions[k]
+                s = rr if k == "compress_7bit" else sessions[k][0]
                 sq[k].append(_sqnr(ref, s.run(None, _feeds(s, x))[0]))
         cov = {k: ort_coverage(files[k]) for k in ("compress", "all_int8", "measured", "ort")}
         lat, paired = _time(sessions, serving, rounds, reps=3 if size == "small" else 1, max_rounds=max_rounds)
@@ -301,8 +310,8 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
                 "was kept float), so read speedups as +-0.2x.", ""] if loaded else []),
              f"`python -m benchmarks.real_models --size {size}` on {machine}; {what}; ORT {threads} thread(s); "
              "serving batch: 32 images or 8 sequences of max(64, calibration length) tokens; latency = "
-             "interleaved rounds after warm-up, speedup = the median of each round's fp32 / file ratio (for compress, "
-             "its 95% interval and the rounds run in brackets). Coverage = integer kernels / (integer + "
+             f"interleaved rounds after warm-up, each on the next of {REPLICAS} fresh ORT sessions per file, speedup = the "
+             "median of each round's fp32 / file ratio (for compress, its 95% interval and the rounds run in brackets). Coverage = integer kernels / (integer + "
              "float Conv/MatMul/Gemm/Add) in ORT's optimized graph. SQNR of each int8 model's ORT output to the "
              "fp32 model's ORT output on held-out inputs. Random-weight models from transformers configs "
              "(benchmarks/hf_suite.py).", "",
@@ -401,8 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SUITES), default="small")
     ap.add_argument("--models", nargs="*", default=None)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--max-rounds", type=int, default=21,
+    ap.add_argument("--rounds", type=int, default=9, help="rounds per row (each on the next of 3 session replicas)")
+    ap.add_argument("--max-rounds", type=int, default=27,
                     help="rounds a row may take while compress's speedup interval still holds 1")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--merge", action="store_true",
