@@ -142,6 +142,14 @@ def _time(sessions: dict[str, list[Any]], x: Any, rounds: int, reps: int, *, max
     return {k: statistics.median(v) for k, v in times.items()}, ratios()
 
 
+def _versus(ours: list[float], theirs: list[float]) -> dict[str, Any]:
+    """The median of each round's ``ours / theirs`` speedup (their file's time over ours), its 95%
+    interval and where it lies against 1."""
+    xs = [a / b for a, b in zip(ours, theirs, strict=True)]
+    return {"ratio": round(statistics.median(xs), 3), "interval": [round(v, 3) for v in median_interval(xs)],
+            "verdict": _verdict(xs)}
+
+
 def _interval_holds_one(xs: list[float]) -> bool:
     lo, hi = median_interval(xs)
     return lo <= 1.0 <= hi
@@ -249,6 +257,8 @@ def run_one(name: str, *, rounds: int, threads: int, size: str = "small", max_ro
                              for k in ("compress", "all_int8", "measured", "ort")},
         "verdict": {k: _verdict(paired[k]) for k in ("compress", "all_int8", "measured", "ort")},
         "rounds": len(paired["fp32"]),
+        # compress against quantize_static, paired the same way (each round's ORT file time over compress's)
+        "vs_ort": _versus(paired["compress"], paired["ort"]),
         # the whole model kept float: compress's file is the fp32 model, and its speedup the timing's noise
         "whole_float": placement.model_float is not None,
         "size_ratio": {k: round(nbytes[k] / nbytes["fp32"], 3) for k in ("compress", "measured", "ort")},
@@ -367,6 +377,10 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
         level = [f"{r['model']} {r['speedup']['compress']:.2f}x" for r in ok if r.get("verdict", {}).get("compress") == "level"
                  and r["speedup"]["compress"] < 1.0 and not r.get("whole_float")]
         same = [f"{r['model']} {r['speedup']['compress']:.2f}x" for r in ok if r.get("whole_float")]
+        versus = [r for r in ok if "vs_ort" in r]
+        behind = [f"{r['model']} {r['vs_ort']['ratio']:.2f}x ({r['vs_ort']['interval'][0]:.2f}-{r['vs_ort']['interval'][1]:.2f})"
+                  for r in versus if r["vs_ort"]["verdict"] == "slower"]
+        level_ort = [r["model"] for r in versus if r["vs_ort"]["verdict"] == "level"]
         lines += ["", f"Medians over {len(ok)} models: coverage " + ", ".join(f"{cov[k]:.2f} ({k})" for k in cov)
                   + "; speedup " + ", ".join(f"{med[k]:.2f}x ({k})" for k in keys) + ". Slower than fp32: "
                   + "; ".join(f"{k} {', '.join(slower[k]) or 'none'}" for k in keys) + "."
@@ -375,7 +389,11 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
                      f"1x whose interval holds 1, level with fp32 within this run's spread: {', '.join(level)}."
                      if level else "")
                   + (f" Kept whole float by compress, so its file is the fp32 model and its figure the timing's spread: "
-                     f"{', '.join(same)}." if same else "")]
+                     f"{', '.join(same)}." if same else "")
+                  + (f" compress against quantize_static (each round's ORT file time over compress's, the median and "
+                     f"its 95% interval; rows timed since it was kept, {len(versus)} of {len(ok)}): behind on "
+                     f"{', '.join(behind) or 'none'}; level on {', '.join(level_ort) or 'none'}; ahead on "
+                     f"{len(versus) - len(behind) - len(level_ort)}." if versus else "")]
     stamps = {r.get("measured_at", "the first run (no time kept)") for r in rows}
     if len(stamps) > 1:
         lines += ["", "Rows measured at different times (load differs between them): " + "; ".join(

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from benchmarks._results import median_interval
-from benchmarks.real_models import _verdict
+from benchmarks.real_models import _verdict, _versus
 
 
 @pytest.mark.parametrize("n", [7, 21, 60])
@@ -38,3 +38,14 @@ def test_verdict_needs_the_interval_off_one() -> None:
     assert _verdict([0.9, 0.95, 0.97, 0.96, 0.93, 0.94, 0.98]) == "slower"
     assert _verdict([0.9, 0.95, 0.97, 0.96, 0.93, 0.94, 1.02]) == "level"  # one round above 1 at n=7
     assert _verdict([1.1, 1.2, 1.05, 1.3, 1.15, 1.12, 1.01]) == "faster"
+
+
+def test_versus_pairs_two_files_round_by_round() -> None:
+    # each round's fp32/file ratios: compress 1.5x and quantize_static 1.0x while the machine's speed
+    # shifts between rounds (both ratios move together); round by round compress is 1.5x ahead
+    ours = [1.5 * f for f in (1.0, 0.8, 1.2, 0.9, 1.1, 1.05, 0.95)]
+    theirs = [1.0 * f for f in (1.0, 0.8, 1.2, 0.9, 1.1, 1.05, 0.95)]
+    v = _versus(ours, theirs)
+    assert v["ratio"] == 1.5 and v["interval"] == [1.5, 1.5] and v["verdict"] == "faster"
+    assert _versus(theirs, ours)["verdict"] == "slower"
+    assert _versus(ours, [o * r for o, r in zip(ours, (0.9, 1.1, 0.95, 1.05, 1.0, 0.98, 1.02))])["verdict"] == "level"
