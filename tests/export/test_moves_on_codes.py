@@ -93,7 +93,7 @@ def test_moves_stay_float_where_the_codes_would_change_meaning(what: str) -> Non
 def test_window_transformer_rolls_and_pads_leave_no_float_moves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pm = window_transformer(0, size=32, batch=2, n=2, dim=16, heads=(2, 2))
     # served at batch 32: its residual stream and patch-merging concat stay on codes (at batch 1 they
-    # return to float beside Linears that write float, integer_chains.FLOAT_WRITER_BATCH)
+    # return to float beside Linears that write float: without a cost table, integer_chains.FLOAT_WRITER_BATCH)
     q = compress.quantize(pm.model, "w8a8", pm.calibration, params=QuantizeParams(batch_sizes=(32,)))
     new, old = tmp_path / "new.onnx", tmp_path / "old.onnx"
     export_onnx(q, pm.example, new)

@@ -187,3 +187,42 @@ def test_the_chains_are_decided_at_the_largest_batch_the_model_is_served_at() ->
     assert _serving_batch((1, 32), None) == 32 and _serving_batch((4,), SpeedCheck(batch=64)) == 4
     assert _serving_batch(None, SpeedCheck(batch=32)) == 32 and _serving_batch(None, SpeedCheck()) == 1
     assert _serving_batch(None, None) == 1
+
+
+def test_shipped_intel_table_prices_a_decoders_chains_by_batch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The shipped Intel table (AVX-512 VNNI), whatever CPU runs the test, on transformers' Llama from a
+    config: at 16 sequences of 32 tokens its RMSNorm and rotary chains price faster in float (small
+    tensors: QLinearMul loses to Mul there and each edge adds a quantize or dequantize), each named with
+    both prices, while SwiGLU's ``silu(gate) * up`` stays a QLinearMul (down_proj reads its codes, so
+    in float it would pay that quantize besides); the projections stay int8, ORT runs fewer QLinearMul
+    than with the table off, and the logits stay as close to float. Scaled to tensors 64x larger (1024 sequences) the same
+    chains price on codes and none is named."""
+    pytest.importorskip("transformers")
+    from benchmarks.hf_suite import suite
+
+    _use(monkeypatch, ct.shipped_tables()["vnni:intel"])
+    sm = suite(layers=2)["llama"](0)
+    x = sm.calibration[-1]
+    with torch.no_grad():
+        ref = sm.model(**x).logits
+    out: dict[str, tuple[int, float]] = {}
+    for name, params in (("batch 16", QuantizeParams(batch_sizes=(16,), model_check="warn")),
+                         ("batch 1024", QuantizeParams(batch_sizes=(1024,), model_check="warn")),
+                         ("table off", QuantizeParams(cost_table=False))):
+        q = quantize(copy.deepcopy(sm.model), "w8a8", sm.calibration, params=params)
+        floats = view(q).kept_float
+        priced = {k: v for k, v in floats.items() if v.startswith(PRICED)}
+        if name == "batch 16":
+            scopes = {k.split(":")[0].rsplit(".", 1)[-1] for k in priced}
+            assert {"input_layernorm", "post_attention_layernorm", "self_attn"} <= scopes, sorted(priced)
+            assert not any(".mlp:" in k for k in floats), floats
+            assert all("at batch 16:" in v and "us in float" in v and "us on codes" in v for v in priced.values())
+            assert not any("_proj:" in k for k in floats), floats
+        else:
+            assert not priced, priced
+        with torch.no_grad():
+            sq = _sqnr(ref, q(**x).logits)
+        path = export_onnx(q, sm.example, tmp_path / f"{name}.onnx")
+        out[name] = (ort_coverage(path).integer_ops.get("QLinearMul", 0), sq)
+    assert out["batch 16"][0] < out["table off"][0] and out["batch 1024"][0] >= out["table off"][0] - 2, out
+    assert out["batch 16"][1] >= out["table off"][1] - 1.0, out
