@@ -8,9 +8,9 @@ apply live in quantization/placement/fidelity_guards.py."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from quantization.placement import fidelity_guards as guards
+from quantization.placement.cost_table import CostTable
 from quantization.placement.model_cost import dequantize_us, elementwise_us, quantize_us, scale_shape
 from quantization.placement.placer_state import PlacerState, TensorGroups
 from quantization.placement.records import new_internal
@@ -366,7 +366,7 @@ class IntegerChains(PlacerState):
                 read_int, _, path = readers(t)
                 if read_int or (writer and prod is not None and self._writes_codes(prod)):
                     beside += 1
-                    bill.float_side("dequantize", dequantize_us, root.shape)  # in float the chain reads DQ(codes)
+                    bill.add("float", "dequantize", root.shape)  # in float the chain reads DQ(codes)
                     continue
                 drop.extend(path)
                 if writer and (self.cost_table is not None or self.serving_batch >= FLOAT_WRITER_BATCH):
@@ -374,16 +374,16 @@ class IntegerChains(PlacerState):
                     # the integer kernel, and in float it writes float instead; free either way
                     beside += 1
                 elif not writer:
-                    bill.codes_side("quantize", quantize_us, root.shape)
+                    bill.add("codes", "quantize", root.shape)
             out = f"{n.key}/0"
             read_int, read_float, path = readers(out)
             if read_int:  # stays quantized for its integer readers; in float a QuantizeLinear writes it
                 beside += 1
-                bill.float_side("quantize", quantize_us, n.out_shapes[0] if n.out_shapes else ())
+                bill.add("float", "quantize", n.out_shapes[0] if n.out_shapes else ())
             else:
                 drop.extend(path)
                 if read_float:
-                    bill.codes_side("dequantize", dequantize_us, n.out_shapes[0] if n.out_shapes else ())
+                    bill.add("codes", "dequantize", n.out_shapes[0] if n.out_shapes else ())
             bill.op(n)
         if not beside:
             return drop, ISLAND_REASON
@@ -425,34 +425,34 @@ class _Bill:
     tensor's traced shape), priced by :meth:`total` against a cost table at the serving batch."""
 
     def __init__(self) -> None:
-        self.items: dict[str, list[tuple[str, Any, tuple[int, ...]]]] = {"codes": [], "float": []}
+        self.items: dict[str, list[tuple[str, tuple[int, ...]]]] = {"codes": [], "float": []}
 
-    def codes_side(self, what: str, price: Any, shape: tuple[int, ...]) -> None:
-        self.items["codes"].append((what, price, tuple(shape)))
-
-    def float_side(self, what: str, price: Any, shape: tuple[int, ...]) -> None:
-        self.items["float"].append((what, price, tuple(shape)))
+    def add(self, side: str, what: str, shape: tuple[int, ...]) -> None:
+        self.items[side].append((what, tuple(shape)))
 
     def op(self, n: OpNode) -> None:
         if n.kind not in ("add", "mul"):
             return  # softmax, sigmoid, concat: no rows, priced alike on both sides
         shapes = [tuple(o.shape) for o in n.operands if o.shape] + [tuple(s) for s in n.out_shapes[:1]]
         shape = max(shapes, key=math.prod, default=())
+        self.add("codes", n.kind, shape)
+        self.add("float", n.kind, shape)
 
-        def side(i: int) -> Any:
-            return lambda table, shape: (elementwise_us(table, n.kind, math.prod(shape)) or (0.0, 0.0))[i]
-
-        self.items["float"].append((n.kind, side(0), shape))
-        self.items["codes"].append((n.kind, side(1), shape))
-
-    def total(self, table: Any, batch: int, example_batch: int | None) -> tuple[float, float]:
+    def total(self, table: CostTable, batch: int, example_batch: int | None) -> tuple[float, float]:
         """Microseconds on codes and in float."""
-        def side(k: str) -> float:
-            return sum(price(table, scale_shape(shape, batch, example_batch)) for _, price, shape in self.items[k])
-        return side("codes"), side("float")
+        def us(side: str, what: str, traced: tuple[int, ...]) -> float:
+            shape = scale_shape(traced, batch, example_batch)
+            if what == "quantize":
+                return quantize_us(table, shape)
+            if what == "dequantize":
+                return dequantize_us(table, shape)
+            got = elementwise_us(table, what, math.prod(shape))
+            return 0.0 if got is None else got[1 if side == "codes" else 0]
+        codes, flt = (sum(us(side, w, shape) for w, shape in self.items[side]) for side in ("codes", "float"))
+        return codes, flt
 
-    def describe(self, k: str) -> str:
+    def describe(self, side: str) -> str:
         counts: dict[str, int] = {}
-        for what, _, _ in self.items[k]:
+        for what, _ in self.items[side]:
             counts[what] = counts.get(what, 0) + 1
         return ", ".join(f"{v} {w}" for w, v in counts.items()) or "nothing"
