@@ -131,7 +131,7 @@ def _time(sessions: dict[str, list[Any]], x: Any, rounds: int, reps: int, *, max
         return {k: [b / t for b, t in zip(times[order[0]], v, strict=True)] for k, v in times.items()}
 
     r = 0
-    while r < rounds or (r < (max_rounds or rounds) and _interval_holds_one(ratios()[judged])):
+    while r < rounds or (r < (max_rounds or rounds) and _verdict(ratios()[judged]) == "level"):
         for k in order[r % len(order):] + order[:r % len(order)]:
             s = sessions[k][r % len(sessions[k])]
             t0 = time.perf_counter()
@@ -148,11 +148,6 @@ def _versus(ours: list[float], theirs: list[float]) -> dict[str, Any]:
     xs = [a / b for a, b in zip(ours, theirs, strict=True)]
     return {"ratio": round(statistics.median(xs), 3), "interval": [round(v, 3) for v in median_interval(xs)],
             "verdict": _verdict(xs)}
-
-
-def _interval_holds_one(xs: list[float]) -> bool:
-    lo, hi = median_interval(xs)
-    return lo <= 1.0 <= hi
 
 
 def _verdict(xs: list[float]) -> str:
@@ -428,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SUITES), default="small")
     ap.add_argument("--models", nargs="*", default=None)
-    ap.add_argument("--rounds", type=int, default=9, help="rounds per row (each on the next of 3 session replicas)")
+    ap.add_argument("--rounds", type=int, default=9, help=f"rounds per row (each on the next of {REPLICAS} session replicas)")
     ap.add_argument("--max-rounds", type=int, default=27,
                     help="rounds a row may take while compress's speedup interval still holds 1")
     ap.add_argument("--threads", type=int, default=1)

@@ -19,7 +19,6 @@ from compress.core.errors import CompressError
 from compress.core.machine import cpu_name, int8_isa
 from compress.core.moe import unpack_experts
 from compress.core.targets import select_modules
-from compress.core.tracing import tensor_leaves
 from quantization.algorithms.bn_fold import find_conv_bn_pairs, fold_bn_into_conv
 from quantization.algorithms.kv_cache import remove_kv_quantization
 from quantization.numerics.fake_quant import FakeQuantizer
@@ -28,6 +27,7 @@ from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 from quantization.placement.activations import (
     GraphConfig,
     bn_pairs_from_graph,
+    call_batch,
     example_args,
     layers_by_flow,
     new_graph,
@@ -411,8 +411,7 @@ def _table_decides(graph0: Any, layers: dict[str, nn.Module], table: CostTable, 
 
 
 def _example_batch(call: Any) -> int | None:
-    leaves = tensor_leaves((call[0], call[1] or {}))
-    return int(leaves[0][1].shape[0]) if leaves and leaves[0][1].dim() else None
+    return call_batch(call[0], call[1])
 
 
 def _measure(

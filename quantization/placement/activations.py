@@ -183,8 +183,8 @@ def _place(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, c
     place_graph(model, config, args, kwargs)
 
 
-def _leading_dim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    """The batch of the traced call: its first tensor's leading dimension."""
+def call_batch(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> int | None:
+    """The batch of a model call: its first tensor's leading dimension (None for none)."""
     leaves = tensor_leaves((args, kwargs or {}))
     return int(leaves[0][1].shape[0]) if leaves and leaves[0][1].dim() else None
 
@@ -207,7 +207,7 @@ def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kw
         swapped=config.swapped, skip_layers=config.skip_layers, quantize_ops=config.quantize_ops,
         embeddings=config.quantize_embeddings, tied=tied_weights(model, config.swapped), model_float=config.model_float,
         float_ops=config.float_ops, serving_batch=config.serving_batch, cost_table=config.cost_table,
-        example_batch=_leading_dim(args, kwargs),
+        example_batch=call_batch(args, kwargs),
     )
     qg.placement, qg.pending = placement, False
     build_quantizers(qg)
