@@ -178,6 +178,89 @@ def _cases(finished: Path) -> list[tuple[str, Callable[[Path], tuple[list[str], 
         big = TINY.replace("hidden: 16", "hidden: 1024")  # checkpoints of ~0.3 MB each fill 600 KiB
         return [*c, "apply", recipe(d, big), "--out", str(mnt / "run"), "--quiet"], mnt
 
+    # ---- the trust issue: code in recipes, run-folder jail, bounded YAML, one run per folder ----
+    zoo = "model: {name: mlp, kwargs: {hidden: 16, depth: 1, num_classes: 10, in_features: 64}}"
+
+    def shell_recipe(d: Path, field: str = "model") -> str:
+        touch = f"{{name: 'os:system', kwargs: {{command: 'touch {d / 'PWNED'}'}}}}"
+        if field == "model":
+            return recipe(d, TINY.replace(zoo, f"model: {touch}"))
+        return recipe(d, TINY.replace("data: {source: digits,", f"data: {{source: 'os:system', kwargs: {{command: 'touch {d / 'PWNED'}'}},"))
+
+    def code_model(d: Path) -> tuple[list[str], Path]:
+        return [*c, "apply", shell_recipe(d), "--out", str(d / "run"), "--quiet"], d
+
+    def code_data(d: Path) -> tuple[list[str], Path]:
+        return [*c, "apply", shell_recipe(d, "data"), "--out", str(d / "run"), "--quiet"], d
+
+    def code_dry_run(d: Path) -> tuple[list[str], Path]:
+        return [*c, "apply", shell_recipe(d), "--dry-run", "--trust-code"], d
+
+    def code_inspect(d: Path) -> tuple[list[str], Path]:
+        return [*c, "inspect", shell_recipe(d)], d
+
+    def code_trusted(d: Path) -> tuple[list[str], Path]:
+        return [*c, "apply", shell_recipe(d), "--out", str(d / "run"), "--quiet", "--trust-code"], d
+
+    def marker_entry(entry: Callable[[Path], str]) -> Callable[[Path], tuple[list[str], Path]]:
+        def case(d: Path) -> tuple[list[str], Path]:
+            out = shutil.copytree(finished, d / "run")
+            (d / "victim.txt").write_text("precious")
+            data = json.loads((out / ".compress-run.json").read_text())
+            data["files"].append(entry(d))
+            (out / ".compress-run.json").write_text(json.dumps(data))
+            return [*c, "apply", recipe(d), "--out", str(out), "--overwrite", "--quiet"], d
+        return case
+
+    def link_out(d: Path) -> tuple[list[str], Path]:
+        out = shutil.copytree(finished, d / "run")
+        (d / "victim.txt").write_text("precious")
+        (out / "artifacts").symlink_to(d, target_is_directory=True)
+        data = json.loads((out / ".compress-run.json").read_text())
+        data["files"].append("artifacts/victim.txt")
+        (out / ".compress-run.json").write_text(json.dumps(data))
+        return [*c, "apply", str(out / "recipe.yaml"), "--out", str(out), "--resume", "--quiet"], d
+
+    def alias_bomb(d: Path) -> tuple[list[str], Path]:
+        text = TINY + 'a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]\n'
+        for i in range(1, 10):
+            text += f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]\n"
+        return [*c, "apply", recipe(d, text), "--dry-run"], d
+
+    def concurrent(d: Path) -> tuple[list[str], Path]:
+        out = d / "run"
+        holder = ("import pathlib, time\nfrom compress.run_folder import RunFolder\n"
+                  f"with RunFolder(pathlib.Path({str(out)!r})).lock():\n    print('held', flush=True); time.sleep(60)\n")
+        proc = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        return [*c, "apply", recipe(d), "--out", str(out), "--quiet"], out
+
+    def truncated_resume(d: Path) -> tuple[list[str], Path]:
+        out = shutil.copytree(finished, d / "run")
+        ck = out / "checkpoints" / "baseline.pt"
+        ck.write_bytes(ck.read_bytes()[:100])
+        return [*c, "apply", str(out / "recipe.yaml"), "--out", str(out), "--resume", "--quiet"], out
+
+    def onnx_no_inputs(d: Path) -> tuple[list[str], Path]:
+        import onnx
+        from onnx import TensorProto, helper
+
+        const = helper.make_node("Constant", [], ["y"], value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.0]))
+        graph = helper.make_graph([const], "g", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+        onnx.save(helper.make_model(graph), str(d / "noin.onnx"))
+        return [*c, "validate", str(d / "noin.onnx")], d
+
+    def batch_zero(d: Path) -> tuple[list[str], Path]:
+        return [*c, "apply", recipe(d, TINY.replace("batch_sizes: [1]", "batch_sizes: [0]")), "--out",
+                str(d / "run"), "--quiet"], d
+
+    def recipe_folder(d: Path) -> tuple[list[str], Path]:
+        (d / "r.yaml").mkdir()
+        return [*c, "apply", str(d / "r.yaml"), "--out", str(d / "run")], d
+
+    def llm_dry_run(d: Path) -> tuple[list[str], Path]:
+        return [*c, "apply", "llm_gptq_w4", "--dry-run", "#env=COMPRESS_CACHE_DIR=" + str(d / "cache")], d
+
     def api(code: str) -> Callable[[Path], tuple[list[str], Path]]:
         def case(d: Path) -> tuple[list[str], Path]:
             script = ("import torch, compress\n"
@@ -209,6 +292,21 @@ def _cases(finished: Path) -> list[tuple[str, Callable[[Path], tuple[list[str], 
         ("data whose batches do not fit the model", data_misfit),
         ("`--set scheme=w8a8_dynamic` with the QDQ export", dynamic_scheme),
         ("`--dry-run` with the same override", dry_run_dynamic),
+        ("recipe `model.name: os:system` (touch a file), no `--trust-code`", code_model),
+        ("recipe `data.source: os:system`, no `--trust-code`", code_data),
+        ("`--dry-run --trust-code` of the `os:system` recipe", code_dry_run),
+        ("`inspect` the `os:system` recipe", code_inspect),
+        ("the `os:system` recipe with `--trust-code` (the user trusts it: it runs)", code_trusted),
+        ("`--overwrite`, marker lists `../victim.txt`", marker_entry(lambda d: "../victim.txt")),
+        ("`--overwrite`, marker lists an absolute path", marker_entry(lambda d: str(d / "victim.txt"))),
+        ("`--resume`, a link in the run folder leads out of it", link_out),
+        ("YAML alias bomb (9 nested levels, ~400 bytes)", alias_bomb),
+        ("a second `apply` into a folder another run holds", concurrent),
+        ("`--resume` with a truncated checkpoints/baseline.pt", truncated_resume),
+        ("`validate` an ONNX file without inputs", onnx_no_inputs),
+        ("`validate.batch_sizes: [0]`", batch_zero),
+        ("a recipe path that is a folder", recipe_folder),
+        ("`--dry-run` of the SmolLM2 GPTQ recipe, empty cache", llm_dry_run),
         ("API: `quantize(model, 8, data)`", api("compress.quantize(m, 8, [x])")),
         ("API: `QuantizeParams(target='gpu')`", api("compress.QuantizeParams(target='gpu')")),
         ("API: `quantize('resnet', ...)`", api("compress.quantize('resnet', 'w8a8', [x])")),
@@ -232,11 +330,14 @@ def fault_table() -> list[dict[str, Any]]:
             except subprocess.CalledProcessError:
                 rows.append({"input": what, "exit": "-", "message": "skipped (cannot mount a tmpfs here)", "left": "-"})
                 continue
-            cwd = d
+            cwd, env = d, {}
             if cmd[-1].startswith("#cwd="):
                 cwd = d / cmd.pop().removeprefix("#cwd=")
+            if cmd[-1].startswith("#env="):
+                key, _, value = cmd.pop().removeprefix("#env=").partition("=")
+                env[key] = value
             before = _snapshot(watch)
-            rc, msg = _run(cmd, cwd)
+            rc, msg = _run(cmd, cwd, env)
             after = _snapshot(watch)
             if watch.name == "full":
                 subprocess.run(["umount", str(watch)], check=False)

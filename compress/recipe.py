@@ -26,10 +26,12 @@ from pydantic import (
     model_validator,
 )
 
+from compress.core.bounded import YAML_BYTES, load_yaml, read_bounded
 from compress.core.errors import RecipeError, did_you_mean
 from compress.core.modifier import ModifierSpec, check_order
 from compress.core.reference import ModelSpec as ModelSpec
 from compress.core.reference import StrictSpec
+from compress.core.trust import CODE_REF, code_refs, refusal
 from compress.distributed import DistributedSpec as DistributedSpec
 from compress.modifiers import modifier_class, modifier_types
 
@@ -44,14 +46,14 @@ class DataSpec(StrictSpec):
     """The data: ``digits``, ``synthetic``, ``text``, ``text_lm`` or ``pkg.module:factory``, split into train,
     calibration and eval sets with a fixed seed."""
 
-    source: str = "digits"
+    source: str = Field("digits", json_schema_extra=CODE_REF)
     kwargs: dict[str, Any] = Field(default_factory=dict)
     calibration_samples: int = Field(256, ge=0)
     calibration_batch_size: int = Field(32, ge=1)
     eval_batch_size: int = Field(128, ge=1)
     eval_samples: int | None = Field(None, ge=1)
     num_workers: int = Field(0, ge=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**63 - 1)  # what torch.manual_seed and numpy take
 
 
 class TrainSpec(StrictSpec):
@@ -70,9 +72,9 @@ class TrainSpec(StrictSpec):
     grad_clip: float | None = Field(None, gt=0)
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     amp: bool = False
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**63 - 1)  # what torch.manual_seed and numpy take
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    metric: str = "accuracy"
+    metric: str = Field("accuracy", json_schema_extra=CODE_REF)
     #: intra-op CPU threads per process; None: torch's default alone, the cores shared among the
     #: ranks under torchrun (threads do not change results, so --resume ignores this field)
     threads: int | None = Field(None, ge=1)
@@ -116,6 +118,7 @@ class Recipe(StrictSpec):
     validate_: ValidateSpec = Field(default_factory=ValidateSpec, alias="validate")
 
     _source: RecipeSource | None = PrivateAttr(default=None)
+    _trust_code: bool = PrivateAttr(default=False)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, protected_namespaces=(), allow_inf_nan=False)
 
@@ -131,6 +134,23 @@ class Recipe(StrictSpec):
     @property
     def source(self) -> RecipeSource | None:
         return self._source
+
+    @property
+    def trusts_code(self) -> bool:
+        """Whether this recipe was loaded with ``trust_code=True`` (its named code may run)."""
+        return self._trust_code
+
+    def code(self) -> list[tuple[str, str]]:
+        """``(field path, 'pkg.module:attr')`` for each piece of code outside the registries it names."""
+        return code_refs(self)
+
+    def require_trust(self) -> None:
+        """Refuse, naming the first callable and its YAML line, a recipe that names code it was not
+        trusted to run."""
+        refs = [] if self._trust_code else self.code()
+        if refs:
+            path, ref = refs[0]
+            raise refusal(ref, self.where(path))
 
     def where(self, path: str) -> str:
         """``file:line: path`` for messages about a field of this recipe."""
@@ -341,7 +361,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str], name: str = 
         if not parts:
             raise RecipeError(f"{name}: --set {ov!r}: empty key")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_yaml(raw, name=f"{name}: --set {ov!r}") if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise RecipeError(f"{name}: --set {ov!r}: value is not valid YAML ({_one_line(exc)})") from None
         node: Any = out
@@ -403,6 +423,8 @@ def resolve_recipe_path(recipe: str | Path) -> Path:
     path = Path(recipe)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise RecipeError(f"{_printable(str(recipe))}: is a folder, not a recipe file (give the .yaml file inside it)")
     shipped = shipped_recipes()
     parts = path.parts
     stem = path.stem if path.suffix in (".yaml", ".yml") else path.name
@@ -416,9 +438,14 @@ def resolve_recipe_path(recipe: str | Path) -> Path:
 
 
 
-def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: Sequence[str] = ()) -> Recipe:
+def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: Sequence[str] = (),
+                trust_code: bool = False) -> Recipe:
     """Load and validate a recipe from a YAML path, a mapping, or a Recipe (re-validated with overrides).
 
+    ``trust_code=True`` lets the recipe's own code (``pkg.module:factory`` for the model, the data, a
+    teacher or a metric) run when the recipe is applied; without it such a recipe is refused when it
+    would run, and loads, plans and inspects without importing anything (a Recipe given here keeps
+    the trust it was loaded with).
     Raises RecipeError with ``file:line: field.path: what is wrong; valid: ...`` on any problem.
     """
     text: str | None = None
@@ -431,11 +458,11 @@ def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: S
         name = _printable(str(recipe))
         path = resolve_recipe_path(recipe)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_bounded(path, limit=YAML_BYTES, what="recipe")
         except (OSError, UnicodeDecodeError) as exc:
             raise RecipeError(f"{name}: cannot read recipe: {_one_line(exc)}") from None
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text, name=name)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""
@@ -457,6 +484,7 @@ def load_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, *, overrides: S
         _raise_validation(exc, source, data)
         raise  # unreachable: _raise_validation always raises
     result._source = source
+    result._trust_code = trust_code or (isinstance(recipe, Recipe) and recipe.trusts_code)
     _check_needs_and_order(result, source)
     return result
 

@@ -5,19 +5,42 @@ and ``--resume`` delete only files on that list (and the run's own interrupted `
 only in a folder that carries the marker; a file the run did not write is never removed: the run
 is refused instead, naming it. The current folder, its parents, ``/``, the home folder and a
 repository root are never cleared, marker or not.
+
+The folder is a jail: every path read from it (the marker's list, checkpoints, the recipe) must
+resolve inside it: no ``..``, no absolute path, no link that leads out. Anything else refuses the
+whole ``--overwrite`` or ``--resume`` before a file is deleted or read. A run holds the folder's
+lock (``.compress-run.lock``) from its first write to its end: a second run into the same folder is
+refused, naming the holder; the lock of a killed run is released with its process and taken over.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
+from compress.core.bounded import load_json_file
 from compress.core.errors import RunFolderError
 from compress.core.io import atomic_write_text
 from compress.core.version import __version__
 
+log = logging.getLogger(__name__)
+
 MARKER = ".compress-run.json"
+LOCK = ".compress-run.lock"
+#: who holds the lock (pid, host, start, command): beside the lock file, which filelock truncates
+OWNER = ".compress-run.owner.json"
+#: the marker is a list of paths: a few MiB holds hundreds of thousands of them
+MARKER_LIMIT = 16 * 2**20
+_LOCKS = (LOCK, OWNER)
 
 
 def is_temp(path: Path) -> bool:
@@ -32,13 +55,28 @@ def is_temp(path: Path) -> bool:
 
 
 def _files(root: Path) -> set[str]:
-    """Relative POSIX paths of the files under ``root`` (links are files here; never followed)."""
+    """Relative POSIX paths of the files under ``root`` (links are files here; never followed),
+    the run lock's own two files left out."""
     out: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         base = Path(dirpath)
         out.update((base / f).relative_to(root).as_posix() for f in filenames)
         out.update((base / d).relative_to(root).as_posix() for d in dirnames if (base / d).is_symlink())
-    return out
+    return out - set(_LOCKS)
+
+
+def _escapes(root: Path, rel: str) -> str | None:
+    """Why the path ``rel``, read from the run folder ``root``, does not stay inside it, or None.
+    The last part may itself be a link inside the folder (unlinking it removes the link alone)."""
+    p = Path(rel)
+    if p.is_absolute() or rel.startswith(("/", "\\")):
+        return "is an absolute path"
+    if not p.parts or any(part in ("..", "") for part in p.parts) or "\x00" in rel:
+        return "leaves the folder through '..'" if ".." in p.parts else "is not a path inside the folder"
+    real_root = root.resolve()
+    if not (root / p).parent.resolve().is_relative_to(real_root):
+        return f"leads out of the folder through a link (to {(root / p).parent.resolve()})"
+    return None
 
 
 def _legacy_name(rel: str) -> bool:
@@ -51,6 +89,15 @@ def _legacy_name(rel: str) -> bool:
     if top == "export":
         return rest.endswith((".onnx", ".onnx.data", ".json", ".txt", ".pbtxt", ".xml", ".bin", ".tokenizer.json"))
     return top == "artifacts"
+
+
+def _holder(owner: Path) -> str:
+    """``pid 123 on host since 12:00:00`` from the lock's owner file, as far as it can be read."""
+    try:
+        data = load_json_file(owner, limit=2**16, what="run lock owner")
+        return f"pid {data['pid']} on {data['host']}, started {data['started']}: {data['command']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "owner unknown"
 
 
 def _protected(out: Path) -> str | None:
@@ -96,13 +143,23 @@ class RunFolder:
         if not self.is_run():
             return set()
         try:
-            data = json.loads(self.marker.read_text(encoding="utf-8"))
-            return {str(f) for f in data["files"]}
+            data = load_json_file(self.marker, limit=MARKER_LIMIT, what="run marker")
+            files = data["files"]
+            if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+                raise TypeError
         except (OSError, ValueError, KeyError, TypeError):
             raise RunFolderError(
                 f"{self.marker}: the run marker is unreadable; cannot tell the run's files from others "
                 "(move what you need out of the folder and delete it yourself, or choose another --out)"
             ) from None
+        for f in files:
+            why = _escapes(self.path, f)
+            if why is not None:
+                raise RunFolderError(
+                    f"{self.marker}: lists {f!r}, which {why}; refusing to delete or read anything it names "
+                    "(a run writes only inside its folder: this marker was not written by compress)"
+                )
+        return set(files)
 
     def foreign(self) -> list[str]:
         """Files in the folder the run did not write (sorted)."""
@@ -115,11 +172,12 @@ class RunFolder:
         p = self.path
         if p.exists() and not p.is_dir():
             raise RunFolderError(f"--out {p}: exists and is not a folder")
-        empty = not p.exists() or not any(p.iterdir())
+        empty = not p.exists() or not any(e.name not in _LOCKS for e in p.iterdir())
         if resume:
             if not (p / "recipe.yaml").is_file():
                 what = "does not exist" if not p.exists() else "is not a run folder (no recipe.yaml)"
                 raise RunFolderError(f"--resume: {p} {what}; nothing to resume (drop --resume to start a run)")
+            self._refuse_links_out("--resume")
             self._foreign = {f: (p / f).lstat().st_mtime_ns for f in self.foreign()}
             return
         if empty:
@@ -134,7 +192,62 @@ class RunFolder:
                 f"--out {p} --overwrite: not a compress run folder (no {MARKER}); refusing to delete what "
                 "it holds; choose another --out or empty it yourself"
             )
+        self._refuse_links_out("--overwrite")
         self._refuse_foreign("--overwrite")
+
+    def _refuse_links_out(self, flag: str) -> None:
+        """A link in the folder that resolves outside it: the run would read or write through it."""
+        real = self.path.resolve()
+        for rel in sorted(_files(self.path)):
+            link = self.path / rel
+            if link.is_symlink() and not link.resolve().is_relative_to(real):
+                raise RunFolderError(
+                    f"--out {self.path} {flag}: {rel} is a link to {link.resolve()}, outside the run folder; "
+                    "a run reads and writes only inside its folder: remove the link or choose another --out"
+                )
+        self.written()  # the marker's list, checked whole before anything is deleted
+
+    def inside(self, rel: str) -> Path:
+        """``rel`` under the folder, refused unless it resolves inside it (checkpoints, the recipe)."""
+        why = _escapes(self.path, rel)
+        target = self.path / rel
+        if why is None and target.is_symlink() and not target.resolve().is_relative_to(self.path.resolve()):
+            why = f"is a link to {target.resolve()}"
+        if why is not None:
+            raise RunFolderError(f"--out {self.path}: {rel} {why}, outside the run folder; refusing to read it")
+        return target
+
+    # ---- the lock --------------------------------------------------------------------------------
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the folder's run lock for the block (the folder is created if need be); a second run
+        is refused in one line naming the holder. The OS releases the lock of a killed process, so a
+        stale lock is taken over, with a line saying whose it was."""
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise RunFolderError(f"--out {self.path}: cannot create the run folder ({exc.strerror or exc})") from None
+        owner = self.path / OWNER
+        held = FileLock(str(self.path / LOCK), timeout=0, is_singleton=False)
+        try:
+            held.acquire()
+        except Timeout:
+            raise RunFolderError(
+                f"--out {self.path}: another compress run holds this folder ({_holder(owner)}); "
+                "wait for it to finish or choose another --out"
+            ) from None
+        previous = _holder(owner) if owner.is_file() else None
+        if previous is not None:
+            log.warning("--out %s: took over the lock left by a run that ended without releasing it (%s)",
+                        self.path, previous)
+        atomic_write_text(owner, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                             "command": " ".join(sys.argv)[:500]}) + "\n")
+        try:
+            yield
+        finally:
+            owner.unlink(missing_ok=True)
+            held.release()
 
     def _refuse_foreign(self, flag: str) -> None:
         foreign = self.foreign()

@@ -23,12 +23,15 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
+from compress.core.bounded import load_yaml_file
+from compress.core.dryrun import dry_run
 from compress.core.errors import RecipeError, RunFolderError, storage_error
 from compress.core.io import atomic_write_text
 from compress.core.machine import set_threads
-from compress.core.progress import LOGGERS, fig, seconds
+from compress.core.progress import LOGGERS, bars_off, fig, seconds
 from compress.core.size import count_macs, count_params, deployed_size_bytes
 from compress.core.tracing import iter_tensors
+from compress.core.trust import allow_code, code_trusted, no_code
 from compress.preflight import check_data_fits, check_recipe
 from compress.recipe import Recipe, load_recipe
 from compress.report import ModelFigures, Report, StageReport, machine, versions
@@ -155,9 +158,7 @@ def _log_to(path: Path | None, quiet: bool) -> Iterator[None]:
 
 def _check_same_recipe(recipe: Recipe, out_dir: Path) -> None:
     """--resume continues the run its folder describes: a different recipe would mix two runs."""
-    import yaml
-
-    saved = yaml.safe_load((out_dir / "recipe.yaml").read_text(encoding="utf-8"))
+    saved = load_yaml_file(RunFolder(out_dir).inside("recipe.yaml"), what="run's recipe")
     with contextlib.suppress(RecipeError):  # through the current schema: fields added since are no difference
         saved = load_recipe(saved).to_dict()
     now = recipe.to_dict()
@@ -173,23 +174,51 @@ def _check_same_recipe(recipe: Recipe, out_dir: Path) -> None:
         )
 
 
-def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None, device: str | None = None) -> dict[
-    str, Any
-]:
+def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None, device: str | None = None,
+         trust_code: bool = False) -> dict[str, Any]:
     """The resolved plan of a recipe without running it: stages and the modules each modifier matches,
-    after the checks ``apply`` makes before training (field conflicts, this machine, data vs model)."""
+    after the checks ``apply`` makes before training (field conflicts, this machine, data vs model).
+
+    A plan writes nothing (a GGUF model it has not converted yet is planned from the file's
+    metadata), and never imports or calls code the recipe names (``pkg.module:factory``), trusted or not:
+    such a recipe's plan lists that code, where its module lies and whether it would run
+    (``trust_code``), and leaves the module matching to the run.
+    """
     r = recipe if isinstance(recipe, Recipe) and not overrides else load_recipe(recipe, overrides=overrides or [])
     from compress.data import build_data
     from compress.models import load_model
 
     check_recipe(r, device=device)
-    data = build_data(r.data, batch_size=r.train.batch_size, seed=r.data.seed, where=r.where)
-    model = load_model(r.model, where=r.where)
-    check_data_fits(r, model, data.example_inputs)
-    session = Session(r, model)
+    refs = r.code()
+    if refs:
+        from compress.core.trust import CLI_SWITCH, locate
+
+        trusted = trust_code or r.trusts_code
+        runs = "runs in the run" if trusted else f"refused without {CLI_SWITCH}"
+        return {"recipe": r.name, "model": _model_label(r), "params": None, "data": f"{r.data.source}",
+                "code": [{"field": r.where(path), "callable": ref, "runs": runs,
+                          "where": "the model folder's own Python files" if ref.endswith("(trust_remote_code)")
+                          else locate(ref)}
+                         for path, ref in refs],
+                "stages": [{"stage": st.name, "epochs": st.epochs, "steps": st.steps,
+                            "modifiers": [{"type": m.type, "modules": None} for m in st.modifiers]}
+                           for st in r.stages]}
+    # belt and braces: nothing below may import a module the recipe names, nor write a file
+    with no_code(), dry_run():
+        data = build_data(r.data, batch_size=r.train.batch_size, seed=r.data.seed, where=r.where)
+        model = load_model(r.model, where=r.where)
+        if not any(p.is_meta for p in model.parameters()):  # a GGUF model not converted yet has no weights
+            check_data_fits(r, model, data.example_inputs)
+        session = Session(r, model)
+        stages = session.plan()
     shapes = ", ".join(str(list(t.shape)) for t in iter_tensors(data.example_inputs))
-    return {"recipe": r.name, "model": type(model).__name__, "params": count_params(model), "stages": session.plan(),
+    return {"recipe": r.name, "model": type(model).__name__, "params": count_params(model), "stages": stages,
             "data": f"{r.data.source}, batches of {shapes or 'no example inputs'}"}
+
+
+def _model_label(r: Recipe) -> str:
+    m = r.model
+    return f"factory '{m.name}'" if m.name is not None else f"'{m.hf_path}'"
 
 
 def apply(
@@ -201,26 +230,53 @@ def apply(
     overwrite: bool = False,
     resume: bool = False,
     quiet: bool = False,
+    trust_code: bool = False,
 ) -> Report:
     """Run a recipe end to end and write the run folder; returns the Report.
 
     The folder gets the resolved ``recipe.yaml``, ``report.json``, ``report.md`` (+ plot),
     ``checkpoints/`` and ``run.log``. A missed threshold is reported in ``report.thresholds``
-    (the CLI exits 3); it does not raise here.
+    (the CLI exits 3); it does not raise here. Code the recipe names (``pkg.module:factory``) runs
+    only with ``trust_code=True`` or a recipe loaded with it; otherwise the run is refused first.
     """
-    t0 = time.perf_counter()
     r = recipe if isinstance(recipe, Recipe) and not overrides else load_recipe(recipe, overrides=overrides or [])
+    trusted = trust_code or r.trusts_code
+    if not trusted:
+        r.require_trust()
+    with allow_code(trusted), bars_off(quiet):
+        return _apply(r, out=Path(out_dir), device=device, overwrite=overwrite, resume=resume, quiet=quiet)
+
+
+def _apply(r: Recipe, *, out: Path, device: str | None, overwrite: bool, resume: bool, quiet: bool) -> Report:
+    t0 = time.perf_counter()
     check_recipe(r, device=device)
-    out = Path(out_dir)
     folder = RunFolder(out)
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone owns the folder under torchrun
         folder.check(overwrite=overwrite, resume=resume)
         if resume:
             _check_same_recipe(r, out)
+            from compress.checkpoints import check_resumable
+
+            # a corrupt or truncated checkpoint stops the run here (exit 2), not after the model is built
+            check_resumable(out / "checkpoints", trains_baseline=r.train.epochs > 0)
     run = _Run(r, device=device, quiet=quiet)  # bad model/data input raises here, before the folder is touched
     check_data_fits(r, run.model, run.data.example_inputs)
     main = run.dist.is_main
     run.folder = folder if main else None
+    with contextlib.ExitStack() as held:
+        if main:
+            # held to the end of the run, and the folder checked again under it: another run may
+            # have written or started there since the check above
+            held.enter_context(folder.lock())
+            folder.check(overwrite=overwrite, resume=resume)
+        return _run_in_folder(run, folder, out, resume=resume, overwrite=overwrite, quiet=quiet, t0=t0)
+
+
+def _run_in_folder(run: _Run, folder: RunFolder, out: Path, *, resume: bool, overwrite: bool, quiet: bool,
+                   t0: float) -> Report:
+    """Prepare the run folder (rank 0), run the pipeline with its log, write the report."""
+    r = run.recipe
+    main = run.dist.is_main
     if main:
         if resume:
             folder.clear_unfinished()
@@ -288,7 +344,9 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
     # ---- baseline ----
     baseline_ckpt = ckpt_dir / "baseline.pt"
     if resume and baseline_ckpt.exists():
-        model.load_state_dict(torch.load(baseline_ckpt, map_location=run.device, weights_only=True)["model"])
+        from compress.checkpoints import load_baseline
+
+        load_baseline(baseline_ckpt, model)
         log.info("resumed: baseline loaded from %s", baseline_ckpt)
     elif r.train.epochs > 0:
         last = ckpt_dir / "baseline_last.pt"
@@ -305,8 +363,9 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
             log.info("resumed baseline training at epoch %d from %s (%d rank(s))", start, sharded.name,
                      run.dist.world_size)
         elif resume and last.exists():
-            state = torch.load(last, map_location=run.device, weights_only=True)
-            model.load_state_dict(state["model"])
+            from compress.checkpoints import load_baseline
+
+            state = load_baseline(last, model)
             from compress.training import build_optimizer
 
             opt = build_optimizer(model, r.train)
@@ -356,7 +415,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
         r, model, steps_per_epoch=len(run.train_loader), calibration_data=calibration, train_data=run.train_loader,
         example_inputs=_to(run.data.example_inputs, run.device), evaluate=run.evaluate,
         select_evaluate=run.select_evaluate, higher_is_better=run.higher_is_better, device=run.device,
-        out_dir=out / "artifacts" if main else None,
+        out_dir=out / "artifacts" if main else None, trust_code=code_trusted(),
     )
     stage_t = [time.perf_counter()]
 

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ from torch import nn
 from compress.core.batching import require_module
 from compress.core.errors import CompressError
 from compress.core.modifier import Modifier, Phase, State
+from compress.core.trust import allow_code
 from compress.distributed import DistributedSpec, distribute, gather, is_sharded
 from compress.modifiers import modifier_class
 from compress.recipe import Recipe, Stage, load_recipe
@@ -61,6 +63,21 @@ def _remove_hooks_since(model: nn.Module, before: set[tuple[int, str, int]]) -> 
                 del hooks[h]
                 n += 1
     return n
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _trusted_calls(method: _F) -> _F:
+    """Run a lifecycle method with the recipe's code allowed when the session trusts it: a modifier
+    may load a teacher from its factory in any stage."""
+
+    @functools.wraps(method)
+    def wrapper(self: Session, *args: Any, **kwargs: Any) -> Any:
+        with allow_code(self.trust_code):
+            return method(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
 
 
 def _distributed_spec(value: DistributedSpec | Mapping[str, Any]) -> DistributedSpec:
@@ -95,7 +112,8 @@ class Session:
     ``loss_fn`` and ``evaluate`` are optional extras some modifiers use (Taylor importance,
     accuracy-aware PTQ; ``higher_is_better`` is the direction of its metric); ``select_evaluate``,
     the same metric on other data than ``evaluate``'s, is what accuracy-aware PTQ chooses on when given. The model is changed in
-    place; ``s.model`` is the same object.
+    place; ``s.model`` is the same object. A recipe naming its own code (a teacher's factory) is
+    refused unless it was loaded with ``trust_code=True`` or ``trust_code=True`` is given here.
     """
 
     def __init__(
@@ -115,10 +133,16 @@ class Session:
         device: torch.device | str | None = None,
         out_dir: str | Path | None = None,
         distributed: DistributedSpec | Mapping[str, Any] | None = None,
+        trust_code: bool = False,
     ) -> None:
         # a Recipe built in code (no source) has not been through load_recipe's needs and order
         # checks: run them, so that such a recipe fails here and not halfway through a run
-        self.recipe = recipe if isinstance(recipe, Recipe) and recipe.source is not None else load_recipe(recipe)
+        self.recipe = (recipe if isinstance(recipe, Recipe) and recipe.source is not None
+                       else load_recipe(recipe, trust_code=trust_code))
+        #: whether the recipe's own code (a teacher's factory, a metric) may run in this session
+        self.trust_code = trust_code or self.recipe.trusts_code
+        if not self.trust_code:
+            self.recipe.require_trust()
         #: how :meth:`distribute` trains under torchrun: the recipe's ``distributed`` unless given here
         self.distributed = self.recipe.distributed if distributed is None else _distributed_spec(distributed)
         require_module(model, "Session: model")
@@ -228,6 +252,7 @@ class Session:
         self._stage_end_callbacks.append(fn)
 
     # ---- lifecycle -------------------------------------------------------------------------------
+    @_trusted_calls
     def initialize(self) -> Session:
         """Check every modifier's targets against the model, then enter the first stage."""
         if self._initialized:
@@ -401,6 +426,7 @@ class Session:
             fn(self, result)
         log.info("stage '%s' done", stage.name)
 
+    @_trusted_calls
     def step(self) -> None:
         """Report one optimizer step."""
         self._require_live("step")
@@ -416,6 +442,7 @@ class Session:
         if stage is not None and stage.steps is not None and st.stage_step >= stage.steps:
             self._advance()
 
+    @_trusted_calls
     def epoch_end(self) -> None:
         """Report the end of an epoch; ends the stage when its epochs are done."""
         self._require_live("epoch_end")
@@ -436,6 +463,7 @@ class Session:
             loss = m.loss(self.state, loss, inputs, outputs)
         return loss
 
+    @_trusted_calls
     def finalize(self) -> nn.Module:
         """Finish the current stage and any one-shot stages left; returns the compressed model."""
         self._require_live("finalize")

@@ -10,12 +10,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from compress.core.errors import RecipeError
+from compress.core.trust import allow_code
 from export.records import ValidationRecord
+
+if TYPE_CHECKING:
+    from compress.recipe import Recipe
 
 
 def eval_batches(data: Any, *, batch_size: int = 32) -> Any:
@@ -27,7 +31,9 @@ def eval_batches(data: Any, *, batch_size: int = 32) -> Any:
     if isinstance(data, DataSpec):
         from compress.data import build_data
 
-        bundle = build_data(data, batch_size=batch_size, seed=data.seed, where=f"validate data '{data.source}'")
+        # a source the caller passed here itself (an argument, not a recipe file) is the caller's own code
+        bundle = build_data(data, batch_size=batch_size, seed=data.seed, where=f"validate data '{data.source}'",
+                            trust_code=True)
         if bundle.eval is None:
             raise RecipeError(f"validate: data source '{data.source}' has no eval split")
         return bundle.eval
@@ -71,11 +77,13 @@ def run_validate(
     warmup: int = 5,
     threads: int | None = None,
     eval_samples: int | None = None,
+    trust_code: bool = False,
 ) -> list[dict[str, Any]]:
     """The ``compress validate`` command: one JSON-ready row per (runtime, model). Bad arguments raise
-    RecipeError (exit 2) naming the argument."""
+    RecipeError (exit 2) naming the argument. ``trust_code`` lets a run folder's recipe run the code
+    it names (``--backend cuda`` rebuilds the run's model)."""
     if backend == "cuda":
-        return validate_run_cuda(model, batch_sizes=batch_sizes, runs=runs)
+        return validate_run_cuda(model, batch_sizes=batch_sizes, runs=runs, trust_code=trust_code)
     if backend != "cpu":
         raise RecipeError(f"--backend: '{backend}' is not one of cpu, cuda")
     model = Path(model)
@@ -111,37 +119,52 @@ def _check_onnx(path: Path, flag: str) -> None:
     import onnx
 
     try:
-        onnx.load(str(path), load_external_data=False)
+        proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and friends: the file is the user's input
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RecipeError(f"{flag}: '{path}' is not an ONNX model ({first})") from None
+    from export.describe import check_io
+
+    check_io(proto, path, where=flag)  # no inputs or no outputs: exit 2 before any data is built
 
 
 def validate_run_cuda(
     run_dir: Path, *, batch_sizes: Sequence[int] = (1, 32), runs: int = 20, device: str = "cuda",
-    dtype: Any = None,
+    dtype: Any = None, trust_code: bool = False,
 ) -> list[dict[str, Any]]:
     """``compress validate RUN_DIR --backend cuda``: the compressed model a ``compress apply`` run
     saved in RUN_DIR (restored from data, :func:`compress.state.restore_compressed`), converted to
     the int8 kernels and validated against the run's fp32 baseline on the recipe's eval data
     (accuracy, parity with fake-quant, latency vs fp16, side by side). One row per batch size;
-    ``dtype`` is the deployed float type (default float16)."""
-    import torch
-
-    from compress.data import build_data
-    from compress.models import load_model
+    ``dtype`` is the deployed float type (default float16). The run's recipe runs code it names only
+    with ``trust_code=True``."""
     from compress.recipe import load_recipe
-    from compress.state import load_state_file, restore_compressed
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or not (run_dir / "recipe.yaml").is_file():
         raise RecipeError(
             f"MODEL: --backend cuda validates a run folder of `compress apply` (with recipe.yaml), got '{run_dir}'"
         )
-    final = run_dir / "checkpoints" / "final.pt"
+    from compress.run_folder import RunFolder
+
+    final = RunFolder(run_dir).inside("checkpoints/final.pt")  # never read through a link out of the run
     if not final.is_file():
         raise RecipeError(f"MODEL: {final} not found; the run did not finish")
-    recipe = load_recipe(run_dir / "recipe.yaml")
+    recipe = load_recipe(run_dir / "recipe.yaml", trust_code=trust_code)
+    recipe.require_trust()
+    with allow_code(recipe.trusts_code):
+        return _validate_run_cuda(recipe, run_dir, final, batch_sizes=batch_sizes, runs=runs, device=device,
+                                  dtype=dtype)
+
+
+def _validate_run_cuda(recipe: Recipe, run_dir: Path, final: Path, *, batch_sizes: Sequence[int], runs: int,
+                       device: str, dtype: Any) -> list[dict[str, Any]]:
+    import torch
+
+    from compress.data import build_data
+    from compress.models import load_model
+    from compress.state import load_state_file, restore_compressed
+
     model = restore_compressed(lambda: load_model(recipe.model, where=recipe.where), final)
     from quantization import quantizers
 

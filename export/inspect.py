@@ -4,13 +4,13 @@ exports (from its report.json)."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import onnx
 from pydantic import ValidationError
 
+from compress.core.bounded import load_json_file
 from compress.core.errors import RecipeError
 from export import describe
 from export.records import ExportRecord
@@ -69,7 +69,7 @@ def _run_record(path: Path) -> ExportRecord | None:
 
 def _records(report: Path) -> list[ExportRecord]:
     try:
-        data = json.loads(report.read_text())
+        data = load_json_file(report, what="run report")
         return [ExportRecord.model_validate(e) for e in data.get("exports", [])]
     except (OSError, ValueError, ValidationError) as exc:
         raise RecipeError(f"{report}: not a readable run report ({str(exc).splitlines()[0]})") from None
@@ -106,7 +106,12 @@ def inspect_run(folder: Path) -> str:
     report = Path(folder) / "report.json"
     if not report.is_file():
         raise RecipeError(f"{folder}: not a run folder (no report.json in it)")
-    data = json.loads(report.read_text())
+    try:
+        data = load_json_file(report, what="run report")
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"{report}: not a readable run report ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{report}: not a readable run report (not a JSON object)")
     name = (data.get("recipe") or {}).get("name", "?")
     recs = _records(report)
     lines = [f"{folder}: run of recipe '{name}'" + (f", FAILED: {data['error']}" if data.get("error") else "")]

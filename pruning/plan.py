@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from compress.core.bounded import load_json_file
 from compress.core.errors import CompressError, RecipeError
 from pruning.apply import Slices, apply_slices
 
@@ -89,8 +90,8 @@ class PruningPlan:
         if not p.is_file():
             raise RecipeError(f"{p}: pruning plan not found")
         try:
-            data = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            data = load_json_file(p, what="pruning plan")
+        except (OSError, ValueError) as exc:
             raise RecipeError(f"{p}: cannot read pruning plan: {exc}") from None
         if not isinstance(data, Mapping):
             raise RecipeError(f"{p}: a pruning plan is a JSON object")

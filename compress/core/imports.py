@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.core.errors import RecipeError, closest
+from compress.core.trust import require_trust
 
 
 def is_import_path(name: str) -> bool:
@@ -18,10 +19,12 @@ def import_object(path: str, *, where: str, what: str = "factory") -> Any:
     """The object at ``pkg.module:attr`` (``attr`` may be dotted); RecipeError naming the path and why.
 
     ``what`` names the attribute in the message for a malformed path (``'pkg.module:factory'``).
+    Nothing is imported unless the current scope trusts recipe-named code (compress.core.trust).
     """
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
         raise RecipeError(f"{where}: '{path}' is not of the form 'pkg.module:{what}'")
+    require_trust(path, where=where)
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any failure while importing user code is a bad recipe path

@@ -11,6 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from compress.core.trust import CODE_REF
+
 #: error-message prefix: a string, or a callable mapping a field path to "file:line: path"
 Where = str | Callable[[str], str]
 
@@ -29,7 +31,7 @@ class ModelSpec(StrictSpec):
     ``checkpoint`` loads weights (``weights_only=True``) into it; ``pruning_plan`` replays a plan
     first so that a pruned checkpoint fits."""
 
-    name: str | None = None
+    name: str | None = Field(None, json_schema_extra=CODE_REF)
     kwargs: dict[str, Any] = Field(default_factory=dict)
     hf_path: str | None = None
     checkpoint: str | None = None

@@ -14,6 +14,7 @@ from compress.core.batching import split_batch
 from compress.core.errors import RecipeError, did_you_mean
 from compress.core.imports import import_object, is_import_path
 from compress.core.registry import Registry
+from compress.core.trust import allow_code
 from compress.data.bundle import DataBundle, Splits, collate_unlabelled, head, size
 from compress.data.digits import FRACTIONS, digits
 from compress.data.synthetic import synthetic
@@ -71,6 +72,7 @@ def build_data(
     rank: int = 0,
     world_size: int = 1,
     where: str | Callable[[str], str] = "data",
+    trust_code: bool = False,
 ) -> DataBundle:
     """Build the loaders a DataSpec describes.
 
@@ -78,7 +80,8 @@ def build_data(
     the train loader shards through a DistributedSampler (``bundle.train_sampler``); calibration
     and eval are not sharded. ``where`` names the recipe section in error messages: a string (``"data"`` gives
     ``data.source: ...``) or a callable such as ``recipe.where`` that gets the field path
-    (``data.source``) and returns ``file:line: data.source``.
+    (``data.source``) and returns ``file:line: data.source``. A ``pkg.module:factory`` source runs
+    only with ``trust_code=True`` (or inside a run of a trusted recipe): see compress.core.trust.
     """
     if not isinstance(spec, DataSpec):
         spec = DataSpec.model_validate(dict(spec))
@@ -86,7 +89,8 @@ def build_data(
         raise RecipeError(
             f"{_at(where, 'data')}: need batch_size >= 1 and 0 <= rank < world_size (got {batch_size}, {rank}, {world_size})"
         )
-    splits = _splits(spec, where=where)
+    with allow_code(trust_code):
+        splits = _splits(spec, where=where)
     train = splits.train
     calib = head(splits.calibration, spec.calibration_samples) if splits.calibration is not None else None
     if spec.calibration_samples == 0:

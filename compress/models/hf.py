@@ -19,8 +19,11 @@ from typing import Any
 from filelock import FileLock
 from torch import nn
 
+from compress.core.bounded import load_json_file
+from compress.core.dryrun import is_dry_run
 from compress.core.errors import CompressError, RecipeError
 from compress.core.imports import install_hint
+from compress.core.trust import require_trust
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,14 @@ def gguf_cache_dir(file: Path) -> Path:
     return cache_root() / "gguf" / f"{real.stem}-{key}"
 
 
+class _Unconverted(Exception):
+    """Raised inside a dry run instead of converting a GGUF file: the loaders read it in place."""
+
+    def __init__(self, file: Path, target: Path) -> None:
+        super().__init__(str(file))
+        self.file, self.target = file, target
+
+
 def gguf_directory(file: Path, *, where: str = "hf_path") -> Path:
     """A Hugging Face directory (config, float32 safetensors, tokenizer) holding the model of the
     GGUF ``file``, de-quantized to float32: converted on first use and cached (:func:`gguf_cache_dir`).
@@ -120,6 +131,8 @@ def gguf_directory(file: Path, *, where: str = "hf_path") -> Path:
     target = gguf_cache_dir(file)
     if (target / "config.json").is_file():
         return target
+    if is_dry_run():
+        raise _Unconverted(file, target)
     if importlib.util.find_spec("gguf") is None:
         raise CompressError(f"{where}: loading the GGUF file '{file}' needs the gguf package; {_GGUF_HINT}")
     if importlib.util.find_spec("accelerate") is None:
@@ -143,6 +156,26 @@ def gguf_directory(file: Path, *, where: str = "hf_path") -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("converted %s in %.0f s", file.name, time.perf_counter() - t0)
     return target
+
+
+def _gguf_skeleton(dry: _Unconverted, *, where: str) -> nn.Module:
+    """The GGUF file's model built from its metadata on the meta device (no weights read, nothing
+    written): what a dry run plans on before the first real run converts and caches the file."""
+    import torch
+
+    transformers = _transformers(where)
+    kw: dict[str, Any] = {"gguf_file": dry.file.name, "local_files_only": True}
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(dry.file.parent), **kw)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+        why = " ".join(str(exc).split())[:300]
+        raise RecipeError(f"{where}: cannot read the GGUF file '{dry.file}' ({type(exc).__name__}: {why})") from None
+    n = sum(p.numel() for p in model.parameters())
+    log.info("dry run: the run converts %s (%.0f MB) to float32 once, about %.0f MB in %s; not converted now",
+             dry.file.name, dry.file.stat().st_size / 1e6, n * 4 / 1e6, dry.target)
+    return model
 
 
 def _convert_gguf(file: Path, out: Path, *, where: str) -> None:
@@ -187,11 +220,9 @@ def _transformers(where: str) -> Any:
 def _is_causal_lm(directory: Path) -> bool:
     """Whether the saved config names a causal LM head (``LlamaForCausalLM``, ``GPT2LMHeadModel``):
     such a directory loads with its head, so that it predicts tokens (perplexity), not hidden states."""
-    import json
-
     try:
-        archs = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("architectures") or []
-    except (OSError, ValueError):
+        archs = load_json_file(directory / "config.json", what="model config").get("architectures") or []
+    except (OSError, ValueError, AttributeError):
         return False
     return any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
 
@@ -201,7 +232,15 @@ def load_hf_model(path: str, kwargs: dict[str, Any] | None = None, *, where: str
     :func:`resolve_hf_path`) with
     ``local_files_only=True`` (``AutoModelForCausalLM`` when the config names a causal-LM
     architecture); ``kwargs`` go to ``from_pretrained`` (e.g. ``attn_implementation``)."""
-    directory = resolve_hf_path(path, where=where)
+    if (kwargs or {}).get("trust_remote_code"):
+        # the directory's own Python files would run: code the recipe names, under the recipe's trust
+        require_trust(f"{path} (trust_remote_code)", where=where.replace("hf_path", "kwargs.trust_remote_code"))
+        if is_dry_run():
+            raise RecipeError(f"{where}: a dry run does not run the model directory's own code (trust_remote_code)")
+    try:
+        directory = resolve_hf_path(path, where=where)
+    except _Unconverted as dry:
+        return _gguf_skeleton(dry, where=where)
     transformers = _transformers(where)
     auto = transformers.AutoModelForCausalLM if _is_causal_lm(directory) else transformers.AutoModel
     try:
@@ -219,10 +258,15 @@ def load_hf_model(path: str, kwargs: dict[str, Any] | None = None, *, where: str
 def load_tokenizer(path: str = MINILM, *, where: str = "tokenizer") -> Any:
     """``AutoTokenizer.from_pretrained`` on a local directory (or ``package:DIST``, or a ``.gguf``
     file: :func:`resolve_hf_path`), offline."""
-    directory = resolve_hf_path(path, where=where)
     transformers = _transformers(where)
     try:
-        return transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        directory = resolve_hf_path(path, where=where)
+    except _Unconverted as dry:  # a dry run reads the tokenizer from the GGUF file, writing nothing
+        directory, kw = dry.file.parent, {"gguf_file": dry.file.name}
+    else:
+        kw = {}
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kw)
     except (OSError, ValueError, TypeError) as exc:
         why = " ".join(str(exc).split())[:300]
         raise RecipeError(f"{where}: cannot load a tokenizer from '{directory}' ({why})") from None

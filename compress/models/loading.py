@@ -16,6 +16,7 @@ from compress.core.errors import CompressError, RecipeError
 from compress.core.imports import import_object, is_import_path
 from compress.core.io import safe_torch_load
 from compress.core.reference import ModelSpec, Where
+from compress.core.trust import allow_code
 from compress.models.hf import load_hf_model
 from compress.models.zoo import _build
 
@@ -27,7 +28,7 @@ def _at(where: Where, field: str) -> str:
     return where(f"model.{field}") if callable(where) else where
 
 
-def load_model(spec: ModelSpec | Mapping[str, Any], *, where: Where = "model") -> nn.Module:
+def load_model(spec: ModelSpec | Mapping[str, Any], *, where: Where = "model", trust_code: bool = False) -> nn.Module:
     """Build the model a ModelSpec describes.
 
     ``name``: a zoo name (``resnet``, ``mobilenetv2``, ``vit``, ``mlp``) or ``pkg.module:factory``,
@@ -36,13 +37,15 @@ def load_model(spec: ModelSpec | Mapping[str, Any], *, where: Where = "model") -
     replayed (so that a pruned checkpoint fits) and ``checkpoint`` is loaded strictly.
 
     ``where`` prefixes error messages: a string, or a callable such as ``recipe.where`` that gets
-    the field path (``model.checkpoint``) and returns ``file:line: path``.
+    the field path (``model.checkpoint``) and returns ``file:line: path``. A factory runs only with
+    ``trust_code=True`` (or inside a run of a trusted recipe): see compress.core.trust.
     """
     if not isinstance(spec, ModelSpec):
         spec = ModelSpec.model_validate(dict(spec))
     if spec.name is not None:
-        model = _from_name(spec.name, spec.kwargs, where=_at(where, "name"),
-                           kwarg_where=lambda key: _at(where, f"kwargs.{key}"))
+        with allow_code(trust_code):
+            model = _from_name(spec.name, spec.kwargs, where=_at(where, "name"),
+                               kwarg_where=lambda key: _at(where, f"kwargs.{key}"))
     else:
         assert spec.hf_path is not None  # ModelSpec guarantees exactly one source
         model = load_hf_model(spec.hf_path, spec.kwargs, where=_at(where, "hf_path"))

@@ -230,20 +230,20 @@ def data_module(tmp_path, monkeypatch):
 
 
 def test_factory_dataset_is_split(data_module: str) -> None:
-    b = build_data(DataSpec(source=f"{data_module}:dataset", kwargs={"n": 200}), batch_size=16, seed=0)
+    b = build_data(DataSpec(source=f"{data_module}:dataset", kwargs={"n": 200}), batch_size=16, seed=0, trust_code=True)
     assert b.sizes == {"train": 120, "calibration": 30, "eval": 50}
     assert b.num_classes == 3 and b.input_shape == (5,) and b.task == "classification"
 
 
 def test_factory_dict_of_splits(data_module: str) -> None:
-    b = build_data(DataSpec(source=f"{data_module}:splits", calibration_samples=16), batch_size=16, seed=0)
+    b = build_data(DataSpec(source=f"{data_module}:splits", calibration_samples=16), batch_size=16, seed=0, trust_code=True)
     assert b.sizes == {"train": 60, "calibration": 16, "eval": 20}
     x, y = next(iter(b.eval))
     assert x.shape == (20, 5) and y.shape == (20,)
 
 
 def test_factory_unlabelled(data_module: str) -> None:
-    b = build_data(DataSpec(source=f"{data_module}:bare"), batch_size=8, seed=0)
+    b = build_data(DataSpec(source=f"{data_module}:bare"), batch_size=8, seed=0, trust_code=True)
     assert b.task == "embedding" and b.num_classes is None
     inputs, targets = next(iter(b.train))
     assert inputs.shape == (8, 4) and targets is None
@@ -251,13 +251,13 @@ def test_factory_unlabelled(data_module: str) -> None:
 
 def test_factory_errors(data_module: str) -> None:
     with pytest.raises(RecipeError, match=r"^data.source: cannot import module 'nope_pkg_xyz'"):
-        build_data(DataSpec(source="nope_pkg_xyz:make"), batch_size=8, seed=0)
+        build_data(DataSpec(source="nope_pkg_xyz:make"), batch_size=8, seed=0, trust_code=True)
     with pytest.raises(RecipeError, match=r"returned keys \['training'\]; valid keys"):
-        build_data(DataSpec(source=f"{data_module}:bad_keys"), batch_size=8, seed=0)
+        build_data(DataSpec(source=f"{data_module}:bad_keys"), batch_size=8, seed=0, trust_code=True)
     with pytest.raises(RecipeError, match=r"gave dataset as a int; expected a map-style torch Dataset"):
-        build_data(DataSpec(source=f"{data_module}:bad_type"), batch_size=8, seed=0)
+        build_data(DataSpec(source=f"{data_module}:bad_type"), batch_size=8, seed=0, trust_code=True)
     with pytest.raises(RecipeError, match=r"gave dataset as a list"):
-        build_data(DataSpec(source=f"{data_module}:unlabelled"), batch_size=8, seed=0)
+        build_data(DataSpec(source=f"{data_module}:unlabelled"), batch_size=8, seed=0, trust_code=True)
 
 
 def test_unknown_source_lists_valid() -> None:

@@ -178,7 +178,7 @@ def factory_module(tmp_path, monkeypatch):
 def test_load_model_from_zoo_and_factory(factory_module: str) -> None:
     m = load_model(ModelSpec(name="resnet", kwargs={"width": 8}))
     assert isinstance(m.fc, nn.Linear) and m.fc.in_features == 32
-    f = load_model(ModelSpec(name=f"{factory_module}:tiny", kwargs={"width": 5}))
+    f = load_model(ModelSpec(name=f"{factory_module}:tiny", kwargs={"width": 5}), trust_code=True)
     assert f[1].out_features == 5 and f(torch.randn(2, 1, 8, 8)).shape == (2, 3)
 
 
@@ -186,13 +186,13 @@ def test_load_model_factory_errors(factory_module: str) -> None:
     with pytest.raises(
         RecipeError, match=r"^model: cannot import module 'no_such_pkg_xyz.models'.*ModuleNotFoundError"
     ):
-        load_model(ModelSpec(name="no_such_pkg_xyz.models:net"))
+        load_model(ModelSpec(name="no_such_pkg_xyz.models:net"), trust_code=True)
     with pytest.raises(RecipeError, match=r"has no attribute 'tiyn'.*did you mean 'tiny'"):
-        load_model(ModelSpec(name=f"{factory_module}:tiyn"))
+        load_model(ModelSpec(name=f"{factory_module}:tiyn"), trust_code=True)
     with pytest.raises(RecipeError, match=r"returned a int, not a torch nn.Module"):
-        load_model(ModelSpec(name=f"{factory_module}:not_a_model"))
+        load_model(ModelSpec(name=f"{factory_module}:not_a_model"), trust_code=True)
     with pytest.raises(RecipeError, match=r"rejected kwargs"):
-        load_model(ModelSpec(name=f"{factory_module}:tiny", kwargs={"depth": 2}))
+        load_model(ModelSpec(name=f"{factory_module}:tiny", kwargs={"depth": 2}), trust_code=True)
     with pytest.raises(RecipeError, match=r"^recipe.yaml:\d+: model.kwargs.dims: zoo model 'vit' has no kwarg"):
         load_model(ModelSpec(name="vit", kwargs={"dims": 2}), where=lambda p: f"recipe.yaml:3: {p}")
 

@@ -293,7 +293,7 @@ def test_override_value_tags_are_refused(tmp_path: Path) -> None:
 def test_file_not_found(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     assert error_of(missing) == f"{missing}: recipe file not found"
-    assert error_of(str(tmp_path)) == f"{tmp_path}: recipe file not found"
+    assert error_of(str(tmp_path)) == f"{tmp_path}: is a folder, not a recipe file (give the .yaml file inside it)"
 
 
 def test_malformed_yaml_names_the_line(tmp_path: Path) -> None:

@@ -256,7 +256,7 @@ def test_a_user_factory_that_raises_names_the_factory_and_the_recipe_line(
     (tmp_path / "userfac.py").write_text("def make():\n    raise RuntimeError('weights file missing')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     recipe = _recipe(tmp_path, {**TINY, "model": {"name": "userfac:make"}})
-    rc = main(["apply", str(recipe), "--out", str(tmp_path / "run"), "--quiet"])
+    rc = main(["apply", str(recipe), "--out", str(tmp_path / "run"), "--quiet", "--trust-code"])
     line = _one_error_line(capsys.readouterr().err)
     assert rc == 2 and "recipe.yaml:4: model.name" in line and "'userfac:make' raised RuntimeError" in line
     assert not (tmp_path / "run").exists()  # found before the folder is touched

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from compress.core.errors import CompressError, RecipeError
 from compress.core.metrics import make_metric, mean_pool
+from compress.core.trust import allow_code
 from compress.recipe import TrainSpec
 from compress.training import Trainer, build_optimizer, build_schedule, evaluate, fit, task_loss
 
@@ -90,9 +91,12 @@ def test_metrics_registry_and_user_metric() -> None:
     assert t5.compute() == 1.0
     with pytest.raises(RecipeError, match="did you mean 'accuracy'"):
         make_metric("acuracy")
-    with pytest.raises(RecipeError, match="cannot import"):
-        make_metric("no_such_module_xyz:fn")
-    user = make_metric("tests.compress.test_training:_neg_l1")
+    with pytest.raises(RecipeError, match="runs such code only when you trust it"):
+        make_metric("tests.compress.test_training:_neg_l1")  # a user function: the recipe's code
+    with allow_code():
+        with pytest.raises(RecipeError, match="cannot import"):
+            make_metric("no_such_module_xyz:fn")
+        user = make_metric("tests.compress.test_training:_neg_l1")
     user.update(logits, y, inputs=logits)
     assert user.compute() == pytest.approx(_neg_l1(logits, y))
 
