@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 
 STAGE_PT = "stage_last.pt"
 STAGE_DCP = "stage_last.dcp"
+BASELINE_PT = "baseline.pt"  # the trained baseline (written once its training ends)
+BASELINE_LAST = "baseline_last.pt"  # baseline training's last epoch (one process, DDP)
+BASELINE_DCP = "baseline_last.dcp"  # the same under FSDP2: every rank's shards
+
+#: how a message about a checkpoint --resume cannot use ends: what the user can do about it
+RESUME_HINT = "delete it to redo that part of the run, or start over with --overwrite instead of --resume"
 
 
 @dataclass
@@ -100,12 +106,12 @@ def find_stage(ckpt_dir: Path) -> StageCheckpoint | None:
     if sharded.is_dir():
         extra, path = read_extra(sharded), sharded
     elif pt.is_file():
-        data = safe_torch_load(pt)
+        data = read_resume(pt, keys=("model", "optimizer", "progress"))
         extra, path = data, pt
     else:
         return None
     if not isinstance(extra, dict) or not isinstance(extra.get("progress"), str):
-        raise RecipeError(f"{path}: not a stage checkpoint of this version (no progress); rerun without --resume")
+        raise RecipeError(f"--resume: {path}: not a stage checkpoint of this version (no progress); {RESUME_HINT}")
     return StageCheckpoint(path, json.loads(extra["progress"]), dict(extra.get("tensors") or {}), extra.get("rng"),
                            data)
 
@@ -148,3 +154,113 @@ def _load_model(model: nn.Module, sd: dict[str, Any], *, where: str) -> None:
     if missing or unexpected:
         raise RecipeError(f"{where}: the saved state does not fit the model (missing {sorted(missing)[:5]}, "
                           f"unexpected {sorted(unexpected)[:5]}); was the model or the recipe changed?")
+
+
+# ---- what --resume reads, checked before any work ------------------------------------------------
+
+
+def read_resume(path: Path, *, keys: tuple[str, ...] = ("model",), mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint ``--resume`` reads, loaded weights-only (``mmap``: tensors mapped, not read); a
+    RecipeError (exit 2) naming the file when it is corrupt, truncated or lacks one of ``keys``."""
+    data = safe_torch_load(path, where="--resume", hint=RESUME_HINT, mmap=mmap)
+    missing = [k for k in keys if not isinstance(data, dict) or k not in data]
+    if missing:
+        raise RecipeError(f"--resume: {path}: not a checkpoint of this version (no {', '.join(map(repr, missing))}); "
+                          f"{RESUME_HINT}")
+    if "model" in keys and not isinstance(data["model"], dict):
+        raise RecipeError(f"--resume: {path}: its 'model' is not a state_dict; {RESUME_HINT}")
+    return data
+
+
+def load_baseline(path: Path, model: nn.Module) -> dict[str, Any]:
+    """Load a baseline checkpoint (``baseline.pt`` or ``baseline_last.pt``) into ``model``, strictly;
+    returns what the file holds (optimizer, epoch). RecipeError naming the file when it is unreadable
+    or does not fit the model."""
+    data = read_resume(path, keys=("model", "epoch") if path.name == BASELINE_LAST else ("model",))
+    try:
+        model.load_state_dict(data["model"])
+    except RuntimeError as exc:  # missing, unexpected or misshaped keys
+        why = " ".join(str(exc).split())[:300]
+        raise RecipeError(f"--resume: {path}: does not fit the model ({why}); was the model or the recipe changed? "
+                          f"{RESUME_HINT}") from None
+    return data
+
+
+def resume_files(ckpt_dir: Path, *, trains_baseline: bool) -> list[Path]:
+    """The checkpoints ``--resume`` would read from ``ckpt_dir``, in the order the run reads them:
+    the trained baseline, else (when the recipe trains one) the last baseline epoch, then the last
+    training stage's epoch; the sharded (DCP) form where the run would take it."""
+    found: list[Path] = []
+    if (ckpt_dir / BASELINE_PT).exists():
+        found.append(ckpt_dir / BASELINE_PT)
+    elif trains_baseline:
+        if (ckpt_dir / BASELINE_DCP).is_dir():
+            found.append(ckpt_dir / BASELINE_DCP)
+        elif (ckpt_dir / BASELINE_LAST).exists():
+            found.append(ckpt_dir / BASELINE_LAST)
+    if (ckpt_dir / STAGE_DCP).is_dir():
+        found.append(ckpt_dir / STAGE_DCP)
+    elif (ckpt_dir / STAGE_PT).exists():
+        found.append(ckpt_dir / STAGE_PT)
+    return found
+
+
+def check_resumable(ckpt_dir: Path, *, trains_baseline: bool) -> None:
+    """Before any work (the model and data are not built yet): every checkpoint ``--resume`` would
+    read from ``ckpt_dir`` loads (tensors memory-mapped, not read) and holds what the run takes from
+    it; else a RecipeError (exit 2) naming the file, e.g. ``--resume: checkpoint RUN/checkpoints/
+    baseline.pt is corrupt or truncated (...); delete it to redo that part of the run, or ...``."""
+    for path in resume_files(ckpt_dir, trains_baseline=trains_baseline):
+        if path.suffix == ".dcp":
+            _check_sharded(path)
+        elif path.name == BASELINE_PT:
+            read_resume(path, mmap=True)
+        elif path.name == BASELINE_LAST:
+            read_resume(path, keys=("model", "epoch"), mmap=True)
+        else:
+            data = read_resume(path, keys=("model", "optimizer", "progress"), mmap=True)
+            _check_progress(path, data)
+
+
+def _check_progress(path: Path, data: dict[str, Any]) -> None:
+    try:
+        progress = json.loads(data["progress"])
+        counts = [progress["session"]["stage"], progress["session"]["epochs_done"], progress["world_size"]]
+        if not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in counts):
+            raise TypeError(f"stage, epochs_done and world_size are {counts}, not numbers")
+    except (TypeError, ValueError, KeyError) as exc:
+        raise RecipeError(f"--resume: {path}: not a stage checkpoint of this version (progress: "
+                          f"{type(exc).__name__}: {exc}); {RESUME_HINT}") from None
+
+
+def _check_sharded(path: Path) -> None:
+    """A DCP folder ``save_sharded`` wrote: its extra file loads, its metadata reads and every shard
+    file is as long as the metadata says (a truncated shard fails here, not after the model is built)."""
+    from compress.distributed import EXTRA_FILE
+
+    extra = path / EXTRA_FILE
+    if not extra.is_file():
+        raise RecipeError(f"--resume: {path}: no {EXTRA_FILE} beside the shards (an older version, or an "
+                          f"interrupted write); {RESUME_HINT}")
+    data = read_resume(extra, keys=("objects",), mmap=True)
+    if path.name == STAGE_DCP:
+        _check_progress(extra, data)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        meta = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # a missing, truncated or foreign .metadata file
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise RecipeError(f"--resume: checkpoint {path} is corrupt or truncated (its .metadata: {why}); "
+                          f"{RESUME_HINT}") from None
+    need: dict[str, int] = {}
+    for info in (getattr(meta, "storage_data", None) or {}).values():
+        rel = str(info.relative_path)
+        need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(need.items()):
+        f = path / rel
+        have = f.stat().st_size if f.is_file() else None
+        if have is None or have < size:
+            what = "is missing" if have is None else f"holds {have:,} of {size:,} bytes"
+            raise RecipeError(f"--resume: checkpoint {path} is corrupt or truncated (shard {rel} {what}); "
+                              f"{RESUME_HINT}")

@@ -57,6 +57,11 @@ class KDLoss(LossTerm):
     temperature: float = Field(4.0, gt=0)
 
 
+#: a student or teacher layer index in a ``layers`` mapping (0-based; the model's count bounds it above
+#: when the models are known)
+LayerIndex = Annotated[int, Field(ge=0)]
+
+
 class SoftTargetLoss(LossTerm):
     """Cross entropy against the teacher's softened class distribution (scaled by ``T^2``)."""
 
@@ -82,7 +87,7 @@ class HiddenStateLoss(LossTerm):
     uniformly onto the teacher's (TinyBERT's mapping). Adapters as for ``feature``."""
 
     type: Literal["hidden_states"] = "hidden_states"
-    layers: dict[int, int] | None = None
+    layers: dict[LayerIndex, LayerIndex] | None = None
     adapter: Literal["auto", "none"] = "auto"
     normalize: bool = False
 
@@ -93,7 +98,7 @@ class AttentionLoss(LossTerm):
     Head counts must match. The models run eager attention while this is active."""
 
     type: Literal["attention"] = "attention"
-    layers: dict[int, int] | None = None
+    layers: dict[LayerIndex, LayerIndex] | None = None
 
 
 class CosineLoss(LossTerm):

@@ -36,6 +36,7 @@ def describe_onnx(path: Path, *, role: Role = "final", count_integer: bool = Tru
         m = onnx.load(str(path), load_external_data=False)
     except Exception as exc:
         raise RecipeError(f"'{path}' is not a readable ONNX model: {str(exc).splitlines()[0]}") from None
+    check_io(m, path)
     ops = {n.op_type for n in m.graph.node}
     qdq = "DequantizeLinear" in ops or "QuantizeLinear" in ops
     fp16 = any(t.data_type == onnx.TensorProto.FLOAT16 for t in m.graph.initializer)
@@ -112,11 +113,30 @@ class OnnxModule(nn.Module):
         return torch.from_numpy(np.ascontiguousarray(run_session(self.session, feeds)[0]))
 
 
+def check_io(m: onnx.ModelProto, path: Path, *, where: str | None = None) -> None:
+    """RecipeError (exit 2) naming the file when its graph takes no inputs (initializers aside) or
+    returns no outputs: such a file has nothing to feed or nothing to compare, time or serve.
+    ``where`` prefixes the message (the argument that named the file)."""
+    at = f"{where}: " if where else ""
+    init = {t.name for t in m.graph.initializer}
+    if not any(i.name not in init for i in m.graph.input):
+        raise RecipeError(f"{at}'{path}' is an ONNX model without inputs (its graph computes constants only): "
+                          "nothing to feed it; export the model with its inputs")
+    if not m.graph.output:
+        raise RecipeError(f"{at}'{path}' is an ONNX model without outputs: nothing to compare or time; "
+                          "export the model with its outputs")
+
+
 def onnx_reference(path: Path, *, model: Path | None = None) -> OnnxModule:
     """``path`` run in onnxruntime as a module; with ``model``, its outputs must be shaped like the
     model's (a reference of another task cannot measure parity)."""
     if not path.is_file():
         raise CompressError(f"reference model '{path}' not found")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:
+        raise RecipeError(f"reference: '{path}' is not a readable ONNX model: {str(exc).splitlines()[0]}") from None
+    check_io(proto, path, where="reference")
     if model is not None:
         ours, theirs = _io_shapes(model)[1], _io_shapes(path)[1]
         if ours and theirs and not _fits(theirs[0][1], ours[0][1]):

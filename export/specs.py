@@ -6,9 +6,9 @@ They live here, not in the recipe module, so that export/ is usable without the 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -45,6 +45,19 @@ class ExportSpec(_Strict):
     #: or (auto) fused where the installed onnxruntime has the inputs it needs
     attention: Literal["auto", "fused", "decomposed"] = "auto"
 
+    @field_validator("opset")
+    @classmethod
+    def _known_opset(cls, v: int | None) -> int | None:
+        # an opset the installed onnx does not know fails the export, after the training: refuse it here
+        if v is not None:
+            import onnx
+
+            newest = onnx.defs.onnx_opset_version()
+            if v > newest:
+                raise ValueError(f"opset {v} is newer than the installed onnx {onnx.__version__} knows "
+                                 f"(at most {newest})")
+        return v
+
     @model_validator(mode="after")
     def _generation_formats(self) -> ExportSpec:
         if self.generation and (self.fp16 or self.triton_repository):
@@ -71,7 +84,8 @@ class ValidateSpec(_Strict):
 
     enabled: bool = True
     runtimes: list[Runtime] = Field(default_factory=lambda: list[Runtime](["onnxruntime"]))
-    batch_sizes: list[int] = Field(default_factory=lambda: [1, 32])
+    #: latency is timed at each of these batch sizes (each >= 1; empty: no latency timing)
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 32])
     warmup: int = Field(5, ge=0)
     runs: int = Field(20, ge=1)
     threads: int | None = Field(None, ge=1)

@@ -7,11 +7,11 @@ import logging
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
 from torch import nn
 
 from compress.core.batching import ForwardLoop, as_forward_loop
-from compress.core.errors import CalibrationError
+from compress.core.errors import CalibrationError, RecipeError
 from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
 from quantization.algorithms.kv_cache import KVCache, attach_kv_quantization
 from quantization.algorithms.sensitivity import (
@@ -69,6 +69,47 @@ class _QuantSpecBase(ModifierSpec):
     @classmethod
     def _scheme(cls, v: Any) -> Any:
         return resolve_scheme(v) if isinstance(v, (str, dict)) else v
+
+    # An unknown observer, a bad observer_params value or a per-tensor observer on per-channel
+    # weights would otherwise fail when the stage builds its quantizers, after the baseline trained:
+    # the recipe is refused as it loads, naming the field.
+    @field_validator("observer", "weight_observer")
+    @classmethod
+    def _known_observer(cls, v: str | None) -> str | None:
+        if v is not None:
+            from quantization.numerics.observers import OBSERVERS
+
+            try:
+                OBSERVERS.get(v)
+            except RecipeError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+    @field_validator("observer_params")
+    @classmethod
+    def _observer_params(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        if not v:
+            return v
+        if "observer" not in info.data:  # the observer itself failed: that error is the one to report
+            return v
+        name = info.data["observer"]
+        if name is None:
+            raise ValueError("observer_params apply to the activation observer override: set observer too "
+                             "(a scheme's own observers take theirs in the scheme)")
+        _check_observer(QuantSpec(observer=name, observer_params=v), None)
+        return v
+
+    @model_validator(mode="after")
+    def _observers_fit(self) -> _QuantSpecBase:
+        s = self.resolved_scheme()
+        for name in ("weights", "inputs", "outputs"):
+            spec: QuantSpec | None = getattr(s, name)
+            if spec is None or spec.dynamic:  # dynamic ranges are computed at run time: no observer
+                continue
+            overridden = self.weight_observer if name == "weights" else self.observer
+            _check_observer(spec, ("weight_observer" if name == "weights" else "observer") if overridden
+                            else f"scheme.{name}")
+        return self
 
     def resolved_scheme(self) -> QuantScheme:
         """The scheme with the observer overrides applied."""
@@ -139,6 +180,17 @@ class QATSpec(_QuantSpecBase):
     freeze_observers_epoch: float | None = Field(None, ge=0)
     freeze_bn_epoch: float | None = Field(None, ge=0)
     lsq: bool = False
+
+
+def _check_observer(spec: QuantSpec, where: str | None) -> None:
+    """:func:`~quantization.numerics.observers.check_observer` as a ValueError (a spec validator's);
+    ``where`` None: the error's location already names the field."""
+    from quantization.numerics.observers import check_observer
+
+    try:
+        check_observer(spec, where=where or "-")
+    except RecipeError as exc:
+        raise ValueError(str(exc).removeprefix("-: ")) from None
 
 
 def _plan(spec: _QuantSpecBase, model: nn.Module, where: str) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -68,10 +69,12 @@ def write_failure(path: Path, exc: BaseException) -> OSError:
     return OSError(errno.EIO, f"write failed ({' '.join(str(exc).split())[:160]})", str(path))
 
 
-def safe_torch_load(path: Path, *, where: str | None = None) -> Any:
-    """``torch.load(path, weights_only=True)`` with one-line RecipeErrors: a file that needs code to
-    load (a pickled module) is refused, and never with torch's advice to turn the check off; a
-    truncated or foreign file is named. ``where`` prefixes the message (a recipe field and line)."""
+def safe_torch_load(path: Path, *, where: str | None = None, hint: str | None = None, mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` with one-line RecipeErrors (exit 2) naming the file: a
+    corrupt or truncated checkpoint, a file torch did not write, and a file that needs code to load (a
+    pickled module), never with torch's advice to turn the check off. ``where`` prefixes the message
+    (a recipe field and line, ``--resume``); ``hint`` ends it (what to do, e.g. for a run folder).
+    ``mmap`` maps the tensors instead of reading them (a cheap check that a file loads)."""
     import pickle
 
     import torch
@@ -79,27 +82,58 @@ def safe_torch_load(path: Path, *, where: str | None = None) -> Any:
     from compress.core.errors import RecipeError
 
     at = f"{where}: " if where else ""
+    then = f"; {hint}" if hint else ""
+    head = _head(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # mmap reads only torch's zip format; an older (pickle-stream) file loads as before
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and head == b"PK")
     except pickle.UnpicklingError as exc:
-        if "Unsupported global" not in str(exc) and not _looks_pickled(path):  # a foreign or broken file
-            why = str(exc).split("WeightsUnpickler error:")[-1].strip().splitlines()
-            raise RecipeError(f"{at}{path}: not a readable checkpoint ({(why or [''])[0][:200]})") from None
-        raise RecipeError(
-            f"{at}{path}: holds pickled Python objects, not only tensors (e.g. a module saved with "
-            "torch.save(model)); compress loads with weights_only=True and will not run code from a file: "
-            "save model.state_dict() instead"
-        ) from None
-    except Exception as exc:  # a truncated or foreign file is the user's input
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise RecipeError(f"{at}{path}: not a readable checkpoint ({type(exc).__name__}: {first})") from None
+        # a global to import, or a bare pickle stream (pickle.dump) with opcodes torch's weights-only
+        # reader refuses: code, not tensors; a broken zip or a stream that ends early: a damaged file
+        cut = any(w in str(exc).lower() for w in ("truncated", "ran out of input", "eof"))
+        if "Unsupported global" in str(exc) or (head is not None and head[:1] == b"\x80" and not cut):
+            raise RecipeError(
+                f"{at}{path}: holds pickled Python objects, not only tensors (e.g. a module saved with "
+                "torch.save(model)); compress loads with weights_only=True and will not run code from a file: "
+                f"save model.state_dict() instead{then}"
+            ) from None
+        why = _first_line(str(exc).split("WeightsUnpickler error:")[-1])
+        raise RecipeError(_unreadable(path, head, why, at=at, then=then)) from None
+    except Exception as exc:  # a truncated, corrupt or foreign file is the user's input
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOENT, errno.EISDIR, errno.EACCES, errno.EPERM):
+            raise RecipeError(f"{at}{path}: cannot read checkpoint ({exc.strerror or exc}){then}") from None
+        text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        why = f"{type(exc).__name__}: {_first_line(text)}".rstrip(": ")
+        raise RecipeError(_unreadable(path, head, why, at=at, then=then)) from None
 
 
-def _looks_pickled(path: Path) -> bool:
-    """Whether the file starts like a pickle (protocol 2+) or torch's zip format."""
+def _unreadable(path: Path, head: bytes | None, why: str, *, at: str, then: str) -> str:
+    """The message for a checkpoint torch cannot read: corrupt or truncated when it starts like a
+    file torch writes (or is empty), else not a checkpoint at all."""
+    size = _size(path)
+    if head is not None and (head in (b"PK", b"") or head[:1] == b"\x80"):
+        return f"{at}checkpoint {path} is corrupt or truncated ({size} bytes; {why}){then}"
+    return f"{at}{path}: not a readable checkpoint (not a file torch.save wrote; {why}){then}"
+
+
+def _first_line(text: str) -> str:
+    """The first non-empty line of an error message, without miniz's advice, at most 200 characters."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line.split(" This is an internal miniz error")[0][:200]
+
+
+def _size(path: Path) -> str:
+    try:
+        return f"{os.path.getsize(path):,}"
+    except OSError:
+        return "?"
+
+
+def _head(path: Path) -> bytes | None:
+    """The first two bytes of the file (None when it cannot be read): b"PK" is torch's zip format,
+    0x80 a pickle stream (protocol 2+)."""
     try:
         with open(path, "rb") as f:
-            head = f.read(2)
+            return f.read(2)
     except OSError:
-        return False
-    return head[:1] == b"\x80" or head == b"PK"
+        return None

@@ -98,6 +98,14 @@ OBSERVERS: Registry[type[Observer]] = Registry("observer")
 
 def build_observer(spec: QuantSpec, *, where: str = "quantizer") -> Observer:
     """The observer ``spec.observer`` with its validated ``observer_params``."""
+    cls, params = check_observer(spec, where=where)
+    return cls(spec, params, where=where)
+
+
+def check_observer(spec: QuantSpec, *, where: str = "quantizer") -> tuple[type[Observer], BaseModel]:
+    """The observer class ``spec`` names and its validated params, without building it: RecipeError
+    for an unknown name, a bad ``observer_params`` value or a per-tensor observer on another
+    granularity (the modifier specs call it when a recipe loads, not when the stage starts)."""
     cls = OBSERVERS.get(spec.observer)
     try:
         params = cls.Params.model_validate(spec.observer_params)
@@ -109,7 +117,7 @@ def build_observer(spec: QuantSpec, *, where: str = "quantizer") -> Observer:
         raise RecipeError(
             f"{where}: observer '{spec.observer}' supports granularity 'tensor' only (got '{spec.granularity}')"
         )
-    return cls(spec, params, where=where)
+    return cls, params
 
 
 @OBSERVERS.register("minmax")

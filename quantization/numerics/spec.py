@@ -47,7 +47,9 @@ class QuantSpec(BaseModel):
     narrow_range: bool = False
     reduce_range: bool = False
     granularity: Granularity = "tensor"
-    axis: int = 0
+    #: the channel axis of ``channel`` granularity, negative from the end; no tensor a layer quantizes
+    #: has more than 8 dims (the tensor's own rank is checked when the quantizer first sees it)
+    axis: int = Field(0, ge=-8, le=7)
     group_size: int | None = Field(None, ge=2)
     dynamic: bool = False
     observer: str = "minmax"
