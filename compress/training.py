@@ -29,7 +29,8 @@ from compress.core.batching import call_model, count_non_finite, primary_output,
 from compress.core.errors import CompressError, DataError
 from compress.core.io import atomic_torch_save
 from compress.core.metrics import make_metric
-from compress.core.progress import Eta, fig
+from compress.core.progress import Eta, ensure_console, fig, report
+from compress.core.progress import bar as progress_bar
 from compress.distributed import DistributedSpec, distribute, gather, timeout_of
 from compress.recipe import TrainSpec
 
@@ -239,7 +240,10 @@ class Trainer:
         start_epoch: int = 0,
         desc: str = "train",
     ) -> FitResult:
-        """Train for ``epochs`` (or ``steps``); with a session, until its current stage ends."""
+        """Train for ``epochs`` (or ``steps``); with a session, until its current stage ends. A line per
+        epoch (compress.core.progress.report: silenced inside ``progress.scope(False)``); the
+        trainer's ``progress`` draws a bar over each epoch's batches too, on a terminal."""
+        ensure_console()
         model.to(self.device)
         n_batches = len(loader) if isinstance(loader, Sized) else None
         if steps is None and n_batches is None:
@@ -269,7 +273,7 @@ class Trainer:
             if set_epoch is not None:
                 set_epoch(epoch)
             wrapped.train()
-            bar = tqdm(loader, desc=f"{desc} {epoch + 1}/{n_epochs}", disable=not self.progress, leave=False)
+            bar = progress_bar(loader, desc=f"{desc} {epoch + 1}/{n_epochs}", unit="batch") if self.progress else loader
             running, seen = 0.0, 0
             for batch in bar:
                 inputs, targets = split_batch(to_device(batch, self.device))
@@ -301,7 +305,8 @@ class Trainer:
                 result.steps += 1
                 running += float(loss.detach())
                 seen += 1
-                bar.set_postfix(loss=f"{running / seen:.4f}")
+                if isinstance(bar, tqdm):
+                    bar.set_postfix(loss=f"{running / seen:.4f}")
                 if session is not None:
                     session.step()
                     if session.stage is not stage:  # the stage ended (or the session did)
@@ -310,8 +315,8 @@ class Trainer:
                     break
             result.epochs += 1
             result.losses.append(running / max(seen, 1))
-            log.info("%s epoch %d/%d: loss %s (%s)", desc, epoch + 1, n_epochs, fig(result.losses[-1]),
-                     eta.line(epoch + 1 - start_epoch))
+            report(log, "%s epoch %d/%d: loss %s (%s)", desc, epoch + 1, n_epochs, fig(result.losses[-1]),
+                   eta.line(epoch + 1 - start_epoch))
             if self.checkpoint is not None and (self.dist.is_main or self.dist.sharded):
                 self.checkpoint(model, opt, epoch + 1)  # sharded: every rank writes its shards
             if session is not None:
@@ -361,7 +366,7 @@ def evaluate(
     model.eval()
     if reference is not None:
         reference.eval()
-    for i, batch in enumerate(tqdm(loader, desc="eval", disable=not progress, leave=False)):
+    for i, batch in enumerate(progress_bar(loader, desc="eval", cap=max_batches, unit="batch") if progress else loader):
         if max_batches is not None and i >= max_batches:
             break
         inputs, targets = split_batch(to_device(batch, dev))

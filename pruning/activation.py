@@ -18,6 +18,7 @@ from torch import nn
 
 from compress.core.batching import call_model, split_batch, to_device
 from compress.core.errors import CalibrationError
+from compress.core.progress import bar
 
 
 def _channel_dim(mod: nn.Module, x: torch.Tensor) -> int | None:
@@ -58,7 +59,7 @@ def activation_stats(
     seen = 0
     try:
         with torch.no_grad():
-            for batch in data:
+            for batch in bar(data, desc="activation importance", cap=batches, unit="batch"):
                 if seen >= batches:
                     break
                 inputs, _ = split_batch(batch)

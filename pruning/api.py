@@ -27,6 +27,7 @@ from compress.core.batching import (
 from compress.core.errors import CalibrationError, RecipeError, UnsupportedModelError
 from compress.core.moe import is_packed_experts, unpack_experts
 from compress.core.params import ApiParams
+from compress.core.progress import bar, with_progress
 from compress.core.targets import select_modules
 from compress.core.tracing import iter_tensors
 from pruning.apply import apply_slices, slices_from_keep
@@ -64,7 +65,8 @@ class PruneParams(ApiParams):
     taylor_batches: int = Field(4, ge=1)
     activation_batches: int = Field(8, ge=1)
     bn_recalibration_batches: int = Field(8, ge=0)
-    seed: int = 0
+    #: random importance's seed (numpy's default_rng: a non-negative integer)
+    seed: int = Field(0, ge=0)
     grouped_conv: Literal["groups", "width"] = "groups"
 
     @field_validator("overrides")
@@ -148,7 +150,7 @@ def taylor_grads(
     model.eval()
     seen = 0
     try:
-        for i, batch in enumerate(data):
+        for i, batch in enumerate(bar(data, desc="taylor importance", cap=batches, unit="batch")):
             if i >= batches:
                 break
             inputs, targets = split_batch(batch)
@@ -335,6 +337,7 @@ class Pruner:
         return why
 
 
+@with_progress
 def prune(
     model: nn.Module,
     example_inputs: Any,
@@ -349,6 +352,7 @@ def prune(
     data: CalibrationData | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     options: PruneParams | None = None,
+    progress: bool = True,
 ) -> PruneResult:
     """Remove ``ratio`` of the channels (or reach ``target``, e.g. ``{"macs": 0.5}`` of the original)
     from every coupled group of ``model``, in place, and return a :class:`PruneResult`.
@@ -359,10 +363,12 @@ def prune(
     sliced along with the parameters. ``data`` (batches, or a forward function ``fn(model)``, as
     every one-shot call takes) feeds ``importance="activation"`` (Minitron: activation magnitudes,
     inputs only) and BatchNorm recalibration after the cut; ``importance="taylor"`` needs batches
-    of ``(inputs, targets)`` (with ``loss_fn``, default cross-entropy).
+    of ``(inputs, targets)`` (with ``loss_fn``, default cross-entropy). ``progress``: bars over the
+    batches read (on a terminal) and the log lines; False: silent.
     """
     if options is not None:
-        warnings.warn("prune(options=...) is deprecated: pass params=PruneParams(...)", DeprecationWarning, stacklevel=2)
+        # stacklevel 3: the caller's line, above with_progress
+        warnings.warn("prune(options=...) is deprecated: pass params=PruneParams(...)", DeprecationWarning, stacklevel=3)
         params = options if params is None else params
     require_module(model, "prune: model")
     if example_inputs is None:

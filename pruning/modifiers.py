@@ -24,6 +24,7 @@ from torch import nn
 from compress.core.batching import split_batch
 from compress.core.errors import CalibrationError, CompressError
 from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
+from compress.core.progress import report
 from pruning.api import PruneParams, Pruner, check_ratio, taylor_grads
 from pruning.counting import count_macs, count_params
 from pruning.graph import DependencyGraph
@@ -246,8 +247,8 @@ class PruneModifier(Modifier[PruneSpec]):
         if s.bn_recalibration_batches and data is not None:
             recalibrate_bn(model, data, batches=s.bn_recalibration_batches, device=state.device)
         self.done = k
-        log.info(
-            "%s: step %d/%d at epoch %.2f: params %d, MACs %d",
+        report(
+            log, "%s: step %d/%d at epoch %.2f: params %d, MACs %d",
             self.where, k, s.steps, state.stage_epoch, count_params(model), count_macs(model, self._example),
         )
 

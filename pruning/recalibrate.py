@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from compress.core.batching import call_model, split_batch, to_device
+from compress.core.progress import bar
 
 
 def recalibrate_bn(model: nn.Module, data: Iterable[Any], *, batches: int = 8, device: torch.device | str = "cpu") -> int:
@@ -33,7 +34,7 @@ def recalibrate_bn(model: nn.Module, data: Iterable[Any], *, batches: int = 8, d
     used = 0
     try:
         with torch.no_grad():
-            for batch in data:
+            for batch in bar(data, desc="BatchNorm recalibration", cap=batches, unit="batch"):
                 if used >= batches:
                     break
                 inputs, _ = split_batch(batch)

@@ -13,6 +13,7 @@ from torch import nn
 from compress.core.batching import CalibrationData, ForwardLoop, as_forward_loop, require_module
 from compress.core.errors import CalibrationError
 from compress.core.params import ApiParams
+from compress.core.progress import with_progress
 from quantization.algorithms.bias_correction import bias_correction
 from quantization.algorithms.kv_cache import KVCache, attach_kv_quantization, check_kv_calls, kv_quantizers
 from quantization.algorithms.smoothquant import SmoothQuantField, Unfolded, smooth_quant
@@ -80,6 +81,7 @@ class QuantizeParams(ApiParams):
     model_check: ModelCheck = "auto"
 
 
+@with_progress
 def quantize(
     model: nn.Module,
     scheme: QuantScheme | str = "w8a8",
@@ -89,6 +91,7 @@ def quantize(
     ignore: Sequence[str] = (),
     params: QuantizeParams | None = None,
     forward_loop: CalibrationData | None = None,
+    progress: bool = True,
 ) -> nn.Module:
     """Prepare ``model`` (in place) with fake-quant modules and calibrate it; returns it.
 
@@ -96,10 +99,11 @@ def quantize(
     w4_weight_only_g128). ``data``: calibration batches (an iterable of tensors, ``(inputs, targets)``
     tuples or dicts, such as a DataLoader) or a forward function ``fn(model)``; it may be None only when nothing needs data (weight-only or dynamic
     activations without SmoothQuant or bias correction). ``quantization.strip`` undoes it.
+    ``progress``: bars over the calibration batches on a terminal and the steps' log lines; False: silent.
     """
     if forward_loop is not None:
         warnings.warn("quantize(forward_loop=...) is deprecated: pass the calibration data as data=",
-                      DeprecationWarning, stacklevel=2)
+                      DeprecationWarning, stacklevel=3)  # the caller's line, above with_progress
         data = forward_loop if data is None else data
     require_module(model, "quantize: model")
     scheme = resolve_scheme(scheme)

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from compress.core.errors import CalibrationError, RecipeError
+from compress.core.progress import bar
 from compress.core.tracing import iter_tensors
 
 Inputs = torch.Tensor | Mapping[str, torch.Tensor]
@@ -226,21 +227,8 @@ def check_calibration_data(data: Any, where: str = "data") -> Iterable[Any]:
 
 
 def _bar(batches: Iterable[Any], cap: int | None) -> Iterable[Any]:
-    """A progress bar over calibration batches on a terminal (rank 0); the batches as they are otherwise."""
-    import os
-    import sys
-
-    from tqdm import tqdm
-
-    inner = getattr(batches, "data", batches)
-    if isinstance(inner, tqdm) or not sys.stderr.isatty() or int(os.environ.get("RANK", "0")) != 0:
-        return batches  # a bar already (compress apply's, which --quiet turns off), or no terminal
-    try:
-        n: int | None = len(batches)  # type: ignore[arg-type]
-    except TypeError:
-        n = None
-    total = min(n, cap) if n is not None and cap is not None else (n or cap)
-    return tqdm(batches, desc="calibrate", total=total, leave=False, unit="batch")
+    """The calibration batches under a progress bar where one is drawn (compress.core.progress.bar)."""
+    return bar(batches, desc="calibrate", cap=cap, unit="batch")
 
 
 def count_non_finite(batch: Any) -> int:

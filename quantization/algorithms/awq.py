@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from compress.core.batching import CalibrationData, as_batches
+from compress.core.progress import with_progress
 from quantization.algorithms.awq_folds import (
     FoldGroup,
     find_fold_groups,
@@ -227,6 +228,7 @@ def awq_layer(
     return report
 
 
+@with_progress
 def awq(
     model: nn.Module,
     data: CalibrationData,
@@ -238,12 +240,14 @@ def awq(
     max_batches: int | None = None,
     load: LayerHook | None = None,
     release: LayerHook | None = None,
+    progress: bool = True,
 ) -> nn.Module:
     """AWQ weight-only quantization of a decoder LLM (in place), one layer at a time; returns it.
 
     Scales are folded into the preceding norm or Linear wherever the layer proves the fold exact;
     weights are clipped per group; the weight quantizers then hold round-to-nearest qparams of the
     scaled, clipped weights (run :func:`gptq` afterwards for GPTQ rounding instead).
+    ``progress``: a line per decoder layer (and a bar on a terminal); False: silent.
     """
     p = params or AWQParams()
     s = resolve_scheme(scheme)

@@ -37,6 +37,7 @@ from torch import nn
 from compress.core.batching import CalibrationData, as_batches
 from compress.core.errors import CalibrationError
 from compress.core.params import ApiParams
+from compress.core.progress import with_progress
 from quantization.algorithms.sequential import (
     DEFAULT_SCHEME,
     Call,
@@ -255,6 +256,7 @@ def gptq_layer(layer: nn.Module, linears: dict[str, QuantLinear], calls: Sequenc
     return {"rtn_error": rtn_err, "gptq_error": gptq_err}
 
 
+@with_progress
 def gptq(
     model: nn.Module,
     data: CalibrationData,
@@ -266,6 +268,7 @@ def gptq(
     max_batches: int | None = None,
     load: LayerHook | None = None,
     release: LayerHook | None = None,
+    progress: bool = True,
 ) -> nn.Module:
     """GPTQ quantization of a decoder LLM's weights (in place), one layer at a time; returns it.
 
@@ -276,6 +279,7 @@ def gptq(
     dynamic (``w8a8_dynamic``, ``W8A8``: each layer runs with them to feed the next), or static on a
     model that :func:`quantize` prepared and calibrated (SmoothQuant then GPTQ, as llm-compressor's W8A8). ``params``: GPTQParams
     (block size, dampening, act_order). ``load``/``release``: per-layer offloading callbacks.
+    ``progress``: a line per decoder layer (and a bar on a terminal); False: silent.
     """
     p = params or GPTQParams()
     s = resolve_scheme(scheme)

@@ -27,6 +27,7 @@ from torch import nn
 
 from compress.core.batching import split_batch, to_device
 from compress.core.errors import CalibrationError, UnsupportedModelError
+from compress.core.progress import bar, report
 from compress.core.targets import select_modules
 from quantization.numerics.modules import QuantLinear
 from quantization.numerics.spec import QuantScheme
@@ -90,7 +91,7 @@ def capture_inputs(model: nn.Module, layer: nn.Module, data: Iterable[Any], *, m
     dev = torch.device(device)
     try:
         with torch.no_grad():
-            for i, batch in enumerate(data):
+            for i, batch in enumerate(bar(data, desc="capture inputs", cap=max_batches, unit="batch")):
                 if max_batches is not None and i >= max_batches:
                     break
                 with contextlib.suppress(_Captured):
@@ -180,7 +181,7 @@ def sequential_quantize(
         load(0, layers[0])
     calls = capture_inputs(root, layers[0], data, max_batches=max_batches, device=device)
     reports: list[dict[str, Any]] = []
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(bar(layers, desc=where, unit="layer")):
         t_layer = time.perf_counter()
         if i > 0 and load is not None:
             load(i, layer)
@@ -191,8 +192,8 @@ def sequential_quantize(
         reports.append({"layer": i, "linears": len(linears), **(rep or {})})
         if release is not None:
             release(i, layer)
-        log.info("%s", progress_line(where, i, len(layers), reports[-1], time.perf_counter() - t_layer,
-                                     time.perf_counter() - t0))
+        report(log, "%s", progress_line(where, i, len(layers), reports[-1], time.perf_counter() - t_layer,
+                                        time.perf_counter() - t0))
     if outside:
         prepare(root, scheme, targets=outside, quantize_ops=False, where=f"{where} (outside decoder layers)")
         log.info("%s: %d targeted layers outside the decoder layers got round-to-nearest", where, len(outside))

@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 
 from compress.core.batching import ForwardLoop, as_forward_loop, micro_batches
 from compress.core.errors import CalibrationError
+from compress.core.progress import track, with_progress
 from compress.core.tracing import tensor_leaves
 from quantization.numerics.calibration import float_mode
 from quantization.numerics.fake_quant import FakeQuantizer
@@ -89,6 +90,7 @@ class _Reservoir:
         self.seen += len(rows)
 
 
+@with_progress
 def smooth_quant(
     model: nn.Module,
     forward_loop: ForwardLoop | Any,
@@ -98,6 +100,7 @@ def smooth_quant(
     sample_rows: int = 512,
     unfolded: Unfolded = "mul",
     micro_batch: int | None = 1,
+    progress: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Smooth every QuantLinear that quantizes its input; returns the factors ``s`` by layer name
     (all ones where ``alpha="auto"`` chose no smoothing). ``1/s`` is folded into the tensor's
@@ -115,7 +118,8 @@ def smooth_quant(
     forward function ``fn(model)`` feeds the model its own batches. Layers that read the same tensor (BERT's query,
     key and value) get one ``s``, from the maxima of all their weights, so the exported graph
     quantizes that tensor once. ``s`` is clamped to ``[min_scale, 1/min_scale]`` so that dead
-    features do not blow up the weight.
+    features do not blow up the weight. ``progress``: bars on a terminal and a line per tenth of the
+    groups smoothed; False: silent.
     """
     auto = alpha == "auto"
     if not auto and not (isinstance(alpha, (int, float)) and 0.0 <= float(alpha) <= 1.0):
@@ -170,7 +174,7 @@ def smooth_quant(
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     scales: dict[str, torch.Tensor] = {}
     chosen: list[float | None] = []
-    for names in groups.values():
+    for names in track(list(groups.values()), logger=log, desc="smoothquant", unit="group"):
         mods = [layers[n] for n in names]
         with torch.no_grad():
             raw = []
