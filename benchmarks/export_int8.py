@@ -292,7 +292,8 @@ def quickstart(tmp: Path) -> dict[str, Any]:
             for k in files]
     prof = {k: {b: _op_profile(files[k], x, b, 400, tmp) for b in (1, 32)}
             for k in ("fp32", "default (per-layer rows)", "all int8 (cost table off)")}
-    return {"rows": rows, "profile": prof, "kept_float": kept, "predicted": predicted_vs_measured(tmp)}
+    width = compress.load_recipe("quickstart").model.kwargs.get("width")
+    return {"rows": rows, "profile": prof, "kept_float": kept, "predicted": predicted_vs_measured(tmp), "width": width}
 
 
 def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
@@ -318,7 +319,7 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
     hf = transformers.ResNetForImageClassification(transformers.ResNetConfig(
         num_channels=3, embedding_size=32, hidden_sizes=[32, 64], depths=[1, 1], layer_type="basic", num_labels=10))
     models: dict[str, tuple[nn.Module, tuple[int, ...]]] = {
-        "zoo resnet w16 (quickstart), 1x8x8": (build_zoo_model("resnet", {"width": 16, "in_channels": 1}), (1, 8, 8)),
+        "zoo resnet w16 (the quickstart's until widened), 1x8x8": (build_zoo_model("resnet", {"width": 16, "in_channels": 1}), (1, 8, 8)),
         "zoo resnet w32, 1x8x8": (build_zoo_model("resnet", {"width": 32, "in_channels": 1}), (1, 8, 8)),
         "zoo resnet w16, 3x32x32": (build_zoo_model("resnet", {"width": 16, "in_channels": 3}), (3, 32, 32)),
         "zoo mobilenetv2, 1x8x8": (build_zoo_model("mobilenetv2", {"in_channels": 1}), (1, 8, 8)),
@@ -352,7 +353,7 @@ def _quickstart_section(res: dict[str, Any]) -> str:
     md = [
         "## Export: the README quickstart's own model at batch 1 and 32 (`benchmarks/export_int8.py --part quickstart`)",
         "",
-        "`compress apply recipes/quickstart.yaml` (digits ResNet, width 16: 16/32/64 channels on 8x8 images), three "
+        f"`compress apply recipes/quickstart.yaml` (digits ResNet, width {res.get('width', 16)} on 8x8 images), three "
         "ways, each file timed side by side with the run's fp32 baseline in ORT, 1 intra-op thread, warm-up 50 then "
         "median of 400 interleaved runs. `default`: the recipe as shipped (the cost table's layer rows decide; the "
         "model-level prediction, quantization/placement/model_cost.py, for its validation batch sizes [1, 32] "

@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--overwrite", action="store_true", help="replace an existing run folder")
     a.add_argument("--resume", action="store_true", help="continue a run folder from its checkpoints")
     a.add_argument("--quiet", action="store_true", help="no progress bars")
+    a.add_argument("--trust-code", action="store_true",
+                   help="let the recipe run its own code (a pkg.module:factory for the model, data, teacher "
+                   "or metric); without it such a recipe is refused (docs/security.md)")
     a.add_argument("--threads", type=int, help="intra-op CPU threads per process (the recipe's train.threads; "
                    "default: torch's, shared among ranks under torchrun)")
 
@@ -60,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--runs", type=int, default=20, help="timed runs per batch size (median reported)")
     v.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
     v.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    v.add_argument("--trust-code", action="store_true",
+                   help="with --backend cuda: let the run's recipe run the code it names to rebuild the model")
 
     i = sub.add_parser("inspect", help="describe a recipe, an ONNX model, a checkpoint or a run folder")
     i.add_argument("path", help="recipe .yaml, model .onnx (integer coverage: what ORT still runs in float), "
@@ -89,14 +94,15 @@ def _cmd_apply(args: argparse.Namespace) -> int:
         args.overrides.append(f"train.threads={args.threads}")
     if not args.dry_run:  # a first line at once: building the model and data can take a while
         log.info("apply %s: loading the recipe, model and data", args.recipe)
-    recipe = load_recipe(args.recipe, overrides=args.overrides)
+    recipe = load_recipe(args.recipe, overrides=args.overrides, trust_code=args.trust_code)
     out = args.out or f"runs/{recipe.name}"
     if args.dry_run:
         # the same checks the run makes before training: a dry run that passes does not stop on them
         print(_render_plan(plan(recipe, device=args.device), overrides=args.overrides))
+        recipe.require_trust()  # what the run would refuse, the dry run refuses too (after showing it)
         return 0
     report = apply(recipe, out_dir=out, device=args.device, overwrite=args.overwrite, resume=args.resume,
-                   quiet=args.quiet)
+                   quiet=args.quiet, trust_code=args.trust_code)
     missed = [t for t in report.thresholds if not t.passed]
     if int(os.environ.get("RANK", "0")) != 0:
         # under torchrun every rank holds rank 0's report; rank 0 alone speaks, all exit alike
@@ -139,9 +145,32 @@ def summary(report: Report, *, out: Path) -> str:
 WARNING_NOTES = ("measured slower", "CPU without VNNI", "predicted slower")
 
 
+def short_note(note: str) -> str:
+    """The head of a validation note, for one console line: its clauses (split at ``: `` and ``; ``
+    outside parentheses) up to the one naming what happened (a :data:`WARNING_NOTES` phrase), and the
+    next where that clause is the phrase alone. ``int8 measured slower than fp32 (batch 1: 0.90x):
+    at these shapes ...`` -> ``int8 measured slower than fp32 (batch 1: 0.90x)``; the whole note
+    stays in report.md and report.json."""
+    parts: list[str] = []
+    depth = start = i = 0
+    while i < len(note):
+        ch = note[i]
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and ch in ":;" and note[i + 1:i + 2] == " ":
+            parts.append(note[start:i])
+            start, i = i + 2, i + 2
+            continue
+        i += 1
+    parts.append(note[start:])
+    hit = next((j for j, p in enumerate(parts) if any(k in p for k in WARNING_NOTES)), len(parts) - 1)
+    hit += parts[hit].strip() in WARNING_NOTES and hit + 1 < len(parts)
+    return ": ".join(parts[:hit + 1])
+
+
 def _slower_warnings(v: ValidationRecord) -> list[str]:
-    """A warning line for each note of ``v`` that asks for action (slower than fp32, saturation)."""
-    return [f"  warning: {v.runtime} {v.role} {v.precision}: {n}" for n in v.notes
+    """A short warning line for each note of ``v`` that asks for action (slower than fp32,
+    saturation); the full note is in the run's report.md."""
+    return [f"  warning: {v.runtime} {v.role} {v.precision}: {short_note(n)} (report.md says why)" for n in v.notes
             if any(k in n for k in WARNING_NOTES)]
 
 
@@ -150,16 +179,24 @@ def _n(x: int | None) -> str:
 
 
 def _render_plan(p: dict[str, Any], *, overrides: Sequence[str] = ()) -> str:
-    lines = [f"recipe {p['recipe']}: model {p['model']} ({p['params']:,} params)"]
+    params = "" if p["params"] is None else f" ({p['params']:,} params)"
+    lines = [f"recipe {p['recipe']}: model {p['model']}{params}"]
     if overrides:
         lines.append("  overrides applied: " + ", ".join(overrides))
     if p.get("data"):
         lines.append(f"  data: {p['data']}")
+    for c in p.get("code", []):  # code the recipe names: located, never imported by a plan
+        lines.append(f"  code: {c['field']}: {c['callable']} from {c['where']}; {c['runs']}")
+    if p.get("code"):
+        lines.append("  (the modules each modifier matches are resolved when the run builds the model)")
     for s in p["stages"]:
         length = f"{s['steps']} steps" if s["steps"] else (f"{s['epochs']} epochs" if s["epochs"] else "one-shot")
         lines.append(f"  stage {s['stage']} ({length})")
         for m in s["modifiers"]:
             mods = m["modules"]
+            if mods is None:
+                lines.append(f"    {m['type']}")
+                continue
             shown = ", ".join(mods[:8]) + (f", ... ({len(mods)} in all)" if len(mods) > 8 else "")
             lines.append(f"    {m['type']}: {shown or '(whole model)'}")
     return "\n".join(lines)
@@ -176,7 +213,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     records = run_validate(
         Path(args.model), reference=Path(args.reference) if args.reference else None, data=args.data,
         data_kwargs=kwargs, runtimes=args.runtime or ["onnxruntime"], backend=args.backend, batch_sizes=sizes,
-        runs=args.runs, threads=args.threads,
+        runs=args.runs, threads=args.threads, trust_code=args.trust_code,
     )
     if args.json:
         print(json.dumps(records, indent=2, default=str))
@@ -187,7 +224,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         for row in records:
             for note in str(row.get("notes") or "").split("; "):
                 if any(k in note for k in WARNING_NOTES):
-                    print(f"warning: {row['runtime']} {row['model']}: {note}")
+                    print(f"warning: {row['runtime']} {row['model']}: {short_note(note)} (--json shows the whole note)")
     return 0
 
 
@@ -263,12 +300,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     elif path.suffix in (".pt", ".pth"):
         from compress.core.io import safe_torch_load
 
-        state = safe_torch_load(path)
+        state = safe_torch_load(path)  # a corrupt, truncated or pickled-module file: one line, exit 2
         sd = state.get("model", state) if isinstance(state, dict) else {}
+        sd = sd if isinstance(sd, dict) else {}
         total = sum(t.numel() for t in sd.values() if hasattr(t, "numel"))
-        print(f"{path}: {len(sd)} tensors, {total:,} values" + (f", epoch {state['epoch']}" if "epoch" in state else ""))
+        epoch = f", epoch {state['epoch']}" if isinstance(state, dict) and "epoch" in state else ""
+        print(f"{path}: {len(sd)} tensors, {total:,} values{epoch}")
         for k, t in list(sd.items())[:40]:
-            print(f"  {k}: {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}")
+            shown = f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" if hasattr(t, "shape") else type(t).__name__
+            print(f"  {k}: {shown}")
     else:
         raise RecipeError(
             f"{path}: cannot inspect '{path.suffix}' files (recipe .yaml, model .onnx, checkpoint .pt, run folder)"
@@ -376,13 +416,14 @@ class _ConsoleFormatter(logging.Formatter):
 def _console_logging(*, quiet: bool, debug: bool) -> None:
     """The console handler: INFO unless --quiet; records meant for run.log only stay off it; under
     torchrun only rank 0 speaks (the other ranks' lines go to their run.log files)."""
+    from compress.core.progress import LOGGERS, ConsoleHandler, show_bars
+
     root = logging.getLogger()
     if not root.handlers:
-        root.addHandler(logging.StreamHandler())
+        root.addHandler(ConsoleHandler())  # its lines go above the progress bars, not into them
     root.setLevel(logging.WARNING)
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    from compress.core.progress import LOGGERS
-
+    show_bars(not quiet)  # the per-layer bars of GPTQ/AWQ, SmoothQuant, calibration
     for name in LOGGERS:  # the toolkit's own INFO lines reach the console from the first one
         logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.INFO)
     for h in root.handlers:

@@ -375,6 +375,9 @@ def _rank0_decides(decide: Callable[[], dict[str, str]], *, where: str) -> dict[
     return dict(box[0])
 
 
+#: marks a log record for the run's run.log only: compress's console handler drops it (compress.runner.FILE_ONLY)
+_FILE_ONLY = {"file_only": True}
+
 #: the key of :func:`_table_decides`'s answer that keeps the whole model float (never a layer name:
 #: the root module's name is the empty string, and the root is not a layer the plan holds)
 _WHOLE_MODEL = ""
@@ -394,18 +397,26 @@ def _table_decides(graph0: Any, layers: dict[str, nn.Module], table: CostTable, 
                       example_batch=_example_batch(call), float_ops=ops)
     if decision.whole_model is not None:
         trusted = trusted_slower(decision)
+        slow_b = min(decision.costs, key=lambda b: decision.costs[b].speedup)
+        # the console gets one short line; the prediction's figures go to run.log (a record marked
+        # file_only, which compress's console handler drops) and, where it decides, to the report
+        head = f"{where}: int8 predicted slower than fp32 at batch {slow_b} ({decision.costs[slow_b].speedup:.2f}x)"
         if model_check == "float" or (model_check == "auto" and trusted):
             why = ("model_check: float" if model_check == "float" else
                    f"model_check: auto, predicted slower at batch {trusted[0]} >= {TRUSTED_BATCH}, where the prediction holds")
             reason = (f"{decision.whole_model}; the whole model stays float ({why}; cost_table: false "
                       "quantizes it anyway, speed_check times its layers here)")
-            log.warning("%s: %s", where, reason)
+            log.warning("%s; the whole model stays float (model_check: %s)", head, model_check)
+            log.info("%s: %s", where, reason, extra=_FILE_ONLY)
             return {_WHOLE_MODEL: reason}
         # a prediction, not a decision, at small batches: on small models at batch 1 the table's rows
         # (profiled kernels of a few microseconds) predicted 0.72-0.96x for nets that ran 1.18-1.55x
-        log.warning("%s: %s; int8 kept (model_check: float keeps such a model float; auto does from batch %d%s)",
-                    where, decision.whole_model, TRUSTED_BATCH, ", not for attention, whose prediction is coarser"
-                    if decision.has_attention else "")
+        log.warning("%s; int8 kept (model_check: %s%s)", head, model_check,
+                    "" if model_check == "warn" else f" acts from batch {TRUSTED_BATCH}"
+                    + (", not for attention" if decision.has_attention else ""))
+        log.info("%s: %s; int8 kept (model_check: float keeps such a model float; auto does from batch %d%s)",
+                 where, decision.whole_model, TRUSTED_BATCH, ", not for attention, whose prediction is coarser"
+                 if decision.has_attention else "", extra=_FILE_ONLY)
         return slow
     return {**slow, **decision.float_layers}
 

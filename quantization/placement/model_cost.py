@@ -2,18 +2,18 @@
 faster than fp32 at the batch sizes it will be served at?
 
 A layer row of the cost table (cost_table.py) compares one layer's kernels between int8 neighbours.
-A whole model also pays what no layer row holds, and at small shapes that decides: the quickstart's
-digits ResNet (8x8 images, 16-64 channels) ran its int8 ONNX at 0.84x fp32 at batch 1 and 1.5x at
-batch 32 (benchmarks/RESULTS.md, ``cost_table``), its kernels about level at batch 1 while the int8
-graph added the input's QuantizeLinear, ORT's NCHW -> NHWC transposes around the QLinearConv chain,
-the DequantizeLinear where it left int8, and three QLinearAdd nodes for residual adds that fp32 ORT
-fuses into the conv before them. This module walks the traced graph at each requested batch, sums the
-layer rows and the table's ``boundary`` rows (measured by benchmarks/cost_table.py: entering and
-leaving int8 by element count, float Add against QLinearAdd) on each side, and predicts both models'
-cost. Attention on int8 codes is priced from the table's ``matmul`` rows (QLinearMatMul against
-MatMul for the scores and the weighted sum, plus quantizing the softmax output) where the table has
-them; embeddings stay float gathers on both sides. Nothing is timed: the same model, table and batch
-sizes give the same answer.
+A whole model also pays what no layer row holds, and at small shapes that decides: a digits ResNet
+of width 16 (8x8 images, 16-64 channels; the quickstart's before it was widened to 64) ran its int8
+ONNX at 0.84x fp32 at batch 1 and 1.5x at batch 32 (benchmarks/RESULTS.md, ``cost_table``), its
+kernels about level at batch 1 while the int8 graph added the input's QuantizeLinear, ORT's NCHW ->
+NHWC transposes around the QLinearConv chain, the DequantizeLinear where it left int8, and three
+QLinearAdd nodes for residual adds that fp32 ORT fuses into the conv before them. This module walks
+the traced graph at each requested batch, sums the layer rows and the table's ``boundary`` rows
+(measured by benchmarks/cost_table.py: entering and leaving int8 by element count, float Add against
+QLinearAdd) on each side, and predicts both models' cost. Attention on int8 codes is priced from the
+table's ``matmul`` rows (QLinearMatMul against MatMul for the scores and the weighted sum, plus
+quantizing the softmax output) where the table has them; embeddings stay float gathers on both
+sides. Nothing is timed: the same model, table and batch sizes give the same answer.
 
 :func:`decide` compares the placement the layer rows chose, the same with the layers that lose at a
 requested batch kept float too, and the whole model float (exactly fp32's cost), and keeps the one
