@@ -334,7 +334,7 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
         layers = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))}
         pred = predict(graph, layers, table, batches=[1, 32], example_batch=8).costs
         checked = quantize(copy.deepcopy(model), "w8a8", calib,
-                           params=QuantizeParams(batch_sizes=(1, 32), model_check="float"))
+                           params=QuantizeParams(batch_sizes=(1, 32), model_check="float", deploy_cpu="this-machine"))
         every = quantize(copy.deepcopy(model), "w8a8", calib, params=QuantizeParams(cost_table=False))
         files = {"fp32": export_onnx(copy.deepcopy(model), calib[0], tmp / "p_fp32.onnx"),
                  "all_int8": export_onnx(every, calib[0], tmp / "p_int8.onnx")}

@@ -158,16 +158,16 @@ def _verdict(xs: list[float]) -> str:
 
 
 def _predicted(model: nn.Module, calib: Any, batch: int) -> tuple[float | None, str]:
-    """The cost table's model-level prediction for ``model``'s default placement at ``batch``: the int8
-    model's predicted speedup over fp32, or None and why the check does not judge it."""
-    from compress.core.machine import cpu_name, int8_isa
-    from quantization.placement.cost_table import table_for
+    """The cost table's model-level prediction for ``model``'s default placement at ``batch`` (the default
+    deployment CPU's table, quantization/placement/cost_table.py PORTABLE_CPU): the int8 model's predicted
+    speedup over fp32, or None and why the check does not judge it."""
+    from quantization.placement.cost_table import deployment_table
     from quantization.placement.model_cost import predict, unpriced_ops
     from quantization.placement.trace import trace_graph
 
-    table = table_for(int8_isa(), cpu_name())
+    table = deployment_table()
     if table is None:
-        return None, "no cost table (none for this CPU, or COMPRESS_COST_TABLE off)"
+        return None, "no cost table (COMPRESS_COST_TABLE off)"
     args, kwargs = ((), dict(calib)) if isinstance(calib, dict) else ((calib,), {})
     graph = trace_graph(model, args, kwargs)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))}
@@ -323,7 +323,7 @@ def write_results(rows: list[dict[str, Any]], machine: str, threads: int, size: 
              "SQNR 7-bit: compress's export with `reduce_range=True` (7-bit weight codes), which a CPU with AVX2 "
              "and no VNNI needs to avoid ORT's u8s8 int16 saturation (README); the machine line names this one's "
              "int8 instructions.", "",
-             "compress: the default (w8a8; the shipped cost table for this CPU keeps float the layers it says run slower "
+             "compress: the default (w8a8; the shipped cost table of the default deployment CPU, `deploy_cpu: vnni:intel`, keeps float the layers it says run slower "
              "in int8, quantization/placement/cost_table.py; its whole-model prediction at the serving batch, passed as "
              "`QuantizeParams(batch_sizes=...)`, quantization/placement/model_cost.py, keeps the whole model float where "
              "int8 is predicted slower, the default `model_check: auto` at a batch of 16 or more; column `model check: "

@@ -20,6 +20,7 @@ from quantization.algorithms.smoothquant import SmoothQuantField, Unfolded, smoo
 from quantization.numerics.calibration import calibrate, last_logits_only
 from quantization.numerics.spec import QuantScheme, resolve_scheme
 from quantization.placement.activations import capture_first_call, ensure_placed
+from quantization.placement.cost_table import PORTABLE_CPU, DeployCpu
 from quantization.placement.runtimes import Target
 from quantization.placement.speed_check import SpeedCheck
 from quantization.preparation import BnMode, FirstLast, ModelCheck, prepare
@@ -50,8 +51,13 @@ class QuantizeParams(ApiParams):
     traced shape (the batch scaled to ``speed_check.batch``) and keep the layers float where int8 is
     slower, the times named in ``placement.floats`` (quantization/placement/speed_check.py; target onnxruntime).
     ``cost_table``: without ``speed_check``, keep float the layers that the shipped ORT CPU cost table
-    for this CPU's int8 instructions says run slower in int8 (quantization/placement/cost_table.py):
-    nothing is timed at quantize time, so the placement is reproducible; False quantizes them all.
+    for ``deploy_cpu`` says run slower in int8 (quantization/placement/cost_table.py): nothing is timed
+    at quantize time, so the placement is reproducible; False quantizes them all.
+    ``deploy_cpu``: the CPU the model will be served on, ``isa:vendor`` (``vnni:intel``, ``vnni:amd``,
+    ``amx:intel``, ``avx2:intel``, ``avx2:amd``), whose table decides; the default ``vnni:intel`` does
+    not depend on the machine that quantizes (one model and data give one file everywhere);
+    ``"this-machine"`` reads the quantizing CPU's table. Each reason names the table
+    (``by the onnxruntime vnni:intel cost table``).
     ``batch_sizes``: the batches the model will be served at (default: batch 1). With ``cost_table``,
     the table predicts the whole int8 model against fp32 at each of them, the costs of entering and
     leaving int8 and of integer adds included (quantization/placement/model_cost.py).
@@ -79,6 +85,7 @@ class QuantizeParams(ApiParams):
     cost_table: bool = True
     batch_sizes: tuple[PositiveInt, ...] | None = Field(None, min_length=1)
     model_check: ModelCheck = "auto"
+    deploy_cpu: DeployCpu = PORTABLE_CPU
 
 
 @with_progress
@@ -135,7 +142,7 @@ def post_training_quantize(
         model, scheme, targets=targets, ignore=ignore, first_last=p.first_last, bn=p.bn,
         quantize_ops=p.quantize_ops, target=p.target, quantize_embeddings=p.quantize_embeddings,
         example_inputs=example, speed_check=p.speed_check, cost_table=p.cost_table, batch_sizes=p.batch_sizes, model_check=p.model_check,
-        where=where,
+        deploy_cpu=p.deploy_cpu, where=where,
     )
     if p.kv_cache is not None:
         attach_kv_quantization(model, p.kv_cache)

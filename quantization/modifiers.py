@@ -28,6 +28,7 @@ from quantization.numerics.fake_quant import FakeQuantizer
 from quantization.numerics.modules import QuantConv1d, QuantConv2d
 from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 from quantization.placement.activations import capture_first_call
+from quantization.placement.cost_table import PORTABLE_CPU, DeployCpu
 from quantization.placement.runtimes import Target
 from quantization.placement.speed_check import SpeedCheck
 from quantization.preparation import (
@@ -42,6 +43,7 @@ from quantization.preparation import (
     saved_quantization,
     set_saved_flags,
 )
+from quantization.view import view
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,9 @@ class _QuantSpecBase(ModifierSpec):
     #: the cost table's whole-model prediction: "warn" logs it and keeps int8, "float" keeps the model
     #: float, "auto" keeps it float where it is predicted slower at a batch of 16 or more
     model_check: ModelCheck = "auto"
+    #: the CPU the model will be served on (``isa:vendor``), whose cost table decides; the default does not
+    #: depend on the machine that quantizes; ``this-machine`` reads that machine's table
+    deploy_cpu: DeployCpu = PORTABLE_CPU
 
     @field_validator("scheme", mode="before")
     @classmethod
@@ -136,8 +141,9 @@ class PTQSpec(_QuantSpecBase):
     ``max_accuracy_drop`` (metric units, e.g. 0.005 = half a point of accuracy) keeps the most
     sensitive layers in float until the drop fits. ``speed_check`` (``{batch: 32, threads: 1}``) times
     each layer's ONNX Runtime integer kernel against its float one and keeps the slower ones float;
-    without it, ``cost_table`` (default on) keeps float the layers the shipped ORT CPU cost table says
-    run slower in int8, timing nothing. Where the table predicts the whole int8 model slower than fp32
+    without it, ``cost_table`` (default on) keeps float the layers the shipped ORT CPU cost table of
+    ``deploy_cpu`` (default ``vnni:intel``, whatever machine quantizes) says run slower in int8,
+    timing nothing. Where the table predicts the whole int8 model slower than fp32
     at a batch size the recipe validates (``validate.batch_sizes``), ``model_check: warn`` says so and
     keeps int8, ``model_check: float`` keeps the model float, and ``model_check: auto`` (default) keeps
     it float where that batch is 16 or more and warns at smaller ones.
@@ -216,6 +222,14 @@ def _restore(spec: PTQSpec | QATSpec, model: nn.Module, data: dict[str, Any], *,
     set_saved_flags(model, data)
 
 
+def _record_cost_table(state: State, spec: _QuantSpecBase) -> None:
+    """The stage's metrics name the declared deployment CPU and the cost table that decided for it
+    (``onnxruntime vnni:intel``; None where none did: cost_table off, dynamic activations, another
+    target), as ``placement.cost_table`` records it."""
+    state.metrics["deploy_cpu"] = spec.deploy_cpu
+    state.metrics["cost_table"] = view(state.model).cost_table
+
+
 def _judge(state: State) -> Evaluate | None:
     """The metric function accuracy control and metric sensitivity choose on."""
     return state.select_evaluate or state.evaluate
@@ -265,10 +279,11 @@ class PTQModifier(Modifier[PTQSpec]):
                                 smoothquant_micro_batch=s.smoothquant_micro_batch, bias_correction=s.bias_correction,
                                 kv_cache=s.kv_cache, speed_check=s.speed_check,
                                 cost_table=s.cost_table, batch_sizes=state.serving_batch_sizes,
-                                model_check=s.model_check)
+                                model_check=s.model_check, deploy_cpu=s.deploy_cpu)
         swapped = post_training_quantize(model, scheme, loop, targets=s.targets, ignore=s.ignore, params=params,
                                          where=self.where)
         state.metrics["quantized_modules"] = len(swapped)
+        _record_cost_table(state, s)
         self._sensitivity(state, float_metric)
 
     def _sensitivity(self, state: State, float_metric: float | None) -> None:
@@ -359,10 +374,12 @@ class QATModifier(Modifier[QATSpec]):
             example_inputs=capture_first_call(model, loop) if scheme.static_activations else None,
             batch_sizes=state.serving_batch_sizes,
             model_check=s.model_check,
+            deploy_cpu=s.deploy_cpu,
             where=self.where,
         )
         calibrate(model, loop, where=self.where)
         state.metrics["quantized_modules"] = len(swapped)
+        _record_cost_table(state, s)
         if s.lsq:
             scales = [q.enable_lsq() for _, q in quantizers(model) if not q.spec.dynamic]
             if state.optimizer is not None:

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from compress.core.errors import CompressError
-from compress.core.machine import cpu_name, int8_isa
 from compress.core.moe import unpack_experts
 from compress.core.targets import select_modules
 from quantization.algorithms.bn_fold import find_conv_bn_pairs, fold_bn_into_conv
@@ -34,7 +33,14 @@ from quantization.placement.activations import (
     place_graph,
     targeted_fn,
 )
-from quantization.placement.cost_table import CostTable, slower_by_table, table_for
+from quantization.placement.cost_table import (
+    PORTABLE_CPU,
+    CostTable,
+    DeployCpu,
+    deployment_cpu,
+    slower_by_table,
+    table_for,
+)
 from quantization.placement.fidelity_guards import ROUTER_REASON, router_layers
 from quantization.placement.mode import detach, graph_of, unsmooth
 from quantization.placement.model_cost import TRUSTED_BATCH, decide, slower_attention, trusted_slower
@@ -117,6 +123,7 @@ def prepare(
     cost_table: bool = True,
     batch_sizes: Sequence[int] | None = None,
     model_check: ModelCheck = "auto",
+    deploy_cpu: DeployCpu = PORTABLE_CPU,
     where: str = "quantize",
 ) -> dict[str, nn.Module]:
     """Swap the targeted layers of ``model`` (in place) for quantized ones; returns them by name.
@@ -138,9 +145,13 @@ def prepare(
     and keep the layers float where int8 is slower (quantization/placement/speed_check.py; needs ``example_inputs``);
     attention's products of two activations, which are no layer, are decided by the cost table's
     rule at the batch timed, as on the default path (none where ``cost_table`` is off).
-    ``cost_table``: without ``speed_check``, keep float the layers the shipped ORT CPU cost table for this
-    CPU's int8 instructions says run slower in int8 (quantization/placement/cost_table.py; onnxruntime
-    target, static activations, traced shapes); nothing is timed, so the placement is reproducible.
+    ``cost_table``: without ``speed_check``, keep float the layers the shipped ORT CPU cost table for
+    ``deploy_cpu`` says run slower in int8 (quantization/placement/cost_table.py; onnxruntime target,
+    static activations, traced shapes); nothing is timed, so the placement is reproducible.
+    ``deploy_cpu``: the CPU the model will be served on (``isa:vendor``, :data:`DeployCpu`), whose table
+    decides; the default (:data:`PORTABLE_CPU`) does not depend on the machine that quantizes,
+    ``"this-machine"`` reads that machine's table. The table's name is recorded in
+    ``placement.cost_table`` and in each reason it gave.
     Where the table also holds model-level rows, the whole int8 model is predicted against fp32 at
     ``batch_sizes`` (the batches it will be served at; batch 1 when None), entering and leaving int8
     and integer adds included (quantization/placement/model_cost.py); where int8 is not predicted faster
@@ -178,7 +189,7 @@ def prepare(
         for name in router_layers(graph0) & set(plan):
             del plan[name]
             skip[name] = ROUTER_REASON
-    table = (table_for(int8_isa(), cpu_name())
+    table = (table_for(*deployment_cpu(deploy_cpu))
              if cost_table and graph_mode and target == "onnxruntime" and graph0 is not None else None)
     if speed_check is not None:
         slow = _rank0_decides(lambda: _measure(model, plan, graph0, call, speed_check, target=target,

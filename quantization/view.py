@@ -53,6 +53,7 @@ class QuantizedView:
     -> parameter name; :func:`functional_weights` gives those without a layer of their own).
     ``kv_cache``: names of attention modules with a simulated int8 KV cache.
     ``model_float``: why the whole model was left float (the cost table's model-level check), else None.
+    ``cost_table``: the cost table that decided (``onnxruntime vnni:intel``), None where none did.
     """
 
     target: str = "onnxruntime"
@@ -62,6 +63,7 @@ class QuantizedView:
     placed_weights: dict[str, str] = field(default_factory=dict)
     kv_cache: tuple[str, ...] = ()
     model_float: str | None = None
+    cost_table: str | None = None
 
 
 def view(model: nn.Module) -> QuantizedView:
@@ -79,6 +81,7 @@ def view(model: nn.Module) -> QuantizedView:
         placed_weights={qid: use.param for qid, use in p.weights.items()},
         kv_cache=kv,
         model_float=p.model_float,
+        cost_table=p.cost_table,
     )
 
 

@@ -209,6 +209,7 @@ def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kw
         float_ops=config.float_ops, serving_batch=config.serving_batch, cost_table=config.cost_table,
         example_batch=call_batch(args, kwargs),
     )
+    placement.cost_table = config.cost_table.name if config.cost_table is not None else None
     qg.placement, qg.pending = placement, False
     build_quantizers(qg)
     calibrate_weights(qg, model)

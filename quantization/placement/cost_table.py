@@ -12,6 +12,10 @@ The answer depends only on the layer's traced shape, the table and the CPU the t
 (its int8 instruction set, then its vendor: two CPUs with the same instructions can differ twofold in
 what entering and leaving int8 costs), so quantizing twice gives the same placement. ``speed_check``
 refines it when asked.
+
+That CPU is the deployment target's, declared (:data:`DeployCpu`, the ``deploy_cpu`` setting), not
+the one that quantizes: :data:`PORTABLE_CPU` by default, so one recipe and one dataset give the same
+file on every machine; ``this-machine`` reads the quantizing CPU's table instead.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from torch import nn
 
+from compress.core import machine
 from compress.core.errors import CompressError
 from quantization.placement.speed_check import LayerCall
 
@@ -126,12 +131,27 @@ class CostTable:
     #: what ORT's profiler adds to each node's measured time (its per-node median on a chain of trivial
     #: nodes less their unprofiled time per node): the model-level sum takes it off every node it adds
     profile_overhead_us: float = 0.0
+    #: its key in the shipped file (``vnni:intel``); empty for a table built elsewhere
+    key: str = ""
 
     @property
     def source(self) -> str:
-        """Runtime, ISA and CPU model, as reasons name the table (``onnxruntime, AVX-512 VNNI, Intel Xeon``)."""
+        """Runtime, ISA and CPU model (``onnxruntime, AVX-512 VNNI, Intel Xeon``)."""
         cpu = self.machine.split(" (", 1)[0].split(",", 1)[0].strip()
         return f"{self.runtime}, {self.isa}" + (f", {cpu}" if cpu else "")
+
+    @property
+    def name(self) -> str:
+        """``onnxruntime vnni:intel``: the runtime and key, what the report records as the deciding table."""
+        return f"{self.runtime} {self.key}" if self.key else self.source
+
+    @property
+    def named(self) -> str:
+        """The table as reasons name it: ``the onnxruntime vnni:intel cost table (AVX-512 VNNI, Intel
+        Xeon)`` (``the cost table (onnxruntime, ISA, machine)`` for a table without a key)."""
+        if not self.key:
+            return f"the cost table ({self.source})"
+        return f"the {self.runtime} {self.key} cost table ({self.source.removeprefix(f'{self.runtime}, ')})"
 
     def nearest(self, shape: LayerShape) -> Row | None:
         same = [r for r in self.rows if r.shape.kind == shape.kind]
@@ -177,13 +197,13 @@ def _boundary_row(r: Mapping[str, Any]) -> Row:
     return Row(shape, float(r["float_us"]), float(r["int8_us"]))
 
 
-def table_from_data(data: Mapping[str, Any]) -> CostTable:
+def table_from_data(data: Mapping[str, Any], key: str = "") -> CostTable:
     rows = tuple(Row(LayerShape(r["kind"], tuple(float(f) for f in r["features"])), float(r["float_us"]),
                      float(r["int8_us"]), float(r["float_kernel_us"]) if "float_kernel_us" in r else None)
                  for r in data["rows"])
     boundary = tuple(_boundary_row(r) for r in data.get("boundary", ()))
     return CostTable(str(data["runtime"]), str(data["isa"]), str(data.get("machine", "")), rows, boundary,
-                     float(data.get("profile_overhead_us", 0.0)))
+                     float(data.get("profile_overhead_us", 0.0)), key)
 
 
 @functools.cache
@@ -195,12 +215,43 @@ def shipped_tables(path: Path = TABLE_FILE) -> dict[str, CostTable]:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise CompressError(f"cost table {path}: unreadable ({exc})") from None
-    return {k: table_from_data(v) for k, v in data.get("onnxruntime", {}).items()}
+    return {k: table_from_data(v, k) for k, v in data.get("onnxruntime", {}).items()}
 
 
-#: set to ``off`` to use no shipped table (every layer int8 unless ``speed_check`` says otherwise); the
-#: test suite does, so that its placements do not depend on the CPU it runs on
+#: set to ``off`` to use no shipped table (every layer int8 unless ``speed_check`` says otherwise)
 ENV_SWITCH = "COMPRESS_COST_TABLE"
+
+#: the CPU the model is deployed on, as ``isa:vendor`` (the keys :func:`table_for` looks up; an ISA
+#: without a table of its own reads its :data:`FALLBACK`'s, with a warning), or ``this-machine``: the
+#: CPU that quantizes (its int8 instructions and vendor, compress.core.machine), so that two machines
+#: may place one model differently
+DeployCpu = Literal["vnni:intel", "vnni:amd", "amx:intel", "avx2:intel", "avx2:amd", "this-machine"]
+#: the default deployment CPU: the Intel Xeon AVX-512 VNNI table is the shipped one measured on a quiet
+#: machine (load 0.1 against 2.7), with the most rows (317 layer shapes against 208, 130 boundary rows
+#: against 79) and the only one with ``matmul`` and ``mul`` rows, so it alone prices attention and
+#: products of two activations; it also finds int8 slower at more of its shapes (14 against 8), so it
+#: keeps float more of what may lose in int8 (benchmarks/RESULTS.md, ``cost_table``; docs/own-model.md)
+PORTABLE_CPU: DeployCpu = "vnni:intel"
+THIS_MACHINE = "this-machine"
+_ISA_NAMES = {"vnni": "AVX-512 VNNI", "amx": "AMX-INT8", "avx2": "AVX2 without VNNI"}
+_VENDOR_NAMES = {"intel": "Intel", "amd": "AMD"}
+
+
+def deployment_cpu(cpu: str = PORTABLE_CPU) -> tuple[str | None, str | None]:
+    """``(int8 ISA, CPU name)`` that :func:`table_for` is asked for a deployment CPU (:data:`DeployCpu`):
+    the declared one's, or with ``this-machine`` the quantizing CPU's."""
+    if cpu == THIS_MACHINE:
+        return machine.int8_isa(), machine.cpu_name()
+    isa, _, vendor = cpu.partition(":")
+    if isa not in _ISA_NAMES or vendor not in _VENDOR_NAMES:
+        raise CompressError(f"deploy_cpu: unknown CPU '{cpu}'; valid: isa:vendor ({', '.join(sorted(_ISA_NAMES))}; "
+                            f"{', '.join(_VENDOR_NAMES)}) or {THIS_MACHINE}")
+    return _ISA_NAMES[isa], _VENDOR_NAMES[vendor]
+
+
+def deployment_table(cpu: str = PORTABLE_CPU) -> CostTable | None:
+    """The shipped table that decides for deployment CPU ``cpu`` (None if none)."""
+    return table_for(*deployment_cpu(cpu))
 
 
 def table_for(isa: str | None, cpu: str | None = None) -> CostTable | None:
@@ -234,7 +285,7 @@ FALLBACK: dict[str, tuple[str, ...]] = {"avx2": ("vnni",), "amx": ("vnni",)}
 @functools.cache
 def _warn_fallback(isa: str, used: str) -> None:
     log.warning("cost table: no rows measured on %s; using the %s rows (`python -m benchmarks.cost_table` on "
-                "this machine measures its own; speed_check times the layers here)", isa, used)
+                "such a CPU measures its own; speed_check times the layers where it runs)", isa, used)
 
 
 def slower_by_table(layers: Mapping[str, nn.Module], calls: Mapping[str, LayerCall], table: CostTable, *,
@@ -249,8 +300,8 @@ def slower_by_table(layers: Mapping[str, nn.Module], calls: Mapping[str, LayerCa
         if call is None or row is None or call.pooled or call.model_output or row.speedup >= min_speedup:
             continue
         feats = "x".join(f"{f:g}" for f in row.shape.features)
-        slow[name] = (f"kept float by the cost table ({table.source}): the nearest measured "
+        slow[name] = (f"kept float by {table.named}: the nearest measured "
                       f"{row.shape.kind} ({feats}) ran int8 {row.int8_us:.0f} us vs float {row.float_us:.0f} us "
                       f"({row.speedup:.2f}x)")
-    log.info("cost table (%s): %d of %d layers keep float", table.source, len(slow), len(layers))
+    log.info("%s: %d of %d layers keep float", table.named, len(slow), len(layers))
     return slow

@@ -16,7 +16,7 @@ from quantization.placement.trace import Operand, OpGraph, OpNode
 #: a constant tensor operand of a product runs as a quantized initializer (QLinearMul) only when one
 #: 8-bit scale keeps it at this SQNR or better (the tracer computes it from its values): a layer scale
 #: initialized to one value (ConvNeXt's 1e-6) passes; trained layer scales spanning decades do not,
-#: and their small channels would round to zero (measured: tests/quantization/test_placement_elementwise.py)
+#: and their small channels would round to zero (measured: tests/quantization/placement/test_placement_elementwise.py)
 CONSTANT_MIN_SQNR = 40.0
 
 

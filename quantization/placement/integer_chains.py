@@ -403,7 +403,7 @@ class IntegerChains(PlacerState):
             return None
         return (f"elementwise chain of {ops} op{'s' if ops > 1 else ''} priced faster in float at batch "
                 f"{self.serving_batch}: {flt:.0f} us in float ({bill.describe('float')}) vs {codes:.0f} us on codes "
-                f"({bill.describe('codes')}), by the cost table ({table.source})")
+                f"({bill.describe('codes')}), by {table.named}")
 
     def _to_float(self, chain: list[OpNode], drop: list[str], reason: str) -> None:
         self.quantized.difference_update(drop)

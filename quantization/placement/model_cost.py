@@ -237,11 +237,11 @@ def slower_attention(graph: OpGraph, table: CostTable, *, batches: Sequence[int]
             if i8 >= fl * ATTENTION_MARGIN:
                 what = f"{products} product{'s' if products > 1 else ''} of activations" + (
                     f" and quantizing {quantized:.0f} softmax outputs" if quantized else "")
-                slow[n.key] = (f"kept float by the cost table ({table.source}) at batch {b}: {what} predicted "
+                slow[n.key] = (f"kept float by {table.named} at batch {b}: {what} predicted "
                                f"{i8:.0f} us on int8 codes vs {fl:.0f} us in float (QLinearMatMul vs MatMul rows)")
                 break
     if slow:
-        log.info("cost table (%s): %d attention calls keep float", table.source, len(slow))
+        log.info("%s: %d attention calls keep float", table.named, len(slow))
     return slow
 
 
@@ -481,7 +481,7 @@ def decide(graph: OpGraph, layers: Mapping[str, nn.Module], int8: set[str], call
     A model with ops the table cannot price (:func:`unpriced_ops`) keeps the layer rows' placement,
     and a batch at which an int8 layer has no measured shape near it (:data:`MAX_DISTANCE`) is not
     predicted."""
-    where = f"the cost table ({table.source})"
+    where = table.named
     unpriced = unpriced_ops(graph, table)
     if unpriced:
         log.info("cost table: no model-level check (integer ops it has no rows for: %s)",

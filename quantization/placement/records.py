@@ -62,6 +62,9 @@ class Placement:
     #: why the whole model was left float (the cost table predicted int8 slower than fp32 at a batch it
     #: will be served at, quantization/placement/model_cost.py); None where quantizers were placed
     model_float: str | None = None
+    #: the cost table that decided (``onnxruntime vnni:intel``: the deployment CPU's,
+    #: quantization/placement/cost_table.py); None where none did (cost_table off, no table for the CPU)
+    cost_table: str | None = None
 
     def to_data(self) -> dict[str, Any]:
         """A plain dict (torch.load(weights_only=True) and JSON can hold it)."""
@@ -74,6 +77,7 @@ class Placement:
             "sites": dict(self.sites),
             "produced": {k: list(v) for k, v in self.produced.items()},
             "model_float": self.model_float,
+            "cost_table": self.cost_table,
         }
 
     @classmethod
@@ -88,6 +92,7 @@ class Placement:
             sites=dict(data.get("sites", {})),
             produced={k: list(v) for k, v in data.get("produced", {}).items()},
             model_float=data.get("model_float"),
+            cost_table=data.get("cost_table"),
         )
 
 
