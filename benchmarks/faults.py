@@ -135,7 +135,7 @@ def _cases(finished: Path) -> list[tuple[str, Callable[[Path], tuple[list[str], 
         (d / "userfac.py").write_text("def make():\n    raise RuntimeError('weights file missing')\n")
         text = TINY.replace("model: {name: mlp, kwargs: {hidden: 16, depth: 1, num_classes: 10, in_features: 64}}",
                             "model: {name: 'userfac:make'}")
-        return [*c, "apply", recipe(d, text), "--out", str(d / "run"), "--quiet"], d
+        return [*c, "apply", recipe(d, text), "--out", str(d / "run"), "--quiet", "--trust-code"], d
 
     def hf_bad_config(d: Path) -> tuple[list[str], Path]:
         (d / "hf").mkdir()
@@ -151,7 +151,7 @@ def _cases(finished: Path) -> list[tuple[str, Callable[[Path], tuple[list[str], 
             "    return TensorDataset(x, torch.randint(0, 10, (256,)))\n")
         text = TINY.replace("data: {source: digits, calibration_samples: 32, eval_samples: 64}",
                             "data: {source: 'nandata:make'}")
-        return [*c, "apply", recipe(d, text), "--out", str(d / "run"), "--quiet"], d
+        return [*c, "apply", recipe(d, text), "--out", str(d / "run"), "--quiet", "--trust-code"], d
 
     def dynamic_scheme(d: Path) -> tuple[list[str], Path]:
         return [*c, "apply", recipe(d), "--out", str(d / "run"), "--quiet",
@@ -285,10 +285,10 @@ def _cases(finished: Path) -> list[tuple[str, Callable[[Path], tuple[list[str], 
         ("`validate --reference` with another output shape", validate_reference),
         ("`validate --data-kwargs '{bad'`", data_kwargs),
         ("`inspect` a garbage .onnx", garbage_onnx),
-        ("a user model factory that raises", factory_raises),
+        ("a user model factory that raises (`--trust-code`)", factory_raises),
         ("an HF directory with an invalid config.json", hf_bad_config),
         ("a checkpoint holding a pickled module", pickled_module),
-        ("NaN in the training data (user data factory)", nan_data),
+        ("NaN in the training data (user data factory, `--trust-code`)", nan_data),
         ("data whose batches do not fit the model", data_misfit),
         ("`--set scheme=w8a8_dynamic` with the QDQ export", dynamic_scheme),
         ("`--dry-run` with the same override", dry_run_dynamic),

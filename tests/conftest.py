@@ -20,10 +20,31 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-# The default keep-float decisions read the shipped cost table of this CPU's int8 instructions
-# (quantization/placement/cost_table.py): toy layers a test builds would then stay float on one machine
-# and not another. Tests of placement rules run with every layer int8 on every machine; the table's
-# own tests (tests/quantization/test_cost_table.py) give it a table of their own. Subprocesses inherit it.
+@pytest.fixture(
+    params=[
+        pytest.param("cpu", id="interpret"),
+        pytest.param(
+            "cuda",
+            id="cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ]
+)
+def device(request: pytest.FixtureRequest) -> str:
+    """Where Triton kernels (and the int8/fp8 modules that call them) run: CPU tensors under the
+    interpreter (TRITON_INTERPRET, set above), or a CUDA device, as a @pytest.mark.gpu case."""
+    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("CPU kernel runs need TRITON_INTERPRET=1 (this machine has CUDA: the cuda cases run instead)")
+    return str(request.param)
+
+
+# Tests of placement rules run with every layer int8: the default keep-float decisions read the shipped
+# cost table of the declared deployment CPU (quantization/placement/cost_table.py, the same on every
+# machine: tests/quantization/placement/test_portable_target.py, which turns the table back on), and that
+# table keeps float toy layers, products and elementwise chains the rules under test are about (with it
+# on, 25 tests of tests/quantization/placement fail on layers and ops it keeps float). Not for
+# determinism: the placements no longer depend on the CPU that runs the suite. The table's own tests
+# (tests/quantization/placement/test_cost_table.py) give it a table of their own. Subprocesses inherit it.
 os.environ.setdefault("COMPRESS_COST_TABLE", "off")
 
 

@@ -1,7 +1,8 @@
 """The README and the guides in docs/: their runnable code blocks run, their links resolve.
 
 A code block is runnable when the line before its fence is ``<!-- runnable -->`` (invisible on
-GitHub and in the mkdocs site). Python blocks run in a fresh namespace, bash blocks in a shell
+GitHub and in the mkdocs site); ``<!-- runnable: slow -->`` runs it as a ``slow`` test (a whole
+pipeline: CI runs it after the README's test command). Python blocks run in a fresh namespace, bash blocks in a shell
 with this interpreter's ``bin`` first on PATH (so ``compress`` is the one under test); both with a
 temporary directory as the working directory.
 """
@@ -21,17 +22,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = "<!-- runnable -->"
+SLOW_MARKER = "<!-- runnable: slow -->"
 _BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
-def runnable_blocks(text: str) -> list[tuple[int, str, str]]:
-    """(line, language, code) of each fenced block whose preceding line is the marker."""
+def runnable_blocks(text: str) -> list[tuple[int, str, str, bool]]:
+    """(line, language, code, slow) of each fenced block whose preceding line is a marker."""
     out = []
     for m in _BLOCK.finditer(text):
-        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        if before.strip() == MARKER:
-            out.append((text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2)))
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        if before in (MARKER, SLOW_MARKER):
+            out.append((text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2), before == SLOW_MARKER))
     return out
 
 
@@ -39,8 +41,8 @@ BLOCKS = [(page, *block) for page in PAGES for block in runnable_blocks(page.rea
 
 
 def test_blocks_are_found() -> None:
-    assert runnable_blocks(f"x\n{MARKER}\n```python\nprint(1)\n```\n```python\nno\n```\n") == [
-        (3, "python", "print(1)\n")
+    assert runnable_blocks(f"x\n{MARKER}\n```python\nprint(1)\n```\n```python\nno\n```\n{SLOW_MARKER}\n```bash\nls\n```\n") == [
+        (3, "python", "print(1)\n", False), (10, "bash", "ls\n", True)
     ]
     assert len(BLOCKS) >= 5, BLOCKS  # the README's one-shot API and the guides' examples
 
@@ -58,8 +60,10 @@ def run_block(lang: str, code: str, where: str, cwd: Path) -> None:
         raise AssertionError(f"{where}: a runnable block must be python or bash, not {lang!r}")
 
 
-@pytest.mark.parametrize(("page", "line", "lang", "code"), BLOCKS,
-                         ids=[f"{p.relative_to(ROOT)}:{n}" for p, n, _, _ in BLOCKS])
+@pytest.mark.parametrize(("page", "line", "lang", "code"), [
+    pytest.param(p, n, lang, code, marks=[pytest.mark.slow] if slow else [], id=f"{p.relative_to(ROOT)}:{n}")
+    for p, n, lang, code, slow in BLOCKS
+])
 def test_runnable_block(page: Path, line: int, lang: str, code: str, tmp_path: Path) -> None:
     run_block(lang, code, f"{page.relative_to(ROOT)}:{line}", tmp_path)
 

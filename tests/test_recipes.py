@@ -77,7 +77,12 @@ def test_recipe_loads(name: str) -> None:
 REFERENCE_LLM = "runs/reference_llm"
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+#: the int4 LLM recipes (GPTQ, AWQ) on the tiny Llama: 25 s each in a full run
+SLOW_RECIPES = {"llm_awq_w4", "llm_gptq_w4"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RECIPES else n
+                                  for n in sorted(RECIPES)])
 def test_recipe_runs_small(name: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     raw = yaml.safe_load(RECIPES[name].read_text())
     if raw["model"].get("hf_path") == REFERENCE_LLM:

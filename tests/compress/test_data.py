@@ -155,6 +155,7 @@ def test_docstring_sentences_keep_prose_only() -> None:
     assert docstring_sentences(doc) == ["Return the sum of the two numbers given here."]
 
 
+@pytest.mark.slow  # 61 s in a full run: three corpora read from the stdlib's docstrings
 def test_corpus_real_sentences_deterministic() -> None:
     a = corpus(200, seed=0)
     assert a == corpus(200, seed=0)

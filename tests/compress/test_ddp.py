@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -64,6 +65,7 @@ def _run(tmp: Path, nproc: int) -> tuple[dict, dict, str]:
     return report, state, stdout
 
 
+@pytest.mark.slow  # 38 s in a full run: a 2-process run and a 1-process run end to end
 def test_two_process_ddp_matches_single_process(tmp_path: Path) -> None:
     single, w1, _ = _run(tmp_path, 1)
     ddp, w2, stdout = _run(tmp_path, 2)

@@ -68,7 +68,8 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("phase", ["train", "export", "validate"])
+@pytest.mark.parametrize("phase", [pytest.param("train", marks=pytest.mark.slow),  # 23 s in a full run
+                                   "export", "validate"])
 def test_a_killed_run_resumes_to_a_complete_one(phase: str, tmp_path: Path) -> None:
     recipe = tmp_path / "fault.yaml"
     recipe.write_text(yaml.safe_dump(RECIPE, sort_keys=False))

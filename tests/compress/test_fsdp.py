@@ -382,6 +382,7 @@ def _distill_sharded(rank: int) -> dict[str, Any]:
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
 
 
+@pytest.mark.slow  # 36 s in a full run: 2 FSDP2 processes
 def test_fsdp2_qat_and_distillation_two_processes(tmp_path: Path) -> None:
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
@@ -468,6 +469,7 @@ def _tiny_llm_recipe(tmp: Path, **fields: Any) -> Path:
     return path
 
 
+@pytest.mark.slow  # 43 s in a full run: multi-process runs, killed and resumed
 def test_killed_rank_two_nodes_then_resume_on_two_ranks_and_on_one(tmp_path: Path) -> None:
     recipe = _tiny_llm_recipe(tmp_path)
     driver = tmp_path / "driver.py"
@@ -526,6 +528,7 @@ def test_killed_rank_two_nodes_then_resume_on_two_ranks_and_on_one(tmp_path: Pat
     assert abs(rep.baseline.accuracy - two_ranks["baseline"]["accuracy"]) < 0.05 * two_ranks["baseline"]["accuracy"]
 
 
+@pytest.mark.slow  # 27 s in a full run: 2 FSDP2 processes
 def test_pruning_schedule_with_kd_trains_sharded_between_its_steps(tmp_path: Path) -> None:
     """Minitron-style width pruning in two steps a training epoch apart, recovered by KD from the
     unpruned model: each step cuts the gathered (plain) model, the next epoch shards the narrower one."""

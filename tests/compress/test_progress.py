@@ -72,6 +72,7 @@ def _layer_lines(err: str) -> list[str]:
     return [ln for ln in err.splitlines() if re.search(r"gptq: layer \d/2 \(7 Linears\)", ln)]
 
 
+@pytest.mark.slow  # 21 s in a full run: a GPTQ run in a subprocess
 def test_python_caller_sees_a_line_per_decoder_layer_without_logging_configured() -> None:
     err = _run("default")
     lines = _layer_lines(err)

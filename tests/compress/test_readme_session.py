@@ -18,6 +18,7 @@ def _session_example() -> str:
     return text[start:].split("```python\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.slow  # 21 s in a full run: the guide's whole training-loop example
 def test_the_session_example_runs_as_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     code = _session_example()
     assert "fit(model, loader" in code and "calib_loader =" in code  # it defines what it uses

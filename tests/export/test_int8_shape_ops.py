@@ -46,6 +46,7 @@ def _export_pair(model: torch.nn.Module, example: object, calib: Sequence[Any], 
     return _counts(fp), _counts(q8), fp, q8
 
 
+@pytest.mark.slow  # 30 s in a full run: fp32 and int8 exports of a window transformer, run in ORT
 def test_window_attention_int8_adds_no_shape_ops(tmp_path: Path) -> None:
     pm = window_transformer(0, size=32, batch=2, n=2, dim=16, heads=(2, 2))
     a, b, fp, q8 = _export_pair(pm.model, pm.example, pm.calibration, tmp_path)

@@ -90,6 +90,7 @@ def test_moves_stay_float_where_the_codes_would_change_meaning(what: str) -> Non
     np.testing.assert_array_equal(_run(after, X), _run(before, X))
 
 
+@pytest.mark.slow  # 61 s in a full run: a window transformer quantized, exported twice, run in ORT
 def test_window_transformer_rolls_and_pads_leave_no_float_moves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pm = window_transformer(0, size=32, batch=2, n=2, dim=16, heads=(2, 2))
     # served at batch 32: its residual stream and patch-merging concat stay on codes (at batch 1 they

@@ -80,6 +80,7 @@ def test_unpacked_experts_compute_the_packed_model(family: str) -> None:
     assert (_logits(model, x) - ref).abs().max() > 1e-4
 
 
+@pytest.mark.slow  # 36 s in a full run: an MoE LLM quantized, exported, run in ORT
 def test_w8a8_quantizes_every_expert_keeps_the_router_float_and_runs_in_onnxruntime(tmp_path: Path) -> None:
     import onnxruntime as ort
 
@@ -154,6 +155,7 @@ def test_prune_cuts_expert_channels_and_the_plan_replays_on_a_fresh_model(tmp_pa
     assert torch.equal(_logits(fresh, x), _logits(model, x))
 
 
+@pytest.mark.slow  # 34 s in a full run: a GPTQ recipe on an MoE checkpoint
 def test_gptq_recipe_on_a_saved_moe_checkpoint_restores_from_its_state(tmp_path: Path) -> None:
     """``compress apply`` on a Mixtral directory (the shipped GPTQ recipe; the single-pass ONNX file,
     validated in ORT by perplexity), then the run's state restored onto a freshly loaded, still

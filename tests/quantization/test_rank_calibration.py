@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -67,6 +68,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 20-39 s: 2 gloo processes run GPTQ, AWQ and PTQ
 def test_each_rank_calibrates_on_its_share_and_ends_as_one_process(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -34,6 +34,7 @@ def test_digits_recipes_run_and_stay_close_to_fp32(name: str, tmp_path: Path) ->
         assert any(a.endswith(".png") for a in stage.artifacts)
 
 
+@pytest.mark.slow  # 35 s in a full run: the real MiniLM recipe end to end
 def test_minilm_recipe_keeps_embeddings_close(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     recipe = load_recipe(

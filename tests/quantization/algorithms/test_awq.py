@@ -319,6 +319,7 @@ def _awq_ddp_worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 26 s alone: 2 gloo processes
 def test_awq_ranks_choose_the_same_scales_and_clips(tmp_path: Any) -> None:
     """Under DDP every rank folds the same scales and keeps the same clips (the searches sum their
     errors over all ranks' tokens, in chunks sized alike on every rank whatever its token count),

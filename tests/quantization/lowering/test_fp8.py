@@ -23,18 +23,6 @@ from quantization.numerics.spec import QuantScheme, QuantSpec
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("cpu", id="interpret"),
-        pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
-    ]
-)
-def device(request: pytest.FixtureRequest) -> str:
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("CPU runs need TRITON_INTERPRET=1 (CUDA present: the cuda cases run instead)")
-    return str(request.param)
-
-
 def _hard_values() -> torch.Tensor:
     """Values where e4m3 rounding is easy to get wrong: ties, carries into the next power of two,
     the subnormal range, saturation, zeros of both signs."""

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 import compress  # noqa: E402
 from quantization.lowering.convert import convert_with_report  # noqa: E402
 from quantization.lowering.fused_norm import FusedLayerNorm, FusedNorm, FusedRMSNorm, fuse_norms, prove  # noqa: E402
-from tests.quantization.kernels.kernel_cases import QuantizeSpy  # noqa: E402
+from tests.quantization.lowering.kernels.kernel_cases import QuantizeSpy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -209,7 +209,7 @@ def test_cuda_e2e_bert_breakdown_runs_in_the_interpreter() -> None:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "benchmarks.cuda_e2e", "--interpret-smoke", "--only", "bert"],
-                       capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2], env=env)
+                       capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[3], env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "3 LayerNorms run as one kernel" in r.stderr and "'FusedLayerNorm': 3" in r.stderr
     assert "| run | variant | total_ms | gemm_q | gemm_fp16 | quantize | norm | attention | elementwise | other |" in r.stdout

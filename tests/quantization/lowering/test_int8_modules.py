@@ -25,18 +25,6 @@ from quantization.preparation import calibrate_weight
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("cpu", id="interpret"),
-        pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
-    ]
-)
-def device(request: pytest.FixtureRequest) -> str:
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("CPU runs need TRITON_INTERPRET=1 (CUDA present: the cuda cases run instead)")
-    return str(request.param)
-
-
 def _quantized(layer: nn.Module, scheme: QuantScheme | str, data: list[torch.Tensor]) -> nn.Module:
     """The layer as a quantized module owning its input (and output) quantizers: the module-level
     form the int8 modules are checked against (prepare places activation quantizers on the graph)."""
@@ -251,7 +239,7 @@ def test_layers_reading_one_tensor_quantize_it_once(scheme: str, monkeypatch: py
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 96, (2, 8))
     fq = compress.quantize(copy.deepcopy(model), scheme, [{"input_ids": ids}]).eval()
-    conv, _ = convert_with_report(fq, horizontal=False)  # one GEMM per layer: tests/quantization/test_horizontal.py
+    conv, _ = convert_with_report(fq, horizontal=False)  # one GEMM per layer: tests/quantization/lowering/test_horizontal.py
     attn, mlp = conv.model.layers[0].self_attn, conv.model.layers[0].mlp
     assert attn.q_proj.shared_codes is attn.k_proj.shared_codes is attn.v_proj.shared_codes is mlp.gate_proj.shared_codes
     quant = load("quant")

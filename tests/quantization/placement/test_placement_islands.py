@@ -18,7 +18,7 @@ from export.runtimes import ort_coverage, ort_optimized_graph
 from quantization import QuantizeParams, quantize
 from quantization.placement import cost_table as ct
 from quantization.view import view
-from tests.quantization.test_model_cost import SLOW_MATMUL, _bound, _use
+from tests.quantization.placement.test_model_cost import SLOW_MATMUL, _bound, _use
 
 REASON = "elementwise op between float ops"
 PRICED = "elementwise chain of"
@@ -142,6 +142,7 @@ def test_levit_attention_bias_and_softmax_stay_float_where_its_products_do(monke
     assert softmaxes["slow"] == 0 and softmaxes["on codes"] >= 2, softmaxes
 
 
+@pytest.mark.slow  # 32 s in a full run: a 2-layer Llama quantized four times
 def test_llama_rotary_stays_float_between_its_projections_and_float_attention(monkeypatch: pytest.MonkeyPatch,
                                                                             tmp_path: Path) -> None:
     """transformers' Llama (from a config, random weights): with attention kept float, the rotary
@@ -189,6 +190,7 @@ def test_the_chains_are_decided_at_the_largest_batch_the_model_is_served_at() ->
     assert _serving_batch(None, None) == 1
 
 
+@pytest.mark.slow  # 33 s in a full run: a 2-layer Llama quantized three times
 def test_shipped_intel_table_prices_a_decoders_chains_by_batch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The shipped Intel table (AVX-512 VNNI), whatever CPU runs the test, on transformers' Llama from a
     config: at 16 sequences of 32 tokens its RMSNorm and rotary chains price faster in float (small

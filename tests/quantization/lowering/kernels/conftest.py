@@ -1,18 +1,18 @@
-"""Kernel tests run on CUDA when present, else on CPU under the Triton interpreter.
-
-The interpreter is chosen when Triton jit-decorates the kernels, i.e. on the kernels' first import,
-so tests/conftest.py sets TRITON_INTERPRET for the whole session (never on a CUDA machine).
+"""Kernel tests run on CUDA when present, else on CPU under the Triton interpreter: the ``device``
+fixture of tests/conftest.py, which also sets TRITON_INTERPRET for the whole session (the
+interpreter is chosen when Triton jit-decorates the kernels, i.e. on their first import).
+Here: without triton installed, every test of this folder is skipped with the install line.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
+from pathlib import Path
 
 import pytest
-import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -20,22 +20,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="triton is not installed (pip install 'compress-toolkit[triton]', or -e '.[triton]' in a clone)")
     for item in items:
-        if "quantization/kernels" in str(item.fspath):
+        if HERE in Path(item.path).resolve().parents:
             item.add_marker(skip)
-
-
-@pytest.fixture(
-    params=[
-        pytest.param("cpu", id="interpret"),
-        pytest.param(
-            "cuda",
-            id="cuda",
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
-        ),
-    ]
-)
-def device(request: pytest.FixtureRequest) -> str:
-    """Where the kernels run: CPU tensors under the interpreter, or a CUDA device."""
-    if request.param == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        pytest.skip("CPU kernel runs need TRITON_INTERPRET=1 (this machine has CUDA: the cuda cases run instead)")
-    return str(request.param)

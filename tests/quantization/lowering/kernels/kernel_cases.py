@@ -19,7 +19,7 @@ from quantization.lowering.kernels import load
 if TYPE_CHECKING:
     from quantization.lowering.kernels.w4a16 import W4Config
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def int4_weight(n: int, k: int, gs: int, *, asym: bool, g: torch.Generator, dyadic: bool) -> Int4Weight:

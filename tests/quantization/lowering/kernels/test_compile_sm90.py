@@ -5,7 +5,7 @@ TRITON_INTERPRET."""
 
 from __future__ import annotations
 
-from tests.quantization.kernels.kernel_cases import compile_without_interpreter
+from tests.quantization.lowering.kernels.kernel_cases import compile_without_interpreter
 
 SCRIPT = r'''
 import triton

@@ -11,7 +11,7 @@ from torch import nn
 from compress.core.errors import CompressError
 from quantization.lowering.fused_norm import layernorm_tolerance
 from quantization.lowering.kernels import layernorm_quantize
-from tests.quantization.kernels.kernel_cases import assert_codes_match
+from tests.quantization.lowering.kernels.kernel_cases import assert_codes_match
 
 
 def _norm(k: int, dtype: torch.dtype, device: str, *, bias: bool = True, affine: bool = True,

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from compress.core.errors import CompressError  # noqa: E402
 from quantization.lowering.kernels import rmsnorm_quantize  # noqa: E402
-from tests.quantization.kernels.kernel_cases import assert_codes_match  # noqa: E402
+from tests.quantization.lowering.kernels.kernel_cases import assert_codes_match  # noqa: E402
 
 
 def _norm(k: int, dtype: torch.dtype, device: str, seed: int = 0) -> torch.nn.Module:
@@ -116,6 +116,6 @@ def test_kernel_compiles_for_hopper_without_a_gpu() -> None:
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                       timeout=240, cwd=Path(__file__).resolve().parents[3])
+                       timeout=240, cwd=Path(__file__).resolve().parents[4])
     assert r.returncode == 0, r.stderr[-2000:]
     assert "OK True" in r.stdout

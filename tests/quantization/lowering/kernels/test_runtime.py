@@ -45,7 +45,7 @@ def test_importing_quantization_does_not_import_triton() -> None:
     assert r.stdout.strip() == "False"
 
 
-ROOT = Path(__file__).resolve().parents[3]  # benchmarks/ is a top-level folder of the repository
+ROOT = Path(__file__).resolve().parents[4]  # benchmarks/ is a top-level folder of the repository
 
 
 def test_benchmark_script_without_cuda_exits_2_with_one_line() -> None:

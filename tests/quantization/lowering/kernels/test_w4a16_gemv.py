@@ -10,7 +10,11 @@ import torch
 from compress.core.errors import CompressError
 from quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
 from quantization.lowering.kernels.w4a16 import W4Config
-from tests.quantization.kernels.kernel_cases import compile_without_interpreter, int4_weight, run_w4a16
+from tests.quantization.lowering.kernels.kernel_cases import (
+    compile_without_interpreter,
+    int4_weight,
+    run_w4a16,
+)
 
 # (M, N, K, group): K=80 with group 16 is ragged (a shorter last group; K-tiles past the last group);
 # K=576 with group 128 is SmolLM2's hidden width (a 64-wide last group)

@@ -9,7 +9,11 @@ import torch
 from compress.core.errors import CompressError
 from quantization.lowering.int4 import dequantize_int4
 from quantization.lowering.kernels.w4a16 import W4Config
-from tests.quantization.kernels.kernel_cases import compile_without_interpreter, int4_weight, run_w4a16
+from tests.quantization.lowering.kernels.kernel_cases import (
+    compile_without_interpreter,
+    int4_weight,
+    run_w4a16,
+)
 
 # (M, N, K, group): decode rows; K=80 with group 32 is ragged (a shorter last group, K-tile masked);
 # M=20 takes 32-row tiles
