@@ -1,7 +1,8 @@
 """What a user's mistakes and a machine's faults do: input -> exit code -> message -> what was left on disk.
 
     python -m benchmarks.faults            # writes the `faults` section of RESULTS.md
-    python -m benchmarks.faults --quickstart   # also times the README's quickstart (default settings)
+
+(The README's quickstart is timed by benchmarks/quickstart.py.)
 
 Each case runs the installed ``compress`` command (or a Python snippet for API cases) in a fresh
 temporary folder, the way a user would, and records the exit code, the first stderr line and the
@@ -19,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -353,44 +353,21 @@ def _write(d: Path, text: str) -> str:
     return str(d / "tiny.yaml")
 
 
-def quickstart_seconds() -> float:
-    """Wall time of the README's quickstart command (after the install), default settings."""
-    with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
-        proc = subprocess.run([*_compress(), "apply", str(ROOT / "recipes" / "quickstart.yaml"), "--out",
-                               str(Path(d) / "quickstart"), "--overwrite"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"quickstart failed: {proc.stderr[-500:]}")
-        return time.perf_counter() - t0
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quickstart", type=int, default=0, metavar="N", help="also time the quickstart N times")
-    ap.add_argument("--label", default="", help="how loaded the machine was (for the quickstart row)")
-    args = ap.parse_args()
-    from benchmarks._results import RESULTS_DIR, table, write_section
+    argparse.ArgumentParser(description=__doc__).parse_args()
+    write(fault_table())
 
-    rows = fault_table()
+
+def write(rows: list[dict[str, Any]]) -> None:
+    """The `faults` section of RESULTS.md (and results/faults.json) from the table's rows."""
+    from benchmarks._results import table, write_section
+
     md = ["## Faults: input -> exit code -> message -> what was left on disk", "",
           "Written by `python -m benchmarks.faults`: each row runs the installed `compress` command (or a Python "
           "snippet, for API rows) in a fresh folder. Exit codes: 0 ok, 2 bad input, 1 internal error. 'What was "
           "left' compares the watched folder (the --out folder, or the case's folder) before and after.", "",
           table(rows, ["input", "exit", "message", "left"])]
-    data: dict[str, Any] = {"faults": rows}
-    # quickstart timings are kept per label across runs (quiet machine, under a parallel pytest, ...)
-    previous = RESULTS_DIR / "faults.json"
-    timings: dict[str, list[float]] = {}
-    if previous.is_file():
-        timings = dict(json.loads(previous.read_text()).get("quickstart_s_by_label") or {})
-    if args.quickstart:
-        timings[args.label or "this machine"] = [quickstart_seconds() for _ in range(args.quickstart)]
-    data["quickstart_s_by_label"] = timings
-    if timings:
-        md += ["", "README quickstart (`compress apply recipes/quickstart.yaml --out ... --overwrite`, default "
-               "threads), wall time of the whole command:", ""]
-        md += [f"- {label}: " + ", ".join(f"{t:.1f} s" for t in ts) for label, ts in timings.items()]
-    write_section("faults", "\n".join(md), data)
+    write_section("faults", "\n".join(md), {"faults": rows})
 
 
 if __name__ == "__main__":
