@@ -31,7 +31,7 @@ from compress.core.machine import set_threads
 from compress.core.progress import LOGGERS, bars_off, fig, seconds
 from compress.core.size import count_macs, count_params, deployed_size_bytes
 from compress.core.tracing import iter_tensors
-from compress.core.trust import allow_code, code_trusted, no_code
+from compress.core.trust import CLI_SWITCH, allow_code, code_trusted, locate, no_code
 from compress.preflight import check_data_fits, check_recipe
 from compress.recipe import Recipe, load_recipe
 from compress.report import ModelFigures, Report, StageReport, machine, versions
@@ -191,8 +191,6 @@ def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None, dev
     check_recipe(r, device=device)
     refs = r.code()
     if refs:
-        from compress.core.trust import CLI_SWITCH, locate
-
         trusted = trust_code or r.trusts_code
         runs = "runs in the run" if trusted else f"refused without {CLI_SWITCH}"
         return {"recipe": r.name, "model": _model_label(r), "params": None, "data": f"{r.data.source}",
