@@ -357,7 +357,7 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
 
     saved = read_extra(path)
     if saved is None or not isinstance(saved.get("objects"), dict):
-        raise RecipeError(f"{path}: no {EXTRA_FILE} beside the shards (written by an older version); rerun without --resume")
+        raise RecipeError(f"{path}: no {EXTRA_FILE} beside the shards (written by an older version); start over with --overwrite instead of --resume")
     objects: dict[str, Any] = saved["objects"]
     state = _dcp_state(model, None, companions)
     state["epoch"] = torch.tensor(0)
@@ -390,7 +390,7 @@ def check_extra_states(model: nn.Module, saved: dict[str, Any], *, where: str) -
         mod = model.get_submodule(name) if name else model
         if mod.get_extra_state() != value:
             raise RecipeError(f"{where}: the saved state of '{name}' differs from the one the resumed stage built; "
-                              "was the model or the recipe changed? rerun without --resume")
+                              "was the model or the recipe changed? start over with --overwrite instead of --resume")
 
 
 def read_extra(path: Path) -> dict[str, Any] | None:
