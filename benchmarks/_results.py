@@ -125,12 +125,12 @@ def gpu_bench_device(prog: str, interpret_smoke: bool, *, needs_triton: bool = T
         print(f"{prog}: needs a CUDA GPU (none found); --interpret-smoke checks the script on CPU", file=sys.stderr)
         return None
     if needs_triton:
-        from quantization.lowering.kernels import triton_available
+        from compress.quantization.lowering.kernels import triton_available
 
         if not triton_available():
             print(f"{prog}: needs Triton: pip install -e '.[triton]'", file=sys.stderr)
             return None
-    gemm = sys.modules.get("quantization.lowering.kernels.gemm")
+    gemm = sys.modules.get("compress.quantization.lowering.kernels.gemm")
     if interpret_smoke and gemm is not None and not getattr(gemm, "INTERPRETED", False):
         print(f"{prog}: kernels were loaded before TRITON_INTERPRET was set", file=sys.stderr)
         return None

@@ -114,9 +114,10 @@ def _metrics(ref: np.ndarray, out: np.ndarray, x: dict[str, torch.Tensor], lm: b
 
 def run_model(name: str, model: torch.nn.Module, calib: list[dict[str, torch.Tensor]],
               held: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    from compress.export.onnx import export_onnx
+    from compress.export.runtimes import ort_coverage
+
     import compress
-    from export.onnx import export_onnx
-    from export.runtimes import ort_coverage
 
     lm = "input_ids" in calib[0] and "attention_mask" not in calib[0]
     example = {k: v[:2] for k, v in calib[0].items()}
@@ -125,7 +126,7 @@ def run_model(name: str, model: torch.nn.Module, calib: list[dict[str, torch.Ten
         d = Path(tmp)
         files = {k: d / f"{k}.onnx" for k in ("fp32", "compress", "float_scores", "ort")}
         export_onnx(copy.deepcopy(model), example, files["fp32"])
-        from quantization.placement import runtimes
+        from compress.quantization.placement import runtimes
 
         ort_profile = runtimes.PROFILES["onnxruntime"]
         runtimes.PROFILES["onnxruntime"] = dataclasses.replace(ort_profile, integer_scores=True)
@@ -159,11 +160,12 @@ def speed(names: list[str], rounds: int) -> list[dict[str, Any]]:
     import statistics
     import time
 
+    from compress.export.onnx import export_onnx
+    from compress.quantization.placement import runtimes
+
     import compress
     from benchmarks.hf_suite import SUITE
     from benchmarks.real_models import _serving_input
-    from export.onnx import export_onnx
-    from quantization.placement import runtimes
 
     out = []
     for name in names:

@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from compress.quantization.placement.cost_table import TABLE_FILE, layer_shape, table_key
+from compress.quantization.placement.speed_check import _graphs, _island_cost, _profile, boundary_costs
 from torch import nn
 
 from benchmarks._results import write_section
 from compress.core.machine import cpu_name, int8_isa
 from compress.core.ort import session_options
-from quantization.placement.cost_table import TABLE_FILE, layer_shape, table_key
-from quantization.placement.speed_check import _graphs, _island_cost, _profile, boundary_costs
 
 SECTION = "cost_table"
 HEADING = "## ORT CPU cost table: default keep-float decisions"

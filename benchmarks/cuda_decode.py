@@ -68,9 +68,10 @@ def _describe(cfg: Any) -> str:
 
 
 def _row(m: int, n: int, k: int, dev: torch.device, g: torch.Generator) -> dict[str, Any]:
+    from compress.quantization.lowering.fp8 import fp8_gemm
+    from compress.quantization.lowering.kernels import load
+
     from benchmarks.w4a16 import _copies, graph_time_ms
-    from quantization.lowering.fp8 import fp8_gemm
-    from quantization.lowering.kernels import load
 
     gemm, quant = load("gemm"), load("quant")
     cuda = dev.type == "cuda"

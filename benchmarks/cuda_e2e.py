@@ -71,10 +71,11 @@ def _fidelity(ref: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
 
 def _convert(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.device, dtype: torch.dtype,
              *, first_last: str = "quantize") -> tuple[nn.Module, dict[str, Any]]:
+    from compress.export.cuda import cast_float_layers
+    from compress.quantization.api import QuantizeParams
+    from compress.quantization.lowering.convert import convert_with_report
+
     import compress
-    from export.cuda import cast_float_layers
-    from quantization.api import QuantizeParams
-    from quantization.lowering.convert import convert_with_report
 
     params = QuantizeParams(first_last=first_last, quantize_ops=False)
     fq = compress.quantize(copy.deepcopy(fp32), scheme, calib, params=params).eval()
@@ -92,7 +93,7 @@ def _convert(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.device, 
 
 
 def _time(fns: dict[str, Callable[[], Any]], dev: torch.device, *, runs: int) -> dict[str, float]:
-    from export.cuda import time_side_by_side
+    from compress.export.cuda import time_side_by_side
 
     with torch.no_grad():
         ms, graphs = time_side_by_side(fns, warmup=3, runs=runs, device=dev, graphs=True)
@@ -229,7 +230,7 @@ def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, run
     models: dict[str, nn.Module] = {"fp32": fp32, "fp16": copy.deepcopy(fp32).half()}
     # the stricter baseline: fp16 with its RMSNorms run by the same norm kernel the converted models
     # use (without codes), so a ratio against it credits the int8/fp8 work, not the norm's fusion
-    from quantization.lowering.fused_norm import fuse_rmsnorms
+    from compress.quantization.lowering.fused_norm import fuse_rmsnorms
 
     models[_FP16N] = copy.deepcopy(models["fp16"])
     fuse_rmsnorms(models[_FP16N], record=lambda *_: None)
@@ -275,9 +276,8 @@ def bench_llama(spec: dict[str, Any], schemes: list[str], dev: torch.device, run
 
 def bench_bert(spec: dict[str, Any], schemes: list[str], dev: torch.device, runs: int,
                rows: list[dict[str, Any]], profiles: dict[str, Any]) -> None:
+    from compress.quantization.lowering.fused_norm import FusedLayerNorm, fuse_norms
     from transformers import BertConfig, BertModel
-
-    from quantization.lowering.fused_norm import FusedLayerNorm, fuse_norms
 
     cfg = BertConfig(hidden_size=spec["hidden"], num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
                      intermediate_size=spec["inter"], vocab_size=30522, max_position_embeddings=512)
@@ -403,10 +403,11 @@ def bench_resnet(spec: dict[str, Any], schemes: list[str], dev: torch.device, ru
 
 def _convert_checked(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.device,
                      example: torch.Tensor, placed: str) -> tuple[nn.Module, dict[str, Any]]:
+    from compress.export.cuda import cast_float_layers
+    from compress.quantization.api import QuantizeParams
+    from compress.quantization.lowering.convert import convert_with_report
+
     import compress
-    from export.cuda import cast_float_layers
-    from quantization.api import QuantizeParams
-    from quantization.lowering.convert import convert_with_report
 
     fq = compress.quantize(copy.deepcopy(fp32), scheme, calib, params=QuantizeParams(first_last="float")).eval()
     model, report = convert_with_report(fq, speed_check=example, speed_dtype=torch.float16, placed=placed)
@@ -424,7 +425,7 @@ def _convert_checked(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.
 
 def _tuned_tiles() -> dict[str, str]:
     """The int8 GEMM tile the autotuner chose per (M bucket, N, K) so far: which decode shapes split K."""
-    gemm = sys.modules.get("quantization.lowering.kernels.gemm")
+    gemm = sys.modules.get("compress.quantization.lowering.kernels.gemm")
     tuned = getattr(gemm, "_gemm_tuned", None)
     out = {}
     for key, cfg in getattr(tuned, "cache", {}).items():

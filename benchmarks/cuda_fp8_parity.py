@@ -37,10 +37,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def probe(scheme: str, hidden: int, layers: int, dev: torch.device) -> dict[str, Any]:
+    from compress.export.cuda import cast_float_layers
+    from compress.quantization.lowering.convert import convert_with_report
+    from compress.quantization.lowering.fp8 import FP8Linear
+
     import compress
-    from export.cuda import cast_float_layers
-    from quantization.lowering.convert import convert_with_report
-    from quantization.lowering.fp8 import FP8Linear
 
     model = _llama(hidden, layers)
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))

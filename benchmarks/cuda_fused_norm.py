@@ -37,7 +37,7 @@ _ROOM = 64  # StaticCache slots past the context (some transformers releases adv
 
 
 def _time(fns: dict[str, Any], dev: torch.device, runs: int) -> dict[str, float]:
-    from export.cuda import time_side_by_side
+    from compress.export.cuda import time_side_by_side
 
     with torch.no_grad():
         ms, graphs = time_side_by_side(fns, warmup=3, runs=runs, device=dev, graphs=True)
@@ -47,9 +47,8 @@ def _time(fns: dict[str, Any], dev: torch.device, runs: int) -> dict[str, float]
 
 
 def bench_norm(spec: dict[str, Any], dev: torch.device) -> list[dict[str, Any]]:
+    from compress.quantization.lowering.kernels import load
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    from quantization.lowering.kernels import load
 
     quant, kern = load("quant"), load("norm")
     k = spec["hidden"]
@@ -88,12 +87,12 @@ def _llama(spec: dict[str, Any]) -> nn.Module:
 
 
 def bench_decode(spec: dict[str, Any], dev: torch.device) -> list[dict[str, Any]]:
+    from compress.export.cuda import cast_float_layers
+    from compress.quantization.api import QuantizeParams
+    from compress.quantization.lowering.convert import convert_with_report
     from transformers import StaticCache
 
     import compress
-    from export.cuda import cast_float_layers
-    from quantization.api import QuantizeParams
-    from quantization.lowering.convert import convert_with_report
 
     fp32 = _llama(spec).to(dev)
     calib = [{"input_ids": torch.randint(0, spec["vocab"], (1, 32)).to(dev)}]

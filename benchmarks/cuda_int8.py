@@ -87,7 +87,7 @@ def _int_mm_or_none(a: torch.Tensor, bt: torch.Tensor) -> Callable[[], torch.Ten
 
 
 def _gemm_row(m: int, n: int, k: int, g: torch.Generator, timer: Timer, dev: torch.device) -> dict[str, Any]:
-    from quantization.lowering.kernels import int8_gemm, quantize_per_token
+    from compress.quantization.lowering.kernels import int8_gemm, quantize_per_token
 
     x = torch.randn(m, k, generator=g).to(dev)
     w = (torch.randn(n, k, generator=g) * 0.02).to(dev)
@@ -140,7 +140,7 @@ def bench_gemm(shapes: list[tuple[int, int, int]], timer: Timer, dev: torch.devi
 
 
 def _conv_row(case: tuple[int, ...], g: torch.Generator, timer: Timer, dev: torch.device) -> dict[str, Any]:
-    from quantization.lowering.kernels import int8_conv2d
+    from compress.quantization.lowering.kernels import int8_conv2d
 
     batch, c, o, k, s, h = case
     pad = k // 2
@@ -186,12 +186,13 @@ def _encoder(hidden: int, layers: int, heads: int, inter: int) -> nn.Module:
 
 
 def bench_models(spec: dict[str, Any], dev: torch.device, *, warmup: int, runs: int) -> list[dict[str, Any]]:
+    from compress.export.cuda import cast_float_layers, time_side_by_side
+    from compress.quantization.api import QuantizeParams
+    from compress.quantization.lowering.convert import convert_with_report
+
     import compress
     from compress.core.batching import call_model, primary_output
     from compress.models.resnet import resnet
-    from export.cuda import cast_float_layers, time_side_by_side
-    from quantization.api import QuantizeParams
-    from quantization.lowering.convert import convert_with_report
 
     torch.manual_seed(0)
     rows = []

@@ -143,9 +143,10 @@ def tensor_table(model: Any, calib: torch.Tensor, held: torch.Tensor) -> list[di
 
 def fidelity(model: Any, calib: torch.Tensor, held: torch.Tensor) -> dict[str, dict[str, float]]:
     """Logits SQNR, top-1 agreement and NLL against fp32, before and after the integer products."""
+    from compress.quantization.placement import fidelity_guards
+    from compress.quantization.placement import place as placement
+
     import compress
-    from quantization.placement import fidelity_guards
-    from quantization.placement import place as placement
 
     with torch.no_grad():
         ref = model(input_ids=held).logits

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from compress.distillation.api import Distiller
+from compress.distillation.losses import divergence
 
 from benchmarks._results import median_time_ms, table, write_section
 from compress.core.batching import split_batch
@@ -32,8 +34,6 @@ from compress.models import build_zoo_model
 from compress.recipe import TrainSpec
 from compress.session import Session
 from compress.training import Trainer, evaluate, seed_everything
-from distillation.api import Distiller
-from distillation.losses import divergence
 
 KD = {"type": "kd", "temperature": 4.0, "weight": 0.5}
 COLUMNS = ["setting", "accuracy mean", "std", "per seed", "KL to teacher"]

@@ -22,6 +22,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from compress.export.describe import file_size
+from compress.export.onnx import export_onnx
+from compress.export.parity import Parity, to_numpy_feeds
+from compress.export.runtimes import OrtSession, integer_kernel_count, load_session, run_session
+from compress.export.validate import time_side_by_side
 from torch import nn
 
 from benchmarks._results import table, write_section
@@ -30,11 +35,6 @@ from compress.core.metrics import mean_pool
 from compress.data import build_data
 from compress.models import build_zoo_model
 from compress.recipe import DataSpec
-from export.describe import file_size
-from export.onnx import export_onnx
-from export.parity import Parity, to_numpy_feeds
-from export.runtimes import OrtSession, integer_kernel_count, load_session, run_session
-from export.validate import time_side_by_side
 
 log = logging.getLogger("benchmarks.export_int8")
 THREADS = os.cpu_count() or 1
@@ -160,7 +160,7 @@ def _openvino_agreement(path: Path, eval_batches: list[tuple[Any, Any]]) -> dict
 
 
 def digits_resnet(tmp: Path) -> dict[str, Any]:
-    from quantization.api import quantize
+    from compress.quantization.api import quantize
 
     data = build_data(DataSpec(source="digits"), batch_size=64, seed=0)
     model, epochs = _train_resnet(data, seconds=150)
@@ -187,10 +187,11 @@ def digits_resnet(tmp: Path) -> dict[str, Any]:
 
 
 def minilm(tmp: Path) -> dict[str, Any]:
+    from compress.quantization.api import QuantizeParams, quantize
+
     from compress.models import load_model
     from compress.models.hf import MINILM
     from compress.recipe import ModelSpec
-    from quantization.api import QuantizeParams, quantize
 
     data = build_data(DataSpec(source="text", kwargs={"samples": 800, "max_length": 64}, eval_samples=128),
                       batch_size=32, seed=0)
@@ -262,9 +263,10 @@ def quickstart(tmp: Path) -> dict[str, Any]:
     logged), the same recipe with ``model_check: float`` (that prediction decides), and every layer
     int8 (cost table off); timed side by side with the fp32 baseline at batch 1 and 32, 1 thread,
     and profiled per op at batch 1."""
+    from compress.export.runtimes import load_session
+    from compress.export.validate import time_side_by_side
+
     import compress
-    from export.runtimes import load_session
-    from export.validate import time_side_by_side
 
     runs = {
         "default (per-layer rows)": [],
@@ -302,15 +304,15 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
     decision ``model_check="float"`` makes for [1, 32], and every layer int8 timed side by side with
     fp32 (1 thread)."""
     import transformers
+    from compress.export.runtimes import load_session
+    from compress.export.validate import time_side_by_side
+    from compress.quantization.api import QuantizeParams, quantize
+    from compress.quantization.placement.cost_table import table_for
+    from compress.quantization.placement.model_cost import predict
+    from compress.quantization.placement.trace import trace_graph
+    from compress.quantization.view import view
 
     from compress.core.machine import cpu_name, int8_isa
-    from export.runtimes import load_session
-    from export.validate import time_side_by_side
-    from quantization.api import QuantizeParams, quantize
-    from quantization.placement.cost_table import table_for
-    from quantization.placement.model_cost import predict
-    from quantization.placement.trace import trace_graph
-    from quantization.view import view
 
     table = table_for(int8_isa(), cpu_name())
     if table is None:

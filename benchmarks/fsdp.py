@@ -135,7 +135,7 @@ def worker(mode: str, config: str, seed: int, model_dir: Path, out: Path) -> Non
     # arithmetic without a second process, to tell arithmetic from communication
     shares = [loader] if mode != "accum" else [_data(model_dir, r, 2, seed)[0] for r in range(2)]
     if mode == "accum":  # LSQ's activation N as two ranks count it: the global batch
-        import quantization.numerics.fake_quant as fq
+        import compress.quantization.numerics.fake_quant as fq
 
         fq._data_parallel_world = lambda: 2
     mods: list[dict[str, Any]] = [{"type": "qat", "scheme": "w8a8", "ignore": ["lm_head"], "lsq": True,

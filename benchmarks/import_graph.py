@@ -24,10 +24,22 @@ PACKAGES: tuple[str, ...] = ("compress", "quantization", "pruning", "distillatio
 # ---- module discovery ---------------------------------------------------------------------------
 
 
+def namespaced(root: Path) -> bool:
+    """Whether the tree at ``root`` installs its top folders under ``compress.`` (pyproject's
+    package-dir maps ``compress.quantization`` to ``quantization/``); trees from before it did not."""
+    project = root / "pyproject.toml"
+    try:
+        return '"compress.quantization" = "quantization"' in project.read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
 def package_files(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> dict[str, Path]:
     """Dotted module name -> file, for every ``.py`` file under the packages (``__init__.py`` names its
-    package). Folders without ``__init__.py`` are walked too (namespace packages)."""
+    package; in a namespaced tree ``quantization/x.py`` is ``compress.quantization.x``). Folders
+    without ``__init__.py`` are walked too (namespace packages)."""
     out: dict[str, Path] = {}
+    prefix = ["compress"] if namespaced(root) else []
     for pkg in packages:
         base = root / pkg
         if not base.is_dir():
@@ -39,12 +51,19 @@ def package_files(root: Path = ROOT, packages: Iterable[str] = PACKAGES) -> dict
             parts = list(rel.with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
+            if pkg != "compress":
+                parts = [*prefix, *parts]
             out[".".join(parts)] = path
     return out
 
 
 def top_package(module: str) -> str:
-    return module.split(".", 1)[0]
+    """The owner's top folder a module lives in: ``compress.quantization.api`` -> ``quantization``
+    (the folders install under ``compress.``), ``compress.runner`` -> ``compress``."""
+    parts = module.split(".")
+    if parts[0] == "compress" and len(parts) > 1 and parts[1] in PACKAGES[1:]:
+        return parts[1]
+    return parts[0]
 
 
 # ---- floors ------------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def _our_row(args: argparse.Namespace, cut: Path, windows: Path) -> dict[str, An
         "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme),
     }
     lines = _Lines()
-    logging.getLogger("quantization.algorithms.sequential").addHandler(lines)
+    logging.getLogger("compress.quantization.algorithms.sequential").addHandler(lines)
     with PeakRSS() as mem:
         t = time.perf_counter()
         q = runs[args.row](fp)

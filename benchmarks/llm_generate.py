@@ -114,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    from compress.export.generation import time_generation, torch_greedy
+    from compress.export.llm_onnx import OrtGenerator, export_llm_onnx, generate_ort
+
     import compress
-    from export.generation import time_generation, torch_greedy
-    from export.llm_onnx import OrtGenerator, export_llm_onnx, generate_ort
 
     model, what, tok = load_model(args.size, args.model)
     max_pos = int(getattr(model.config, "max_position_embeddings", 4096))

@@ -26,12 +26,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from compress.quantization.numerics.primitives import SCALE_EPS
 from torch import nn
 
 from benchmarks._results import RESULTS_DIR, gap_closed, table, write_section
 from benchmarks.llm_quant import perplexity
 from benchmarks.llm_quant_real import prose_windows
-from quantization.numerics.primitives import SCALE_EPS
 
 log = logging.getLogger("benchmarks.llm_gptq_variants")
 
@@ -48,7 +48,7 @@ def ct_qparams(min_val: torch.Tensor, max_val: torch.Tensor, *, qmin: int, qmax:
 
 def hessians(model: nn.Module, calib: torch.Tensor, batch: int) -> dict[str, torch.Tensor]:
     """``2 X^T X / n`` of every decoder-layer Linear's float input over ``calib``."""
-    from quantization.algorithms.gptq import HessianAccumulator
+    from compress.quantization.algorithms.gptq import HessianAccumulator
 
     lins = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n}
     accs = {n: HessianAccumulator(m.in_features) for n, m in lins.items()}
@@ -80,11 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(args.threads)
-    import quantization.algorithms.gptq as gptq_mod
+    import compress.quantization.algorithms.gptq as gptq_mod
+    from compress.quantization.numerics.primitives import fake_quantize, from_groups, to_groups
+    from compress.quantization.numerics.spec import QuantSpec
+
     from compress.data.lm import text_lm
     from compress.models import load_model, load_tokenizer
-    from quantization.numerics.primitives import fake_quantize, from_groups, to_groups
-    from quantization.numerics.spec import QuantSpec
 
     sp = text_lm(seed=0, tokenizer=args.model, seq_len=args.seq_len, samples=max(args.calib, args.eval))
     calib, code = sp.calibration.windows[: args.calib], sp.eval.windows[: args.eval]  # type: ignore[attr-defined]

@@ -48,12 +48,11 @@ def _init_(module: nn.Module, seed: int) -> None:
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
+    from compress.quantization.algorithms.gptq import GPTQParams, gptq_layer
+    from compress.quantization.algorithms.sequential import DiskOffload, sequential_quantize
+    from compress.quantization.numerics.spec import resolve_scheme
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    from quantization.algorithms.gptq import GPTQParams, gptq_layer
-    from quantization.algorithms.sequential import DiskOffload, sequential_quantize
-    from quantization.numerics.spec import resolve_scheme
 
     torch.set_num_threads(args.threads)
     cfg = LlamaConfig(**{**CONFIG_1B, "num_hidden_layers": args.layers})

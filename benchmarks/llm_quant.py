@@ -92,9 +92,10 @@ def lm_windows(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
 def torch_methods(scheme: Any, data: list[torch.Tensor]) -> dict[str, Callable[[nn.Module], nn.Module]]:
     """Each PyTorch method by its table name: quantizes a model in place with ``scheme``,
     calibrating on the batches ``data``."""
+    from compress.quantization.algorithms.awq_search import AWQParams
+    from compress.quantization.algorithms.gptq import GPTQParams
+
     import compress
-    from quantization.algorithms.awq_search import AWQParams
-    from quantization.algorithms.gptq import GPTQParams
 
     return {
         "RTN": lambda m: compress.quantize(m, scheme, ignore=["lm_head"]),
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _awq_samples() -> str:
     """AWQ's default sample sizes, as the sections state them."""
-    from quantization.algorithms.awq_search import AWQParams
+    from compress.quantization.algorithms.awq_search import AWQParams
 
     p = AWQParams()
     return f"scales searched on up to {p.sample_tokens} calibration tokens and clips on {p.clip_tokens}"

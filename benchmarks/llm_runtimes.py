@@ -76,10 +76,11 @@ def _optimum_row(model: Any, tok: Any, prompt: torch.Tensor, folder: Path, venv:
     import json
     import subprocess
 
+    from compress.export.genai import write_runtime_files
+    from compress.export.llm_onnx import export_llm_onnx, generate_ort
+
     from benchmarks._results import RESULTS_DIR
     from benchmarks._venv import make_venv
-    from export.genai import write_runtime_files
-    from export.llm_onnx import export_llm_onnx, generate_ort
 
     what = "Optimum ORTModelForCausalLM.from_pretrained(folder), int4 export with position_ids, greedy 24-token prompt + 16"
     blocker = make_venv(venv, probe="optimum.onnxruntime", packages=["optimum[onnxruntime]"],
@@ -108,12 +109,12 @@ def main() -> None:
     import copy
 
     import transformers
+    from compress.export.genai import genai_greedy, write_runtime_files
+    from compress.export.gguf_file import save_gguf
+    from compress.export.llm_onnx import export_llm_onnx, generate_ort
 
     import compress
     from compress.core.ort import inference_session, session_options
-    from export.genai import genai_greedy, write_runtime_files
-    from export.gguf_file import save_gguf
-    from export.llm_onnx import export_llm_onnx, generate_ort
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--load", default=os.getloadavg().__repr__())
@@ -128,8 +129,8 @@ def main() -> None:
     held = Path(os.path.dirname(os.__file__), "json", "decoder.py").read_text()
     ids = tok(held, return_tensors="pt").input_ids[0][: 4 * 128].reshape(4, 128)
     cap = _Capture()
-    logging.getLogger("export.llm_onnx").addHandler(cap)
-    logging.getLogger("export.llm_onnx").setLevel(logging.INFO)
+    logging.getLogger("compress.export.llm_onnx").addHandler(cap)
+    logging.getLogger("compress.export.llm_onnx").setLevel(logging.INFO)
     rows: list[dict[str, Any]] = []
 
     def checked(line_from: int) -> str:

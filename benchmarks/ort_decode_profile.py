@@ -32,9 +32,8 @@ log = logging.getLogger("benchmarks.ort_decode_profile")
 def profile_decode(path: Path, *, threads: int, steps: int, prompt: int = 128) -> dict[str, Any]:
     """Run a prompt and ``steps`` decode steps with ORT profiling on; per op type: ms per step,
     nodes per step, share of the node time."""
+    import compress.export.llm_ort as lo
     import onnx
-
-    import export.llm_ort as lo
 
     graph = onnx.load(str(path), load_external_data=False).graph
     real = lo.session_options
@@ -116,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
+    from compress.export.llm_onnx import export_llm_onnx
 
     import compress
     from benchmarks._results import write_section
     from benchmarks.llm_llamacpp import interleaved, ort_timer
     from benchmarks.llm_runtimes import load_smollm2
-    from export.llm_onnx import export_llm_onnx
 
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="ort_decode_profile."))

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from compress.pruning.api import PruneParams, prune
+from compress.pruning.counting import count_macs, count_params
 from torch import nn
 
 from benchmarks._results import median_time_ms, table, write_section
@@ -34,8 +36,6 @@ from compress.data import build_data
 from compress.models import build_zoo_model
 from compress.recipe import TrainSpec
 from compress.training import Trainer, evaluate, seed_everything
-from pruning.api import PruneParams, prune
-from pruning.counting import count_macs, count_params
 
 MODELS: dict[str, dict[str, Any]] = {
     "resnet": {"width": 16, "depth": 1},
@@ -56,8 +56,7 @@ def _is_vit(model: nn.Module) -> bool:
 
 def _ort_session(model: nn.Module, example: Any, path: Path) -> Any:
     import onnxruntime as ort
-
-    from export.onnx import export_onnx
+    from compress.export.onnx import export_onnx
 
     export_onnx(model, example, path, dynamic_batch=True)
     opts = ort.SessionOptions()

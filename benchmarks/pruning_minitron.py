@@ -101,7 +101,7 @@ def train(model: nn.Module, data: torch.Tensor, steps: int, *, lr: float, seed: 
 
 def distill(student: nn.Module, teacher: nn.Module, data: torch.Tensor, steps: int, *, seed: int) -> None:
     """Logit KD from the unpruned model (Minitron's recovery): KL at temperature 1, no task loss."""
-    from distillation.api import Distiller
+    from compress.distillation.api import Distiller
 
     kd = Distiller(copy.deepcopy(teacher), student, losses=[{"type": "kd", "temperature": 1.0}])  # it freezes its teacher
     g = torch.Generator().manual_seed(seed)
@@ -120,8 +120,7 @@ def distill(student: nn.Module, teacher: nn.Module, data: torch.Tensor, steps: i
 def ort_latency(models: dict[str, nn.Module], x: torch.Tensor, tmp: Path, runs: int) -> dict[str, float]:
     """Median ms per call of each model in ONNX Runtime (1 thread), timed alternately."""
     import onnxruntime as ort
-
-    from export.onnx import export_onnx
+    from compress.export.onnx import export_onnx
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
@@ -152,9 +151,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     log.setLevel(logging.INFO)
     torch.set_num_threads(1)
+    from compress.pruning.api import PruneParams, prune
+    from compress.pruning.counting import count_params
+
     from benchmarks._results import table, write_section
-    from pruning.api import PruneParams, prune
-    from pruning.counting import count_params
 
     if args.quick:
         args.train_steps, args.kd_steps = 20, 4

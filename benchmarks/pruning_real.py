@@ -144,8 +144,7 @@ def check(model: nn.Module, x: Any, shapes: list[tuple[int, ...]]) -> str:
 
 def onnx_parity(model: nn.Module, x: Any, path: Path) -> float:
     import onnxruntime as ort
-
-    from export.onnx import export_onnx
+    from compress.export.onnx import export_onnx
 
     export_onnx(model, x, path, dynamic_batch=False)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -202,8 +201,8 @@ def _alarm(signum: int, frame: Any) -> None:
 
 
 def measure(name: str, *, with_onnx: bool, tmp: Path, limit_s: int = 180) -> dict[str, Any]:
-    from pruning.api import prune
-    from pruning.counting import count_macs, count_params
+    from compress.pruning.api import prune
+    from compress.pruning.counting import count_macs, count_params
 
     row: dict[str, Any] = {"model": name}
     for tool in ("ours", "tp"):

@@ -17,6 +17,8 @@ import time
 from typing import Any
 
 import torch
+from compress.quantization import QuantizeParams, QuantScheme, QuantSpec, quantize
+from compress.quantization.modifiers import QATModifier, QATSpec
 from torch import nn
 
 from benchmarks._results import table, write_section
@@ -25,8 +27,6 @@ from compress.data import build_data
 from compress.models import build_zoo_model, load_model
 from compress.recipe import DataSpec, ModelSpec, TrainSpec
 from compress.training import Trainer, evaluate
-from quantization import QuantizeParams, QuantScheme, QuantSpec, quantize
-from quantization.modifiers import QATModifier, QATSpec
 
 OBSERVERS = ["minmax", "ema", "percentile", "entropy", "mse"]
 
@@ -134,18 +134,18 @@ def minilm(quick: bool) -> dict[str, Any]:
 _MEMORY_CHILD = r"""
 import json, resource, sys, time, torch
 from compress.models import build_zoo_model
-from quantization import prepare, calibrate
+from compress.quantization import prepare, calibrate
 torch.manual_seed(0)
 n, observer = int(sys.argv[1]), sys.argv[2]
 model = build_zoo_model("mobilenetv2", {"in_channels": 3}).eval()
 scheme = {"preset": "w8a8", "inputs": {"observer": observer}}
-from quantization.numerics.spec import resolve_scheme
+from compress.quantization.numerics.spec import resolve_scheme
 prepare(model, resolve_scheme(scheme))
 def batches():
     g = torch.Generator().manual_seed(1)
     for i in range(0, n, 50):
         yield torch.randn(min(50, n - i), 3, 32, 32, generator=g)
-from quantization.numerics.calibration import float_mode
+from compress.quantization.numerics.calibration import float_mode
 with float_mode(model), torch.no_grad():
     model(torch.randn(50, 3, 32, 32))  # warm-up: allocator pools as in steady state
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -153,7 +153,7 @@ t0 = time.perf_counter()
 calibrate(model, batches())
 secs = time.perf_counter() - t0
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-from quantization import quantizers
+from compress.quantization import quantizers
 state = sum(q.observer.state_bytes() for _, q in quantizers(model) if q.observer is not None)
 print(json.dumps({"samples": n, "observer_state_kib": state / 1024, "peak_rss_growth_mib": (after - before) / 1024,
                   "peak_rss_mib": after / 1024, "ms_per_sample": 1e3 * secs / n}))

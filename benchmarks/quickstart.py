@@ -64,10 +64,10 @@ def side_by_side(fp32: Path, int8: Path, threads: int | None) -> dict[int, dict[
     """Per batch: median fp32 and int8 ms over all rounds, and the median and interval of the per-round
     speedups (each round a side-by-side median of ``RUNS`` interleaved runs)."""
     import numpy as np
+    from compress.export.runtimes import load_session
+    from compress.export.validate import time_side_by_side
 
     from benchmarks._results import median_interval
-    from export.runtimes import load_session
-    from export.validate import time_side_by_side
 
     sessions = {"fp32": load_session("onnxruntime", fp32, threads=threads),
                 "int8": load_session("onnxruntime", int8, threads=threads)}
@@ -95,12 +95,12 @@ def predictions() -> list[dict[str, Any]]:
     """The model-level prediction (quantization/placement/model_cost.py) for the recipe's model at batch
     1 and 32 with each shipped table, and which table placement reads on a CPU without VNNI."""
     import torch
+    from compress.quantization.placement.cost_table import shipped_tables, table_for
+    from compress.quantization.placement.model_cost import predict
+    from compress.quantization.placement.trace import trace_graph
     from torch import nn
 
     import compress
-    from quantization.placement.cost_table import shipped_tables, table_for
-    from quantization.placement.model_cost import predict
-    from quantization.placement.trace import trace_graph
 
     recipe = compress.load_recipe("quickstart")
     model = compress.load_model(recipe.model).eval()

@@ -161,9 +161,9 @@ def _predicted(model: nn.Module, calib: Any, batch: int) -> tuple[float | None, 
     """The cost table's model-level prediction for ``model``'s default placement at ``batch`` (the default
     deployment CPU's table, quantization/placement/cost_table.py PORTABLE_CPU): the int8 model's predicted
     speedup over fp32, or None and why the check does not judge it."""
-    from quantization.placement.cost_table import deployment_table
-    from quantization.placement.model_cost import predict, unpriced_ops
-    from quantization.placement.trace import trace_graph
+    from compress.quantization.placement.cost_table import deployment_table
+    from compress.quantization.placement.model_cost import predict, unpriced_ops
+    from compress.quantization.placement.trace import trace_graph
 
     table = deployment_table()
     if table is None:
@@ -180,11 +180,12 @@ def _predicted(model: nn.Module, calib: Any, batch: int) -> tuple[float | None, 
 
 
 def run_one(name: str, *, rounds: int, threads: int, size: str = "small", max_rounds: int | None = None) -> dict[str, Any]:
+    from compress.export.onnx import export_onnx
+    from compress.export.runtimes import ort_coverage
+    from compress.quantization import QuantizeParams
+    from compress.quantization.placement.speed_check import SpeedCheck
+
     import compress
-    from export.onnx import export_onnx
-    from export.runtimes import ort_coverage
-    from quantization import QuantizeParams
-    from quantization.placement.speed_check import SpeedCheck
 
     suite = SUITES[size]
     sm = suite[name](0)

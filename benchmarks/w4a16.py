@@ -52,7 +52,7 @@ def graph_time_ms(variants: dict[str, list[Any]], dev: torch.device) -> dict[str
     serving stacks replay graphs, so host launch overhead stays out of every variant alike; and the
     copies together exceed L2, so each call reads its weight from device memory as a model's layers
     do. On CPU (smoke only) a single eager run."""
-    from export.cuda import time_side_by_side
+    from compress.export.cuda import time_side_by_side
 
     cuda = dev.type == "cuda"
     fns = {name: (lambda calls=calls: [c() for c in calls]) for name, calls in variants.items()}
@@ -71,7 +71,7 @@ def _copies(nbytes: int, cuda: bool) -> int:
 def _tinygemm_calls(q4: list[Any], x: torch.Tensor, group: int, k: int) -> list[Any] | None:
     """PyTorch's int4 kernel on the same weights (bf16 activations: the dtype it takes), or None
     where this build has no CUDA kernel for it."""
-    from quantization.lowering.w4a16 import tinygemm_pack
+    from compress.quantization.lowering.w4a16 import tinygemm_pack
 
     try:
         ops = [tinygemm_pack(p, s, None, k)[:2] for p, s, _ in q4]
@@ -86,8 +86,8 @@ def _tinygemm_calls(q4: list[Any], x: torch.Tensor, group: int, k: int) -> list[
 def bench(shapes: list[tuple[int, int]], tokens: list[int], group: int, dev: torch.device, cuda: bool,
           on_row: Any = None) -> list[dict[str, Any]]:
     """One row per (shape, M); ``on_row(rows)`` after each, so a run cut short keeps what it measured."""
-    from quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
-    from quantization.lowering.kernels import w4a16 as k4
+    from compress.quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
+    from compress.quantization.lowering.kernels import w4a16 as k4
 
     g = torch.Generator().manual_seed(0)
     rows: list[dict[str, Any]] = []
@@ -155,10 +155,9 @@ def compile_variant(arch: int, cfg: Any, x: str = "fp16", **flags: Any) -> dict[
     """Compile the fused kernel for ``sm{arch}`` (PTX and cubin; no GPU needed) with one launch config
     (a ``W4Config``), activation dtype ``x`` and specialization ``flags``; what it used."""
     import triton
+    from compress.quantization.lowering.kernels import w4a16 as k
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from quantization.lowering.kernels import w4a16 as k
 
     fn = k._w4a16_kernel
     names = list(fn.arg_names)
@@ -198,7 +197,7 @@ def compile_check() -> list[dict[str, Any]]:
     """Each representative config (sm90, fp16, zero points), and every specialization (sym, per-feature
     scale gathers, g_idx with ragged K, bf16, fused GELU) on a decode and a tensor-core config for
     sm80 and sm90."""
-    from quantization.lowering.kernels.w4a16 import W4Config
+    from compress.quantization.lowering.kernels.w4a16 import W4Config
 
     cfgs = [W4Config(bm, bn, bk, num_stages=3, split_k=split, acc3=acc3, prefetch=pf)
             for bm, bn, bk, split, acc3, pf in COMPILE_CONFIGS]
@@ -264,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = gpu_bench_device("benchmarks.w4a16", args.interpret_smoke)
     if dev is None:
         return 2
-    from quantization.lowering.kernels.w4a16 import DEQUANT_MIN_M
+    from compress.quantization.lowering.kernels.w4a16 import DEQUANT_MIN_M
 
     cuda = not args.interpret_smoke
     shapes, tokens, group = (LLAMA7B, TOKENS, GROUP) if cuda else (SMOKE["shapes"], SMOKE["tokens"], SMOKE["group"])

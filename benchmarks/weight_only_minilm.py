@@ -34,9 +34,10 @@ IGNORE = ["pooler.dense"]
 
 def methods(scheme: str, data: list[Any]) -> dict[str, Callable[[nn.Module], nn.Module]]:
     """Each method by its table name: quantizes a model in place, calibrating on ``data``."""
+    from compress.quantization.algorithms.awq_search import AWQParams
+    from compress.quantization.algorithms.gptq import GPTQParams
+
     import compress
-    from quantization.algorithms.awq_search import AWQParams
-    from quantization.algorithms.gptq import GPTQParams
 
     gp = GPTQParams(act_order=True)
     return {

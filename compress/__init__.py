@@ -26,7 +26,7 @@ def _train_for(model: Any, data: Any, *, epochs: float, lr: float | None, device
 
 
 def _save_quantized(model: Any, out_dir: Any, **kwargs: Any) -> Any:
-    from export.compressed_tensors import save_compressed_tensors
+    from compress.export.compressed_tensors import save_compressed_tensors
 
     return save_compressed_tensors(model, out_dir, **kwargs)
 
@@ -55,31 +55,31 @@ _EXPORTS: dict[str, str] = {
     "ExportError": "compress.core.errors",
     "ValidationFailed": "compress.core.errors",
     # quantization
-    "quantize": "quantization.api",
-    "QuantizeParams": "quantization.api",
-    "gptq": "quantization.algorithms.gptq",
-    "awq": "quantization.algorithms.awq",
-    "GPTQParams": "quantization.algorithms.gptq",
-    "AWQParams": "quantization.algorithms.awq_search",
-    "QuantSpec": "quantization.numerics.spec",
-    "QuantScheme": "quantization.numerics.spec",
+    "quantize": "compress.quantization.api",
+    "QuantizeParams": "compress.quantization.api",
+    "gptq": "compress.quantization.algorithms.gptq",
+    "awq": "compress.quantization.algorithms.awq",
+    "GPTQParams": "compress.quantization.algorithms.gptq",
+    "AWQParams": "compress.quantization.algorithms.awq_search",
+    "QuantSpec": "compress.quantization.numerics.spec",
+    "QuantScheme": "compress.quantization.numerics.spec",
     # pruning
-    "prune": "pruning.api",
-    "PruneResult": "pruning.api",
-    "PruneParams": "pruning.api",
-    "PruningPlan": "pruning.plan",
+    "prune": "compress.pruning.api",
+    "PruneResult": "compress.pruning.api",
+    "PruneParams": "compress.pruning.api",
+    "PruningPlan": "compress.pruning.plan",
     # distillation
-    "Distiller": "distillation.api",
+    "Distiller": "compress.distillation.api",
     # export and validation
-    "export_onnx": "export.onnx",
+    "export_onnx": "compress.export.onnx",
     "validate": "compress.validation",
     # LLM exports (issue 13): ONNX with a KV cache (MatMulNBits int4), compressed-tensors checkpoints
-    "export_llm_onnx": "export.llm_onnx",
-    "generate_ort": "export.llm_onnx",
-    "save_compressed_tensors": "export.compressed_tensors",
+    "export_llm_onnx": "compress.export.llm_onnx",
+    "generate_ort": "compress.export.llm_onnx",
+    "save_compressed_tensors": "compress.export.compressed_tensors",
     # the LLM runtimes' files (issue 31): llama.cpp GGUF, ORT GenAI / Optimum folders
-    "save_gguf": "export.gguf_file",
-    "write_runtime_files": "export.genai",
+    "save_gguf": "compress.export.gguf_file",
+    "write_runtime_files": "compress.export.genai",
 }
 
 __all__ = sorted(_EXPORTS)

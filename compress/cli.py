@@ -19,8 +19,8 @@ from compress.core.errors import CompressError, RecipeError, ValidationFailed, s
 from compress.core.progress import fig
 
 if TYPE_CHECKING:
+    from compress.export.records import ValidationRecord
     from compress.report import Report
-    from export.records import ValidationRecord
 
 log = logging.getLogger("compress")
 
@@ -283,7 +283,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
         path = resolve_recipe_path(args.path)
     if path.is_dir():
-        from export.inspect import inspect_run
+        from compress.export.inspect import inspect_run
 
         print(inspect_run(path))
     elif path.suffix in (".yaml", ".yml"):
@@ -294,7 +294,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print(recipe.to_yaml())
         print(_render_plan(plan(recipe)))
     elif path.suffix == ".onnx":
-        from export.inspect import inspect_onnx
+        from compress.export.inspect import inspect_onnx
 
         print(inspect_onnx(path))
     elif path.suffix in (".pt", ".pth"):

@@ -17,10 +17,10 @@ log = logging.getLogger(__name__)
 
 # Modules whose import registers the built-in modifiers. Imported on first registry lookup.
 BUILTIN_MODIFIER_MODULES: tuple[str, ...] = (
-    "quantization.modifiers",
-    "quantization.weight_modifiers",
-    "pruning.modifiers",
-    "distillation.modifiers",
+    "compress.quantization.modifiers",
+    "compress.quantization.weight_modifiers",
+    "compress.pruning.modifiers",
+    "compress.distillation.modifiers",
 )
 
 _builtins_loaded = False

@@ -33,13 +33,13 @@ from compress.core.reference import ModelSpec as ModelSpec
 from compress.core.reference import StrictSpec
 from compress.core.trust import CODE_REF, code_refs, refusal
 from compress.distributed import DistributedSpec as DistributedSpec
-from compress.modifiers import modifier_class, modifier_types
 
 # the export and validate sections are export/'s own settings, embedded here (export never imports the recipe)
-from export.specs import ExportSpec as ExportSpec
-from export.specs import Runtime as Runtime
-from export.specs import Thresholds as Thresholds
-from export.specs import ValidateSpec as ValidateSpec
+from compress.export.specs import ExportSpec as ExportSpec
+from compress.export.specs import Runtime as Runtime
+from compress.export.specs import Thresholds as Thresholds
+from compress.export.specs import ValidateSpec as ValidateSpec
+from compress.modifiers import modifier_class, modifier_types
 
 
 class DataSpec(StrictSpec):
@@ -410,9 +410,9 @@ def _printable(text: str) -> str:
 
 def shipped_recipes() -> dict[str, Path]:
     """Name -> path of the recipes shipped with the package (``compress recipes`` lists them)."""
-    import recipes
+    from importlib.resources import files
 
-    folder = Path(recipes.__file__).parent
+    folder = Path(str(files("compress.recipes")))  # found, not imported: it is a folder of YAML files
     return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
 
 

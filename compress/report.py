@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from compress.core.io import atomic_write_text
 from compress.core.machine import cpu_name, int8_isa
-from export.records import ExportRecord, ThresholdRecord, ValidationRecord
+from compress.export.records import ExportRecord, ThresholdRecord, ValidationRecord
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from compress.core.progress import LOGGERS, bars_off, fig, seconds
 from compress.core.size import count_macs, count_params, deployed_size_bytes
 from compress.core.tracing import iter_tensors
 from compress.core.trust import CLI_SWITCH, allow_code, code_trusted, locate, no_code
+from compress.export.records import ThresholdRecord
 from compress.preflight import check_data_fits, check_recipe
 from compress.recipe import Recipe, load_recipe
 from compress.report import ModelFigures, Report, StageReport, machine, versions
@@ -47,7 +48,6 @@ from compress.training import (
     save_checkpoint,
     seed_everything,
 )
-from export.records import ThresholdRecord
 
 log = logging.getLogger(__name__)
 FILE_ONLY = {"file_only": True}  # a log record for run.log, kept off the console (see compress.cli)
@@ -479,8 +479,8 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
 
 
 def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report) -> None:
-    from export.pipeline import export_model
-    from export.validate import validate_exports
+    from compress.export.pipeline import export_model
+    from compress.export.validate import validate_exports
 
     r = run.recipe
     model = model.to("cpu").eval()
@@ -495,7 +495,7 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
     if not r.validate_.enabled or run.data.eval is None:
         return
     if r.export.generation:
-        from export.generation import prompts_from, validate_generation
+        from compress.export.generation import prompts_from, validate_generation
 
         cfg = getattr(model, "config", None)
         prompts = prompts_from(run.data.eval, count=4, new_tokens=r.validate_.generate_tokens,
@@ -520,7 +520,7 @@ def _rel(path: Path, root: Path) -> Path:
 def check_thresholds(recipe: Recipe, report: Report) -> list[ThresholdRecord]:
     """The recipe's validate.thresholds against what the run measured (export.validate.check_thresholds)."""
     from compress.core.metrics import make_metric
-    from export.validate import check_thresholds as check
+    from compress.export.validate import check_thresholds as check
 
     return check(recipe.validate_.thresholds, report.validation, exports=report.exports,
                  baseline_accuracy=report.baseline.accuracy, final_accuracy=report.final.accuracy,

@@ -100,7 +100,7 @@ def restore_compressed(build_float: Callable[[], nn.Module], path: Path) -> nn.M
 def _check_placement(model: nn.Module, path: Path) -> None:
     """Every module a restored quantizer placement names must exist: a placement saved against other
     module code (the zoo's former Add/MatMul modules) would otherwise silently quantize nothing there."""
-    from quantization.placement.mode import graph_of
+    from compress.quantization.placement.mode import graph_of
 
     graph = graph_of(model)
     if graph is None or graph.pending:

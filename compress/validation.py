@@ -16,7 +16,7 @@ from torch import nn
 
 from compress.core.errors import RecipeError
 from compress.core.trust import allow_code
-from export.records import ValidationRecord
+from compress.export.records import ValidationRecord
 
 if TYPE_CHECKING:
     from compress.recipe import Recipe
@@ -57,7 +57,7 @@ def validate(
 ) -> list[ValidationRecord]:
     """``compress.validate``: :func:`export.validate.validate`, with ``data`` also a data source
     name (``"digits"``) or a DataSpec."""
-    from export.validate import validate as run
+    from compress.export.validate import validate as run
 
     return run(onnx_path, reference=reference, data=eval_batches(data), baseline=baseline, runtimes=runtimes,
                batch_sizes=batch_sizes, warmup=warmup, runs=runs, threads=threads, eval_samples=eval_samples,
@@ -90,7 +90,7 @@ def run_validate(
     _check_onnx(model, "MODEL")
     if reference is not None:
         _check_onnx(Path(reference), "--reference")
-    from export.runtimes import RUNTIMES
+    from compress.export.runtimes import RUNTIMES
 
     for rt in runtimes:
         if rt == "cuda":
@@ -123,7 +123,7 @@ def _check_onnx(path: Path, flag: str) -> None:
     except Exception as exc:  # protobuf's DecodeError and friends: the file is the user's input
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RecipeError(f"{flag}: '{path}' is not an ONNX model ({first})") from None
-    from export.describe import check_io
+    from compress.export.describe import check_io
 
     check_io(proto, path, where=flag)  # no inputs or no outputs: exit 2 before any data is built
 
@@ -166,7 +166,7 @@ def _validate_run_cuda(recipe: Recipe, run_dir: Path, final: Path, *, batch_size
     from compress.state import load_state_file, restore_compressed
 
     model = restore_compressed(lambda: load_model(recipe.model, where=recipe.where), final)
-    from quantization import quantizers
+    from compress.quantization import quantizers
 
     if next(quantizers(model), None) is None:
         raise RecipeError(f"MODEL: {run_dir} holds an unquantized model; --backend cuda validates int8 runs")
@@ -177,7 +177,7 @@ def _validate_run_cuda(recipe: Recipe, run_dir: Path, final: Path, *, batch_size
     data = build_data(recipe.data, batch_size=recipe.train.batch_size, seed=recipe.data.seed, where=recipe.where)
     if data.eval is None:
         raise RecipeError(f"{recipe.where('data.source')}: the data source has no eval split to validate on")
-    from export.cuda import validate_cuda
+    from compress.export.cuda import validate_cuda
 
     res = validate_cuda(model, eval_loader=data.eval, reference=baseline, batch_sizes=batch_sizes, runs=runs,
                         metric=recipe.train.metric, device=device, dtype=dtype or torch.float16)

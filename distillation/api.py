@@ -20,14 +20,9 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from pydantic import ValidationError
-from torch import nn
-
-from compress.core.batching import call_model, primary_output, split_batch, to_device
-from compress.core.errors import CompressError, RecipeError
-from distillation.adapters import AdapterSet
-from distillation.capture import FeatureCapture
-from distillation.losses import (
+from compress.distillation.adapters import AdapterSet
+from compress.distillation.capture import FeatureCapture
+from compress.distillation.losses import (
     attention_kl,
     cosine_loss,
     divergence,
@@ -36,7 +31,7 @@ from distillation.losses import (
     mean_pool,
     soft_target_ce,
 )
-from distillation.spec import (
+from compress.distillation.spec import (
     AttentionLoss,
     CosineLoss,
     FeatureLoss,
@@ -47,7 +42,12 @@ from distillation.spec import (
     TeacherDtype,
     coerce_losses,
 )
-from distillation.teacher import Teacher, is_hf, load_teacher_model
+from compress.distillation.teacher import Teacher, is_hf, load_teacher_model
+from pydantic import ValidationError
+from torch import nn
+
+from compress.core.batching import call_model, primary_output, split_batch, to_device
+from compress.core.errors import CompressError, RecipeError
 
 log = logging.getLogger(__name__)
 

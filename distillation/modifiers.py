@@ -18,14 +18,14 @@ import logging
 from typing import Any, ClassVar, Literal
 
 import torch
+from compress.distillation.api import Distiller, parse_losses
+from compress.distillation.capture import check_layers
+from compress.distillation.spec import FeatureLoss, KDLoss, LossSpec, TeacherDtype, TeacherSpec, coerce_losses
+from compress.distillation.teacher import build_teacher
 from pydantic import Field, field_serializer, field_validator, model_validator
 from torch import nn
 
 from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
-from distillation.api import Distiller, parse_losses
-from distillation.capture import check_layers
-from distillation.spec import FeatureLoss, KDLoss, LossSpec, TeacherDtype, TeacherSpec, coerce_losses
-from distillation.teacher import build_teacher
 
 log = logging.getLogger(__name__)
 

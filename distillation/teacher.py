@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from compress.distillation.spec import TeacherDtype, TeacherSpec
 from torch import nn
 
 from compress.core.batching import call_model
 from compress.core.errors import CompressError, RecipeError
 from compress.core.modifier import State
 from compress.core.services import load_model_reference, train_model
-from distillation.spec import TeacherDtype, TeacherSpec
 
 log = logging.getLogger(__name__)
 

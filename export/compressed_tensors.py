@@ -30,16 +30,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
-from compress.core.errors import ExportError, UnsupportedModelError
-from compress.core.imports import install_hint
-from quantization.lowering.int4 import (
+from compress.quantization.lowering.int4 import (
     Int4Weight,
     activation_quantizers,
     int4_weight,
     is_int4_weight_only,
 )
+from torch import nn
+
+from compress.core.errors import ExportError, UnsupportedModelError
+from compress.core.imports import install_hint
 
 log = logging.getLogger(__name__)
 

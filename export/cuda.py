@@ -42,7 +42,7 @@ _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "f
 
 
 def _check_device(device: str) -> torch.device:
-    from quantization.lowering.kernels import interpret_mode, require_triton
+    from compress.quantization.lowering.kernels import interpret_mode, require_triton
 
     require_triton("runtime 'cuda'")
     dev = torch.device(device)
@@ -58,10 +58,10 @@ def _check_device(device: str) -> torch.device:
 def cast_float_layers(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast the float parameters and buffers of ``model`` to ``dtype`` in place, except those of int8
     modules and quantizers (their scales must stay float32 to keep the integer codes exact)."""
-    from quantization.lowering.fp8 import FP8Linear
-    from quantization.lowering.int8 import Int8Conv2d, Int8Linear
-    from quantization.lowering.w4a16 import W4A16Linear
-    from quantization.view import FakeQuantizer
+    from compress.quantization.lowering.fp8 import FP8Linear
+    from compress.quantization.lowering.int8 import Int8Conv2d, Int8Linear
+    from compress.quantization.lowering.w4a16 import W4A16Linear
+    from compress.quantization.view import FakeQuantizer
 
     # float8 codes count as floating point to torch; W4A16's group scales stay float32 like int8's
     keep = (Int8Linear, Int8Conv2d, FP8Linear, W4A16Linear, FakeQuantizer)
@@ -206,7 +206,7 @@ def validate_cuda(
     ``fidelity`` (int8 vs fp32), ``latency`` rows ``{batch, float_ms, int8_ms, speedup, cuda_graphs}``,
     ``min_speedup``, ``size`` and the per-layer ``conversion``. Neither input model is modified.
     """
-    from quantization.lowering.convert import convert_with_report
+    from compress.quantization.lowering.convert import convert_with_report
 
     dev = _check_device(device)
     if dtype not in _DTYPE_NAMES:

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import onnx
 import torch
+from compress.export.records import DECOMPOSED_KEY, ExportRecord, Role
+from compress.export.runtimes import OrtSession, default_threads, ort_coverage, run_session
 from torch import nn
 
 from compress.core.errors import CompressError, DataError, RecipeError
-from export.records import DECOMPOSED_KEY, ExportRecord, Role
-from export.runtimes import OrtSession, default_threads, ort_coverage, run_session
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class OnnxModule(nn.Module):
         self.session = OrtSession(path, default_threads())
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        from export.parity import to_numpy_feeds
+        from compress.export.parity import to_numpy_feeds
 
         inputs: Any = kwargs if kwargs else (args[0] if len(args) == 1 else args)
         feeds = to_numpy_feeds(inputs, self.session.input_names)

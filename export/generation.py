@@ -19,15 +19,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from compress.export.describe import describe_onnx
+from compress.export.records import ExportRecord, Role, ValidationRecord, slower_note
+from compress.export.runtimes import ort_coverage
+from compress.export.specs import ExportSpec, ValidateSpec
+from compress.quantization.view import is_quantized, quantizers
 from torch import nn
 
 from compress.core.errors import CompressError, ExportError
 from compress.core.precision import float32_weights
-from export.describe import describe_onnx
-from export.records import ExportRecord, Role, ValidationRecord, slower_note
-from export.runtimes import ort_coverage
-from export.specs import ExportSpec, ValidateSpec
-from quantization.view import is_quantized, quantizers
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def export_generation(
     ``baseline`` as ``NAME.fp32.onnx``; each file is checked in ONNX Runtime against the traced module
     and carries ``compress.role`` and ``metadata`` in its metadata_props. Beside them, the runtime
     files of the final one (:func:`export.genai.write_runtime_files`: genai_config.json, config.json)."""
-    from export.llm_onnx import export_llm_onnx
+    from compress.export.llm_onnx import export_llm_onnx
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +76,7 @@ def export_generation(
                                                                     cov.float_nodes)
         records.append(rec.model_copy(update={"format": fmt, "precision": precision}))
         if role == "final" and hasattr(getattr(m, "config", None), "to_dict"):
-            from export.genai import write_runtime_files
+            from compress.export.genai import write_runtime_files
 
             # genai_config.json (naming the final file), config.json, generation_config.json: the
             # folder then loads in ONNX Runtime GenAI as it is
@@ -146,8 +146,8 @@ def validate_generation(
     ``prompts_identical``), prefill and decode latency timed interleaved over ``spec.runs`` after
     ``spec.warmup`` (all figures in ``generation``; ``latency_ms``/``speedup`` hold the decode time per
     token under key 1, so ``min_speedup`` reads decode speed), and the size against the baseline file."""
-    from export.llm_onnx import OrtGenerator, generate_ort
-    from export.runtimes import default_threads
+    from compress.export.llm_onnx import OrtGenerator, generate_ort
+    from compress.export.runtimes import default_threads
 
     runtimes = [rt for rt in spec.runtimes if rt == "onnxruntime"]
     for rt in spec.runtimes:

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from compress.export.gguf_weights import _require_gguf, gguf_blocks
 from torch import nn
 
 from compress.core.errors import ExportError, UnsupportedModelError
-from export.gguf_weights import _require_gguf, gguf_blocks
 
 log = logging.getLogger(__name__)
 

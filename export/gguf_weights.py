@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from compress.quantization.lowering.int4 import int4_weight, is_int4_weight_only
 
 from compress.core.errors import ExportError, UnsupportedModelError
 from compress.core.imports import install_hint
-from quantization.lowering.int4 import int4_weight, is_int4_weight_only
 
 BLOCK = 32
 

@@ -15,10 +15,9 @@ import math
 
 import numpy as np
 import onnx
+from compress.export.qdq_graph import static_shapes
+from compress.export.qdq_ir import QdqGraph, constant_value, node_attr
 from onnx import helper
-
-from export.qdq_graph import static_shapes
-from export.qdq_ir import QdqGraph, constant_value, node_attr
 
 log = logging.getLogger(__name__)
 

@@ -8,13 +8,13 @@ from collections import Counter
 from pathlib import Path
 
 import onnx
+from compress.export import describe
+from compress.export.records import ExportRecord
+from compress.export.runtimes import Coverage
 from pydantic import ValidationError
 
 from compress.core.bounded import load_json_file
 from compress.core.errors import RecipeError
-from export import describe
-from export.records import ExportRecord
-from export.runtimes import Coverage
 
 #: float nodes and kept-float entries listed by name before "(+N more)"
 SHOWN = 20

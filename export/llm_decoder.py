@@ -9,16 +9,16 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import nn
-
-from compress.core.errors import ExportError, UnsupportedModelError
-from export.llm_attention import (
+from compress.export.llm_attention import (
     GroupQueryAttentionFn,
     RotaryFn,
     SkipRMSNormFn,
     rms_norm_params,
     rotary_caches,
 )
+from torch import nn
+
+from compress.core.errors import ExportError, UnsupportedModelError
 
 Attention = Literal["fused", "decomposed"]
 

@@ -49,14 +49,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import nn
-
-from compress.core.errors import ExportError, UnsupportedModelError
-from compress.core.moe import unpack_experts
-from export.llm_attention import fused_attention_supported
+from compress.export.llm_attention import fused_attention_supported
 
 # the decoder, the check and generation live in their own modules; their names stay importable from here
-from export.llm_decoder import (  # noqa: F401
+from compress.export.llm_decoder import (  # noqa: F401
     LAYOUTS,
     SUPPORTED,
     Attention,
@@ -66,7 +62,7 @@ from export.llm_decoder import (  # noqa: F401
     positions,
     sliding_windows,
 )
-from export.llm_ort import (  # noqa: F401
+from compress.export.llm_ort import (  # noqa: F401
     FLOAT_MIN_SQNR_DB,
     MIN_TOP1,
     OrtCheck,
@@ -77,20 +73,24 @@ from export.llm_ort import (  # noqa: F401
 )
 
 # the MatMulNBits names stay importable from here (tests and callers read them from this module)
-from export.matmul_nbits import (  # noqa: F401
+from compress.export.matmul_nbits import (  # noqa: F401
     MatMulNBitsLinear,
     _MatMulNBitsFn,
     int8_head,
     matmul_nbits_tensors,
     pack_projections,
 )
-from quantization.lowering.int4 import (
+from compress.quantization.lowering.int4 import (
     activation_quantizers,
     dequantize_int4,
     int4_weight,
     is_int4_weight_only,
 )
-from quantization.view import input_quantizer, remove_placement
+from compress.quantization.view import input_quantizer, remove_placement
+from torch import nn
+
+from compress.core.errors import ExportError, UnsupportedModelError
+from compress.core.moe import unpack_experts
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _swap_linears(model: nn.Module, weights: Weights, accuracy_level: int) -> di
     counts = {"int4": 0, "float": 0, "w8a8": 0}
     w8a8: dict[str, nn.Module] = {}
     if weights == "w8a8":
-        from export.llm_w8a8 import w8a8_linear
+        from compress.export.llm_w8a8 import w8a8_linear
 
         shared: dict[int, Any] = {}
         for name, mod in list(model.named_modules()):
@@ -233,7 +233,7 @@ def export_llm_onnx(
     form: Attention = "decomposed" if attention == "decomposed" or not fused_attention_supported() else "fused"
     check_decoder(model)
     if weights == "w8a8":
-        from export.llm_w8a8 import check_w8a8_exportable
+        from compress.export.llm_w8a8 import check_w8a8_exportable
 
         check_w8a8_exportable(model)
     else:
@@ -298,9 +298,8 @@ def export_llm_onnx(
             do_constant_folding=False,
         )
         import onnx
-
-        from export.edge import set_metadata
-        from export.onnx import atomic_save
+        from compress.export.edge import set_metadata
+        from compress.export.onnx import atomic_save
 
         proto = onnx.load(str(traced))
         if dec.last_logits:  # the exporter leaves the slice's length symbolic: it is one position

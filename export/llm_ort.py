@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from compress.export.llm_decoder import KVDecoder, positions
+from compress.export.matmul_nbits import MatMulNBitsLinear
 
 from compress.core.errors import ExportError
 from compress.core.machine import has_vnni
 from compress.core.ort import inference_session, session_options
-from export.llm_decoder import KVDecoder, positions
-from export.matmul_nbits import MatMulNBitsLinear
 
 log = logging.getLogger(__name__)
 

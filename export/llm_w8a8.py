@@ -33,10 +33,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from compress.quantization.view import input_quantizer, view
 from torch import nn
 
 from compress.core.errors import UnsupportedModelError
-from quantization.view import input_quantizer, view
 
 #: op kinds a linear-only placement has entries for: the Linears and the pass-through ops (an
 #: attention output's transpose/reshape) that hand o_proj its quantized input

@@ -19,10 +19,10 @@ import math
 from typing import Any
 
 import torch
+from compress.quantization.lowering.int4 import Int4Weight
 from torch import nn
 
 from compress.core.errors import UnsupportedModelError
-from quantization.lowering.int4 import Int4Weight
 
 # ---- MatMulNBits -------------------------------------------------------------------------------------
 

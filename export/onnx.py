@@ -22,6 +22,9 @@ from typing import Any
 
 import onnx
 import torch
+from compress.export import edge, graph_forms, qdq
+from compress.export.records import DECOMPOSED_KEY
+from compress.quantization.view import is_quantized, tracking_unseen, view
 from torch import nn
 
 from compress.core.batching import call_model, require_module
@@ -29,9 +32,6 @@ from compress.core.errors import ExportError, RecipeError
 from compress.core.io import umask_mode
 from compress.core.moe import unpacked_experts
 from compress.core.precision import float32_inputs, float32_weights
-from export import edge, graph_forms, qdq
-from export.records import DECOMPOSED_KEY
-from quantization.view import is_quantized, tracking_unseen, view
 
 log = logging.getLogger(__name__)
 

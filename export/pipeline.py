@@ -8,15 +8,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from compress.export.describe import describe_onnx
+from compress.export.edge import write_triton_repository
+from compress.export.onnx import export_onnx
+from compress.export.records import ExportRecord, Role
+from compress.export.specs import ExportSpec
+from compress.quantization.view import is_quantized, quantizers, view
 from torch import nn
 
 from compress.core.errors import ExportError
-from export.describe import describe_onnx
-from export.edge import write_triton_repository
-from export.onnx import export_onnx
-from export.records import ExportRecord, Role
-from export.specs import ExportSpec
-from quantization.view import is_quantized, quantizers, view
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def export_model(
     if not spec.enabled:
         return []
     if spec.generation:
-        from export.generation import export_generation
+        from compress.export.generation import export_generation
 
         return export_generation(model, spec, Path(out_dir), name=name, baseline=baseline, metadata=metadata)
     out_dir = Path(out_dir)

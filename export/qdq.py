@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from compress.export.qdq_graph import tidy_qdq_graph
+from compress.quantization.view import FakeQuantizer, functional_weights
 from torch import nn
 
 from compress.core.errors import ExportError
-from export.qdq_graph import tidy_qdq_graph
-from quantization.view import FakeQuantizer, functional_weights
 
 log = logging.getLogger(__name__)
 

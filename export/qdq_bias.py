@@ -10,9 +10,8 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx
+from compress.export.qdq_ir import QdqGraph, quant_axis
 from onnx import helper
-
-from export.qdq_ir import QdqGraph, quant_axis
 
 log = logging.getLogger(__name__)
 

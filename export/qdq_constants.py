@@ -11,9 +11,8 @@ from collections.abc import Mapping
 
 import numpy as np
 import onnx
+from compress.export.qdq_ir import QdqGraph, constant_value, quant_axis
 from onnx import TensorProto, helper, numpy_helper
-
-from export.qdq_ir import QdqGraph, constant_value, quant_axis
 
 log = logging.getLogger(__name__)
 

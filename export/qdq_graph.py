@@ -10,19 +10,18 @@ from __future__ import annotations
 import logging
 
 import onnx
-
-from export import qdq_moves
-from export.qdq_bias import matmul_bias_to_gemm, quantize_biases
-from export.qdq_constants import (
+from compress.export import qdq_moves
+from compress.export.qdq_bias import matmul_bias_to_gemm, quantize_biases
+from compress.export.qdq_constants import (
     fold_constant_quantize,
     fold_constant_subgraphs,
     fold_constant_where,
     layout_into_constant_codes,
     remove_unused_initializers,
 )
-from export.qdq_ir import QdqGraph
-from export.qdq_pairs import merge_duplicate_pairs, pads_into_convs
-from export.qdq_weights import (
+from compress.export.qdq_ir import QdqGraph
+from compress.export.qdq_pairs import merge_duplicate_pairs, pads_into_convs
+from compress.export.qdq_weights import (
     blocked_gemm_to_matmul,
     float_weights_for_float_layers,
     fold_weight_slices,

@@ -7,9 +7,8 @@ can go: what ORT's own QDQ fusion does for one move, here for chains, zero pads 
 from __future__ import annotations
 
 import onnx
+from compress.export.qdq_ir import QdqGraph, constant_value, node_attr
 from onnx import helper
-
-from export.qdq_ir import QdqGraph, constant_value, node_attr
 
 #: ops that only select or move the elements of their first input: they commute with a per-tensor
 #: DequantizeLinear, so they may run on the integer codes instead (Pad too, when it fills with 0.0)

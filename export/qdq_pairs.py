@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from compress.export.qdq_ir import QdqGraph, quant_axis
 from onnx import helper
-
-from export.qdq_ir import QdqGraph, quant_axis
 
 
 def _same_params(g: QdqGraph, a: onnx.NodeProto, b: onnx.NodeProto) -> bool:

@@ -10,9 +10,8 @@ import itertools
 
 import numpy as np
 import onnx
+from compress.export.qdq_ir import QdqGraph, node_attr, quant_axis
 from onnx import helper
-
-from export.qdq_ir import QdqGraph, node_attr, quant_axis
 
 
 def _set_axis(node: onnx.NodeProto, axis: int) -> None:

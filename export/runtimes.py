@@ -14,13 +14,13 @@ from typing import Any, Protocol
 
 import numpy as np
 import onnx
+from compress.export.parity import resize_batch
 
 from compress.core.errors import ExportError
 from compress.core.imports import install_hint
 from compress.core.machine import usable_cores
 from compress.core.ort import inference_session, session_options
 from compress.core.registry import Registry
-from export.parity import resize_batch
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,10 @@ from typing import Any
 import numpy as np
 import pydantic
 import torch
+from compress.export.parity import Parity, resize_batch, to_numpy_feeds
+from compress.export.records import ExportRecord, ThresholdRecord, ValidationRecord, slower_note
+from compress.export.runtimes import RUNTIMES, RuntimeSession, default_threads, load_session, run_session
+from compress.export.specs import Thresholds, ValidateSpec
 from torch import nn
 
 from compress.core.batching import batch_size_of, call_model, primary_output, split_batch
@@ -25,10 +29,6 @@ from compress.core.errors import CompressError, ExportError, RecipeError
 from compress.core.machine import has_vnni
 from compress.core.precision import float32_weights
 from compress.core.progress import fig
-from export.parity import Parity, resize_batch, to_numpy_feeds
-from export.records import ExportRecord, ThresholdRecord, ValidationRecord, slower_note
-from export.runtimes import RUNTIMES, RuntimeSession, default_threads, load_session, run_session
-from export.specs import Thresholds, ValidateSpec
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def _cuda_records(
     if not torch.cuda.is_available():
         log.warning("runtime 'cuda' skipped: no CUDA device")
         return [_skipped(final, "cuda", threads, "no CUDA device")]
-    from export.cuda import validate_cuda
+    from compress.export.cuda import validate_cuda
 
     name = metric if isinstance(metric, str) else _TASK_METRICS.get(task)
     res = validate_cuda(
@@ -364,7 +364,7 @@ def validate(
     ``(inputs, targets)`` batches, or None for random inputs shaped like the model's (parity and
     latency only); ``compress.validate`` also takes a data source name ("digits") or a DataSpec.
     """
-    from export.describe import check_eval_batches, describe_onnx, onnx_reference, random_batches
+    from compress.export.describe import check_eval_batches, describe_onnx, onnx_reference, random_batches
 
     path = Path(onnx_path)
     if not path.is_file():

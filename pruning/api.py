@@ -11,6 +11,14 @@ from typing import Any, Literal, cast
 import numpy as np
 import torch
 import torch.nn.functional as F
+from compress.pruning.apply import apply_slices, slices_from_keep
+from compress.pruning.counting import count_macs, count_params
+from compress.pruning.graph import DependencyGraph
+from compress.pruning.importance import IMPORTANCE, atom_scores
+from compress.pruning.plan import PruningPlan
+from compress.pruning.recalibrate import recalibrate_bn
+from compress.pruning.select import CostModel, SelectionRules, choose, override_pairs, search_ratio
+from compress.pruning.trace import trace_graph
 from pydantic import ConfigDict, Field, field_validator
 from torch import nn
 
@@ -30,14 +38,6 @@ from compress.core.params import ApiParams
 from compress.core.progress import bar, with_progress
 from compress.core.targets import select_modules
 from compress.core.tracing import iter_tensors
-from pruning.apply import apply_slices, slices_from_keep
-from pruning.counting import count_macs, count_params
-from pruning.graph import DependencyGraph
-from pruning.importance import IMPORTANCE, atom_scores
-from pruning.plan import PruningPlan
-from pruning.recalibrate import recalibrate_bn
-from pruning.select import CostModel, SelectionRules, choose, override_pairs, search_ratio
-from pruning.trace import trace_graph
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +402,7 @@ def prune(
     elif importance == "activation":
         if batches is None:
             raise CalibrationError("prune: importance='activation' needs data (calibration batches)")
-        from pruning.activation import activation_stats
+        from compress.pruning.activation import activation_stats
 
         device = next(model.parameters()).device
         grads = activation_stats(model, batches, batches=pruner.params.activation_batches, device=device)

@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from compress.pruning.attention import PrunedMultiheadAttention, sync_attention_attrs
+from compress.pruning.graph import ELEMENT, DependencyGraph
 from torch import nn
 
 from compress.core.errors import CompressError, UnsupportedModelError
-from pruning.attention import PrunedMultiheadAttention, sync_attention_attrs
-from pruning.graph import ELEMENT, DependencyGraph
 
 log = logging.getLogger(__name__)
 

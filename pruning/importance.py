@@ -12,11 +12,11 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
+from compress.pruning.graph import IN, NORM, OUT, DependencyGraph
 from torch import nn
 
 from compress.core.errors import CalibrationError
 from compress.core.registry import Registry
-from pruning.graph import IN, NORM, OUT, DependencyGraph
 
 Criterion = Callable[[torch.Tensor, int, "torch.Tensor | None"], torch.Tensor]
 #: criterion name -> what it measures (the names a recipe and ``prune(importance=)`` accept)

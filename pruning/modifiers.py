@@ -18,6 +18,12 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
+from compress.pruning.api import PruneParams, Pruner, check_ratio, taylor_grads
+from compress.pruning.counting import count_macs, count_params
+from compress.pruning.graph import DependencyGraph
+from compress.pruning.plan import PruningPlan
+from compress.pruning.recalibrate import recalibrate_bn
+from compress.pruning.select import CostModel, eligible_groups, search_ratio
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
@@ -25,12 +31,6 @@ from compress.core.batching import split_batch
 from compress.core.errors import CalibrationError, CompressError
 from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
 from compress.core.progress import report
-from pruning.api import PruneParams, Pruner, check_ratio, taylor_grads
-from pruning.counting import count_macs, count_params
-from pruning.graph import DependencyGraph
-from pruning.plan import PruningPlan
-from pruning.recalibrate import recalibrate_bn
-from pruning.select import CostModel, eligible_groups, search_ratio
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,9 @@ class PruneModifier(Modifier[PruneSpec]):
     def plan(self, model: nn.Module) -> list[str]:
         """Layers whose channels this modifier may remove (targets minus ignore; the model's
         outputs are always kept, which only the trace at run time can tell)."""
+        from compress.pruning.api import _modules_of
+
         from compress.core.targets import select_modules
-        from pruning.api import _modules_of
 
         self.pruner.rules(model)  # checks targets/overrides patterns before anything runs
         ignored = _modules_of(model, self.spec.ignore, f"{self.where}: ignore")
@@ -210,7 +211,7 @@ class PruneModifier(Modifier[PruneSpec]):
                 raise CalibrationError(f"{self.where}: taylor importance needs training or calibration data")
             grads = taylor_grads(model, data, loss_fn=state.loss_fn, batches=s.taylor_batches, device=state.device)
         elif s.importance == "activation":
-            from pruning.activation import activation_stats
+            from compress.pruning.activation import activation_stats
 
             data = state.calibration_data or state.train_data
             if data is None:
@@ -255,7 +256,7 @@ class PruneModifier(Modifier[PruneSpec]):
     def _target_keep(
         self, model: nn.Module, graph: DependencyGraph, metric: str, goal: float, grads: Any
     ) -> np.ndarray:
-        from pruning.importance import atom_scores
+        from compress.pruning.importance import atom_scores
 
         cost = CostModel(graph, model)
         full = np.ones(len(graph.atoms), dtype=bool)
@@ -308,7 +309,7 @@ class PruneModifier(Modifier[PruneSpec]):
 
 def _group_key(graph: DependencyGraph, g: Any) -> str:
     """A name for a group that survives pruning: its first producing tensor."""
-    from pruning.graph import OUT
+    from compress.pruning.graph import OUT
 
     keys = sorted(graph.coords[ci].key for ci in g.coords if OUT in graph.coords[ci].roles)
     return keys[0] if keys else f"#{g.index}"

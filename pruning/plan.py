@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compress.pruning.apply import Slices, apply_slices
 from torch import nn
 
 from compress.core.bounded import load_json_file
 from compress.core.errors import CompressError, RecipeError
-from pruning.apply import Slices, apply_slices
 
 FORMAT = "compress.pruning_plan"
 VERSION = 1

@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from compress.pruning.graph import IN, NORM, OUT, DependencyGraph
 from torch import nn
 
 from compress.core.errors import UnsupportedModelError
-from pruning.graph import IN, NORM, OUT, DependencyGraph
 
 
 class RuleTracer(Protocol):

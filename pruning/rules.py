@@ -13,9 +13,7 @@ import logging
 from typing import Any
 
 import torch
-
-from compress.core.tracing import iter_tensors
-from pruning.rule_helpers import (
+from compress.pruning.rule_helpers import (
     PendingSplit,
     Rule,
     RuleTracer,
@@ -27,6 +25,8 @@ from pruning.rule_helpers import (
     splits_outer,
     varies,
 )
+
+from compress.core.tracing import iter_tensors
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
-
-from pruning.attention import PrunedMultiheadAttention
-from pruning.graph import IN, OUT
-from pruning.rule_helpers import (
+from compress.pruning.attention import PrunedMultiheadAttention
+from compress.pruning.graph import IN, OUT
+from compress.pruning.rule_helpers import (
     Rule,
     RuleTracer,
     along,
@@ -24,6 +22,7 @@ from pruning.rule_helpers import (
     pin_if_shaped,
     varies,
 )
+from torch import nn
 
 log = logging.getLogger(__name__)
 

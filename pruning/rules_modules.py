@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from compress.pruning.graph import IN, NORM, OUT, VIRTUAL
+from compress.pruning.rule_helpers import Rule, RuleTracer, along, arg, couple, dense, linear_t, norm_items
 
 from compress.core.tracing import iter_tensors
-from pruning.graph import IN, NORM, OUT, VIRTUAL
-from pruning.rule_helpers import Rule, RuleTracer, along, arg, couple, dense, linear_t, norm_items
 
 
 def _weight(tr: RuleTracer, w: Any, x: Any, op: str) -> str | None:

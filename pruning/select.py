@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from compress.pruning.graph import ELEMENT, OUT, DependencyGraph, Group
 from torch import nn
-
-from pruning.graph import ELEMENT, OUT, DependencyGraph, Group
 
 
 def _matches(pattern: str, name: str) -> bool:

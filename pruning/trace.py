@@ -18,14 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from compress.pruning import rules, rules_attention, rules_modules
+from compress.pruning.graph import ELEMENT, DependencyGraph
+from compress.pruning.rule_helpers import PendingSplit, Rule, resolve
 from torch import nn
 
 from compress.core.batching import call_model
 from compress.core.errors import UnsupportedModelError
 from compress.core.tracing import ObserverMode, iter_tensors, op_name
-from pruning import rules, rules_attention, rules_modules
-from pruning.graph import ELEMENT, DependencyGraph
-from pruning.rule_helpers import PendingSplit, Rule, resolve
 
 log = logging.getLogger(__name__)
 

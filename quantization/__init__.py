@@ -18,37 +18,37 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
-    "QuantSpec": "quantization.numerics.spec",
-    "QuantScheme": "quantization.numerics.spec",
-    "PRESETS": "quantization.numerics.spec",
-    "resolve_scheme": "quantization.numerics.spec",
-    "FakeQuantizer": "quantization.numerics.fake_quant",
-    "QuantLinear": "quantization.numerics.modules",
-    "QuantConv1d": "quantization.numerics.modules",
-    "QuantConv2d": "quantization.numerics.modules",
-    "OBSERVERS": "quantization.numerics.observers",
-    "Observer": "quantization.numerics.observers",
-    "prepare": "quantization.preparation",
-    "strip": "quantization.preparation",
-    "quantizers": "quantization.preparation",
-    "quant_modules": "quantization.preparation",
-    "set_quantizers": "quantization.preparation",
-    "calibrate": "quantization.numerics.calibration",
-    "input_quantizer": "quantization.placement.mode",
-    "Placement": "quantization.placement.records",
-    "PROFILES": "quantization.placement.runtimes",
-    "RuntimeProfile": "quantization.placement.runtimes",
-    "trace_graph": "quantization.placement.trace",
-    "quantize": "quantization.api",
-    "QuantizeParams": "quantization.api",
-    "smooth_quant": "quantization.algorithms.smoothquant",
-    "bias_correction": "quantization.algorithms.bias_correction",
-    "layer_sensitivity": "quantization.algorithms.sensitivity",
-    "convert": "quantization.lowering.convert",
-    "gptq": "quantization.algorithms.gptq",
-    "awq": "quantization.algorithms.awq",
-    "GPTQParams": "quantization.algorithms.gptq",
-    "AWQParams": "quantization.algorithms.awq_search",
+    "QuantSpec": "compress.quantization.numerics.spec",
+    "QuantScheme": "compress.quantization.numerics.spec",
+    "PRESETS": "compress.quantization.numerics.spec",
+    "resolve_scheme": "compress.quantization.numerics.spec",
+    "FakeQuantizer": "compress.quantization.numerics.fake_quant",
+    "QuantLinear": "compress.quantization.numerics.modules",
+    "QuantConv1d": "compress.quantization.numerics.modules",
+    "QuantConv2d": "compress.quantization.numerics.modules",
+    "OBSERVERS": "compress.quantization.numerics.observers",
+    "Observer": "compress.quantization.numerics.observers",
+    "prepare": "compress.quantization.preparation",
+    "strip": "compress.quantization.preparation",
+    "quantizers": "compress.quantization.preparation",
+    "quant_modules": "compress.quantization.preparation",
+    "set_quantizers": "compress.quantization.preparation",
+    "calibrate": "compress.quantization.numerics.calibration",
+    "input_quantizer": "compress.quantization.placement.mode",
+    "Placement": "compress.quantization.placement.records",
+    "PROFILES": "compress.quantization.placement.runtimes",
+    "RuntimeProfile": "compress.quantization.placement.runtimes",
+    "trace_graph": "compress.quantization.placement.trace",
+    "quantize": "compress.quantization.api",
+    "QuantizeParams": "compress.quantization.api",
+    "smooth_quant": "compress.quantization.algorithms.smoothquant",
+    "bias_correction": "compress.quantization.algorithms.bias_correction",
+    "layer_sensitivity": "compress.quantization.algorithms.sensitivity",
+    "convert": "compress.quantization.lowering.convert",
+    "gptq": "compress.quantization.algorithms.gptq",
+    "awq": "compress.quantization.algorithms.awq",
+    "GPTQParams": "compress.quantization.algorithms.gptq",
+    "AWQParams": "compress.quantization.algorithms.awq_search",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -57,7 +57,7 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'quantization' has no attribute '{name}'")
+        raise AttributeError(f"module 'compress.quantization' has no attribute '{name}'")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

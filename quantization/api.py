@@ -7,6 +7,21 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+from compress.quantization.algorithms.bias_correction import bias_correction
+from compress.quantization.algorithms.kv_cache import (
+    KVCache,
+    attach_kv_quantization,
+    check_kv_calls,
+    kv_quantizers,
+)
+from compress.quantization.algorithms.smoothquant import SmoothQuantField, Unfolded, smooth_quant
+from compress.quantization.numerics.calibration import calibrate, last_logits_only
+from compress.quantization.numerics.spec import QuantScheme, resolve_scheme
+from compress.quantization.placement.activations import capture_first_call, ensure_placed
+from compress.quantization.placement.cost_table import PORTABLE_CPU, DeployCpu
+from compress.quantization.placement.runtimes import Target
+from compress.quantization.placement.speed_check import SpeedCheck
+from compress.quantization.preparation import BnMode, FirstLast, ModelCheck, prepare
 from pydantic import ConfigDict, Field, PositiveInt
 from torch import nn
 
@@ -14,16 +29,6 @@ from compress.core.batching import CalibrationData, ForwardLoop, as_forward_loop
 from compress.core.errors import CalibrationError
 from compress.core.params import ApiParams
 from compress.core.progress import with_progress
-from quantization.algorithms.bias_correction import bias_correction
-from quantization.algorithms.kv_cache import KVCache, attach_kv_quantization, check_kv_calls, kv_quantizers
-from quantization.algorithms.smoothquant import SmoothQuantField, Unfolded, smooth_quant
-from quantization.numerics.calibration import calibrate, last_logits_only
-from quantization.numerics.spec import QuantScheme, resolve_scheme
-from quantization.placement.activations import capture_first_call, ensure_placed
-from quantization.placement.cost_table import PORTABLE_CPU, DeployCpu
-from quantization.placement.runtimes import Target
-from quantization.placement.speed_check import SpeedCheck
-from quantization.preparation import BnMode, FirstLast, ModelCheck, prepare
 
 log = logging.getLogger(__name__)
 

@@ -7,31 +7,25 @@ import logging
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
-from torch import nn
-
-from compress.core.batching import ForwardLoop, as_forward_loop
-from compress.core.errors import CalibrationError, RecipeError
-from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
-from quantization.algorithms.kv_cache import KVCache, attach_kv_quantization
-from quantization.algorithms.sensitivity import (
+from compress.quantization.algorithms.kv_cache import KVCache, attach_kv_quantization
+from compress.quantization.algorithms.sensitivity import (
     Evaluate,
     accuracy_control,
     layer_sensitivity,
     plot_sensitivity,
     worsening,
 )
-from quantization.algorithms.smoothquant import SmoothQuantField, Unfolded
-from quantization.api import QuantizeParams, post_training_quantize
-from quantization.numerics.calibration import calibrate
-from quantization.numerics.fake_quant import FakeQuantizer
-from quantization.numerics.modules import QuantConv1d, QuantConv2d
-from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
-from quantization.placement.activations import capture_first_call
-from quantization.placement.cost_table import PORTABLE_CPU, DeployCpu
-from quantization.placement.runtimes import Target
-from quantization.placement.speed_check import SpeedCheck
-from quantization.preparation import (
+from compress.quantization.algorithms.smoothquant import SmoothQuantField, Unfolded
+from compress.quantization.api import QuantizeParams, post_training_quantize
+from compress.quantization.numerics.calibration import calibrate
+from compress.quantization.numerics.fake_quant import FakeQuantizer
+from compress.quantization.numerics.modules import QuantConv1d, QuantConv2d
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
+from compress.quantization.placement.activations import capture_first_call
+from compress.quantization.placement.cost_table import PORTABLE_CPU, DeployCpu
+from compress.quantization.placement.runtimes import Target
+from compress.quantization.placement.speed_check import SpeedCheck
+from compress.quantization.preparation import (
     FirstLast,
     ModelCheck,
     calibrate_weight,
@@ -43,7 +37,13 @@ from quantization.preparation import (
     saved_quantization,
     set_saved_flags,
 )
-from quantization.view import view
+from compress.quantization.view import view
+from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from torch import nn
+
+from compress.core.batching import ForwardLoop, as_forward_loop
+from compress.core.errors import CalibrationError, RecipeError
+from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class _QuantSpecBase(ModifierSpec):
     @classmethod
     def _known_observer(cls, v: str | None) -> str | None:
         if v is not None:
-            from quantization.numerics.observers import OBSERVERS
+            from compress.quantization.numerics.observers import OBSERVERS
 
             try:
                 OBSERVERS.get(v)
@@ -191,7 +191,7 @@ class QATSpec(_QuantSpecBase):
 def _check_observer(spec: QuantSpec, where: str | None) -> None:
     """:func:`~quantization.numerics.observers.check_observer` as a ValueError (a spec validator's);
     ``where`` None: the error's location already names the field."""
-    from quantization.numerics.observers import check_observer
+    from compress.quantization.numerics.observers import check_observer
 
     try:
         check_observer(spec, where=where or "-")

@@ -13,17 +13,12 @@ from functools import partial
 from typing import Any, Literal, cast
 
 import torch
-from torch import nn
-
-from compress.core.errors import CompressError
-from compress.core.moe import unpack_experts
-from compress.core.targets import select_modules
-from quantization.algorithms.bn_fold import find_conv_bn_pairs, fold_bn_into_conv
-from quantization.algorithms.kv_cache import remove_kv_quantization
-from quantization.numerics.fake_quant import FakeQuantizer
-from quantization.numerics.modules import QUANT_LAYERS, QUANT_TYPES, QuantConv1d, QuantConv2d
-from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
-from quantization.placement.activations import (
+from compress.quantization.algorithms.bn_fold import find_conv_bn_pairs, fold_bn_into_conv
+from compress.quantization.algorithms.kv_cache import remove_kv_quantization
+from compress.quantization.numerics.fake_quant import FakeQuantizer
+from compress.quantization.numerics.modules import QUANT_LAYERS, QUANT_TYPES, QuantConv1d, QuantConv2d
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
+from compress.quantization.placement.activations import (
     GraphConfig,
     bn_pairs_from_graph,
     call_batch,
@@ -33,7 +28,7 @@ from quantization.placement.activations import (
     place_graph,
     targeted_fn,
 )
-from quantization.placement.cost_table import (
+from compress.quantization.placement.cost_table import (
     PORTABLE_CPU,
     CostTable,
     DeployCpu,
@@ -41,12 +36,17 @@ from quantization.placement.cost_table import (
     slower_by_table,
     table_for,
 )
-from quantization.placement.fidelity_guards import ROUTER_REASON, router_layers
-from quantization.placement.mode import detach, graph_of, unsmooth
-from quantization.placement.model_cost import TRUSTED_BATCH, decide, slower_attention, trusted_slower
-from quantization.placement.runtimes import Target, get_profile
-from quantization.placement.speed_check import SpeedCheck, layer_calls, slower_in_int8, time_layers
-from quantization.placement.trace import is_op_key, trace_graph
+from compress.quantization.placement.fidelity_guards import ROUTER_REASON, router_layers
+from compress.quantization.placement.mode import detach, graph_of, unsmooth
+from compress.quantization.placement.model_cost import TRUSTED_BATCH, decide, slower_attention, trusted_slower
+from compress.quantization.placement.runtimes import Target, get_profile
+from compress.quantization.placement.speed_check import SpeedCheck, layer_calls, slower_in_int8, time_layers
+from compress.quantization.placement.trace import is_op_key, trace_graph
+from torch import nn
+
+from compress.core.errors import CompressError
+from compress.core.moe import unpack_experts
+from compress.core.targets import select_modules
 
 log = logging.getLogger(__name__)
 

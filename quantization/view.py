@@ -13,11 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
-
-from quantization.algorithms.kv_cache import kv_quantizers
-from quantization.numerics.fake_quant import FakeQuantizer
-from quantization.placement.mode import (
+from compress.quantization.algorithms.kv_cache import kv_quantizers
+from compress.quantization.numerics.fake_quant import FakeQuantizer
+from compress.quantization.placement.mode import (
     UNSEEN_REASON,
     QuantizerGraph,
     collect_unseen,
@@ -25,7 +23,8 @@ from quantization.placement.mode import (
     graph_of,
     input_quantizer,
 )
-from quantization.preparation import quantizers
+from compress.quantization.preparation import quantizers
+from torch import nn
 
 __all__ = [
     "FakeQuantizer",

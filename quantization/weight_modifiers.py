@@ -9,18 +9,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
-from torch import nn
-
-from compress.core.batching import RankShare
-from compress.core.errors import CalibrationError
-from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
-from quantization.algorithms.awq import awq_layer, scale_error_ratio
-from quantization.algorithms.awq_search import AWQFields, AWQParams
-from quantization.algorithms.gptq import GPTQFields, GPTQParams, gptq_layer
-from quantization.algorithms.sequential import DEFAULT_SCHEME, sequential_quantize
-from quantization.numerics.spec import QuantScheme, resolve_scheme
-from quantization.preparation import (
+from compress.quantization.algorithms.awq import awq_layer, scale_error_ratio
+from compress.quantization.algorithms.awq_search import AWQFields, AWQParams
+from compress.quantization.algorithms.gptq import GPTQFields, GPTQParams, gptq_layer
+from compress.quantization.algorithms.sequential import DEFAULT_SCHEME, sequential_quantize
+from compress.quantization.numerics.spec import QuantScheme, resolve_scheme
+from compress.quantization.preparation import (
     linearize,
     plan_targets,
     prepare_saved,
@@ -28,6 +22,12 @@ from quantization.preparation import (
     saved_quantization,
     set_saved_flags,
 )
+from pydantic import Field, field_validator
+from torch import nn
+
+from compress.core.batching import RankShare
+from compress.core.errors import CalibrationError
+from compress.core.modifier import Modifier, ModifierSpec, State, register_modifier
 
 
 class _WeightOnlySpec(ModifierSpec):

@@ -17,11 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.import_graph import ROOT, StaticFigures, floor, static_imports, strongly_connected
+from benchmarks.import_graph import (
+    ROOT,
+    StaticFigures,
+    floor,
+    static_imports,
+    strongly_connected,
+    top_package,
+)
 
 #: what export/ may read of the algorithm packages: one read view, and the lowering room (integer
 #: modules and kernels, which exports of real int8 / int4 compute are built from)
-EXPORT_READS = ("quantization.view", "quantization.lowering")
+EXPORT_READS = ("compress.quantization.view", "compress.quantization.lowering")
 #: imports declared between algorithm packages, as (importer, imported) packages: none today
 BETWEEN: frozenset[tuple[str, str]] = frozenset()
 
@@ -36,7 +43,7 @@ def allowed(source: str, target: str) -> bool:
     if src == "top" or dst == "core":
         return True
     if src == "algorithms":
-        a, b = source.split(".", 1)[0], target.split(".", 1)[0]
+        a, b = top_package(source), top_package(target)
         return dst == "algorithms" and (a == b or (a, b) in BETWEEN)
     if src == "export":
         return dst == "export" or _reads(target, EXPORT_READS)
@@ -77,34 +84,36 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
     for pkg in ("compress", "compress/core", "quantization", "quantization/placement", "pruning", "export"):
         (root / pkg).mkdir(parents=True, exist_ok=True)
         (root / pkg / "__init__.py").touch()
+    # laid out as the project is: the top folders install as compress.<name>
+    (root / "pyproject.toml").write_text('[tool.setuptools.package-dir]\n"compress.quantization" = "quantization"\n')
     return root
 
 
 def test_violations_are_found_wherever_the_import_hides(tmp_path: Path) -> None:
     root = _tree(tmp_path, {
         "compress/core/errors.py": "def f():\n    from compress.runner import run\n",  # function-local
-        "compress/runner.py": "import quantization.placement.mode\n",  # the top: fine
-        "compress/modifiers.py": "MODS = ('quantization.modifiers',)\n",  # named in a string: fine from the top
+        "compress/runner.py": "import compress.quantization.placement.mode\n",  # the top: fine
+        "compress/modifiers.py": "MODS = ('compress.quantization.modifiers',)\n",  # named in a string: fine from the top
         "quantization/modifiers.py": "from compress.core.errors import f\n",  # fine
         "quantization/placement/mode.py": "NAME = 'compress.runner'\n",  # named in a string, upward
-        "export/onnx.py": "from quantization.placement import mode\nimport quantization.view\n",
+        "export/onnx.py": "from compress.quantization.placement import mode\nimport compress.quantization.view\n",
         "quantization/view.py": "",
-        "pruning/api.py": "from quantization.view import view\n",  # another algorithm package, undeclared
+        "pruning/api.py": "from compress.quantization.view import view\n",  # another algorithm package, undeclared
     })
     fig = static_imports(root, ("compress", "quantization", "pruning", "export"))
     bad = violations(fig)
     assert [b.split(" (")[0] for b in bad] == [
         "compress.core.errors:2 -> compress.runner",
-        "export.onnx:1 -> quantization.placement.mode",
-        "pruning.api:1 -> quantization.view",
-        "quantization.placement.mode:1 -> compress.runner",
+        "compress.export.onnx:1 -> compress.quantization.placement.mode",
+        "compress.pruning.api:1 -> compress.quantization.view",
+        "compress.quantization.placement.mode:1 -> compress.runner",
     ]
     assert "local)" in bad[0] and "(named)" in bad[3]
 
 
 def test_a_cycle_through_a_function_local_import_is_found(tmp_path: Path) -> None:
     root = _tree(tmp_path, {
-        "export/describe.py": "def g():\n    from export.validate import run\n",
-        "export/validate.py": "from export.describe import g\n",
+        "export/describe.py": "def g():\n    from compress.export.validate import run\n",
+        "export/validate.py": "from compress.export.describe import g\n",
     })
-    assert strongly_connected(static_imports(root, ("export",)).graph()) == [["export.describe", "export.validate"]]
+    assert strongly_connected(static_imports(root, ("export",)).graph()) == [["compress.export.describe", "compress.export.validate"]]

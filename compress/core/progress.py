@@ -20,7 +20,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 #: the toolkit's top-level loggers (a run sends them to run.log; the CLI to the console)
-LOGGERS = ("compress", "quantization", "pruning", "distillation", "export")
+LOGGERS = ("compress",)  # every package is compress.<name>: one parent logger
 
 
 def fig(x: float | None) -> str:

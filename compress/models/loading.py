@@ -81,7 +81,7 @@ def apply_pruning_plan(model: nn.Module, path: str, *, where: str = "pruning_pla
     if not Path(path).is_file():
         raise RecipeError(f"{where}: pruning plan '{path}' not found")
     try:
-        plan_mod = importlib.import_module("pruning.plan")
+        plan_mod = importlib.import_module("compress.pruning.plan")
         plan_cls = plan_mod.PruningPlan
     except (ImportError, AttributeError) as exc:
         raise CompressError(

@@ -36,18 +36,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
-
-from compress.core.batching import CalibrationData, as_batches
-from compress.core.progress import with_progress
-from quantization.algorithms.awq_folds import (
+from compress.quantization.algorithms.awq_folds import (
     FoldGroup,
     find_fold_groups,
     first_sequence,
     fold_scales,
     primary_output,
 )
-from quantization.algorithms.awq_search import (
+from compress.quantization.algorithms.awq_search import (
     AWQParams,
     GroupError,
     LinearOutputError,
@@ -61,17 +57,21 @@ from quantization.algorithms.awq_search import (
     search_clip,
     search_scales,
 )
-from quantization.algorithms.sequential import (
+from compress.quantization.algorithms.sequential import (
     DEFAULT_SCHEME,
     Call,
     LayerHook,
     log_summary,
     sequential_quantize,
 )
-from quantization.numerics.calibration import float_mode
-from quantization.numerics.modules import QuantLinear
-from quantization.numerics.spec import QuantScheme, resolve_scheme
-from quantization.preparation import calibrate_weight
+from compress.quantization.numerics.calibration import float_mode
+from compress.quantization.numerics.modules import QuantLinear
+from compress.quantization.numerics.spec import QuantScheme, resolve_scheme
+from compress.quantization.preparation import calibrate_weight
+from torch import nn
+
+from compress.core.batching import CalibrationData, as_batches
+from compress.core.progress import with_progress
 
 log = logging.getLogger(__name__)
 

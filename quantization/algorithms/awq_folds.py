@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from compress.quantization.algorithms.sequential import Call
+from compress.quantization.algorithms.smoothquant import divide_output_channels
+from compress.quantization.numerics.calibration import float_mode
 from torch import nn
 
 from compress.core.precision import float32_inputs, float32_weights
-from quantization.algorithms.sequential import Call
-from quantization.algorithms.smoothquant import divide_output_channels
-from quantization.numerics.calibration import float_mode
 
 
 @dataclass

@@ -11,14 +11,10 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict, Field
-from torch import nn
-
-from compress.core.params import ApiParams
-from quantization.algorithms.awq_folds import primary_output
-from quantization.numerics.calibration import float_mode
-from quantization.numerics.modules import QuantLinear
-from quantization.numerics.primitives import (
+from compress.quantization.algorithms.awq_folds import primary_output
+from compress.quantization.numerics.calibration import float_mode
+from compress.quantization.numerics.modules import QuantLinear
+from compress.quantization.numerics.primitives import (
     dynamic_qparams,
     fake_quantize,
     fake_quantize_spec,
@@ -26,7 +22,11 @@ from quantization.numerics.primitives import (
     qparams_from_range,
     to_groups,
 )
-from quantization.numerics.spec import QuantSpec
+from compress.quantization.numerics.spec import QuantSpec
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from compress.core.params import ApiParams
 
 
 class AWQFields(BaseModel):

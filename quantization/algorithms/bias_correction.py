@@ -12,12 +12,12 @@ import logging
 from typing import Any
 
 import torch
+from compress.quantization.numerics.modules import QuantConv1d, QuantConv2d, QuantLinear
+from compress.quantization.preparation import quant_modules, unwrap
 from torch import nn
 
 from compress.core.batching import ForwardLoop, as_forward_loop
 from compress.core.errors import CalibrationError
-from quantization.numerics.modules import QuantConv1d, QuantConv2d, QuantLinear
-from quantization.preparation import quant_modules, unwrap
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from compress.quantization.algorithms.sequential import (
+    DEFAULT_SCHEME,
+    Call,
+    LayerHook,
+    log_summary,
+    sequential_quantize,
+)
+from compress.quantization.numerics.calibration import float_mode
+from compress.quantization.numerics.modules import QuantLinear
+from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range, to_groups
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
@@ -38,17 +49,6 @@ from compress.core.batching import CalibrationData, as_batches
 from compress.core.errors import CalibrationError
 from compress.core.params import ApiParams
 from compress.core.progress import with_progress
-from quantization.algorithms.sequential import (
-    DEFAULT_SCHEME,
-    Call,
-    LayerHook,
-    log_summary,
-    sequential_quantize,
-)
-from quantization.numerics.calibration import float_mode
-from quantization.numerics.modules import QuantLinear
-from quantization.numerics.primitives import fake_quantize, qparams_from_range, to_groups
-from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 
 log = logging.getLogger(__name__)
 

@@ -28,12 +28,12 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from compress.quantization.numerics.fake_quant import FakeQuantizer
+from compress.quantization.numerics.spec import QuantSpec
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from compress.core.errors import UnsupportedModelError
-from quantization.numerics.fake_quant import FakeQuantizer
-from quantization.numerics.spec import QuantSpec
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from compress.quantization.numerics.fake_quant import FakeQuantizer
+from compress.quantization.placement.mode import graph_of
+from compress.quantization.preparation import calibrate_weight, quant_modules, unwrap
 from torch import nn
 
 from compress.core.batching import call_model, primary_output, split_batch, to_device
 from compress.core.errors import CalibrationError
-from quantization.numerics.fake_quant import FakeQuantizer
-from quantization.placement.mode import graph_of
-from quantization.preparation import calibrate_weight, quant_modules, unwrap
 
 log = logging.getLogger(__name__)
 

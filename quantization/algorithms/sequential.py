@@ -23,15 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from compress.quantization.numerics.modules import QuantLinear
+from compress.quantization.numerics.spec import QuantScheme
+from compress.quantization.preparation import attach_quantized_save, linearize, plan_targets, prepare, unwrap
 from torch import nn
 
 from compress.core.batching import split_batch, to_device
 from compress.core.errors import CalibrationError, UnsupportedModelError
 from compress.core.progress import bar, report
 from compress.core.targets import select_modules
-from quantization.numerics.modules import QuantLinear
-from quantization.numerics.spec import QuantScheme
-from quantization.preparation import attach_quantized_save, linearize, plan_targets, prepare, unwrap
 
 log = logging.getLogger(__name__)
 

@@ -35,6 +35,13 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import torch
+from compress.quantization.numerics.calibration import float_mode
+from compress.quantization.numerics.fake_quant import FakeQuantizer
+from compress.quantization.numerics.modules import QuantLinear
+from compress.quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec, qparams_from_range
+from compress.quantization.placement.activations import capture_first_call, ensure_placed
+from compress.quantization.placement.mode import input_quantizer, set_smoothing
+from compress.quantization.preparation import calibrate_weight, quant_modules, unwrap
 from pydantic import Field
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -43,13 +50,6 @@ from compress.core.batching import ForwardLoop, as_forward_loop, micro_batches
 from compress.core.errors import CalibrationError
 from compress.core.progress import track, with_progress
 from compress.core.tracing import tensor_leaves
-from quantization.numerics.calibration import float_mode
-from quantization.numerics.fake_quant import FakeQuantizer
-from quantization.numerics.modules import QuantLinear
-from quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec, qparams_from_range
-from quantization.placement.activations import capture_first_call, ensure_placed
-from quantization.placement.mode import input_quantizer, set_smoothing
-from quantization.preparation import calibrate_weight, quant_modules, unwrap
 
 log = logging.getLogger(__name__)
 

@@ -20,25 +20,25 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+from compress.quantization.algorithms.bn_fold import sequential_pairs
+from compress.quantization.lowering.fp8 import FP8Linear
+from compress.quantization.lowering.fused_norm import fuse_norms as fuse_norm_modules
+from compress.quantization.lowering.horizontal import track_readers
+from compress.quantization.lowering.int4 import is_int4_weight_only
+from compress.quantization.lowering.int8 import Int8Conv2d, Int8Linear, StaticQDQ
+from compress.quantization.lowering.kernels import require_triton
+from compress.quantization.lowering.kernels.ops import register as register_ops
+from compress.quantization.lowering.shared_input import share_input_codes
+from compress.quantization.lowering.speed import keep_float_reason, layer_input_shapes
+from compress.quantization.lowering.w4a16 import W4A16Linear
+from compress.quantization.numerics.fake_quant import FakeQuantizer
+from compress.quantization.numerics.modules import QUANT_TYPES, QuantConv1d, QuantConv2d, QuantLinear
+from compress.quantization.placement.mode import detach as detach_placement
+from compress.quantization.placement.mode import input_quantizer
+from compress.quantization.preparation import unwrap
 from torch import nn
 
 from compress.core.errors import RecipeError, UnsupportedModelError, did_you_mean
-from quantization.algorithms.bn_fold import sequential_pairs
-from quantization.lowering.fp8 import FP8Linear
-from quantization.lowering.fused_norm import fuse_norms as fuse_norm_modules
-from quantization.lowering.horizontal import track_readers
-from quantization.lowering.int4 import is_int4_weight_only
-from quantization.lowering.int8 import Int8Conv2d, Int8Linear, StaticQDQ
-from quantization.lowering.kernels import require_triton
-from quantization.lowering.kernels.ops import register as register_ops
-from quantization.lowering.shared_input import share_input_codes
-from quantization.lowering.speed import keep_float_reason, layer_input_shapes
-from quantization.lowering.w4a16 import W4A16Linear
-from quantization.numerics.fake_quant import FakeQuantizer
-from quantization.numerics.modules import QUANT_TYPES, QuantConv1d, QuantConv2d, QuantLinear
-from quantization.placement.mode import detach as detach_placement
-from quantization.placement.mode import input_quantizer
-from quantization.preparation import unwrap
 
 log = logging.getLogger(__name__)
 

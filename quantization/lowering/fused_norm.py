@@ -29,12 +29,12 @@ from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
+from compress.quantization.lowering.kernels import interpret_mode, load
+from compress.quantization.lowering.kernels.ops import compiling
+from compress.quantization.lowering.shared_input import SharedCodes
 from torch import nn
 
 from compress.core.errors import UnsupportedModelError
-from quantization.lowering.kernels import interpret_mode, load
-from quantization.lowering.kernels.ops import compiling
-from quantization.lowering.shared_input import SharedCodes
 
 log = logging.getLogger(__name__)
 

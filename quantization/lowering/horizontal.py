@@ -33,9 +33,8 @@ import weakref
 from typing import Any
 
 import torch
-
-from quantization.lowering.kernels import load
-from quantization.lowering.kernels.ops import compiling
+from compress.quantization.lowering.kernels import load
+from compress.quantization.lowering.kernels.ops import compiling
 
 log = logging.getLogger(__name__)
 _TENSORS = ("weight_q", "weight_scale", "weight_colsum", "bias")

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from compress.quantization.numerics.primitives import clamp_scale
 
 from compress.core.errors import UnsupportedModelError
-from quantization.numerics.primitives import clamp_scale
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def activation_quantizers(model: Any) -> list[str]:
 
     Weight-only exports refuse a model that has any, wherever they are placed (on layers, on
     tensor operations or in hooks' modules), rather than silently dropping them."""
-    from quantization.numerics.fake_quant import FakeQuantizer
+    from compress.quantization.numerics.fake_quant import FakeQuantizer
 
     return [n for n, m in model.named_modules() if isinstance(m, FakeQuantizer) and m.role != "weight" and m.enabled]
 

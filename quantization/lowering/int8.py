@@ -17,16 +17,16 @@ import copy
 from typing import Any
 
 import torch
+from compress.quantization.lowering.fused_norm import claim
+from compress.quantization.lowering.kernels import ACTIVATIONS, load
+from compress.quantization.lowering.kernels.ops import compiling, ops
+from compress.quantization.lowering.kernels.ops import register as register_ops
+from compress.quantization.lowering.shared_input import SharedCodes
+from compress.quantization.numerics.fake_quant import FakeQuantizer
+from compress.quantization.numerics.primitives import SCALE_EPS
 from torch import nn
 
 from compress.core.errors import CompressError, UnsupportedModelError
-from quantization.lowering.fused_norm import claim
-from quantization.lowering.kernels import ACTIVATIONS, load
-from quantization.lowering.kernels.ops import compiling, ops
-from quantization.lowering.kernels.ops import register as register_ops
-from quantization.lowering.shared_input import SharedCodes
-from quantization.numerics.fake_quant import FakeQuantizer
-from quantization.numerics.primitives import SCALE_EPS
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

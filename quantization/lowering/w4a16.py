@@ -15,19 +15,19 @@ import logging
 from typing import Any
 
 import torch
-from torch import nn
-
-from compress.core.errors import CompressError, UnsupportedModelError
-from quantization.lowering.int4 import (
+from compress.quantization.lowering.int4 import (
     Int4Weight,
     int4_weight,
     is_int4_weight_only,
     pack_nibbles,
     unpack_nibbles,
 )
-from quantization.lowering.kernels import ACTIVATIONS, load
-from quantization.lowering.kernels.ops import compiling, ops
-from quantization.lowering.kernels.ops import register as register_ops
+from compress.quantization.lowering.kernels import ACTIVATIONS, load
+from compress.quantization.lowering.kernels.ops import compiling, ops
+from compress.quantization.lowering.kernels.ops import register as register_ops
+from torch import nn
+
+from compress.core.errors import CompressError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ _FASTER: dict[tuple[Any, ...], bool] = {}
 
 def _faster_is_tinygemm(layer: W4A16Linear, x2: torch.Tensor) -> bool:
     """Whether tinygemm beats our kernel at this layer's shape and M bucket (timed once per key)."""
-    from quantization.lowering.kernels.gemm import m_bucket
+    from compress.quantization.lowering.kernels.gemm import m_bucket
 
     key = (m_bucket(x2.shape[0]), layer.out_features, layer.in_features, layer.group_size, x2.dtype,
            layer.weight_zero_point is not None, layer.bias is not None, layer.activation)

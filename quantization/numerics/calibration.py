@@ -9,13 +9,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from compress.quantization.placement.activations import ensure_placed
+from compress.quantization.placement.mode import graph_of, input_quantizer
+from compress.quantization.preparation import quantizers, unwrap
 from torch import nn
 
 from compress.core.batching import CalibrationData, as_forward_loop
 from compress.core.errors import CalibrationError
-from quantization.placement.activations import ensure_placed
-from quantization.placement.mode import graph_of, input_quantizer
-from quantization.preparation import quantizers, unwrap
 
 log = logging.getLogger(__name__)
 

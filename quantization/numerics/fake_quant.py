@@ -21,11 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
-
-from compress.core.errors import CalibrationError, UnsupportedModelError
-from quantization.numerics.observers import Observer, build_observer
-from quantization.numerics.primitives import (
+from compress.quantization.numerics.observers import Observer, build_observer
+from compress.quantization.numerics.primitives import (
     MIN_RANGE_SCALE,
     clamp_scale,
     dynamic_qparams,
@@ -38,7 +35,10 @@ from quantization.numerics.primitives import (
     stat_shape,
     to_rows,
 )
-from quantization.numerics.spec import QuantSpec
+from compress.quantization.numerics.spec import QuantSpec
+from torch import nn
+
+from compress.core.errors import CalibrationError, UnsupportedModelError
 
 
 def _data_parallel_world() -> int:

@@ -20,11 +20,10 @@ from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
+from compress.quantization.algorithms.bn_fold import fold_bn_into_conv
+from compress.quantization.numerics.fake_quant import FakeQuantizer
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec
 from torch import nn
-
-from quantization.algorithms.bn_fold import fold_bn_into_conv
-from quantization.numerics.fake_quant import FakeQuantizer
-from quantization.numerics.spec import QuantScheme, QuantSpec
 
 
 def _q(spec: QuantSpec | None, role: str, name: str) -> FakeQuantizer | None:

@@ -14,12 +14,12 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range
+from compress.quantization.numerics.spec import QuantSpec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from compress.core.errors import CalibrationError, RecipeError
 from compress.core.registry import Registry
-from quantization.numerics.primitives import fake_quantize, qparams_from_range
-from quantization.numerics.spec import QuantSpec
 
 
 class NoParams(BaseModel):

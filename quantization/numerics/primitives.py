@@ -15,8 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
-
-from quantization.numerics.spec import FP8_E4M3_MAX, QuantSpec
+from compress.quantization.numerics.spec import FP8_E4M3_MAX, QuantSpec
 
 # Smallest scale: keeps constant or all-zero tensors finite (they quantize to exact zeros).
 SCALE_EPS = float(torch.finfo(torch.float32).eps)

@@ -17,19 +17,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from compress.quantization.numerics.spec import QuantSpec
+from compress.quantization.placement.cost_table import CostTable
+from compress.quantization.placement.graph_patterns import weighted_operands
+from compress.quantization.placement.mode import (
+    QuantizerGraph,
+    attach,
+    build_quantizers,
+    calibrate_weights,
+    graph_of,
+)
+from compress.quantization.placement.place import place
+from compress.quantization.placement.records import Placement
+from compress.quantization.placement.runtimes import get_profile
+from compress.quantization.placement.trace import OpGraph, OpNode, trace_graph
 from torch import nn
 
 from compress.core.errors import CalibrationError, CompressError
 from compress.core.targets import pattern_matches
 from compress.core.tracing import tensor_leaves
-from quantization.numerics.spec import QuantSpec
-from quantization.placement.cost_table import CostTable
-from quantization.placement.graph_patterns import weighted_operands
-from quantization.placement.mode import QuantizerGraph, attach, build_quantizers, calibrate_weights, graph_of
-from quantization.placement.place import place
-from quantization.placement.records import Placement
-from quantization.placement.runtimes import get_profile
-from quantization.placement.trace import OpGraph, OpNode, trace_graph
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +141,7 @@ def bn_pairs_from_graph(model: nn.Module, graph: OpGraph) -> dict[str, str]:
     """``{layer: bn}`` for every conv (or Linear, see :func:`_bn_producer`) call whose output only a
     BatchNorm module reads (any module structure: the graph shows the data flow that nn.Sequential
     adjacency guesses)."""
-    from quantization.algorithms.bn_fold import _compatible
+    from compress.quantization.algorithms.bn_fold import _compatible
 
     mods = dict(model.named_modules())
     pairs: dict[str, str] = {}

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from compress.quantization.placement.speed_check import LayerCall
 from torch import nn
 
 from compress.core import machine
 from compress.core.errors import CompressError
-from quantization.placement.speed_check import LayerCall
 
 log = logging.getLogger(__name__)
 

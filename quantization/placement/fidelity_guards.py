@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from quantization.placement.graph_patterns import tensor_consumers, weighted_operands
-from quantization.placement.trace import Operand, OpGraph, OpNode
+from compress.quantization.placement.graph_patterns import tensor_consumers, weighted_operands
+from compress.quantization.placement.trace import Operand, OpGraph, OpNode
 
 #: a constant tensor operand of a product runs as a quantized initializer (QLinearMul) only when one
 #: 8-bit scale keeps it at this SQNR or better (the tracer computes it from its values): a layer scale

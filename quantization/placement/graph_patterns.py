@@ -5,7 +5,7 @@ reads each tensor, which tensors the model returns)."""
 
 from __future__ import annotations
 
-from quantization.placement.trace import Operand, OpGraph, OpNode
+from compress.quantization.placement.trace import Operand, OpGraph, OpNode
 
 #: weighted kinds: (data operand position, weight operand position, weight per-channel axis)
 _WEIGHTED_POS: dict[str, tuple[int, int, int]] = {"linear": (0, 1, 0), "conv": (0, 1, 0), "addmm": (1, 2, 1)}

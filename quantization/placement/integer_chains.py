@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import math
 
-from quantization.placement import fidelity_guards as guards
-from quantization.placement.cost_table import CostTable
-from quantization.placement.model_cost import dequantize_us, elementwise_us, quantize_us, scale_shape
-from quantization.placement.placer_state import PlacerState, TensorGroups
-from quantization.placement.records import new_internal
-from quantization.placement.trace import Operand, OpNode
+from compress.quantization.placement import fidelity_guards as guards
+from compress.quantization.placement.cost_table import CostTable
+from compress.quantization.placement.model_cost import dequantize_us, elementwise_us, quantize_us, scale_shape
+from compress.quantization.placement.placer_state import PlacerState, TensorGroups
+from compress.quantization.placement.records import new_internal
+from compress.quantization.placement.trace import Operand, OpNode
 
 #: why a chain with no integer kernel beside it returns to float (pass 4b)
 ISLAND_REASON = ("elementwise op between float ops (no integer kernel makes its inputs or reads its output): on codes "

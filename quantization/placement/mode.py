@@ -23,17 +23,28 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from compress.quantization.numerics.fake_quant import FakeQuantizer
+from compress.quantization.numerics.spec import QuantSpec
+from compress.quantization.placement.attention import (
+    MASK_GAP,
+    attention_with_weights,
+    decomposed_attention,
+    redirect,
+)
+from compress.quantization.placement.records import CONSTANT_PREFIX, Placement
+from compress.quantization.placement.trace import (
+    ScopeTracker,
+    call_kind,
+    is_unseen,
+    register_mode_file,
+    site_index,
+)
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from compress.core.errors import CalibrationError
-from quantization.numerics.fake_quant import FakeQuantizer
-from quantization.numerics.spec import QuantSpec
-from quantization.placement.attention import MASK_GAP, attention_with_weights, decomposed_attention, redirect
-from quantization.placement.records import CONSTANT_PREFIX, Placement
-from quantization.placement.trace import ScopeTracker, call_kind, is_unseen, register_mode_file, site_index
 
 ATTR = "quantizer_graph"
 register_mode_file(__file__)  # this mode's frames are never an op's call site

@@ -31,11 +31,10 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from compress.quantization.placement.cost_table import CostTable, layer_shape, slower_by_table
+from compress.quantization.placement.speed_check import LayerCall, layer_calls
+from compress.quantization.placement.trace import Operand, OpGraph, OpNode
 from torch import nn
-
-from quantization.placement.cost_table import CostTable, layer_shape, slower_by_table
-from quantization.placement.speed_check import LayerCall, layer_calls
-from quantization.placement.trace import Operand, OpGraph, OpNode
 
 log = logging.getLogger(__name__)
 

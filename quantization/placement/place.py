@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from quantization.placement import fidelity_guards as guards
-from quantization.placement.cost_table import CostTable
-from quantization.placement.graph_patterns import output_tensors, weighted_operands
-from quantization.placement.integer_chains import IntegerChains
-from quantization.placement.records import Placement, WeightUse, new_constant, new_internal
-from quantization.placement.runtimes import RuntimeProfile
-from quantization.placement.trace import Operand, OpGraph, OpNode
+from compress.quantization.placement import fidelity_guards as guards
+from compress.quantization.placement.cost_table import CostTable
+from compress.quantization.placement.graph_patterns import output_tensors, weighted_operands
+from compress.quantization.placement.integer_chains import IntegerChains
+from compress.quantization.placement.records import Placement, WeightUse, new_constant, new_internal
+from compress.quantization.placement.runtimes import RuntimeProfile
+from compress.quantization.placement.trace import Operand, OpGraph, OpNode
 
 
 def place(

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from quantization.placement.cost_table import CostTable
-from quantization.placement.graph_patterns import (
+from compress.quantization.placement.cost_table import CostTable
+from compress.quantization.placement.graph_patterns import (
     activation_regions,
     sliced_weight,
     tensor_consumers,
     weighted_operands,
 )
-from quantization.placement.records import Placement, WeightUse, new_constant
-from quantization.placement.runtimes import RuntimeProfile
-from quantization.placement.trace import Operand, OpGraph, OpNode
+from compress.quantization.placement.records import Placement, WeightUse, new_constant
+from compress.quantization.placement.runtimes import RuntimeProfile
+from compress.quantization.placement.trace import Operand, OpGraph, OpNode
 
 
 class TensorGroups:

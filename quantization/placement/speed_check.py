@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from compress.quantization.placement.trace import OpGraph, OpNode
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from compress.core.errors import CompressError
 from compress.core.ort import inference_session, session_options
-from quantization.placement.trace import OpGraph, OpNode
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from compress.quantization.placement import attention
 from torch import nn
 
 from compress.core import tracing
 from compress.core.tracing import ObserverMode, iter_tensors, op_name, tensor_leaves
-from quantization.placement import attention
 
 # ---- op kinds ---------------------------------------------------------------------------------------
 # The name of the function or method as written (compress.core.tracing.op_name: ``add_``, ``__iadd__``
@@ -230,7 +230,7 @@ class ScopeTracker:
     (``scope:kind@site#n``, see :func:`is_unseen`)."""
 
     def __init__(self, root: nn.Module, sites: dict[tuple[str, str, str], list[str]] | None = None) -> None:
-        from quantization.numerics.fake_quant import FakeQuantizer
+        from compress.quantization.numerics.fake_quant import FakeQuantizer
 
         self.names = {id(m): n for n, m in root.named_modules()}
         # quantizers (and export stand-ins) run torch calls that are not the model's own ops

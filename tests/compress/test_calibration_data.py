@@ -150,7 +150,7 @@ def test_positional_extras_are_refused_and_recording_stops_at_max_batches() -> N
 
 
 def test_the_former_keywords_still_work_with_a_warning() -> None:
-    from pruning.api import PruneOptions
+    from compress.pruning.api import PruneOptions
 
     torch.manual_seed(0)
     fp = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4)).eval()

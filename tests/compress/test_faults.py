@@ -48,14 +48,14 @@ if phase == "train":  # after epoch 1's checkpoint, inside epoch 2
             die()
     runner.save_checkpoint = save_then_die
 elif phase == "export":  # the int8 file half-written
-    import export.pipeline as pipeline
+    import compress.export.pipeline as pipeline
     def export_then_die(model, example, path, **kw):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         (Path(path).parent / ("." + Path(path).name + ".x.tmp")).write_bytes(b"half an onnx file")
         die()
     pipeline.export_onnx = export_then_die
 elif phase == "validate":  # accuracy measured, latency being timed
-    import export.validate as validate
+    import compress.export.validate as validate
     def time_then_die(*a, **k):
         die()
     validate.time_side_by_side = time_then_die

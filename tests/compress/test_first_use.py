@@ -71,8 +71,7 @@ def test_atomic_writes_respect_the_umask(tmp_path: Path) -> None:
 
 def test_direct_onnx_export_respects_the_umask(tmp_path: Path) -> None:
     import torch
-
-    from export.onnx import export_onnx
+    from compress.export.onnx import export_onnx
 
     old = os.umask(0o022)
     try:
@@ -152,9 +151,10 @@ def test_recipes_lists_whole_sentences(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_the_summary_rounds_its_figures() -> None:
+    from compress.export.records import ValidationRecord
+
     from compress.cli import summary
     from compress.report import ModelFigures, Report
-    from export.records import ValidationRecord
 
     r = Report(recipe={"name": "x"}, baseline=ModelFigures(accuracy=0.98765432), final=ModelFigures(accuracy=0.97))
     r.validation.append(ValidationRecord(

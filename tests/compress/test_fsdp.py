@@ -131,7 +131,7 @@ def test_a_sharded_checkpoint_keeps_the_lr_schedule_and_pickles_nothing(tmp_path
 
 def _prepared(seed: int = 5) -> tuple[nn.Module, torch.Tensor]:
     """A tiny Llama with QAT fake quantizers (w8a8, LSQ scales) calibrated on one batch."""
-    from quantization import calibrate, prepare, quantizers
+    from compress.quantization import calibrate, prepare, quantizers
 
     m = _llama()
     x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(seed))
@@ -227,10 +227,10 @@ def _worker(rank: int, port: int, out: str) -> None:
 def _speed_check_on_ranks(rank: int) -> tuple[bool, bool]:
     """PTQ's speed_check under torchrun: rank 0 alone times the kernels (here: says down_proj of layer 0
     is slower in int8) and every rank keeps the same layers float."""
-    import quantization.preparation as qp
-    from quantization import prepare
-    from quantization.numerics.modules import QuantLinear
-    from quantization.placement.speed_check import SpeedCheck
+    import compress.quantization.preparation as qp
+    from compress.quantization import prepare
+    from compress.quantization.numerics.modules import QuantLinear
+    from compress.quantization.placement.speed_check import SpeedCheck
 
     def measure(*_: Any, **__: Any) -> dict[str, str]:
         if rank != 0:
@@ -301,7 +301,7 @@ def _ddp_stage_checkpoint(rank: int, out: Path) -> dict[str, bool]:
 
 
 def _observer_stats(model: nn.Module) -> dict[str, torch.Tensor]:
-    from quantization import quantizers
+    from compress.quantization import quantizers
 
     return {f"{n}.{a}": v.clone() for n, q in quantizers(model) if q.observer is not None
             for a, v in vars(q.observer).items() if isinstance(v, torch.Tensor) and q.role != "weight"}

@@ -84,7 +84,7 @@ def test_mobilenetv2_structure() -> None:
 
 def _op_counts(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
     """Tensor ops of one forward pass by kind, as quantizer placement sees them."""
-    from quantization.placement.trace import trace_graph
+    from compress.quantization.placement.trace import trace_graph
 
     counts: dict[str, int] = {}
     for n in trace_graph(model.eval(), (x,), {}).nodes.values():
@@ -280,9 +280,9 @@ def test_pruning_plan_replayed_before_checkpoint(tmp_path, monkeypatch) -> None:
             calls.append("apply")
             model.fc = nn.Linear(model.fc.in_features, 4)
 
-    fake = types.ModuleType("pruning.plan")
+    fake = types.ModuleType("compress.pruning.plan")
     fake.PruningPlan = FakePlan  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pruning.plan", fake)
+    monkeypatch.setitem(sys.modules, "compress.pruning.plan", fake)
     pruned = build_zoo_model("resnet", width=8)
     pruned.fc = nn.Linear(pruned.fc.in_features, 4)
     torch.save(pruned.state_dict(), tmp_path / "pruned.pt")
@@ -301,7 +301,7 @@ def test_pruning_plan_replayed_before_checkpoint(tmp_path, monkeypatch) -> None:
 
 
 def test_real_pruning_plan_and_pruned_checkpoint_round_trip(tmp_path) -> None:
-    prune = pytest.importorskip("pruning.api").prune
+    prune = pytest.importorskip("compress.pruning.api").prune
     torch.manual_seed(0)
     model = build_zoo_model("resnet", width=8).eval()
     x = torch.randn(4, 1, 8, 8)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from compress.export.records import ValidationRecord
 
 import compress
 from compress.cli import main
@@ -15,7 +16,6 @@ from compress.core.errors import RecipeError
 from compress.recipe import load_recipe
 from compress.report import ModelFigures, Report
 from compress.runner import check_thresholds
-from export.records import ValidationRecord
 
 TINY = {
     "version": 1,

@@ -52,8 +52,8 @@ _BOUNDS = (at.Ge, at.Gt, at.Le, at.Lt, at.Interval)
 
 
 def _root_classes() -> list[type[BaseModel]]:
-    from distillation.spec import LOSS_CLASSES
-    from quantization.numerics.observers import OBSERVERS
+    from compress.distillation.spec import LOSS_CLASSES
+    from compress.quantization.numerics.observers import OBSERVERS
 
     # the test suite's own modifiers (tests/compress/conftest.py registers a few) are no recipe schema
     specs = [modifier_class(t).spec_cls for t in modifier_types()]
@@ -233,7 +233,7 @@ def test_late_failures_now_fail_at_load(tmp_path: Path, field: str, value: Any, 
 
 
 def test_distillation_layer_indices_are_not_negative(tmp_path: Path) -> None:
-    from distillation.spec import HiddenStateLoss
+    from compress.distillation.spec import HiddenStateLoss
 
     with pytest.raises(ValidationError, match="greater than or equal to 0"):
         HiddenStateLoss.model_validate({"layers": {-1: 2}})

@@ -41,7 +41,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_final_state_restores_the_pruned_quantized_model(run_dir: Path) -> None:
     import json
 
-    from quantization import quantizers
+    from compress.quantization import quantizers
 
     recipe = load_recipe(run_dir / "recipe.yaml")
     model = restore_compressed(lambda: load_model(recipe.model), run_dir / "checkpoints" / "final.pt")
@@ -69,7 +69,7 @@ def test_a_version_1_state_still_restores(run_dir: Path, tmp_path: Path) -> None
     """Runs saved before each modifier owned its state kept the plans and the quantize spec apart."""
     import json
 
-    from quantization import quantizers
+    from compress.quantization import quantizers
 
     recipe = load_recipe(run_dir / "recipe.yaml")
     data = torch.load(run_dir / "checkpoints" / "final.pt", weights_only=True)

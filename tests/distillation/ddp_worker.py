@@ -6,9 +6,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+from compress.distillation.api import Distiller
 from torch import nn
-
-from distillation.api import Distiller
 
 
 class Net(nn.Module):

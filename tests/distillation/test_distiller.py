@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from compress.distillation.api import Distiller
+from compress.distillation.teacher import Teacher
 from torch import nn
 
 import compress
 from compress.core.errors import CompressError, RecipeError, TargetMatchError
-from distillation.api import Distiller
-from distillation.teacher import Teacher
 
 
 class ConvNet(nn.Module):

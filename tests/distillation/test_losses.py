@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from distillation.losses import (
+from compress.distillation.losses import (
     attention_kl,
     cosine_loss,
     divergence,
@@ -16,7 +15,7 @@ from distillation.losses import (
     mean_pool,
     soft_target_ce,
 )
-from distillation.spec import FeatureLoss, KDLoss, LossTerm
+from compress.distillation.spec import FeatureLoss, KDLoss, LossTerm
 
 
 def _softmax(row: list[float], t: float) -> list[float]:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from compress.distillation.losses import kd_kl
 from torch import nn
 
 from compress.core.batching import split_batch
@@ -18,7 +19,6 @@ from compress.models import build_zoo_model
 from compress.recipe import load_recipe
 from compress.session import Session
 from compress.training import evaluate, fit, seed_everything
-from distillation.losses import kd_kl
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +227,7 @@ def test_scheduled_weight_follows_the_modifier_window(digits: Any) -> None:
 
 
 def test_distill_and_qat_in_one_stage_follow_the_module_swap(digits: Any, teacher_ckpt: Path) -> None:
-    pytest.importorskip("quantization.modifiers")
+    pytest.importorskip("compress.quantization.modifiers")
     model = build_zoo_model("mlp", {"hidden": 64})
     model.load_state_dict(torch.load(teacher_ckpt, weights_only=True))
     original = type(model.body[0])
@@ -247,7 +247,7 @@ def test_distill_and_qat_in_one_stage_follow_the_module_swap(digits: Any, teache
 
 
 def test_distill_after_pruning_in_one_stage_adapts_the_narrowed_features(digits: Any, teacher_ckpt: Path) -> None:
-    pytest.importorskip("pruning.modifiers")
+    pytest.importorskip("compress.pruning.modifiers")
     model = build_zoo_model("mlp", {"hidden": 64})
     model.load_state_dict(torch.load(teacher_ckpt, weights_only=True))
     mod = {"type": "distill", "losses": [{"type": "kd"}, {"type": "feature", "layers": {"body.1": "body.1"}}]}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compress.distillation.api import Distiller
+from compress.distillation.losses import attention_kl, cosine_loss, feature_mse, mean_pool
 
 from compress.core.errors import RecipeError
-from distillation.api import Distiller
-from distillation.losses import attention_kl, cosine_loss, feature_mse, mean_pool
 
 transformers = pytest.importorskip("transformers")
 

@@ -38,7 +38,7 @@ def trained_resnet(digits: Any) -> nn.Module:
 
 @pytest.fixture(scope="session")
 def quantized_resnet(trained_resnet: nn.Module, digits: Any) -> nn.Module:
-    from quantization.api import quantize
+    from compress.quantization.api import quantize
 
     torch.manual_seed(0)
     return quantize(copy.deepcopy(trained_resnet), "w8a8", digits.calibration).eval()
@@ -47,7 +47,7 @@ def quantized_resnet(trained_resnet: nn.Module, digits: Any) -> nn.Module:
 @pytest.fixture(scope="session")
 def resnet_exports(quantized_resnet: nn.Module, trained_resnet: nn.Module, digits: Any, tmp_path_factory: Any) -> Any:
     """The pipeline's records: final int8 QDQ file and fp32 baseline."""
-    from export.pipeline import export_model
+    from compress.export.pipeline import export_model
 
     out = tmp_path_factory.mktemp("resnet")
     return export_model(quantized_resnet, digits.example_inputs, ExportSpec(), out, baseline=trained_resnet,

@@ -14,11 +14,12 @@ from torch import nn
 pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")
 
+from compress.export.compressed_tensors import pack_int32, save_compressed_tensors  # noqa: E402
+from compress.quantization.lowering.int4 import dequantize_int4, int4_weight  # noqa: E402
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec  # noqa: E402
+
 import compress  # noqa: E402
 from compress.core.errors import UnsupportedModelError  # noqa: E402
-from export.compressed_tensors import pack_int32, save_compressed_tensors  # noqa: E402
-from quantization.lowering.int4 import dequantize_int4, int4_weight  # noqa: E402
-from quantization.numerics.spec import QuantScheme, QuantSpec  # noqa: E402
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 256}
@@ -296,7 +297,7 @@ def test_save_pretrained_of_a_scheme_without_checkpoint_form_says_what_to_use_an
     with pytest.raises(UnsupportedModelError, match=r"save_pretrained: .* export this one with compress.export_onnx") as err:
         q.save_pretrained(tmp_path / "w8a8")
     assert "\n" not in str(err.value) and not (tmp_path / "w8a8" / "config.json").exists()
-    from quantization import strip
+    from compress.quantization import strip
 
     strip(q)
     assert "save_pretrained" not in q.__dict__

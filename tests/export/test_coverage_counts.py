@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
+from compress.export.runtimes import ort_coverage
 from onnx import TensorProto, helper
-
-from export.runtimes import ort_coverage
 
 
 def test_float_ops_left_count_float_work_not_index_arithmetic(tmp_path: Path) -> None:

@@ -14,11 +14,12 @@ from torch import nn
 if not torch.cuda.is_available():  # before the kernels are first imported (jit decides then)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from compress.export.cuda import cast_float_layers, validate_cuda
+from compress.quantization.lowering.int8 import Int8Linear
+from compress.quantization.numerics.modules import QuantLinear
+
 import compress
 from compress.core.errors import ExportError
-from export.cuda import cast_float_layers, validate_cuda
-from quantization.lowering.int8 import Int8Linear
-from quantization.numerics.modules import QuantLinear
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 
@@ -72,7 +73,7 @@ def test_validate_cuda_on_gpu_fp16() -> None:
 
 def test_cast_float_layers_keeps_int8_scales_fp32() -> None:
     _, q, _ = _setup()
-    from quantization.lowering.convert import convert
+    from compress.quantization.lowering.convert import convert
 
     c = cast_float_layers(convert(q), torch.float16)
     assert isinstance(c[0], Int8Linear)

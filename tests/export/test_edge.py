@@ -9,13 +9,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
+from compress.export.pipeline import export_model
 
 from compress.recipe import ExportSpec
-from export.pipeline import export_model
 
 
 def test_fp16_export(trained_resnet: Any, tmp_path: Path) -> None:
-    from export.onnx import export_onnx
+    from compress.export.onnx import export_onnx
 
     torch.manual_seed(2)
     x = torch.rand(5, 1, 8, 8) * 16

@@ -7,11 +7,11 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from compress.export.onnx import export_onnx
 from torch import nn
 
 from compress.core.errors import ExportError, RecipeError
 from compress.models import build_zoo_model
-from export.onnx import export_onnx
 
 
 @torch.library.custom_op("compress_test::mystery", mutates_args=())
@@ -84,10 +84,9 @@ def test_interrupted_export_leaves_no_partial_file(tmp_path: Path, monkeypatch: 
 
 
 def test_large_model_goes_to_external_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import compress.export.onnx as eo
     import numpy as np
     import onnxruntime as ort
-
-    import export.onnx as eo
 
     monkeypatch.setattr(eo, "_SINGLE_FILE_LIMIT", 10_000)  # stands in for protobuf's 2 GB limit
     torch.manual_seed(0)

@@ -10,9 +10,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from compress.export.onnx import export_onnx
 
 from compress.models import build_zoo_model
-from export.onnx import export_onnx
 
 
 def _ort(path: Path) -> ort.InferenceSession:

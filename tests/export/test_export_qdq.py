@@ -12,13 +12,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from compress.export.onnx import export_onnx
+from compress.export.parity import Parity
+from compress.export.qdq import swap_quantizers
+from compress.export.runtimes import integer_kernel_count
 from onnx import numpy_helper
 
 from compress.core.errors import ExportError
-from export.onnx import export_onnx
-from export.parity import Parity
-from export.qdq import swap_quantizers
-from export.runtimes import integer_kernel_count
 
 
 def _run(path: Path, feeds: dict[str, np.ndarray], *, optimize: bool = True) -> np.ndarray:
@@ -44,7 +44,7 @@ def test_int8_parity_on_digits(quantized_resnet: torch.nn.Module, int8_path: Pat
 def test_weights_calibrated_at_reduce_range_give_ort_parity(
     trained_resnet: torch.nn.Module, digits: Any, tmp_path: Path
 ) -> None:
-    from quantization.api import quantize
+    from compress.quantization.api import quantize
 
     scheme = {"preset": "w8a8", "weights": {"reduce_range": True}}
     q = quantize(copy.deepcopy(trained_resnet), scheme, digits.calibration).eval()
@@ -158,7 +158,7 @@ def test_reduce_range_and_int8_activations(quantized_resnet: torch.nn.Module, tm
 
 
 def test_bert_w8a8_uses_integer_matmuls(tiny_bert: Any, text_batch: Any, tmp_path: Path) -> None:
-    from quantization.api import quantize
+    from compress.quantization.api import quantize
 
     model = quantize(tiny_bert(), "w8a8", [text_batch(8, 12, seed=s) for s in range(3)])
     p = export_onnx(model, text_batch(4, 12, seed=9), tmp_path / "bert.int8.onnx")
@@ -175,7 +175,7 @@ def test_bert_w8a8_uses_integer_matmuls(tiny_bert: Any, text_batch: Any, tmp_pat
 
 
 def test_bert_smoothquant_keeps_one_quantize_per_shared_input(tiny_bert: Any, text_batch: Any, tmp_path: Path) -> None:
-    from quantization.api import QuantizeParams, quantize
+    from compress.quantization.api import QuantizeParams, quantize
 
     calib = [text_batch(8, 12, seed=s) for s in range(3)]
     model = quantize(tiny_bert(), "w8a8", calib, params=QuantizeParams(smoothquant="auto"))
@@ -201,8 +201,9 @@ def test_bert_smoothquant_keeps_one_quantize_per_shared_input(tiny_bert: Any, te
 
 
 def test_dynamic_activation_quant_is_a_clear_error(tmp_path: Path) -> None:
+    from compress.quantization.api import quantize
+
     from compress.models import build_zoo_model
-    from quantization.api import quantize
 
     dyn = quantize(build_zoo_model("mlp", {"hidden": 16}).eval(), "w8a8_dynamic")
     with pytest.raises(ExportError, match="dynamic"):
@@ -211,7 +212,7 @@ def test_dynamic_activation_quant_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_int8_embedding_tables(tmp_path: Path) -> None:
-    from quantization.api import quantize
+    from compress.quantization.api import quantize
 
     class Tagger(torch.nn.Module):
         def __init__(self) -> None:
@@ -222,7 +223,7 @@ def test_int8_embedding_tables(tmp_path: Path) -> None:
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             return self.fc(self.emb(ids))
 
-    from quantization.api import QuantizeParams
+    from compress.quantization.api import QuantizeParams
 
     torch.manual_seed(0)
     calib = [torch.randint(0, 4096, (8, 12)) for _ in range(3)]
@@ -245,10 +246,11 @@ def test_int8_embedding_tables(tmp_path: Path) -> None:
 
 
 def test_weight_only_export_is_int8_but_float_compute(tmp_path: Path) -> None:
+    from compress.export.pipeline import export_model
+    from compress.quantization.api import quantize
+
     from compress.models import build_zoo_model
     from compress.recipe import ExportSpec
-    from export.pipeline import export_model
-    from quantization.api import quantize
 
     torch.manual_seed(0)
     model = quantize(build_zoo_model("mlp", {"hidden": 256}).eval(), "w8_weight_only")
@@ -267,7 +269,7 @@ def test_low_bit_weights_with_signed_scales_run_in_integer_kernels(
     the scales are negative. The file stores positive scales (the codes negated) and ORT's
     QLinearConv/QGemm compute what the fake-quant model does; 4-bit codes already fit reduce_range's
     7 bits."""
-    from quantization.api import quantize
+    from compress.quantization.api import quantize
 
     scheme = {"weights": {"bits": bits, "granularity": "channel"}, "inputs": {}}
     q = quantize(copy.deepcopy(trained_resnet), scheme, digits.calibration).eval()
@@ -287,8 +289,9 @@ def test_low_bit_weights_with_signed_scales_run_in_integer_kernels(
 
 
 def test_int4_group_weights_run_as_matmulnbits(tmp_path: Path) -> None:
+    from compress.quantization.api import quantize
+
     from compress.models import build_zoo_model
-    from quantization.api import quantize
 
     torch.manual_seed(0)
     fp32 = build_zoo_model("mlp", {"hidden": 256}).eval()
@@ -320,7 +323,7 @@ def test_int4_group_weights_run_as_matmulnbits(tmp_path: Path) -> None:
 def test_bias_that_overflows_int32_keeps_its_value(tmp_path: Path) -> None:
     """A channel with zero weights behind a tiny activation scale: ``bias / (s_x * s_w)`` is far past
     int32. The export raises that channel's weight scale; the bias must survive into ORT."""
-    from quantization import quantize
+    from compress.quantization import quantize
 
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(3, 4, 3, padding=1)
@@ -341,11 +344,11 @@ def test_bias_that_overflows_int32_keeps_its_value(tmp_path: Path) -> None:
 def test_7bit_record_ignores_the_int8_embedding_tables(tmp_path: Path) -> None:
     """Weights calibrated to 7-bit codes make the record's reduce_range true (no u8s8 saturation
     note) even though the embedding tables, which feed Gathers, keep full 8-bit rows."""
+    from compress.export.pipeline import export_model
+    from compress.quantization.api import quantize
     from transformers import BertConfig, BertModel
 
     from compress.recipe import ExportSpec
-    from export.pipeline import export_model
-    from quantization.api import quantize
 
     torch.manual_seed(0)
     m = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -363,10 +366,9 @@ def test_a_bf16_causal_lm_exports_as_float32_and_keeps_its_dtype(tmp_path: Path)
     """LLMs are loaded in bf16 with a KV cache on: the single-pass export widens the weights to
     float32 (ORT's CPU kernels and Q/DQ scales are float32), asks for no cache, and gives the model
     back unchanged (bf16, use_cache on)."""
+    from compress.export.onnx import export_onnx
+    from compress.quantization.api import quantize
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from export.onnx import export_onnx
-    from quantization.api import quantize
 
     torch.manual_seed(0)
     m = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

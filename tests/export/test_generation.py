@@ -27,9 +27,10 @@ def _llama() -> torch.nn.Module:
 
 
 def test_int4_generation_files_are_validated_against_pytorch_and_the_fp32_file(tmp_path: Path) -> None:
+    from compress.export.generation import export_generation, generation_weights, validate_generation
+    from compress.export.specs import ExportSpec, ValidateSpec
+
     import compress
-    from export.generation import export_generation, generation_weights, validate_generation
-    from export.specs import ExportSpec, ValidateSpec
 
     fp = _llama()
     q = compress.quantize(copy.deepcopy(fp), "w4_weight_only_g128", ignore=["lm_head"])
@@ -81,9 +82,10 @@ def test_int4_generation_files_are_validated_against_pytorch_and_the_fp32_file(t
 
 @pytest.mark.parametrize("preset,op", [("w8a8", "MatMulIntegerToFloat"), ("w8a8_dynamic", "MatMulInteger")])
 def test_w8a8_generation_file_runs_integer_kernels(preset: str, op: str, tmp_path: Path) -> None:
+    from compress.export.generation import export_generation, generation_weights
+    from compress.export.specs import ExportSpec
+
     import compress
-    from export.generation import export_generation, generation_weights
-    from export.specs import ExportSpec
 
     fp = _llama()
     calib = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
@@ -99,10 +101,10 @@ def test_recipe_logits_field_reaches_the_file(tmp_path: Path) -> None:
     """``export.logits: last`` writes the generation file with the last position's logits only; an
     unknown value is refused with the field named."""
     import onnx
+    from compress.export.generation import export_generation
+    from compress.export.specs import ExportSpec
 
     import compress
-    from export.generation import export_generation
-    from export.specs import ExportSpec
 
     q = compress.quantize(_llama(), compress.QuantScheme(weights=compress.QuantSpec(bits=4, granularity="group",
                                                                                      group_size=32), inputs=None),
@@ -115,16 +117,17 @@ def test_recipe_logits_field_reaches_the_file(tmp_path: Path) -> None:
 
 
 def test_generation_refuses_formats_it_does_not_write() -> None:
-    from export.specs import ExportSpec
+    from compress.export.specs import ExportSpec
 
     with pytest.raises(ValidationError, match="fp16 and triton_repository do not apply"):
         ExportSpec(generation=True, fp16=True)
 
 
 def test_the_summary_gives_generation_figures_for_generation_files() -> None:
+    from compress.export.records import ValidationRecord
+
     from compress.cli import summary
     from compress.report import ModelFigures, Report
-    from export.records import ValidationRecord
 
     r = Report(recipe={"name": "x"}, metric="perplexity", baseline=ModelFigures(accuracy=40.1),
                final=ModelFigures(accuracy=40.4))
@@ -145,11 +148,11 @@ def test_sliding_window_layers_generate_as_transformers_does(family: str, tmp_pa
     ``max_window_layers`` marks; the file's greedy tokens are the PyTorch model's (full attention
     would differ), prefill and cached steps alike."""
     import transformers
+    from compress.export.generation import export_generation, torch_greedy, validate_generation
+    from compress.export.llm_onnx import KVDecoder, sliding_windows
+    from compress.export.specs import ExportSpec, ValidateSpec
 
     import compress
-    from export.generation import export_generation, torch_greedy, validate_generation
-    from export.llm_onnx import KVDecoder, sliding_windows
-    from export.specs import ExportSpec, ValidateSpec
 
     torch.manual_seed(0)
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -185,11 +188,11 @@ def test_qwen3_norms_and_phi3_fused_projections_generate_as_transformers_does(fa
     """Qwen3's per-head q/k RMSNorms; Phi-3's fused qkv_proj and gate_up_proj with RoPE on half of
     each head (partial_rotary_factor 0.5): logits equal transformers', int4 greedy tokens the fake-quant model's."""
     import transformers
+    from compress.export.generation import export_generation, validate_generation
+    from compress.export.llm_onnx import KVDecoder
+    from compress.export.specs import ExportSpec, ValidateSpec
 
     import compress
-    from export.generation import export_generation, validate_generation
-    from export.llm_onnx import KVDecoder
-    from export.specs import ExportSpec, ValidateSpec
 
     torch.manual_seed(0)
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -221,12 +224,12 @@ def test_gpt2_learned_positions_and_fused_c_attn_generate_as_transformers_does(t
     fused ``c_attn``, attention scaled by the inverse layer index. The decoder's logits equal
     transformers'; int4 and static W8A8 files generate the fake-quant model's tokens in integer ops."""
     import transformers
+    from compress.export.generation import export_generation, validate_generation
+    from compress.export.llm_onnx import KVDecoder
+    from compress.export.specs import ExportSpec, ValidateSpec
+    from compress.quantization.api import QuantizeParams
 
     import compress
-    from export.generation import export_generation, validate_generation
-    from export.llm_onnx import KVDecoder
-    from export.specs import ExportSpec, ValidateSpec
-    from quantization.api import QuantizeParams
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
@@ -260,9 +263,10 @@ def test_a_bf16_model_is_validated_against_what_its_file_computes(tmp_path: Path
     tokens are compared with the model widened to float32, which the files compute, not with bf16
     arithmetic (static W8A8 here: bf16 rounding moves activation codes, and 5% of the tokens with
     them); the model stays bf16."""
+    from compress.export.generation import export_generation, validate_generation
+    from compress.export.specs import ExportSpec, ValidateSpec
+
     import compress
-    from export.generation import export_generation, validate_generation
-    from export.specs import ExportSpec, ValidateSpec
 
     fp = _llama().to(torch.bfloat16)
     calib = [{"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i))} for i in range(2)]

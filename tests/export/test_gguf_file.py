@@ -14,10 +14,11 @@ from torch import nn
 pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from compress.export.gguf_file import save_gguf  # noqa: E402
+from compress.export.gguf_weights import gguf_reference  # noqa: E402
+
 import compress  # noqa: E402
 from compress.core.errors import ExportError, UnsupportedModelError  # noqa: E402
-from export.gguf_file import save_gguf  # noqa: E402
-from export.gguf_weights import gguf_reference  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,11 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from compress.export.gguf_weights import gguf_blocks, gguf_reference  # noqa: E402
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec  # noqa: E402
+
 import compress  # noqa: E402
 from compress.core.errors import UnsupportedModelError  # noqa: E402
-from export.gguf_weights import gguf_blocks, gguf_reference  # noqa: E402
-from quantization.numerics.spec import QuantScheme, QuantSpec  # noqa: E402
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 256}

@@ -13,11 +13,10 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from compress.export.onnx import export_onnx
+from compress.export.runtimes import ort_optimized_graph
+from compress.quantization import quantize
 from torch import nn
-
-from export.onnx import export_onnx
-from export.runtimes import ort_optimized_graph
-from quantization import quantize
 
 SEVEN_BIT = {"preset": "w8a8", "weights": {"reduce_range": True}}
 
@@ -116,9 +115,8 @@ def test_scales_outside_the_integer_kernel_keep_the_reduce_mean(out_scale: float
     [2^-32, 256): a QAT-learned output scale far below the input's keeps the float ReduceMean,
     which ORT runs, where the rewrite would have given a file that fails at run time."""
     import onnxruntime as ort
+    from compress.export.graph_forms import spatial_means_to_pools
     from onnx import TensorProto, helper, numpy_helper
-
-    from export.graph_forms import spatial_means_to_pools
 
     inits = [numpy_helper.from_array(np.array(v, dtype=np.float32), n) for n, v in
              (("sx", 0.05), ("sy", out_scale))] + [

@@ -18,10 +18,10 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from compress.export.onnx import export_onnx
 
 import compress
 from benchmarks.pattern_models import window_transformer
-from export.onnx import export_onnx
 
 #: ops that compute shapes, indices or constants at run time
 SHAPE_OPS = ("Shape", "Gather", "Slice", "Concat", "Unsqueeze", "Squeeze", "ConstantOfShape", "Range", "Where",

@@ -16,10 +16,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from compress.export import llm_attention  # noqa: E402
+from compress.export.llm_onnx import KVDecoder, decoder_steps, export_llm_onnx, generate_ort, positions  # noqa: E402
+
 import compress  # noqa: E402
 from compress.core.errors import ExportError  # noqa: E402
-from export import llm_attention  # noqa: E402
-from export.llm_onnx import KVDecoder, decoder_steps, export_llm_onnx, generate_ort, positions  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not llm_attention.fused_attention_supported(),
                                 reason="onnxruntime's GroupQueryAttention lacks attention_bias/query_seqlens")
@@ -162,7 +163,7 @@ def test_window_attribute_is_the_layers_sliding_window(tmp_path: Path) -> None:
 
 
 def test_decomposed_where_onnxruntime_lacks_the_fused_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("export.llm_onnx.fused_attention_supported", lambda: False)
+    monkeypatch.setattr("compress.export.llm_onnx.fused_attention_supported", lambda: False)
     model = _model("llama")
     path = export_llm_onnx(model, tmp_path / "m.onnx", weights="fp32", check=False)
     proto = onnx.load(str(path))
@@ -227,9 +228,8 @@ def test_real_smollm2_int4_fused_file_generates_the_decomposed_files_tokens(smol
 
 def test_recipe_export_field_chooses_the_attention(tmp_path: Path) -> None:
     import pydantic
-
-    from export.generation import export_generation
-    from export.specs import ExportSpec
+    from compress.export.generation import export_generation
+    from compress.export.specs import ExportSpec
 
     q = compress.quantize(_model("llama"), "w4_weight_only_g128", ignore=["lm_head"])
     recs = export_generation(q, ExportSpec(generation=True, baseline=False, attention="decomposed"), tmp_path, name="m")

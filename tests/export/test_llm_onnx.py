@@ -13,11 +13,12 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from compress.export.llm_onnx import MatMulNBitsLinear, OrtGenerator, export_llm_onnx, generate_ort  # noqa: E402
+from compress.quantization.lowering.int4 import Int4Weight, dequantize_int4  # noqa: E402
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec  # noqa: E402
+
 import compress  # noqa: E402
 from compress.core.errors import ExportError, UnsupportedModelError  # noqa: E402
-from export.llm_onnx import MatMulNBitsLinear, OrtGenerator, export_llm_onnx, generate_ort  # noqa: E402
-from quantization.lowering.int4 import Int4Weight, dequantize_int4  # noqa: E402
-from quantization.numerics.spec import QuantScheme, QuantSpec  # noqa: E402
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 256}
@@ -165,7 +166,7 @@ def test_default_int4_file_quantizes_the_float_lm_head_as_llamacpp_q8_0(tmp_path
 def test_packed_projections_compute_each_layers_columns(tmp_path: Path) -> None:
     # q (asymmetric, zero points), k (symmetric: no zero-point tensor) and v (with a bias) read one
     # input: packed into one MatMulNBits, its output is theirs side by side, in torch and in ORT
-    from export.matmul_nbits import _cat
+    from compress.export.matmul_nbits import _cat
 
     g = torch.Generator().manual_seed(3)
     k = 96  # three blocks of 32: an odd count, so each row's packed zero points end in a pad nibble
@@ -196,7 +197,7 @@ def test_gate_up_pack_only_where_the_mlp_computes_down_act_gate_times_up() -> No
     packs; one that wires the same parts otherwise (the activation on up) keeps them separate."""
     from types import SimpleNamespace
 
-    from export.matmul_nbits import PackedGateUpMLP, pack_projections
+    from compress.export.matmul_nbits import PackedGateUpMLP, pack_projections
 
     g = torch.Generator().manual_seed(4)
 
@@ -240,7 +241,7 @@ def test_refuses_what_it_cannot_export(tmp_path: Path) -> None:
 
 def test_export_checks_the_file_in_ort(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a graph that drops the zero points computes something else than PyTorch: the export refuses it
-    from export import llm_onnx
+    from compress.export import llm_onnx
 
     def no_zero_points(g: object, x: object, b: object, scales: object, zp: object, *attrs: int) -> object:
         return original(g, x, b, scales, None, *attrs)
@@ -270,8 +271,7 @@ def test_last_position_logits_generate_the_same_tokens(attention: str, tmp_path:
     over the rest of the prompt): the same values as that position of the full file, and the same
     greedy tokens, left padding included; on both attention forms and in the W8A8 file too."""
     import onnxruntime as ort
-
-    from export.llm_attention import fused_attention_supported
+    from compress.export.llm_attention import fused_attention_supported
 
     if attention == "fused" and not fused_attention_supported():
         pytest.skip("this onnxruntime's GroupQueryAttention lacks the fused form's inputs")
@@ -302,7 +302,7 @@ def test_shared_kv_buffer_generates_what_separate_presents_do(tmp_path: Path) ->
     layer (bound as both the past input and the present output): the same logits as feeding the
     past and taking the present back, for a left-padded batch, past the buffer's first 256 slots
     (where it grows); a decomposed file, which concatenates, takes the past as arrays."""
-    from export.llm_attention import fused_attention_supported
+    from compress.export.llm_attention import fused_attention_supported
 
     if not fused_attention_supported():
         pytest.skip("this onnxruntime's GroupQueryAttention lacks the fused form's inputs")
@@ -339,7 +339,7 @@ def test_level4_floors_take_one_margin_on_both_measures() -> None:
     """The shipped AWQ recipe's file (SmolLM2, w4 g128): 37.8 dB and 16 of 19 greedy positions against
     a yardstick of 34.0 dB and 18 of 19 passes; a dropped zero point (below 20 dB) does not, nor does
     a file that flips half the positions."""
-    from export.llm_ort import level4_floors
+    from compress.export.llm_ort import level4_floors
 
     sqnr_floor, top1_floor = level4_floors(34.0, 18 / 19)
 

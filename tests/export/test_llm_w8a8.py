@@ -13,10 +13,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from compress.export import llm_w8a8  # noqa: E402
+from compress.export.llm_onnx import export_llm_onnx, generate_ort  # noqa: E402
+
 import compress  # noqa: E402
 from compress.core.errors import ExportError, UnsupportedModelError  # noqa: E402
-from export import llm_w8a8  # noqa: E402
-from export.llm_onnx import export_llm_onnx, generate_ort  # noqa: E402
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 256}
@@ -110,7 +111,7 @@ def test_real_smollm2_smoothquant_w8a8_export_passes_its_check(smollm2: Any, tmp
     data = [ids[i * 64 : (i + 1) * 64][None] for i in range(4)]
     q = compress.quantize(model, STATIC, data, ignore=["lm_head"],
                           params=compress.QuantizeParams(quantize_ops=False, smoothquant=0.5))
-    with caplog.at_level(logging.INFO, logger="export.llm_ort"):  # the export check logs there
+    with caplog.at_level(logging.INFO, logger="compress.export.llm_ort"):  # the export check logs there
         export_llm_onnx(q, tmp_path / "smollm2.w8a8.onnx", weights="w8a8")
     line = next(r.getMessage() for r in caplog.records if "logits SQNR" in r.getMessage())
     assert "quantization vs float" in line, line

@@ -7,19 +7,19 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import compress.export.qdq_moves as qdq_moves
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from compress.export.onnx import export_onnx
+from compress.export.qdq_ir import QdqGraph
+from compress.export.runtimes import ort_coverage
+from compress.quantization import QuantizeParams
 from onnx import TensorProto, helper, numpy_helper
 
 import compress
-import export.qdq_moves as qdq_moves
 from benchmarks.pattern_models import window_transformer
-from export.onnx import export_onnx
-from export.qdq_ir import QdqGraph
-from export.runtimes import ort_coverage
-from quantization import QuantizeParams
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:

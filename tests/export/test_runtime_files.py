@@ -13,10 +13,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from compress.export.genai import genai_config, genai_greedy, write_runtime_files  # noqa: E402
+from compress.export.llm_onnx import export_llm_onnx, generate_ort  # noqa: E402
+
 import compress  # noqa: E402
 from compress.core.errors import ExportError  # noqa: E402
-from export.genai import genai_config, genai_greedy, write_runtime_files  # noqa: E402
-from export.llm_onnx import export_llm_onnx, generate_ort  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from compress.export.onnx import export_onnx
+from compress.export.runtimes import default_threads, load_session
+from compress.export.validate import check_thresholds, validate_exports
 
 from compress.core.errors import RecipeError
 from compress.recipe import Thresholds, ValidateSpec
 from compress.validation import run_validate, validate
-from export.onnx import export_onnx
-from export.runtimes import default_threads, load_session
-from export.validate import check_thresholds, validate_exports
 
 _SPEC = {"batch_sizes": [1, 4], "warmup": 1, "runs": 3}
 
@@ -135,7 +135,7 @@ def test_cli_run_and_errors(int8_path: Path, fp32_path: Path, tmp_path: Path) ->
 
 
 def test_parity_numbers_are_right() -> None:
-    from export.parity import Parity
+    from compress.export.parity import Parity
 
     rng = np.random.default_rng(0)
     ref = rng.standard_normal((50, 10))
@@ -156,7 +156,7 @@ def test_parity_numbers_are_right() -> None:
 def test_cli_rows_and_inspect(int8_path: Path, fp32_path: Path) -> None:
     import json
 
-    from export.inspect import inspect_onnx
+    from compress.export.inspect import inspect_onnx
 
     rows = run_validate(int8_path, reference=fp32_path, data="digits", data_kwargs={"image_size": 8},
                         batch_sizes=[2], runs=1, threads=1)
@@ -186,7 +186,7 @@ def test_a_file_slower_than_fp32_says_so(resnet_exports: Any, quantized_resnet: 
                                          digits: Any, monkeypatch: pytest.MonkeyPatch, factor: float) -> None:
     """Timings replaced by ones where int8 takes ``factor`` x fp32's time at batch 4: the record notes the
     slowdown by batch size only when it is one."""
-    import export.validate as v
+    import compress.export.validate as v
 
     def timed(sessions: Any, example: Any, batch_sizes: Any, warmup: int, runs: int) -> Any:
         return {"final": {1: 1.0, 4: 4.0 * factor}, "baseline": {1: 1.0, 4: 4.0}}, []

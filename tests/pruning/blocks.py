@@ -9,10 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from compress.pruning.api import Pruner
+from compress.pruning.graph import ELEMENT, DependencyGraph
 from torch import nn
-
-from pruning.api import Pruner
-from pruning.graph import ELEMENT, DependencyGraph
 
 
 class Residual(nn.Module):

@@ -7,10 +7,9 @@ import copy
 import numpy as np
 import pytest
 import torch
+from compress.pruning.counting import count_params
+from compress.pruning.plan import PruningPlan
 from pruning_blocks import BLOCKS, Tricky, onnx_outputs, prune_with_graph, run, zeroed_copy
-
-from pruning.counting import count_params
-from pruning.plan import PruningPlan
 
 
 @pytest.mark.parametrize("ratio", [0.3, 0.5, 0.7])
@@ -47,7 +46,7 @@ def test_block_prunes_exactly(name: str, ratio: float) -> None:
 
 def test_block_couplings() -> None:
     """Spot checks of the groups the tracer finds."""
-    from pruning.api import Pruner
+    from compress.pruning.api import Pruner
 
     def groups(model: torch.nn.Module, x: torch.Tensor) -> list[list[str]]:
         g = Pruner().trace(model, x)

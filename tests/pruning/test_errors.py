@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from compress.pruning.api import PruneParams, prune
 from pruning_blocks import Residual, run
 from torch import nn
 
 from compress.core.errors import RecipeError, TargetMatchError, UnsupportedModelError
-from pruning.api import PruneParams, prune
 
 
 @pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5])

@@ -8,10 +8,9 @@ import copy
 
 import torch
 import torch.nn.functional as F
+from compress.pruning.plan import PruningPlan
 from pruning_blocks import prune_with_graph, run, zeroed_copy
 from torch import nn
-
-from pruning.plan import PruningPlan
 
 
 class FusedBlock(nn.Module):
@@ -211,7 +210,7 @@ class ShuffleNet(nn.Module):
 def test_channel_shuffle_ties_local_indices_across_groups() -> None:
     model = ShuffleNet().eval()
     x = torch.randn(2, 3, 8, 8)
-    from pruning.api import Pruner
+    from compress.pruning.api import Pruner
 
     graph = Pruner().trace(model, x)
     sizes = sorted(len(g.atoms) for g in graph.prunable_groups())
@@ -240,7 +239,7 @@ class GroupedBottleneck(nn.Module):
 
 
 def test_grouped_conv_width_mode_keeps_groups() -> None:
-    from pruning.api import PruneParams
+    from compress.pruning.api import PruneParams
 
     x = torch.randn(2, 3, 8, 8)
     whole = GroupedBottleneck().eval()

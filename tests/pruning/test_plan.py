@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from compress.pruning.api import prune
+from compress.pruning.plan import PruningPlan
 
 from compress.core.errors import CompressError, RecipeError
 from compress.models.zoo import build_zoo_model
-from pruning.api import prune
-from pruning.plan import PruningPlan
 
 
 def test_plan_round_trip_and_checkpoint_load(tmp_path: Path) -> None:

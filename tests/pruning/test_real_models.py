@@ -14,10 +14,11 @@ import torch
 
 pytest.importorskip("transformers")
 
+from compress.pruning.api import prune
+from compress.pruning.counting import count_params
+from compress.pruning.plan import PruningPlan
+
 from benchmarks.pruning_real import build, check, names, onnx_parity, run
-from pruning.api import prune
-from pruning.counting import count_params
-from pruning.plan import PruningPlan
 
 
 @pytest.fixture(autouse=True)

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from compress.pruning.api import PruneParams, Pruner, prune
+from compress.pruning.counting import count_macs, count_params
+from compress.pruning.importance import atom_scores
 from pruning_blocks import Residual
 from torch import nn
 
 from compress.models.zoo import build_zoo_model
-from pruning.api import PruneParams, Pruner, prune
-from pruning.counting import count_macs, count_params
-from pruning.importance import atom_scores
 
 
 class TwoLayer(nn.Module):
@@ -144,7 +144,7 @@ def test_optimizer_state_is_sliced() -> None:
 
 
 def test_bn_recalibration_reestimates_statistics() -> None:
-    from pruning.recalibrate import recalibrate_bn
+    from compress.pruning.recalibrate import recalibrate_bn
 
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5)).eval()
     x = torch.randn(16, 1, 8, 8) * 3 + 1

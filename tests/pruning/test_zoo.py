@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from compress.pruning.counting import count_macs, count_params
+from compress.pruning.plan import PruningPlan
+from compress.pruning.select import CostModel
 from pruning_blocks import onnx_outputs, prune_with_graph, run, zeroed_copy
 
 from compress.models.zoo import build_zoo_model
-from pruning.counting import count_macs, count_params
-from pruning.plan import PruningPlan
-from pruning.select import CostModel
 
 ZOO = {
     "resnet": {"width": 8, "depth": 1},
@@ -38,7 +38,7 @@ def test_zoo_model_prunes(name: str, ratio: float) -> None:
     reference = copy.deepcopy(model)
     y0 = run(model, x)
     params0, macs0 = count_params(model), count_macs(model, x)
-    from pruning.api import Pruner
+    from compress.pruning.api import Pruner
 
     pruner = Pruner()
     graph = pruner.trace(model, x)
@@ -71,7 +71,7 @@ def test_pruned_zoo_model_runs_in_onnxruntime(name: str) -> None:
 
 
 def test_vit_mha_becomes_pruned_attention() -> None:
-    from pruning.attention import PrunedMultiheadAttention
+    from compress.pruning.attention import PrunedMultiheadAttention
 
     model = build("vit_mha")
     x = torch.randn(2, 1, 8, 8)

@@ -13,11 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from compress.quantization import calibrate, input_quantizer, prepare, quantizers
+from compress.quantization.algorithms.smoothquant import smooth_quant
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec
 from torch import nn
-
-from quantization import calibrate, input_quantizer, prepare, quantizers
-from quantization.algorithms.smoothquant import smooth_quant
-from quantization.numerics.spec import QuantScheme, QuantSpec
 
 
 def _model() -> nn.Module:

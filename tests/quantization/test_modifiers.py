@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from compress.quantization import QuantConv2d, QuantLinear, input_quantizer, quantizers, set_quantizers
+from compress.quantization.modifiers import scales_of
 from torch import nn
 
 from compress.core.errors import RecipeError
 from compress.recipe import load_recipe
 from compress.session import Session
-from quantization import QuantConv2d, QuantLinear, input_quantizer, quantizers, set_quantizers
-from quantization.modifiers import scales_of
 
 
 class Net(nn.Module):

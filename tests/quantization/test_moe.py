@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from compress.export.runtimes import ort_coverage
+from compress.quantization.placement.fidelity_guards import ROUTER_REASON
 from torch import nn
 
 import compress
 from compress.core.errors import UnsupportedModelError
 from compress.core.moe import UnpackedExperts, expert_blocks, set_dense, unpack_experts
-from export.runtimes import ort_coverage
-from quantization.placement.fidelity_guards import ROUTER_REASON
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)
@@ -137,8 +137,8 @@ def test_compressed_tensors_refuses_unpacked_experts_with_a_reason(tmp_path: Pat
 
 
 def test_prune_cuts_expert_channels_and_the_plan_replays_on_a_fresh_model(tmp_path: Path) -> None:
-    from pruning.api import Pruner
-    from pruning.plan import PruningPlan
+    from compress.pruning.api import Pruner
+    from compress.pruning.plan import PruningPlan
 
     model = _build("mixtral")
     fresh = copy.deepcopy(model)

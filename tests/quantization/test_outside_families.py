@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from compress.export.describe import describe_onnx
+from compress.export.runtimes import ort_coverage
+from compress.quantization.view import view
 
 import compress
-from export.describe import describe_onnx
-from export.runtimes import ort_coverage
-from quantization.view import view
 
 SCHEME = {"preset": "w8a8", "weights": {"reduce_range": True}}  # exact u8s8 sums without VNNI (README)
 TEXT = dict(vocab_size=256)

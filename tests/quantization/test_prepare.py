@@ -8,10 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from compress.core.errors import CalibrationError, CompressError, TargetMatchError
-from quantization import (
+from compress.quantization import (
     QuantConv2d,
     QuantLinear,
     calibrate,
@@ -20,9 +17,12 @@ from quantization import (
     quantizers,
     strip,
 )
-from quantization.numerics.primitives import fake_quantize, qparams_from_range
-from quantization.numerics.primitives import quantize as quantize_codes
-from quantization.placement.mode import graph_of
+from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range
+from compress.quantization.numerics.primitives import quantize as quantize_codes
+from compress.quantization.placement.mode import graph_of
+from torch import nn
+
+from compress.core.errors import CalibrationError, CompressError, TargetMatchError
 
 
 class Block(nn.Module):
@@ -285,8 +285,9 @@ def test_gpt2_conv1d_layers_become_quantized_linears_under_every_scheme(scheme: 
     """GPT-2's Conv1D becomes an equal Linear and is quantized like one, with or without the traced
     graph (weight-only and dynamic schemes used to leave it float with 'prepared 0 modules')."""
     transformers = pytest.importorskip("transformers")
+    from compress.quantization.numerics.calibration import float_mode
+
     import compress
-    from quantization.numerics.calibration import float_mode
 
     torch.manual_seed(0)
     fp = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,

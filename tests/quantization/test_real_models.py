@@ -97,9 +97,10 @@ def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", sorted(TEST_SUITE))
 def test_real_model_exports_int8_that_ort_runs_in_integers(name: str, tmp_path: Path) -> None:
+    from compress.export.onnx import export_onnx
+    from compress.export.runtimes import ort_coverage, ort_optimized_ops
+
     import compress
-    from export.onnx import export_onnx
-    from export.runtimes import ort_coverage, ort_optimized_ops
 
     sm = TEST_SUITE[name](0)
     q = compress.quantize(sm.model, SCHEME, sm.calibration[:2])
@@ -129,8 +130,8 @@ def test_real_model_exports_int8_that_ort_runs_in_integers(name: str, tmp_path: 
 
 @pytest.mark.parametrize("name", ["resnet", "bert"])
 def test_qat_trains_real_models_with_placed_quantizers(name: str, tmp_path: Path) -> None:
-    from export.onnx import export_onnx
-    from quantization import calibrate, prepare, quantizers
+    from compress.export.onnx import export_onnx
+    from compress.quantization import calibrate, prepare, quantizers
 
     sm = TEST_SUITE[name](0)
     model = sm.model

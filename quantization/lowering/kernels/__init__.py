@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from quantization.lowering.kernels.runtime import ACTIVATIONS as ACTIVATIONS
-from quantization.lowering.kernels.runtime import INSTALL_HINT as INSTALL_HINT
-from quantization.lowering.kernels.runtime import check_device as check_device
-from quantization.lowering.kernels.runtime import interpret_mode as interpret_mode
-from quantization.lowering.kernels.runtime import load as load
-from quantization.lowering.kernels.runtime import require_triton as require_triton
-from quantization.lowering.kernels.runtime import triton_available as triton_available
+from compress.quantization.lowering.kernels.runtime import ACTIVATIONS as ACTIVATIONS
+from compress.quantization.lowering.kernels.runtime import INSTALL_HINT as INSTALL_HINT
+from compress.quantization.lowering.kernels.runtime import check_device as check_device
+from compress.quantization.lowering.kernels.runtime import interpret_mode as interpret_mode
+from compress.quantization.lowering.kernels.runtime import load as load
+from compress.quantization.lowering.kernels.runtime import require_triton as require_triton
+from compress.quantization.lowering.kernels.runtime import triton_available as triton_available
 
 _LAZY = {
     "int8_gemm": "gemm",
@@ -50,16 +50,16 @@ def __getattr__(name: str) -> object:
     # the public kernel entry points, resolved on first use so that Triton loads only when needed
     mod = _LAZY.get(name)
     if mod is None:
-        raise AttributeError(f"module 'quantization.lowering.kernels' has no attribute '{name}'")
+        raise AttributeError(f"module 'compress.quantization.lowering.kernels' has no attribute '{name}'")
     return getattr(load(mod), name)
 
 
 if TYPE_CHECKING:  # the lazy names above, for type checkers (importing them loads Triton)
-    from quantization.lowering.kernels.conv import int8_conv2d as int8_conv2d
-    from quantization.lowering.kernels.gemm import GemmConfig as GemmConfig
-    from quantization.lowering.kernels.gemm import int8_gemm as int8_gemm
-    from quantization.lowering.kernels.norm import layernorm_quantize as layernorm_quantize
-    from quantization.lowering.kernels.norm import rmsnorm_quantize as rmsnorm_quantize
-    from quantization.lowering.kernels.quant import quantize_per_token as quantize_per_token
-    from quantization.lowering.kernels.quant import quantize_static as quantize_static
-    from quantization.lowering.kernels.w4a16 import w4a16_gemm as w4a16_gemm
+    from compress.quantization.lowering.kernels.conv import int8_conv2d as int8_conv2d
+    from compress.quantization.lowering.kernels.gemm import GemmConfig as GemmConfig
+    from compress.quantization.lowering.kernels.gemm import int8_gemm as int8_gemm
+    from compress.quantization.lowering.kernels.norm import layernorm_quantize as layernorm_quantize
+    from compress.quantization.lowering.kernels.norm import rmsnorm_quantize as rmsnorm_quantize
+    from compress.quantization.lowering.kernels.quant import quantize_per_token as quantize_per_token
+    from compress.quantization.lowering.kernels.quant import quantize_static as quantize_static
+    from compress.quantization.lowering.kernels.w4a16 import w4a16_gemm as w4a16_gemm

@@ -21,9 +21,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
-from compress.core.errors import CompressError
-from quantization.lowering.kernels.gemm import (
+from compress.quantization.lowering.kernels.gemm import (
     INTERPRET_CONFIG,
     INTERPRETED,
     GemmConfig,
@@ -32,7 +30,9 @@ from quantization.lowering.kernels.gemm import (
     int8_gemm,
     m_bucket,
 )
-from quantization.lowering.kernels.runtime import ACTIVATIONS, check_device
+from compress.quantization.lowering.kernels.runtime import ACTIVATIONS, check_device
+
+from compress.core.errors import CompressError
 
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 

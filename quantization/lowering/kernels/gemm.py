@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from compress.quantization.lowering.kernels.runtime import ACTIVATIONS, check_device, interpret_mode
 
 from compress.core.errors import CompressError
-from quantization.lowering.kernels.runtime import ACTIVATIONS, check_device, interpret_mode
 
 INTERPRETED = interpret_mode()  # fixed at import, as Triton fixes it when it decorates the kernels
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}

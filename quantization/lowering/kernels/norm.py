@@ -24,10 +24,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from compress.quantization.lowering.kernels.quant import (
+    _FP8_MAX,
+    _SINGLE_MAX,
+    INTERPRETED,
+    _pre_scale,
+    _store_codes,
+)
+from compress.quantization.lowering.kernels.runtime import check_device
 
 from compress.core.errors import CompressError
-from quantization.lowering.kernels.quant import _FP8_MAX, _SINGLE_MAX, INTERPRETED, _pre_scale, _store_codes
-from quantization.lowering.kernels.runtime import check_device
 
 
 @triton.jit

@@ -14,8 +14,7 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from quantization.lowering.kernels.runtime import ACTIVATIONS, load
+from compress.quantization.lowering.kernels.runtime import ACTIVATIONS, load
 
 _NS = "compress"
 

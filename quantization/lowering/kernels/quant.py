@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from compress.quantization.lowering.kernels.runtime import check_device, interpret_mode
 
 from compress.core.errors import CompressError
-from quantization.lowering.kernels.runtime import check_device, interpret_mode
 
 INTERPRETED: tl.constexpr = tl.constexpr(interpret_mode())
 _SINGLE_MAX = 16384

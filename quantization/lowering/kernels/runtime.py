@@ -73,5 +73,5 @@ def load(name: str) -> ModuleType:
     if name not in _MODULES:
         if name != "gemm":
             load("gemm")  # gemm decides (and records) interpreter vs compiled mode for all
-        _MODULES[name] = importlib.import_module(f"quantization.lowering.kernels.{name}")
+        _MODULES[name] = importlib.import_module(f"compress.quantization.lowering.kernels.{name}")
     return _MODULES[name]

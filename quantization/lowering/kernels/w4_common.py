@@ -13,8 +13,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
-from quantization.lowering.kernels.gemm import GemmConfig, bias_activation, split_workspace
+from compress.quantization.lowering.kernels.gemm import GemmConfig, bias_activation, split_workspace
 
 
 @dataclass(frozen=True)

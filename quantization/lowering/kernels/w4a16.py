@@ -48,11 +48,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from compress.core.errors import CompressError
-from quantization.lowering.kernels.gemm import GemmConfig, m_bucket
-from quantization.lowering.kernels.runtime import ACTIVATIONS, check_device, interpret_mode
-from quantization.lowering.kernels.w4_common import (
+from compress.quantization.lowering.kernels.gemm import GemmConfig, m_bucket
+from compress.quantization.lowering.kernels.runtime import ACTIVATIONS, check_device, interpret_mode
+from compress.quantization.lowering.kernels.w4_common import (
     W4Config,
     _finish,
     _first_w,
@@ -62,6 +60,8 @@ from quantization.lowering.kernels.w4_common import (
     _Weight,
     k_splits,
 )
+
+from compress.core.errors import CompressError
 
 log = logging.getLogger(__name__)
 INTERPRETED = interpret_mode()
@@ -293,7 +293,7 @@ def _launch_fused(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: 
     m, k = x.shape
     n = wt.packed.shape[0]
     if c.scaled_acc:
-        from quantization.lowering.kernels import w4a16_mma
+        from compress.quantization.lowering.kernels import w4a16_mma
 
         if c.block_m < 16 or not w4a16_mma.supports(x.dtype, wt.group_size, c.block_k, wt.g_idx is not None):
             raise CompressError(
@@ -302,7 +302,7 @@ def _launch_fused(x: torch.Tensor, wt: _Weight, bias: torch.Tensor | None, act: 
         w4a16_mma.launch(x, wt, bias, act, out, c)
         return
     if c.gemv:
-        from quantization.lowering.kernels import w4a16_gemv
+        from compress.quantization.lowering.kernels import w4a16_gemv
 
         if not w4a16_gemv.supports(m, k, wt.group_size, c.block_m, c.block_k, wt.g_idx is not None):
             raise CompressError(
@@ -407,7 +407,7 @@ def _splits(programs: int, k_tiles: int, sms: int) -> list[int]:
 def _scaled_acc_candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool, x_dtype: torch.dtype,
                            sms: int) -> list[W4Config]:
     """Tensor-core tiles on the codes (kernels/w4a16_mma.py) for decode and small prefill (M < 32)."""
-    from quantization.lowering.kernels import w4a16_mma
+    from compress.quantization.lowering.kernels import w4a16_mma
 
     if m >= DEQUANT_MIN_M or not tile_in_group_ok:
         return []
@@ -429,7 +429,7 @@ def _scaled_acc_candidates(m: int, n: int, k: int, group_size: int, tile_in_grou
 
 def _gemv_candidates(m: int, n: int, k: int, group_size: int, tile_in_group_ok: bool, sms: int) -> list[W4Config]:
     """CUDA-core tiles on the codes (kernels/w4a16_gemv.py) for decode (M <= 4)."""
-    from quantization.lowering.kernels import w4a16_gemv
+    from compress.quantization.lowering.kernels import w4a16_gemv
 
     if m > 4 or not tile_in_group_ok:
         return []

@@ -31,9 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from quantization.lowering.kernels.runtime import interpret_mode
-from quantization.lowering.kernels.w4_common import W4Config, _store_tile, _Weight, one_kernel_split
+from compress.quantization.lowering.kernels.runtime import interpret_mode
+from compress.quantization.lowering.kernels.w4_common import W4Config, _store_tile, _Weight, one_kernel_split
 
 INTERPRETED = interpret_mode()
 

@@ -30,9 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from quantization.lowering.kernels.runtime import interpret_mode
-from quantization.lowering.kernels.w4_common import (
+from compress.quantization.lowering.kernels.runtime import interpret_mode
+from compress.quantization.lowering.kernels.w4_common import (
     W4Config,
     _first_w,
     _store_tile,

@@ -10,19 +10,19 @@ from typing import Any
 
 import pytest
 import torch
+from compress.quantization.algorithms.awq import scale_error_ratio
+from compress.quantization.algorithms.awq_folds import find_fold_groups
+from compress.quantization.algorithms.awq_search import AWQParams, search_clip, search_scales
+from compress.quantization.algorithms.sequential import capture_inputs, decoder_layers
+from compress.quantization.numerics.calibration import float_mode
+from compress.quantization.numerics.modules import QuantLinear
+from compress.quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec
+from compress.quantization.preparation import linearize_conv1d
 from torch import nn
 
 import compress
 from compress.core.errors import CalibrationError
-from quantization.algorithms.awq import scale_error_ratio
-from quantization.algorithms.awq_folds import find_fold_groups
-from quantization.algorithms.awq_search import AWQParams, search_clip, search_scales
-from quantization.algorithms.sequential import capture_inputs, decoder_layers
-from quantization.numerics.calibration import float_mode
-from quantization.numerics.modules import QuantLinear
-from quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec
-from quantization.numerics.spec import QuantScheme, QuantSpec
-from quantization.preparation import linearize_conv1d
 
 W3 = QuantScheme(weights=QuantSpec(bits=3, granularity="group", group_size=32), inputs=None)
 
@@ -159,7 +159,7 @@ def test_scales_are_chosen_for_the_clipped_weights_they_will_get() -> None:
     """With clip_in_search each candidate is judged after the clip search the weights will get;
     the error it reports is that of the final weights, and never above the error of scales chosen
     on rounding alone and clipped afterwards."""
-    from quantization.algorithms.awq_search import clip_weight
+    from compress.quantization.algorithms.awq_search import clip_weight
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(512, 64, generator=g)
@@ -204,7 +204,7 @@ def test_clip_search_bounds_lie_within_the_range_and_do_not_hurt() -> None:
 def test_clip_search_picks_each_groups_best_shrink_on_either_path(spec: QuantSpec, rows: int) -> None:
     """Against a brute force over the shrink grid, the bound found is each (output channel, group)'s
     least output error on the rows, whichever way the error is computed."""
-    from quantization.numerics.primitives import to_groups
+    from compress.quantization.numerics.primitives import to_groups
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(rows, 80, generator=g) * (1 + 3 * torch.rand(80, generator=g))
@@ -246,8 +246,8 @@ def test_awq_then_gptq_keeps_awq_and_rounds_with_gptq() -> None:
 def test_scale_search_reads_each_group_at_its_module_output() -> None:
     """q/k/v are judged on the attention block's output (through RoPE and the softmax), gate/up on
     the MLP's, down_proj on its own: AutoAWQ's module2inspect, found from the names, not a table."""
-    from quantization.algorithms.awq import awq_layer
-    from quantization.algorithms.sequential import sequential_quantize
+    from compress.quantization.algorithms.awq import awq_layer
+    from compress.quantization.algorithms.sequential import sequential_quantize
 
     reports: list[dict[str, Any]] = []
     sequential_quantize(
@@ -270,9 +270,9 @@ def test_scale_search_reads_each_group_at_its_module_output() -> None:
 def test_a_clip_is_kept_only_where_the_inspected_module_agrees() -> None:
     """The clip search judges each Linear alone; a clip that raises the attention output's error
     (here q_proj cut to a tenth of its range) is rejected, one that changes nothing is kept."""
-    from quantization.algorithms.awq import _guard_clips
-    from quantization.algorithms.awq_search import ModuleOutputError, clip_weight
-    from quantization.algorithms.sequential import sequential_quantize
+    from compress.quantization.algorithms.awq import _guard_clips
+    from compress.quantization.algorithms.awq_search import ModuleOutputError, clip_weight
+    from compress.quantization.algorithms.sequential import sequential_quantize
 
     seen: list[set[str]] = []
 
@@ -364,9 +364,9 @@ def test_a_lone_linears_objective_is_read_from_its_gram_matrix_not_rerun() -> No
     """o_proj's and down_proj's groups are judged on their own output: the same error as rerunning
     the Linear on the recorded tokens, read from ``X^T X`` once, so AWQ passes each calibration
     token through down_proj about once (the recording pass), not once per scale candidate."""
-    from quantization.algorithms.awq import awq_layer
-    from quantization.algorithms.awq_search import LinearOutputError, ModuleOutputError
-    from quantization.algorithms.sequential import sequential_quantize
+    from compress.quantization.algorithms.awq import awq_layer
+    from compress.quantization.algorithms.awq_search import LinearOutputError, ModuleOutputError
+    from compress.quantization.algorithms.sequential import sequential_quantize
 
     g = torch.Generator().manual_seed(5)
     lin = nn.Linear(48, 16)
@@ -412,7 +412,7 @@ def test_module_reruns_are_screened_to_the_best_candidates(monkeypatch: pytest.M
     """Judging a scale candidate at the attention's output reruns the attention (most of AWQ's
     time): the grid is screened by the Linears' own output error and only s = 1 and the best
     ``module_candidates - 1`` are rerun; here the screen keeps the full grid's winner."""
-    from quantization.algorithms.awq_search import ModuleOutputError
+    from compress.quantization.algorithms.awq_search import ModuleOutputError
 
     model = _llama()
     layer = decoder_layers(model)[1][0]
@@ -450,7 +450,7 @@ def test_module_reruns_are_screened_to_the_best_candidates(monkeypatch: pytest.M
 
 
 def test_rows_sampled_from_chunks_are_those_sampled_from_their_concatenation() -> None:
-    from quantization.algorithms.awq_search import sample_chunks, sample_rows
+    from compress.quantization.algorithms.awq_search import sample_chunks, sample_rows
 
     g = torch.Generator().manual_seed(0)
     chunks = [torch.randn(n, 8, generator=g) for n in (5, 17, 9)]

@@ -14,14 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from compress.quantization.algorithms.gptq import GPTQParams, HessianAccumulator, gptq_quantize, layer_error
+from compress.quantization.numerics.modules import QuantLinear
+from compress.quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec, quantize_spec
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec
 from torch import nn
 
 import compress
 from compress.core.errors import CalibrationError, RecipeError
-from quantization.algorithms.gptq import GPTQParams, HessianAccumulator, gptq_quantize, layer_error
-from quantization.numerics.modules import QuantLinear
-from quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec, quantize_spec
-from quantization.numerics.spec import QuantScheme, QuantSpec
 
 SPECS = {
     "w4g32": QuantSpec(bits=4, granularity="group", group_size=32),
@@ -172,7 +172,7 @@ def test_gptq_on_hf_causal_lms_beats_rtn(arch: str) -> None:
         assert m.weight_quantizer is not None and m.input_quantizer is None
         torch.testing.assert_close(m.weight_quantizer(m.weight), m.weight, atol=0, rtol=0)
     rtn = copy.deepcopy(fp)
-    from quantization.preparation import linearize_conv1d
+    from compress.quantization.preparation import linearize_conv1d
 
     linearize_conv1d(rtn)
     compress.quantize(rtn, W3, ignore=["lm_head"])
@@ -203,9 +203,10 @@ def test_gptq_w8a8_dynamic_beats_round_to_nearest_and_keeps_its_activation_quant
 def test_gptq_after_smoothquant_sees_the_inputs_the_weights_see(monkeypatch: pytest.MonkeyPatch) -> None:
     """SmoothQuant then GPTQ (llm-compressor's W8A8 recipe): where the factor stays a pre-quant
     Mul (o_proj under GQA) the weight holds ``s``, so GPTQ's Hessian is of ``x / s``, not of ``x``."""
+    from compress.quantization.algorithms.gptq import gptq_layer
+    from compress.quantization.algorithms.sequential import capture_inputs
+
     from compress.core.batching import as_batches
-    from quantization.algorithms.gptq import gptq_layer
-    from quantization.algorithms.sequential import capture_inputs
 
     data = _calib()
     q = compress.quantize(_llama().eval(), "w8a8_dynamic", data, ignore=["lm_head"],

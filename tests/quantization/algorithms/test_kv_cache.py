@@ -11,10 +11,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from compress.quantization import QuantizeParams, quantize, set_quantizers, strip  # noqa: E402
+from compress.quantization.algorithms.kv_cache import attach_kv_quantization, kv_quantizers  # noqa: E402
+from compress.quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec  # noqa: E402
+
 from compress.core.errors import UnsupportedModelError  # noqa: E402
-from quantization import QuantizeParams, quantize, set_quantizers, strip  # noqa: E402
-from quantization.algorithms.kv_cache import attach_kv_quantization, kv_quantizers  # noqa: E402
-from quantization.numerics.primitives import dynamic_qparams, fake_quantize_spec  # noqa: E402
 
 CFG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
        "num_key_value_heads": 2, "vocab_size": 256}

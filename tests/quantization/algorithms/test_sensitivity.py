@@ -11,18 +11,17 @@ import numpy as np
 import onnx
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from export.onnx import export_onnx
-from export.parity import Parity
-from quantization import QuantizeParams, quantize, set_quantizers
-from quantization.algorithms.sensitivity import (
+from compress.export.onnx import export_onnx
+from compress.export.parity import Parity
+from compress.quantization import QuantizeParams, quantize, set_quantizers
+from compress.quantization.algorithms.sensitivity import (
     accuracy_control,
     activation_sites,
     layer_sensitivity,
     revert_to_float,
 )
-from quantization.placement.mode import graph_of
+from compress.quantization.placement.mode import graph_of
+from torch import nn
 
 
 class Block(nn.Module):

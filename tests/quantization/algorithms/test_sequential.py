@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from compress.quantization.algorithms.sequential import DiskOffload, capture_inputs, decoder_layers
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec
+from compress.quantization.preparation import linearize_conv1d
 from torch import nn
 
 import compress
 from compress.core.errors import UnsupportedModelError
-from quantization.algorithms.sequential import DiskOffload, capture_inputs, decoder_layers
-from quantization.numerics.spec import QuantScheme, QuantSpec
-from quantization.preparation import linearize_conv1d
 
 W4 = QuantScheme(weights=QuantSpec(bits=4, granularity="group", group_size=32), inputs=None)
 

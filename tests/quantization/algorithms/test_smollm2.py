@@ -28,7 +28,7 @@ def _q_proj(model: nn.Module) -> nn.Module:
 
 def _check_int4_lowering(lin: nn.Module) -> None:
     """The int4 form every export reads dequantizes to the fake-quant weight exactly, nibbles round-trip."""
-    from quantization.lowering.int4 import dequantize_int4, int4_weight, pack_nibbles, unpack_nibbles
+    from compress.quantization.lowering.int4 import dequantize_int4, int4_weight, pack_nibbles, unpack_nibbles
 
     w4 = int4_weight(lin)
     k = lin.weight.shape[1]
@@ -43,7 +43,7 @@ def test_gptq_g128_on_576_features_and_progress_lines(two_layers, caplog: pytest
 
     model, calib, _ = two_layers
     model = copy.deepcopy(model)
-    with caplog.at_level(logging.INFO, logger="quantization.algorithms.sequential"):
+    with caplog.at_level(logging.INFO, logger="compress.quantization.algorithms.sequential"):
         gptq(model, calib, scheme=G128)
     lines = [r.getMessage() for r in caplog.records if re.match(r"gptq: layer \d+/2 ", r.getMessage())]
     assert len(lines) == 2, lines
@@ -59,8 +59,9 @@ def test_gptq_g128_on_576_features_and_progress_lines(two_layers, caplog: pytest
 
 
 def test_fake_quant_short_last_group_is_its_own_group(two_layers) -> None:  # type: ignore[no-untyped-def]
+    from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range
+
     from compress import quantize
-    from quantization.numerics.primitives import fake_quantize, qparams_from_range
 
     model = two_layers[0]
     model = copy.deepcopy(model)
@@ -85,7 +86,7 @@ def test_awq_g128_on_576_features(two_layers, caplog: pytest.LogCaptureFixture) 
     model, calib, _ = two_layers
     model = copy.deepcopy(model)
     model.model.layers = model.model.layers[:1]  # AWQ's searches cost ~10 CPU s a layer whatever the tokens
-    with caplog.at_level(logging.INFO, logger="quantization.algorithms.sequential"):
+    with caplog.at_level(logging.INFO, logger="compress.quantization.algorithms.sequential"):
         awq(model, [calib[0][:, :64]], scheme=G128)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("awq: layer ")]
     assert len(lines) == 1 and ", error RTN " in lines[0], lines
@@ -101,9 +102,14 @@ def test_gptq_default_is_act_order_with_groups_from_the_original_weight(two_laye
     leaves a smaller output error than the reference order with each group's scale from the weight as
     updated (the default before; on the whole model that was 20% of RTN's perplexity gap closed
     against 52%: RESULTS.md `llm_gptq_variants`)."""
-    from quantization.algorithms.gptq import GPTQParams, HessianAccumulator, gptq_quantize, layer_error
-    from quantization.numerics.primitives import qparams_from_range, to_groups
-    from quantization.numerics.spec import QuantSpec
+    from compress.quantization.algorithms.gptq import (
+        GPTQParams,
+        HessianAccumulator,
+        gptq_quantize,
+        layer_error,
+    )
+    from compress.quantization.numerics.primitives import qparams_from_range, to_groups
+    from compress.quantization.numerics.spec import QuantSpec
 
     model, calib, _ = two_layers
     layer = model.model.layers[1]

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 import torch
+from compress.quantization import QuantizeParams, input_quantizer, quantize, set_quantizers, strip
+from compress.quantization.algorithms.bias_correction import bias_correction
+from compress.quantization.algorithms.smoothquant import smooth_quant
 from torch import nn
 
 from compress.core.errors import RecipeError
-from quantization import QuantizeParams, input_quantizer, quantize, set_quantizers, strip
-from quantization.algorithms.bias_correction import bias_correction
-from quantization.algorithms.smoothquant import smooth_quant
 
 
 def _outlier_model() -> nn.Sequential:
@@ -144,7 +144,7 @@ class _PostLN(nn.Module):
 def test_smoothing_drops_a_quantizer_only_float_ops_still_read() -> None:
     """With the adds outside the targets, the tensor's placed quantizer served `up` (now smoothed, with
     its own) and the float add; the add gains nothing from it, so it goes, and the add reads x as is."""
-    from quantization.placement.mode import graph_of
+    from compress.quantization.placement.mode import graph_of
 
     torch.manual_seed(0)
     data = [torch.randn(8, 16) * torch.linspace(0.1, 20, 16) for _ in range(2)]
@@ -177,7 +177,7 @@ def test_a_smoothed_tensor_is_not_quantized_where_it_is_made() -> None:
     """The norm's output is quantized where the norm makes it only while every reader reads it through
     that quantizer: once `up` reads it through its own smoothed one, quantizing it first with the
     unsmoothed range would put back the rounding smoothing removes."""
-    from quantization.placement.mode import graph_of
+    from compress.quantization.placement.mode import graph_of
 
     torch.manual_seed(0)
     data = [torch.randn(8, 16) * torch.linspace(0.1, 20, 16) for _ in range(2)]

@@ -13,9 +13,9 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from quantization import QuantizeParams, input_quantizer, quantize, set_quantizers, strip  # noqa: E402
-from quantization.algorithms.smoothquant import find_producers  # noqa: E402
-from quantization.placement.mode import graph_of  # noqa: E402
+from compress.quantization import QuantizeParams, input_quantizer, quantize, set_quantizers, strip  # noqa: E402
+from compress.quantization.algorithms.smoothquant import find_producers  # noqa: E402
+from compress.quantization.placement.mode import graph_of  # noqa: E402
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "vocab_size": 256}
@@ -102,7 +102,7 @@ def test_fold_trials_rerun_one_layer_not_the_model() -> None:
 def test_one_fold_trial_per_layer_structure(monkeypatch: pytest.MonkeyPatch) -> None:
     """Layers of one structure share their trial's outcome (3 layers, 4 groups each: 4 trials, not
     12), with the producers a trial per layer finds; a layer of another structure is tried anew."""
-    import quantization.algorithms.smoothquant as sq
+    import compress.quantization.algorithms.smoothquant as sq
 
     def run(m: nn.Module, layers: int) -> tuple[dict[str, Any], int]:
         groups = [g for i in range(layers) for g in (

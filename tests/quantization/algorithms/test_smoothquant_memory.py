@@ -15,11 +15,12 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-import quantization.algorithms.smoothquant as sq  # noqa: E402
+import compress.quantization.algorithms.smoothquant as sq  # noqa: E402
+from compress.quantization import QuantizeParams, quantize  # noqa: E402
+
 from compress.core.batching import as_forward_loop, micro_batches, split_inputs  # noqa: E402
 from compress.core.errors import CalibrationError  # noqa: E402
 from compress.core.modifier import State  # noqa: E402
-from quantization import QuantizeParams, quantize  # noqa: E402
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "vocab_size": 256, "num_key_value_heads": 2}

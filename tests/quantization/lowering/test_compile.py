@@ -37,9 +37,8 @@ def _compiled_equals_eager(model: torch.nn.Module, *args: object, fullgraph: boo
 @pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC", "W4A16"])
 def test_a_converted_transformers_decoder_compiles_in_one_graph(scheme: str) -> None:
     pytest.importorskip("transformers")
+    from compress.quantization.lowering.convert import convert
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from quantization.lowering.convert import convert
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -55,11 +54,12 @@ def test_a_converted_transformers_decoder_compiles_in_one_graph(scheme: str) -> 
 def test_a_converted_convnet_compiles_in_one_graph() -> None:
     """The default conversion drops the quantizers the ONNX placement put on functional ops (the
     residual adds) and with them the placement's per-op interception, which compiled code would not run."""
+    from compress.quantization.api import QuantizeParams
+    from compress.quantization.lowering.convert import convert_with_report
+    from compress.quantization.lowering.int8 import Int8Conv2d
+    from compress.quantization.placement.mode import graph_of
+
     from compress.models.resnet import resnet
-    from quantization.api import QuantizeParams
-    from quantization.lowering.convert import convert_with_report
-    from quantization.lowering.int8 import Int8Conv2d
-    from quantization.placement.mode import graph_of
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 16)
@@ -72,7 +72,7 @@ def test_a_converted_convnet_compiles_in_one_graph() -> None:
 
 
 def test_the_operators_pass_torch_library_opcheck() -> None:
-    from quantization.lowering.kernels.ops import ops, register
+    from compress.quantization.lowering.kernels.ops import ops, register
 
     register()
     g = torch.Generator().manual_seed(0)

@@ -17,13 +17,14 @@ from torch import nn
 if not torch.cuda.is_available():  # before the kernels are first imported (jit decides then)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from compress.quantization import calibrate, prepare
+from compress.quantization.lowering.convert import convert, convert_with_report
+from compress.quantization.lowering.int8 import Int8Conv2d, Int8Linear
+from compress.quantization.numerics.modules import QuantConv1d, QuantConv2d
+
 import compress
 from compress.core.errors import RecipeError, UnsupportedModelError
 from compress.models.resnet import resnet
-from quantization import calibrate, prepare
-from quantization.lowering.convert import convert, convert_with_report
-from quantization.lowering.int8 import Int8Conv2d, Int8Linear
-from quantization.numerics.modules import QuantConv1d, QuantConv2d
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,7 +83,7 @@ class _Mixed(nn.Module):
 def test_unconvertible_layers_stay_float_with_logged_reason(caplog: pytest.LogCaptureFixture) -> None:
     torch.manual_seed(2)
     q = compress.quantize(_Mixed().eval(), "w8a8", [torch.randn(2, 4, 6, 6) for _ in range(2)]).eval()
-    with caplog.at_level(logging.INFO, logger="quantization.lowering.convert"):
+    with caplog.at_level(logging.INFO, logger="compress.quantization.lowering.convert"):
         c, report = convert_with_report(q, placed="fuse")
     by = {r.name: r for r in report}
     assert not by["dw"].converted and "groups=4" in by["dw"].reason
@@ -127,7 +128,7 @@ def test_cpu_without_interpreter_raises_clear_error() -> None:
         from torch import nn
         import compress
         from compress.core.errors import CompressError
-        from quantization.lowering.convert import convert
+        from compress.quantization.lowering.convert import convert
         q = compress.quantize(nn.Sequential(nn.Linear(8, 4)), "w8a8", [torch.randn(2, 8)])
         c = convert(q)
         try:
@@ -145,9 +146,10 @@ def test_cpu_without_interpreter_raises_clear_error() -> None:
 def test_speed_check_keeps_slower_layers_float_with_both_times_and_converts_the_rest() -> None:
     """The decision, with the timing replaced: a layer whose kernel is slower than its float form at
     the shape the model gives it stays a plain float layer, named with both times and the shape."""
+    from compress.quantization.lowering.convert import convert_with_report
+    from compress.quantization.lowering.int8 import Int8Linear
+
     import compress
-    from quantization.lowering.convert import convert_with_report
-    from quantization.lowering.int8 import Int8Linear
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)).eval()

@@ -15,10 +15,11 @@ from torch import nn
 if not torch.cuda.is_available():  # before the kernels are first imported (jit decides then)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from compress.quantization.numerics.primitives import dynamic_qparams, fake_quantize_fp8, quantize_fp8
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec
+
 import compress
 from compress.core.errors import ExportError, RecipeError
-from quantization.numerics.primitives import dynamic_qparams, fake_quantize_fp8, quantize_fp8
-from quantization.numerics.spec import QuantScheme, QuantSpec
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 
@@ -71,7 +72,7 @@ def test_dynamic_fp8_scale_maps_each_rows_absmax_to_448() -> None:
 
 @needs_triton
 def test_activation_kernel_codes_equal_the_fake_quantizer(device: str) -> None:
-    from quantization.lowering.kernels import load
+    from compress.quantization.lowering.kernels import load
 
     quant = load("quant")
     x = _hard_values()[: 64 * 70].reshape(64, 70).to(device)
@@ -97,8 +98,8 @@ def _llama() -> nn.Module:
 @pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8"])
 def test_fp8_linear_on_a_transformers_decoder_matches_its_fake_quant_model(device: str, scheme: str) -> None:
     pytest.importorskip("transformers")
-    from quantization.lowering.convert import convert_with_report
-    from quantization.lowering.fp8 import FP8Linear
+    from compress.quantization.lowering.convert import convert_with_report
+    from compress.quantization.lowering.fp8 import FP8Linear
 
     model = _llama()
     ids = torch.randint(0, 96, (2, 12))
@@ -121,7 +122,7 @@ def test_fp8_linear_on_a_transformers_decoder_matches_its_fake_quant_model(devic
     # code in 2**7 and lands as far from the fake-quant model as another rounding would
     # (benchmarks/cuda_fp8_parity.py: 0.03-0.09 relative, the quantization error itself being 0.06-0.11,
     # on CPU too). What must hold: it adds no more than half again the quantization error.
-    from export.cuda import cast_float_layers
+    from compress.export.cuda import cast_float_layers
 
     half = cast_float_layers(copy.deepcopy(conv), torch.float16)  # keeps the fp8 codes and fp32 scales
     with torch.no_grad():
@@ -133,7 +134,7 @@ def test_fp8_linear_on_a_transformers_decoder_matches_its_fake_quant_model(devic
 def test_fp8_has_no_onnx_export_and_says_so_in_one_line() -> None:
     fq = compress.quantize(nn.Sequential(nn.Linear(16, 16)), "FP8", [torch.randn(4, 16)])
     with pytest.raises(ExportError, match="float8") as err:
-        from export.qdq import swap_quantizers
+        from compress.export.qdq import swap_quantizers
 
         swap_quantizers(fq)
     assert "\n" not in str(err.value)

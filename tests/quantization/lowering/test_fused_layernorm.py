@@ -19,9 +19,16 @@ if not torch.cuda.is_available():  # before the kernels are first imported (jit 
 
 transformers = pytest.importorskip("transformers")
 
+from compress.quantization.lowering.convert import convert_with_report  # noqa: E402
+from compress.quantization.lowering.fused_norm import (  # noqa: E402
+    FusedLayerNorm,
+    FusedNorm,
+    FusedRMSNorm,
+    fuse_norms,
+    prove,
+)
+
 import compress  # noqa: E402
-from quantization.lowering.convert import convert_with_report  # noqa: E402
-from quantization.lowering.fused_norm import FusedLayerNorm, FusedNorm, FusedRMSNorm, fuse_norms, prove  # noqa: E402
 from tests.quantization.lowering.kernels.kernel_cases import QuantizeSpy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
@@ -140,7 +147,7 @@ def test_the_proof_fuses_each_form_and_keeps_others_with_reasons() -> None:
 
 
 def test_the_rmsnorm_only_pass_leaves_layernorms_alone() -> None:
-    from quantization.lowering.fused_norm import fuse_rmsnorms
+    from compress.quantization.lowering.fused_norm import fuse_rmsnorms
 
     root = nn.ModuleDict({"a": nn.LayerNorm(16)})
     assert fuse_rmsnorms(root, record=lambda *r: None) == 0 and isinstance(root["a"], nn.LayerNorm)
@@ -152,8 +159,8 @@ def test_the_rmsnorm_only_pass_leaves_layernorms_alone() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC"])
 def test_fused_layernorms_on_cuda_in_fp16_and_under_cuda_graphs(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from export.cuda import cast_float_layers
-    from quantization.lowering.fp8 import fp8_capable
+    from compress.export.cuda import cast_float_layers
+    from compress.quantization.lowering.fp8 import fp8_capable
 
     if scheme == "FP8_DYNAMIC" and not fp8_capable(torch.device("cuda"))[0]:
         pytest.skip("fp8 needs compute capability 8.9")

@@ -20,9 +20,10 @@ if not torch.cuda.is_available():  # before the kernels are first imported (jit 
 
 transformers = pytest.importorskip("transformers")
 
+from compress.quantization.lowering.convert import convert_with_report  # noqa: E402
+from compress.quantization.lowering.fused_norm import FusedRMSNorm, fuse_rmsnorms, prove  # noqa: E402
+
 import compress  # noqa: E402
-from quantization.lowering.convert import convert_with_report  # noqa: E402
-from quantization.lowering.fused_norm import FusedRMSNorm, fuse_rmsnorms, prove  # noqa: E402
 from tests.quantization.lowering.kernels.kernel_cases import QuantizeSpy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
@@ -127,8 +128,8 @@ def test_fuse_norms_off_keeps_the_float_norms() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC"])
 def test_fused_norms_on_cuda_in_fp16_and_under_cuda_graphs(scheme: str, spy: QuantizeSpy) -> None:
-    from export.cuda import cast_float_layers
-    from quantization.lowering.fp8 import fp8_capable
+    from compress.export.cuda import cast_float_layers
+    from compress.quantization.lowering.fp8 import fp8_capable
 
     if scheme == "FP8_DYNAMIC" and not fp8_capable(torch.device("cuda"))[0]:
         pytest.skip("fp8 needs compute capability 8.9")
@@ -178,13 +179,12 @@ def test_the_converted_model_deep_copies_with_its_adopted_readers() -> None:
 def test_readers_that_disagree_one_group_fused_the_other_quantizes_itself(spy: QuantizeSpy) -> None:
     """A norm read by a SmoothQuant-scaled per-token layer (claims it first: its pre-scale goes into the
     norm's codes) and by a narrow-range one (another quantization: quantizes for itself)."""
+    from compress.quantization.lowering.int8 import Int8Linear
+    from compress.quantization.numerics.calibration import calibrate
+    from compress.quantization.numerics.modules import QUANT_LAYERS
+    from compress.quantization.numerics.spec import resolve_scheme
+    from compress.quantization.preparation import calibrate_weight
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    from quantization.lowering.int8 import Int8Linear
-    from quantization.numerics.calibration import calibrate
-    from quantization.numerics.modules import QUANT_LAYERS
-    from quantization.numerics.spec import resolve_scheme
-    from quantization.preparation import calibrate_weight
 
     def layer(scheme: Any, seed: int) -> nn.Module:
         torch.manual_seed(seed)

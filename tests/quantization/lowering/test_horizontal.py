@@ -32,8 +32,9 @@ def _decoder(family: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 
 def _converted(family: str, horizontal: bool) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    from compress.quantization.lowering.convert import convert_with_report
+
     import compress
-    from quantization.lowering.convert import convert_with_report
 
     model, batch = _decoder(family)
     fq = compress.quantize(copy.deepcopy(model), "W8A8", [batch]).eval()
@@ -48,8 +49,8 @@ def _out(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "bert"])
 def test_readers_of_one_tensor_run_one_gemm_with_the_same_bits(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from quantization.lowering.int8 import Int8Linear
-    from quantization.lowering.kernels import load
+    from compress.quantization.lowering.int8 import Int8Linear
+    from compress.quantization.lowering.kernels import load
 
     fused, batch = _converted(family, horizontal=True)
     plain, _ = _converted(family, horizontal=False)
@@ -122,7 +123,7 @@ def test_a_member_given_another_tensor_computes_alone() -> None:
 def test_one_eager_call_forms_the_groups_and_graph_capture_freezes_them(monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
-    from quantization.lowering import horizontal
+    from compress.quantization.lowering import horizontal
 
     fused, batch = _converted("llama", horizontal=True)
     with torch.no_grad():

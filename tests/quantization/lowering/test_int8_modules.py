@@ -14,13 +14,14 @@ from torch import nn
 if not torch.cuda.is_available():  # before the kernels are first imported (jit decides then)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from compress.quantization.lowering.int8 import Int8Conv2d, Int8Linear
+from compress.quantization.numerics.calibration import calibrate
+from compress.quantization.numerics.modules import QUANT_LAYERS
+from compress.quantization.numerics.primitives import quantize
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
+from compress.quantization.preparation import calibrate_weight
+
 from compress.core.errors import CompressError, UnsupportedModelError
-from quantization.lowering.int8 import Int8Conv2d, Int8Linear
-from quantization.numerics.calibration import calibrate
-from quantization.numerics.modules import QUANT_LAYERS
-from quantization.numerics.primitives import quantize
-from quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
-from quantization.preparation import calibrate_weight
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs the triton extra")
 
@@ -160,8 +161,8 @@ def test_bad_input_dtype_raises(device: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_static_qdq_is_the_fake_quantizer_in_one_pass(device: str, dtype: torch.dtype) -> None:
-    from quantization.lowering.int8 import StaticQDQ
-    from quantization.numerics.fake_quant import FakeQuantizer
+    from compress.quantization.lowering.int8 import StaticQDQ
+    from compress.quantization.numerics.fake_quant import FakeQuantizer
 
     q = FakeQuantizer(QuantSpec(dtype="uint8", symmetric=False, granularity="tensor"))
     q.observing = True
@@ -176,12 +177,13 @@ def test_static_qdq_is_the_fake_quantizer_in_one_pass(device: str, dtype: torch.
 
 
 def test_converted_resnet_runs_its_kept_quantizers_as_one_kernel_with_parity() -> None:
+    from compress.quantization.api import QuantizeParams
+    from compress.quantization.lowering.convert import convert_with_report
+    from compress.quantization.lowering.int8 import StaticQDQ
+    from compress.quantization.numerics.fake_quant import FakeQuantizer
+
     import compress
     from compress.models.resnet import resnet
-    from quantization.api import QuantizeParams
-    from quantization.lowering.convert import convert_with_report
-    from quantization.lowering.int8 import StaticQDQ
-    from quantization.numerics.fake_quant import FakeQuantizer
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 16)
@@ -196,13 +198,14 @@ def test_converted_resnet_runs_its_kept_quantizers_as_one_kernel_with_parity() -
 
 
 def test_placed_drop_removes_the_emulated_integer_ops_and_keeps_every_int8_layer() -> None:
+    from compress.quantization.api import QuantizeParams
+    from compress.quantization.lowering.convert import convert_with_report
+    from compress.quantization.lowering.int8 import StaticQDQ
+    from compress.quantization.numerics.fake_quant import FakeQuantizer
+
     import compress
     from compress.core.errors import RecipeError
     from compress.models.resnet import resnet
-    from quantization.api import QuantizeParams
-    from quantization.lowering.convert import convert_with_report
-    from quantization.lowering.int8 import StaticQDQ
-    from quantization.numerics.fake_quant import FakeQuantizer
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 16)
@@ -227,11 +230,11 @@ def test_layers_reading_one_tensor_quantize_it_once(scheme: str, monkeypatch: py
     pytest.importorskip("transformers")
     import copy
 
+    from compress.quantization.lowering.convert import convert_with_report
+    from compress.quantization.lowering.kernels import load
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import compress
-    from quantization.lowering.convert import convert_with_report
-    from quantization.lowering.kernels import load
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -257,7 +260,7 @@ def test_layers_reading_one_tensor_quantize_it_once(scheme: str, monkeypatch: py
 
 
 def test_shared_codes_are_reused_only_for_the_same_unchanged_tensor() -> None:
-    from quantization.lowering.shared_input import SharedCodes
+    from compress.quantization.lowering.shared_input import SharedCodes
 
     cache, calls = SharedCodes(), []
 

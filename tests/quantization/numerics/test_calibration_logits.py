@@ -12,9 +12,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import compress.quantization.api as qapi  # noqa: E402
+from compress.quantization.placement.mode import input_quantizer  # noqa: E402
+
 import compress  # noqa: E402
-import quantization.api as qapi  # noqa: E402
-from quantization.placement.mode import input_quantizer  # noqa: E402
 
 
 def _llama() -> Any:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from compress.quantization.numerics.spec import ECOSYSTEM_PRESETS, QuantScheme, QuantSpec
 
 from compress.core.errors import RecipeError
-from quantization.numerics.spec import ECOSYSTEM_PRESETS, QuantScheme, QuantSpec
 
 
 def _same(ours: QuantSpec | None, theirs: object | None) -> None:

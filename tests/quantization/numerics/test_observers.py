@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+from compress.quantization.numerics.observers import build_observer
+from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range
+from compress.quantization.numerics.spec import QuantSpec
 
 from compress.core.errors import CalibrationError, RecipeError
-from quantization.numerics.observers import build_observer
-from quantization.numerics.primitives import fake_quantize, qparams_from_range
-from quantization.numerics.spec import QuantSpec
 
 
 def _obs(name: str, **kw: object):

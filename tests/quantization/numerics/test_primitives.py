@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from quantization.numerics.primitives import (
+from compress.quantization.numerics.primitives import (
     SCALE_EPS,
     dequantize,
     dynamic_qparams,
@@ -14,7 +13,7 @@ from quantization.numerics.primitives import (
     qparams_from_range,
     quantize,
 )
-from quantization.numerics.spec import QuantScheme, QuantSpec
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec
 
 
 @pytest.mark.parametrize("qmin,qmax,symmetric", [(-128, 127, True), (0, 255, False), (0, 255, True), (-8, 7, True)])
@@ -122,7 +121,7 @@ def test_presets_validate_and_typos_are_named() -> None:
 
 
 def test_reduce_range_spec_keeps_int8_codes_in_7_bits() -> None:
-    from quantization.numerics.spec import QuantSpec
+    from compress.quantization.numerics.spec import QuantSpec
 
     spec = QuantSpec(granularity="channel", reduce_range=True)
     assert (spec.qmin, spec.qmax) == (-64, 63)
@@ -140,7 +139,7 @@ def test_low_bit_symmetric_scale_puts_the_larger_end_on_the_extra_level() -> Non
     """A 4-bit signed grid is [-8, 7]: the range's larger end maps exactly to -8, with a negative
     scale when that end is the positive one (a step of amax / 8, not amax / 7); the smaller end is
     clipped only past 7/8 of the larger. 8-bit scales stay amax / 127, positive."""
-    from quantization.numerics.primitives import fake_quantize, qparams_from_range
+    from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range
 
     mn, mx = torch.tensor([-8.0, -3.0, -7.5, 0.0]), torch.tensor([3.0, 7.0, 7.0, 0.0])
     scale, zp = qparams_from_range(mn, mx, qmin=-8, qmax=7, symmetric=True)
@@ -162,7 +161,7 @@ def test_lsq_moves_a_negative_low_bit_scale_as_the_mirror_of_a_positive_one() ->
     negated) has the same scale positive, the same codes and the same loss, so LSQ must move the two
     scales as mirror images (a step signed by the scale would climb for one of them, a clamp to
     positive would zero it)."""
-    from quantization.numerics.fake_quant import FakeQuantizer
+    from compress.quantization.numerics.fake_quant import FakeQuantizer
 
     g = torch.Generator().manual_seed(0)
     row = torch.randn(64, generator=g)

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import compress.quantization.preparation as preparation
 import pytest
 import torch
+from compress.quantization import QuantizeParams, quantize
+from compress.quantization.placement import cost_table as ct
+from compress.quantization.placement import speed_check
+from compress.quantization.placement.mode import graph_of
+from compress.quantization.placement.speed_check import SpeedCheck
 from torch import nn
 
-import quantization.preparation as preparation
 from compress.core.errors import CompressError
-from quantization import QuantizeParams, quantize
-from quantization.placement import cost_table as ct
-from quantization.placement import speed_check
-from quantization.placement.mode import graph_of
-from quantization.placement.speed_check import SpeedCheck
 
 
 class Net(nn.Module):

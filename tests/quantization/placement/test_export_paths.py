@@ -9,13 +9,13 @@ from pathlib import Path
 
 import onnx
 import torch
+from compress.export.onnx import export_onnx
+from compress.export.runtimes import ort_coverage, ort_optimized_graph
+from compress.quantization.placement.mode import UNSEEN_REASON
+from compress.quantization.view import view
 from torch import nn
 
 import compress
-from export.onnx import export_onnx
-from export.runtimes import ort_coverage, ort_optimized_graph
-from quantization.placement.mode import UNSEEN_REASON
-from quantization.view import view
 
 
 class ExportBranch(nn.Module):

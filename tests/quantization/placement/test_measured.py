@@ -9,13 +9,10 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from torch import nn
-
-from compress.core.errors import CompressError
-from export.onnx import export_onnx
-from export.runtimes import ort_coverage
-from quantization import QuantizeParams, quantize
-from quantization.placement.speed_check import (
+from compress.export.onnx import export_onnx
+from compress.export.runtimes import ort_coverage
+from compress.quantization import QuantizeParams, quantize
+from compress.quantization.placement.speed_check import (
     LayerCall,
     SpeedCheck,
     _graphs,
@@ -24,7 +21,10 @@ from quantization.placement.speed_check import (
     layer_calls,
     time_layers,
 )
-from quantization.placement.trace import trace_graph
+from compress.quantization.placement.trace import trace_graph
+from torch import nn
+
+from compress.core.errors import CompressError
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray, *, disable_qdq: bool = False) -> np.ndarray:

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from compress.export.onnx import export_onnx
+from compress.export.runtimes import ort_coverage
+from compress.quantization import quantize
+from compress.quantization.placement import attention
+from compress.quantization.placement.trace import GraphTracer
 from torch import nn
 
 from compress.models.vit import ViT
-from export.onnx import export_onnx
-from export.runtimes import ort_coverage
-from quantization import quantize
-from quantization.placement import attention
-from quantization.placement.trace import GraphTracer
 
 #: 7-bit weight codes: ORT's u8s8 kernels on CPUs without VNNI saturate on full 8-bit ones (README)
 SCHEME = {"preset": "w8a8", "weights": {"reduce_range": True}}

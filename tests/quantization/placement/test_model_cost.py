@@ -8,19 +8,19 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import compress.quantization.preparation as preparation
 import pytest
 import torch
+from compress.quantization import QuantizeParams, quantize
+from compress.quantization.placement import cost_table as ct
+from compress.quantization.placement.model_cost import model_cost, unpriced_ops
+from compress.quantization.placement.records import Placement
+from compress.quantization.placement.speed_check import layer_calls
+from compress.quantization.placement.trace import trace_graph
+from compress.quantization.view import is_quantized, view
 from torch import nn
 
-import quantization.preparation as preparation
 from compress.models import build_zoo_model
-from quantization import QuantizeParams, quantize
-from quantization.placement import cost_table as ct
-from quantization.placement.model_cost import model_cost, unpriced_ops
-from quantization.placement.records import Placement
-from quantization.placement.speed_check import layer_calls
-from quantization.placement.trace import trace_graph
-from quantization.view import is_quantized, view
 
 
 def _row(kind: str, feats: tuple[float, ...], float_us: float, int8_us: float,
@@ -95,8 +95,7 @@ def test_small_model_predicted_slower_at_batch_1_stays_float_with_the_reason(
     assert convs and all(v.kept_float[k] == v.model_float for k in convs)
     assert any(":add#" in k for k in v.kept_float)
     import onnx
-
-    from export.onnx import export_onnx
+    from compress.export.onnx import export_onnx
 
     path = export_onnx(q, _images(1, 16)[0], tmp_path / "m.onnx")
     assert not [n for n in onnx.load(str(path)).graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear")]
@@ -124,7 +123,7 @@ def test_by_default_the_prediction_is_logged_and_int8_kept(monkeypatch: pytest.M
 def test_by_default_a_model_predicted_slower_at_batch_16_or_more_stays_float(monkeypatch: pytest.MonkeyPatch) -> None:
     """``model_check="auto"`` (the default) acts on the prediction where it has held (batch >= 16:
     model_cost.TRUSTED_BATCH) and only warns below; ``warn`` never acts."""
-    from quantization.placement.model_cost import TRUSTED_BATCH
+    from compress.quantization.placement.model_cost import TRUSTED_BATCH
 
     # a row near the classifier at batch 32, and boundaries so costly that any judged batch loses
     costly = ct.CostTable("onnxruntime", "test ISA", "test", (*TABLE.rows, _row("linear", (32, 16, 10), 5.0, 4.0, 4.0)),
@@ -416,9 +415,9 @@ def test_attention_the_matmul_rows_price_slower_stays_float(written_out: bool, m
     written-out products stay float, named with the reason; the projections stay int8 and the
     exported graph has no QLinearMatMul between activations. Where int8 products win, attention runs
     on codes as before."""
-    from export.onnx import export_onnx
-    from export.runtimes import ort_coverage
-    from quantization.placement.model_cost import slower_attention
+    from compress.export.onnx import export_onnx
+    from compress.export.runtimes import ort_coverage
+    from compress.quantization.placement.model_cost import slower_attention
 
     torch.manual_seed(0)
     m = _Attention(written_out).eval()
@@ -448,7 +447,7 @@ def test_attention_the_matmul_rows_price_slower_stays_float(written_out: bool, m
 def test_speed_check_leaves_attention_to_the_table_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     """The speed check times layers; attention's products are no layer, so the cost table's rule
     keeps them float at the batch timed, as on the default path, and ``cost_table=False`` turns it off."""
-    from quantization.placement.speed_check import SpeedCheck
+    from compress.quantization.placement.speed_check import SpeedCheck
 
     torch.manual_seed(0)
     m = _Attention(written_out=True).eval()
@@ -490,8 +489,8 @@ def test_attention_with_subnormal_probabilities_stays_on_codes(written_out: bool
     """A finite -100 mask leaves a share of the float softmax's outputs subnormal, which x86 runs many
     times slower (Swin's shifted windows): such a call stays int8 whatever the ``matmul`` rows say.
     A mask of -inf or a small bias leaves no subnormals, and the rows decide."""
-    from quantization.placement.model_cost import SUBNORMAL_SHARE, slower_attention
-    from quantization.placement.trace import subnormal_share
+    from compress.quantization.placement.model_cost import SUBNORMAL_SHARE, slower_attention
+    from compress.quantization.placement.trace import subnormal_share
 
     assert subnormal_share(torch.tensor([[0.0, -95.0]])) == 0.5
     assert subnormal_share(torch.tensor([[0.0, -float("inf"), -50.0, -120.0]])) == 0.0

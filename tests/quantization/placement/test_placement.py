@@ -11,14 +11,14 @@ import onnx
 import pytest
 import torch
 import torch.nn.functional as F
+from compress.export.onnx import export_onnx
+from compress.export.runtimes import ort_coverage, ort_optimized_graph
+from compress.quantization import QuantizeParams, prepare, quantize, strip
+from compress.quantization.placement.mode import decomposed_attention, graph_of
+from compress.quantization.placement.trace import trace_graph
 from torch import nn
 
 from compress.core.errors import CompressError
-from export.onnx import export_onnx
-from export.runtimes import ort_coverage, ort_optimized_graph
-from quantization import QuantizeParams, prepare, quantize, strip
-from quantization.placement.mode import decomposed_attention, graph_of
-from quantization.placement.trace import trace_graph
 
 
 class Residual(nn.Module):

@@ -11,13 +11,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from compress.export.onnx import export_onnx
+from compress.export.runtimes import ort_coverage
+from compress.quantization import QuantizeParams, quantize
+from compress.quantization.placement.integer_chains import IntegerChains
 from onnx import numpy_helper
 from torch import nn
-
-from export.onnx import export_onnx
-from export.runtimes import ort_coverage
-from quantization import QuantizeParams, quantize
-from quantization.placement.integer_chains import IntegerChains
 
 #: 7-bit weight codes: ORT's u8s8 kernels on CPUs without VNNI saturate on full 8-bit ones (README)
 SEVEN_BIT = {"preset": "w8a8", "weights": {"reduce_range": True}}
@@ -204,7 +203,7 @@ class SinkNorm(nn.Module):
 
 
 def test_variance_plus_eps_stays_float_where_quantizing_it_breaks_normal_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from quantization.placement import fidelity_guards
+    from compress.quantization.placement import fidelity_guards
 
     def batches(n: int, seed: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)

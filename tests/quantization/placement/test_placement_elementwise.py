@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from compress.export.onnx import export_onnx
+from compress.export.runtimes import ort_coverage, ort_optimized_graph
+from compress.quantization import QuantizeParams, quantize
+from compress.quantization.placement.mode import graph_of
+from compress.quantization.placement.records import Placement
 from torch import nn
-
-from export.onnx import export_onnx
-from export.runtimes import ort_coverage, ort_optimized_graph
-from quantization import QuantizeParams, quantize
-from quantization.placement.mode import graph_of
-from quantization.placement.records import Placement
 
 SEVEN_BIT = {"preset": "w8a8", "weights": {"reduce_range": True}}
 

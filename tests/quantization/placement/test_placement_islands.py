@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from compress.export.onnx import export_onnx
+from compress.export.runtimes import ort_coverage, ort_optimized_graph
+from compress.quantization import QuantizeParams, quantize
+from compress.quantization.placement import cost_table as ct
+from compress.quantization.view import view
 from torch import nn
 
-from export.onnx import export_onnx
-from export.runtimes import ort_coverage, ort_optimized_graph
-from quantization import QuantizeParams, quantize
-from quantization.placement import cost_table as ct
-from quantization.view import view
 from tests.quantization.placement.test_model_cost import SLOW_MATMUL, _bound, _use
 
 REASON = "elementwise op between float ops"
@@ -182,8 +182,8 @@ def test_llama_rotary_stays_float_between_its_projections_and_float_attention(mo
 
 def test_the_chains_are_decided_at_the_largest_batch_the_model_is_served_at() -> None:
     """``batch_sizes`` (a recipe's ``validate.batch_sizes``), else the batch ``speed_check`` times at."""
-    from quantization.placement.speed_check import SpeedCheck
-    from quantization.preparation import _serving_batch
+    from compress.quantization.placement.speed_check import SpeedCheck
+    from compress.quantization.preparation import _serving_batch
 
     assert _serving_batch((1, 32), None) == 32 and _serving_batch((4,), SpeedCheck(batch=64)) == 4
     assert _serving_batch(None, SpeedCheck(batch=32)) == 32 and _serving_batch(None, SpeedCheck()) == 1

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from compress.export.onnx import export_onnx
+from compress.export.runtimes import ort_coverage
+from compress.quantization import quantize
+from compress.quantization.placement.records import Placement
 from torch import nn
-
-from export.onnx import export_onnx
-from export.runtimes import ort_coverage
-from quantization import quantize
-from quantization.placement.records import Placement
 
 SEVEN_BIT = {"preset": "w8a8", "weights": {"reduce_range": True}}
 
@@ -220,7 +219,7 @@ def test_real_smollm2_layers_keep_their_fidelity_with_integer_products(
     2048 held-out tokens: 2 layers 23.86 -> 23.73 dB, top-1 0.822 -> 0.820; 4 layers 17.76 -> 17.69
     dB, 0.690 -> 0.688; benchmarks/RESULTS.md `decoder_products` for all 30). The RMSNorms whose input
     carries the massive activations stay float (their residual add does)."""
-    from quantization.placement import place as placement
+    from compress.quantization.placement import place as placement
 
     model, calib, held = smollm2_two_layers
     with torch.no_grad():
@@ -263,7 +262,7 @@ class InPlace(nn.Module):
 
 
 def test_an_in_place_op_is_not_taken_for_an_identity_cast() -> None:
-    from quantization.placement.trace import trace_graph
+    from compress.quantization.placement.trace import trace_graph
 
     torch.manual_seed(0)
     g = trace_graph(InPlace().eval(), (_tokens(1, 1)[0],), {})

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 import torch
+from compress.quantization import QuantizeParams, quantize
+from compress.quantization.modifiers import PTQSpec
+from compress.quantization.placement import cost_table as ct
+from compress.quantization.placement.mode import graph_of
+from compress.quantization.view import view
 from pydantic import ValidationError
 
 import compress
 from compress.core import machine
-from quantization import QuantizeParams, quantize
-from quantization.modifiers import PTQSpec
-from quantization.placement import cost_table as ct
-from quantization.placement.mode import graph_of
-from quantization.view import view
 
 #: what torch.cpu.get_capabilities reports on each CPU (compress.core.machine.cpu_capabilities), the
 #: one place every reader of this machine's int8 instructions and CPU name (int8_isa, cpu_name) asks

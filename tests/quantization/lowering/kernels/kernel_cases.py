@@ -12,12 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-
-from quantization.lowering.int4 import Int4Weight, pack_nibbles
-from quantization.lowering.kernels import load
+from compress.quantization.lowering.int4 import Int4Weight, pack_nibbles
+from compress.quantization.lowering.kernels import load
 
 if TYPE_CHECKING:
-    from quantization.lowering.kernels.w4a16 import W4Config
+    from compress.quantization.lowering.kernels.w4a16 import W4Config
 
 ROOT = Path(__file__).resolve().parents[4]
 
@@ -37,7 +36,7 @@ def int4_weight(n: int, k: int, gs: int, *, asym: bool, g: torch.Generator, dyad
 
 def run_w4a16(x: torch.Tensor, w: Int4Weight, device: str, config: W4Config, **kw: object) -> torch.Tensor:
     """``w4a16_gemm`` of ``x`` and ``w`` on ``device`` with launch ``config``, back on the CPU."""
-    from quantization.lowering.kernels import w4a16_gemm  # Triton's modules load with the kernels
+    from compress.quantization.lowering.kernels import w4a16_gemm  # Triton's modules load with the kernels
 
     return w4a16_gemm(x.to(device), pack_nibbles(w.codes).to(device), scale=w.scale.to(device), group_size=w.group_size,
                       zero_point=None if w.symmetric else w.zero_point.to(device), config=config, **kw).cpu()  # type: ignore[arg-type]
@@ -58,7 +57,7 @@ def assert_codes_match(y: torch.Tensor, q: torch.Tensor | None, s: torch.Tensor 
                        qmax: int, pre_scale: torch.Tensor | None, fp8: bool) -> None:
     """A fused kernel's codes ``q`` and scales ``s`` of its output ``y`` are ``quantize_per_token(y)``'s,
     bit for bit (fp8 included), in the dtype and ``[rows, k]`` shape asked for."""
-    from quantization.lowering.kernels import quantize_per_token
+    from compress.quantization.lowering.kernels import quantize_per_token
 
     q_ref, s_ref = quantize_per_token(y, qmin=qmin, qmax=qmax, pre_scale=pre_scale, fp8=fp8)
     assert q is not None and s is not None

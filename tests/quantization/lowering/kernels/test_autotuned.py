@@ -9,8 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-
-from quantization.lowering.kernels import load
+from compress.quantization.lowering.kernels import load
 
 
 def _fake_bench(times: dict[int, float]) -> Callable[..., list[float]]:
@@ -90,7 +89,7 @@ def test_autotuned_conv_path(interpret_only: None, monkeypatch: pytest.MonkeyPat
 @pytest.mark.parametrize("m", [1, 3, 40])
 def test_tuned_w4a16_path(m: int, interpret_only: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # the CUDA tuner's own code (candidates, timing loop, cache) with an SM count and a timer stood in
-    from quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
+    from compress.quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
 
     w4 = load("w4a16")
     monkeypatch.setattr(w4, "_sm_count", lambda: 4)

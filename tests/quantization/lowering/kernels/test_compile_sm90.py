@@ -11,7 +11,7 @@ SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from quantization.lowering.kernels import quant as q
+from compress.quantization.lowering.kernels import quant as q
 
 def comp(fn, ptrs, const):
     names = list(fn.arg_names)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from compress.quantization.lowering.kernels import GemmConfig, int8_conv2d
 
 from compress.core.errors import CompressError
-from quantization.lowering.kernels import GemmConfig, int8_conv2d
 
 # (n, c, h, w, o, k, stride, padding, dilation, zero_point): ragged channels and pixels everywhere
 CASES = [

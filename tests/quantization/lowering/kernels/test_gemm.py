@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from compress.quantization.lowering.kernels import GemmConfig, int8_gemm
 
 from compress.core.errors import CompressError
-from quantization.lowering.kernels import GemmConfig, int8_gemm
 
 # M, N, K chosen so that none is a multiple of the tiles below: every mask is exercised
 RAGGED = [(37, 45, 70), (1, 33, 100), (16, 16, 64), (70, 19, 33)]
@@ -38,7 +38,7 @@ def test_split_k_is_exact_and_leaves_its_workspace_zeroed(split: int, device: st
     # K-tiles 3 (70 / 32; int8 MMA needs K-tiles of 32): splits of 2 tiles and 1, 3 of one tile, and
     # 8 of which five are empty; M > one row tile; run twice, as a replayed decode step would, with
     # the bias and per-token epilogue
-    from quantization.lowering.kernels import load
+    from compress.quantization.lowering.kernels import load
 
     gemm = load("gemm")
     m, n, k = 21, 45, 70

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compress.quantization.lowering.fused_norm import layernorm_tolerance
+from compress.quantization.lowering.kernels import layernorm_quantize
 from torch import nn
 
 from compress.core.errors import CompressError
-from quantization.lowering.fused_norm import layernorm_tolerance
-from quantization.lowering.kernels import layernorm_quantize
 from tests.quantization.lowering.kernels.kernel_cases import assert_codes_match
 
 

@@ -8,8 +8,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from compress.quantization.lowering.kernels import rmsnorm_quantize  # noqa: E402
+
 from compress.core.errors import CompressError  # noqa: E402
-from quantization.lowering.kernels import rmsnorm_quantize  # noqa: E402
 from tests.quantization.lowering.kernels.kernel_cases import assert_codes_match  # noqa: E402
 
 
@@ -89,7 +90,7 @@ def test_kernel_compiles_for_hopper_without_a_gpu() -> None:
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from quantization.lowering.kernels import norm as k
+        from compress.quantization.lowering.kernels import norm as k
 
         def build(x="fp16", y="fp16", single=True, codes=True, pqs=False, fp8=False, layer=False, w=True, b=False):
             names = list(k._norm_quant_kernel.arg_names)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compress.quantization.lowering.kernels import quantize_per_token, quantize_static
+from compress.quantization.numerics.primitives import SCALE_EPS, dynamic_qparams, quantize
+from compress.quantization.numerics.spec import QuantSpec
 
 from compress.core.errors import CompressError
-from quantization.lowering.kernels import quantize_per_token, quantize_static
-from quantization.numerics.primitives import SCALE_EPS, dynamic_qparams, quantize
-from quantization.numerics.spec import QuantSpec
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

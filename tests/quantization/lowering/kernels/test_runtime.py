@@ -26,7 +26,7 @@ def test_cpu_tensors_without_interpreter_raise_clear_error() -> None:
         if torch.cuda.is_available():
             print("CUDA"); raise SystemExit(0)
         from compress.core.errors import CompressError
-        from quantization.lowering.kernels import int8_gemm
+        from compress.quantization.lowering.kernels import int8_gemm
         a = torch.ones(4, 8, dtype=torch.int8)
         try:
             int8_gemm(a, a, a_scale=torch.ones(1), b_scale=torch.ones(4))
@@ -108,7 +108,7 @@ def test_split_k_gemm_compiles_for_hopper_with_ordered_arrival() -> None:
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from quantization.lowering.kernels import gemm as g
+        from compress.quantization.lowering.kernels import gemm as g
 
         fn = g._gemm_kernel
         names = list(fn.arg_names)
@@ -142,7 +142,7 @@ def test_w4a16_kernel_compiles_for_hopper_without_a_gpu() -> None:
     r = _run(
         """
         from benchmarks.w4a16 import compile_variant
-        from quantization.lowering.kernels.w4a16 import W4Config
+        from compress.quantization.lowering.kernels.w4a16 import W4Config
         row = compile_variant(90, W4Config(1, 32, 128, split_k=8, acc3=True, prefetch=True), "bf16", TILE_IN_GROUP=False,
                               HAS_GIDX=True, EVEN_K=False)
         fast = compile_variant(90, W4Config(16, 64, 128, split_k=4, prefetch=True))

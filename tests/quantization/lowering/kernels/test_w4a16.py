@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compress.quantization.lowering.convert import convert_with_report
+from compress.quantization.lowering.int4 import (
+    Int4Weight,
+    dequantize_int4,
+    int4_weight,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from compress.quantization.lowering.kernels import GemmConfig, w4a16_gemm
+from compress.quantization.lowering.kernels.w4a16 import W4Config, dequantize_w4
+from compress.quantization.lowering.w4a16 import W4A16Linear
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec
 from torch import nn
 
 import compress
 from compress.core.errors import CompressError, UnsupportedModelError
-from quantization.lowering.convert import convert_with_report
-from quantization.lowering.int4 import Int4Weight, dequantize_int4, int4_weight, pack_nibbles, unpack_nibbles
-from quantization.lowering.kernels import GemmConfig, w4a16_gemm
-from quantization.lowering.kernels.w4a16 import W4Config, dequantize_w4
-from quantization.lowering.w4a16 import W4A16Linear
-from quantization.numerics.spec import QuantScheme, QuantSpec
 
 TILE = GemmConfig(16, 32, 32, group_m=2)
 # the fused kernel's regimes: tensor cores; CUDA cores for 1..4 rows with K split in three (partials
@@ -203,7 +209,7 @@ def test_convert_runs_a_transformers_llama_on_the_kernel(device: str) -> None:
 def test_tinygemm_scales_and_zeros_reproduce_our_dequantized_weight(asym: bool) -> None:
     """tinygemm dequantizes (u - 8) * s + z: our zero convention, checked through PyTorch's CPU
     int4 kernel (same formula, CPU packing) against our exact weight, to bf16 rounding."""
-    from quantization.lowering.w4a16 import tinygemm_scales_and_zeros
+    from compress.quantization.lowering.w4a16 import tinygemm_scales_and_zeros
 
     g = torch.Generator().manual_seed(3)
     w = _int4(64, 256, 64, asym=asym, act_order=False, g=g)
@@ -217,7 +223,7 @@ def test_tinygemm_scales_and_zeros_reproduce_our_dequantized_weight(asym: bool) 
 
 
 def test_tinygemm_refusals_name_the_constraint() -> None:
-    from quantization.lowering.w4a16 import tinygemm_refusal
+    from compress.quantization.lowering.w4a16 import tinygemm_refusal
 
     assert tinygemm_refusal(4096, 4096, 128, False) is None
     assert "g_idx" in str(tinygemm_refusal(4096, 4096, 128, True))

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compress.quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
+from compress.quantization.lowering.kernels.w4a16 import W4Config
 
 from compress.core.errors import CompressError
-from quantization.lowering.int4 import Int4Weight, dequantize_int4, pack_nibbles
-from quantization.lowering.kernels.w4a16 import W4Config
 from tests.quantization.lowering.kernels.kernel_cases import (
     compile_without_interpreter,
     int4_weight,
@@ -114,7 +114,7 @@ def test_refusals_name_what_does_not_fit(device: str) -> None:
 
 
 def test_tuner_times_gemv_tiles_for_decode_only() -> None:
-    from quantization.lowering.kernels import w4a16 as k4
+    from compress.quantization.lowering.kernels import w4a16 as k4
 
     def cands(m: int, k: int = 4096, gs: int = 128, tile_in_group: bool = True) -> list[W4Config]:
         return k4._gemv_candidates(m, 4096, k, gs, tile_in_group, 132)
@@ -131,7 +131,7 @@ def test_tuner_times_gemv_tiles_for_decode_only() -> None:
 def test_tuners_time_weights_from_device_memory(device: str) -> None:
     # an H200's L2 is 50 MB: a LLaMA-7B 4096x4096 int4 layer (8.4 MB) is timed over 12 copies, a
     # layer larger than twice L2 once; never more than 32 copies
-    from quantization.lowering.kernels import w4a16 as k4
+    from compress.quantization.lowering.kernels import w4a16 as k4
 
     assert k4.copies_beyond_l2(8_912_896, 50 * 2**20) == 12
     assert k4.copies_beyond_l2(200 * 2**20, 50 * 2**20) == 1
@@ -151,9 +151,9 @@ import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from quantization.lowering.kernels import load
+from compress.quantization.lowering.kernels import load
 load("w4a16")
-from quantization.lowering.kernels import w4a16_gemv as k
+from compress.quantization.lowering.kernels import w4a16_gemv as k
 
 names = list(k._w4a16_gemv_kernel.arg_names)
 for x, bm, bn, bk, zp, prefetch in (("fp16", 1, 128, 128, False, False), ("bf16", 1, 128, 256, True, True),

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from compress.quantization.lowering.int4 import dequantize_int4
+from compress.quantization.lowering.kernels.w4a16 import W4Config
 
 from compress.core.errors import CompressError
-from quantization.lowering.int4 import dequantize_int4
-from quantization.lowering.kernels.w4a16 import W4Config
 from tests.quantization.lowering.kernels.kernel_cases import (
     compile_without_interpreter,
     int4_weight,
@@ -98,7 +98,7 @@ def test_refusals_name_what_does_not_fit(device: str) -> None:
 
 
 def test_tuner_times_the_scaled_tiles_only_where_theyrun_w4a16() -> None:
-    from quantization.lowering.kernels import w4a16 as k4
+    from compress.quantization.lowering.kernels import w4a16 as k4
 
     def scaled(m: int, dtype: torch.dtype, gs: int = 128, tile_in_group: bool = True) -> list[W4Config]:
         return [c for c in k4._scaled_acc_candidates(m, 4096, 4096, gs, tile_in_group, dtype, 132)]
@@ -116,9 +116,9 @@ COMPILE_SCRIPT = r'''
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from quantization.lowering.kernels import load
+from compress.quantization.lowering.kernels import load
 load("w4a16")
-from quantization.lowering.kernels import w4a16_mma as k
+from compress.quantization.lowering.kernels import w4a16_mma as k
 
 names = list(k._w4a16_mma_kernel.arg_names)
 for x, split, prefetch, zp in (("fp16", False, False, False), ("bf16", True, True, True), ("fp16", True, False, True)):
