@@ -81,7 +81,7 @@ def lm_arguments(p: argparse.ArgumentParser, *, calib: int) -> None:
 def lm_windows(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     """Sets logging and threads from ``args``; the calibration and held-out eval token windows."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("quantization").setLevel(logging.WARNING)
+    logging.getLogger("compress.quantization").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     from compress.data.lm import text_lm
 

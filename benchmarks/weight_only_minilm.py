@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--report-only", action="store_true", help="rewrite the RESULTS.md section from the last run")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("quantization").setLevel(logging.WARNING)
+    logging.getLogger("compress.quantization").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     if args.report_only:
         from benchmarks._results import RESULTS_DIR

@@ -77,7 +77,7 @@ def test_python_caller_sees_a_line_per_decoder_layer_without_logging_configured(
     err = _run("default")
     lines = _layer_lines(err)
     assert [re.findall(r"layer (\d)/2", ln) for ln in lines] == [["1"], ["2"]], err
-    assert all(" INFO quantization.algorithms.sequential: gptq: layer" in ln for ln in lines), lines
+    assert all(" INFO compress.quantization.algorithms.sequential: gptq: layer" in ln for ln in lines), lines
     assert "ETA" in lines[0] and "error RTN" in lines[0]
     assert "gptq: 14 Linears in 2 layers" in err  # the toolkit's other INFO lines are shown too
     assert "\r" not in err and "%|" not in err, err  # not a terminal: lines, no bar
@@ -91,7 +91,7 @@ def test_logging_the_caller_configured_is_used_alone() -> None:
     err = _run("basic")
     lines = _layer_lines(err)
     assert len(lines) == 2, err  # once each: not also through the toolkit's own handler
-    assert all(ln.startswith("USER quantization.algorithms.sequential: gptq: layer") for ln in lines), lines
+    assert all(ln.startswith("USER compress.quantization.algorithms.sequential: gptq: layer") for ln in lines), lines
     assert len(err.splitlines()) == len(set(err.splitlines())), err
 
 
