@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import onnx
 from compress.export import describe
@@ -61,17 +62,27 @@ def _run_record(path: Path) -> ExportRecord | None:
         report = folder / "report.json"
         if not report.is_file():
             continue
-        for rec in _records(report):
+        for rec in _records(report, _read_report(report)):
             if rec.path.name == path.name:
                 return rec
     return None
 
 
-def _records(report: Path) -> list[ExportRecord]:
+def _read_report(report: Path) -> dict[str, Any]:
+    """A run's report.json as a mapping; RecipeError (one line) for anything unreadable."""
     try:
         data = load_json_file(report, what="run report")
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"{report}: not a readable run report ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{report}: not a readable run report (not a JSON object)")
+    return data
+
+
+def _records(report: Path, data: dict[str, Any]) -> list[ExportRecord]:
+    try:
         return [ExportRecord.model_validate(e) for e in data.get("exports", [])]
-    except (OSError, ValueError, ValidationError) as exc:
+    except ValidationError as exc:
         raise RecipeError(f"{report}: not a readable run report ({str(exc).splitlines()[0]})") from None
 
 
@@ -106,14 +117,9 @@ def inspect_run(folder: Path) -> str:
     report = Path(folder) / "report.json"
     if not report.is_file():
         raise RecipeError(f"{folder}: not a run folder (no report.json in it)")
-    try:
-        data = load_json_file(report, what="run report")
-    except (OSError, ValueError) as exc:
-        raise RecipeError(f"{report}: not a readable run report ({str(exc).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"{report}: not a readable run report (not a JSON object)")
+    data = _read_report(report)
     name = (data.get("recipe") or {}).get("name", "?")
-    recs = _records(report)
+    recs = _records(report, data)
     lines = [f"{folder}: run of recipe '{name}'" + (f", FAILED: {data['error']}" if data.get("error") else "")]
     if not recs:
         lines.append("  no exports")
