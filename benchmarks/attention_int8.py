@@ -115,7 +115,7 @@ def _metrics(ref: np.ndarray, out: np.ndarray, x: dict[str, torch.Tensor], lm: b
 def run_model(name: str, model: torch.nn.Module, calib: list[dict[str, torch.Tensor]],
               held: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     from compress.export.onnx import export_onnx
-    from compress.export.runtimes import ort_coverage
+    from compress.export.validation.runtimes import ort_coverage
 
     import compress
 

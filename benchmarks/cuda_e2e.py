@@ -71,7 +71,7 @@ def _fidelity(ref: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
 
 def _convert(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.device, dtype: torch.dtype,
              *, first_last: str = "quantize") -> tuple[nn.Module, dict[str, Any]]:
-    from compress.export.cuda import cast_float_layers
+    from compress.export.validation.cuda import cast_float_layers
     from compress.quantization.api import QuantizeParams
     from compress.quantization.lowering.convert import convert_with_report
 
@@ -93,7 +93,7 @@ def _convert(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.device, 
 
 
 def _time(fns: dict[str, Callable[[], Any]], dev: torch.device, *, runs: int) -> dict[str, float]:
-    from compress.export.cuda import time_side_by_side
+    from compress.export.validation.cuda import time_side_by_side
 
     with torch.no_grad():
         ms, graphs = time_side_by_side(fns, warmup=3, runs=runs, device=dev, graphs=True)
@@ -403,7 +403,7 @@ def bench_resnet(spec: dict[str, Any], schemes: list[str], dev: torch.device, ru
 
 def _convert_checked(fp32: nn.Module, scheme: str, calib: list[Any], dev: torch.device,
                      example: torch.Tensor, placed: str) -> tuple[nn.Module, dict[str, Any]]:
-    from compress.export.cuda import cast_float_layers
+    from compress.export.validation.cuda import cast_float_layers
     from compress.quantization.api import QuantizeParams
     from compress.quantization.lowering.convert import convert_with_report
 

@@ -37,7 +37,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def probe(scheme: str, hidden: int, layers: int, dev: torch.device) -> dict[str, Any]:
-    from compress.export.cuda import cast_float_layers
+    from compress.export.validation.cuda import cast_float_layers
     from compress.quantization.lowering.convert import convert_with_report
     from compress.quantization.lowering.fp8 import FP8Linear
 

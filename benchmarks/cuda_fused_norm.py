@@ -1,7 +1,7 @@
 """Fused RMSNorm + per-token activation quantization on CUDA (issue 30, item 1), side by side.
 
 Two measurements, each variant timed in alternating runs through CUDA graphs (median of the
-replays, CUDA events, export.cuda.time_side_by_side):
+replays, CUDA events, export.validation.cuda.time_side_by_side):
 
 - one norm at LLaMA-7B width (4096, fp16) at 1, 16 and 2048 rows: transformers' eager LlamaRMSNorm,
   that norm followed by the per-token int8 quantize kernel (what a converted model ran before), our
@@ -37,7 +37,7 @@ _ROOM = 64  # StaticCache slots past the context (some transformers releases adv
 
 
 def _time(fns: dict[str, Any], dev: torch.device, runs: int) -> dict[str, float]:
-    from compress.export.cuda import time_side_by_side
+    from compress.export.validation.cuda import time_side_by_side
 
     with torch.no_grad():
         ms, graphs = time_side_by_side(fns, warmup=3, runs=runs, device=dev, graphs=True)
@@ -87,7 +87,7 @@ def _llama(spec: dict[str, Any]) -> nn.Module:
 
 
 def bench_decode(spec: dict[str, Any], dev: torch.device) -> list[dict[str, Any]]:
-    from compress.export.cuda import cast_float_layers
+    from compress.export.validation.cuda import cast_float_layers
     from compress.quantization.api import QuantizeParams
     from compress.quantization.lowering.convert import convert_with_report
     from transformers import StaticCache

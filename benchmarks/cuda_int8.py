@@ -186,7 +186,7 @@ def _encoder(hidden: int, layers: int, heads: int, inter: int) -> nn.Module:
 
 
 def bench_models(spec: dict[str, Any], dev: torch.device, *, warmup: int, runs: int) -> list[dict[str, Any]]:
-    from compress.export.cuda import cast_float_layers, time_side_by_side
+    from compress.export.validation.cuda import cast_float_layers, time_side_by_side
     from compress.quantization.api import QuantizeParams
     from compress.quantization.lowering.convert import convert_with_report
 

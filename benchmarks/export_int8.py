@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from compress.export.describe import file_size
 from compress.export.onnx import export_onnx
-from compress.export.parity import Parity, to_numpy_feeds
-from compress.export.runtimes import OrtSession, integer_kernel_count, load_session, run_session
-from compress.export.validate import time_side_by_side
+from compress.export.validation.describe import file_size
+from compress.export.validation.measure import time_side_by_side
+from compress.export.validation.parity import Parity, to_numpy_feeds
+from compress.export.validation.runtimes import OrtSession, integer_kernel_count, load_session, run_session
 from torch import nn
 
 from benchmarks._results import table, write_section
@@ -263,8 +263,8 @@ def quickstart(tmp: Path) -> dict[str, Any]:
     logged), the same recipe with ``model_check: float`` (that prediction decides), and every layer
     int8 (cost table off); timed side by side with the fp32 baseline at batch 1 and 32, 1 thread,
     and profiled per op at batch 1."""
-    from compress.export.runtimes import load_session
-    from compress.export.validate import time_side_by_side
+    from compress.export.validation.measure import time_side_by_side
+    from compress.export.validation.runtimes import load_session
 
     import compress
 
@@ -304,8 +304,8 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
     decision ``model_check="float"`` makes for [1, 32], and every layer int8 timed side by side with
     fp32 (1 thread)."""
     import transformers
-    from compress.export.runtimes import load_session
-    from compress.export.validate import time_side_by_side
+    from compress.export.validation.measure import time_side_by_side
+    from compress.export.validation.runtimes import load_session
     from compress.quantization.api import QuantizeParams, quantize
     from compress.quantization.placement.cost_table import table_for
     from compress.quantization.placement.model_cost import predict

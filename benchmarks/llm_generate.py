@@ -9,14 +9,14 @@ shapes (vocab 4096, hidden 256, 4 layers, 768 MLP, 4 heads / 2 kv heads); the re
 Prompts are windows of this repository's README (held-out text for a model trained on the stdlib),
 capped so that prompt + generated tokens stay inside the model's trained context; ORT's greedy
 continuations of them are compared with the PyTorch model's greedy tokens on the same weights
-(export.generation.torch_greedy: KV cache, argmax per step; not ``generate``, whose generation
+(export.llm.generation.torch_greedy: KV cache, argmax per step; not ``generate``, whose generation
 config suppresses EOS before a minimum length).
 int4 = round-to-nearest ``w4_weight_only_g128`` on every Linear but lm_head, exported with
-:func:`export.llm_onnx.export_llm_onnx` as MatMulNBits, at accuracy_level 0 (float32 compute) and 4
+:func:`export.llm.onnx.export_llm_onnx` as MatMulNBits, at accuracy_level 0 (float32 compute) and 4
 (ORT quantizes activations to int8 inside the op). Variants run interleaved in each repeat (same
 machine state), one ORT intra-op thread each; prefill = one call on the prompt with an empty cache,
 decode = per-token time of the following greedy steps. Medians over repeats.
-W8A8 (``weights="w8a8"``, export/llm_w8a8.py), every Linear but lm_head, SmoothQuant alpha auto
+W8A8 (``weights="w8a8"``, export/llm/w8a8.py), every Linear but lm_head, SmoothQuant alpha auto
 calibrated on stdlib windows (random ids for a random-init model): *static* = the
 llm_smoothquant_w8a8 recipe's scheme (per-tensor uint8 inputs, 7-bit int8 weight codes; QDQ that
 ORT fuses into MatMulIntegerToFloat), *dynamic* = ``w8a8_dynamic`` with 7-bit weight codes too
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from compress.export.generation import time_generation, torch_greedy
-    from compress.export.llm_onnx import OrtGenerator, export_llm_onnx, generate_ort
+    from compress.export.llm.generation import time_generation, torch_greedy
+    from compress.export.llm.onnx import OrtGenerator, export_llm_onnx, generate_ort
 
     import compress
 

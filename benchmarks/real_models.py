@@ -181,7 +181,7 @@ def _predicted(model: nn.Module, calib: Any, batch: int) -> tuple[float | None, 
 
 def run_one(name: str, *, rounds: int, threads: int, size: str = "small", max_rounds: int | None = None) -> dict[str, Any]:
     from compress.export.onnx import export_onnx
-    from compress.export.runtimes import ort_coverage
+    from compress.export.validation.runtimes import ort_coverage
     from compress.quantization import QuantizeParams
     from compress.quantization.placement.speed_check import SpeedCheck
 

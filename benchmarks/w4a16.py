@@ -46,13 +46,13 @@ def sqnr_db(ref: torch.Tensor, y: torch.Tensor) -> float:
 
 def graph_time_ms(variants: dict[str, list[Any]], dev: torch.device) -> dict[str, float]:
     """Median milliseconds per call of each variant, a variant being the same call on rotating
-    copies of its operands, all variants timed in alternating runs (export.cuda.time_side_by_side).
+    copies of its operands, all variants timed in alternating runs (export.validation.cuda.time_side_by_side).
 
     On CUDA each variant's calls are replayed as one CUDA graph: decode launches are microseconds,
     serving stacks replay graphs, so host launch overhead stays out of every variant alike; and the
     copies together exceed L2, so each call reads its weight from device memory as a model's layers
     do. On CPU (smoke only) a single eager run."""
-    from compress.export.cuda import time_side_by_side
+    from compress.export.validation.cuda import time_side_by_side
 
     cuda = dev.type == "cuda"
     fns = {name: (lambda calls=calls: [c() for c in calls]) for name, calls in variants.items()}

@@ -26,7 +26,7 @@ def _train_for(model: Any, data: Any, *, epochs: float, lr: float | None, device
 
 
 def _save_quantized(model: Any, out_dir: Any, **kwargs: Any) -> Any:
-    from compress.export.compressed_tensors import save_compressed_tensors
+    from compress.export.llm.compressed_tensors import save_compressed_tensors
 
     return save_compressed_tensors(model, out_dir, **kwargs)
 
@@ -74,12 +74,12 @@ _EXPORTS: dict[str, str] = {
     "export_onnx": "compress.export.onnx",
     "validate": "compress.validation",
     # LLM exports (issue 13): ONNX with a KV cache (MatMulNBits int4), compressed-tensors checkpoints
-    "export_llm_onnx": "compress.export.llm_onnx",
-    "generate_ort": "compress.export.llm_onnx",
-    "save_compressed_tensors": "compress.export.compressed_tensors",
+    "export_llm_onnx": "compress.export.llm.onnx",
+    "generate_ort": "compress.export.llm.onnx",
+    "save_compressed_tensors": "compress.export.llm.compressed_tensors",
     # the LLM runtimes' files (issue 31): llama.cpp GGUF, ORT GenAI / Optimum folders
-    "save_gguf": "compress.export.gguf_file",
-    "write_runtime_files": "compress.export.genai",
+    "save_gguf": "compress.export.llm.gguf_file",
+    "write_runtime_files": "compress.export.llm.genai",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -480,7 +480,7 @@ def _run(run: _Run, out: Path, *, resume: bool) -> Report:
 
 def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report) -> None:
     from compress.export.pipeline import export_model
-    from compress.export.validate import validate_exports
+    from compress.export.validation.measure import validate_exports
 
     r = run.recipe
     model = model.to("cpu").eval()
@@ -495,7 +495,7 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
     if not r.validate_.enabled or run.data.eval is None:
         return
     if r.export.generation:
-        from compress.export.generation import prompts_from, validate_generation
+        from compress.export.llm.generation import prompts_from, validate_generation
 
         cfg = getattr(model, "config", None)
         prompts = prompts_from(run.data.eval, count=4, new_tokens=r.validate_.generate_tokens,
@@ -518,9 +518,9 @@ def _rel(path: Path, root: Path) -> Path:
 
 
 def check_thresholds(recipe: Recipe, report: Report) -> list[ThresholdRecord]:
-    """The recipe's validate.thresholds against what the run measured (export.validate.check_thresholds)."""
+    """The recipe's validate.thresholds against what the run measured (export.validation.measure.check_thresholds)."""
     from compress.core.metrics import make_metric
-    from compress.export.validate import check_thresholds as check
+    from compress.export.validation.measure import check_thresholds as check
 
     return check(recipe.validate_.thresholds, report.validation, exports=report.exports,
                  baseline_accuracy=report.baseline.accuracy, final_accuracy=report.final.accuracy,

@@ -1,5 +1,5 @@
 """``compress validate``: an exported ONNX file in the CPU runtimes, or a run folder on the CUDA int8
-kernels; and ``compress.validate``, which resolves data source names before export.validate runs.
+kernels; and ``compress.validate``, which resolves data source names before export.validation.measure runs.
 
 Run-folder and data-source knowledge lives here, on compress's side; export/ validates what it is
 given (files, modules, iterables of batches) and never reads a recipe.
@@ -55,9 +55,9 @@ def validate(
     task: str = "classification",
     metric: str | Callable[[Any, Any], float] | None = None,
 ) -> list[ValidationRecord]:
-    """``compress.validate``: :func:`export.validate.validate`, with ``data`` also a data source
+    """``compress.validate``: :func:`export.validation.measure.validate`, with ``data`` also a data source
     name (``"digits"``) or a DataSpec."""
-    from compress.export.validate import validate as run
+    from compress.export.validation.measure import validate as run
 
     return run(onnx_path, reference=reference, data=eval_batches(data), baseline=baseline, runtimes=runtimes,
                batch_sizes=batch_sizes, warmup=warmup, runs=runs, threads=threads, eval_samples=eval_samples,
@@ -90,7 +90,7 @@ def run_validate(
     _check_onnx(model, "MODEL")
     if reference is not None:
         _check_onnx(Path(reference), "--reference")
-    from compress.export.runtimes import RUNTIMES
+    from compress.export.validation.runtimes import RUNTIMES
 
     for rt in runtimes:
         if rt == "cuda":
@@ -123,7 +123,7 @@ def _check_onnx(path: Path, flag: str) -> None:
     except Exception as exc:  # protobuf's DecodeError and friends: the file is the user's input
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RecipeError(f"{flag}: '{path}' is not an ONNX model ({first})") from None
-    from compress.export.describe import check_io
+    from compress.export.validation.describe import check_io
 
     check_io(proto, path, where=flag)  # no inputs or no outputs: exit 2 before any data is built
 
@@ -177,7 +177,7 @@ def _validate_run_cuda(recipe: Recipe, run_dir: Path, final: Path, *, batch_size
     data = build_data(recipe.data, batch_size=recipe.train.batch_size, seed=recipe.data.seed, where=recipe.where)
     if data.eval is None:
         raise RecipeError(f"{recipe.where('data.source')}: the data source has no eval split to validate on")
-    from compress.export.cuda import validate_cuda
+    from compress.export.validation.cuda import validate_cuda
 
     res = validate_cuda(model, eval_loader=data.eval, reference=baseline, batch_sizes=batch_sizes, runs=runs,
                         metric=recipe.train.metric, device=device, dtype=dtype or torch.float16)

@@ -15,8 +15,8 @@ import math
 
 import numpy as np
 import onnx
-from compress.export.qdq_graph import static_shapes
-from compress.export.qdq_ir import QdqGraph, constant_value, node_attr
+from compress.export.qdq.graph import static_shapes
+from compress.export.qdq.ir import QdqGraph, constant_value, node_attr
 from onnx import helper
 
 log = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import onnx
-from compress.export import describe
 from compress.export.records import ExportRecord
-from compress.export.runtimes import Coverage
+from compress.export.validation import describe
+from compress.export.validation.runtimes import Coverage
 from pydantic import ValidationError
 
 from compress.core.bounded import load_json_file

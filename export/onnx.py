@@ -1,6 +1,6 @@
 """``export_onnx``: a PyTorch model (fp32, pruned or fake-quant) to one checked ONNX file.
 
-The dynamo exporter traces the model; fake-quant models are exported as QDQ (see export/qdq.py).
+The dynamo exporter traces the model; fake-quant models are exported as QDQ (see export/qdq/swap.py).
 The result is checked (onnx.checker with full shape inference) and written atomically: a temp
 file in the target directory, then ``os.replace``, so an interrupted export leaves no partial file.
 """
@@ -22,7 +22,9 @@ from typing import Any
 
 import onnx
 import torch
-from compress.export import edge, graph_forms, qdq
+from compress.export import edge, graph_forms
+from compress.export.qdq.graph import tidy_qdq_graph
+from compress.export.qdq.swap import ActDtype, swap_quantizers, translation_table
 from compress.export.records import DECOMPOSED_KEY
 from compress.quantization.view import is_quantized, tracking_unseen, view
 from torch import nn
@@ -46,7 +48,7 @@ def export_onnx(
     *,
     opset: int | None = None,
     dynamic_batch: bool = True,
-    activation_dtype: qdq.ActDtype = "uint8",
+    activation_dtype: ActDtype = "uint8",
     reduce_range: bool = False,
     quantize_embeddings: bool = False,
     fp16: bool = False,
@@ -87,7 +89,7 @@ def _export_model(model: nn.Module, example_inputs: Any, path: Path, **kw: Any) 
     was_training = model.training
     model.eval()
     # a single-pass graph has no KV cache: a Hugging Face model would return one (DynamicCache, which
-    # the exporter cannot trace) unless told not to; generation files are export.llm_onnx's job
+    # the exporter cannot trace) unless told not to; generation files are export.llm.onnx's job
     config = getattr(model, "config", None)
     use_cache = getattr(config, "use_cache", None)
     if use_cache:
@@ -112,7 +114,7 @@ def _export(
     *,
     opset: int | None,
     dynamic_batch: bool,
-    activation_dtype: qdq.ActDtype,
+    activation_dtype: ActDtype,
     reduce_range: bool,
     quantize_embeddings: bool,
     fp16: bool,
@@ -126,7 +128,7 @@ def _export(
     quantized = is_quantized(model)
     blocked = 0
     if quantized:
-        target, summary = qdq.swap_quantizers(model, activation_dtype=activation_dtype, reduce_range=reduce_range)
+        target, summary = swap_quantizers(model, activation_dtype=activation_dtype, reduce_range=reduce_range)
         if summary.blocked_weights:  # blocked DequantizeLinear is opset 21
             if opset is not None and opset < 21:
                 raise ExportError(f"per-group (blocked) weights need opset >= 21, got opset={opset}")
@@ -155,7 +157,7 @@ def _export(
     graph_forms.spatial_means_to_pools(proto)
     if quantized:
         runtime = view(model).target
-        stats = qdq.tidy_qdq_graph(proto, quantize_embeddings=quantize_embeddings, ort_float_weights=runtime == "onnxruntime")
+        stats = tidy_qdq_graph(proto, quantize_embeddings=quantize_embeddings, ort_float_weights=runtime == "onnxruntime")
         log.info("QDQ graph passes: %s", ", ".join(f"{k} {v}" for k, v in stats.items() if v) or "nothing to do")
     if simplify:
         proto = edge.simplify(proto)
@@ -308,7 +310,7 @@ def _dynamo_export(
     if not kwargs:
         options["input_names"] = in_names
     if quantized:
-        options["custom_translation_table"] = qdq.translation_table()
+        options["custom_translation_table"] = translation_table()
     try:
         with _quiet(), torch.no_grad():
             program = torch.onnx.export(

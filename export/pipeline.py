@@ -8,11 +8,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from compress.export.describe import describe_onnx
 from compress.export.edge import write_triton_repository
 from compress.export.onnx import export_onnx
 from compress.export.records import ExportRecord, Role
 from compress.export.specs import ExportSpec
+from compress.export.validation.describe import describe_onnx
 from compress.quantization.view import is_quantized, quantizers, view
 from torch import nn
 
@@ -34,7 +34,7 @@ def export_model(
     """Export ``model`` to ``out_dir/NAME.onnx`` (fp32) or ``NAME.int8.onnx`` (QDQ), and with
     ``spec.baseline`` the fp32 ``baseline`` to ``NAME.fp32.onnx``; returns one record per file.
     With ``spec.generation`` the files are the KV-cache generation ONNX of a decoder LLM instead
-    (:mod:`export.generation`).
+    (:mod:`export.llm.generation`).
 
     A QDQ export that ORT runs without a single integer kernel is an ExportError: it would be an
     int8 file that runs in float.
@@ -42,7 +42,7 @@ def export_model(
     if not spec.enabled:
         return []
     if spec.generation:
-        from compress.export.generation import export_generation
+        from compress.export.llm.generation import export_generation
 
         return export_generation(model, spec, Path(out_dir), name=name, baseline=baseline, metadata=metadata)
     out_dir = Path(out_dir)

@@ -76,7 +76,7 @@ class ValidationRecord(BaseModel):
     integer_nodes: int | None = None
     warmup: int = 0
     runs: int = 0
-    #: generation files (export.generation): prompt_tokens, new_tokens, prefill_ms,
+    #: generation files (export.llm.generation): prompt_tokens, new_tokens, prefill_ms,
     #: decode_ms_per_token, tokens_per_s and, beside a baseline, prefill_speedup / decode_speedup
     generation: dict[str, float] | None = None
     notes: list[str] = Field(default_factory=list)

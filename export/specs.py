@@ -29,7 +29,7 @@ class ExportSpec(_Strict):
     baseline: bool = True
     triton_repository: bool = False
     #: decoder LLMs: the ONNX that generates with a KV cache (int4 MatMulNBits / W8A8 / fp32 weights,
-    #: export.generation) instead of the single-pass graph; validated as greedy generation
+    #: export.llm.generation) instead of the single-pass graph; validated as greedy generation
     generation: bool = False
     #: MatMulNBits' accuracy_level for int4 generation files: 4 (default) lets ORT's CPU kernel quantize
     #: activations to int8 per block (faster decode, as llama.cpp's Q4_0), 0 computes in float32 (the
@@ -89,7 +89,7 @@ class ValidateSpec(_Strict):
     warmup: int = Field(5, ge=0)
     runs: int = Field(20, ge=1)
     threads: int | None = Field(None, ge=1)
-    #: greedy tokens generated per prompt when validating generation files (export.generation)
+    #: greedy tokens generated per prompt when validating generation files (export.llm.generation)
     generate_tokens: int = Field(32, ge=1)
     eval_samples: int | None = Field(None, ge=1)
     thresholds: Thresholds = Field(default_factory=Thresholds)

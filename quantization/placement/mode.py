@@ -328,7 +328,7 @@ def _as_tensor(value: float, leaves: list[Any]) -> Any:
 
 
 #: embedding tables: int8, symmetric, one scale per row (a looked-up vector keeps its own range);
-#: what ORT's Gather runs on int8 codes with a gathered per-row scale (export/qdq_weights.py)
+#: what ORT's Gather runs on int8 codes with a gathered per-row scale (export/qdq/weights.py)
 TABLE_SPEC = QuantSpec(granularity="channel", axis=0)
 
 

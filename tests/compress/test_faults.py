@@ -55,7 +55,7 @@ elif phase == "export":  # the int8 file half-written
         die()
     pipeline.export_onnx = export_then_die
 elif phase == "validate":  # accuracy measured, latency being timed
-    import compress.export.validate as validate
+    import compress.export.validation.measure as validate
     def time_then_die(*a, **k):
         die()
     validate.time_side_by_side = time_then_die

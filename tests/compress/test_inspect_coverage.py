@@ -51,7 +51,7 @@ def test_inspect_run_folder_names_float_nodes_and_reasons(run_dir: Path, capsys:
 
 
 def test_inspect_onnx_names_float_nodes(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from compress.export.runtimes import ort_coverage
+    from compress.export.validation.runtimes import ort_coverage
 
     final = next(e for e in json.loads((run_dir / "report.json").read_text())["exports"] if e["role"] == "final")
     path = run_dir / final["path"]  # relative to the run folder

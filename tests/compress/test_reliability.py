@@ -430,7 +430,7 @@ def test_nan_in_calibration_data_names_the_batch_not_a_quantizer() -> None:
 @pytest.mark.parametrize("reduce_range", [False, True], ids=["8-bit-codes", "7-bit-codes"])
 def test_validate_says_when_8bit_weights_can_saturate_on_this_cpu(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], reduce_range: bool) -> None:
-    import compress.export.validate as ev
+    import compress.export.validation.measure as ev
 
     monkeypatch.setattr(ev, "has_vnni", lambda: False)  # the CPU the issue measured on
     torch.manual_seed(0)

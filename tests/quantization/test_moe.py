@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from compress.export.runtimes import ort_coverage
+from compress.export.validation.runtimes import ort_coverage
 from compress.quantization.placement.fidelity_guards import ROUTER_REASON
 from torch import nn
 

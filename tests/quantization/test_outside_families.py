@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from compress.export.describe import describe_onnx
-from compress.export.runtimes import ort_coverage
+from compress.export.validation.describe import describe_onnx
+from compress.export.validation.runtimes import ort_coverage
 from compress.quantization.view import view
 
 import compress

@@ -98,7 +98,7 @@ def _sqnr(ref: torch.Tensor, out: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", sorted(TEST_SUITE))
 def test_real_model_exports_int8_that_ort_runs_in_integers(name: str, tmp_path: Path) -> None:
     from compress.export.onnx import export_onnx
-    from compress.export.runtimes import ort_coverage, ort_optimized_ops
+    from compress.export.validation.runtimes import ort_coverage, ort_optimized_ops
 
     import compress
 

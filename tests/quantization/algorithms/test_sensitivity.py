@@ -12,7 +12,7 @@ import onnx
 import torch
 import torch.nn.functional as F
 from compress.export.onnx import export_onnx
-from compress.export.parity import Parity
+from compress.export.validation.parity import Parity
 from compress.quantization import QuantizeParams, quantize, set_quantizers
 from compress.quantization.algorithms.sensitivity import (
     accuracy_control,

@@ -122,7 +122,7 @@ def test_fp8_linear_on_a_transformers_decoder_matches_its_fake_quant_model(devic
     # code in 2**7 and lands as far from the fake-quant model as another rounding would
     # (benchmarks/cuda_fp8_parity.py: 0.03-0.09 relative, the quantization error itself being 0.06-0.11,
     # on CPU too). What must hold: it adds no more than half again the quantization error.
-    from compress.export.cuda import cast_float_layers
+    from compress.export.validation.cuda import cast_float_layers
 
     half = cast_float_layers(copy.deepcopy(conv), torch.float16)  # keeps the fp8 codes and fp32 scales
     with torch.no_grad():
@@ -134,7 +134,7 @@ def test_fp8_linear_on_a_transformers_decoder_matches_its_fake_quant_model(devic
 def test_fp8_has_no_onnx_export_and_says_so_in_one_line() -> None:
     fq = compress.quantize(nn.Sequential(nn.Linear(16, 16)), "FP8", [torch.randn(4, 16)])
     with pytest.raises(ExportError, match="float8") as err:
-        from compress.export.qdq import swap_quantizers
+        from compress.export.qdq.swap import swap_quantizers
 
         swap_quantizers(fq)
     assert "\n" not in str(err.value)

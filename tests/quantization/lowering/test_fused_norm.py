@@ -128,7 +128,7 @@ def test_fuse_norms_off_keeps_the_float_norms() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC"])
 def test_fused_norms_on_cuda_in_fp16_and_under_cuda_graphs(scheme: str, spy: QuantizeSpy) -> None:
-    from compress.export.cuda import cast_float_layers
+    from compress.export.validation.cuda import cast_float_layers
     from compress.quantization.lowering.fp8 import fp8_capable
 
     if scheme == "FP8_DYNAMIC" and not fp8_capable(torch.device("cuda"))[0]:

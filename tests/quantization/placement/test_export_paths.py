@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 import torch
 from compress.export.onnx import export_onnx
-from compress.export.runtimes import ort_coverage, ort_optimized_graph
+from compress.export.validation.runtimes import ort_coverage, ort_optimized_graph
 from compress.quantization.placement.mode import UNSEEN_REASON
 from compress.quantization.view import view
 from torch import nn

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from compress.export.onnx import export_onnx
-from compress.export.runtimes import ort_coverage
+from compress.export.validation.runtimes import ort_coverage
 from compress.quantization import QuantizeParams, quantize
 from compress.quantization.placement.speed_check import (
     LayerCall,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from compress.export.onnx import export_onnx
-from compress.export.runtimes import ort_coverage
+from compress.export.validation.runtimes import ort_coverage
 from compress.quantization import quantize
 from compress.quantization.placement import attention
 from compress.quantization.placement.trace import GraphTracer

@@ -416,7 +416,7 @@ def test_attention_the_matmul_rows_price_slower_stays_float(written_out: bool, m
     exported graph has no QLinearMatMul between activations. Where int8 products win, attention runs
     on codes as before."""
     from compress.export.onnx import export_onnx
-    from compress.export.runtimes import ort_coverage
+    from compress.export.validation.runtimes import ort_coverage
     from compress.quantization.placement.model_cost import slower_attention
 
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from compress.export.onnx import export_onnx
-from compress.export.runtimes import ort_coverage, ort_optimized_graph
+from compress.export.validation.runtimes import ort_coverage, ort_optimized_graph
 from compress.quantization import QuantizeParams, prepare, quantize, strip
 from compress.quantization.placement.mode import decomposed_attention, graph_of
 from compress.quantization.placement.trace import trace_graph

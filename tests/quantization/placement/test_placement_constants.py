@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 from compress.export.onnx import export_onnx
-from compress.export.runtimes import ort_coverage
+from compress.export.validation.runtimes import ort_coverage
 from compress.quantization import QuantizeParams, quantize
 from compress.quantization.placement.integer_chains import IntegerChains
 from onnx import numpy_helper

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from compress.export.onnx import export_onnx
-from compress.export.runtimes import ort_coverage, ort_optimized_graph
+from compress.export.validation.runtimes import ort_coverage, ort_optimized_graph
 from compress.quantization import QuantizeParams, quantize
 from compress.quantization.placement.mode import graph_of
 from compress.quantization.placement.records import Placement

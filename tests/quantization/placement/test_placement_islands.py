@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from compress.export.onnx import export_onnx
-from compress.export.runtimes import ort_coverage, ort_optimized_graph
+from compress.export.validation.runtimes import ort_coverage, ort_optimized_graph
 from compress.quantization import QuantizeParams, quantize
 from compress.quantization.placement import cost_table as ct
 from compress.quantization.view import view

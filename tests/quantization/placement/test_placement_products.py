@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from compress.export.onnx import export_onnx
-from compress.export.runtimes import ort_coverage
+from compress.export.validation.runtimes import ort_coverage
 from compress.quantization import quantize
 from compress.quantization.placement.records import Placement
 from torch import nn
