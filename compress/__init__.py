@@ -31,9 +31,15 @@ def _save_quantized(model: Any, out_dir: Any, **kwargs: Any) -> Any:
     return save_compressed_tensors(model, out_dir, **kwargs)
 
 
-# the core's model-loading, training and saving slots, filled here because every module of the core
-# lives inside this package: whoever imports any of it has run this file first
-_services.provide(loader=_load_model, trainer=_train_for, saver=_save_quantized)
+def _eval_data(data: Any) -> Any:
+    from compress.validation import eval_batches
+
+    return eval_batches(data)
+
+
+# the core's model-loading, training, saving and eval-data slots, filled here because every module of
+# the core lives inside this package: whoever imports any of it has run this file first
+_services.provide(loader=_load_model, trainer=_train_for, saver=_save_quantized, eval_data=_eval_data)
 
 _EXPORTS: dict[str, str] = {
     # core
@@ -72,7 +78,7 @@ _EXPORTS: dict[str, str] = {
     "Distiller": "compress.distillation.api",
     # export and validation
     "export_onnx": "compress.export.onnx",
-    "validate": "compress.validation",
+    "validate": "compress.export.validation.measure",
     # LLM exports (issue 13): ONNX with a KV cache (MatMulNBits int4), compressed-tensors checkpoints
     "export_llm_onnx": "compress.export.llm.onnx",
     "generate_ort": "compress.export.llm.onnx",

@@ -1,5 +1,5 @@
 """``compress validate``: an exported ONNX file in the CPU runtimes, or a run folder on the CUDA int8
-kernels; and ``compress.validate``, which resolves data source names before export.validation.measure runs.
+kernels; and the data source names ``compress.validate`` (export.validation.measure) resolves here.
 
 Run-folder and data-source knowledge lives here, on compress's side; export/ validates what it is
 given (files, modules, iterables of batches) and never reads a recipe.
@@ -7,12 +7,9 @@ given (files, modules, iterables of batches) and never reads a recipe.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from torch import nn
 
 from compress.core.errors import RecipeError
 from compress.core.trust import allow_code
@@ -38,30 +35,6 @@ def eval_batches(data: Any, *, batch_size: int = 32) -> Any:
             raise RecipeError(f"validate: data source '{data.source}' has no eval split")
         return bundle.eval
     return data
-
-
-def validate(
-    onnx_path: str | os.PathLike[str],
-    *,
-    reference: nn.Module | str | os.PathLike[str] | None = None,
-    data: Any = None,
-    baseline: str | os.PathLike[str] | None = None,
-    runtimes: Sequence[str] = ("onnxruntime",),
-    batch_sizes: Sequence[int] = (1, 32),
-    warmup: int = 5,
-    runs: int = 20,
-    threads: int | None = None,
-    eval_samples: int | None = None,
-    task: str = "classification",
-    metric: str | Callable[[Any, Any], float] | None = None,
-) -> list[ValidationRecord]:
-    """``compress.validate``: :func:`export.validation.measure.validate`, with ``data`` also a data source
-    name (``"digits"``) or a DataSpec."""
-    from compress.export.validation.measure import validate as run
-
-    return run(onnx_path, reference=reference, data=eval_batches(data), baseline=baseline, runtimes=runtimes,
-               batch_sizes=batch_sizes, warmup=warmup, runs=runs, threads=threads, eval_samples=eval_samples,
-               task=task, metric=metric)
 
 
 def run_validate(
@@ -105,6 +78,8 @@ def run_validate(
         from compress.recipe import DataSpec
 
         source = DataSpec(source=data, kwargs=dict(data_kwargs))
+    from compress.export.validation.measure import validate
+
     records = validate(model, reference=reference, data=source, runtimes=runtimes, batch_sizes=batch_sizes,
                        warmup=warmup, runs=runs, threads=threads, eval_samples=eval_samples,
                        task="embedding" if data == "text" else "classification")

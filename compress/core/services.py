@@ -1,5 +1,6 @@
-"""Services the algorithm packages need from the top floor: load a model reference, train a model,
-save a quantized transformers model as the checkpoint its runtimes load.
+"""Services the floors below the top need from it: load a model reference, train a model, save a
+quantized transformers model as the checkpoint its runtimes load, turn a data source name into eval
+batches (``compress.validate(..., data="digits")``).
 
 Loading and training are the top floor's work (compress.models, compress.training), but a
 distillation teacher is a model reference, trained first when it has no weights. So the services
@@ -36,15 +37,29 @@ class QuantizedSaver(Protocol):
     def __call__(self, model: nn.Module, out_dir: Any, **kwargs: Any) -> Any: ...
 
 
+class EvalData(Protocol):
+    def __call__(self, data: Any) -> Any: ...
+
+
 _loader: ModelLoader | None = None
 _trainer: ModelTrainer | None = None
 _saver: QuantizedSaver | None = None
+_eval_data: EvalData | None = None
 
 
-def provide(*, loader: ModelLoader, trainer: ModelTrainer, saver: QuantizedSaver | None = None) -> None:
+def provide(*, loader: ModelLoader, trainer: ModelTrainer, saver: QuantizedSaver | None = None,
+            eval_data: EvalData | None = None) -> None:
     """Fill the service slots (the top floor does, once, when ``compress`` is imported)."""
-    global _loader, _trainer, _saver
-    _loader, _trainer, _saver = loader, trainer, saver
+    global _loader, _trainer, _saver, _eval_data
+    _loader, _trainer, _saver, _eval_data = loader, trainer, saver, eval_data
+
+
+def eval_batches(data: Any) -> Any:
+    """The eval batches ``data`` names: a data source name or a DataSpec built into its eval split, an
+    iterable of batches as it is."""
+    if _eval_data is None:
+        raise CompressError("no eval-data resolver is registered: import compress first")
+    return _eval_data(data)
 
 
 def save_quantized(model: nn.Module, out_dir: Any, **kwargs: Any) -> Any:

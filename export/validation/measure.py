@@ -35,6 +35,7 @@ from compress.core.errors import CompressError, ExportError, RecipeError
 from compress.core.machine import has_vnni
 from compress.core.precision import float32_weights
 from compress.core.progress import fig
+from compress.core.services import eval_batches
 
 log = logging.getLogger(__name__)
 
@@ -363,13 +364,16 @@ def validate(
     task: str = "classification",
     metric: MetricArg = None,
 ) -> list[ValidationRecord]:
-    """Validate one ONNX file: parity with ``reference``, accuracy on ``data``, latency, size.
+    """``compress.validate``: one ONNX file's parity with ``reference``, accuracy on ``data``, latency, size.
 
     ``reference``: the PyTorch model it came from, or a reference ONNX file (run in onnxruntime;
     it is then also the ``baseline`` the speedup is measured against). ``data``: an iterable of
-    ``(inputs, targets)`` batches, or None for random inputs shaped like the model's (parity and
-    latency only); ``compress.validate`` also takes a data source name ("digits") or a DataSpec.
+    ``(inputs, targets)`` batches, a data source name ("digits") or a DataSpec (its eval split), or
+    None for random inputs shaped like the model's (parity and latency only).
     """
+    # a source name is resolved by compress's top (export/ never reads the data registry), first, as
+    # a bad name is the caller's error whatever the file
+    data = eval_batches(data)
     from compress.export.validation.describe import (
         check_eval_batches,
         describe_onnx,

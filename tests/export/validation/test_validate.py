@@ -12,9 +12,10 @@ from compress.export.onnx import export_onnx
 from compress.export.validation.measure import check_thresholds, validate_exports
 from compress.export.validation.runtimes import default_threads, load_session
 
+from compress import validate
 from compress.core.errors import RecipeError
 from compress.recipe import Thresholds, ValidateSpec
-from compress.validation import run_validate, validate
+from compress.validation import run_validate
 
 _SPEC = {"batch_sizes": [1, 4], "warmup": 1, "runs": 3}
 
