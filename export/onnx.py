@@ -17,6 +17,7 @@ import re
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from compress.export import edge, graph_forms
 from compress.export.qdq.graph import tidy_qdq_graph
 from compress.export.qdq.swap import ActDtype, swap_quantizers, translation_table
 from compress.export.records import DECOMPOSED_KEY
-from compress.quantization.view import is_quantized, tracking_unseen, view
+from compress.quantization.view import QuantizedView, is_quantized, tracking_unseen, view
 from torch import nn
 
 from compress.core.batching import call_model, require_module
@@ -39,6 +40,32 @@ log = logging.getLogger(__name__)
 
 #: protobuf's hard limit is 2 GiB; stay clear of it (the serialized size grows a little on save)
 _SINGLE_FILE_LIMIT = 2**31 - 64 * 2**20
+
+
+@dataclass(frozen=True)
+class OnnxOptions:
+    """How a file is written: :func:`export_onnx`'s keywords (see there) as the one object the code
+    below it receives, built once per export."""
+
+    opset: int | None = None
+    dynamic_batch: bool = True
+    activation_dtype: ActDtype = "uint8"
+    reduce_range: bool = False
+    quantize_embeddings: bool = False
+    fp16: bool = False
+    simplify: bool = True
+    input_names: list[str] | None = None
+    output_names: list[str] | None = None
+    metadata: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class OnnxFile:
+    """A written file and its model's read view, built once for the export: after it, ``kept_float``
+    also names the calls only the export's trace made."""
+
+    path: Path
+    placed: QuantizedView
 
 
 def export_onnx(
@@ -71,21 +98,30 @@ def export_onnx(
     inputs and outputs; ``simplify`` runs onnxscript's optimizer (constant folding, dead code).
     Raises ExportError naming the cause for anything that stops a correct file being written.
     """
+    options = OnnxOptions(
+        opset=opset, dynamic_batch=dynamic_batch, activation_dtype=activation_dtype, reduce_range=reduce_range,
+        quantize_embeddings=quantize_embeddings, fp16=fp16, simplify=simplify, input_names=input_names,
+        output_names=output_names, metadata=metadata,
+    )
+    return write_onnx(model, example_inputs, path, options).path
+
+
+def write_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[str], options: OnnxOptions) -> OnnxFile:
+    """:func:`export_onnx` with its settings as one object; also returns the model's read view."""
     path = Path(path)
     require_module(model, "export_onnx: model")
-    if activation_dtype not in ("uint8", "int8"):
-        raise RecipeError(f"activation_dtype must be 'uint8' or 'int8', got '{activation_dtype}'")
+    if options.activation_dtype not in ("uint8", "int8"):
+        raise RecipeError(f"activation_dtype must be 'uint8' or 'int8', got '{options.activation_dtype}'")
     _check_writable(path)
+    placed = view(model)
     with unpacked_experts(model):
         # transformers' packed MoE experts run a grouped-matmul op ONNX has no function for: as
         # per-expert Linears (exact; views, put back after) the graph exports
-        return _export_model(model, example_inputs, path, opset=opset, dynamic_batch=dynamic_batch,
-                             activation_dtype=activation_dtype, reduce_range=reduce_range, fp16=fp16, simplify=simplify,
-                             quantize_embeddings=quantize_embeddings, input_names=input_names,
-                             output_names=output_names, metadata=metadata)
+        return _export_model(model, example_inputs, path, options, placed)
 
 
-def _export_model(model: nn.Module, example_inputs: Any, path: Path, **kw: Any) -> Path:
+def _export_model(model: nn.Module, example_inputs: Any, path: Path, options: OnnxOptions,
+                  placed: QuantizedView) -> OnnxFile:
     was_training = model.training
     model.eval()
     # a single-pass graph has no KV cache: a Hugging Face model would return one (DynamicCache, which
@@ -100,35 +136,22 @@ def _export_model(model: nn.Module, example_inputs: Any, path: Path, **kw: Any) 
         with float32_weights(model) as widened:
             if widened:
                 example_inputs = float32_inputs(example_inputs)
-            return _export(model, example_inputs, path, **kw)
+            return _export(model, example_inputs, path, options, placed)
     finally:
         model.train(was_training)
         if use_cache:
             config.use_cache = use_cache  # type: ignore[union-attr]
 
 
-def _export(
-    model: nn.Module,
-    example_inputs: Any,
-    path: Path,
-    *,
-    opset: int | None,
-    dynamic_batch: bool,
-    activation_dtype: ActDtype,
-    reduce_range: bool,
-    quantize_embeddings: bool,
-    fp16: bool,
-    simplify: bool,
-    input_names: list[str] | None,
-    output_names: list[str] | None,
-    metadata: Mapping[str, str] | None,
-) -> Path:
+def _export(model: nn.Module, example_inputs: Any, path: Path, options: OnnxOptions, placed: QuantizedView) -> OnnxFile:
     args, kwargs = _split_inputs(example_inputs)
     outputs = _run_example(model, args, kwargs)
     quantized = is_quantized(model)
     blocked = 0
+    opset, fp16 = options.opset, options.fp16
     if quantized:
-        target, summary = swap_quantizers(model, activation_dtype=activation_dtype, reduce_range=reduce_range)
+        target, summary = swap_quantizers(model, activation_dtype=options.activation_dtype,
+                                          reduce_range=options.reduce_range)
         if summary.blocked_weights:  # blocked DequantizeLinear is opset 21
             if opset is not None and opset < 21:
                 raise ExportError(f"per-group (blocked) weights need opset >= 21, got opset={opset}")
@@ -136,35 +159,36 @@ def _export(
             blocked = summary.blocked_weights
         log.info(
             "QDQ export: %d int8 weights (%d per-channel), %d %s activation pairs%s",
-            summary.weights, summary.per_channel_weights, summary.activations, activation_dtype,
-            ", reduce_range" if reduce_range else "",
+            summary.weights, summary.per_channel_weights, summary.activations, options.activation_dtype,
+            ", reduce_range" if options.reduce_range else "",
         )
     else:
         target = model
-        float_why = view(model).model_float
+        float_why = placed.model_float
         if float_why is not None:  # quantize() kept the whole model float: the file is the float model
             log.warning("export: %s holds the float model (no Q/DQ): %s", Path(path).name, float_why)
     if fp16:
         target = edge.Float16Wrapper(copy.deepcopy(target) if target is model else target)
-    args, kwargs = _exportable_batch(args, kwargs, dynamic_batch)
-    in_names = input_names or _input_names(args, kwargs)
-    out_names = output_names or _output_names(outputs)
+    args, kwargs = _exportable_batch(args, kwargs, options.dynamic_batch)
+    in_names = options.input_names or _input_names(args, kwargs)
+    out_names = options.output_names or _output_names(outputs)
     # calls only the export's path made are recorded on the model: its export record names them
-    with tracking_unseen(model):
-        proto = _dynamo_export(target, args, kwargs, in_names, out_names, opset=opset, dynamic_batch=dynamic_batch,
-                               quantized=quantized)
+    with tracking_unseen(model) as unseen:
+        proto = _dynamo_export(target, args, kwargs, in_names, out_names, opset=opset,
+                               dynamic_batch=options.dynamic_batch, quantized=quantized)
+    placed = placed.with_unseen(unseen)
     # both files: the float baseline keeps the same graph around the ops the int8 one quantizes
     graph_forms.spatial_means_to_pools(proto)
     if quantized:
-        runtime = view(model).target
-        stats = tidy_qdq_graph(proto, quantize_embeddings=quantize_embeddings, ort_float_weights=runtime == "onnxruntime")
+        stats = tidy_qdq_graph(proto, quantize_embeddings=options.quantize_embeddings,
+                               ort_float_weights=placed.target == "onnxruntime")
         log.info("QDQ graph passes: %s", ", ".join(f"{k} {v}" for k, v in stats.items() if v) or "nothing to do")
-    if simplify:
+    if options.simplify:
         proto = edge.simplify(proto)
     decomposed = decomposed_compute(proto) if quantized else {}
     _strip_trace_metadata(proto)
     _rename_io(proto, out_names)
-    props = {"compress.precision": _precision(quantized, fp16), **(metadata or {})}
+    props = {"compress.precision": _precision(quantized, fp16), **(options.metadata or {})}
     if decomposed:  # read by describe_onnx: these float nodes are named with their reason
         props[DECOMPOSED_KEY] = json.dumps(decomposed, sort_keys=True)
     if blocked:  # read by the runtimes: ORT needs one fusion off to run blocked weights as MatMulNBits
@@ -173,7 +197,7 @@ def _export(
     _check(proto, path)
     atomic_save(proto, path)
     log.info("exported %s (%s, %d bytes)", path, _precision(quantized, fp16), path.stat().st_size)
-    return path
+    return OnnxFile(path, placed)
 
 
 def _precision(quantized: bool, fp16: bool) -> str:

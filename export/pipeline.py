@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from compress.export.edge import write_triton_repository
-from compress.export.onnx import export_onnx
+from compress.export.onnx import OnnxOptions, write_onnx
 from compress.export.records import ExportRecord, Role
 from compress.export.specs import ExportSpec
 from compress.export.validation.describe import describe_onnx
-from compress.quantization.view import is_quantized, quantizers, view
+from compress.quantization.view import QuantizedView, is_quantized, quantizers
 from torch import nn
 
 from compress.core.errors import ExportError
@@ -49,9 +50,11 @@ def export_model(
     records: list[ExportRecord] = []
     quantized = is_quantized(model)
     suffix = ".int8" if quantized else (".fp16" if spec.fp16 else "")
-    final = _export_one(model, example_inputs, spec, out_dir / f"{name}{suffix}.onnx", role="final", fp16=spec.fp16,
-                        metadata=metadata, quantized=quantized)
-    kept = view(model)
+    # the recipe's export settings as the file writer's, once: each file below differs in fp16 only
+    options = OnnxOptions(opset=spec.opset, dynamic_batch=spec.dynamic_batch, activation_dtype=spec.activation_dtype,
+                          reduce_range=spec.reduce_range, fp16=spec.fp16, simplify=spec.simplify)
+    final, kept = _export_one(model, example_inputs, options, out_dir / f"{name}{suffix}.onnx", role="final",
+                              metadata=metadata, quantized=quantized)
     if not quantized and kept.model_float is not None:  # quantization left the whole model float, and said why
         final.model_float, final.kept_float = kept.model_float, {**final.kept_float, **kept.kept_float}
         log.warning("export: %s is the float model: %s", final.path.name, kept.model_float)
@@ -62,8 +65,8 @@ def export_model(
         base_path = out_dir / f"{name}.fp32.onnx"
         if base_path == final.path:
             base_path = out_dir / f"{name}.baseline.onnx"
-        records.append(_export_one(baseline, example_inputs, spec, base_path, role="baseline", fp16=False,
-                                   metadata=metadata, quantized=False))
+        records.append(_export_one(baseline, example_inputs, replace(options, fp16=False), base_path, role="baseline",
+                                   metadata=metadata, quantized=False)[0])
     if spec.triton_repository:
         repo = out_dir / "triton_repository"
         for rec in records:
@@ -75,18 +78,14 @@ def export_model(
 
 
 def _export_one(
-    model: nn.Module, example_inputs: Any, spec: ExportSpec, path: Path, *, role: Role, fp16: bool,
+    model: nn.Module, example_inputs: Any, options: OnnxOptions, path: Path, *, role: Role,
     metadata: Mapping[str, str] | None, quantized: bool,
-) -> ExportRecord:
+) -> tuple[ExportRecord, QuantizedView]:
+    """The file's record, and the model's read view the export built (after its trace)."""
     props = {"compress.role": role, **(metadata or {})}
-    export_onnx(
-        model, example_inputs, path, opset=spec.opset, dynamic_batch=spec.dynamic_batch,
-        activation_dtype=spec.activation_dtype, reduce_range=spec.reduce_range, fp16=fp16,
-        simplify=spec.simplify, metadata=props,
-    )
+    placed = write_onnx(model, example_inputs, path, replace(options, metadata=props)).placed
     rec = describe_onnx(path, role=role)
     if quantized:
-        placed = view(model)
         rec.kept_float = {**rec.kept_float, **placed.kept_float}
         if rec.integer_nodes and rec.float_nodes:
             shown = ", ".join(rec.float_nodes[:8]) + (f" (+{len(rec.float_nodes) - 8} more)" if len(rec.float_nodes) > 8 else "")
@@ -99,11 +98,11 @@ def _export_one(
         tables = placed.tables
         kernel_weights = [q for n, q in named if q.role == "weight" and n.rsplit(".", 1)[-1] not in tables]
         calibrated_7bit = bool(kernel_weights) and all(getattr(q.spec, "reduce_range", False) for q in kernel_weights)
-        rec.activation_dtype, rec.reduce_range = spec.activation_dtype, spec.reduce_range or calibrated_7bit
+        rec.activation_dtype, rec.reduce_range = options.activation_dtype, options.reduce_range or calibrated_7bit
         static_acts = len(weights) < len(enabled)
         if not rec.integer_nodes and not static_acts:
             log.warning("export: %s is weight-only int8; ORT dequantizes the weights and computes in float", path.name)
-        elif not rec.integer_nodes and fp16:
+        elif not rec.integer_nodes and options.fp16:
             # fp16 scales are for GPU runtimes (TensorRT fuses them); ORT's CPU kernels want fp32 scales
             log.warning("export: %s has fp16 Q/DQ scales, which ORT's CPU integer kernels do not take", path.name)
         elif not rec.integer_nodes:
@@ -111,4 +110,4 @@ def _export_one(
                 f"export: ORT runs {path.name} without integer kernels (the QDQ model would run in float); "
                 "quantize activations statically (e.g. scheme w8a8) so Q/DQ pairs surround the layers"
             )
-    return rec
+    return rec, placed

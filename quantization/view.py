@@ -9,8 +9,8 @@ fp32 export needs no special case.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 from compress.quantization.algorithms.kv_cache import kv_quantizers
@@ -64,6 +64,12 @@ class QuantizedView:
     model_float: str | None = None
     cost_table: str | None = None
 
+    def with_unseen(self, calls: Iterable[str]) -> QuantizedView:
+        """This view with ``calls`` kept float as unseen: what :func:`view` gives once they are recorded
+        on the model (an export adds its trace's calls to the view it built before, not building it anew)."""
+        calls = dict.fromkeys(calls, UNSEEN_REASON)
+        return replace(self, kept_float={**self.kept_float, **calls}) if calls else self
+
 
 def view(model: nn.Module) -> QuantizedView:
     """The view of ``model`` (empty for a model without a placement)."""
@@ -106,19 +112,26 @@ def is_quantized(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def tracking_unseen(model: nn.Module) -> Iterator[None]:
+def tracking_unseen(model: nn.Module) -> Iterator[dict[str, None]]:
     """Record on ``model`` the op calls its quantized forwards made inside that the placement never
-    saw (torch.export runs copies of the modules, so the calls are gathered, then recorded)."""
+    saw (torch.export runs copies of the modules, so the calls are gathered, then recorded). Yields
+    the calls recorded, filled on exit (none for a model without a placement), for
+    :meth:`QuantizedView.with_unseen`."""
+    recorded: dict[str, None] = {}
     with collect_unseen() as unseen:
-        yield
-    record_unseen(model, unseen)
+        yield recorded
+    if record_unseen(model, unseen):
+        recorded.update(unseen)
 
 
-def record_unseen(model: nn.Module, calls: dict[str, None]) -> None:
-    """Add ``calls`` to the model's unseen calls (its export record names them as kept float)."""
+def record_unseen(model: nn.Module, calls: dict[str, None]) -> bool:
+    """Add ``calls`` to the model's unseen calls (its export record names them as kept float);
+    False where the model has no placement to record them on."""
     graph = graph_of(model)
-    if graph is not None:
-        graph.unseen.update(calls)
+    if graph is None:
+        return False
+    graph.unseen.update(calls)
+    return True
 
 
 def remove_placement(model: nn.Module) -> None:
