@@ -1,8 +1,8 @@
 """``export_onnx``: a PyTorch model (fp32, pruned or fake-quant) to one checked ONNX file.
 
 The dynamo exporter traces the model; fake-quant models are exported as QDQ (see export/qdq/swap.py).
-The result is checked (onnx.checker with full shape inference) and written atomically: a temp
-file in the target directory, then ``os.replace``, so an interrupted export leaves no partial file.
+The result is checked (onnx.checker with full shape inference) and written atomically
+(export/files.py), so an interrupted export leaves no partial file.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 import onnx
 import torch
 from compress.export import edge, graph_forms
+from compress.export.files import atomic_save, check_model, check_writable
 from compress.export.qdq.graph import tidy_qdq_graph
 from compress.export.qdq.swap import ActDtype, swap_quantizers, translation_table
 from compress.export.records import DECOMPOSED_KEY
@@ -32,15 +32,10 @@ from torch import nn
 
 from compress.core.batching import call_model, require_module
 from compress.core.errors import ExportError, RecipeError
-from compress.core.io import umask_mode
 from compress.core.moe import unpacked_experts
 from compress.core.precision import float32_inputs, float32_weights
 
 log = logging.getLogger(__name__)
-
-#: protobuf's hard limit is 2 GiB; stay clear of it (the serialized size grows a little on save)
-_SINGLE_FILE_LIMIT = 2**31 - 64 * 2**20
-
 
 @dataclass(frozen=True)
 class OnnxOptions:
@@ -112,7 +107,7 @@ def write_onnx(model: nn.Module, example_inputs: Any, path: str | os.PathLike[st
     require_module(model, "export_onnx: model")
     if options.activation_dtype not in ("uint8", "int8"):
         raise RecipeError(f"activation_dtype must be 'uint8' or 'int8', got '{options.activation_dtype}'")
-    _check_writable(path)
+    check_writable(path)
     placed = view(model)
     with unpacked_experts(model):
         # transformers' packed MoE experts run a grouped-matmul op ONNX has no function for: as
@@ -194,7 +189,7 @@ def _export(model: nn.Module, example_inputs: Any, path: Path, options: OnnxOpti
     if blocked:  # read by the runtimes: ORT needs one fusion off to run blocked weights as MatMulNBits
         props["compress.blocked_weights"] = str(blocked)
     edge.set_metadata(proto, props)
-    _check(proto, path)
+    check_model(proto, path)
     atomic_save(proto, path)
     log.info("exported %s (%s, %d bytes)", path, _precision(quantized, fp16), path.stat().st_size)
     return OnnxFile(path, placed)
@@ -433,68 +428,3 @@ def _strip_trace_metadata(proto: onnx.ModelProto) -> None:
     for fn in proto.functions:
         for node in fn.node:
             del node.metadata_props[:]
-
-
-# ---- check and save ------------------------------------------------------------------------------------
-def _check(proto: onnx.ModelProto, path: Path) -> None:
-    if proto.ByteSize() >= _SINGLE_FILE_LIMIT:
-        return  # checked on disk after saving with external data
-    try:
-        onnx.checker.check_model(proto, full_check=True)
-    except Exception as exc:
-        raise ExportError(f"exported model for {path.name} does not pass onnx.checker: {str(exc).splitlines()[0]}") from exc
-
-
-def _check_writable(path: Path) -> None:
-    if path.suffix != ".onnx":
-        raise ExportError(f"export path '{path}' must end in .onnx")
-    parent = path.parent
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ExportError(f"cannot create directory '{parent}' for '{path.name}': {exc.strerror}") from None
-    if path.is_dir():
-        raise ExportError(f"export path '{path}' is a directory")
-    if not os.access(parent, os.W_OK):
-        raise ExportError(f"directory '{parent}' is not writable; cannot write '{path.name}'")
-
-
-def atomic_save(proto: onnx.ModelProto, path: Path) -> None:
-    """Write to temp files beside ``path`` then ``os.replace``: never a half-written model. Above
-    2 GB the weights go to ``<name>.data`` beside the model (protobuf cannot hold them)."""
-    external = proto.ByteSize() >= _SINGLE_FILE_LIMIT
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    data_name = path.name + ".data"
-    tmp_data = path.parent / f".{data_name}.tmp"
-    try:
-        if external:
-            onnx.save_model(proto, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=tmp_data.name, size_threshold=1024)
-            onnx.checker.check_model(tmp)
-            _relocate_external(tmp, tmp_data.name, data_name)
-            os.replace(tmp_data, path.parent / data_name)
-        else:
-            onnx.save_model(proto, tmp)
-        os.chmod(tmp, umask_mode())  # mkstemp makes it 0600; the file gets the mode open() would give
-        if external:
-            os.chmod(path.parent / data_name, umask_mode())
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise ExportError(f"cannot write '{path}': {exc.strerror or exc}") from None
-    except onnx.checker.ValidationError as exc:
-        raise ExportError(f"exported model for {path.name} does not pass onnx.checker: {str(exc).splitlines()[0]}") from exc
-    finally:
-        for leftover in (Path(tmp), tmp_data):
-            if leftover.exists():
-                leftover.unlink()
-
-
-def _relocate_external(model_path: str, old: str, new: str) -> None:
-    """Point external-data references at the final data file name before the rename."""
-    m = onnx.load(model_path, load_external_data=False)
-    for t in m.graph.initializer:
-        for entry in t.external_data:
-            if entry.key == "location" and entry.value == old:
-                entry.value = new
-    onnx.save_model(m, model_path)

@@ -299,7 +299,7 @@ def export_llm_onnx(
         )
         import onnx
         from compress.export.edge import set_metadata
-        from compress.export.onnx import atomic_save
+        from compress.export.files import atomic_save
 
         proto = onnx.load(str(traced))
         if dec.last_logits:  # the exporter leaves the slice's length symbolic: it is one position

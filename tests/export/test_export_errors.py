@@ -84,7 +84,7 @@ def test_interrupted_export_leaves_no_partial_file(tmp_path: Path, monkeypatch: 
 
 
 def test_large_model_goes_to_external_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import compress.export.onnx as eo
+    import compress.export.files as eo
     import numpy as np
     import onnxruntime as ort
 
