@@ -49,11 +49,11 @@ if phase == "train":  # after epoch 1's checkpoint, inside epoch 2
     runner.save_checkpoint = save_then_die
 elif phase == "export":  # the int8 file half-written
     import compress.export.pipeline as pipeline
-    def export_then_die(model, example, path, **kw):
+    def export_then_die(model, example, path, options):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         (Path(path).parent / ("." + Path(path).name + ".x.tmp")).write_bytes(b"half an onnx file")
         die()
-    pipeline.export_onnx = export_then_die
+    pipeline.write_onnx = export_then_die
 elif phase == "validate":  # accuracy measured, latency being timed
     import compress.export.validation.measure as validate
     def time_then_die(*a, **k):
