@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "OBSERVERS": "compress.quantization.numerics.observers",
     "Observer": "compress.quantization.numerics.observers",
     "prepare": "compress.quantization.preparation",
+    "PrepareParams": "compress.quantization.preparation",
     "strip": "compress.quantization.preparation",
     "quantizers": "compress.quantization.preparation",
     "quant_modules": "compress.quantization.preparation",

@@ -125,7 +125,7 @@ def test_speed_check_keeps_layers_float_with_the_times_as_reason(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("scheme", "params", "match"),
-    [("w8a8", QuantizeParams(target="tensorrt", speed_check=SpeedCheck()), "target is tensorrt"),
+    [("w8a8", QuantizeParams(runtime="tensorrt", speed_check=SpeedCheck()), "runtime is tensorrt"),
      ("w8a8_dynamic", QuantizeParams(speed_check=SpeedCheck()), "static activations")],
 )
 def test_speed_check_refuses_what_it_cannot_time(scheme: str, params: QuantizeParams, match: str) -> None:
