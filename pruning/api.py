@@ -17,7 +17,7 @@ from compress.pruning.importance import IMPORTANCE, atom_scores
 from compress.pruning.plan import PruningPlan
 from compress.pruning.recalibrate import recalibrate_bn
 from compress.pruning.select import CostModel, SelectionRules, choose, override_pairs, search_ratio
-from compress.pruning.trace import trace_graph
+from compress.pruning.trace import trace_dependencies
 from pydantic import Field, field_validator
 from torch import nn
 
@@ -209,7 +209,7 @@ class Pruner:
                 f"{self.where}: {packed} holds packed MoE experts (3D Parameters), which cannot be sliced per "
                 "channel; call compress.core.moe.unpack_experts(model) before building the optimizer "
                 "(compress.prune does it itself)")
-        graph = trace_graph(model, example_inputs, grouped_conv=self.params.grouped_conv)
+        graph = trace_dependencies(model, example_inputs, grouped_conv=self.params.grouped_conv)
         graph.finalize(ignore_modules=_modules_of(model, self.params.ignore, f"{self.where}: ignore"))
         return graph
 

@@ -39,7 +39,7 @@ _EXPORTS: dict[str, str] = {
     "Placement": "compress.quantization.placement.records",
     "PROFILES": "compress.quantization.placement.runtimes",
     "RuntimeProfile": "compress.quantization.placement.runtimes",
-    "trace_graph": "compress.quantization.placement.trace",
+    "trace_ops": "compress.quantization.placement.trace",
     "quantize": "compress.quantization.api",
     "QuantizeParams": "compress.quantization.api",
     "smooth_quant": "compress.quantization.algorithms.smoothquant",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import Any, ClassVar, Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 from compress.quantization.algorithms.bn_fold import find_conv_bn_pairs, fold_bn_into_conv
@@ -29,9 +29,7 @@ from compress.quantization.placement.activations import (
     targeted_fn,
 )
 from compress.quantization.placement.cost_table import (
-    PORTABLE_CPU,
     CostTable,
-    DeployCpu,
     deployment_cpu,
     slower_by_table,
     table_for,
@@ -39,10 +37,10 @@ from compress.quantization.placement.cost_table import (
 from compress.quantization.placement.fidelity_guards import ROUTER_REASON, router_layers
 from compress.quantization.placement.mode import detach, graph_of, unsmooth
 from compress.quantization.placement.model_cost import TRUSTED_BATCH, decide, slower_attention, trusted_slower
-from compress.quantization.placement.runtimes import Target, get_profile
+from compress.quantization.placement.runtimes import get_profile
+from compress.quantization.placement.settings import ModelCheck, PrepareParams
 from compress.quantization.placement.speed_check import SpeedCheck, layer_calls, slower_in_int8, time_layers
-from compress.quantization.placement.trace import is_op_key, trace_graph
-from pydantic import Field, PositiveInt
+from compress.quantization.placement.trace import is_op_key, trace_ops
 from torch import nn
 
 from compress.core.errors import CompressError
@@ -52,10 +50,7 @@ from compress.core.targets import select_modules
 
 log = logging.getLogger(__name__)
 
-FirstLast = Literal["quantize", "float", "w8"]
 BnMode = Literal["fold", "qat", "keep"]
-#: what the cost table's whole-model prediction does: log it ("warn") or keep the model float ("float")
-ModelCheck = Literal["auto", "warn", "float"]
 
 # 8-bit per-channel weights for first/last layers kept at higher precision under 4-bit schemes
 _W8 = QuantSpec(granularity="channel", axis=0)
@@ -107,46 +102,6 @@ def plan_targets(
     return out
 
 
-class PrepareParams(Selection):
-    """How layers are swapped and activation quantizers placed: the settings every quantizing
-    algorithm that prepares the model shares (QuantizeParams, the ``qat`` modifier).
-
-    ``first_last``: "float" keeps the first and last layer unquantized, "w8" gives them 8-bit
-    per-channel weights (useful under 4-bit schemes). ``quantize_ops``: quantize the activations
-    at tensor operations too (residual adds, concats, attention products), not only layer inputs.
-    ``runtime``: the runtime whose fusion rules place the activation quantizers (onnxruntime,
-    tensorrt, openvino). ``quantize_embeddings``: store embedding tables as int8 rows (static schemes;
-    a table whose int8 form loses fidelity stays float, named in ``placement.floats``).
-    ``speed_check``: time each layer's ONNX Runtime integer kernel against its float kernel at the
-    traced shape (the batch scaled to ``speed_check.batch``) and keep the layers float where int8 is
-    slower (quantization/placement/speed_check.py; runtime onnxruntime).
-    ``cost_table``: without ``speed_check``, keep float the layers the shipped ORT CPU cost table
-    for ``deploy_cpu`` says run slower in int8 (quantization/placement/cost_table.py): nothing is
-    timed, so the placement is reproducible; False quantizes them all.
-    ``deploy_cpu``: the CPU the model will be served on, ``isa:vendor`` (``vnni:intel``, ``vnni:amd``,
-    ``amx:intel``, ``avx2:intel``, ``avx2:amd``), whose table decides; the default ``vnni:intel`` does
-    not depend on the machine that quantizes; ``"this-machine"`` reads the quantizing CPU's table.
-    ``batch_sizes``: the batches the model will be served at (default: batch 1; a recipe takes its
-    ``validate.batch_sizes``): the table predicts the whole int8 model against fp32 at each of them.
-    ``model_check``: where that prediction says int8 is not faster at every one of them, ``"float"``
-    keeps the whole model float (the reason in ``placement.model_float``), ``"warn"`` logs it and
-    keeps int8, ``"auto"`` (default) keeps it float where int8 is predicted slower at a batch of 16
-    or more and warns at smaller ones (benchmarks/RESULTS.md, ``export_int8_quickstart``).
-    """
-
-    first_last: FirstLast = "quantize"
-    quantize_ops: bool = True
-    runtime: Target = "onnxruntime"
-    quantize_embeddings: bool = True
-    speed_check: SpeedCheck | None = None
-    cost_table: bool = True
-    batch_sizes: tuple[PositiveInt, ...] | None = Field(None, min_length=1)
-    model_check: ModelCheck = "auto"
-    deploy_cpu: DeployCpu = PORTABLE_CPU
-
-    renamed: ClassVar[dict[str, str]] = {**Selection.renamed, "target": "runtime"}
-
-
 def prepare(
     model: nn.Module,
     scheme: QuantScheme | str,
@@ -174,7 +129,7 @@ def prepare(
     prediction counts entering and leaving int8 and integer adds (quantization/placement/model_cost.py).
     """
     p = params or PrepareParams()
-    targets, ignore, first_last, quantize_ops, target = p.targets, p.ignore, p.first_last, p.quantize_ops, p.runtime
+    targets, ignore, first_last, target = p.targets, p.ignore, p.first_last, p.runtime
     speed_check, batch_sizes = p.speed_check, p.batch_sizes
     scheme = resolve_scheme(scheme)
     model = unwrap(model)
@@ -249,10 +204,9 @@ def prepare(
     if graph_mode:
         assert scheme.inputs is not None
         config = GraphConfig(
-            target=target, targets=list(targets), ignore=list(ignore), quantize_ops=quantize_ops,
-            activation_spec=scheme.inputs.with_(granularity="tensor", axis=0), weight_spec=scheme.weights,
-            swapped=set(swapped), skip_layers=skip, quantize_embeddings=p.quantize_embeddings, model_float=model_float,
-            float_ops=float_ops, serving_batch=_serving_batch(batch_sizes, speed_check), cost_table=table,
+            p, activation_spec=scheme.inputs.with_(granularity="tensor", axis=0), weight_spec=scheme.weights,
+            swapped=set(swapped), skip_layers=skip, model_float=model_float, float_ops=float_ops,
+            serving_batch=_serving_batch(batch_sizes, speed_check), cost_table=table,
         )
         new_graph(model, config)
         if call is not None:
@@ -484,7 +438,7 @@ def _trace_eval(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
     was_training = model.training
     model.eval()
     try:
-        return trace_graph(model, args, kwargs)
+        return trace_ops(model, args, kwargs)
     finally:
         model.train(was_training)
 

@@ -18,8 +18,7 @@ from compress.quantization import (
     quantizers,
     strip,
 )
-from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range
-from compress.quantization.numerics.primitives import quantize as quantize_codes
+from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range, quantize_codes
 from compress.quantization.placement.mode import graph_of
 from torch import nn
 

@@ -15,7 +15,7 @@ from compress.export.onnx import export_onnx
 from compress.export.runtimes import ort_coverage, ort_optimized_graph
 from compress.quantization import PrepareParams, QuantizeParams, prepare, quantize, strip
 from compress.quantization.placement.mode import decomposed_attention, graph_of
-from compress.quantization.placement.trace import trace_graph
+from compress.quantization.placement.trace import trace_ops
 from torch import nn
 
 from compress.core.errors import CompressError
@@ -345,8 +345,8 @@ def test_strip_restores_the_float_model_and_removes_hooks() -> None:
 
 def test_trace_keys_are_stable_and_scoped() -> None:
     m = _residual()
-    g1 = trace_graph(m, (_images(1)[0],), {})
-    g2 = trace_graph(m, (_images(1, seed=4)[0],), {})
+    g1 = trace_ops(m, (_images(1)[0],), {})
+    g2 = trace_ops(m, (_images(1, seed=4)[0],), {})
     assert list(g1.nodes) == list(g2.nodes)
     assert "stem:conv#0" in g1.nodes and ":add#0" in g1.nodes and ":iadd" not in "".join(g1.nodes)
     assert g1.nodes[":add#1"].func in ("__iadd__", "add_")  # `out += y` is an add like any other
