@@ -36,6 +36,7 @@ class _WeightOnlySpec(ModifierSpec):
 
     kind: ClassVar[str] = "quantize"
     needs: ClassVar[frozenset[str]] = frozenset({"calibration"})
+    calibration_flow: ClassVar[str] = "layer-by-layer"  # on_calibrate runs sequential_quantize
 
     scheme: str | QuantScheme = DEFAULT_SCHEME
 
