@@ -309,7 +309,7 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
     from compress.quantization.api import QuantizeParams, quantize
     from compress.quantization.placement.cost_table import table_for
     from compress.quantization.placement.model_cost import predict
-    from compress.quantization.placement.trace import trace_graph
+    from compress.quantization.placement.trace import trace_ops
     from compress.quantization.view import view
 
     from compress.core.machine import cpu_name, int8_isa
@@ -332,7 +332,7 @@ def predicted_vs_measured(tmp: Path) -> list[dict[str, Any]]:
         model.eval()
         g = torch.Generator().manual_seed(0)
         calib = [torch.randn(8, *shape, generator=g) for _ in range(2)]
-        graph = trace_graph(model, (calib[0],), {})
+        graph = trace_ops(model, (calib[0],), {})
         layers = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))}
         pred = predict(graph, layers, table, batches=[1, 32], example_batch=8).costs
         checked = quantize(copy.deepcopy(model), "w8a8", calib,

@@ -101,10 +101,10 @@ def _our_row(args: argparse.Namespace, cut: Path, windows: Path) -> dict[str, An
     scheme = SCHEMES["w4 g64"]
     runs = {
         "RTN": lambda m: compress.quantize(m, scheme, ignore=["lm_head"]),
-        "AWQ": lambda m: compress.awq(m, data, scheme=scheme),
+        "AWQ": lambda m: compress.awq(m, data, scheme=scheme, ignore=["lm_head"]),
         "AWQ, every candidate rerun": lambda m: compress.awq(m, data, scheme=scheme,
-                                                             params=compress.AWQParams(module_candidates=0)),
-        "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme),
+                                                             params=compress.AWQParams(module_candidates=0), ignore=["lm_head"]),
+        "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme, ignore=["lm_head"]),
     }
     lines = _Lines()
     logging.getLogger("compress.quantization.algorithms.sequential").addHandler(lines)

@@ -99,13 +99,13 @@ def torch_methods(scheme: Any, data: list[torch.Tensor]) -> dict[str, Callable[[
 
     return {
         "RTN": lambda m: compress.quantize(m, scheme, ignore=["lm_head"]),
-        "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme, params=GPTQParams(act_order=True)),
-        "AWQ": lambda m: compress.awq(m, data, scheme=scheme),
-        "AWQ act-only": lambda m: compress.awq(m, data, scheme=scheme, params=AWQParams(duo_scaling=False)),
+        "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme, params=GPTQParams(act_order=True), ignore=["lm_head"]),
+        "AWQ": lambda m: compress.awq(m, data, scheme=scheme, ignore=["lm_head"]),
+        "AWQ act-only": lambda m: compress.awq(m, data, scheme=scheme, params=AWQParams(duo_scaling=False), ignore=["lm_head"]),
         # AWQ's two parts told apart: its scales alone, without the clip search
-        "AWQ scales only": lambda m: compress.awq(m, data, scheme=scheme, params=AWQParams(clip=False)),
-        "AWQ+GPTQ": lambda m: compress.gptq(compress.awq(m, data, scheme=scheme), data, scheme=scheme,
-                                            params=GPTQParams(act_order=True)),
+        "AWQ scales only": lambda m: compress.awq(m, data, scheme=scheme, params=AWQParams(clip=False), ignore=["lm_head"]),
+        "AWQ+GPTQ": lambda m: compress.gptq(compress.awq(m, data, scheme=scheme, ignore=["lm_head"]), data, scheme=scheme,
+                                            params=GPTQParams(act_order=True), ignore=["lm_head"]),
     }
 
 

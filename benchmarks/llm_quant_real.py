@@ -103,11 +103,11 @@ def methods(scheme: Any, data: list[torch.Tensor]) -> dict[str, Callable[[nn.Mod
 
     return {
         "RTN": lambda m: compress.quantize(m, scheme, ignore=["lm_head"]),
-        "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme),
+        "GPTQ": lambda m: compress.gptq(m, data, scheme=scheme, ignore=["lm_head"]),
         "GPTQ act_order off": lambda m: compress.gptq(m, data, scheme=scheme,
-                                                      params=compress.GPTQParams(act_order=False)),
-        "AWQ": lambda m: compress.awq(m, data, scheme=scheme),
-        "AWQ+GPTQ": lambda m: compress.gptq(compress.awq(m, data, scheme=scheme), data, scheme=scheme),
+                                                      params=compress.GPTQParams(act_order=False), ignore=["lm_head"]),
+        "AWQ": lambda m: compress.awq(m, data, scheme=scheme, ignore=["lm_head"]),
+        "AWQ+GPTQ": lambda m: compress.gptq(compress.awq(m, data, scheme=scheme, ignore=["lm_head"]), data, scheme=scheme, ignore=["lm_head"]),
     }
 
 

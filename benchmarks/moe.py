@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     refs = [_routing(fp, x) for x in held]
     methods = {
         "RTN w4 g128": lambda m: compress.quantize(m, "w4_weight_only_g128", ignore=["lm_head"]),
-        "GPTQ w4 g128": lambda m: compress.gptq(m, calib, scheme="w4_weight_only_g128"),
-        "AWQ w4 g128": lambda m: compress.awq(m, calib, scheme="w4_weight_only_g128"),
+        "GPTQ w4 g128": lambda m: compress.gptq(m, calib, scheme="w4_weight_only_g128", ignore=["lm_head"]),
+        "AWQ w4 g128": lambda m: compress.awq(m, calib, scheme="w4_weight_only_g128", ignore=["lm_head"]),
         "W8A8 static (7-bit weights)": lambda m: compress.quantize(
             m, {"preset": "w8a8", "weights": {"reduce_range": True}}, calib, ignore=["lm_head"]),
     }

@@ -97,7 +97,7 @@ def predictions() -> list[dict[str, Any]]:
     import torch
     from compress.quantization.placement.cost_table import shipped_tables, table_for
     from compress.quantization.placement.model_cost import predict
-    from compress.quantization.placement.trace import trace_graph
+    from compress.quantization.placement.trace import trace_ops
     from torch import nn
 
     import compress
@@ -105,7 +105,7 @@ def predictions() -> list[dict[str, Any]]:
     recipe = compress.load_recipe("quickstart")
     model = compress.load_model(recipe.model).eval()
     x = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(0))
-    graph = trace_graph(model, (x,), {})
+    graph = trace_ops(model, (x,), {})
     layers = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))}
     avx2 = {v: table_for("AVX2 without VNNI", v) for v in ("AMD EPYC", "Intel Xeon")}
     rows = []

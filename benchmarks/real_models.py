@@ -163,13 +163,13 @@ def _predicted(model: nn.Module, calib: Any, batch: int) -> tuple[float | None, 
     speedup over fp32, or None and why the check does not judge it."""
     from compress.quantization.placement.cost_table import deployment_table
     from compress.quantization.placement.model_cost import predict, unpriced_ops
-    from compress.quantization.placement.trace import trace_graph
+    from compress.quantization.placement.trace import trace_ops
 
     table = deployment_table()
     if table is None:
         return None, "no cost table (COMPRESS_COST_TABLE off)"
     args, kwargs = ((), dict(calib)) if isinstance(calib, dict) else ((calib,), {})
-    graph = trace_graph(model, args, kwargs)
+    graph = trace_ops(model, args, kwargs)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))}
     unpriced = unpriced_ops(graph, table)
     if unpriced:

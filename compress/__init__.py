@@ -63,6 +63,7 @@ _EXPORTS: dict[str, str] = {
     # quantization
     "quantize": "compress.quantization.api",
     "QuantizeParams": "compress.quantization.api",
+    "PrepareParams": "compress.quantization.preparation",
     "gptq": "compress.quantization.algorithms.gptq",
     "awq": "compress.quantization.algorithms.awq",
     "GPTQParams": "compress.quantization.algorithms.gptq",
@@ -76,6 +77,7 @@ _EXPORTS: dict[str, str] = {
     "PruningPlan": "compress.pruning.plan",
     # distillation
     "Distiller": "compress.distillation.api",
+    "DistillParams": "compress.distillation.api",
     # export and validation
     "export_onnx": "compress.export.onnx",
     "validate": "compress.export.validation.measure",

@@ -191,7 +191,7 @@ def _render_plan(p: dict[str, Any], *, overrides: Sequence[str] = ()) -> str:
         lines.append("  (the modules each modifier matches are resolved when the run builds the model)")
     for s in p["stages"]:
         length = f"{s['steps']} steps" if s["steps"] else (f"{s['epochs']} epochs" if s["epochs"] else "one-shot")
-        lines.append(f"  stage {s['stage']} ({length})")
+        lines.append(f"  stage {s['stage']} ({length}, {s['pipeline']} pipeline)")
         for m in s["modifiers"]:
             mods = m["modules"]
             if mods is None:

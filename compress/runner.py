@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -23,16 +25,24 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
 
+# module-qualified: the fault tests replace their functions on the module (a run killed right after
+# a checkpoint, a model that must not be built yet)
+from compress import checkpoints, models
+from compress.core.batching import to_device
 from compress.core.bounded import load_yaml_file
 from compress.core.dryrun import dry_run
 from compress.core.errors import RecipeError, RunFolderError, storage_error
 from compress.core.io import atomic_write_text
 from compress.core.machine import set_threads
+from compress.core.metrics import make_metric
 from compress.core.progress import LOGGERS, bars_off, fig, seconds
 from compress.core.size import count_macs, count_params, deployed_size_bytes
 from compress.core.tracing import iter_tensors
 from compress.core.trust import CLI_SWITCH, allow_code, code_trusted, locate, no_code
+from compress.data import build_data
+from compress.distributed import load_sharded, save_sharded
 from compress.export.records import ThresholdRecord
+from compress.pipelines import pipeline_name
 from compress.preflight import check_data_fits, check_recipe
 from compress.recipe import Recipe, load_recipe
 from compress.report import ModelFigures, Report, StageReport, machine, versions
@@ -42,6 +52,7 @@ from compress.state import save_compressed
 from compress.training import (
     Dist,
     Trainer,
+    build_optimizer,
     evaluate,
     init_distributed,
     resolve_device,
@@ -57,9 +68,6 @@ class _Run:
     """The objects one run shares between its steps."""
 
     def __init__(self, recipe: Recipe, *, device: str | None, quiet: bool) -> None:
-        from compress.data import build_data
-        from compress.models import load_model
-
         self.recipe = recipe
         # progress bars only on a terminal: redirected, every tqdm update is a line in the file
         self.quiet = quiet or not sys.stderr.isatty()
@@ -72,10 +80,8 @@ class _Run:
             rank=self.dist.rank, world_size=self.dist.world_size, where=recipe.where,
         )
         seed_everything(recipe.train.seed)
-        self.model: nn.Module = load_model(recipe.model, where=recipe.where)
+        self.model: nn.Module = models.load_model(recipe.model, where=recipe.where)
         self.metric = recipe.train.metric
-        from compress.core.metrics import make_metric
-
         # an unknown metric fails here, before any work
         self.higher_is_better = make_metric(self.metric, where=recipe.where("train.metric")).higher_is_better
         self.reference: nn.Module | None = None
@@ -120,16 +126,10 @@ class _Run:
     def figures(self, model: nn.Module, *, accuracy: float) -> ModelFigures:
         macs = None
         try:
-            macs = count_macs(model, _to(self.data.example_inputs, self.device))
+            macs = count_macs(model, to_device(self.data.example_inputs, self.device))
         except Exception as exc:  # MACs are informative; a model the counter can't run still reports the rest
             log.warning("could not count MACs: %s", exc)
         return ModelFigures(accuracy=None if math.isnan(accuracy) else accuracy, params=count_params(model), macs=macs, size_bytes=deployed_size_bytes(model))
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    from compress.core.batching import to_device
-
-    return to_device(x, device)
 
 
 @contextmanager
@@ -185,9 +185,6 @@ def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None, dev
     (``trust_code``), and leaves the module matching to the run.
     """
     r = recipe if isinstance(recipe, Recipe) and not overrides else load_recipe(recipe, overrides=overrides or [])
-    from compress.data import build_data
-    from compress.models import load_model
-
     check_recipe(r, device=device)
     refs = r.code()
     if refs:
@@ -198,13 +195,13 @@ def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None, dev
                           "where": "the model folder's own Python files" if ref.endswith("(trust_remote_code)")
                           else locate(ref)}
                          for path, ref in refs],
-                "stages": [{"stage": st.name, "epochs": st.epochs, "steps": st.steps,
+                "stages": [{"stage": st.name, "epochs": st.epochs, "steps": st.steps, "pipeline": pipeline_name(st),
                             "modifiers": [{"type": m.type, "modules": None} for m in st.modifiers]}
                            for st in r.stages]}
     # belt and braces: nothing below may import a module the recipe names, nor write a file
     with no_code(), dry_run():
         data = build_data(r.data, batch_size=r.train.batch_size, seed=r.data.seed, where=r.where)
-        model = load_model(r.model, where=r.where)
+        model = models.load_model(r.model, where=r.where)
         if not any(p.is_meta for p in model.parameters()):  # a GGUF model not converted yet has no weights
             check_data_fits(r, model, data.example_inputs)
         session = Session(r, model)
@@ -249,14 +246,8 @@ def _apply(r: Recipe, *, out: Path, device: str | None, overwrite: bool, resume:
     t0 = time.perf_counter()
     check_recipe(r, device=device)
     folder = RunFolder(out)
-    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 alone owns the folder under torchrun
-        folder.check(overwrite=overwrite, resume=resume)
-        if resume:
-            _check_same_recipe(r, out)
-            from compress.checkpoints import check_resumable
-
-            # a corrupt or truncated checkpoint stops the run here (exit 2), not after the model is built
-            check_resumable(out / "checkpoints", trains_baseline=r.train.epochs > 0)
+    if _launch_rank() == 0:  # rank 0 alone owns the folder under torchrun
+        _check_folder(r, folder, overwrite=overwrite, resume=resume)
     run = _Run(r, device=device, quiet=quiet)  # bad model/data input raises here, before the folder is touched
     check_data_fits(r, run.model, run.data.example_inputs)
     main = run.dist.is_main
@@ -270,43 +261,54 @@ def _apply(r: Recipe, *, out: Path, device: str | None, overwrite: bool, resume:
         return _run_in_folder(run, folder, out, resume=resume, overwrite=overwrite, quiet=quiet, t0=t0)
 
 
+def _launch_rank() -> int:
+    """This process's rank under torchrun (0 alone), read before the process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _check_folder(r: Recipe, folder: RunFolder, *, overwrite: bool, resume: bool) -> None:
+    """Rank 0, before the model is built: the folder may take this run; --resume continues its own."""
+    folder.check(overwrite=overwrite, resume=resume)
+    if resume:
+        _check_same_recipe(r, folder.path)
+        # a corrupt or truncated checkpoint stops the run here (exit 2), not after the model is built
+        checkpoints.check_resumable(folder.path / "checkpoints", trains_baseline=r.train.epochs > 0)
+
+
+def _prepare_folder(run: _Run, folder: RunFolder, out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Rank 0: clear what a resumed or overwritten run leaves behind, write the resolved recipe."""
+    if resume:
+        folder.clear_unfinished()
+    elif overwrite and (folder.is_run() or folder.is_legacy_run()):
+        folder.clear()
+    try:
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "recipe.yaml", run.recipe.to_yaml())
+        folder.record()
+    except OSError as exc:
+        raise RunFolderError(f"--out {out}: cannot write the run folder ({exc.strerror or exc})") from None
+
+
+def _log_file(run: _Run, out: Path) -> Path:
+    """rank 0 writes run.log; under torchrun every other rank its own file beside it."""
+    return out / ("run.log" if run.dist.is_main else f"run.rank{run.dist.rank}.log")
+
+
 def _run_in_folder(run: _Run, folder: RunFolder, out: Path, *, resume: bool, overwrite: bool, quiet: bool,
                    t0: float) -> Report:
     """Prepare the run folder (rank 0), run the pipeline with its log, write the report."""
-    r = run.recipe
     main = run.dist.is_main
     if main:
-        if resume:
-            folder.clear_unfinished()
-        elif overwrite and (folder.is_run() or folder.is_legacy_run()):
-            folder.clear()
-        try:
-            (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-            atomic_write_text(out / "recipe.yaml", r.to_yaml())
-            folder.record()
-        except OSError as exc:
-            raise RunFolderError(f"--out {out}: cannot write the run folder ({exc.strerror or exc})") from None
+        _prepare_folder(run, folder, out, resume=resume, overwrite=overwrite)
     if run.dist.enabled:  # the other ranks write their logs only into the folder rank 0 has prepared
         torch.distributed.barrier()
     try:
-        # rank 0 writes run.log; under torchrun every other rank its own file beside it
-        with _log_to(out / ("run.log" if main else f"run.rank{run.dist.rank}.log"), quiet):
+        with _log_to(_log_file(run, out), quiet):
             try:
                 report = _run(run, out, resume=resume)
             except Exception as exc:
-                # the traceback belongs in run.log only (the console's one line is the CLI's), and the
-                # folder gets a report that says the run failed and where it got to; then re-raise
-                log.error("run failed: %s: %s", type(exc).__name__, exc, exc_info=True, extra=FILE_ONLY)
+                _report_failure(run, folder, out, exc, t0=t0)
                 storage = storage_error(exc)
-                if main:
-                    failed = run.report or Report(recipe=r.to_dict(), versions=versions(), machine=machine())
-                    failed.error = str(storage) if storage else f"{type(exc).__name__}: {exc}"
-                    failed.seconds = time.perf_counter() - t0
-                    try:
-                        failed.write(out)
-                        folder.record()
-                    except OSError as again:  # the disk that filled up takes no report either
-                        log.warning("could not write the failed run's report: %s", again.strerror or again, extra=FILE_ONLY)
                 if storage is not None:
                     raise storage from exc
                 raise
@@ -322,6 +324,24 @@ def _run_in_folder(run: _Run, folder: RunFolder, out: Path, *, resume: bool, ove
     return report
 
 
+def _report_failure(run: _Run, folder: RunFolder, out: Path, exc: Exception, *, t0: float) -> None:
+    """The traceback goes to run.log only (the console's one line is the CLI's), and (rank 0) the
+    folder gets a report that says the run failed and where it got to; the caller re-raises."""
+    log.error("run failed: %s: %s", type(exc).__name__, exc, exc_info=True, extra=FILE_ONLY)
+    if not run.dist.is_main:
+        return
+    storage = storage_error(exc)
+    r = run.recipe
+    failed = run.report or Report(recipe=r.to_dict(), versions=versions(), machine=machine())
+    failed.error = str(storage) if storage else f"{type(exc).__name__}: {exc}"
+    failed.seconds = time.perf_counter() - t0
+    try:
+        failed.write(out)
+        folder.record()
+    except OSError as again:  # the disk that filled up takes no report either
+        log.warning("could not write the failed run's report: %s", again.strerror or again, extra=FILE_ONLY)
+
+
 def _share_report(report: Report, *, group: Any = None) -> Report:
     """Rank 0's report, on every rank: one set of records, one threshold verdict, one exit code.
     The other ranks wait here through rank 0's export and validation: ``group`` is one whose
@@ -332,163 +352,186 @@ def _share_report(report: Report, *, group: Any = None) -> Report:
 
 
 def _run(run: _Run, out: Path, *, resume: bool) -> Report:
-    r = run.recipe
-    main = run.dist.is_main
-    ckpt_dir = out / "checkpoints"
+    """The baseline, then each stage on its pipeline, then the final model, export and validation."""
     model = run.model.to(run.device)
-    trainer = Trainer(r.train, device=run.device, distributed=run.dist, progress=not run.quiet)
-    trainer.data_name = f"data '{r.data.source}'"
-
-    # ---- baseline ----
-    baseline_ckpt = ckpt_dir / "baseline.pt"
-    if resume and baseline_ckpt.exists():
-        from compress.checkpoints import load_baseline
-
-        load_baseline(baseline_ckpt, model)
-        log.info("resumed: baseline loaded from %s", baseline_ckpt)
-    elif r.train.epochs > 0:
-        last = ckpt_dir / "baseline_last.pt"
-        # under FSDP2 each rank writes its shards (torch.distributed.checkpoint); resumable on any
-        # number of ranks, one included
-        sharded = ckpt_dir / "baseline_last.dcp"
-        start, opt = 0, None
-        if resume and sharded.is_dir():
-            from compress.distributed import load_sharded
-            from compress.training import build_optimizer
-
-            opt = build_optimizer(model, r.train)
-            start = load_sharded(sharded, model, opt)
-            log.info("resumed baseline training at epoch %d from %s (%d rank(s))", start, sharded.name,
-                     run.dist.world_size)
-        elif resume and last.exists():
-            from compress.checkpoints import load_baseline
-
-            state = load_baseline(last, model)
-            from compress.training import build_optimizer
-
-            opt = build_optimizer(model, r.train)
-            if state.get("optimizer"):
-                opt.load_state_dict(state["optimizer"])
-            start = int(state["epoch"])
-            log.info("resumed baseline training at epoch %d", start)
-        def checkpoint(m: nn.Module, o: torch.optim.Optimizer | None, e: int) -> None:
-            if run.dist.sharded:
-                from compress.distributed import save_sharded
-
-                save_sharded(sharded, m, o, e)
-                stale: Path = last
-            else:
-                save_checkpoint(last, m, o, e)
-                stale = sharded
-            if main:  # a resumed run that changed strategy: the older kind must not be resumed from next
-                if stale.is_dir():
-                    import shutil
-
-                    shutil.rmtree(stale, ignore_errors=True)
-                else:
-                    stale.unlink(missing_ok=True)
-            run.record()
-
-        trainer.checkpoint = checkpoint
-        res = trainer.fit(model, run.train_loader, epochs=r.train.epochs, optimizer=opt, start_epoch=start,
-                          desc="baseline")
-        trainer.checkpoint = None
-        log.info("baseline trained: %d epochs, final loss %s, %s", res.epochs, fig(res.final_loss), seconds(res.seconds))
-        if main:
-            save_checkpoint(baseline_ckpt, model, None, int(r.train.epochs))
-            run.record()
-    run.reference = copy.deepcopy(model).eval()
-    for p in run.reference.parameters():
-        p.requires_grad_(False)
-    report = run.report = Report(recipe=r.to_dict(), versions=versions(), machine=machine(), metric=run.metric)
-    report.baseline = run.figures(model, accuracy=run.evaluate(model))
-    log.info("baseline %s: %s", run.metric, fig(report.baseline.accuracy))
-
-    # ---- stages ----
-    calib = run.data.calibration
-    calibration = (
-        tqdm(calib, desc="calibrate", disable=run.quiet or not main, leave=False) if calib is not None else None
-    )
-    session = Session(
-        r, model, steps_per_epoch=len(run.train_loader), calibration_data=calibration, train_data=run.train_loader,
-        example_inputs=_to(run.data.example_inputs, run.device), evaluate=run.evaluate,
-        select_evaluate=run.select_evaluate, higher_is_better=run.higher_is_better, device=run.device,
-        out_dir=out / "artifacts" if main else None, trust_code=code_trusted(),
-    )
-    stage_t = [time.perf_counter()]
-
-    def on_end(s: Session, res: StageResult) -> None:
-        acc = run.evaluate(s.model)
-        report.stages.append(StageReport(
-            name=res.name, metrics=res.metrics, tables=res.tables,
-            artifacts=[str(Path(a).relative_to(out)) if Path(a).is_relative_to(out) else a for a in res.artifacts],
-            model=run.figures(s.model, accuracy=acc), seconds=time.perf_counter() - stage_t[0],
-        ))
-        log.info("stage '%s' done: %s %s (%s)", res.name, run.metric, fig(acc), seconds(time.perf_counter() - stage_t[0]))
-        run.record()
-        stage_t[0] = time.perf_counter()
-
-    session.on_stage_end(on_end)
-    # a training stage killed mid-way continues from its last epoch's checkpoint
-    from compress.checkpoints import find_stage, load_stage, save_stage
-
-    point = find_stage(ckpt_dir) if resume else None
-    if point is not None:
-        session.resume(point.progress["session"])
-        report.stages = [StageReport.model_validate(x) for x in point.progress["report_stages"]]
-
-    def stage_checkpoint(m: nn.Module, o: torch.optim.Optimizer, e: int) -> None:
-        if not session.resumable:  # e.g. a pruning schedule: --resume reruns this stage from its start
-            return
-        save_stage(ckpt_dir, session, m, o, e, ranks=run.dist,
-                   report_stages=[x.model_dump(mode="json") for x in report.stages])
-        run.record()
-
-    trainer.stage_checkpoint = stage_checkpoint
-    with session:
+    trainer = Trainer(run.recipe.train, device=run.device, distributed=run.dist, progress=not run.quiet)
+    trainer.data_name = f"data '{run.recipe.data.source}'"
+    _baseline(run, trainer, model, out / "checkpoints", resume=resume)
+    report = _baseline_report(run, model)
+    stages = _Stages(run, trainer, model, out, report, resume=resume)
+    with stages.session.drive() as session:
         while not session.finished:
-            stage = session.stage
-            assert stage is not None  # not finished implies a current stage
-            opt, start = None, 0
-            if point is not None and session.stage_index == point.stage:
-                from compress.training import build_optimizer
-
-                opt = build_optimizer(model, r.train, lr=stage.lr)  # as Trainer.fit builds it
-                session.optimizer = opt
-                load_stage(point, session, model, opt, rank=run.dist.rank)
-                start = point.epochs_done
-                log.info("resumed stage '%s' at epoch %d from %s (%d rank(s))", stage.name, start, point.path.name,
-                         run.dist.world_size)
-                point = None
-            trainer.fit(model, run.train_loader, epochs=stage.epochs, steps=stage.steps, lr=stage.lr,
-                        session=session, optimizer=opt, start_epoch=start, desc=stage.name)
+            session.run_stage(stages.train)
     trainer.stage_checkpoint = None
-    report.final = run.figures(model, accuracy=run.evaluate(model))
-    if main:
-        # weights plus the compression state as data (pruning plans, quantizer config): restorable
-        # with weights_only=True (compress.state.restore_compressed), never a pickled module
-        save_compressed(ckpt_dir / "final.pt", model, [m for stage in session.modifiers for m in stage])
-        run.record()
-
-    # ---- export, validation and thresholds: rank 0 alone; the others receive its report ----
-    if main:
-        if r.export.enabled and run.data.example_inputs is not None:
-            _export_and_validate(run, model, out, report)
-        report.thresholds = check_thresholds(r, report)
+    _finish(run, model, session, out, report)
     return report
 
 
+def _baseline(run: _Run, trainer: Trainer, model: nn.Module, ckpt_dir: Path, *, resume: bool) -> None:
+    """The model the stages start from: loaded from the run's baseline.pt on --resume, else trained
+    for train.epochs (resumed from its last epoch's checkpoint), else the model as built."""
+    r = run.recipe
+    baseline_ckpt = ckpt_dir / "baseline.pt"
+    if resume and baseline_ckpt.exists():
+        checkpoints.load_baseline(baseline_ckpt, model)
+        log.info("resumed: baseline loaded from %s", baseline_ckpt)
+        return
+    if r.train.epochs <= 0:
+        return
+    last = ckpt_dir / "baseline_last.pt"
+    # under FSDP2 each rank writes its shards (torch.distributed.checkpoint); resumable on any
+    # number of ranks, one included
+    sharded = ckpt_dir / "baseline_last.dcp"
+    start, opt = _resume_baseline(run, model, last, sharded) if resume else (0, None)
+
+    def checkpoint(m: nn.Module, o: torch.optim.Optimizer | None, e: int) -> None:
+        if run.dist.sharded:
+            save_sharded(sharded, m, o, e)
+            stale: Path = last
+        else:
+            save_checkpoint(last, m, o, e)
+            stale = sharded
+        if run.dist.is_main:  # a resumed run that changed strategy: the older kind must not be resumed from next
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+        run.record()
+
+    trainer.checkpoint = checkpoint
+    res = trainer.fit(model, run.train_loader, epochs=r.train.epochs, optimizer=opt, start_epoch=start,
+                      desc="baseline")
+    trainer.checkpoint = None
+    log.info("baseline trained: %d epochs, final loss %s, %s", res.epochs, fig(res.final_loss), seconds(res.seconds))
+    if run.dist.is_main:
+        save_checkpoint(baseline_ckpt, model, None, int(r.train.epochs))
+        run.record()
+
+
+def _resume_baseline(run: _Run, model: nn.Module, last: Path, sharded: Path) -> tuple[int, torch.optim.Optimizer | None]:
+    """The epoch baseline training resumes at and its optimizer, loaded from the last epoch's
+    checkpoint (sharded or not); (0, None) when there is none."""
+    if sharded.is_dir():
+        opt = build_optimizer(model, run.recipe.train)
+        start = load_sharded(sharded, model, opt)
+        log.info("resumed baseline training at epoch %d from %s (%d rank(s))", start, sharded.name,
+                 run.dist.world_size)
+        return start, opt
+    if not last.exists():
+        return 0, None
+    state = checkpoints.load_baseline(last, model)
+    opt = build_optimizer(model, run.recipe.train)
+    if state.get("optimizer"):
+        opt.load_state_dict(state["optimizer"])
+    log.info("resumed baseline training at epoch %d", int(state["epoch"]))
+    return int(state["epoch"]), opt
+
+
+def _baseline_report(run: _Run, model: nn.Module) -> Report:
+    """Freeze the baseline as the reference model and start the run's report with its figures."""
+    run.reference = copy.deepcopy(model).eval()
+    for p in run.reference.parameters():
+        p.requires_grad_(False)
+    report = run.report = Report(recipe=run.recipe.to_dict(), versions=versions(), machine=machine(),
+                                 metric=run.metric)
+    report.baseline = run.figures(model, accuracy=run.evaluate(model))
+    log.info("baseline %s: %s", run.metric, fig(report.baseline.accuracy))
+    return report
+
+
+class _Stages:
+    """The recipe's stages in this run: the session, what each stage's end reports, the mid-stage
+    checkpoints, and the Trainer that feeds a training stage (resumed from a checkpoint on --resume)."""
+
+    def __init__(self, run: _Run, trainer: Trainer, model: nn.Module, out: Path, report: Report, *,
+                 resume: bool) -> None:
+        self.run, self.trainer, self.model, self.out, self.report = run, trainer, model, out, report
+        self.ckpt_dir = out / "checkpoints"
+        main = run.dist.is_main
+        calib = run.data.calibration
+        calibration = (
+            tqdm(calib, desc="calibrate", disable=run.quiet or not main, leave=False) if calib is not None else None
+        )
+        self.session = Session(
+            run.recipe, model, steps_per_epoch=len(run.train_loader), calibration_data=calibration,
+            train_data=run.train_loader, example_inputs=to_device(run.data.example_inputs, run.device),
+            evaluate=run.evaluate, select_evaluate=run.select_evaluate, higher_is_better=run.higher_is_better,
+            device=run.device, out_dir=out / "artifacts" if main else None, trust_code=code_trusted(),
+        )
+        self.session.on_stage_end(self._ended)
+        self._t0 = time.perf_counter()
+        # a training stage killed mid-way continues from its last epoch's checkpoint
+        self.point = checkpoints.find_stage(self.ckpt_dir) if resume else None
+        if self.point is not None:
+            self.session.resume(self.point.progress["session"])
+            report.stages = [StageReport.model_validate(x) for x in self.point.progress["report_stages"]]
+        trainer.stage_checkpoint = self._checkpoint
+
+    def train(self, session: Session) -> None:
+        """Feed the training stage in progress through the Trainer (the training pipeline's feed)."""
+        stage = session.stage
+        assert stage is not None  # the training pipeline feeds only a stage in progress
+        opt, start = None, 0
+        point = self.point
+        if point is not None and session.stage_index == point.stage:
+            opt = build_optimizer(self.model, self.run.recipe.train, lr=stage.lr)  # as Trainer.fit builds it
+            session.optimizer = opt
+            checkpoints.load_stage(point, session, self.model, opt, rank=self.run.dist.rank)
+            start = point.epochs_done
+            log.info("resumed stage '%s' at epoch %d from %s (%d rank(s))", stage.name, start, point.path.name,
+                     self.run.dist.world_size)
+            self.point = None
+        self.trainer.fit(self.model, self.run.train_loader, epochs=stage.epochs, steps=stage.steps, lr=stage.lr,
+                         session=session, optimizer=opt, start_epoch=start, desc=stage.name)
+
+    def _ended(self, s: Session, res: StageResult) -> None:
+        run, out = self.run, self.out
+        acc = run.evaluate(s.model)
+        elapsed = time.perf_counter() - self._t0
+        self.report.stages.append(StageReport(
+            name=res.name, metrics=res.metrics, tables=res.tables,
+            artifacts=[str(Path(a).relative_to(out)) if Path(a).is_relative_to(out) else a for a in res.artifacts],
+            model=run.figures(s.model, accuracy=acc), seconds=elapsed,
+        ))
+        log.info("stage '%s' done: %s %s (%s)", res.name, run.metric, fig(acc), seconds(elapsed))
+        run.record()
+        self._t0 = time.perf_counter()
+
+    def _checkpoint(self, m: nn.Module, o: torch.optim.Optimizer, e: int) -> None:
+        if not self.session.resumable:  # e.g. a pruning schedule: --resume reruns this stage from its start
+            return
+        checkpoints.save_stage(self.ckpt_dir, self.session, m, o, e, ranks=self.run.dist,
+                   report_stages=[x.model_dump(mode="json") for x in self.report.stages])
+        self.run.record()
+
+
+def _finish(run: _Run, model: nn.Module, session: Session, out: Path, report: Report) -> None:
+    """The final model's figures and checkpoint; export, validation and thresholds on rank 0 alone
+    (the others receive its report)."""
+    report.final = run.figures(model, accuracy=run.evaluate(model))
+    if not run.dist.is_main:
+        return
+    # weights plus the compression state as data (pruning plans, quantizer config): restorable
+    # with weights_only=True (compress.state.restore_compressed), never a pickled module
+    save_compressed(out / "checkpoints" / "final.pt", model, [m for stage in session.modifiers for m in stage])
+    run.record()
+    r = run.recipe
+    if r.export.enabled and run.data.example_inputs is not None:
+        _export_and_validate(run, model, out, report)
+    report.thresholds = check_thresholds(r, report)
+
+
 def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report) -> None:
+    # export's stack (onnx, its runtimes) takes seconds to import: imported where a run exports, so
+    # that a dry run, a plan and a run without export never pay for it
     from compress.export.pipeline import export_model
     from compress.export.validation.measure import validate_exports
 
     r = run.recipe
     model = model.to("cpu").eval()
     reference = run.reference.to("cpu") if run.reference is not None else None
-    import hashlib
-
     meta = {"recipe": r.name, "recipe_sha256": hashlib.sha256(r.to_yaml().encode()).hexdigest()[:16]}
-    records = export_model(model, _to(run.data.example_inputs, torch.device("cpu")), r.export, out / "export",
+    records = export_model(model, to_device(run.data.example_inputs, torch.device("cpu")), r.export, out / "export",
                            name=r.name, baseline=reference, metadata=meta)
     report.exports = [rec.model_copy(update={"path": _rel(rec.path, out)}) for rec in records]
     run.record()
@@ -503,8 +546,6 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
         gvals = validate_generation(records, r.validate_, prompts, reference=model, baseline_reference=reference)
         report.validation = [v.model_copy(update={"model_path": _rel(v.model_path, out)}) for v in gvals]
         return
-    from compress.core.metrics import make_metric
-
     needs_ref = make_metric(run.metric).needs_reference
     # the run's own metric (perplexity for a causal LM exported without the generation file), not the task's default
     vals = validate_exports(records, r.validate_, eval_loader=run.data.eval, reference=model, metric=run.metric,
@@ -519,8 +560,7 @@ def _rel(path: Path, root: Path) -> Path:
 
 def check_thresholds(recipe: Recipe, report: Report) -> list[ThresholdRecord]:
     """The recipe's validate.thresholds against what the run measured (export.validation.measure.check_thresholds)."""
-    from compress.core.metrics import make_metric
-    from compress.export.validation.measure import check_thresholds as check
+    from compress.export.validation.measure import check_thresholds as check  # local: see _export_and_validate
 
     return check(recipe.validate_.thresholds, report.validation, exports=report.exports,
                  baseline_accuracy=report.baseline.accuracy, final_accuracy=report.final.accuracy,

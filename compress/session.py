@@ -9,33 +9,39 @@
             s.epoch_end()
     compressed = s.model
 
-Stages run in order. A stage without epochs or steps (a one-shot stage: PTQ, one-shot pruning) is
-initialized and finalized as soon as it is reached; a training stage ends after its epochs
-(``epoch_end``) or steps (``step``), and the next one starts.
+Stages run in order, each on its pipeline (compress.pipelines: training, sequential, calibration
+or data-free). The caller's loop feeds a training stage, which ends after its epochs (``epoch_end``)
+or steps (``step``); a one-shot stage (no epochs or steps: PTQ, GPTQ, one-shot pruning) is one the
+loop cannot feed, so the session runs it on its pipeline as soon as it reaches it: on entering, for
+a leading one, and when the stage before it ends. ``compress apply`` instead runs every stage itself
+(:meth:`Session.drive`, :meth:`Session.run_stage`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar, cast
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from compress.core.batching import require_module
-from compress.core.errors import CompressError
+from compress.core.errors import CompressError, RecipeError
 from compress.core.modifier import Modifier, Phase, State
 from compress.core.trust import allow_code
 from compress.distributed import DistributedSpec, distribute, gather, is_sharded
 from compress.modifiers import modifier_class
+from compress.pipelines import StageRun, pipeline_for, pipeline_name
 from compress.recipe import Recipe, Stage, load_recipe
 
 log = logging.getLogger(__name__)
@@ -81,10 +87,6 @@ def _trusted_calls(method: _F) -> _F:
 
 
 def _distributed_spec(value: DistributedSpec | Mapping[str, Any]) -> DistributedSpec:
-    from pydantic import ValidationError
-
-    from compress.core.errors import RecipeError
-
     if isinstance(value, DistributedSpec):
         return value
     try:
@@ -114,6 +116,10 @@ class Session:
     the same metric on other data than ``evaluate``'s, is what accuracy-aware PTQ chooses on when given. The model is changed in
     place; ``s.model`` is the same object. A recipe naming its own code (a teacher's factory) is
     refused unless it was loaded with ``trust_code=True`` or ``trust_code=True`` is given here.
+
+    Entered with ``with`` (:meth:`initialize`), the session follows the caller's loop: a one-shot
+    stage runs on its pipeline when the session reaches it (a leading one on entering), since the
+    loop cannot feed it. :meth:`drive` and :meth:`run_stage` run the stages explicitly instead.
     """
 
     def __init__(
@@ -172,7 +178,9 @@ class Session:
             for i, stage in enumerate(self.recipe.stages)
         ]
         self.results: list[StageResult] = []
-        self._index = -1
+        self._index = -1  # the stage in progress, or (between stages) the next one
+        self._entered = False  # whether stage _index is in progress
+        self._follow = False  # initialize: run the stages that follow one that ended (the caller's loop)
         self._initialized = False
         self._closed = False
         self._stage_callbacks: list[Callable[[Session], None]] = []
@@ -181,6 +189,7 @@ class Session:
         self._epoch_steps = 0
         self._hooks_before: set[tuple[int, str, int]] = set()
         self._resume: dict[str, Any] | None = None  # a mid-stage checkpoint's progress, until initialize
+        self._pending: dict[str, Any] | None = None  # ... then until the resumed stage starts
 
     # ---- properties ------------------------------------------------------------------------------
     @property
@@ -211,13 +220,15 @@ class Session:
 
     @property
     def stage_index(self) -> int:
-        """The index of the stage in progress in ``recipe.stages`` (-1 before initialize)."""
+        """The index of the stage in progress in ``recipe.stages`` (-1 before initialize; between
+        stages run by :meth:`run_stage`, the next one's)."""
         return self._index
 
     @property
     def stage(self) -> Stage | None:
-        """The stage in progress (None before initialize and after the last stage)."""
-        return self.recipe.stages[self._index] if 0 <= self._index < len(self.recipe.stages) else None
+        """The stage in progress (None before initialize, between stages run by :meth:`run_stage`
+        and after the last stage)."""
+        return self.recipe.stages[self._index] if self._entered else None
 
     @property
     def total_epochs(self) -> int:
@@ -254,9 +265,51 @@ class Session:
     # ---- lifecycle -------------------------------------------------------------------------------
     @_trusted_calls
     def initialize(self) -> Session:
-        """Check every modifier's targets against the model, then enter the first stage."""
+        """Check every modifier's targets against the model, then enter the first stage, running
+        the one-shot stages in front of the first training stage (the caller's loop feeds that one).
+        From here on the session follows the loop: when a stage ends, the next ones start."""
+        self._begin("initialize")
+        self._follow = True
+        self._advance()
+        return self
+
+    @_trusted_calls
+    def begin(self) -> Session:
+        """What :meth:`initialize` checks and prepares, entering no stage: the caller then runs
+        each stage with :meth:`run_stage` (see :meth:`drive`)."""
+        self._begin("begin")
+        return self
+
+    @contextlib.contextmanager
+    def drive(self) -> Iterator[Session]:
+        """``with session.drive():`` :meth:`begin`s the session for the caller to run each stage
+        with :meth:`run_stage` (what ``compress apply`` does); on leaving it finalizes (running any
+        stage left), or aborts when the block raised, as ``with session:`` does."""
+        try:
+            self.begin()
+            yield self
+        except BaseException:
+            self.abort()  # a stage that failed may have attached hooks already
+            raise
+        if not self._closed:
+            self.finalize()
+
+    @_trusted_calls
+    def run_stage(self, feed: Callable[[Session], None] | None = None) -> Stage:
+        """Enter the next stage and run it on its pipeline (:func:`compress.pipelines.pipeline_for`);
+        returns it. A one-shot stage runs whole and ends here. A training stage is fed by
+        ``feed(session)`` (e.g. a ``Trainer.fit`` with this session) until it ends; without ``feed``
+        it is left in progress for the caller's loop (:meth:`step`, :meth:`epoch_end`)."""
+        self._require_live("run_stage")
+        if self.stage is not None:
+            raise CompressError(f"Session.run_stage: stage '{self.stage.name}' is still in progress")
+        if self.finished:
+            raise CompressError("Session.run_stage: every stage has run")
+        return self._run_next(feed)
+
+    def _begin(self, event: str) -> None:
         if self._initialized:
-            raise CompressError("Session.initialize called twice")
+            raise CompressError(f"Session.{event} called twice")
         self._initialized = True
         self._hooks_before = _hook_ids(self.state.model)
         # targets are checked for all stages before anything touches the model
@@ -267,22 +320,10 @@ class Session:
             self.state.original_model = copy.deepcopy(self.state.model).eval()
             for p in self.state.original_model.parameters():
                 p.requires_grad_(False)
-        if self._resume is None:
-            self._advance()
-            return self
-        progress, self._resume = self._resume, None
-        self._restore_finished(progress)
-        st = self.state
-        st.resuming = True
-        try:
-            self._advance(finish=False)  # initializes the resumed stage as it was at its start
-        finally:
-            st.resuming = False
-        st.epoch, st.step = float(progress["epoch"]), int(progress["step"])
-        self._epochs_done = int(progress["epochs_done"])
-        st.metrics, st.tables = dict(progress["metrics"]), dict(progress["tables"])
-        st.artifacts = list(progress["artifacts"])
-        return self
+        self._index = 0
+        if self._resume is not None:
+            self._pending, self._resume = self._resume, None
+            self._restore_finished(self._pending)
 
     # ---- mid-stage checkpoints -------------------------------------------------------------------
     @property
@@ -366,13 +407,14 @@ class Session:
                 setattr(m, "save_state", lambda model, data=entry["state"]: data)  # noqa: B010
         self.results = [StageResult(**r) for r in progress["results"]]
         st = self.state
-        self._index = k - 1
+        self._index = k
         st.epoch, st.step = float(progress["stage_start_epoch"]), int(progress["stage_start_step"])
         log.info("resuming stage '%s' at epoch %d: %d finished stage(s) rebuilt from their saved state",
                  progress["stage_name"], progress["epochs_done"], k)
 
     def plan(self) -> list[dict[str, Any]]:
-        """The resolved plan: per stage, each modifier and the modules it matches (no changes made)."""
+        """The resolved plan: per stage, the pipeline it runs on, each modifier and the modules it
+        matches (no changes made)."""
         out = []
         for stage, mods in zip(self.recipe.stages, self.modifiers):
             out.append(
@@ -380,6 +422,7 @@ class Session:
                     "stage": stage.name,
                     "epochs": stage.epochs,
                     "steps": stage.steps,
+                    "pipeline": pipeline_name(stage),
                     "modifiers": [{"type": m.spec.type, "modules": m.plan(self.state.model)} for m in mods],
                 }
             )
@@ -391,31 +434,49 @@ class Session:
         if self._closed:
             raise CompressError(f"Session.{event} called after finalize")
 
-    def _advance(self, *, finish: bool = True) -> None:
-        """Leave the current stage (if any; ``finish=False``: it was rebuilt from a checkpoint, not
-        run) and enter the next; one-shot stages run straight through."""
-        while True:
-            if 0 <= self._index < len(self.recipe.stages) and finish:
-                self._finish_stage()
-            finish = True
-            self._index += 1
-            stage = self.stage
-            if stage is None:
-                return
-            st = self.state
-            st.stage_index, st.stage_name = self._index, stage.name
-            st.stage_start_epoch, st.stage_start_step = st.epoch, st.step
-            st.metrics, st.tables, st.artifacts = {}, {}, []
-            self._epochs_done, self._epoch_steps = 0, 0
-            log.info("stage '%s' starts", stage.name)
-            for m in self.modifiers[self._index]:
-                m.initialize(st)
-            if stage.trains:
-                for fn in self._stage_callbacks:
-                    fn(self)
-                return
+    def _advance(self) -> None:
+        """Run the next stages on their pipelines until one waits for the caller's loop (a training
+        stage) or none is left."""
+        while not self.finished and self.stage is None:
+            self._run_next(None)
 
-    def _finish_stage(self) -> None:
+    def _run_next(self, feed: Callable[[Session], None] | None) -> Stage:
+        """Enter stage ``_index`` and have its pipeline run it (a resumed stage: as it was at its start)."""
+        k, stage = self._index, self.recipe.stages[self._index]
+        st = self.state
+        st.stage_index, st.stage_name = k, stage.name
+        st.stage_start_epoch, st.stage_start_step = st.epoch, st.step
+        st.metrics, st.tables, st.artifacts = {}, {}, []
+        self._epochs_done, self._epoch_steps = 0, 0
+        self._entered = True
+        pipeline = pipeline_for(stage)
+        log.info("stage '%s' starts (%s pipeline)", stage.name, pipeline.name)
+        run = StageRun(
+            name=stage.name, state=st, modifiers=self.modifiers[k], started=self._stage_started,
+            end=self._end_stage, in_progress=lambda: self._entered and self._index == k,
+        )
+        st.resuming = self._pending is not None
+        try:
+            pipeline.run(run, None if feed is None else lambda: feed(self))
+        finally:
+            st.resuming = False
+        return stage
+
+    def _stage_started(self) -> None:
+        """A training stage's modifiers started: tell the callbacks; a resumed stage gets its counters back."""
+        for fn in self._stage_callbacks:
+            fn(self)
+        progress, self._pending = self._pending, None
+        if progress is None:
+            return
+        st = self.state
+        st.resuming = False
+        st.epoch, st.step = float(progress["epoch"]), int(progress["step"])
+        self._epochs_done = int(progress["epochs_done"])
+        st.metrics, st.tables = dict(progress["metrics"]), dict(progress["tables"])
+        st.artifacts = list(progress["artifacts"])
+
+    def _end_stage(self) -> None:
         stage = self.recipe.stages[self._index]
         self.gather()  # modifiers finalize on plain weights (calibration, pruning surgery, saving, export)
         for m in self.modifiers[self._index]:
@@ -425,6 +486,15 @@ class Session:
         for fn in self._stage_end_callbacks:
             fn(self, result)
         log.info("stage '%s' done", stage.name)
+        self._entered = False
+        self._index += 1
+
+    def _stage_done(self) -> None:
+        """The training stage's epochs or steps are done: end it; following the caller's loop, run
+        the next stages (the one-shot ones whole)."""
+        self._end_stage()
+        if self._follow:
+            self._advance()
 
     @_trusted_calls
     def step(self) -> None:
@@ -440,7 +510,7 @@ class Session:
             m.step(st)
         stage = self.stage
         if stage is not None and stage.steps is not None and st.stage_step >= stage.steps:
-            self._advance()
+            self._stage_done()
 
     @_trusted_calls
     def epoch_end(self) -> None:
@@ -454,7 +524,7 @@ class Session:
             m.epoch_end(st)
         stage = self.stage
         if stage is not None and stage.steps is None and self._epochs_done >= stage.epochs - 1e-9:
-            self._advance()
+            self._stage_done()
 
     def loss(self, loss: torch.Tensor, *, inputs: Any = None, outputs: Any = None) -> torch.Tensor:
         """The loss to backpropagate: ``loss`` plus any terms the active modifiers add."""
@@ -465,18 +535,22 @@ class Session:
 
     @_trusted_calls
     def finalize(self) -> nn.Module:
-        """Finish the current stage and any one-shot stages left; returns the compressed model."""
+        """Finish the current stage and run any stages left (a training stage left ends at once,
+        untrained); returns the compressed model."""
         self._require_live("finalize")
         while not self.finished:
             stage = self.stage
-            if stage is not None and stage.trains and self.state.stage_epoch <= 0 and self.state.stage_step == 0:
+            if stage is None:
+                self._run_next(None)
+                continue
+            if stage.trains and self.state.stage_epoch <= 0 and self.state.stage_step == 0:
                 log.warning("stage '%s' ended before any training", stage.name)
-            self._advance()
+            self._end_stage()
         self._closed = True
         return self.state.model
 
     def _current(self) -> list[Modifier[Any]]:
-        return self.modifiers[self._index] if 0 <= self._index < len(self.modifiers) else []
+        return self.modifiers[self._index] if self._entered else []
 
     def __enter__(self) -> Session:
         try:

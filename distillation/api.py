@@ -37,17 +37,19 @@ from compress.distillation.spec import (
     FeatureLoss,
     HiddenStateLoss,
     KDLoss,
+    LossSpec,
     LossTerm,
     SoftTargetLoss,
     TeacherDtype,
     coerce_losses,
 )
 from compress.distillation.teacher import Teacher, is_hf, load_teacher_model
-from pydantic import ValidationError
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 from torch import nn
 
 from compress.core.batching import call_model, primary_output, split_batch, to_device
 from compress.core.errors import CompressError, RecipeError
+from compress.core.params import ApiParams
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,28 @@ def _uniform(n_student: int, n_teacher: int, *, states: bool) -> dict[int, int]:
     return {i: round((i + 1) * n_teacher / n_student) - 1 for i in range(n_student)}
 
 
+def _default_losses() -> list[LossSpec]:
+    return [KDLoss()]
+
+
+class DistillParams(ApiParams):
+    """The settings of distillation: :class:`Distiller` takes them and the ``distill`` recipe
+    modifier is made of them (distillation/modifiers.py). ``losses``: the terms added to the task
+    loss (``kd``, ``soft_ce``, ``feature``, ``hidden_states``, ``attention``, ``cosine``; default KD
+    at T=4); ``task_weight`` scales the task loss; ``teacher_dtype`` keeps the teacher in half precision."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    losses: list[LossSpec] = Field(default_factory=_default_losses, min_length=1)
+    task_weight: float = Field(1.0, ge=0)
+    teacher_dtype: TeacherDtype = "float32"
+
+    @field_validator("losses", mode="before")
+    @classmethod
+    def _typed_losses(cls, v: Any) -> Any:
+        return coerce_losses(v)
+
+
 class Distiller:
     """Distillation terms of ``student`` against a frozen ``teacher``, added to the task loss.
 
@@ -110,9 +134,8 @@ class Distiller:
     model spec mapping (``{"name": "resnet", "kwargs": {...}, "checkpoint": "t.pt"}`` or
     ``{"hf_path": ...}``) loaded like a recipe's model.
 
-    ``losses``: loss specs or mappings (types ``kd``, ``soft_ce``, ``feature``, ``hidden_states``,
-    ``attention``, ``cosine``; see distillation.spec); default KD at temperature 4.
-    ``task_weight`` scales the task loss. ``teacher_dtype`` runs the teacher in half precision.
+    ``params``: :class:`DistillParams`; ``losses`` (loss specs or mappings, see distillation.spec),
+    ``task_weight`` and ``teacher_dtype`` given as keywords override its settings of those names.
     ``total_steps`` drives scheduled loss weights when calls pass no ``progress``.
     ``example_inputs`` builds feature adapters up front, so that ``parameters()`` can go into an
     optimizer before training. Hugging Face students get ``output_hidden_states`` /
@@ -125,17 +148,21 @@ class Distiller:
         teacher: nn.Module | Teacher | Mapping[str, Any],
         student: nn.Module,
         *,
+        params: DistillParams | None = None,
         losses: Sequence[LossTerm | Mapping[str, Any]] | None = None,
-        task_weight: float = 1.0,
-        teacher_dtype: TeacherDtype = "float32",
+        task_weight: float | None = None,
+        teacher_dtype: TeacherDtype | None = None,
         total_steps: int | None = None,
         example_inputs: Any = None,
         where: str = "Distiller",
     ) -> None:
         self.where = where
-        self.terms = parse_losses(losses, where=where)
+        p = (params or DistillParams()).given(
+            where, losses=parse_losses(losses, where=where) if losses is not None else None,
+            task_weight=task_weight, teacher_dtype=teacher_dtype)
+        self.terms: list[LossTerm] = list(p.losses)
         self.names = _names(self.terms)
-        self.task_weight = float(task_weight)
+        self.task_weight = float(p.task_weight)
         self.total_steps = total_steps
         self.student = _unwrap(student)
         device = _device_of(self.student)
@@ -143,7 +170,7 @@ class Distiller:
             if teacher.get("train_epochs"):
                 raise RecipeError(f"{where}: teacher.train_epochs is for recipes; give the Distiller a trained teacher")
             teacher = load_teacher_model(teacher, where=f"{where}: teacher")
-        self.teacher = teacher if isinstance(teacher, Teacher) else Teacher(teacher, device=device, dtype=teacher_dtype)
+        self.teacher = teacher if isinstance(teacher, Teacher) else Teacher(teacher, device=device, dtype=p.teacher_dtype)
         self.adapters = AdapterSet()
         self.steps = 0
         self.last: dict[str, torch.Tensor] = {}

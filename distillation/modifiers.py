@@ -18,9 +18,9 @@ import logging
 from typing import Any, ClassVar, Literal
 
 import torch
-from compress.distillation.api import Distiller, parse_losses
+from compress.distillation.api import Distiller, DistillParams
 from compress.distillation.capture import check_layers
-from compress.distillation.spec import FeatureLoss, KDLoss, LossSpec, TeacherDtype, TeacherSpec, coerce_losses
+from compress.distillation.spec import FeatureLoss, TeacherSpec
 from compress.distillation.teacher import build_teacher
 from pydantic import Field, field_serializer, field_validator, model_validator
 from torch import nn
@@ -30,23 +30,19 @@ from compress.core.modifier import Modifier, ModifierSpec, State, register_modif
 log = logging.getLogger(__name__)
 
 
-def _default_losses() -> list[LossSpec]:
-    return [KDLoss()]
-
-
-class DistillSpec(ModifierSpec):
-    """Knowledge distillation from ``teacher`` (``self``, the default: the model before compression).
-
-    ``losses`` are the terms added to the task loss (default: KD at T=4), which ``task_weight``
-    scales. ``teacher_dtype`` keeps the teacher in half precision. ``eval_batches`` calibration
-    batches measure the divergence to the teacher when the stage ends (0: skip).
-    """
-
+class _DistillType(ModifierSpec):
     type: Literal["distill"] = "distill"
     teacher: TeacherSpec | None = None  # None is "self"; written "self" in recipes
-    losses: list[LossSpec] = Field(default_factory=_default_losses, min_length=1)
-    task_weight: float = Field(1.0, ge=0)
-    teacher_dtype: TeacherDtype = "float32"
+
+
+# Settings class first: its fields follow ModifierSpec's and the teacher in the resolved recipe.
+class DistillSpec(DistillParams, _DistillType):
+    """Knowledge distillation from ``teacher`` (``self``, the default: the model before compression),
+    with the settings of :class:`~compress.distillation.api.DistillParams` (what the Distiller takes:
+    losses, task_weight, teacher_dtype). ``eval_batches`` calibration batches measure the divergence
+    to the teacher when the stage ends (0: skip).
+    """
+
     eval_batches: int = Field(8, ge=0)
 
     kind: ClassVar[str] = "distill"
@@ -56,11 +52,6 @@ class DistillSpec(ModifierSpec):
     def wants_snapshot(self) -> bool:  # type: ignore[override]  # the session reads it per spec
         """Only teacher ``self`` needs the session's frozen copy of the uncompressed model."""
         return self.teacher is None
-
-    @field_validator("losses", mode="before")
-    @classmethod
-    def _typed_losses(cls, v: Any) -> Any:
-        return coerce_losses(v)
 
     @field_validator("teacher", mode="before")
     @classmethod
@@ -104,13 +95,7 @@ class DistillModifier(Modifier[DistillSpec]):
     def on_initialize(self, state: State) -> None:
         teacher = build_teacher(self.spec.teacher, state, dtype=self.spec.teacher_dtype, where=self.where)
         state.companions.append(teacher.model)  # sharded beside the student under FSDP2
-        self.distiller = Distiller(
-            teacher,
-            state.model,
-            losses=parse_losses(self.spec.losses, where=self.where),
-            task_weight=self.spec.task_weight,
-            where=self.where,
-        )
+        self.distiller = Distiller(teacher, state.model, params=self.spec, where=self.where)
         probe = _first_inputs(state)
         if probe is not None:
             # check the mapping and build adapters before the first step

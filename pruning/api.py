@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, ClassVar, Literal, cast
 
 import numpy as np
 import torch
@@ -18,8 +17,8 @@ from compress.pruning.importance import IMPORTANCE, atom_scores
 from compress.pruning.plan import PruningPlan
 from compress.pruning.recalibrate import recalibrate_bn
 from compress.pruning.select import CostModel, SelectionRules, choose, override_pairs, search_ratio
-from compress.pruning.trace import trace_graph
-from pydantic import ConfigDict, Field, field_validator
+from compress.pruning.trace import trace_dependencies
+from pydantic import Field, field_validator
 from torch import nn
 
 from compress.core.batching import (
@@ -34,7 +33,7 @@ from compress.core.batching import (
 )
 from compress.core.errors import CalibrationError, RecipeError, UnsupportedModelError
 from compress.core.moe import is_packed_experts, unpack_experts
-from compress.core.params import ApiParams
+from compress.core.params import Selection, refuse_renamed
 from compress.core.progress import bar, with_progress
 from compress.core.targets import select_modules
 from compress.core.tracing import iter_tensors
@@ -42,32 +41,50 @@ from compress.core.tracing import iter_tensors
 log = logging.getLogger(__name__)
 
 
-class PruneParams(ApiParams):
-    """Advanced knobs of :func:`prune` (and fields of the ``prune`` recipe modifier).
+class PruneParams(Selection):
+    """The settings of structured pruning: :func:`prune` takes them and the ``prune`` recipe
+    modifier is made of them (pruning/modifiers.py).
 
+    ``ratio`` (in [0, 1)) of every coupled group's channels goes, or the model is cut until it has
+    ``budget`` of its original size, ``{"macs": 0.5}`` or ``{"params": 0.3}`` (exactly one of the
+    two). ``importance``: how channels are scored (``l1``, ``l2``, ``bn_scale``, ``taylor``,
+    ``random``, ``activation``). ``ignore``: module patterns whose outputs keep every channel (the
+    model's outputs always do); ``targets`` restricts pruning to groups whose producing modules match
+    (e.g. only attention heads). ``round_to`` keeps channel counts multiples of N.
     ``mode``: ``local`` removes the ratio from every coupled group, ``global`` ranks all groups'
-    channels against one threshold. ``max_ratio`` caps what any group may lose. ``targets``
-    restricts pruning to groups whose producing modules match (e.g. only attention heads);
-    ``overrides`` maps module patterns to their own ratio. ``taylor_batches`` / ``activation_batches``
-    are how many batches taylor / activation importance read. ``bn_recalibration_batches`` re-estimates BatchNorm statistics on that
-    many batches of ``data`` after the cut (0: off; nothing happens without data).
-    ``grouped_conv``: ``groups`` removes whole groups of grouped convs (RegNet, ResNeXt); ``width``
-    keeps the group count and narrows every group alike, which keeps more of the network where the
-    runtime runs any group width (ONNX Runtime and PyTorch do).
+    channels against one threshold. ``max_ratio`` caps what any group may lose. ``overrides`` maps
+    module patterns to their own ratio. ``num_batches``: how many batches taylor / activation
+    importance read (None: 4 for taylor, 8 for activation). ``bn_recalibration_batches``
+    re-estimates BatchNorm statistics on that many batches after the cut (0: off; nothing happens
+    without data). ``grouped_conv``: ``groups`` removes whole groups of grouped convs (RegNet,
+    ResNeXt); ``width`` keeps the group count and narrows every group alike, which keeps more of the
+    network where the runtime runs any group width (ONNX Runtime and PyTorch do).
     """
 
-    model_config = ConfigDict(extra="forbid")
-
+    ratio: float | None = None
+    budget: dict[str, float] | None = None
+    importance: str = "l2"
+    round_to: int = Field(1, ge=1)
     mode: Literal["local", "global"] = "local"
     max_ratio: float = Field(0.9, gt=0, lt=1)
-    targets: list[str] = Field(default_factory=lambda: ["*"])
     overrides: dict[str, float] = Field(default_factory=dict)
-    taylor_batches: int = Field(4, ge=1)
-    activation_batches: int = Field(8, ge=1)
     bn_recalibration_batches: int = Field(8, ge=0)
     #: random importance's seed (numpy's default_rng: a non-negative integer)
     seed: int = Field(0, ge=0)
     grouped_conv: Literal["groups", "width"] = "groups"
+
+    renamed: ClassVar[dict[str, str]] = {
+        **Selection.renamed, "target": "budget", "taylor_batches": "num_batches", "activation_batches": "num_batches",
+    }
+
+    @field_validator("importance")
+    @classmethod
+    def _known_importance(cls, v: str) -> str:
+        try:
+            IMPORTANCE.get(v)
+        except RecipeError as exc:
+            raise ValueError(str(exc)) from None
+        return v
 
     @field_validator("overrides")
     @classmethod
@@ -77,9 +94,9 @@ class PruneParams(ApiParams):
                 raise ValueError(f"override ratio for '{k}' must be in [0, 1), got {r}")
         return v
 
-
-#: the former name of :class:`PruneParams` (deprecated)
-PruneOptions = PruneParams
+    def importance_batches(self) -> int:
+        """How many batches taylor / activation importance read."""
+        return self.num_batches or (4 if self.importance == "taylor" else 8)
 
 
 @dataclass
@@ -115,18 +132,18 @@ class PruneResult:
         }
 
 
-def check_ratio(ratio: float | None, target: Mapping[str, float] | None, *, where: str = "prune") -> None:
-    """Exactly one of ``ratio`` in [0, 1) or ``target`` ``{params|macs: fraction in (0, 1]}``."""
-    if (ratio is None) == (target is None):
-        raise RecipeError(f"{where}: set exactly one of ratio (fraction of channels to remove) or target ({{macs: 0.5}})")
+def check_ratio(ratio: float | None, budget: Mapping[str, float] | None, *, where: str = "prune") -> None:
+    """Exactly one of ``ratio`` in [0, 1) or ``budget`` ``{params|macs: fraction in (0, 1]}``."""
+    if (ratio is None) == (budget is None):
+        raise RecipeError(f"{where}: set exactly one of ratio (fraction of channels to remove) or budget ({{macs: 0.5}})")
     if ratio is not None and not (isinstance(ratio, (int, float)) and 0 <= ratio < 1):
         raise RecipeError(f"{where}: ratio must be in [0, 1), got {ratio!r}")
-    if target is not None:
-        if len(target) != 1 or next(iter(target)) not in ("params", "macs"):
-            raise RecipeError(f"{where}: target takes one key, params or macs, got {dict(target)!r}")
-        frac = next(iter(target.values()))
+    if budget is not None:
+        if len(budget) != 1 or next(iter(budget)) not in ("params", "macs"):
+            raise RecipeError(f"{where}: budget takes one key, params or macs, got {dict(budget)!r}")
+        frac = next(iter(budget.values()))
         if not (isinstance(frac, (int, float)) and 0 < frac <= 1):
-            raise RecipeError(f"{where}: target {next(iter(target))} must be a fraction in (0, 1], got {frac!r}")
+            raise RecipeError(f"{where}: budget {next(iter(budget))} must be a fraction in (0, 1], got {frac!r}")
 
 
 def _modules_of(model: nn.Module, patterns: Sequence[str], where: str) -> set[str]:
@@ -178,21 +195,7 @@ def taylor_grads(
 class Pruner:
     """One pruning pass: trace, score, choose, cut, check. Used by :func:`prune` and the modifier."""
 
-    def __init__(
-        self,
-        *,
-        importance: str = "l2",
-        ignore: Sequence[str] = (),
-        round_to: int = 1,
-        params: PruneParams | None = None,
-        where: str = "prune",
-    ) -> None:
-        IMPORTANCE.get(importance)
-        if not isinstance(round_to, int) or round_to < 1:
-            raise RecipeError(f"{where}: round_to must be an integer >= 1, got {round_to!r}")
-        self.importance = importance
-        self.ignore = list(ignore)
-        self.round_to = round_to
+    def __init__(self, params: PruneParams | None = None, *, where: str = "prune") -> None:
         self.params = params or PruneParams()
         self.where = where
         #: groups the last cut left whole because cutting them broke the model (modules, reason)
@@ -206,8 +209,8 @@ class Pruner:
                 f"{self.where}: {packed} holds packed MoE experts (3D Parameters), which cannot be sliced per "
                 "channel; call compress.core.moe.unpack_experts(model) before building the optimizer "
                 "(compress.prune does it itself)")
-        graph = trace_graph(model, example_inputs, grouped_conv=self.params.grouped_conv)
-        graph.finalize(ignore_modules=_modules_of(model, self.ignore, f"{self.where}: ignore"))
+        graph = trace_dependencies(model, example_inputs, grouped_conv=self.params.grouped_conv)
+        graph.finalize(ignore_modules=_modules_of(model, self.params.ignore, f"{self.where}: ignore"))
         return graph
 
     def rules(self, model: nn.Module) -> SelectionRules:
@@ -215,7 +218,7 @@ class Pruner:
         eligible = None if o.targets == ["*"] else frozenset(_modules_of(model, o.targets, f"{self.where}: targets"))
         for pattern in o.overrides:
             _modules_of(model, [pattern], f"{self.where}: overrides")
-        return SelectionRules(o.mode, o.max_ratio, self.round_to, override_pairs(o.overrides), eligible)
+        return SelectionRules(o.mode, o.max_ratio, o.round_to, override_pairs(o.overrides), eligible)
 
     def select(
         self,
@@ -223,16 +226,16 @@ class Pruner:
         graph: DependencyGraph,
         *,
         ratio: float | None,
-        target: Mapping[str, float] | None,
+        budget: Mapping[str, float] | None,
         grads: Mapping[str, torch.Tensor] | None = None,
         base_sizes: Mapping[int, int] | None = None,
     ) -> np.ndarray:
-        scores = atom_scores(graph, model, self.importance, grads=grads, seed=self.params.seed)
+        scores = atom_scores(graph, model, self.params.importance, grads=grads, seed=self.params.seed)
         rules = self.rules(model)
-        if target is not None:
-            metric, frac = next(iter(target.items()))
+        if budget is not None:
+            metric, frac = next(iter(budget.items()))
             r, keep = search_ratio(graph, scores, rules, CostModel(graph, model), metric=metric, fraction=frac)
-            log.info("%s: target %s=%.3g reached at ratio %.3f", self.where, metric, frac, r)
+            log.info("%s: budget %s=%.3g reached at ratio %.3f", self.where, metric, frac, r)
             return keep
         return choose(graph, scores, float(ratio or 0.0), rules, base_sizes=base_sizes)
 
@@ -338,43 +341,42 @@ class Pruner:
 
 
 @with_progress
+@refuse_renamed(target="budget", options="params")
 def prune(
     model: nn.Module,
     example_inputs: Any,
     *,
     ratio: float | None = None,
-    target: Mapping[str, float] | None = None,
-    importance: str = "l2",
-    ignore: Sequence[str] = (),
-    round_to: int = 1,
+    budget: Mapping[str, float] | None = None,
+    importance: str | None = None,
+    ignore: Sequence[str] | None = None,
+    round_to: int | None = None,
     params: PruneParams | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     data: CalibrationData | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    options: PruneParams | None = None,
     progress: bool = True,
 ) -> PruneResult:
-    """Remove ``ratio`` of the channels (or reach ``target``, e.g. ``{"macs": 0.5}`` of the original)
+    """Remove ``ratio`` of the channels (or reach ``budget``, e.g. ``{"macs": 0.5}`` of the original)
     from every coupled group of ``model``, in place, and return a :class:`PruneResult`.
 
     ``example_inputs`` (a tensor, tuple or dict of keyword inputs) is run once to trace the channel
-    dependencies. ``ignore`` lists module patterns whose outputs keep every channel (the model's
-    outputs always do). ``round_to`` keeps channel counts multiples of N. ``optimizer`` state is
+    dependencies. ``ratio``, ``budget``, ``importance``, ``ignore`` and ``round_to`` are the
+    :class:`PruneParams` settings of the same names (where the others are). ``optimizer`` state is
     sliced along with the parameters. ``data`` (batches, or a forward function ``fn(model)``, as
     every one-shot call takes) feeds ``importance="activation"`` (Minitron: activation magnitudes,
     inputs only) and BatchNorm recalibration after the cut; ``importance="taylor"`` needs batches
     of ``(inputs, targets)`` (with ``loss_fn``, default cross-entropy). ``progress``: bars over the
     batches read (on a terminal) and the log lines; False: silent.
     """
-    if options is not None:
-        # stacklevel 3: the caller's line, above with_progress
-        warnings.warn("prune(options=...) is deprecated: pass params=PruneParams(...)", DeprecationWarning, stacklevel=3)
-        params = options if params is None else params
     require_module(model, "prune: model")
+    p = (params or PruneParams()).given("prune", ratio=ratio, budget=budget, importance=importance, ignore=ignore,
+                                        round_to=round_to)
+    importance = p.importance
     if example_inputs is None:
         raise RecipeError("prune: example_inputs is None; pass one batch the model takes (a tensor, a tuple "
                           "or a dict of keyword inputs): it is run once to trace the channel dependencies")
-    check_ratio(ratio, target)
+    check_ratio(p.ratio, p.budget)
     if optimizer is not None and any(is_packed_experts(m) for m in model.modules()):
         # checked before anything changes: unpacking makes new Parameters the optimizer does not hold
         raise UnsupportedModelError("prune: the model holds packed MoE experts; unpack them into per-expert Linears "
@@ -382,12 +384,12 @@ def prune(
     unpack_experts(model)
     if importance == "taylor" and data is not None and is_forward_function(data):
         raise CalibrationError("prune: importance='taylor' needs batches of (inputs, targets), not a forward function")
-    pruner = Pruner(importance=importance, ignore=ignore, round_to=round_to, params=params)
+    pruner = Pruner(p)
     batches: Iterable[Any] | None = None
     if data is not None and is_forward_function(data):
         # run on the model as it is now, for as many batches as the steps below read (none: not at all)
-        needed = max(pruner.params.activation_batches if importance == "activation" else 0,
-                     pruner.params.bn_recalibration_batches)
+        needed = max(p.importance_batches() if importance == "activation" else 0,
+                     p.bn_recalibration_batches)
         batches = as_batches(data, model, max_batches=needed) if needed else None
     elif data is not None:
         batches = cast(Iterable[Any], data)  # batches as given: each step reads its own count
@@ -398,19 +400,19 @@ def prune(
         if batches is None:
             raise CalibrationError("prune: importance='taylor' needs data (batches of (inputs, targets))")
         device = next(model.parameters()).device
-        grads = taylor_grads(model, batches, loss_fn=loss_fn, batches=pruner.params.taylor_batches, device=device)
+        grads = taylor_grads(model, batches, loss_fn=loss_fn, batches=p.importance_batches(), device=device)
     elif importance == "activation":
         if batches is None:
             raise CalibrationError("prune: importance='activation' needs data (calibration batches)")
         from compress.pruning.activation import activation_stats
 
         device = next(model.parameters()).device
-        grads = activation_stats(model, batches, batches=pruner.params.activation_batches, device=device)
-    keep = pruner.select(model, graph, ratio=ratio, target=target, grads=grads)
+        grads = activation_stats(model, batches, batches=p.importance_batches(), device=device)
+    keep = pruner.select(model, graph, ratio=p.ratio, budget=p.budget, grads=grads)
     slices = pruner.cut(model, graph, keep, example_inputs, optimizer=optimizer)
-    if batches is not None and pruner.params.bn_recalibration_batches:
+    if batches is not None and p.bn_recalibration_batches:
         device = next(model.parameters()).device
-        recalibrate_bn(model, batches, batches=pruner.params.bn_recalibration_batches, device=device)
+        recalibrate_bn(model, batches, batches=p.bn_recalibration_batches, device=device)
     plan = PruningPlan()
     plan.add_step(slices)
     result = PruneResult(

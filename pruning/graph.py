@@ -7,7 +7,7 @@ channel of a conv and its BatchNorm and consumers, or one attention head across 
 Atoms that share a coordinate form a *group*: the set importance is compared in and a per-group
 ratio applies to.
 
-The graph is built by :func:`pruning.trace.trace_graph` from one forward pass.
+The graph is built by :func:`pruning.trace.trace_dependencies` from one forward pass.
 """
 
 from __future__ import annotations

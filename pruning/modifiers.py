@@ -45,24 +45,16 @@ class SparsitySpec(BaseModel):
     epochs: float = Field(1.0, gt=0)
 
 
-class _PruneWhat(ModifierSpec):
-    """The prune modifier's first fields: what to prune and how much (see :class:`PruneSpec`)."""
-
+class _PruneType(ModifierSpec):
     type: Literal["prune"] = "prune"
-    ratio: float | None = None
-    target: dict[str, float] | None = None
-    importance: Literal["l1", "l2", "bn_scale", "taylor", "random", "activation"] = "l2"
-    ignore: list[str] = Field(default_factory=list)
-    round_to: int = Field(1, ge=1)
 
 
-# The fields of PruneParams (and its overrides check) come by inheritance. The bases stand in this
-# order so that the fields keep the order the resolved recipe lists them in: ModifierSpec's, then
-# _PruneWhat's, then PruneParams', then this class's own.
-class PruneSpec(PruneParams, _PruneWhat):
-    """Structured pruning: remove ``ratio`` (in [0, 1)) of each coupled group's channels, or prune
-    until the model has ``target`` of its original size, e.g. ``{macs: 0.5}`` or ``{params: 0.3}``.
-    See :class:`pruning.api.PruneParams` for mode, max_ratio, targets and overrides."""
+# Settings class first: its fields follow ModifierSpec's in the resolved recipe, then this class's own.
+class PruneSpec(PruneParams, _PruneType):
+    """Structured pruning: the settings of :class:`~compress.pruning.api.PruneParams` (what
+    ``compress.prune`` takes: ``ratio`` or ``budget``, importance, ignore, ...), applied in ``steps``
+    spaced ``interval_epochs`` apart along an ``agp`` or ``linear`` schedule, after an optional
+    ``sparsity`` regularizer."""
 
     steps: int = Field(1, ge=1)
     interval_epochs: float = Field(1.0, gt=0)
@@ -87,13 +79,10 @@ class PruneSpec(PruneParams, _PruneWhat):
         from compress.core.errors import RecipeError
 
         try:
-            check_ratio(self.ratio, self.target, where="prune")
+            check_ratio(self.ratio, self.budget, where="prune")
         except RecipeError as exc:
             raise ValueError(str(exc).removeprefix("prune: ")) from None
         return self
-
-    def params(self) -> PruneParams:
-        return PruneParams(**{name: getattr(self, name) for name in PruneParams.model_fields})
 
     def progress(self, k: int) -> float:
         """Fraction of the final sparsity reached after step ``k`` (1-based) of ``steps``."""
@@ -112,9 +101,7 @@ class PruneModifier(Modifier[PruneSpec]):
 
     def __init__(self, spec: PruneSpec, *, where: str = "") -> None:
         super().__init__(spec, where=where)
-        self.pruner = Pruner(
-            importance=spec.importance, ignore=spec.ignore, round_to=spec.round_to, params=spec.params(), where=self.where
-        )
+        self.pruner = Pruner(spec, where=self.where)
         self.pruning_plan = PruningPlan()
         self.done = 0
         self._example: Any = None
@@ -209,14 +196,14 @@ class PruneModifier(Modifier[PruneSpec]):
             data = state.train_data or state.calibration_data
             if data is None:
                 raise CalibrationError(f"{self.where}: taylor importance needs training or calibration data")
-            grads = taylor_grads(model, data, loss_fn=state.loss_fn, batches=s.taylor_batches, device=state.device)
+            grads = taylor_grads(model, data, loss_fn=state.loss_fn, batches=s.importance_batches(), device=state.device)
         elif s.importance == "activation":
             from compress.pruning.activation import activation_stats
 
             data = state.calibration_data or state.train_data
             if data is None:
                 raise CalibrationError(f"{self.where}: activation importance needs calibration or training data")
-            grads = activation_stats(model, data, batches=s.activation_batches, device=state.device)
+            grads = activation_stats(model, data, batches=s.importance_batches(), device=state.device)
         if s.ratio is not None and s.mode == "local":
             # cumulative ratios against each group's size before the first step (no compounding floors)
             base = {}
@@ -224,15 +211,15 @@ class PruneModifier(Modifier[PruneSpec]):
                 key = _group_key(graph, g)
                 base[g.index] = self._sizes.setdefault(key, len(g.atoms))
             keep = self.pruner.select(
-                model, graph, ratio=s.ratio * s.progress(k), target=None, grads=grads, base_sizes=base
+                model, graph, ratio=s.ratio * s.progress(k), budget=None, grads=grads, base_sizes=base
             )
         elif s.ratio is not None:
             prev = s.ratio * s.progress(k - 1)
             step_ratio = 1 - (1 - s.ratio * s.progress(k)) / (1 - prev)
-            keep = self.pruner.select(model, graph, ratio=step_ratio, target=None, grads=grads)
+            keep = self.pruner.select(model, graph, ratio=step_ratio, budget=None, grads=grads)
         else:
-            assert s.target is not None
-            metric, frac = next(iter(s.target.items()))
+            assert s.budget is not None
+            metric, frac = next(iter(s.budget.items()))
             goal = 1 - (1 - frac) * s.progress(k)
             keep = self._target_keep(model, graph, metric, goal, grads)
         for g in graph.prunable_groups():

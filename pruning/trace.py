@@ -207,7 +207,7 @@ def _hooks(tracer: Tracer, model: nn.Module) -> list[torch.utils.hooks.Removable
     return handles
 
 
-def trace_graph(model: nn.Module, example_inputs: Any, *, grouped_conv: str = "groups") -> DependencyGraph:
+def trace_dependencies(model: nn.Module, example_inputs: Any, *, grouped_conv: str = "groups") -> DependencyGraph:
     """Run ``model`` once on ``example_inputs`` and return its (unfinalized) dependency graph.
 
     The model runs in eval mode (restored after) so that tracing changes no statistics.

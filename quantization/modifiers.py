@@ -15,19 +15,14 @@ from compress.quantization.algorithms.sensitivity import (
     plot_sensitivity,
     worsening,
 )
-from compress.quantization.algorithms.smoothquant import SmoothQuantField, Unfolded
 from compress.quantization.api import QuantizeParams, post_training_quantize
 from compress.quantization.numerics.calibration import calibrate
 from compress.quantization.numerics.fake_quant import FakeQuantizer
 from compress.quantization.numerics.modules import QuantConv1d, QuantConv2d
 from compress.quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 from compress.quantization.placement.activations import capture_first_call
-from compress.quantization.placement.cost_table import PORTABLE_CPU, DeployCpu
-from compress.quantization.placement.runtimes import Target
-from compress.quantization.placement.speed_check import SpeedCheck
 from compress.quantization.preparation import (
-    FirstLast,
-    ModelCheck,
+    PrepareParams,
     calibrate_weight,
     plan_targets,
     prepare,
@@ -38,7 +33,7 @@ from compress.quantization.preparation import (
     set_saved_flags,
 )
 from compress.quantization.view import view
-from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from torch import nn
 
 from compress.core.batching import ForwardLoop, as_forward_loop
@@ -49,26 +44,15 @@ log = logging.getLogger(__name__)
 
 
 class _QuantSpecBase(ModifierSpec):
-    """Fields shared by ptq and qat: the scheme, what it applies to, observer overrides."""
+    """The recipe's own fields of ptq and qat: the scheme and its observer overrides (the rest is the
+    settings class each is made of: QuantizeParams, PrepareParams)."""
 
     kind: ClassVar[str] = "quantize"
 
     scheme: str | QuantScheme = "w8a8"
-    targets: list[str] = Field(default_factory=lambda: ["*"])
-    ignore: list[str] = Field(default_factory=list)
-    first_last: FirstLast = "quantize"
-    quantize_ops: bool = True
-    target: Target = "onnxruntime"
-    quantize_embeddings: bool = True
     observer: str | None = None
     observer_params: dict[str, Any] = Field(default_factory=dict)
     weight_observer: str | None = None
-    #: the cost table's whole-model prediction: "warn" logs it and keeps int8, "float" keeps the model
-    #: float, "auto" keeps it float where it is predicted slower at a batch of 16 or more
-    model_check: ModelCheck = "auto"
-    #: the CPU the model will be served on (``isa:vendor``), whose cost table decides; the default does not
-    #: depend on the machine that quantizes; ``this-machine`` reads that machine's table
-    deploy_cpu: DeployCpu = PORTABLE_CPU
 
     @field_validator("scheme", mode="before")
     @classmethod
@@ -130,43 +114,26 @@ class _QuantSpecBase(ModifierSpec):
         return s.model_copy(update=upd) if upd else s
 
 
-class PTQSpec(_QuantSpecBase):
-    """Post-training quantization: prepare, calibrate over ``num_batches`` calibration batches.
-
-    ``smoothquant`` (alpha) smooths Linear inputs first (``smoothquant_unfolded: skip`` only where the
-    factor folds into the layer before; its statistics pass runs ``smoothquant_micro_batch`` samples
-    at a time); ``bias_correction`` fixes the output mean
-    shift of weight rounding; ``kv_cache`` (per_token / per_head) quantizes a decoder's keys and
-    values entering attention to int8; ``sensitivity`` ("metric" or "sqnr") adds a per-layer table and plot;
+# Settings class first: its fields follow ModifierSpec's and _QuantSpecBase's in the resolved recipe.
+class PTQSpec(QuantizeParams, _QuantSpecBase):
+    """Post-training quantization: the settings of :class:`~compress.quantization.api.QuantizeParams`
+    (what ``compress.quantize`` takes), calibrated over ``num_batches`` calibration batches, plus what
+    needs the run's evaluation: ``sensitivity`` ("metric" or "sqnr") adds a per-layer table and plot;
     ``max_accuracy_drop`` (metric units, e.g. 0.005 = half a point of accuracy) keeps the most
-    sensitive layers in float until the drop fits. ``speed_check`` (``{batch: 32, threads: 1}``) times
-    each layer's ONNX Runtime integer kernel against its float one and keeps the slower ones float;
-    without it, ``cost_table`` (default on) keeps float the layers the shipped ORT CPU cost table of
-    ``deploy_cpu`` (default ``vnni:intel``, whatever machine quantizes) says run slower in int8,
-    timing nothing. Where the table predicts the whole int8 model slower than fp32
-    at a batch size the recipe validates (``validate.batch_sizes``), ``model_check: warn`` says so and
-    keeps int8, ``model_check: float`` keeps the model float, and ``model_check: auto`` (default) keeps
-    it float where that batch is 16 or more and warns at smaller ones.
+    sensitive layers in float until the drop fits. ``batch_sizes`` defaults to the recipe's
+    ``validate.batch_sizes``.
     """
 
     type: Literal["ptq"] = "ptq"
     needs: ClassVar[frozenset[str]] = frozenset({"calibration"})
 
-    num_batches: int | None = Field(None, ge=1)
-    bn: Literal["fold", "keep"] = "fold"
-    smoothquant: SmoothQuantField = None
-    smoothquant_unfolded: Unfolded = "mul"
-    smoothquant_micro_batch: PositiveInt | None = 1
-    bias_correction: bool = False
-    kv_cache: KVCache | None = None
     sensitivity: Literal["none", "metric", "sqnr"] = "none"
     max_accuracy_drop: float | None = Field(None, ge=0)
-    speed_check: SpeedCheck | None = None
-    cost_table: bool = True
 
 
-class QATSpec(_QuantSpecBase):
-    """Quantization-aware training within a training stage.
+class QATSpec(PrepareParams, _QuantSpecBase):
+    """Quantization-aware training within a training stage, with the selection and placement
+    settings of :class:`~compress.quantization.preparation.PrepareParams`.
 
     Activation ranges follow an EMA observer (``observer``, default ``ema``) until
     ``freeze_observers_epoch``; BatchNorm trains folded into the conv and its statistics freeze
@@ -181,8 +148,9 @@ class QATSpec(_QuantSpecBase):
     type: Literal["qat"] = "qat"
     needs: ClassVar[frozenset[str]] = frozenset({"training"})
 
+    # the defaults QAT needs (ranges that follow training; a short initial calibration)
     observer: str | None = "ema"
-    num_batches: int = Field(8, ge=1)
+    num_batches: int | None = Field(8, ge=1)
     freeze_observers_epoch: float | None = Field(None, ge=0)
     freeze_bn_epoch: float | None = Field(None, ge=0)
     lsq: bool = False
@@ -199,30 +167,26 @@ def _check_observer(spec: QuantSpec, where: str | None) -> None:
         raise ValueError(str(exc).removeprefix("-: ")) from None
 
 
-def _plan(spec: _QuantSpecBase, model: nn.Module, where: str) -> list[str]:
-    return list(
-        plan_targets(
-            model,
-            spec.resolved_scheme(),
-            targets=spec.targets,
-            ignore=spec.ignore,
-            first_last=spec.first_last,
-            quantize_ops=spec.quantize_ops,
-            where=where,
-        )
-    )
+def _plan(spec: PTQSpec | QATSpec, model: nn.Module, where: str) -> list[str]:
+    return list(plan_targets(model, spec.resolved_scheme(), spec, where=where))
 
 
 def _restore(spec: PTQSpec | QATSpec, model: nn.Module, data: dict[str, Any], *, bn: Literal["fold", "keep"],
              kv_cache: KVCache | None, where: str) -> None:
-    prepare_saved(model, data, spec.resolved_scheme(), targets=spec.targets, ignore=spec.ignore,
-                  first_last=spec.first_last, quantize_ops=spec.quantize_ops, bn=bn, where=where)
+    prepare_saved(model, data, spec.resolved_scheme(), spec, bn=bn, where=where)
     if kv_cache is not None:  # the KV quantizers the run attached (their per-head scales are in the state)
         attach_kv_quantization(model, kv_cache)
     set_saved_flags(model, data)
 
 
-def _record_cost_table(state: State, spec: _QuantSpecBase) -> None:
+def _serving(spec: PTQSpec | QATSpec, state: State) -> Any:
+    """The spec with the run's serving batch sizes (``validate.batch_sizes``) where it names none."""
+    if spec.batch_sizes is not None or state.serving_batch_sizes is None:
+        return spec
+    return spec.model_copy(update={"batch_sizes": state.serving_batch_sizes})
+
+
+def _record_cost_table(state: State, spec: PTQSpec | QATSpec) -> None:
     """The stage's metrics name the declared deployment CPU and the cost table that decided for it
     (``onnxruntime vnni:intel``; None where none did: cost_table off, dynamic activations, another
     target), as ``placement.cost_table`` records it."""
@@ -273,15 +237,7 @@ class PTQModifier(Modifier[PTQSpec]):
             if judge is None:
                 raise CalibrationError(f"{self.where}: sensitivity/max_accuracy_drop need an evaluate function")
             float_metric = judge(model)
-        params = QuantizeParams(first_last=s.first_last, bn=s.bn, quantize_ops=s.quantize_ops, target=s.target,
-                                quantize_embeddings=s.quantize_embeddings, smoothquant=s.smoothquant,
-                                smoothquant_unfolded=s.smoothquant_unfolded,
-                                smoothquant_micro_batch=s.smoothquant_micro_batch, bias_correction=s.bias_correction,
-                                kv_cache=s.kv_cache, speed_check=s.speed_check,
-                                cost_table=s.cost_table, batch_sizes=state.serving_batch_sizes,
-                                model_check=s.model_check, deploy_cpu=s.deploy_cpu)
-        swapped = post_training_quantize(model, scheme, loop, targets=s.targets, ignore=s.ignore, params=params,
-                                         where=self.where)
+        swapped = post_training_quantize(model, scheme, loop, _serving(s, state), where=self.where)
         state.metrics["quantized_modules"] = len(swapped)
         _record_cost_table(state, s)
         self._sensitivity(state, float_metric)
@@ -361,22 +317,8 @@ class QATModifier(Modifier[QATSpec]):
         model = state.model
         scheme = s.resolved_scheme()
         loop = self._init_loop(state)
-        swapped = prepare(
-            model,
-            scheme,
-            targets=s.targets,
-            ignore=s.ignore,
-            first_last=s.first_last,
-            bn="qat",
-            quantize_ops=s.quantize_ops,
-            target=s.target,
-            quantize_embeddings=s.quantize_embeddings,
-            example_inputs=capture_first_call(model, loop) if scheme.static_activations else None,
-            batch_sizes=state.serving_batch_sizes,
-            model_check=s.model_check,
-            deploy_cpu=s.deploy_cpu,
-            where=self.where,
-        )
+        example = capture_first_call(model, loop) if scheme.static_activations else None
+        swapped = prepare(model, scheme, _serving(s, state), bn="qat", example_inputs=example, where=self.where)
         calibrate(model, loop, where=self.where)
         state.metrics["quantized_modules"] = len(swapped)
         _record_cost_table(state, s)

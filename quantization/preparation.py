@@ -29,9 +29,7 @@ from compress.quantization.placement.activations import (
     targeted_fn,
 )
 from compress.quantization.placement.cost_table import (
-    PORTABLE_CPU,
     CostTable,
-    DeployCpu,
     deployment_cpu,
     slower_by_table,
     table_for,
@@ -39,21 +37,20 @@ from compress.quantization.placement.cost_table import (
 from compress.quantization.placement.fidelity_guards import ROUTER_REASON, router_layers
 from compress.quantization.placement.mode import detach, graph_of, unsmooth
 from compress.quantization.placement.model_cost import TRUSTED_BATCH, decide, slower_attention, trusted_slower
-from compress.quantization.placement.runtimes import Target, get_profile
+from compress.quantization.placement.runtimes import get_profile
+from compress.quantization.placement.settings import ModelCheck, PrepareParams
 from compress.quantization.placement.speed_check import SpeedCheck, layer_calls, slower_in_int8, time_layers
-from compress.quantization.placement.trace import is_op_key, trace_graph
+from compress.quantization.placement.trace import is_op_key, trace_ops
 from torch import nn
 
 from compress.core.errors import CompressError
 from compress.core.moe import unpack_experts
+from compress.core.params import Selection
 from compress.core.targets import select_modules
 
 log = logging.getLogger(__name__)
 
-FirstLast = Literal["quantize", "float", "w8"]
 BnMode = Literal["fold", "qat", "keep"]
-#: what the cost table's whole-model prediction does: log it ("warn") or keep the model float ("float")
-ModelCheck = Literal["auto", "warn", "float"]
 
 # 8-bit per-channel weights for first/last layers kept at higher precision under 4-bit schemes
 _W8 = QuantSpec(granularity="channel", axis=0)
@@ -70,11 +67,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 def plan_targets(
     model: nn.Module,
     scheme: QuantScheme,
+    params: Selection,
     *,
-    targets: Sequence[str] = ("*",),
-    ignore: Sequence[str] = (),
-    first_last: FirstLast = "quantize",
-    quantize_ops: bool = True,
     where: str = "quantize",
     order: Sequence[str] | None = None,
 ) -> dict[str, QuantSpec | None]:
@@ -87,8 +81,9 @@ def plan_targets(
     decides the first and last layer; registration order otherwise.
     """
     model = unwrap(model)
+    first_last = params.first_last if isinstance(params, PrepareParams) else "quantize"
     types: tuple[type[nn.Module], ...] = tuple(QUANT_LAYERS)
-    selected = select_modules(model, list(targets), ignore=list(ignore), types=types, where=f"{where}: targets")
+    selected = select_modules(model, params.targets, ignore=params.ignore, types=types, where=f"{where}: targets")
     out: dict[str, QuantSpec | None] = {}
     for n, m in selected.items():
         if type(m) in QUANT_LAYERS:
@@ -110,56 +105,32 @@ def plan_targets(
 def prepare(
     model: nn.Module,
     scheme: QuantScheme | str,
+    params: PrepareParams | None = None,
     *,
-    targets: Sequence[str] = ("*",),
-    ignore: Sequence[str] = (),
-    first_last: FirstLast = "quantize",
     bn: BnMode = "fold",
-    quantize_ops: bool = True,
-    target: Target = "onnxruntime",
-    quantize_embeddings: bool = True,
     example_inputs: Any = None,
-    speed_check: SpeedCheck | None = None,
-    cost_table: bool = True,
-    batch_sizes: Sequence[int] | None = None,
-    model_check: ModelCheck = "auto",
-    deploy_cpu: DeployCpu = PORTABLE_CPU,
     where: str = "quantize",
 ) -> dict[str, nn.Module]:
-    """Swap the targeted layers of ``model`` (in place) for quantized ones; returns them by name.
+    """Swap the layers ``params`` targets in ``model`` (in place) for quantized ones; returns them by name.
 
     ``bn``: "fold" merges each BatchNorm into the conv before it (PTQ), "qat" hands it to the
     QuantConv, which trains with folded weights and exact BN statistics, "keep" leaves it alone.
-    ``first_last``: "float" keeps the first and last layer unquantized, "w8" gives them 8-bit
-    per-channel weights (useful under 4-bit schemes). Weight quantizers are calibrated here;
-    activation quantizers need :func:`quantization.numerics.calibration.calibrate`.
+    Weight quantizers are calibrated here; activation quantizers need
+    :func:`quantization.numerics.calibration.calibrate`.
 
-    Static activation quantizers are placed on the traced graph of the forward pass for the
-    ``target`` runtime (quantization/placement/place.py): at residual adds, concats, attention matmuls
+    Static activation quantizers are placed on the traced graph of the forward pass for
+    ``params.runtime`` (quantization/placement/place.py): at residual adds, concats, attention matmuls
     and weighted ops, functional ones included. ``example_inputs`` (a tensor, tuple or dict) is
     traced now; without it, the first forward pass is (``first_last`` then goes by registration
-    order instead of data flow, and BatchNorm pairs only by nn.Sequential adjacency).
-    ``quantize_embeddings``: embedding tables get int8 per-row weights (the static-activation path),
-    unless that costs fidelity (graph_prepare.TABLE_MIN_SQNR_DB).
-    ``speed_check``: time each layer's ORT integer kernel against its float one at the traced shape
-    and keep the layers float where int8 is slower (quantization/placement/speed_check.py; needs ``example_inputs``);
-    attention's products of two activations, which are no layer, are decided by the cost table's
-    rule at the batch timed, as on the default path (none where ``cost_table`` is off).
-    ``cost_table``: without ``speed_check``, keep float the layers the shipped ORT CPU cost table for
-    ``deploy_cpu`` says run slower in int8 (quantization/placement/cost_table.py; onnxruntime target,
-    static activations, traced shapes); nothing is timed, so the placement is reproducible.
-    ``deploy_cpu``: the CPU the model will be served on (``isa:vendor``, :data:`DeployCpu`), whose table
-    decides; the default (:data:`PORTABLE_CPU`) does not depend on the machine that quantizes,
-    ``"this-machine"`` reads that machine's table. The table's name is recorded in
-    ``placement.cost_table`` and in each reason it gave.
-    Where the table also holds model-level rows, the whole int8 model is predicted against fp32 at
-    ``batch_sizes`` (the batches it will be served at; batch 1 when None), entering and leaving int8
-    and integer adds included (quantization/placement/model_cost.py); where int8 is not predicted faster
-    at every one of them, ``model_check="float"`` keeps the whole model float (the reason in
-    ``placement.model_float``), ``"warn"`` logs the prediction and keeps int8, and ``"auto"`` (default)
-    keeps it float where it is predicted slower at a batch of ``TRUSTED_BATCH`` (16) or more, where the
-    prediction has held, and warns otherwise (quantization/placement/model_cost.py).
+    order instead of data flow, and BatchNorm pairs only by nn.Sequential adjacency). The speed
+    check needs ``example_inputs``; attention's products of two activations, which are no layer, are
+    decided by the cost table's rule at the batch timed, as on the default path. The cost table's
+    name is recorded in ``placement.cost_table`` and in each reason it gave; its whole-model
+    prediction counts entering and leaving int8 and integer adds (quantization/placement/model_cost.py).
     """
+    p = params or PrepareParams()
+    targets, ignore, first_last, target = p.targets, p.ignore, p.first_last, p.runtime
+    speed_check, batch_sizes = p.speed_check, p.batch_sizes
     scheme = resolve_scheme(scheme)
     model = unwrap(model)
     if any(isinstance(m, QUANT_TYPES) for m in model.modules()) or graph_of(model) is not None:
@@ -175,10 +146,7 @@ def prepare(
     call = example_args(example_inputs) if example_inputs is not None and graph_mode else None
     graph0 = _trace_eval(model, *call) if call is not None else None
     flow = layers_by_flow(graph0) if graph0 is not None else None
-    plan = plan_targets(
-        model, scheme, targets=targets, ignore=ignore, first_last=first_last, quantize_ops=quantize_ops, where=where,
-        order=flow,
-    )
+    plan = plan_targets(model, scheme, p, where=where, order=flow)
     skip: dict[str, str] = {}
     float_ops: dict[str, str] = {}
     model_float: str | None = None
@@ -189,8 +157,8 @@ def prepare(
         for name in router_layers(graph0) & set(plan):
             del plan[name]
             skip[name] = ROUTER_REASON
-    table = (table_for(*deployment_cpu(deploy_cpu))
-             if cost_table and graph_mode and target == "onnxruntime" and graph0 is not None else None)
+    table = (table_for(*deployment_cpu(p.deploy_cpu))
+             if p.cost_table and graph_mode and target == "onnxruntime" and graph0 is not None else None)
     if speed_check is not None:
         slow = _rank0_decides(lambda: _measure(model, plan, graph0, call, speed_check, target=target,
                                                graph_mode=graph_mode, where=where), where=where)
@@ -207,7 +175,7 @@ def prepare(
     elif table is not None and graph0 is not None:
         layers = {n: model.get_submodule(n) for n in plan}
         serving = tuple(batch_sizes) if batch_sizes else (1,)
-        slow = _rank0_decides(lambda: _table_decides(graph0, layers, table, call, serving, model_check, where),
+        slow = _rank0_decides(lambda: _table_decides(graph0, layers, table, call, serving, p.model_check, where),
                               where=where)
         model_float = slow.pop(_WHOLE_MODEL, None)
         float_ops = {k: slow.pop(k) for k in list(slow) if is_op_key(k)}
@@ -222,15 +190,9 @@ def prepare(
             if conv_name in plan:
                 fold_bn_into_conv(model.get_submodule(conv_name), model.get_submodule(bn_name))  # type: ignore[arg-type]
                 model.set_submodule(bn_name, nn.Identity())
-    swapped: dict[str, nn.Module] = {}
     # with static activations the graph places every activation quantizer; layers own their weight's
     layer_scheme = scheme.model_copy(update={"inputs": None, "outputs": None}) if graph_mode else scheme
-    for name, wspec in plan.items():
-        mod = model.get_submodule(name)
-        new = QUANT_LAYERS[type(mod)].from_float(mod, layer_scheme, name=name, weights=wspec)
-        _to_device_of(new, mod)
-        model.set_submodule(name, new)
-        swapped[name] = new
+    swapped = swap_layers(model, plan, layer_scheme)
     if bn == "qat":
         for conv_name, bn_name in pairs.items():
             q = swapped.get(conv_name)
@@ -242,16 +204,28 @@ def prepare(
     if graph_mode:
         assert scheme.inputs is not None
         config = GraphConfig(
-            target=target, targets=list(targets), ignore=list(ignore), quantize_ops=quantize_ops,
-            activation_spec=scheme.inputs.with_(granularity="tensor", axis=0), weight_spec=scheme.weights,
-            swapped=set(swapped), skip_layers=skip, quantize_embeddings=quantize_embeddings, model_float=model_float,
-            float_ops=float_ops, serving_batch=_serving_batch(batch_sizes, speed_check), cost_table=table,
+            p, activation_spec=scheme.inputs.with_(granularity="tensor", axis=0), weight_spec=scheme.weights,
+            swapped=set(swapped), skip_layers=skip, model_float=model_float, float_ops=float_ops,
+            serving_batch=_serving_batch(batch_sizes, speed_check), cost_table=table,
         )
         new_graph(model, config)
         if call is not None:
             place_graph(model, config, *call)
     log.info("%s: prepared %d modules (%s)", where, len(swapped), _summary(swapped))
     attach_quantized_save(model)
+    return swapped
+
+
+def swap_layers(model: nn.Module, plan: dict[str, QuantSpec | None], scheme: QuantScheme) -> dict[str, nn.Module]:
+    """Swap each planned layer of ``model`` for its quantized module with the planned weight spec;
+    returns them by name (weights not yet calibrated)."""
+    swapped: dict[str, nn.Module] = {}
+    for name, wspec in plan.items():
+        mod = model.get_submodule(name)
+        new = QUANT_LAYERS[type(mod)].from_float(mod, scheme, name=name, weights=wspec)
+        _to_device_of(new, mod)
+        model.set_submodule(name, new)
+        swapped[name] = new
     return swapped
 
 
@@ -340,18 +314,26 @@ def saved_quantization(model: nn.Module, spec: Any) -> dict[str, Any]:
     }
 
 
-def prepare_saved(model: nn.Module, data: dict[str, Any], scheme: QuantScheme, *, targets: Sequence[str],
-                  ignore: Sequence[str], first_last: FirstLast = "quantize", quantize_ops: bool = False,
+def as_prepare(params: Selection) -> PrepareParams:
+    """``params`` as the PrepareParams :func:`prepare` takes: a weight-only algorithm's settings
+    (GPTQParams, AWQParams) select layers only, with every placement setting at its default."""
+    if isinstance(params, PrepareParams):
+        return params
+    return PrepareParams(targets=params.targets, ignore=params.ignore, num_batches=params.num_batches)
+
+
+def prepare_saved(model: nn.Module, data: dict[str, Any], scheme: QuantScheme, params: Selection, *,
                   bn: Literal["fold", "keep"] = "fold", where: str) -> None:
     """Swap in the quantized modules :func:`saved_quantization` recorded, as the run did, without
     calibrating; layers the run reverted to float (accuracy control) stay float."""
     linearize(model)  # as the run's prepare() did first: Conv1D and MoE experts are Linears to plan over
     kept = set(data["modules"])
-    planned = plan_targets(model, scheme, targets=targets, ignore=ignore, first_last=first_last,
-                           quantize_ops=quantize_ops, where=where)
+    p = as_prepare(params)
+    planned = plan_targets(model, scheme, p, where=where)
     reverted = [n for n in planned if n not in kept]
-    prepare(model, scheme, targets=targets, ignore=[*ignore, *reverted], first_last=first_last, bn=bn,
-            quantize_ops=quantize_ops, where=where)
+    # placement settings as the run had them; nothing is timed on restore (the run's decisions are in `kept`)
+    prepare(model, scheme, p.model_copy(update={"ignore": [*p.ignore, *reverted], "speed_check": None}), bn=bn,
+            where=where)
 
 
 def set_saved_flags(model: nn.Module, data: dict[str, Any]) -> None:
@@ -442,7 +424,7 @@ def _measure(
 ) -> dict[str, str]:
     """The planned layers whose ORT integer kernel is slower than their float one, with the reason."""
     if target != "onnxruntime":
-        raise CompressError(f"{where}: speed_check times ONNX Runtime's CPU kernels; the target is {target}")
+        raise CompressError(f"{where}: speed_check times ONNX Runtime's CPU kernels; the runtime is {target}")
     if not graph_mode:
         raise CompressError(f"{where}: speed_check applies to schemes with static activations (e.g. w8a8)")
     if graph0 is None:
@@ -456,7 +438,7 @@ def _trace_eval(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
     was_training = model.training
     model.eval()
     try:
-        return trace_graph(model, args, kwargs)
+        return trace_ops(model, args, kwargs)
     finally:
         model.train(was_training)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 from compress.quantization.algorithms.awq import awq_layer, scale_error_ratio
-from compress.quantization.algorithms.awq_search import AWQFields, AWQParams
-from compress.quantization.algorithms.gptq import GPTQFields, GPTQParams, gptq_layer
+from compress.quantization.algorithms.awq_search import AWQParams
+from compress.quantization.algorithms.gptq import GPTQParams, gptq_layer
 from compress.quantization.algorithms.sequential import DEFAULT_SCHEME, sequential_quantize
 from compress.quantization.numerics.spec import QuantScheme, resolve_scheme
 from compress.quantization.preparation import (
@@ -22,7 +22,7 @@ from compress.quantization.preparation import (
     saved_quantization,
     set_saved_flags,
 )
-from pydantic import Field, field_validator
+from pydantic import field_validator
 from torch import nn
 
 from compress.core.batching import RankShare
@@ -31,16 +31,14 @@ from compress.core.modifier import Modifier, ModifierSpec, State, register_modif
 
 
 class _WeightOnlySpec(ModifierSpec):
-    """Fields shared by gptq and awq: a weight-only scheme (preset name or mapping), what it
-    applies to (``lm_head`` ignored by default), and how many calibration batches to use."""
+    """The recipe's own field of gptq and awq: a weight-only scheme (preset name or mapping); the
+    rest is the settings class each is made of (GPTQParams, AWQParams)."""
 
     kind: ClassVar[str] = "quantize"
     needs: ClassVar[frozenset[str]] = frozenset({"calibration"})
+    calibration_flow: ClassVar[str] = "layer-by-layer"  # on_calibrate runs sequential_quantize
 
     scheme: str | QuantScheme = DEFAULT_SCHEME
-    targets: list[str] = Field(default_factory=lambda: ["*"])
-    ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
-    num_batches: int | None = Field(None, ge=1)
 
     @field_validator("scheme", mode="before")
     @classmethod
@@ -54,7 +52,8 @@ class _WeightOnlySpec(ModifierSpec):
         return resolve_scheme(self.scheme)
 
 
-class GPTQSpec(_WeightOnlySpec, GPTQFields):
+# Settings class first: its fields follow ModifierSpec's and the scheme in the resolved recipe.
+class GPTQSpec(GPTQParams, _WeightOnlySpec):
     """GPTQ: ``block_size``, ``dampening`` (fraction of the mean Hessian diagonal) and
     ``act_order`` (columns in decreasing Hessian-diagonal order, static groups). The scheme may
     also quantize Linear inputs dynamically (``W8A8``, ``w8a8_dynamic``: llm-compressor's W8A8)."""
@@ -72,26 +71,20 @@ class GPTQSpec(_WeightOnlySpec, GPTQFields):
             return s
         return super()._scheme(v)
 
-    def params(self) -> GPTQParams:
-        return GPTQParams.model_validate(self.model_dump(include=set(GPTQParams.model_fields)))
 
-
-class AWQSpec(_WeightOnlySpec, AWQFields):
+class AWQSpec(AWQParams, _WeightOnlySpec):
     """AWQ: scale search over ``grid`` alphas (``duo_scaling``: with the weight term), then a
     clipping search (``clip``) over ``clip_grid`` steps down to ``1 - max_shrink`` of each group's
     range, skipping ``clip_ignore``; ``sample_tokens``/``clip_tokens`` bound the searches' cost."""
 
     type: Literal["awq"] = "awq"
 
-    def params(self) -> AWQParams:
-        return AWQParams.model_validate(self.model_dump(include=set(AWQParams.model_fields)))
 
 
 class _WeightOnlyModifier(Modifier[Any]):
     def plan(self, model: nn.Module) -> list[str]:
         s = self.spec
-        return list(plan_targets(model, s.resolved_scheme(), targets=s.targets, ignore=s.ignore, quantize_ops=False,
-                                 where=self.where))
+        return list(plan_targets(model, s.resolved_scheme(), s, where=self.where))
 
     #: set by the run: the model's quantized layers were all there before and none was added (GPTQ
     #: after AWQ or after a ptq modifier re-rounds their weights): the structure is the earlier one's
@@ -107,7 +100,7 @@ class _WeightOnlyModifier(Modifier[Any]):
             return
         s: Any = cls.spec_cls.model_validate(data["spec"])
         # weight-only: layers only, no first/last policy
-        prepare_saved(model, data, s.resolved_scheme(), targets=s.targets, ignore=s.ignore, where=where)
+        prepare_saved(model, data, s.resolved_scheme(), s, where=where)
         set_saved_flags(model, data)
 
     def _run(self, state: State, process: Any) -> dict[str, Any]:
@@ -121,8 +114,8 @@ class _WeightOnlyModifier(Modifier[Any]):
         # under torchrun each rank runs the layer-by-layer pipeline on its share of the batches (GPTQ's
         # Hessians and AWQ's statistics are summed across ranks, so every rank quantizes alike)
         summary = sequential_quantize(
-            state.model, RankShare(state.calibration_data, max_batches=s.num_batches), s.resolved_scheme(), process,
-            targets=s.targets, ignore=s.ignore, device=state.device, where=self.where, activations=s.type == "gptq",
+            state.model, RankShare(state.calibration_data, max_batches=s.num_batches), s.resolved_scheme(), process, s,
+            device=state.device, where=self.where, activations=s.type == "gptq",
         )
         state.model.train(was_training)
         self.refines = bool(before) and {n for n, _ in quant_modules(state.model)} == before
@@ -138,7 +131,7 @@ class GPTQModifier(_WeightOnlyModifier):
     spec_cls = GPTQSpec
 
     def on_calibrate(self, state: State) -> None:
-        p = self.spec.params()
+        p = self.spec
         summary = self._run(state, lambda i, layer, lin, calls: gptq_layer(layer, lin, calls, p))
         rows = [r for r in summary["layers"] if "gptq_error" in r]
         state.metrics["gptq_error"] = sum(r["gptq_error"] for r in rows)
@@ -156,7 +149,7 @@ class AWQModifier(_WeightOnlyModifier):
     spec_cls = AWQSpec
 
     def on_calibrate(self, state: State) -> None:
-        p = self.spec.params()
+        p = self.spec
         summary = self._run(state, lambda i, layer, lin, calls: awq_layer(layer, lin, calls, p, seed=i))
         rows = []
         for r in summary["layers"]:

@@ -45,6 +45,9 @@ class ModifierSpec(BaseModel):
     kind: ClassVar[str] = "other"
     #: what the stage must provide: "calibration" (calibration batches) and/or "training" (epochs)
     needs: ClassVar[frozenset[str]] = frozenset()
+    #: how its calibrate step runs the calibration batches: "whole-model" (each batch through the
+    #: whole model) or "layer-by-layer" (one decoder layer at a time: the sequential pipeline)
+    calibration_flow: ClassVar[str] = "whole-model"
     #: whether the session must snapshot the uncompressed model before anything touches it
     wants_snapshot: ClassVar[bool] = False
 
@@ -154,8 +157,10 @@ S = TypeVar("S", bound=ModifierSpec)
 class Modifier(Generic[S]):
     """Base handler. Subclasses set ``spec_cls`` and override the ``on_*`` hooks they need.
 
-    The public methods (initialize, step, epoch_end, loss, finalize) guard the lifecycle: events
-    before initialize or after finalize are errors, not silent no-ops.
+    The public methods (initialize, calibrate, step, epoch_end, loss, finalize) guard the lifecycle:
+    events before initialize or after finalize are errors, not silent no-ops. ``calibrate`` is a
+    step of its own, which the stage's pipeline (compress.pipelines) calls after ``initialize`` for
+    a modifier whose spec needs calibration; ``initialize`` never calibrates.
     """
 
     spec_cls: ClassVar[type[ModifierSpec]]
@@ -167,13 +172,14 @@ class Modifier(Generic[S]):
         self.spec = spec
         self.where = where or f"modifier '{spec.type}'"
         self.phase = Phase.NEW
+        self._calibrated = False
 
     # ---- hooks for subclasses -------------------------------------------------------------
     def on_initialize(self, state: State) -> None:
         """Called once at stage start, before any data flows (after the model is on its device)."""
 
     def on_calibrate(self, state: State) -> None:
-        """Called after initialize when the spec needs calibration data."""
+        """Called by :meth:`calibrate`, once, after initialize (the spec needs calibration data)."""
 
     def on_step(self, state: State) -> None:
         """Called after each optimizer step while the schedule is active."""
@@ -239,8 +245,17 @@ class Modifier(Generic[S]):
         self._require(Phase.NEW, "initialize")
         self.on_initialize(state)
         self.phase = Phase.INITIALIZED
-        if "calibration" in self.spec.needs:
-            self.on_calibrate(state)
+
+    def calibrate(self, state: State) -> None:
+        """Run the calibration step (``on_calibrate``): once, after initialize, for a spec that
+        needs calibration data."""
+        self._require(Phase.INITIALIZED, "calibrate")
+        if "calibration" not in self.spec.needs:
+            raise CompressError(f"{self.where}: 'calibrate' called, but '{self.spec.type}' needs no calibration")
+        if self._calibrated:
+            raise CompressError(f"{self.where}: 'calibrate' called twice")
+        self._calibrated = True  # before the hook: a calibration that failed half-way is not run again
+        self.on_calibrate(state)
 
     def step(self, state: State) -> None:
         self._require(Phase.INITIALIZED, "step")

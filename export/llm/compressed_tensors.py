@@ -140,6 +140,26 @@ def _other_tensors(model: nn.Module, written: set[str]) -> dict[str, torch.Tenso
     return out
 
 
+def _embeddings(model: nn.Module) -> tuple[Any, Any]:
+    """A transformers model's (input embedding, output head) modules (None where it has none)."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    return (get_in() if callable(get_in) else None), (get_out() if callable(get_out) else None)
+
+
+def _embedding_name(model: nn.Module) -> str:
+    emb, _ = _embeddings(model)
+    return next(n for n, m in model.named_modules() if m is emb)
+
+
+def _quantized_head_tied(model: nn.Module, args: dict[str, dict[str, Any]]) -> bool:
+    """Whether the output head is written quantized while it shares its weight with the input
+    embedding (a tied model whose head a weight-only pass quantized)."""
+    emb, head = _embeddings(model)
+    if head is None or emb is None or getattr(head, "weight", None) is not getattr(emb, "weight", None):
+        return False
+    return any(model.get_submodule(n) is head for n in args)
+
+
 def eight_bit_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[str]]:
     """``(tensors, args_by_layer, unquantized_linears)`` of an 8-bit model: fp8 (FP8_DYNAMIC, or fp8
     weights alone) or int8 (llm-compressor's ``W8A8``: symmetric int8 weights, dynamic per-token int8
@@ -281,6 +301,11 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     cfg = config.to_dict()
     fmt = "float-quantized" if fp8 else "int-quantized" if eight else "pack-quantized"
     cfg["quantization_config"] = quantization_config(args, plain, fmt=fmt)
+    if cfg.get("tie_word_embeddings") and _quantized_head_tied(model, args):
+        # the head's codes cannot be the float embedding table: both are written, untied, as
+        # llm-compressor unties a quantized head
+        cfg["tie_word_embeddings"] = False
+        tensors[f"{_embedding_name(model)}.weight"] = _embeddings(model)[0].weight.detach().contiguous().clone()
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
     save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     gen = getattr(model, "generation_config", None)

@@ -71,6 +71,7 @@ from compress.quantization.preparation import calibrate_weight
 from torch import nn
 
 from compress.core.batching import CalibrationData, as_batches
+from compress.core.params import refuse_renamed
 from compress.core.progress import with_progress
 
 log = logging.getLogger(__name__)
@@ -229,15 +230,15 @@ def awq_layer(
 
 
 @with_progress
+@refuse_renamed(max_batches="params=AWQParams(num_batches=...)")
 def awq(
     model: nn.Module,
     data: CalibrationData,
     *,
     scheme: QuantScheme | str = DEFAULT_SCHEME,
-    targets: Sequence[str] = ("*",),
-    ignore: Sequence[str] = ("lm_head",),
+    targets: Sequence[str] | None = None,
+    ignore: Sequence[str] | None = None,
     params: AWQParams | None = None,
-    max_batches: int | None = None,
     load: LayerHook | None = None,
     release: LayerHook | None = None,
     progress: bool = True,
@@ -246,15 +247,16 @@ def awq(
 
     Scales are folded into the preceding norm or Linear wherever the layer proves the fold exact;
     weights are clipped per group; the weight quantizers then hold round-to-nearest qparams of the
-    scaled, clipped weights (run :func:`gptq` afterwards for GPTQ rounding instead).
+    scaled, clipped weights (run :func:`gptq` afterwards for GPTQ rounding instead). ``params``:
+    AWQParams; ``targets`` / ``ignore`` as for :func:`gptq` (``ignore=["lm_head"]`` keeps the head float).
     ``progress``: a line per decoder layer (and a bar on a terminal); False: silent.
     """
-    p = params or AWQParams()
+    p = (params or AWQParams()).given("awq", targets=targets, ignore=ignore)
     s = resolve_scheme(scheme)
     summary = sequential_quantize(
-        model, as_batches(data, model, max_batches=max_batches), s,
-        lambda i, layer, lin, calls: awq_layer(layer, lin, calls, p, seed=i),
-        targets=targets, ignore=ignore, max_batches=max_batches, load=load, release=release, where="awq",
+        model, as_batches(data, model, max_batches=p.num_batches), s,
+        lambda i, layer, lin, calls: awq_layer(layer, lin, calls, p, seed=i), p,
+        load=load, release=release, where="awq",
     )
     log_summary("awq", summary)
     ratio = scale_error_ratio(summary)

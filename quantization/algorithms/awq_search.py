@@ -23,29 +23,14 @@ from compress.quantization.numerics.primitives import (
     to_groups,
 )
 from compress.quantization.numerics.spec import QuantSpec
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
-from compress.core.params import ApiParams
+from compress.core.params import Selection
 
 
-class AWQFields(BaseModel):
-    """The AWQ knobs, declared once: AWQParams (API) and the ``awq`` recipe spec share them."""
-
-    grid: int = Field(20, ge=1)
-    duo_scaling: bool = True
-    clip: bool = True
-    clip_grid: int = Field(20, ge=1)
-    max_shrink: float = Field(0.5, ge=0, lt=1)
-    clip_ignore: list[str] = Field(default_factory=list)
-    sample_tokens: int = Field(16384, ge=16)
-    clip_tokens: int = Field(2048, ge=16)
-    clip_in_search: bool = True
-    module_candidates: int = Field(6, ge=0)
-
-
-class AWQParams(AWQFields, ApiParams):
-    """AWQ's knobs: ``grid`` alphas in [0, 1) for the scale search, ``duo_scaling`` (weight term in
+class AWQParams(Selection):
+    """AWQ's settings, what ``compress.awq`` takes and the ``awq`` recipe modifier is made of: ``grid`` alphas in [0, 1) for the scale search, ``duo_scaling`` (weight term in
     the scales, as AutoAWQ; off: activations alone, as the paper), ``clip`` search with ``clip_grid`` steps down to ``1 - max_shrink`` of the range,
     skipping Linears matching ``clip_ignore`` (each clip is kept only where it lowers the error at
     its group's inspected module); ``sample_tokens`` / ``clip_tokens`` calibration rows
@@ -58,7 +43,16 @@ class AWQParams(AWQFields, ApiParams):
     candidates are first ranked by their Linears' own output error and only s = 1 and the best
     ``module_candidates - 1`` are rerun (0: all ``grid`` of them)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    grid: int = Field(20, ge=1)
+    duo_scaling: bool = True
+    clip: bool = True
+    clip_grid: int = Field(20, ge=1)
+    max_shrink: float = Field(0.5, ge=0, lt=1)
+    clip_ignore: list[str] = Field(default_factory=list)
+    sample_tokens: int = Field(16384, ge=16)
+    clip_tokens: int = Field(2048, ge=16)
+    clip_in_search: bool = True
+    module_candidates: int = Field(6, ge=0)
 
 
 def round_to_nearest(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -42,19 +42,24 @@ from compress.quantization.numerics.calibration import float_mode
 from compress.quantization.numerics.modules import QuantLinear
 from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range, to_groups
 from compress.quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 from compress.core.batching import CalibrationData, as_batches
 from compress.core.errors import CalibrationError
-from compress.core.params import ApiParams
+from compress.core.params import Selection, refuse_renamed
 from compress.core.progress import with_progress
 
 log = logging.getLogger(__name__)
 
 
-class GPTQFields(BaseModel):
-    """The GPTQ knobs, declared once: GPTQParams (API) and the ``gptq`` recipe spec share them."""
+class GPTQParams(Selection):
+    """GPTQ's settings: what ``compress.gptq`` takes and the ``gptq`` recipe modifier is made of.
+    ``block_size`` columns per lazy-batch block, ``dampening`` (fraction of the mean Hessian
+    diagonal added to it), ``act_order`` (round columns in decreasing Hessian-diagonal order, with
+    static groups; the default), ``static_groups`` (without act_order: every group's scale from the
+    original weight, not from the weight as updated when the sweep reaches it); the selection and
+    ``num_batches`` as :class:`~compress.core.params.Selection`."""
 
     block_size: int = Field(128, ge=1)
     dampening: float = Field(0.01, gt=0, le=1)
@@ -63,15 +68,6 @@ class GPTQFields(BaseModel):
     # against 7% on prose (benchmarks/RESULTS.md `llm_quant_real`, `llm_gptq_variants`)
     act_order: bool = True
     static_groups: bool = False
-
-
-class GPTQParams(GPTQFields, ApiParams):
-    """GPTQ's knobs: ``block_size`` columns per lazy-batch block, ``dampening`` (fraction of the mean
-    Hessian diagonal added to it), ``act_order`` (round columns in decreasing Hessian-diagonal
-    order, with static groups; the default), ``static_groups`` (without act_order: every group's
-    scale from the original weight, not from the weight as updated when the sweep reaches it)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class HessianAccumulator:
@@ -257,15 +253,15 @@ def gptq_layer(layer: nn.Module, linears: dict[str, QuantLinear], calls: Sequenc
 
 
 @with_progress
+@refuse_renamed(max_batches="params=GPTQParams(num_batches=...)")
 def gptq(
     model: nn.Module,
     data: CalibrationData,
     *,
     scheme: QuantScheme | str = DEFAULT_SCHEME,
-    targets: Sequence[str] = ("*",),
-    ignore: Sequence[str] = ("lm_head",),
+    targets: Sequence[str] | None = None,
+    ignore: Sequence[str] | None = None,
     params: GPTQParams | None = None,
-    max_batches: int | None = None,
     load: LayerHook | None = None,
     release: LayerHook | None = None,
     progress: bool = True,
@@ -278,16 +274,16 @@ def gptq(
     ``w4_weight_only``, ``w3_weight_only_g128``, ``w8_weight_only``), or one with int8 activations:
     dynamic (``w8a8_dynamic``, ``W8A8``: each layer runs with them to feed the next), or static on a
     model that :func:`quantize` prepared and calibrated (SmoothQuant then GPTQ, as llm-compressor's W8A8). ``params``: GPTQParams
-    (block size, dampening, act_order). ``load``/``release``: per-layer offloading callbacks.
+    (block size, dampening, act_order, ``num_batches``); ``targets`` / ``ignore``: module patterns
+    (``ignore=["lm_head"]`` keeps a decoder's head float, as llm-compressor's recipes write it). ``load``/``release``: per-layer offloading callbacks.
     ``progress``: a line per decoder layer (and a bar on a terminal); False: silent.
     """
-    p = params or GPTQParams()
+    p = (params or GPTQParams()).given("gptq", targets=targets, ignore=ignore)
     s = resolve_scheme(scheme)
     summary = sequential_quantize(
-        model, as_batches(data, model, max_batches=max_batches), s,
-        lambda i, layer, lin, calls: gptq_layer(layer, lin, calls, p),
-        targets=targets, ignore=ignore, max_batches=max_batches, load=load, release=release, where="gptq",
-        activations=True,
+        model, as_batches(data, model, max_batches=p.num_batches), s,
+        lambda i, layer, lin, calls: gptq_layer(layer, lin, calls, p), p,
+        load=load, release=release, where="gptq", activations=True,
     )
     log_summary("gptq", summary)
     return model

@@ -24,12 +24,22 @@ from typing import Any
 
 import torch
 from compress.quantization.numerics.modules import QuantLinear
-from compress.quantization.numerics.spec import QuantScheme
-from compress.quantization.preparation import attach_quantized_save, linearize, plan_targets, prepare, unwrap
+from compress.quantization.numerics.spec import QuantScheme, QuantSpec
+from compress.quantization.preparation import (
+    PrepareParams,
+    attach_quantized_save,
+    calibrate_weight,
+    linearize,
+    plan_targets,
+    prepare,
+    swap_layers,
+    unwrap,
+)
 from torch import nn
 
 from compress.core.batching import split_batch, to_device
 from compress.core.errors import CalibrationError, UnsupportedModelError
+from compress.core.params import Selection
 from compress.core.progress import bar, report
 from compress.core.targets import select_modules
 
@@ -131,10 +141,8 @@ def sequential_quantize(
     data: Iterable[Any],
     scheme: QuantScheme,
     process: ProcessLayer,
+    params: Selection | None = None,
     *,
-    targets: Sequence[str] = ("*",),
-    ignore: Sequence[str] = ("lm_head",),
-    max_batches: int | None = None,
     load: LayerHook | None = None,
     release: LayerHook | None = None,
     device: torch.device | str = "cpu",
@@ -148,9 +156,10 @@ def sequential_quantize(
     ``process(i, layer, linears, calls)`` calibrates layer ``i`` (its targeted Linears, already
     QuantLinear, by name inside the layer; ``calls`` its recorded inputs). ``load(i, layer)`` is
     called before a layer is touched and ``release(i, layer)`` after its quantized outputs were
-    computed (offloading). Targeted Linears outside the decoder layers (none by default: lm_head is
-    ignored) get round-to-nearest. Returns a summary (per-layer reports, seconds).
+    computed (offloading). ``params``: the layers it applies to and ``num_batches``. Targeted Linears
+    outside the decoder layers (a decoder's lm_head, unless ignored) get round-to-nearest. Returns a summary (per-layer reports, seconds).
     """
+    sel = params or Selection()
     root = unwrap(model)
     prepared = any(isinstance(m, QuantLinear) for m in root.modules())
     if scheme.weights is None or scheme.outputs is not None or (scheme.inputs is not None and not activations):
@@ -165,9 +174,10 @@ def sequential_quantize(
     path, layers = decoder_layers(root)
     if prepared:
         # a second pass (GPTQ after AWQ): the Linears the first pass swapped, as selected here
-        plan: Sequence[str] = list(select_modules(root, targets, ignore=ignore, types=(QuantLinear,), where=f"{where}: targets"))
+        plan: Sequence[str] = list(select_modules(root, sel.targets, ignore=sel.ignore, types=(QuantLinear,),
+                                                  where=f"{where}: targets"))
     else:
-        plan = list(plan_targets(root, scheme, targets=targets, ignore=ignore, quantize_ops=False, where=where))
+        plan = list(plan_targets(root, scheme, sel, where=where))
     prefix = f"{path}." if path else ""
     per_layer: list[list[str]] = [[] for _ in layers]
     outside: list[str] = []
@@ -179,7 +189,7 @@ def sequential_quantize(
             outside.append(name)
     if load is not None:
         load(0, layers[0])
-    calls = capture_inputs(root, layers[0], data, max_batches=max_batches, device=device)
+    calls = capture_inputs(root, layers[0], data, max_batches=sel.num_batches, device=device)
     reports: list[dict[str, Any]] = []
     for i, layer in enumerate(bar(layers, desc=where, unit="layer")):
         t_layer = time.perf_counter()
@@ -195,7 +205,11 @@ def sequential_quantize(
         report(log, "%s", progress_line(where, i, len(layers), reports[-1], time.perf_counter() - t_layer,
                                         time.perf_counter() - t0))
     if outside:
-        prepare(root, scheme, targets=outside, quantize_ops=False, where=f"{where} (outside decoder layers)")
+        # swapped one by one: the decoder layers' Linears are quantized already, which prepare() refuses
+        fresh: dict[str, QuantSpec | None] = {
+            n: scheme.weights for n in outside if not isinstance(root.get_submodule(n), QuantLinear)}
+        for mod in swap_layers(root, fresh, scheme).values():
+            calibrate_weight(mod)
         log.info("%s: %d targeted layers outside the decoder layers got round-to-nearest", where, len(outside))
     attach_quantized_save(root)  # model.save_pretrained writes the compressed checkpoint
     return {"layers": reports, "seconds": time.perf_counter() - t0, "quantized_linears": sum(len(p) for p in per_layer)}
@@ -245,7 +259,7 @@ def _prepared(layer: nn.Module, names: list[str], scheme: QuantScheme, *, where:
                 )
             out[n] = m
         return out
-    swapped = prepare(layer, scheme, targets=names, quantize_ops=False, where=where)
+    swapped = prepare(layer, scheme, PrepareParams(targets=names), where=where)
     return {n: m for n, m in swapped.items() if isinstance(m, QuantLinear)}
 
 

@@ -122,7 +122,7 @@ def int4_weight(mod: Any, *, where: str = "layer") -> Int4Weight:
             if g_idx.numel() != k:
                 raise UnsupportedModelError(f"{where}: g_idx has {g_idx.numel()} entries for {k} input features")
             gi = g_idx.long().to(weight.device)
-            q = torch.round(weight.float() * (1.0 / scale[:, gi])) + zp[:, gi].float()  # primitives.quantize's arithmetic
+            q = torch.round(weight.float() * (1.0 / scale[:, gi])) + zp[:, gi].float()  # primitives.quantize_codes' arithmetic
             q = q.clamp(wq.qmin, wq.qmax).to(torch.int32)
         else:
             q = wq.int_repr(weight.float()).to(torch.int32)

@@ -126,7 +126,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.clamp(x.float() * (1.0 / scale.float()), -lim, lim).to(torch.float8_e4m3fn)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
     """Integer codes of ``x`` (int8 for signed ranges, uint8 for unsigned); no gradient."""
     q = torch.clamp(torch.round(x.float() * (1.0 / scale.float())) + zero_point.float(), qmin, qmax)
     return q.to(torch.int8 if qmin < 0 else torch.uint8)
@@ -220,12 +220,12 @@ def quantize_spec(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
     granularity; shape of ``x``."""
     if spec.granularity == "group":
         xg = to_groups(x, group_size_for(x, spec))
-        return from_groups(quantize(xg, scale[..., None], zero_point[..., None], spec.qmin, spec.qmax), x)
+        return from_groups(quantize_codes(xg, scale[..., None], zero_point[..., None], spec.qmin, spec.qmax), x)
     s = broadcast_param(scale, x, spec)
     if spec.is_float:
         return quantize_fp8(x, s)
     z = broadcast_param(zero_point, x, spec)
-    return quantize(x, s, z, spec.qmin, spec.qmax)
+    return quantize_codes(x, s, z, spec.qmin, spec.qmax)
 
 
 def dynamic_qparams(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:

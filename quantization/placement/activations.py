@@ -30,7 +30,8 @@ from compress.quantization.placement.mode import (
 from compress.quantization.placement.place import place
 from compress.quantization.placement.records import Placement
 from compress.quantization.placement.runtimes import get_profile
-from compress.quantization.placement.trace import OpGraph, OpNode, trace_graph
+from compress.quantization.placement.settings import PrepareParams
+from compress.quantization.placement.trace import OpGraph, OpNode, trace_ops
 from torch import nn
 
 from compress.core.errors import CalibrationError, CompressError
@@ -44,15 +45,11 @@ log = logging.getLogger(__name__)
 class GraphConfig:
     """What placement needs besides the graph; kept on a pending QuantizerGraph until it is placed."""
 
-    target: str
-    targets: list[str]
-    ignore: list[str]
-    quantize_ops: bool
+    params: PrepareParams  # what it applies to, the runtime, quantize_ops, quantize_embeddings
     activation_spec: QuantSpec
     weight_spec: QuantSpec | None
     swapped: set[str] = field(default_factory=set)
     skip_layers: dict[str, str] = field(default_factory=dict)  # layer -> why it stays float
-    quantize_embeddings: bool = True
     #: why the whole model stays float (the cost table's model-level check): nothing is placed
     model_float: str | None = None
     float_ops: dict[str, str] = field(default_factory=dict)  # attention call (op key) -> why it stays float
@@ -178,7 +175,7 @@ def layers_by_flow(graph: OpGraph) -> list[str]:
 def new_graph(model: nn.Module, config: GraphConfig) -> QuantizerGraph:
     """Attach a pending QuantizerGraph to ``model``: placed by :func:`place_graph` now, or on the
     first forward pass."""
-    qg = QuantizerGraph(Placement(target=config.target), activation_spec=config.activation_spec,
+    qg = QuantizerGraph(Placement(target=config.params.runtime), activation_spec=config.activation_spec,
                         weight_spec=config.weight_spec, pending=True)
     qg.placer = functools.partial(_place, config=config)
     attach(model, qg)
@@ -204,14 +201,14 @@ def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kw
     model.eval()  # trace the inference graph: dropout and BN in training mode take other calls
     qg.placing = True
     try:
-        graph = trace_graph(model, args, kwargs)
+        graph = trace_ops(model, args, kwargs)
     finally:
         model.train(was_training)
         qg.placing = placing
     placement = place(
-        graph, get_profile(config.target), targeted=targeted_fn(model, config.targets, config.ignore),
-        swapped=config.swapped, skip_layers=config.skip_layers, quantize_ops=config.quantize_ops,
-        embeddings=config.quantize_embeddings, tied=tied_weights(model, config.swapped), model_float=config.model_float,
+        graph, get_profile(config.params.runtime), targeted=targeted_fn(model, config.params.targets, config.params.ignore),
+        swapped=config.swapped, skip_layers=config.skip_layers, quantize_ops=config.params.quantize_ops,
+        embeddings=config.params.quantize_embeddings, tied=tied_weights(model, config.swapped), model_float=config.model_float,
         float_ops=config.float_ops, serving_batch=config.serving_batch, cost_table=config.cost_table,
         example_batch=call_batch(args, kwargs),
     )
@@ -225,7 +222,7 @@ def place_graph(model: nn.Module, config: GraphConfig, args: tuple[Any, ...], kw
         qg.to(device)
     log.info(
         "placed %d activation quantizers on %d op calls for %s (%d functional weights, %d ops left float)",
-        len(placement.activations), len(placement.entries), config.target, len(placement.weights), len(placement.floats),
+        len(placement.activations), len(placement.entries), config.params.runtime, len(placement.weights), len(placement.floats),
     )
     return placement
 

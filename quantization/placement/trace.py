@@ -540,7 +540,7 @@ def _global_pool(args: Any, kwargs: dict[str, Any]) -> bool:
     return all(isinstance(d, int) for d in dims) and sorted(d % x.dim() for d in dims) == list(range(2, x.dim()))
 
 
-def trace_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpGraph:
+def trace_ops(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpGraph:
     """The OpGraph of ``model(*args, **kwargs)`` (run once, under no_grad, in the model's mode)."""
     tracer = GraphTracer(model)
     tracer.mark_inputs(args, kwargs)

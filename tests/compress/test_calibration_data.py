@@ -149,16 +149,25 @@ def test_positional_extras_are_refused_and_recording_stops_at_max_batches() -> N
     assert calls == [0, 1, 2, 3]  # the fourth call is stopped in the model; the loop goes no further
 
 
-def test_the_former_keywords_still_work_with_a_warning() -> None:
-    from compress.pruning.api import PruneOptions
+def test_the_former_names_are_refused_naming_the_new_ones() -> None:
+    """0.1.0's deprecated keywords and fields are gone: each old name is refused in one line naming
+    the new one, in Python and in a recipe alike."""
+    from compress.core.errors import RecipeError
 
-    torch.manual_seed(0)
     fp = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
     x = torch.randn(16, 12)
-    with pytest.warns(DeprecationWarning, match="forward_loop"):
-        old = compress.quantize(copy.deepcopy(fp), "w8a8", forward_loop=list(x.split(8)))
-    new = compress.quantize(copy.deepcopy(fp), "w8a8", list(x.split(8)))
-    torch.testing.assert_close(old(x), new(x), atol=0, rtol=0)
-    with pytest.warns(DeprecationWarning, match="options"):
-        pruned = compress.prune(copy.deepcopy(fp), x[:2], ratio=0.5, options=PruneOptions(max_ratio=0.25))
-    assert PruneOptions is compress.PruneParams and pruned.model[0].out_features == 24
+    with pytest.raises(TypeError, match="'forward_loop=' is now 'data'"):
+        compress.quantize(copy.deepcopy(fp), "w8a8", forward_loop=list(x.split(8)))
+    with pytest.raises(TypeError, match="'options=' is now 'params'"):
+        compress.prune(copy.deepcopy(fp), x[:2], ratio=0.5, options=compress.PruneParams(max_ratio=0.25))
+    with pytest.raises(TypeError, match="'target=' is now 'budget'"):
+        compress.prune(copy.deepcopy(fp), x[:2], target={"macs": 0.5})
+    with pytest.raises(RecipeError, match="QuantizeParams: 'max_batches' is now 'num_batches'"):
+        compress.QuantizeParams(max_batches=2)
+    with pytest.raises(RecipeError, match="'target' is now 'runtime'"):
+        compress.QuantizeParams(target="openvino")
+    with pytest.raises(RecipeError, match="'taylor_batches' is now 'num_batches'"):
+        compress.PruneParams(taylor_batches=2)
+    with pytest.raises(TypeError, match="'max_batches=' is now 'params=GPTQParams"):
+        compress.gptq(fp, [x], max_batches=1, ignore=["lm_head"])
+    assert not hasattr(compress.pruning.api, "PruneOptions")

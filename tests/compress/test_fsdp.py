@@ -131,11 +131,11 @@ def test_a_sharded_checkpoint_keeps_the_lr_schedule_and_pickles_nothing(tmp_path
 
 def _prepared(seed: int = 5) -> tuple[nn.Module, torch.Tensor]:
     """A tiny Llama with QAT fake quantizers (w8a8, LSQ scales) calibrated on one batch."""
-    from compress.quantization import calibrate, prepare, quantizers
+    from compress.quantization import PrepareParams, calibrate, prepare, quantizers
 
     m = _llama()
     x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(seed))
-    prepare(m, "w8a8", ignore=["lm_head"], example_inputs=(x,))
+    prepare(m, "w8a8", PrepareParams(ignore=["lm_head"]), example_inputs=(x,))
     calibrate(m, [x])
     for _, q in quantizers(m):
         if not q.spec.dynamic:
@@ -228,7 +228,7 @@ def _speed_check_on_ranks(rank: int) -> tuple[bool, bool]:
     """PTQ's speed_check under torchrun: rank 0 alone times the kernels (here: says down_proj of layer 0
     is slower in int8) and every rank keeps the same layers float."""
     import compress.quantization.preparation as qp
-    from compress.quantization import prepare
+    from compress.quantization import PrepareParams, prepare
     from compress.quantization.numerics.modules import QuantLinear
     from compress.quantization.placement.speed_check import SpeedCheck
 
@@ -241,7 +241,7 @@ def _speed_check_on_ranks(rank: int) -> tuple[bool, bool]:
     try:
         m = _llama()
         x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(5))
-        prepare(m, "w8a8", ignore=["lm_head"], example_inputs=(x,), speed_check=SpeedCheck())
+        prepare(m, "w8a8", PrepareParams(ignore=["lm_head"], speed_check=SpeedCheck()), example_inputs=(x,))
     finally:
         qp._measure = saved
     return (not isinstance(m.model.layers[0].mlp.down_proj, QuantLinear),
@@ -535,7 +535,7 @@ def test_pruning_schedule_with_kd_trains_sharded_between_its_steps(tmp_path: Pat
     recipe = _tiny_llm_recipe(tmp_path, train={"epochs": 0, "metric": "perplexity", "batch_size": 8,
                                                "optimizer": "adamw", "lr": 0.001, "device": "cpu"},
                               stages=[{"name": "prune_kd", "epochs": 2, "modifiers": [
-                                  {"type": "prune", "target": {"params": 0.8}, "importance": "activation",
+                                  {"type": "prune", "budget": {"params": 0.8}, "importance": "activation",
                                    "activation_batches": 1, "steps": 2},
                                   {"type": "distill", "task_weight": 0.0, "eval_batches": 0,
                                    "losses": [{"type": "kd", "temperature": 1.0}]}]}])
@@ -614,7 +614,7 @@ def test_the_other_ranks_wait_out_rank_0s_export_past_the_timeout(tmp_path: Path
 def _qat_kd_recipe(tmp: Path, *, lsq: bool, prune_first: bool = False) -> Path:
     """No baseline training; one 2-epoch stage of w8a8 QAT (EMA observers, or LSQ scales) + KD from the
     model before it (``prune_first``: after a one-shot pruning stage)."""
-    prune = [{"name": "prune", "modifiers": [{"type": "prune", "target": {"params": 0.8}, "importance": "l2"}]}]
+    prune = [{"name": "prune", "modifiers": [{"type": "prune", "budget": {"params": 0.8}, "importance": "l2"}]}]
     return _tiny_llm_recipe(
         tmp, train={"epochs": 0, "metric": "perplexity", "batch_size": 8, "optimizer": "adamw", "lr": 0.001,
                     "device": "cpu"},
@@ -681,7 +681,7 @@ def test_a_pruning_schedule_stage_is_not_checkpointed_mid_way(tmp_path: Path) ->
     recipe = _tiny_llm_recipe(tmp_path, train={"epochs": 0, "metric": "perplexity", "batch_size": 8,
                                                "optimizer": "adamw", "lr": 0.001, "device": "cpu"},
                               stages=[{"name": "prune", "epochs": 2, "modifiers": [
-                                  {"type": "prune", "target": {"params": 0.8}, "importance": "l2", "steps": 2}]}])
+                                  {"type": "prune", "budget": {"params": 0.8}, "importance": "l2", "steps": 2}]}])
     compress.apply(recipe, out_dir=tmp_path / "run", quiet=True)
     assert not (tmp_path / "run" / "checkpoints" / "stage_last.pt").exists()
 

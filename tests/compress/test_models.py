@@ -84,10 +84,10 @@ def test_mobilenetv2_structure() -> None:
 
 def _op_counts(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
     """Tensor ops of one forward pass by kind, as quantizer placement sees them."""
-    from compress.quantization.placement.trace import trace_graph
+    from compress.quantization.placement.trace import trace_ops
 
     counts: dict[str, int] = {}
-    for n in trace_graph(model.eval(), (x,), {}).nodes.values():
+    for n in trace_ops(model.eval(), (x,), {}).nodes.values():
         counts[n.kind] = counts.get(n.kind, 0) + 1
     return counts
 

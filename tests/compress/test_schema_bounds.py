@@ -40,7 +40,7 @@ VALIDATED: dict[str, tuple[dict[str, Any], Any]] = {
     # pruning.api.check_ratio: ratio in [0, 1)
     "PruneSpec.ratio": ({"type": "prune"}, 1.0),
     # pruning.api.check_ratio: target {params|macs: fraction in (0, 1]}
-    "PruneSpec.target": ({"type": "prune"}, {"macs": 1.5}),
+    "PruneSpec.budget": ({"type": "prune"}, {"macs": 1.5}),
     # PruneParams._ratios: every override ratio in [0, 1)
     "PruneSpec.overrides": ({"type": "prune", "ratio": 0.5}, {"head": 1.0}),
 }

@@ -540,11 +540,13 @@ def test_plan_lists_matched_modules_without_changes(tiny_model: nn.Module, event
     )
     s = Session(r, tiny_model)
     assert s.plan() == [
-        {"stage": "a", "epochs": 1.0, "steps": None, "modifiers": [{"type": "test_noop", "modules": ["0"]}]},
+        {"stage": "a", "epochs": 1.0, "steps": None, "pipeline": "training",
+         "modifiers": [{"type": "test_noop", "modules": ["0"]}]},
         {
             "stage": "b",
             "epochs": 0.0,
             "steps": 3,
+            "pipeline": "training",
             "modifiers": [{"type": "test_train", "modules": ["0", "2"]}],
         },
     ]

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from compress.pruning.api import Pruner
+from compress.pruning.api import PruneParams, Pruner
 from compress.pruning.graph import ELEMENT, DependencyGraph
 from torch import nn
 
@@ -206,11 +206,12 @@ def zeroed_copy(model: nn.Module, graph: DependencyGraph, keep: np.ndarray) -> n
     return z.eval()
 
 
-def prune_with_graph(model: nn.Module, x: Any, ratio: float, **kw: Any) -> tuple[DependencyGraph, np.ndarray, Any]:
+def prune_with_graph(model: nn.Module, x: Any, ratio: float, *, params: PruneParams | None = None,
+                     ) -> tuple[DependencyGraph, np.ndarray, Any]:
     """Prune in place through the Pruner steps; returns the graph, the keep flags and the slices."""
-    pruner = Pruner(**kw)
+    pruner = Pruner(params)
     graph = pruner.trace(model, x)
-    keep = pruner.select(model, graph, ratio=ratio, target=None)
+    keep = pruner.select(model, graph, ratio=ratio, budget=None)
     slices = pruner.cut(model, graph, keep, x)
     return graph, keep, slices
 

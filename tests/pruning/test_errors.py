@@ -21,7 +21,7 @@ def test_ratio_outside_unit_interval(ratio: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("ratio", "target", "match"),
+    ("ratio", "budget", "match"),
     [
         (None, None, "exactly one of ratio"),
         (0.5, {"macs": 0.5}, "exactly one of ratio"),
@@ -29,9 +29,9 @@ def test_ratio_outside_unit_interval(ratio: float) -> None:
         (None, {"macs": 0.0}, r"fraction in \(0, 1\]"),
     ],
 )
-def test_bad_ratio_or_target(ratio: float | None, target: dict[str, float] | None, match: str) -> None:
+def test_bad_ratio_or_budget(ratio: float | None, budget: dict[str, float] | None, match: str) -> None:
     with pytest.raises(RecipeError, match=match):
-        prune(Residual(), torch.randn(2, 3, 8, 8), ratio=ratio, target=target)
+        prune(Residual(), torch.randn(2, 3, 8, 8), ratio=ratio, budget=budget)
 
 
 def test_unknown_importance_suggests_the_closest() -> None:

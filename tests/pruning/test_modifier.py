@@ -112,7 +112,7 @@ def test_iterative_prune_needs_a_training_stage() -> None:
     ("fields", "match"),
     [
         ({"ratio": 1.2}, r"ratio must be in \[0, 1\)"),
-        ({"ratio": 0.5, "target": {"macs": 0.5}}, "exactly one of ratio"),
+        ({"ratio": 0.5, "budget": {"macs": 0.5}}, "exactly one of ratio"),
         ({"ratio": 0.5, "importance": "l3"}, "importance"),
         ({"ratio": 0.5, "sparsity": {"kind": "l0"}}, "sparsity"),
         ({"ratio": 0.5, "overrides": {"a": 1.0}}, "override ratio"),

@@ -117,7 +117,7 @@ def test_target_fraction_is_reached(metric: str, mode: str) -> None:
     model = build_zoo_model("mobilenetv2", {"width_mult": 0.5})
     x = torch.randn(2, 1, 8, 8)
     before = count_params(model) if metric == "params" else count_macs(model, x)
-    res = prune(model, x, target={metric: 0.5}, params=PruneParams(mode=mode))
+    res = prune(model, x, budget={metric: 0.5}, params=PruneParams(mode=mode))
     after = count_params(model) if metric == "params" else count_macs(model, x)
     assert after <= 0.5 * before and after > 0.4 * before  # the smallest ratio that gets there
     assert (res.params_after if metric == "params" else res.macs_after) == after

@@ -42,7 +42,7 @@ def test_zoo_model_prunes(name: str, ratio: float) -> None:
 
     pruner = Pruner()
     graph = pruner.trace(model, x)
-    keep = pruner.select(model, graph, ratio=ratio, target=None)
+    keep = pruner.select(model, graph, ratio=ratio, budget=None)
     cost = CostModel(graph, model)
     predicted = (cost.params(keep), cost.macs(keep) // 2)
     slices = pruner.cut(model, graph, keep, x)

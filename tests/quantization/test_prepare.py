@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from compress.quantization import (
+    PrepareParams,
     QuantConv2d,
     QuantLinear,
     calibrate,
@@ -17,8 +18,7 @@ from compress.quantization import (
     quantizers,
     strip,
 )
-from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range
-from compress.quantization.numerics.primitives import quantize as quantize_codes
+from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range, quantize_codes
 from compress.quantization.placement.mode import graph_of
 from torch import nn
 
@@ -163,7 +163,7 @@ def test_qat_bn_conv_trains_stats_then_freezes_and_folds_exactly() -> None:
 
 def test_targets_ignore_first_last() -> None:
     m = _model()
-    prepare(m, "w8a8", targets=["type:Conv2d", "fc"], ignore=["conv2"], quantize_ops=False)
+    prepare(m, "w8a8", PrepareParams(targets=["type:Conv2d", "fc"], ignore=["conv2"], quantize_ops=False))
     assert isinstance(m.conv1, QuantConv2d) and type(m.conv2) is nn.Conv2d and isinstance(m.fc, QuantLinear)
     calibrate(m, _data())
     entries = m.quantizer_graph.placement.entries
@@ -172,14 +172,14 @@ def test_targets_ignore_first_last() -> None:
     assert "1" not in entries.get(":add#0", {}) and ":matmul#0" not in entries
     assert type(m.conv2) is nn.Conv2d
     m = _model()
-    prepare(m, "w8a8", first_last="float", example_inputs=_data(1)[0])
+    prepare(m, "w8a8", PrepareParams(first_last="float"), example_inputs=_data(1)[0])
     assert type(m.conv1) is nn.Conv2d and type(m.fc) is nn.Linear and isinstance(m.conv2, QuantConv2d)
     assert {"conv1:conv#0", "fc:linear#0"} <= set(m.quantizer_graph.placement.floats)
     m = _model()
-    prepare(m, "w4_weight_only_g128", first_last="w8")
+    prepare(m, "w4_weight_only_g128", PrepareParams(first_last="w8"))
     assert m.conv1.weight_quantizer.spec.bits == 8 and m.conv2.weight_quantizer.spec.bits == 4
     with pytest.raises(TargetMatchError, match="'nope'"):
-        prepare(_model(), "w8a8", targets=["nope"])
+        prepare(_model(), "w8a8", PrepareParams(targets=["nope"]))
     with pytest.raises(CompressError, match="already quantized"):
         prepare(m, "w8a8")
 

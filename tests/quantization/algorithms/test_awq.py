@@ -23,6 +23,7 @@ from torch import nn
 
 import compress
 from compress.core.errors import CalibrationError
+from compress.core.params import Selection
 
 W3 = QuantScheme(weights=QuantSpec(bits=3, granularity="group", group_size=32), inputs=None)
 
@@ -121,7 +122,7 @@ def test_fold_groups_are_found_in_the_traced_layer(make, expected) -> None:  # t
 def test_awq_folds_leave_the_float_model_unchanged_and_beat_rtn(make) -> None:  # type: ignore[no-untyped-def]
     fp = make()
     data = _calib()
-    q = compress.awq(copy.deepcopy(fp), data, scheme=W3)
+    q = compress.awq(copy.deepcopy(fp), data, scheme=W3, ignore=["lm_head"])
     with torch.no_grad():
         ref = torch.cat([fp(input_ids=x).logits for x in data])
         with float_mode(q):  # quantizers off: only the folds and the clipping remain
@@ -132,7 +133,7 @@ def test_awq_folds_leave_the_float_model_unchanged_and_beat_rtn(make) -> None:  
     compress.quantize(rtn, W3, ignore=["lm_head"])
     with torch.no_grad():
         base = torch.cat([rtn(input_ids=x).logits for x in data])
-    unclipped = compress.awq(copy.deepcopy(fp), data, scheme=W3, params=AWQParams(clip=False))
+    unclipped = compress.awq(copy.deepcopy(fp), data, scheme=W3, params=AWQParams(clip=False), ignore=["lm_head"])
     with torch.no_grad(), float_mode(unclipped):
         exact = torch.cat([unclipped(input_ids=x).logits for x in data])
     torch.testing.assert_close(exact, ref, rtol=1e-4, atol=1e-4)  # scale folds alone are exact in float
@@ -230,9 +231,9 @@ def test_clip_search_picks_each_groups_best_shrink_on_either_path(spec: QuantSpe
 def test_awq_then_gptq_keeps_awq_and_rounds_with_gptq() -> None:
     fp = _llama()
     data = _calib()
-    a = compress.awq(copy.deepcopy(fp), data, scheme=W3)
+    a = compress.awq(copy.deepcopy(fp), data, scheme=W3, ignore=["lm_head"])
     ln = a.model.layers[0].input_layernorm.weight.detach().clone()
-    both = compress.gptq(a, data, scheme=W3)
+    both = compress.gptq(a, data, scheme=W3, ignore=["lm_head"])
     torch.testing.assert_close(both.model.layers[0].input_layernorm.weight, ln, atol=0, rtol=0)
     for m in both.modules():
         if isinstance(m, QuantLinear):
@@ -240,7 +241,7 @@ def test_awq_then_gptq_keeps_awq_and_rounds_with_gptq() -> None:
             torch.testing.assert_close(m.weight_quantizer(m.weight), m.weight, atol=0, rtol=0)
     w4 = QuantScheme(weights=QuantSpec(bits=4, granularity="channel"), inputs=None)
     with pytest.raises(CalibrationError, match="another weight spec"):
-        compress.gptq(both, data, scheme=w4)
+        compress.gptq(both, data, scheme=w4, ignore=["lm_head"])
 
 
 def test_scale_search_reads_each_group_at_its_module_output() -> None:
@@ -252,7 +253,7 @@ def test_scale_search_reads_each_group_at_its_module_output() -> None:
     reports: list[dict[str, Any]] = []
     sequential_quantize(
         _llama(), _calib(), W3, lambda i, layer, lin, calls: reports.append(awq_layer(layer, lin, calls, AWQParams())),
-        targets=["*"], ignore=["lm_head"], max_batches=None, load=None, release=None, where="test",
+        Selection(ignore=["lm_head"]), load=None, release=None, where="test",
     )
     got = {tuple(g["consumers"]): g.get("inspected") for g in reports[0]["groups"]}
     assert got == {
@@ -296,8 +297,8 @@ def test_a_clip_is_kept_only_where_the_inspected_module_agrees() -> None:
         seen.append(_guard_clips(layer, groups, lin, {"self_attn.q_proj": harmful, "self_attn.v_proj": harmless},
                                  {"self_attn": ModuleOutputError(layer.get_submodule("self_attn"), qkv, recorded)}, {}))
 
-    sequential_quantize(_llama(), _calib(), W3, process, targets=["*"], ignore=["lm_head"], max_batches=None,
-                        load=None, release=None, where="test")
+    sequential_quantize(_llama(), _calib(), W3, process, Selection(ignore=["lm_head"]), load=None, release=None,
+                        where="test")
     assert seen == [{"self_attn.q_proj"}]
 
 
@@ -312,7 +313,7 @@ def _awq_ddp_worker(rank: int, port: int, out: str) -> None:
     try:
         g = torch.Generator().manual_seed(10 + rank)  # each rank calibrates on its own shard, of its own size
         shard = [torch.randint(0, 128, (2, 32), generator=g) for _ in range(3 - rank)]
-        q = compress.awq(_llama(), shard, scheme=W3)
+        q = compress.awq(_llama(), shard, scheme=W3, ignore=["lm_head"])
         torch.save({n: p.detach() for n, p in q.state_dict().items() if n.endswith("weight")}, f"{out}/{rank}.pt")
         dist.barrier()
     finally:
@@ -337,7 +338,7 @@ def test_awq_ranks_choose_the_same_scales_and_clips(tmp_path: Any) -> None:
     for n in w0:
         assert torch.equal(w0[n], w1[n]), n
     alone = compress.awq(_llama(), [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(10))
-                                    for _ in range(3)], scheme=W3).state_dict()
+                                    for _ in range(3)], scheme=W3, ignore=["lm_head"]).state_dict()
     assert any(not torch.equal(alone[n], w0[n]) for n in w0)  # the shards do differ
 
 
@@ -350,7 +351,7 @@ def test_awq_recipe_reports_what_the_scales_bought(tiny_llm_dir: str, tmp_path: 
         "data": {"source": "text_lm", "kwargs": {"tokenizer": tiny_llm_dir, "seq_len": 32, "samples": 8},
                  "calibration_samples": 8, "eval_samples": 8, "calibration_batch_size": 4, "eval_batch_size": 4},
         "train": {"metric": "perplexity"}, "export": {"enabled": False},
-        "stages": [{"name": "awq", "modifiers": [{"type": "awq", "scheme": "w4_weight_only_g128"}]}],
+        "stages": [{"name": "awq", "modifiers": [{"type": "awq", "scheme": "w4_weight_only_g128", "ignore": ["lm_head"]}]}],
     }
     report = compress.apply(compress.load_recipe(raw), out_dir=tmp_path / "run", quiet=True)
     stage = report.stages[0]
@@ -401,8 +402,8 @@ def test_a_lone_linears_objective_is_read_from_its_gram_matrix_not_rerun() -> No
         reports.append(process(i, layer, lins, calls))
         return reports[-1]
 
-    sequential_quantize(_llama(), _calib(), W3, keep,
-                        targets=["*"], ignore=["lm_head"], max_batches=None, load=None, release=None, where="test")
+    sequential_quantize(_llama(), _calib(), W3, keep, Selection(ignore=["lm_head"]), load=None, release=None,
+                        where="test")
     assert sum(alone) == 0, sum(alone)
     down = [gr for r in reports for gr in r["groups"] if gr["consumers"] == ["mlp.down_proj"]]
     assert len(down) == 2 and all(0 <= gr["error"] <= gr["unscaled_error"] for gr in down)

@@ -165,7 +165,7 @@ def test_gptq_on_hf_causal_lms_beats_rtn(arch: str) -> None:
     torch.manual_seed(0)
     fp = MODELS[arch]().eval()
     data = _calib()
-    q = compress.gptq(copy.deepcopy(fp), data, scheme=W3, params=GPTQParams(act_order=arch == "llama"))
+    q = compress.gptq(copy.deepcopy(fp), data, scheme=W3, params=GPTQParams(act_order=arch == "llama"), ignore=["lm_head"])
     lins = {n: m for n, m in q.named_modules() if isinstance(m, QuantLinear)}
     assert len(lins) == (7 if arch != "gpt2" else 4) * 2 and "lm_head" not in lins
     for m in lins.values():  # GPTQ's weights are on the grid the quantizer stores
@@ -187,7 +187,7 @@ def test_gptq_w8a8_dynamic_beats_round_to_nearest_and_keeps_its_activation_quant
         with torch.no_grad():
             layer.input_layernorm.weight[:3] = 30.0
     data = _calib()
-    q = compress.gptq(copy.deepcopy(fp), data, scheme="W8A8")
+    q = compress.gptq(copy.deepcopy(fp), data, scheme="W8A8", ignore=["lm_head"])
     lins = [m for m in q.modules() if isinstance(m, QuantLinear)]
     assert len(lins) == 14
     for m in lins:
@@ -234,13 +234,13 @@ def test_gptq_after_smoothquant_sees_the_inputs_the_weights_see(monkeypatch: pyt
 
 def test_gptq_inputs_are_checked() -> None:
     with pytest.raises(CalibrationError, match="static activation scales come from calibration"):
-        compress.gptq(_llama(), _calib(), scheme="w8a8")
+        compress.gptq(_llama(), _calib(), scheme="w8a8", ignore=["lm_head"])
     with pytest.raises(CalibrationError, match="weight-only"):
-        compress.awq(_llama(), _calib(), scheme="w8a8_dynamic")
+        compress.awq(_llama(), _calib(), scheme="w8a8_dynamic", ignore=["lm_head"])
     with pytest.raises(CalibrationError, match="fed no batch"):
-        compress.gptq(_llama(), lambda m: None)  # a forward function that runs nothing
+        compress.gptq(_llama(), lambda m: None, ignore=["lm_head"])  # a forward function that runs nothing
     with pytest.raises(RecipeError, match="unknown quantization scheme"):
-        compress.gptq(_llama(), _calib(), scheme="w4_g128")
+        compress.gptq(_llama(), _calib(), scheme="w4_g128", ignore=["lm_head"])
 
 
 def test_recipe_modifiers_validate_their_fields() -> None:
@@ -251,7 +251,8 @@ def test_recipe_modifiers_validate_their_fields() -> None:
 
     r = recipe({"type": "gptq", "act_order": True, "scheme": {"preset": "w4_weight_only_g128", "weights": {"group_size": 64}}})
     spec = r.stages[0].modifiers[0]  # type: ignore[attr-defined]
-    assert spec.params().act_order and spec.resolved_scheme().weights.group_size == 64
+    assert isinstance(spec, compress.GPTQParams) and spec.act_order  # the recipe spec is the settings object
+    assert spec.resolved_scheme().weights.group_size == 64
     with pytest.raises(RecipeError, match=r"act_ordr.*did you mean 'act_order'"):
         recipe({"type": "gptq", "act_ordr": True})
     w8a8 = recipe({"type": "gptq", "scheme": "W8A8"}).stages[0].modifiers[0]  # type: ignore[attr-defined]
@@ -269,7 +270,7 @@ def test_recipe_modifiers_validate_their_fields() -> None:
 
 @pytest.mark.parametrize(("first", "scheme"), [
     ({"type": "ptq", "scheme": "W8A8", "ignore": ["lm_head"], "quantize_ops": False, "smoothquant": "auto"}, "W8A8"),
-    ({"type": "awq", "scheme": "W4A16"}, "W4A16"),
+    ({"type": "awq", "scheme": "W4A16", "ignore": ["lm_head"]}, "W4A16"),
 ], ids=["smoothquant-gptq-w8a8", "awq-gptq-w4a16"])
 def test_recipe_gptq_after_another_quantize_modifier(first: dict[str, Any], scheme: str, tiny_llm_dir: str,
                                                      tmp_path: Path) -> None:
@@ -281,7 +282,7 @@ def test_recipe_gptq_after_another_quantize_modifier(first: dict[str, Any], sche
         "data": {"source": "text_lm", "kwargs": {"tokenizer": tiny_llm_dir, "seq_len": 32, "samples": 8},
                  "calibration_samples": 8, "eval_samples": 4},
         "train": {"epochs": 0, "metric": "perplexity"},
-        "stages": [{"name": "q", "modifiers": [first, {"type": "gptq", "scheme": scheme}]}],
+        "stages": [{"name": "q", "modifiers": [first, {"type": "gptq", "scheme": scheme, "ignore": ["lm_head"]}]}],
         "export": {"enabled": False}, "validate": {"enabled": False},
     })
     report = compress.apply(recipe, out_dir=tmp_path / "run", quiet=True)

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # before the kernels are first imported (jit 
 from compress.quantization.lowering.int8 import Int8Conv2d, Int8Linear
 from compress.quantization.numerics.calibration import calibrate
 from compress.quantization.numerics.modules import QUANT_LAYERS
-from compress.quantization.numerics.primitives import quantize
+from compress.quantization.numerics.primitives import quantize_codes
 from compress.quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 from compress.quantization.preparation import calibrate_weight
 
@@ -49,7 +49,7 @@ def test_linear_static_uint8_matches_integer_reference(device: str) -> None:
     assert iq is not None and wq is not None and iq.spec.dtype == "uint8"
     x = torch.randn(37, 70) * 2
     # the reference: codes from the primitives, exact integer GEMM, the kernel's epilogue order
-    xq = quantize(x, iq.scale, iq.zero_point, iq.qmin, iq.qmax).long() - int(iq.zero_point)
+    xq = quantize_codes(x, iq.scale, iq.zero_point, iq.qmin, iq.qmax).long() - int(iq.zero_point)
     wcodes = wq.int_repr(ql.weight.detach()).long()
     assert torch.equal(il.weight_q.cpu().long(), wcodes)
     acc = (xq @ wcodes.T).float()
@@ -126,7 +126,7 @@ def test_conv_static_matches_integer_reference_and_fake_quant(device: str) -> No
     iq, wq = qc.input_quantizer, qc.weight_quantizer
     assert iq is not None and wq is not None
     x = torch.randn(2, 6, 9, 7)
-    xq = quantize(x, iq.scale, iq.zero_point, iq.qmin, iq.qmax).double() - int(iq.zero_point)
+    xq = quantize_codes(x, iq.scale, iq.zero_point, iq.qmin, iq.qmax).double() - int(iq.zero_point)
     acc = F.conv2d(xq, wq.int_repr(qc.weight.detach()).double(), stride=2, padding=1).float()
     ref = acc * iq.scale.float() * wq.scale.float()[None, :, None, None] + qc.bias.detach()[None, :, None, None]
     y = ic(x.to(device)).cpu()

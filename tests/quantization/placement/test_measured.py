@@ -21,7 +21,7 @@ from compress.quantization.placement.speed_check import (
     layer_calls,
     time_layers,
 )
-from compress.quantization.placement.trace import trace_graph
+from compress.quantization.placement.trace import trace_ops
 from torch import nn
 
 from compress.core.errors import CompressError
@@ -97,7 +97,7 @@ def _data(n: int = 3, batch: int = 4) -> list[torch.Tensor]:
 def test_layer_calls_scale_the_batch_and_mark_model_edges() -> None:
     m = _net()
     layers = {n: mod for n, mod in m.named_modules() if isinstance(mod, (nn.Conv2d, nn.Linear))}
-    calls = layer_calls(trace_graph(m, (_data(1)[0],), {}), layers)
+    calls = layer_calls(trace_ops(m, (_data(1)[0],), {}), layers)
     assert calls["0"] == LayerCall((4, 3, 16, 16), model_input=True, pooled=True)  # conv -> relu -> max-pool
     assert calls["3"] == LayerCall((4, 16, 8, 8))
     assert calls["9"] == LayerCall((4, 32), model_output=True)
@@ -125,7 +125,7 @@ def test_speed_check_keeps_layers_float_with_the_times_as_reason(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("scheme", "params", "match"),
-    [("w8a8", QuantizeParams(target="tensorrt", speed_check=SpeedCheck()), "target is tensorrt"),
+    [("w8a8", QuantizeParams(runtime="tensorrt", speed_check=SpeedCheck()), "runtime is tensorrt"),
      ("w8a8_dynamic", QuantizeParams(speed_check=SpeedCheck()), "static activations")],
 )
 def test_speed_check_refuses_what_it_cannot_time(scheme: str, params: QuantizeParams, match: str) -> None:

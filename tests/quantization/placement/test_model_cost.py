@@ -16,7 +16,7 @@ from compress.quantization.placement import cost_table as ct
 from compress.quantization.placement.model_cost import model_cost, unpriced_ops
 from compress.quantization.placement.records import Placement
 from compress.quantization.placement.speed_check import layer_calls
-from compress.quantization.placement.trace import trace_graph
+from compress.quantization.placement.trace import trace_ops
 from compress.quantization.view import is_quantized, view
 from torch import nn
 
@@ -185,7 +185,7 @@ def test_models_with_unpriced_integer_ops_keep_the_layer_rows_placement(monkeypa
     q = quantize(transformers.ViTForImageClassification(cfg).eval(), "w8a8", _images(2, 16),
                  params=QuantizeParams(model_check="float"))
     assert view(q).model_float is None and is_quantized(q)
-    g = trace_graph(transformers.ViTForImageClassification(cfg).eval(), (_images(1, 16)[0],), {})
+    g = trace_ops(transformers.ViTForImageClassification(cfg).eval(), (_images(1, 16)[0],), {})
     assert unpriced_ops(g), "the ViT's attention should count as unpriced"
 
 
@@ -196,7 +196,7 @@ def test_model_cost_counts_entries_exits_and_adds() -> None:
     torch.manual_seed(0)
     m = build_zoo_model("resnet", {"width": 16, "depth": 1, "num_classes": 10, "in_channels": 1}).eval()
     x = torch.randn(8, 1, 8, 8)
-    graph = trace_graph(m, (x,), {})
+    graph = trace_ops(m, (x,), {})
     layers = {n: mod for n, mod in m.named_modules() if isinstance(mod, (nn.Conv2d, nn.Linear))}
     c = model_cost(graph, layers, set(layers), TABLE, batch=1, example_batch=8)
     assert (c.entries, c.exits, c.adds) == (2, 2, 3)
@@ -242,7 +242,7 @@ def test_products_of_activations_are_priced_by_tables_with_mul_rows() -> None:
     two int8 activations like an add; a table without them leaves the model unjudged."""
     torch.manual_seed(0)
     m = _Gated().eval()
-    graph = trace_graph(m, (torch.randn(2, 3, 8, 8),), {})
+    graph = trace_ops(m, (torch.randn(2, 3, 8, 8),), {})
     layers = {"a": m.a, "b": m.b}
     assert unpriced_ops(graph, TABLE) == {"mul": 1}
     with_mul = ct.CostTable("onnxruntime", "test ISA", "test", TABLE.rows,
@@ -288,7 +288,7 @@ def test_attention_products_are_priced_by_tables_with_matmul_rows(written_out: b
     unjudged, and a model whose q/k/v are float pays no product at all."""
     torch.manual_seed(0)
     m = _Attention(written_out).eval()
-    graph = trace_graph(m, (torch.randn(2, 16, 32),), {})
+    graph = trace_ops(m, (torch.randn(2, 16, 32),), {})
     layers = {n: getattr(m, n) for n in "qkvo"}
     assert unpriced_ops(graph, TABLE) and not unpriced_ops(graph, WITH_MATMUL)
     c = model_cost(graph, layers, set(layers), WITH_MATMUL, batch=1, example_batch=2)
@@ -422,7 +422,7 @@ def test_attention_the_matmul_rows_price_slower_stays_float(written_out: bool, m
     torch.manual_seed(0)
     m = _Attention(written_out).eval()
     data = [torch.randn(2, 16, 32) for _ in range(2)]
-    graph = trace_graph(m, (data[0],), {})
+    graph = trace_ops(m, (data[0],), {})
     calls = [n.key for n in graph.nodes.values() if n.kind in ("matmul", "sdpa")]
     slow = slower_attention(graph, SLOW_MATMUL, batches=[1], example_batch=2)
     assert sorted(slow) == sorted(calls) and all("QLinearMatMul vs MatMul rows" in r for r in slow.values())
@@ -452,7 +452,7 @@ def test_speed_check_leaves_attention_to_the_table_rule(monkeypatch: pytest.Monk
     torch.manual_seed(0)
     m = _Attention(written_out=True).eval()
     data = [torch.randn(2, 16, 32) for _ in range(2)]
-    calls = [n.key for n in trace_graph(m, (data[0],), {}).nodes.values() if n.kind == "matmul"]
+    calls = [n.key for n in trace_ops(m, (data[0],), {}).nodes.values() if n.kind == "matmul"]
     _use(monkeypatch, SLOW_MATMUL)
     check = SpeedCheck(batch=4, runs=4, min_speedup=1e-6)  # every layer passes its timing
     for table_on in (True, False):
@@ -498,7 +498,7 @@ def test_attention_with_subnormal_probabilities_stays_on_codes(written_out: bool
     x = torch.randn(2, 16, 32)
     for fill, kept_int8 in ((-100.0, True), (-float("inf"), False), (-1.0, False)):
         m = _ShiftedWindow(fill, written_out).eval()
-        graph = trace_graph(m, (x,), {})
+        graph = trace_ops(m, (x,), {})
         (probs,) = [n for n in graph.nodes.values() if n.kind in ("sdpa", "softmax")]
         assert (probs.attrs.get("subnormal", 0.0) >= SUBNORMAL_SHARE) == kept_int8, (fill, probs.attrs)
         slow = slower_attention(graph, SLOW_MATMUL, batches=[1], example_batch=2)
@@ -517,7 +517,7 @@ def test_attention_rule_on_transformers_architectures(name: str, monkeypatch: py
     from benchmarks.hf_suite import suite
 
     sm = suite(layers=2)[name](0)
-    graph = trace_graph(copy.deepcopy(sm.model).eval(), *(((), dict(sm.calibration[0])) if isinstance(
+    graph = trace_ops(copy.deepcopy(sm.model).eval(), *(((), dict(sm.calibration[0])) if isinstance(
         sm.calibration[0], dict) else ((sm.calibration[0],), {})))
     calls = {n.key: n.attrs.get("subnormal", 0.0) for n in graph.nodes.values() if n.kind == "sdpa"}
     assert len(calls) >= 2, calls

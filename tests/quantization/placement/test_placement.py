@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from compress.export.onnx import export_onnx
 from compress.export.validation.runtimes import ort_coverage, ort_optimized_graph
-from compress.quantization import QuantizeParams, prepare, quantize, strip
+from compress.quantization import PrepareParams, QuantizeParams, prepare, quantize, strip
 from compress.quantization.placement.mode import decomposed_attention, graph_of
-from compress.quantization.placement.trace import trace_graph
+from compress.quantization.placement.trace import trace_ops
 from torch import nn
 
 from compress.core.errors import CompressError
@@ -157,7 +157,7 @@ def test_silu_and_gates_between_integer_convs_stay_integer(tmp_path: Path) -> No
         fake = q(x)
     assert _sqnr(ref, fake) > 25.0
     assert _sqnr(fake, _ort(path, x)) > 35.0
-    tq = quantize(SiluSE().eval(), "w8a8", _images(), params=QuantizeParams(target="tensorrt"))
+    tq = quantize(SiluSE().eval(), "w8a8", _images(), params=QuantizeParams(runtime="tensorrt"))
     assert not any("g" in e for e in graph_of(tq).placement.entries.values())  # ORT-only rule
 
 
@@ -184,13 +184,13 @@ def test_one_quantizer_per_tensor_and_shared_concat_scale() -> None:
     pooled = next(qid for qid, ts in pl.activations.items() if ":max_pool#0/0" in ts)
     assert ":cat#0/0" in pl.activations[pooled]
     # OpenVINO wants one scale over a concat's inputs
-    ov = quantize(_residual(), "w8a8", _images(), params=QuantizeParams(target="openvino")).quantizer_graph.placement
+    ov = quantize(_residual(), "w8a8", _images(), params=QuantizeParams(runtime="openvino")).quantizer_graph.placement
     assert len(set(ov.entries[":cat#0"].values())) == 1
 
 
 def test_tensorrt_profile_follows_explicit_quantization_rules(tmp_path: Path) -> None:
     x = _images(1)[0]
-    q = quantize(_residual(), "w8a8", _images(), params=QuantizeParams(target="tensorrt"))
+    q = quantize(_residual(), "w8a8", _images(), params=QuantizeParams(runtime="tensorrt"))
     path = export_onnx(q, x, tmp_path / "trt.onnx")
     g = onnx.load(str(path)).graph
     prod = {o: n for n in g.node for o in n.output}
@@ -230,14 +230,14 @@ def test_profiles_differ_where_the_runtimes_do() -> None:
     torch.manual_seed(0)
     ort_q = quantize(Gate().eval(), "w8a8", data)
     torch.manual_seed(0)
-    ov_q = quantize(Gate().eval(), "w8a8", data, params=QuantizeParams(target="openvino"))
+    ov_q = quantize(Gate().eval(), "w8a8", data, params=QuantizeParams(runtime="openvino"))
     ort_t = {t for ts in ort_q.quantizer_graph.placement.activations.values() for t in ts}
     ov_t = {t for ts in ov_q.quantizer_graph.placement.activations.values() for t in ts}
     # ORT fuses a conv only when a Q follows it; OpenVINO quantizes the next op's input instead
     assert "conv:conv#0/0" in ort_t and "conv:conv#0/0" not in ov_t
     assert ov_q.quantizer_graph.placement.target == "openvino" and ":sigmoid#0/0" in ov_t
-    with pytest.raises(CompressError, match="unknown target runtime 'tensorrtt'"):
-        prepare(Gate(), "w8a8", target="tensorrtt")  # type: ignore[arg-type]
+    with pytest.raises(CompressError, match="runtime: Input should be 'onnxruntime', 'tensorrt' or 'openvino'"):
+        prepare(Gate(), "w8a8", PrepareParams(runtime="tensorrtt"))  # type: ignore[arg-type]
 
 
 class FunctionalWeight(nn.Module):
@@ -345,8 +345,8 @@ def test_strip_restores_the_float_model_and_removes_hooks() -> None:
 
 def test_trace_keys_are_stable_and_scoped() -> None:
     m = _residual()
-    g1 = trace_graph(m, (_images(1)[0],), {})
-    g2 = trace_graph(m, (_images(1, seed=4)[0],), {})
+    g1 = trace_ops(m, (_images(1)[0],), {})
+    g2 = trace_ops(m, (_images(1, seed=4)[0],), {})
     assert list(g1.nodes) == list(g2.nodes)
     assert "stem:conv#0" in g1.nodes and ":add#0" in g1.nodes and ":iadd" not in "".join(g1.nodes)
     assert g1.nodes[":add#1"].func in ("__iadd__", "add_")  # `out += y` is an add like any other

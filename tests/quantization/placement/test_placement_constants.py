@@ -82,7 +82,7 @@ def test_constant_and_broadcast_operands_are_quantized_for_onnxruntime(tmp_path:
     assert _sqnr(ref, fake) > 25.0
     assert _sqnr(fake, _ort(path, x)) > 35.0  # the export computes what the fake-quant model does
     # the other runtimes keep their own rules: TensorRT quantizes no constant operand of an add
-    trt = quantize(copy.deepcopy(m), "w8a8", data, params=QuantizeParams(target="tensorrt")).quantizer_graph.placement
+    trt = quantize(copy.deepcopy(m), "w8a8", data, params=QuantizeParams(runtime="tensorrt")).quantizer_graph.placement
     assert not any(k.startswith("c") for k in trt.activations)
     assert any("constant or broadcast" in r for r in trt.floats.values())
 
@@ -178,13 +178,13 @@ def test_lossy_table_stays_float_with_its_measured_reason(tmp_path: Path) -> Non
 @pytest.mark.parametrize("target", ["onnxruntime", "openvino"])
 def test_embeddings_opt_out(target: str) -> None:
     torch.manual_seed(0)
-    q = quantize(TiedLM().eval(), "w8a8", _ids(2, 1), params=QuantizeParams(quantize_embeddings=False, target=target))
+    q = quantize(TiedLM().eval(), "w8a8", _ids(2, 1), params=QuantizeParams(quantize_embeddings=False, runtime=target))
     pl = q.quantizer_graph.placement
     assert not any(u.table for u in pl.weights.values())
     assert pl.floats["wte:embedding#0"] == "embedding table kept float (quantize_embeddings: false)"
     # the layers-only mode (quantize_ops: false, what the W8A8 LLM export runs) keeps tables float too
     torch.manual_seed(0)
-    lo = quantize(TiedLM().eval(), "w8a8", _ids(2, 1), params=QuantizeParams(quantize_ops=False, target=target))
+    lo = quantize(TiedLM().eval(), "w8a8", _ids(2, 1), params=QuantizeParams(quantize_ops=False, runtime=target))
     assert not any(u.table for u in lo.quantizer_graph.placement.weights.values())
     assert "quantize_ops: false" in lo.quantizer_graph.placement.floats["wte:embedding#0"]
 

@@ -120,7 +120,7 @@ def test_gate_quantized_for_onnxruntime_only() -> None:
     QLinearMul); TensorRT's, which has no such rule, leaves the gate alone."""
     def gated(target: str) -> bool:
         torch.manual_seed(0)
-        q = quantize(Between(HardSwishMul()).eval(), "w8a8", _images(), params=QuantizeParams(target=target))
+        q = quantize(Between(HardSwishMul()).eval(), "w8a8", _images(), params=QuantizeParams(runtime=target))
         return any(t.startswith("op:act") for ts in _placement(q).activations.values() for t in ts)
 
     assert gated("onnxruntime") and not gated("tensorrt")

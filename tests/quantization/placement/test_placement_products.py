@@ -262,10 +262,10 @@ class InPlace(nn.Module):
 
 
 def test_an_in_place_op_is_not_taken_for_an_identity_cast() -> None:
-    from compress.quantization.placement.trace import trace_graph
+    from compress.quantization.placement.trace import trace_ops
 
     torch.manual_seed(0)
-    g = trace_graph(InPlace().eval(), (_tokens(1, 1)[0],), {})
+    g = trace_ops(InPlace().eval(), (_tokens(1, 1)[0],), {})
     assert not any(n.attrs.get("identity") for n in g.nodes.values() if n.func == "exp_"), g.nodes
-    casts = trace_graph(Norm().eval(), (_tokens(1, 1)[0],), {})
+    casts = trace_ops(Norm().eval(), (_tokens(1, 1)[0],), {})
     assert sum(bool(n.attrs.get("identity")) for n in casts.nodes.values() if n.func == "to") == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from compress.quantization.lowering.kernels import quantize_per_token, quantize_static
-from compress.quantization.numerics.primitives import SCALE_EPS, dynamic_qparams, quantize
+from compress.quantization.numerics.primitives import SCALE_EPS, dynamic_qparams, quantize_codes
 from compress.quantization.numerics.spec import QuantSpec
 
 from compress.core.errors import CompressError
@@ -22,7 +22,7 @@ def test_per_token_matches_primitives(shape: tuple[int, ...], dtype: torch.dtype
     scale, zp = dynamic_qparams(x, spec)
     q, s = quantize_per_token(x.to(device))
     torch.testing.assert_close(s.cpu(), scale.reshape(-1), atol=0, rtol=0)
-    torch.testing.assert_close(q.cpu(), quantize(x, scale, zp, spec.qmin, spec.qmax), atol=0, rtol=0)
+    torch.testing.assert_close(q.cpu(), quantize_codes(x, scale, zp, spec.qmin, spec.qmax), atol=0, rtol=0)
     assert s[0].item() == pytest.approx(SCALE_EPS)
 
 
@@ -33,7 +33,7 @@ def test_per_token_narrow_range_and_strided_rows(device: str) -> None:
     spec = QuantSpec(granularity="token", dynamic=True, narrow_range=True)
     scale, zp = dynamic_qparams(x, spec)
     q, _ = quantize_per_token(x.to(device), qmin=spec.qmin, qmax=spec.qmax)
-    torch.testing.assert_close(q.cpu(), quantize(x, scale, zp, spec.qmin, spec.qmax), atol=0, rtol=0)
+    torch.testing.assert_close(q.cpu(), quantize_codes(x, scale, zp, spec.qmin, spec.qmax), atol=0, rtol=0)
     assert int(q.min()) >= -127
 
 
@@ -44,7 +44,7 @@ def test_static_uint8_codes_shifted_into_int8(channels_last: bool, device: str) 
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     scale, zp = torch.tensor(0.017), 131
-    ref = quantize(x, scale, torch.tensor(zp), 0, 255).int() - 128
+    ref = quantize_codes(x, scale, torch.tensor(zp), 0, 255).int() - 128
     q = quantize_static(x.to(device), scale=scale, zero_point=zp - 128, qmin=-128, qmax=127)
     assert ref.min() == -128 and ref.max() == 127  # both clamps hit
     torch.testing.assert_close(q.cpu().int(), ref, atol=0, rtol=0)
@@ -56,7 +56,7 @@ def test_static_symmetric_fp16(device: str) -> None:
     x = (torch.randn(3, 1000, generator=g)).half()
     scale = torch.tensor(0.01)
     q = quantize_static(x.to(device), scale=scale)
-    torch.testing.assert_close(q.cpu(), quantize(x, scale, torch.tensor(0), -128, 127), atol=0, rtol=0)
+    torch.testing.assert_close(q.cpu(), quantize_codes(x, scale, torch.tensor(0), -128, 127), atol=0, rtol=0)
 
 
 def test_bad_inputs_raise(device: str) -> None:
@@ -77,9 +77,9 @@ def test_pre_scale_is_fused_exactly(dtype: torch.dtype, device: str) -> None:
     scale, zp = dynamic_qparams(xs, spec)
     q, s = quantize_per_token(x.to(device), pre_scale=pqs)
     torch.testing.assert_close(s.cpu(), scale.reshape(-1), atol=0, rtol=0)
-    torch.testing.assert_close(q.cpu(), quantize(xs, scale, zp, -128, 127), atol=0, rtol=0)
+    torch.testing.assert_close(q.cpu(), quantize_codes(xs, scale, zp, -128, 127), atol=0, rtol=0)
     qs = quantize_static(x.to(device), scale=torch.tensor(0.05), zero_point=-7, pre_scale=pqs)
-    ref = quantize(xs, torch.tensor(0.05), torch.tensor(121), 0, 255).int() - 128
+    ref = quantize_codes(xs, torch.tensor(0.05), torch.tensor(121), 0, 255).int() - 128
     torch.testing.assert_close(qs.cpu().int(), ref, atol=0, rtol=0)
     with pytest.raises(CompressError, match="pre_scale has 5 elements"):
         quantize_per_token(x.to(device), pre_scale=torch.ones(5))
