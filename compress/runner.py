@@ -560,7 +560,8 @@ def _rel(path: Path, root: Path) -> Path:
 
 def check_thresholds(recipe: Recipe, report: Report) -> list[ThresholdRecord]:
     """The recipe's validate.thresholds against what the run measured (export.validation.measure.check_thresholds)."""
-    from compress.export.validation.measure import check_thresholds as check  # local: see _export_and_validate
+    # local: see _export_and_validate
+    from compress.export.validation.measure import check_thresholds as check
 
     return check(recipe.validate_.thresholds, report.validation, exports=report.exports,
                  baseline_accuracy=report.baseline.accuracy, final_accuracy=report.final.accuracy,
