@@ -11,7 +11,7 @@ from compress.quantization.numerics.primitives import (
     fake_quantize,
     fake_quantize_spec,
     qparams_from_range,
-    quantize,
+    quantize_codes,
 )
 from compress.quantization.numerics.spec import QuantScheme, QuantSpec
 
@@ -24,8 +24,8 @@ def test_per_tensor_bit_exact_vs_torch(qmin: int, qmax: int, symmetric: bool) ->
     ours = fake_quantize(x, scale, zp, qmin, qmax)
     ref = torch.fake_quantize_per_tensor_affine(x, float(scale), int(zp), qmin, qmax)
     torch.testing.assert_close(ours, ref, atol=0, rtol=0)
-    # quantize/dequantize compose to the same values
-    torch.testing.assert_close(dequantize(quantize(x, scale, zp, qmin, qmax), scale, zp), ref, atol=0, rtol=0)
+    # quantize_codes/dequantize compose to the same values
+    torch.testing.assert_close(dequantize(quantize_codes(x, scale, zp, qmin, qmax), scale, zp), ref, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("axis", [0, 1])
@@ -127,7 +127,7 @@ def test_reduce_range_spec_keeps_int8_codes_in_7_bits() -> None:
     assert (spec.qmin, spec.qmax) == (-64, 63)
     w = torch.randn(8, 16)
     scale, zp = qparams_from_range(w.amin(1), w.amax(1), qmin=spec.qmin, qmax=spec.qmax, symmetric=True)
-    q = quantize(w, scale.unsqueeze(1), zp.unsqueeze(1), spec.qmin, spec.qmax)
+    q = quantize_codes(w, scale.unsqueeze(1), zp.unsqueeze(1), spec.qmin, spec.qmax)
     assert q.dtype == torch.int8 and int(q.min()) >= -64 and int(q.max()) <= 63
     assert int(q.abs().amax(1).min()) >= 63  # each row's extreme still reaches the edge
     for bad in ({"dtype": "uint8"}, {"bits": 4}, {"narrow_range": True}):
