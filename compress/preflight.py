@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compress.core.errors import RecipeError
+from compress.core.errors import RecipeError, UnsupportedModelError
 from compress.core.imports import install_hint
 from compress.recipe import Recipe
 
@@ -116,3 +116,20 @@ def check_data_fits(recipe: Recipe, model: nn.Module, example_inputs: Any) -> No
         ) from None
     finally:
         model.train(was_training)
+
+
+def check_exports(recipe: Recipe, model: nn.Module, example_inputs: Any) -> None:
+    """Each LLM export the recipe's ``export:`` section asks for can take the model, judged from its
+    structure alone (export.llm.support: config and module tree, so a dry run's meta-device model is
+    judged as the loaded one): a family the export refuses is named now, in the export's own words,
+    not after the training and calibration. Nothing is checked where the run would not export (export
+    off, or data without an example batch)."""
+    if not recipe.export.enabled or example_inputs is None:
+        return
+    from compress.export.llm.support import requested_checks
+
+    for field, check in requested_checks(recipe.export):
+        try:
+            check(model)
+        except UnsupportedModelError as exc:
+            raise RecipeError(f"{recipe.where(f'export.{field}')}: {exc}") from None

@@ -43,7 +43,7 @@ from compress.data import build_data
 from compress.distributed import load_sharded, save_sharded
 from compress.export.records import ThresholdRecord
 from compress.pipelines import pipeline_name
-from compress.preflight import check_data_fits, check_recipe
+from compress.preflight import check_data_fits, check_exports, check_recipe
 from compress.recipe import Recipe, load_recipe
 from compress.report import ModelFigures, Report, StageReport, machine, versions
 from compress.run_folder import RunFolder
@@ -177,7 +177,8 @@ def _check_same_recipe(recipe: Recipe, out_dir: Path) -> None:
 def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None, device: str | None = None,
          trust_code: bool = False) -> dict[str, Any]:
     """The resolved plan of a recipe without running it: stages and the modules each modifier matches,
-    after the checks ``apply`` makes before training (field conflicts, this machine, data vs model).
+    after the checks ``apply`` makes before training (field conflicts, this machine, data vs model,
+    the requested LLM exports vs the model).
 
     A plan writes nothing (a GGUF model it has not converted yet is planned from the file's
     metadata), and never imports or calls code the recipe names (``pkg.module:factory``), trusted or not:
@@ -204,6 +205,7 @@ def plan(recipe: Recipe | str | Path, *, overrides: list[str] | None = None, dev
         model = models.load_model(r.model, where=r.where)
         if not any(p.is_meta for p in model.parameters()):  # a GGUF model not converted yet has no weights
             check_data_fits(r, model, data.example_inputs)
+        check_exports(r, model, data.example_inputs)  # from the structure: a meta-device model is checked too
         session = Session(r, model)
         stages = session.plan()
     shapes = ", ".join(str(list(t.shape)) for t in iter_tensors(data.example_inputs))
@@ -250,6 +252,7 @@ def _apply(r: Recipe, *, out: Path, device: str | None, overwrite: bool, resume:
         _check_folder(r, folder, overwrite=overwrite, resume=resume)
     run = _Run(r, device=device, quiet=quiet)  # bad model/data input raises here, before the folder is touched
     check_data_fits(r, run.model, run.data.example_inputs)
+    check_exports(r, run.model, run.data.example_inputs)  # before the folder is touched, let alone the training
     main = run.dist.is_main
     run.folder = folder if main else None
     with contextlib.ExitStack() as held:

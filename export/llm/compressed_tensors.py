@@ -264,6 +264,23 @@ def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str], *, f
     }
 
 
+def check_compressed_tensors(model: nn.Module) -> Any:
+    """The model's config if :func:`save_compressed_tensors` can write its structure, else
+    UnsupportedModelError saying why (no transformers config; MoE experts, whose checkpoint names are
+    per model): from the config and module tree alone, so it runs on a meta-device model, and it is
+    the writer's own first check of the model."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise UnsupportedModelError("compressed-tensors export needs a transformers model (one with a .config)")
+    from compress.core.moe import expert_blocks
+
+    moe = next(iter(expert_blocks(model)), None)
+    if moe is not None:  # transformers reads per-model expert names (w1/w3, gate_proj/up_proj) through its own conversions
+        raise UnsupportedModelError(f"{moe}: MoE experts were unpacked into per-expert Linears for quantization; "
+                                    "the compressed-tensors writer does not write transformers' expert checkpoint names")
+    return config
+
+
 def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None) -> Path:
     """Write ``model`` (a transformers model quantized weight-only int4, int8 or fp8) as a compressed-tensors checkpoint.
 
@@ -281,20 +298,12 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     require_compressed_tensors()
     from safetensors.torch import save_file
 
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        raise UnsupportedModelError("compressed-tensors export needs a transformers model (one with a .config)")
+    config = check_compressed_tensors(model)
     fp8 = _is_fp8_model(model)
     eight = _is_8bit_model(model)
     acts = [] if eight else activation_quantizers(model)
     if acts:
         raise UnsupportedModelError(f"{acts[0]}: quantized activations are not written (weight-only int4 checkpoints)")
-    from compress.core.moe import expert_blocks
-
-    moe = next(iter(expert_blocks(model)), None)
-    if moe is not None:  # transformers reads per-model expert names (w1/w3, gate_proj/up_proj) through its own conversions
-        raise UnsupportedModelError(f"{moe}: MoE experts were unpacked into per-expert Linears for quantization; "
-                                    "the compressed-tensors writer does not write transformers' expert checkpoint names")
     tensors, args, plain = eight_bit_state_dict(model) if eight else compressed_state_dict(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -55,15 +55,35 @@ def _tokenizer(writer: Any, tokenizer: Any, vocab_size: int) -> None:
             add(int(value))
 
 
+def check_gguf(model: nn.Module) -> Any:
+    """The model's config if :func:`save_gguf` writes its architecture, else UnsupportedModelError
+    saying why: from the structure alone (config and module names), so it runs on a meta-device
+    model before anything trains (compress.preflight) and is the first thing save_gguf checks."""
+    cfg: Any = getattr(model, "config", None)
+    arch = getattr(cfg, "model_type", None)
+    if arch not in ARCHS:
+        raise UnsupportedModelError(f"GGUF export writes transformers {', '.join(ARCHS)} causal LMs (got {arch})")
+    base: Any = getattr(model, "model", None)
+    if base is None or not hasattr(model, "lm_head") or not all(hasattr(base, a) for a in ("embed_tokens", "norm", "layers")):
+        raise UnsupportedModelError(f"{type(model).__name__}: GGUF export expects .model.embed_tokens, .model.norm, "
+                                    ".model.layers and .lm_head")
+    for i, layer in enumerate(base.layers):
+        for sub in _LAYER:
+            try:
+                layer.get_submodule(sub)
+            except AttributeError:
+                raise UnsupportedModelError(f"model.layers.{i}.{sub}: missing; GGUF export writes {arch}'s "
+                                            "attention and gated MLP modules") from None
+    return cfg
+
+
 def save_gguf(model: nn.Module, path: str | Path, *, tokenizer: Any) -> Path:
     """Write ``model`` (a transformers Llama or Qwen2 causal LM whose quantized Linears use groups of 32)
     as a GGUF file llama.cpp loads, with ``tokenizer`` (a transformers fast BPE tokenizer) inside.
     Returns the path. UnsupportedModelError for another architecture or a grid without a block format."""
     gguf = _require_gguf()
-    cfg: Any = getattr(model, "config", None)
-    arch = getattr(cfg, "model_type", None)
-    if arch not in ARCHS:
-        raise UnsupportedModelError(f"GGUF export writes transformers {', '.join(ARCHS)} causal LMs (got {arch})")
+    cfg = check_gguf(model)
+    arch = cfg.model_type
     if tokenizer is None or not hasattr(tokenizer, "backend_tokenizer"):
         raise ExportError("save_gguf: llama.cpp reads the tokenizer from the file; pass a fast transformers tokenizer")
     heads, kv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
