@@ -536,7 +536,7 @@ def test_pruning_schedule_with_kd_trains_sharded_between_its_steps(tmp_path: Pat
                                                "optimizer": "adamw", "lr": 0.001, "device": "cpu"},
                               stages=[{"name": "prune_kd", "epochs": 2, "modifiers": [
                                   {"type": "prune", "budget": {"params": 0.8}, "importance": "activation",
-                                   "activation_batches": 1, "steps": 2},
+                                   "num_batches": 1, "steps": 2},
                                   {"type": "distill", "task_weight": 0.0, "eval_batches": 0,
                                    "losses": [{"type": "kd", "temperature": 1.0}]}]}])
     out = tmp_path / "fsdp"
