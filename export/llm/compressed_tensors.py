@@ -146,11 +146,6 @@ def _embeddings(model: nn.Module) -> tuple[Any, Any]:
     return (get_in() if callable(get_in) else None), (get_out() if callable(get_out) else None)
 
 
-def _embedding_name(model: nn.Module) -> str:
-    emb, _ = _embeddings(model)
-    return next(n for n, m in model.named_modules() if m is emb)
-
-
 def _quantized_head_tied(model: nn.Module, args: dict[str, dict[str, Any]]) -> bool:
     """Whether the output head is written quantized while it shares its weight with the input
     embedding (a tied model whose head a weight-only pass quantized)."""
@@ -311,10 +306,9 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     fmt = "float-quantized" if fp8 else "int-quantized" if eight else "pack-quantized"
     cfg["quantization_config"] = quantization_config(args, plain, fmt=fmt)
     if cfg.get("tie_word_embeddings") and _quantized_head_tied(model, args):
-        # the head's codes cannot be the float embedding table: both are written, untied, as
-        # llm-compressor unties a quantized head
+        # the head's codes cannot be the float embedding table (which _other_tensors writes as it is):
+        # the checkpoint holds both, untied, as llm-compressor unties a quantized head
         cfg["tie_word_embeddings"] = False
-        tensors[f"{_embedding_name(model)}.weight"] = _embeddings(model)[0].weight.detach().contiguous().clone()
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True, default=str))
     save_file({k: v.cpu() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     gen = getattr(model, "generation_config", None)
