@@ -54,9 +54,8 @@ def tiny_decoder(family: str, *, seed: int = 0, **overrides: Any) -> nn.Module:
         raise UnsupportedModelError(f"transformers {transformers.__version__} has no model_type {family!r}") from err
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model: nn.Module = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model: Any = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():  # sharper logits than the init's: a wrong graph moves the greedy tokens
-        head: Any = model.get_output_embeddings()
-        if head is not None and head.weight is not model.get_input_embeddings().weight:
-            head.weight.mul_(8)
-    return model.float().eval()
+        model.get_output_embeddings().weight.mul_(8)
+    out: nn.Module = model.float().eval()
+    return out
