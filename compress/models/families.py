@@ -55,7 +55,10 @@ def tiny_decoder(family: str, *, seed: int = 0, **overrides: Any) -> nn.Module:
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model: Any = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():  # sharper logits than the init's: a wrong graph moves the greedy tokens
-        model.get_output_embeddings().weight.mul_(8)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)  # sharper logits: a wrong graph moves the greedy tokens
+        for p in model.parameters():  # norm weights and biases off their init (0 or 1), where a
+            if p.ndim == 1:  # `1 + weight` norm read as a plain one would still compute the same
+                p.add_(torch.randn_like(p) * 0.2)
     out: nn.Module = model.float().eval()
     return out

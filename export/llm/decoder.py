@@ -1,10 +1,25 @@
-"""The decoder :func:`export.llm.onnx.export_llm_onnx` traces: :class:`KVDecoder`, a hand-written
-``(input_ids, attention_mask, *past) -> (logits, *present)`` forward over a transformers causal LM's
-own modules, with the attention decomposed into plain ops or written as ORT's fused contrib ops
-(export/llm/attention.py); where each family keeps its parts is data (:data:`LAYOUTS`)."""
+"""The decoder :func:`export.llm.onnx.export_llm_onnx` traces: :class:`KVDecoder`, an
+``(input_ids, attention_mask, *past) -> (logits, *present)`` module over a transformers causal LM.
+
+Two forms, chosen by what the model is, never by its family name:
+
+- ``"decomposed"`` runs the model's own forward (every family's norms, activations, rotary variants,
+  soft-capping, embedding and logit scales, parallel or post-norm blocks come with it) with the mask
+  built here (causal, left padding, each layer type's sliding window) and a cache object that
+  concatenates the fed past and hands back the presents, so the traced graph has explicit past
+  tensors. Each layer's key/value shapes are read from one probe step, not from the config.
+- ``"fused"`` is a hand-written pre-norm block over the model's modules with ORT's contrib ops
+  (export/llm/attention.py). It is used only where the module tree has the parts it reads
+  (:data:`CONVENTIONS`: attribute names, one per naming convention) and its output equals the
+  model's own forward on a probe (:func:`fused_mismatch`); anything the block does not express (a
+  ``1 + weight`` norm, an embedding scale, extra norms) fails that probe and the model goes
+  decomposed.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,7 +37,13 @@ from compress.core.errors import ExportError, UnsupportedModelError
 
 Attention = Literal["fused", "decomposed"]
 
-# ---- the traced decoder -------------------------------------------------------------------------------
+#: the logits difference (relative to the largest) above which the fused block is not the model's
+#: computation: float32 round-off between the two op orders is 1.5e-6 on SmolLM2-135M's 30 layers
+#: (float and int4 alike) and near 1e-6 on the tiny family models; what the block cannot express
+#: moves them by 4e-4 (SmolLM3's position-free layers, tiny random model) to 7 (Granite's multipliers)
+FUSED_PROBE_TOL = 1e-4
+#: the layer types the mask is built for (transformers' ``config.layer_types`` values)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -32,7 +53,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a decoder family keeps its parts (attribute names), read by :class:`KVDecoder`."""
+    """Where a pre-norm decoder keeps its parts (attribute names), read by the fused form."""
 
     base: str = "model"  # the decoder stack under the LM head
     layers: str = "layers"
@@ -45,21 +66,67 @@ class Layout:
     final_norm: str = "norm"
 
 
-#: the families :func:`export_llm_onnx` writes; Qwen3's q/k norms and fused qkv projections
-#: (Phi-3's ``qkv_proj``, GPT-2's ``c_attn``) are found on the attention module itself
-LAYOUTS: dict[str, Layout] = {
-    # the MoE families run their own sparse block as the layer's MLP, its experts unpacked (compress/moe.py)
-    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"), Layout()),
-    "gpt2": Layout(base="transformer", layers="h", embed="wte", positions="wpe", attn="attn", attn_norm="ln_1",
-                   mlp_norm="ln_2", out_proj="c_proj", final_norm="ln_f"),
-}
-SUPPORTED = tuple(LAYOUTS)
+#: the attribute-naming conventions the fused form reads (transformers' Llama-style names and
+#: GPT-2's); a model matches one by its module tree, and the fused block must then also reproduce
+#: its forward (:func:`fused_mismatch`)
+CONVENTIONS: tuple[Layout, ...] = (
+    Layout(),
+    Layout(base="transformer", layers="h", embed="wte", positions="wpe", attn="attn", attn_norm="ln_1",
+           mlp_norm="ln_2", out_proj="c_proj", final_norm="ln_f"),
+)
+
+
+def fused_layout(model: nn.Module) -> Layout | None:
+    """The :data:`CONVENTIONS` entry whose parts ``model`` has (every layer's attention, its output
+    projection, the two norms and the MLP), else None."""
+    for lay in CONVENTIONS:
+        base = getattr(model, lay.base, None)
+        layers = getattr(base, lay.layers, None)
+        if base is None or not isinstance(layers, nn.ModuleList) or not len(layers):
+            continue
+        if not all(hasattr(base, a) for a in (lay.embed, lay.final_norm)):
+            continue
+        if lay.positions is None and getattr(getattr(base, "rotary_emb", None), "inv_freq", None) is None:
+            continue
+        if lay.positions is not None and not hasattr(base, lay.positions):
+            continue
+        if all(hasattr(layer, a) for layer in layers for a in (lay.attn, lay.attn_norm, lay.mlp_norm, "mlp")) \
+                and all(hasattr(getattr(layer, lay.attn), lay.out_proj) for layer in layers):
+            return lay
+    return None
+
+
+@functools.cache
+def _feed_cache_class() -> type:
+    from transformers.cache_utils import Cache
+
+    class FeedCache(Cache):
+        """The cache the decomposed form hands the model: ``update`` prepends the fed past of that
+        layer (``past`` None: nothing, the probe step) and keeps what it returns as the present."""
+
+        def __init__(self, past: tuple[torch.Tensor, ...] | None) -> None:
+            super().__init__(layers=[])
+            self.past = past
+            self.presents: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,  # type: ignore[override]
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.past is not None:
+                key = torch.cat([self.past[2 * layer_idx], key], dim=2)
+                value = torch.cat([self.past[2 * layer_idx + 1], value], dim=2)
+            self.presents[layer_idx] = (key, value)
+            return key, value
+
+        def get_seq_length(self, layer_idx: int | None = 0) -> int:
+            return 0 if self.past is None else int(self.past[0].shape[2])
+
+    return FeedCache
 
 
 class KVDecoder(nn.Module):
-    """``(input_ids, attention_mask, *past) -> (logits, *present)`` over a transformers causal LM of a
-    :data:`LAYOUTS` family: pre-norm blocks, rotary or learned absolute positions, GQA, fused or
-    separate q/k/v projections."""
+    """``(input_ids, attention_mask, *past) -> (logits, *present)`` over a transformers causal LM,
+    in the ``attention`` form the module docstring describes; :func:`check_decoder` says which
+    models it takes."""
 
     lm: Any  # a transformers causal LM (its submodules are reached by attribute)
     inv_freq: torch.Tensor
@@ -70,27 +137,33 @@ class KVDecoder(nn.Module):
         super().__init__()
         cfg = check_decoder(model)
         self.lm = model
-        self.layout = LAYOUTS[cfg.model_type]
-        self.n_layers = cfg.num_hidden_layers
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rotary = self.layout.positions is None
-        rot: Any = getattr(self.base, "rotary_emb", None)
-        inv = rot.inv_freq.detach().float().clone() if self.rotary else torch.zeros(0)
-        self.register_buffer("inv_freq", inv, persistent=False)
-        self.rope_scaling = float(getattr(rot, "attention_scaling", 1.0))
+        if attention not in ("fused", "decomposed"):
+            raise ExportError(f"attention must be 'fused' or 'decomposed' (got {attention!r})")
+        #: "fused": RotaryEmbedding + GroupQueryAttention per layer (export/llm/attention.py)
+        self.attention = attention
+        self.n_layers = int(cfg.num_hidden_layers)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.windows = sliding_windows(cfg)
+        self.layer_types: list[str] | None = list(getattr(cfg, "layer_types", None) or []) or None
         #: a ``position_ids`` input after the mask (what Optimum feeds) instead of positions from the mask
         self.explicit_positions = False
         #: logits of the last position only (``[B, 1, V]``): what generation reads, without the lm_head
         #: over every prompt position (llama.cpp's default; a fifth of SmolLM2-135M's prefill work)
         self.last_logits = False
-        if attention not in ("fused", "decomposed"):
-            raise ExportError(f"attention must be 'fused' or 'decomposed' (got {attention!r})")
-        #: "fused": RotaryEmbedding + GroupQueryAttention per layer (export/llm/attention.py)
-        self.attention = attention
-        if self.rotary and attention == "fused":  # positions 0..max_position_embeddings-1, as the model declares
+        self._kv_shapes: list[tuple[tuple[int, int], tuple[int, int]]] | None = None
+        lay = fused_layout(model) if attention == "fused" else None
+        if attention == "fused" and lay is None:
+            raise UnsupportedModelError(f"{type(model).__name__}: its module tree has no part names the fused "
+                                        "attention form reads; export with attention='decomposed'")
+        self.layout = lay or Layout()
+        self.rotary = lay is not None and lay.positions is None
+        rot: Any = getattr(self.base, "rotary_emb", None) if lay is not None else None
+        inv = rot.inv_freq.detach().float().clone() if self.rotary else torch.zeros(0)
+        self.register_buffer("inv_freq", inv, persistent=False)
+        self.rope_scaling = float(getattr(rot, "attention_scaling", 1.0))
+        if self.rotary:  # positions 0..max_position_embeddings-1, as the model declares
             length = int(getattr(cfg, "max_position_embeddings", 0) or 0)
             if length <= 0:
                 raise UnsupportedModelError(f"{type(model).__name__}: no max_position_embeddings to size the rotary cache")
@@ -99,6 +172,9 @@ class KVDecoder(nn.Module):
             cos = sin = torch.zeros(0, 0)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        params = inspect.signature(model.forward).parameters
+        # transformers 5 renamed past_key_values to cache (the old name warns until 5.40)
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @property
     def base(self) -> Any:
@@ -106,54 +182,46 @@ class KVDecoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``rest``: ``position_ids`` ``[B, S]`` first when :attr:`explicit_positions`, then the past."""
-        base, lay = self.base, self.layout
-        b, s = input_ids.shape
         past = rest[1:] if self.explicit_positions else rest
-        p = past[0].shape[2]
         if self.explicit_positions:
             pos = rest[0]
         else:  # positions count real tokens only (left padding), as transformers' generate derives them
-            pos = positions(attention_mask, s)
+            pos = positions(attention_mask, input_ids.shape[1])
         if self.attention == "fused":
             return self._forward_fused(input_ids, attention_mask, pos, past)
+        return self._forward_model(input_ids, attention_mask, pos, past)
+
+    def _forward_model(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pos: torch.Tensor,
+                       past: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...]:
+        """The model's own forward on the fed past (None: the probe step, no past)."""
+        s = input_ids.shape[1]
+        p = 0 if past is None else past[0].shape[2]
+        cache = _feed_cache_class()(past)
+        out = self.lm(input_ids=input_ids, attention_mask=self._masks(attention_mask, s, p), position_ids=pos,
+                      use_cache=True, cache_position=torch.arange(p, p + s, device=input_ids.device),
+                      logits_to_keep=1 if self.last_logits else 0, **{self._cache_arg: cache})
+        presents = [t for i in range(self.n_layers) for t in cache.presents[i]]
+        return (out.logits, *presents)
+
+    def _masks(self, attention_mask: torch.Tensor, s: int, p: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The additive ``[B, 1, S, P+S]`` mask (future keys, left padding and, on a sliding-window
+        layer, keys ``window`` or more slots back: transformers' rule): one tensor when every layer
+        has the same window, else one per layer type (what transformers' forwards take as given)."""
+        dev = attention_mask.device
         t = p + s
-        causal = torch.arange(t, device=input_ids.device)[None, :] > (torch.arange(s, device=input_ids.device) + p)[:, None]
-        masked = causal[None] | (attention_mask[:, None, :] == 0)  # [B, S, T]: future keys and padding
+        query = (torch.arange(s, device=dev) + p)[:, None]
+        keys = torch.arange(t, device=dev)[None, :]
+        masked = (keys > query)[None] | (attention_mask[:, None, :] == 0)  # [B, S, T]
         lowest = torch.finfo(torch.float32).min
-        mask = (masked.float() * lowest)[:, None]  # [B, 1, S, T]
-        # sliding-window layers also drop keys `window` or more slots back (transformers' rule)
-        behind = (torch.arange(s, device=input_ids.device) + p)[:, None] - torch.arange(t, device=input_ids.device)[None, :]
-        window_mask = {w: ((masked | (behind >= w)[None]).float() * lowest)[:, None]
-                       for w in set(self.windows) if w is not None}
-        h = getattr(base, lay.embed)(input_ids)
-        if self.rotary:
-            freqs = pos[..., None].float() * self.inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, S, D]
-            cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
-        else:
-            h = h + getattr(base, lay.positions)(pos)  # type: ignore[arg-type]
-        presents: list[torch.Tensor] = []
-        for i, layer in enumerate(getattr(base, lay.layers)):
-            attn = getattr(layer, lay.attn)
-            x = getattr(layer, lay.attn_norm)(h)
-            q, k, v = self._qkv(attn, x)
-            if self.rotary:
-                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            k = torch.cat([past[2 * i], k], dim=2)
-            v = torch.cat([past[2 * i + 1], v], dim=2)
-            presents += [k, v]
-            rep = self.n_heads // self.n_kv
-            if rep > 1:
-                k = k[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
-                v = v[:, :, None].expand(b, self.n_kv, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
-            w = self.windows[i]
-            scores = torch.matmul(q, k.transpose(2, 3)) * attn.scaling + (mask if w is None else window_mask[w])
-            probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-            o = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
-            h = h + getattr(attn, lay.out_proj)(o)
-            h = h + layer.mlp(getattr(layer, lay.mlp_norm)(h))
-        logits = self.lm.lm_head(self._positions_read(getattr(base, lay.final_norm)(h)))
-        return (logits, *presents)
+
+        def additive(window: int | None) -> torch.Tensor:
+            m = masked if window is None else masked | (query - keys >= window)[None]
+            return (m.float() * lowest)[:, None]
+
+        if len(set(self.windows)) == 1:
+            return additive(self.windows[0])
+        assert self.layer_types is not None  # check_decoder refuses mixed windows without layer types
+        return {kind: additive(w) for kind, w in dict(zip(self.layer_types, self.windows)).items()}
 
     def _forward_fused(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pos: torch.Tensor,
                        past: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -240,26 +308,6 @@ class KVDecoder(nn.Module):
             k = attn.k_norm(k.view(b, s, self.n_kv, self.head_dim)).reshape(b, s, -1)
         return q, k, v
 
-    def _qkv(self, attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Heads ``[B, H, S, D]`` of q, k, v: separate projections, or a fused one (Phi-3's ``qkv_proj``,
-        GPT-2's ``c_attn``: ``[q | k | v]``);
-        Qwen3's per-head RMSNorms on q and k (before RoPE) where the attention has them."""
-        b, s = x.shape[:2]
-        q, k, v = self._flat_qkv(attn, x)
-        return (q.view(b, s, self.n_heads, self.head_dim).transpose(1, 2),
-                k.view(b, s, self.n_kv, self.head_dim).transpose(1, 2),
-                v.view(b, s, self.n_kv, self.head_dim).transpose(1, 2))
-
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding on the first ``cos.shape[-1]`` dims (all of them unless the config sets a
-        partial_rotary_factor, as Phi models may); the rest pass through."""
-        r = cos.shape[-1]
-        if r == x.shape[-1]:
-            return x * cos + _rotate_half(x) * sin
-        rot, rest = x[..., :r], x[..., r:]
-        return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
-
     def dummy_inputs(self, batch: int, past: int, new: int) -> tuple[torch.Tensor, ...]:
         ids = torch.randint(0, int(self.lm.config.vocab_size), (batch, new))
         return self.feed(ids, torch.ones(batch, past + new, dtype=torch.long), self.empty_past(batch, past))
@@ -270,7 +318,63 @@ class KVDecoder(nn.Module):
         return (input_ids, attention_mask, *pos, *past)
 
     def empty_past(self, batch: int, length: int = 0) -> list[torch.Tensor]:
-        return [torch.zeros(batch, self.n_kv, length, self.head_dim) for _ in range(2 * self.n_layers)]
+        """Zero ``[batch, kv_heads, length, head_dim]`` keys and values of every layer, in each
+        layer's own shapes (the decomposed form reads them from one probe step of the model)."""
+        return [torch.zeros(batch, heads, length, dim) for shapes in self.kv_shapes() for heads, dim in shapes]
+
+    def kv_shapes(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """Per layer ``((key heads, key dim), (value heads, value dim))``."""
+        if self._kv_shapes is None:
+            if self.attention == "fused":
+                self._kv_shapes = [((self.n_kv, self.head_dim),) * 2] * self.n_layers
+            else:
+                one = torch.zeros(1, 1, dtype=torch.long)
+                with torch.no_grad():
+                    out = self._forward_model(one, torch.ones_like(one), one, None)[1:]
+                self._kv_shapes = [((int(out[2 * i].shape[1]), int(out[2 * i].shape[3])),
+                                    (int(out[2 * i + 1].shape[1]), int(out[2 * i + 1].shape[3])))
+                                   for i in range(self.n_layers)]
+        return self._kv_shapes
+
+
+def fused_mismatch(model: nn.Module) -> str | None:
+    """None when the fused form computes ``model``'s own logits (a 32-token prompt, then 3 steps on
+    its cache, within :data:`FUSED_PROBE_TOL` of the largest logit), else why not, in one line. Read
+    before q/k/v are packed: the probe runs the model's own forward. MatMulNBits layers run in float
+    for it (accuracy_level 0): their int8 activations would turn round-off into rounding flips."""
+    try:
+        fused = KVDecoder(model, attention="fused").eval()
+    except UnsupportedModelError as err:
+        return str(err)
+    own = KVDecoder(model).eval()
+    vocab = int(own.lm.config.vocab_size)
+    ids = torch.randint(0, vocab, (1, 35), generator=torch.Generator().manual_seed(0))
+    levels: dict[Any, int] = {m: int(getattr(m, "accuracy_level")) for m in model.modules()  # noqa: B009
+                              if isinstance(getattr(m, "accuracy_level", None), int)}
+    got: list[torch.Tensor] = []
+    ref: list[torch.Tensor] = []
+    try:
+        for m in levels:
+            m.accuracy_level = 0
+        for dec, out in ((fused, got), (own, ref)):
+            try:
+                with torch.no_grad():
+                    past = dec.empty_past(1)
+                    for a, b in ((0, 32), (32, 33), (33, 34), (34, 35)):
+                        logits, *past = dec(*dec.feed(ids[:, a:b], torch.ones(1, b, dtype=torch.long), past))
+                        out.append(logits)
+            except (RuntimeError, ValueError, TypeError, IndexError) as err:  # shapes the block assumed wrongly
+                if dec is own:
+                    raise
+                return f"the fused block does not run on {type(model).__name__} ({str(err).splitlines()[0][:120]})"
+    finally:
+        for m, level in levels.items():
+            m.accuracy_level = level
+    x, y = torch.cat(got, 1), torch.cat(ref, 1)
+    rel = float((x - y).abs().max()) / (float(y.abs().max()) or 1.0)
+    if rel <= FUSED_PROBE_TOL:
+        return None
+    return f"the fused block is not {type(model).__name__}'s computation (logits differ by {rel:.1e} of their largest)"
 
 
 def positions(attention_mask: torch.Tensor, new: int) -> torch.Tensor:
@@ -278,24 +382,44 @@ def positions(attention_mask: torch.Tensor, new: int) -> torch.Tensor:
     return (torch.cumsum(attention_mask, dim=-1) - 1)[:, attention_mask.shape[1] - new :].clamp(min=0)
 
 
-def check_decoder(model: nn.Module) -> Any:
-    """The model's config if it is a supported decoder, else UnsupportedModelError saying why."""
-    cfg = getattr(model, "config", None)
-    kind = getattr(cfg, "model_type", None)
-    if cfg is None or kind not in LAYOUTS:
-        raise UnsupportedModelError(
-            f"LLM ONNX export supports transformers {', '.join(SUPPORTED)} causal LMs (got {kind or type(model).__name__})"
-        )
-    lay = LAYOUTS[kind]
-    base = getattr(model, lay.base, None)
-    if not hasattr(model, "lm_head") or base is None or (lay.positions is None and not hasattr(base, "rotary_emb")):
-        need = f".{lay.base}" + (" (with rotary_emb)" if lay.positions is None else "")
-        raise UnsupportedModelError(f"{type(model).__name__}: expected {need} and .lm_head")
-    if getattr(cfg, "add_cross_attention", False):
-        raise UnsupportedModelError(f"{type(model).__name__}: has cross-attention; only decoder-only LMs are exported")
+def _rope_types(cfg: Any) -> set[str]:
+    """The RoPE types a config names (``rope_parameters`` may hold one dict per layer type)."""
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    if isinstance(rope, dict) and rope.get("rope_type", "default") in ("dynamic", "longrope"):
-        raise UnsupportedModelError(f"RoPE type '{rope['rope_type']}' changes with the sequence length; not exported")
+    dicts = [rope] if isinstance(rope, dict) and "rope_type" in rope else [
+        v for v in (rope.values() if isinstance(rope, dict) else []) if isinstance(v, dict)]
+    return {str(d.get("rope_type", "default")) for d in dicts}
+
+
+def check_decoder(model: nn.Module) -> Any:
+    """The model's config if :class:`KVDecoder` takes it, else UnsupportedModelError saying why in
+    one line. Structural only (config and module tree, no weights read): it runs on meta-device
+    models at ``--dry-run``. Taken: a transformers causal LM with an output head, attention layers
+    of full or sliding-window type, and RoPE that does not change with the sequence length."""
+    name = type(model).__name__
+    cfg = getattr(model, "config", None)
+    if cfg is None or not all(hasattr(cfg, a) for a in ("num_hidden_layers", "num_attention_heads", "vocab_size")):
+        raise UnsupportedModelError(f"{name}: the LLM ONNX export takes transformers causal LMs (a config with "
+                                    "num_hidden_layers, num_attention_heads and vocab_size)")
+    get_head = getattr(model, "get_output_embeddings", None)
+    if get_head is None or get_head() is None:
+        raise UnsupportedModelError(f"{name}: has no output (LM) head; load it as a causal LM")
+    if getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "add_cross_attention", False):
+        raise UnsupportedModelError(f"{name}: has cross-attention; only decoder-only LMs are exported")
+    params = inspect.signature(model.forward).parameters
+    missing = [a for a in ("attention_mask", "position_ids", "logits_to_keep") if a not in params]
+    if missing or ("cache" not in params and "past_key_values" not in params):
+        raise UnsupportedModelError(f"{name}: its forward takes no {', '.join(missing) or 'cache'}; the generation "
+                                    "export feeds the mask, positions and key/value cache")
+    types = list(getattr(cfg, "layer_types", None) or [])
+    other = sorted(set(types) - set(LAYER_TYPES))
+    if other:
+        raise UnsupportedModelError(f"{name}: layer type {other[0]!r} is not exported (only {', '.join(LAYER_TYPES)})")
+    windows = sliding_windows(cfg)
+    if len(set(windows)) > 1 and len(set(zip(types, windows))) != len(set(types)):
+        raise UnsupportedModelError(f"{name}: layers of one type have different attention windows")
+    dynamic = sorted(_rope_types(cfg) & {"dynamic", "longrope"})
+    if dynamic:
+        raise UnsupportedModelError(f"RoPE type '{dynamic[0]}' changes with the sequence length; not exported")
     return cfg
 
 

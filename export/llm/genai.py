@@ -3,7 +3,10 @@ as it is.
 
 - ONNX Runtime GenAI (``onnxruntime_genai.Model(dir)``): ``genai_config.json`` in its documented
   decoder schema — the graph's input/output names (``past_key_values.%d.key`` ... ``present.%d.value``),
-  the head layout, the special tokens and greedy search defaults. ``past_present_share_buffer`` is true
+  the head layout, the special tokens and greedy search defaults. The model type is GenAI's generic
+  ``"decoder"``: the graph computes the whole family itself (positions from the mask, its own norms,
+  rotary and scalings), so GenAI needs no family of its own for it (olmo2, stablelm and cohere are
+  not in GenAI 0.18's type list and load this way). ``past_present_share_buffer`` is true
   for fused attention (GroupQueryAttention appends to the past in place, the cache is not copied each
   step) and false for the decomposed graph, which concatenates; ``position_ids`` is declared when the graph
   takes it (``export_llm_onnx(position_ids=True)``), else positions come from ``attention_mask``.
@@ -73,7 +76,7 @@ def genai_config(onnx_path: str | Path, config: Any, *, max_length: int | None =
             },
             "eos_token_id": eos,
             "pad_token_id": pad if pad is not None else first_eos,
-            "type": str(config.model_type),
+            "type": "decoder",
             "vocab_size": int(config.vocab_size),
         },
         "search": {

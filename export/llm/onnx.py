@@ -1,5 +1,5 @@
-"""ONNX export of decoder-only LLMs (Llama, Qwen2/Qwen3, Mistral, Phi-3, GPT-2, Mixtral, Qwen2/3-MoE) for generation with a
-key/value cache.
+"""ONNX export of decoder-only transformers LLMs (any family :func:`check_decoder` takes: dense, MoE,
+sliding-window, soft-capped, post-norm, parallel blocks) for generation with a key/value cache.
 
 ``export_llm_onnx(model, path, weights="int4")`` writes a graph that ONNX Runtime runs step by step:
 
@@ -11,16 +11,12 @@ key/value cache.
 
 Positions count the unpadded tokens (``cumsum(attention_mask) - 1``, as transformers' generate
 does) and attention is causal over past and new tokens, padding masked out, so batched prompts
-of different lengths run left-padded. The graph is traced from
-:class:`KVDecoder`, a hand-written forward over the model's own modules (embeddings, RMSNorms,
-projections, MLPs, rotary frequencies), because transformers' cache objects do not trace into a
-graph with explicit past tensors; where each family keeps those parts is data (:data:`LAYOUTS`).
-Rotary embeddings use the model's precomputed ``inv_freq`` and ``attention_scaling`` (default,
-linear and llama3 RoPE; dynamic RoPE is refused); GPT-2's learned position table is indexed by the
-same positions. Attention is written as ORT's RotaryEmbedding + GroupQueryAttention per layer
-(``attention="fused"``, export/llm/attention.py: the same computation over the same inputs) where
-the installed onnxruntime's GroupQueryAttention has the inputs it needs, else in plain ONNX ops
-(``"decomposed"``).
+of different lengths run left-padded. The graph is traced from :class:`KVDecoder`
+(export/llm/decoder.py): the model's own forward over an explicit past (``"decomposed"``, any
+family), or a hand-written pre-norm block with ORT's RotaryEmbedding + GroupQueryAttention
+(``"fused"``, export/llm/attention.py) where that block is shown to compute the model
+(:func:`fused_mismatch`) and the installed onnxruntime's GroupQueryAttention has the inputs it
+needs. RoPE whose frequencies change with the sequence length (dynamic, longrope) is refused.
 
 Weights: ``"int4"`` writes every weight-only 4-bit QuantLinear as ``com.microsoft.MatMulNBits``
 (bits 4, block size = the group size, float32 scales, packed uint8 zero points when asymmetric;
@@ -53,12 +49,13 @@ from compress.export.llm.attention import fused_attention_supported
 
 # the decoder, the check and generation live in their own modules; their names stay importable from here
 from compress.export.llm.decoder import (  # noqa: F401
-    LAYOUTS,
-    SUPPORTED,
+    CONVENTIONS,
     Attention,
     KVDecoder,
     Layout,
     check_decoder,
+    fused_layout,
+    fused_mismatch,
     positions,
     sliding_windows,
 )
@@ -80,6 +77,7 @@ from compress.export.llm.ort import (  # noqa: F401
     decoder_steps,
     generate_ort,
 )
+from compress.export.llm.symbolics import exporter_fixes
 from compress.quantization.lowering.int4 import (
     activation_quantizers,
     dequantize_int4,
@@ -190,7 +188,7 @@ def export_llm_onnx(
     lm_head: Literal["auto", "int8", "float"] = "auto",
     logits: Literal["all", "last"] = "all",
 ) -> Path:
-    """Write ``model`` (a transformers causal LM of a :data:`LAYOUTS` family, float or fake-quant)
+    """Write ``model`` (a transformers causal LM :func:`check_decoder` takes, float or fake-quant)
     as a single ONNX file with past/present key-value tensors. Returns the path.
 
     ``weights="int4"`` writes weight-only 4-bit layers as MatMulNBits (``accuracy_level`` is its
@@ -212,7 +210,8 @@ def export_llm_onnx(
     layer's attention as ``com.microsoft`` RotaryEmbedding + GroupQueryAttention (export/llm/attention.py),
     ``"decomposed"`` as plain ONNX ops (masks, matmuls, softmax: any ONNX runtime, ORT before 1.32);
     ``"auto"`` (default) is fused where the installed onnxruntime's GroupQueryAttention has the inputs
-    the fused form feeds, else decomposed. ``logits``: ``"all"`` (default) outputs ``[B, S, V]``, what
+    the fused form feeds and the fused block computes the model (:func:`fused_mismatch`), else
+    decomposed. ``logits``: ``"all"`` (default) outputs ``[B, S, V]``, what
     perplexity and Optimum's forward read; ``"last"`` outputs the last position's ``[B, 1, V]``, what
     generation reads (ORT GenAI, :class:`export.llm.ort.OrtGenerator`), and skips the lm_head over the
     rest of the prompt, as llama.cpp does by default (benchmarks/RESULTS.md ``llm_llamacpp``).
@@ -252,8 +251,17 @@ def export_llm_onnx(
         float_reference = KVDecoder(flt).eval()
     unpack_experts(m)  # packed MoE experts (grouped_mm) as per-expert Linears: MatMulNBits / integer ops each
     counts = _swap_linears(m, weights, accuracy_level)
-    if counts["int4"]:  # q/k/v and gate/up as one MatMulNBits each, as ORT GenAI's builder writes them
-        lay = LAYOUTS[m.config.model_type]
+    if form == "fused":  # the block must compute this model, shown on a probe before anything is packed
+        why = fused_mismatch(m)
+        if why is not None and attention == "fused":
+            raise UnsupportedModelError(f"export_llm_onnx(attention='fused'): {why}; use 'decomposed'")
+        if why is not None:
+            log.info("attention written decomposed: %s", why)
+            form = "decomposed"
+    lay = fused_layout(m)
+    if counts["int4"] and form == "fused" and lay is not None:
+        # q/k/v and gate/up as one MatMulNBits each, as ORT GenAI's builder writes them; the decomposed
+        # form runs the model's own attention, which calls q_proj, k_proj and v_proj by name
         pack_projections(getattr(getattr(m, lay.base), lay.layers), attn=lay.attn)
     if weights == "int4" and counts["int4"] == 0:
         raise UnsupportedModelError("export_llm_onnx(weights='int4'): the model has no weight-only 4-bit layers")
@@ -285,18 +293,25 @@ def export_llm_onnx(
         dyn[name] = {0: "batch", 2: "total_sequence"}
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with torch.no_grad(), warnings.catch_warnings(), tempfile.TemporaryDirectory(dir=out.parent, prefix=".llm_onnx.") as tmp:
+    with torch.no_grad(), warnings.catch_warnings(), exporter_fixes(opset), \
+            tempfile.TemporaryDirectory(dir=out.parent, prefix=".llm_onnx.") as tmp:
         # the TorchScript exporter: custom ops export through autograd.Function.symbolic (the dynamo
-        # exporter needs an onnxscript translation per op); the traced forward is our own code
+        # exporter needs an onnxscript translation per op)
         warnings.simplefilter("ignore")
         traced = Path(tmp) / out.name
-        torch.onnx.export(
-            dec, dec.dummy_inputs(1, 2, 3), str(traced), input_names=inputs, output_names=outputs,
-            dynamic_axes=dyn, opset_version=opset, dynamo=False, custom_opsets={"com.microsoft": 1} if counts["int4"] or form == "fused" else None,
-            # no folding: a tied lm_head stays one initializer shared with the embedding (folding writes a
-            # transposed copy); ORT folds the weight transposes in memory when it loads the file
-            do_constant_folding=False,
-        )
+        try:
+            torch.onnx.export(
+                dec, dec.dummy_inputs(1, 2, 3), str(traced), input_names=inputs, output_names=outputs,
+                dynamic_axes=dyn, opset_version=opset, dynamo=False,
+                custom_opsets={"com.microsoft": 1} if counts["int4"] or form == "fused" else None,
+                # no folding: a tied lm_head stays one initializer shared with the embedding (folding writes a
+                # transposed copy); ORT folds the weight transposes in memory when it loads the file
+                do_constant_folding=False,
+            )
+        except (RuntimeError, AssertionError, TypeError, ValueError) as err:  # the exporter's own failures
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ExportError(f"export_llm_onnx: torch.onnx could not trace {type(model).__name__} "
+                              f"({form} attention): {first[:300]}") from err
         import onnx
         from compress.export.edge import set_metadata
         from compress.export.files import atomic_save

@@ -28,18 +28,26 @@ def _gemma_config(vocab_size: int) -> Any:
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
 
 
+def _dynamic_rope_config(vocab_size: int) -> Any:
+    """A Llama whose RoPE frequencies change with the sequence length: no fixed graph computes it."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                       rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+
+
 @pytest.fixture(scope="module")
-def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny random GemmaForCausalLM (a decoder family outside export.llm.decoder.LAYOUTS and
-    gguf_file.ARCHS, otherwise Llama-shaped: .model.layers, rotary_emb, lm_head) with a BPE tokenizer."""
-    from transformers import GemmaForCausalLM
+def rope_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama with dynamic RoPE (which the generation export refuses) with a BPE tokenizer."""
+    from transformers import LlamaForCausalLM
 
     from compress.data.lm import iter_texts, split_files, train_tokenizer
 
-    out = tmp_path_factory.mktemp("tiny_gemma")
+    out = tmp_path_factory.mktemp("tiny_dynamic_rope")
     tok = train_tokenizer(iter_texts(split_files(0)["train"][:4]), vocab_size=384)
     torch.manual_seed(0)
-    GemmaForCausalLM(_gemma_config(len(tok))).save_pretrained(out)
+    LlamaForCausalLM(_dynamic_rope_config(len(tok))).save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
 
@@ -67,9 +75,9 @@ def _decoder_refusal(model: nn.Module) -> str:
     return str(exc.value)
 
 
-def test_dry_run_refuses_a_generation_export_of_another_family(gemma_dir: str, tmp_path: Path,
+def test_dry_run_refuses_a_generation_export_the_model_cannot_take(rope_dir: str, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    recipe = _recipe(tmp_path, gemma_dir)
+    recipe = _recipe(tmp_path, rope_dir)
     out = tmp_path / "run"
     rc = main(["apply", str(recipe), "--dry-run", "--out", str(out)])
     # (transformers' own "Loading weights" bar may precede it on stderr)
@@ -78,22 +86,22 @@ def test_dry_run_refuses_a_generation_export_of_another_family(gemma_dir: str, t
     assert len(errors) == 1, errors
     err = errors[0]
     # the field that asked for the export, with its file and line, then the export's own words
-    assert f"r.yaml:{_field_line(recipe)}: export.generation: LLM ONNX export supports transformers llama" in err
-    assert "(got gemma)" in err
+    assert (f"r.yaml:{_field_line(recipe)}: export.generation: RoPE type 'dynamic' changes with the sequence "
+            "length; not exported") in err
     assert not out.exists()
 
 
-def test_apply_refuses_before_the_run_folder_is_touched(gemma_dir: str, tmp_path: Path) -> None:
-    recipe = load_recipe(_recipe(tmp_path, gemma_dir))
+def test_apply_refuses_before_the_run_folder_is_touched(rope_dir: str, tmp_path: Path) -> None:
+    recipe = load_recipe(_recipe(tmp_path, rope_dir))
     out = tmp_path / "run"
-    with pytest.raises(RecipeError, match=r"export\.generation: LLM ONNX export supports .* \(got gemma\)"):
+    with pytest.raises(RecipeError, match=r"export\.generation: RoPE type 'dynamic'"):
         compress.apply(recipe, out_dir=out, quiet=True)
     assert not out.exists()
 
 
-def test_the_same_recipe_with_the_export_off_passes_dry_run(gemma_dir: str, tmp_path: Path,
+def test_the_same_recipe_with_the_export_off_passes_dry_run(rope_dir: str, tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    recipe = _recipe(tmp_path, gemma_dir)
+    recipe = _recipe(tmp_path, rope_dir)
     for flag in ("export.enabled=false", "export.generation=false"):
         rc = main(["apply", str(recipe), "--dry-run", "--set", flag])
         cap = capsys.readouterr()
@@ -109,32 +117,35 @@ def test_a_supported_family_passes_dry_run(tiny_llm_dir: str, tmp_path: Path,
     assert "LlamaForCausalLM" in cap.out
 
 
-def test_the_export_refuses_in_the_preflight_words(gemma_dir: str, tmp_path: Path) -> None:
+def test_the_export_refuses_in_the_preflight_words(rope_dir: str, tmp_path: Path) -> None:
     from compress.models import load_model
 
-    model = load_model({"hf_path": gemma_dir})
+    model = load_model({"hf_path": rope_dir})
     with pytest.raises(UnsupportedModelError) as exc:
         export_llm_onnx(model, tmp_path / "m.onnx", weights="fp32", attention="decomposed", check=False)
     assert not (tmp_path / "m.onnx").exists()
     with pytest.raises(RecipeError) as pre:
-        plan(_recipe(tmp_path, gemma_dir))
+        plan(_recipe(tmp_path, rope_dir))
     assert str(pre.value).endswith(f"export.generation: {exc.value}")
     assert str(exc.value) == _decoder_refusal(model)
 
 
 def test_the_checks_read_structure_only_meta_models_included() -> None:
     """A meta-device model (what a dry run builds from a GGUF file it has not converted) is judged as
-    the loaded one: the same refusal for Gemma; Llama passes the generation, GGUF and compressed-tensors checks."""
+    the loaded one: the same refusal for dynamic RoPE; Llama and Gemma pass the generation check, Llama the
+    GGUF and compressed-tensors checks."""
     from compress.export.llm.compressed_tensors import check_compressed_tensors
     from compress.export.llm.gguf_file import check_gguf
     from transformers import GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
+        rope = LlamaForCausalLM(_dynamic_rope_config(384))
         gemma = GemmaForCausalLM(_gemma_config(384))
         llama = LlamaForCausalLM(LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
     torch.manual_seed(0)
-    assert _decoder_refusal(gemma) == _decoder_refusal(GemmaForCausalLM(_gemma_config(384)))
+    assert _decoder_refusal(rope) == _decoder_refusal(LlamaForCausalLM(_dynamic_rope_config(384)))
+    assert check_decoder(gemma) is gemma.config
     with pytest.raises(UnsupportedModelError, match=r"GGUF export writes transformers llama, qwen2 causal LMs \(got gemma\)"):
         check_gguf(gemma)
     for check in (check_decoder, check_gguf, check_compressed_tensors):

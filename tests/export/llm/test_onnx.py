@@ -233,10 +233,11 @@ def test_refuses_what_it_cannot_export(tmp_path: Path) -> None:
         export_llm_onnx(_model("llama", None), tmp_path / "b.onnx", weights="int4")
     with pytest.raises(UnsupportedModelError, match="W8A8"):
         export_llm_onnx(_model("llama", "w8a8_dynamic"), tmp_path / "c.onnx")
-    opt = transformers.OPTForCausalLM(transformers.OPTConfig(hidden_size=32, num_hidden_layers=1, ffn_dim=64,
-                                                             num_attention_heads=2, vocab_size=64, word_embed_proj_dim=32))
-    with pytest.raises(UnsupportedModelError, match=r"supports transformers llama, .*gpt2 causal LMs \(got opt\)"):
-        export_llm_onnx(opt, tmp_path / "d.onnx", weights="fp32")
+    # ALiBi instead of positions: Bloom's forward takes no position_ids to feed
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match=r"BloomForCausalLM: its forward takes no position_ids"):
+        export_llm_onnx(bloom, tmp_path / "d.onnx", weights="fp32")
+    assert not (tmp_path / "d.onnx").exists()
 
 
 def test_export_checks_the_file_in_ort(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
