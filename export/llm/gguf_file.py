@@ -1,33 +1,32 @@
-"""A GGUF file for llama.cpp from a quantized transformers Llama or Qwen2 model: the quantized Linears
-as Q4_0/Q4_1/Q8_0 blocks with our codes (:mod:`export.llm.gguf_weights`), everything else float32,
-the architecture's metadata and the tokenizer (byte-level BPE, llama.cpp's ``gpt2`` model) inside.
+"""A GGUF file for llama.cpp from a transformers decoder, float or quantized: the quantized Linears
+as Q4_0/Q4_1/Q8_0 blocks with our codes (:mod:`export.llm.gguf_weights`), everything else F32 (or
+F16 matrices), the architecture's metadata and the tokenizer inside.
 
-Tensor names and the Q/K row order follow llama.cpp's own converter (``convert_hf_to_gguf.py``):
-Llama's q/k rows are permuted from transformers' rotate-half layout to interleaved pairs (whole
-rows move, so the blocks are unchanged); Qwen2's are not, and its q/k/v biases are written.
+The llama.cpp architecture is chosen from the model's class (:mod:`export.llm.gguf_arch`); every
+tensor of the state dict is named through the ``gguf`` package's own map for that architecture
+(``gguf.get_tensor_name_map``), and one it has no name for is refused, never dropped. The weight
+transforms are those of llama.cpp's converter (``convert_hf_to_gguf.py``): q/k rows permuted from
+rotate-half to interleaved pairs where it does so (whole rows move, so blocks are unchanged), and
+Gemma's norms stored as ``1 + weight``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from compress.export.llm.gguf_weights import _require_gguf, gguf_blocks
+from compress.export.llm.gguf_arch import Arch, Features, arch_of, features, write_metadata
+from compress.export.llm.gguf_tokenizer import tokenizer_form, write_tokenizer
+from compress.export.llm.gguf_weights import _require_gguf, check_grid, gguf_blocks
 from torch import nn
 
-from compress.core.errors import ExportError, UnsupportedModelError
+from compress.core.errors import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
-#: transformers module path (under ``model.layers.{i}.``) -> llama.cpp tensor name (under ``blk.{i}.``)
-_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
-ARCHS = ("llama", "qwen2")
+FLOAT_TYPES = ("f32", "f16")
 
 
 def _permute(x: np.ndarray, heads: int) -> np.ndarray:
@@ -35,113 +34,113 @@ def _permute(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-def _tokenizer(writer: Any, tokenizer: Any, vocab_size: int) -> None:
-    state = json.loads(tokenizer.backend_tokenizer.to_str())
-    model = state["model"]
-    if model.get("type") != "BPE":
-        raise UnsupportedModelError(f"GGUF export writes byte-level BPE tokenizers (got {model.get('type')})")
-    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(vocab_size)]
-    special = set(tokenizer.all_special_ids)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in special else 1 for i in range(vocab_size)])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
-    for name, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
-                      ("pad_token_id", writer.add_pad_token_id)):
-        value = getattr(tokenizer, name, None)
-        if value is not None:
-            add(int(value))
+def _is_quantizer_state(key: str) -> bool:
+    return any(part.endswith("_quantizer") for part in key.split(".")[:-1])
+
+
+def _tied(model: nn.Module) -> bool:
+    get_head: Any = getattr(model, "get_output_embeddings", None)
+    get_embed: Any = getattr(model, "get_input_embeddings", None)
+    head, embed = (get_head() if callable(get_head) else None), (get_embed() if callable(get_embed) else None)
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+def _plan(model: nn.Module, arch: Arch) -> dict[str, str]:
+    """state-dict key -> GGUF tensor name, for every tensor written; UnsupportedModelError naming the
+    first tensor llama.cpp's architecture has no name for."""
+    gguf = _require_gguf()
+    cfg: Any = getattr(model, "config", None)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.name], int(cfg.num_hidden_layers))
+    tied, plan = _tied(model), {}
+    for key in model.state_dict(keep_vars=True):
+        if _is_quantizer_state(key):
+            continue
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None and tied and key == "lm_head.weight":
+            continue  # llama.cpp ties the head to token_embd when the file has no output tensor
+        if name is None:
+            raise UnsupportedModelError(f"{key}: no GGUF tensor name for it in llama.cpp's {arch.name.lower()} "
+                                        "(gguf.get_tensor_name_map); refusing rather than dropping it")
+        if tied and name == "output.weight":
+            continue
+        plan[key] = name
+    return plan
 
 
 def check_gguf(model: nn.Module) -> Any:
-    """The model's config if :func:`save_gguf` writes its architecture, else UnsupportedModelError
-    saying why: from the structure alone (config and module names), so it runs on a meta-device
-    model before anything trains (compress.preflight) and is the first thing save_gguf checks."""
+    """The model's config if :func:`save_gguf` writes it, else UnsupportedModelError in one line
+    saying why: from the structure alone (config, class, module and state-dict names), so it runs on
+    a meta-device model before anything trains (compress.preflight) and is the first thing save_gguf
+    checks."""
     cfg: Any = getattr(model, "config", None)
-    arch = getattr(cfg, "model_type", None)
-    if arch not in ARCHS:
-        raise UnsupportedModelError(f"GGUF export writes transformers {', '.join(ARCHS)} causal LMs (got {arch})")
-    base: Any = getattr(model, "model", None)
-    if base is None or not hasattr(model, "lm_head") or not all(hasattr(base, a) for a in ("embed_tokens", "norm", "layers")):
-        raise UnsupportedModelError(f"{type(model).__name__}: GGUF export expects .model.embed_tokens, .model.norm, "
-                                    ".model.layers and .lm_head")
-    for i, layer in enumerate(base.layers):
-        for sub in _LAYER:
-            try:
-                layer.get_submodule(sub)
-            except AttributeError:
-                raise UnsupportedModelError(f"model.layers.{i}.{sub}: missing; GGUF export writes {arch}'s "
-                                            "attention and gated MLP modules") from None
+    if cfg is None or not hasattr(cfg, "num_hidden_layers"):
+        raise UnsupportedModelError(f"{type(model).__name__}: GGUF export writes transformers causal LMs "
+                                    "(no decoder config)")
+    arch = arch_of(model)
+    features(model, arch)
+    _plan(model, arch)
+    for name, mod in model.named_modules():
+        wq = getattr(mod, "weight_quantizer", None)
+        if wq is not None and getattr(wq, "enabled", True):
+            check_grid(mod, where=name)
     return cfg
 
 
-def save_gguf(model: nn.Module, path: str | Path, *, tokenizer: Any) -> Path:
-    """Write ``model`` (a transformers Llama or Qwen2 causal LM whose quantized Linears use groups of 32)
-    as a GGUF file llama.cpp loads, with ``tokenizer`` (a transformers fast BPE tokenizer) inside.
-    Returns the path. UnsupportedModelError for another architecture or a grid without a block format."""
+def _file_type(gguf: Any, qtypes: set[Any], float_type: str) -> Any:
+    t, f = gguf.GGMLQuantizationType, gguf.LlamaFileType
+    for qtype, ftype in ((t.Q4_0, f.MOSTLY_Q4_0), (t.Q4_1, f.MOSTLY_Q4_1), (t.Q8_0, f.MOSTLY_Q8_0)):
+        if qtype in qtypes:
+            return ftype
+    return f.MOSTLY_F16 if float_type == "f16" else f.ALL_F32
+
+
+def save_gguf(model: nn.Module, path: str | Path, *, tokenizer: Any, float_type: str = "f32") -> Path:
+    """Write ``model`` (a transformers causal LM of an architecture llama.cpp has; its quantized
+    Linears in groups of 32) as a GGUF file llama.cpp loads, with ``tokenizer`` (a fast transformers
+    tokenizer, byte-level BPE or SentencePiece-style) inside. ``float_type`` "f16" stores the float
+    matrices as F16 (vectors stay F32). Returns the path; UnsupportedModelError for what
+    :func:`check_gguf` refuses or a grid without a block format."""
     gguf = _require_gguf()
+    if float_type not in FLOAT_TYPES:
+        raise UnsupportedModelError(f"float_type={float_type!r}: GGUF export writes {', '.join(FLOAT_TYPES)}")
     cfg = check_gguf(model)
-    arch = cfg.model_type
-    if tokenizer is None or not hasattr(tokenizer, "backend_tokenizer"):
-        raise ExportError("save_gguf: llama.cpp reads the tokenizer from the file; pass a fast transformers tokenizer")
-    heads, kv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    tokenizer_form(tokenizer)
+    arch = arch_of(model)
+    feats: Features = features(model, arch)
+    plan = _plan(model, arch)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_name(str(getattr(cfg, "_name_or_path", "") or arch))
-    writer.add_context_length(int(cfg.max_position_embeddings))
-    writer.add_embedding_length(int(cfg.hidden_size))
-    writer.add_block_count(int(cfg.num_hidden_layers))
-    writer.add_feed_forward_length(int(cfg.intermediate_size))
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv)
-    writer.add_rope_dimension_count(head_dim)
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
-    writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-    writer.add_vocab_size(int(cfg.vocab_size))
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _tokenizer(writer, tokenizer, int(cfg.vocab_size))
-
-    def tensor(name: str, x: np.ndarray, qtype: Any = None, rows_heads: int | None = None) -> None:
-        if rows_heads is not None and arch == "llama":
-            x = _permute(x, rows_heads)
-        writer.add_tensor(name, np.ascontiguousarray(x), raw_dtype=qtype)
-
-    base: Any = model.model
-    tensor("token_embd.weight", base.embed_tokens.weight.detach().float().numpy())
-    tensor("output_norm.weight", base.norm.weight.detach().float().numpy())
-    head: Any = model.lm_head
-    tied = head.weight.data_ptr() == base.embed_tokens.weight.data_ptr()
-    counts = {"quantized": 0, "float": 0}
-    for i, layer in enumerate(base.layers):
-        for sub, short in _LAYER.items():
-            mod: Any = layer.get_submodule(sub)
-            where = f"model.layers.{i}.{sub}"
-            heads_of = {"attn_q": heads, "attn_k": kv}.get(short)
-            if getattr(mod, "weight_quantizer", None) is not None:
-                data, qtype = gguf_blocks(mod, where=where)
-                tensor(f"blk.{i}.{short}.weight", data, qtype, heads_of)
-                counts["quantized"] += 1
-            else:
-                tensor(f"blk.{i}.{short}.weight", mod.weight.detach().float().numpy(), None, heads_of)
-                counts["float"] += "norm" not in short
-            bias = getattr(mod, "bias", None)
-            if isinstance(bias, torch.Tensor):
-                tensor(f"blk.{i}.{short}.bias", bias.detach().float().numpy(), None, heads_of)
-    if not tied:
-        if getattr(head, "weight_quantizer", None) is not None:
-            data, qtype = gguf_blocks(head, where="lm_head")
-            tensor("output.weight", data, qtype)
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[arch.name]])
+    writer.add_name(str(getattr(cfg, "_name_or_path", "") or cfg.model_type))
+    write_metadata(writer, cfg, feats)
+    state = model.state_dict()
+    modules = dict(model.named_modules())
+    tensors: list[tuple[str, np.ndarray, Any]] = []
+    qtypes: set[Any] = set()
+    for key, name in plan.items():
+        owner, _, leaf = key.rpartition(".")
+        mod: Any = modules.get(owner)
+        rows = {"attn_q": feats.heads, "attn_k": feats.kv_heads}.get(name.split(".")[-2]) if arch.permute_qk else None
+        if leaf == "weight" and getattr(getattr(mod, "weight_quantizer", None), "enabled", False):
+            data, qtype = gguf_blocks(mod, where=owner)
+            qtypes.add(qtype)
         else:
-            tensor("output.weight", head.weight.detach().float().numpy())
+            data, qtype = state[key].detach().float().numpy(), None
+            if arch.norm_plus_one and key.endswith("norm.weight"):
+                data = data + 1.0
+            if float_type == "f16" and data.ndim == 2:
+                data = data.astype(np.float16)
+        if rows is not None:
+            data = _permute(data, rows)
+        tensors.append((name, np.ascontiguousarray(data), qtype))
+    writer.add_file_type(_file_type(gguf, qtypes, float_type))
+    form = write_tokenizer(writer, tokenizer, int(cfg.vocab_size), cfg)
+    for name, data, qtype in tensors:
+        writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    log.info("GGUF (%s): %d block-quantized Linears, %d float, written to %s", arch, counts["quantized"],
-             counts["float"], out)
+    log.info("GGUF (%s, %s tokenizer): %d tensors, %d block-quantized, written to %s", arch.name.lower(), form,
+             len(tensors), sum(q is not None for _, _, q in tensors), out)
     return out

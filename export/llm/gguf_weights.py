@@ -37,31 +37,43 @@ def _require_gguf() -> Any:
     return gguf
 
 
-def gguf_type(mod: Any, *, where: str = "layer") -> Any:
-    """The ``gguf.GGMLQuantizationType`` whose grid is the layer's own: Q4_0, Q4_1 or Q8_0.
-    UnsupportedModelError naming the layer and the grid it would need otherwise."""
-    gguf = _require_gguf()
+_NEED = "symmetric 4-bit (Q4_0), asymmetric 4-bit (Q4_1) or symmetric 8-bit (Q8_0) groups of 32"
+
+
+def check_grid(mod: Any, *, where: str = "layer") -> str:
+    """``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``: the block format of the layer's quantizer spec, from the
+    spec and shapes alone (no weights read, so it runs on meta-device models); UnsupportedModelError
+    naming the layer and the grid it would need otherwise."""
     wq = getattr(mod, "weight_quantizer", None)
     if wq is None or not wq.enabled:
         raise UnsupportedModelError(f"{where}: not a quantized layer; float layers are written as F16/F32")
     s = wq.spec
     k = int(mod.in_features)
-    need = "symmetric 4-bit (Q4_0), asymmetric 4-bit (Q4_1) or symmetric 8-bit (Q8_0) groups of 32"
     if s.granularity != "group" or s.group_size != BLOCK:
         size = f"groups of {s.group_size}" if s.granularity == "group" else f"per {s.granularity}"
-        raise UnsupportedModelError(f"{where}: {s.bits}-bit {size} has no llama.cpp block format; quantize with {need}")
+        raise UnsupportedModelError(f"{where}: {s.bits}-bit {size} has no llama.cpp block format; quantize with {_NEED}")
     if k % BLOCK:
         raise UnsupportedModelError(f"{where}: {k} input features are not whole blocks of {BLOCK} (llama.cpp rows)")
     if getattr(mod, "input_quantizer", None) is not None:
         raise UnsupportedModelError(f"{where}: quantized inputs are not written to GGUF (llama.cpp quantizes its own)")
     if s.bits == 4 and is_int4_weight_only(mod):
+        return "Q4_0" if s.symmetric else "Q4_1"
+    if s.bits == 8 and s.symmetric and s.dtype == "int8" and not s.reduce_range:
+        return "Q8_0"
+    raise UnsupportedModelError(f"{where}: {s.bits}-bit {'sym' if s.symmetric else 'asym'} weights; quantize with {_NEED}")
+
+
+def gguf_type(mod: Any, *, where: str = "layer") -> Any:
+    """The ``gguf.GGMLQuantizationType`` whose grid is the layer's own: Q4_0, Q4_1 or Q8_0.
+    UnsupportedModelError naming the layer and the grid it would need otherwise."""
+    gguf = _require_gguf()
+    name = check_grid(mod, where=where)
+    if name != "Q8_0":
         w = int4_weight(mod, where=where)
         if w.g_idx is not None:
             raise UnsupportedModelError(f"{where}: a g_idx (act_order permutation) has no GGUF form; use static groups")
-        return gguf.GGMLQuantizationType.Q4_0 if w.symmetric else gguf.GGMLQuantizationType.Q4_1
-    if s.bits == 8 and s.symmetric and s.dtype == "int8" and not s.reduce_range:
-        return gguf.GGMLQuantizationType.Q8_0
-    raise UnsupportedModelError(f"{where}: {s.bits}-bit {'sym' if s.symmetric else 'asym'} weights; quantize with {need}")
+        name = "Q4_0" if w.symmetric else "Q4_1"
+    return getattr(gguf.GGMLQuantizationType, name)
 
 
 def _nibbles(codes: torch.Tensor) -> np.ndarray:
