@@ -133,7 +133,7 @@ def test_the_export_refuses_in_the_preflight_words(rope_dir: str, tmp_path: Path
 def test_the_checks_read_structure_only_meta_models_included() -> None:
     """A meta-device model (what a dry run builds from a GGUF file it has not converted) is judged as
     the loaded one: the same refusal for dynamic RoPE; Llama and Gemma pass the generation check, Llama the
-    GGUF and compressed-tensors checks."""
+    GGUF and compressed-tensors checks, a windowed Qwen2 is refused by GGUF."""
     from compress.export.llm.compressed_tensors import check_compressed_tensors
     from compress.export.llm.gguf_file import check_gguf
     from transformers import GemmaForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -146,8 +146,12 @@ def test_the_checks_read_structure_only_meta_models_included() -> None:
     torch.manual_seed(0)
     assert _decoder_refusal(rope) == _decoder_refusal(LlamaForCausalLM(_dynamic_rope_config(384)))
     assert check_decoder(gemma) is gemma.config
-    with pytest.raises(UnsupportedModelError, match=r"GGUF export writes transformers llama, qwen2 causal LMs \(got gemma\)"):
-        check_gguf(gemma)
+    from compress.models.families import tiny_decoder
+
+    with torch.device("meta"):
+        qwen2_windowed = tiny_decoder("qwen2")  # llama.cpp's qwen2 has no sliding windows
+    with pytest.raises(UnsupportedModelError, match=r"sliding_window=4: llama\.cpp's qwen2 has no sliding-window"):
+        check_gguf(qwen2_windowed)
     for check in (check_decoder, check_gguf, check_compressed_tensors):
         assert check(llama) is llama.config
 
@@ -157,11 +161,10 @@ def test_gguf_and_compressed_tensors_writers_refuse_in_their_checks_words(tmp_pa
     pytest.importorskip("compressed_tensors")
     from compress.export.llm.compressed_tensors import check_compressed_tensors, save_compressed_tensors
     from compress.export.llm.gguf_file import check_gguf, save_gguf
-    from transformers import GemmaForCausalLM
+    from compress.models.families import tiny_decoder
 
-    torch.manual_seed(0)
-    gemma = GemmaForCausalLM(_gemma_config(384))
-    for check, write, model in ((check_gguf, lambda m: save_gguf(m, tmp_path / "m.gguf", tokenizer=None), gemma),
+    windowed = tiny_decoder("qwen2")  # a sliding window llama.cpp's qwen2 cannot state
+    for check, write, model in ((check_gguf, lambda m: save_gguf(m, tmp_path / "m.gguf", tokenizer=None), windowed),
                                 (check_compressed_tensors, lambda m: save_compressed_tensors(m, tmp_path / "ct"),
                                  nn.Linear(4, 4))):
         with pytest.raises(UnsupportedModelError) as want:
