@@ -51,6 +51,8 @@ class Report(_Model):
     versions: dict[str, str] = Field(default_factory=dict)
     machine: dict[str, Any] = Field(default_factory=dict)
     metric: str = "accuracy"
+    #: the data as built: source, task, split sizes and what the source states (text_lm: ``bos``)
+    data: dict[str, Any] = Field(default_factory=dict)
     baseline: ModelFigures = Field(default_factory=ModelFigures)
     stages: list[StageReport] = Field(default_factory=list)
     final: ModelFigures = Field(default_factory=ModelFigures)
@@ -154,6 +156,8 @@ def render_markdown(report: Report, *, plot_name: str | None = None) -> str:
     out.append(f"Metric: `{r.metric}`. Thresholds: {verdict}."
                + (f" Run time {r.seconds:.1f} s." if r.seconds else "")
                + (f" Peak RSS {r.peak_rss_mb:,.0f} MB." if r.peak_rss_mb else "") + "\n")
+    if r.data:
+        out.append("Data: " + _fmt(r.data) + ".\n")
     out.append("## Model\n")
     files = {e.role: e.size_bytes for e in r.exports}
     rows = [{"model": "baseline", **r.baseline.model_dump(), "onnx_bytes": files.get("baseline")}]

@@ -438,7 +438,7 @@ def _baseline_report(run: _Run, model: nn.Module) -> Report:
     for p in run.reference.parameters():
         p.requires_grad_(False)
     report = run.report = Report(recipe=run.recipe.to_dict(), versions=versions(), machine=machine(),
-                                 metric=run.metric)
+                                 metric=run.metric, data=run.data.summary())
     report.baseline = run.figures(model, accuracy=run.evaluate(model))
     log.info("baseline %s: %s", run.metric, fig(report.baseline.accuracy))
     return report

@@ -71,6 +71,9 @@ def test_report_states_the_peak_rss(tiny_run: tuple[Path, Report]) -> None:
     assert 50 < data["peak_rss_mb"] <= now_mb + 0.1
     assert f"Peak RSS {data['peak_rss_mb']:,.0f} MB" in (out / "report.md").read_text()
     assert f"peak RSS {report.peak_rss_mb:,.0f} MB" in summary(report, out=out)
+    # the data as built is stated beside it (text_lm adds whether windows start with BOS)
+    assert data["data"]["source"] == "digits" and data["data"]["eval_samples"] > 0
+    assert "Data: source: digits" in (out / "report.md").read_text()
 
 
 def test_existing_run_folder_is_not_overwritten(tiny_run: tuple[Path, Report]) -> None:
