@@ -65,8 +65,8 @@ def logits_nll(
 
     The sum is float64 and keeps the autograd graph (a training loss can divide it by the count).
     Beyond ``logits`` itself, memory holds at most two ``chunk_bytes`` float32 chunks at a time
-    (the chunk and its log-softmax); under autograd every chunk's softmax is kept for backward, as
-    the full computation keeps it."""
+    (the chunk and its log-softmax); under autograd each chunk is recomputed in backward
+    (:func:`checkpointed`), so the graph keeps no chunk's softmax either."""
     if logits.dim() != 3 or labels.dim() != 2 or tuple(labels.shape) != tuple(logits.shape[:2]):
         raise ValueError(f"need logits [B, S, V] and labels [B, S], got {tuple(logits.shape)} and {tuple(labels.shape)}")
     b, s, v = logits.shape
@@ -74,8 +74,26 @@ def logits_nll(
     total = torch.zeros((), dtype=torch.float64, device=logits.device)
     step = chunk_positions(v, chunk_bytes=chunk_bytes)
     for row, start, end in _chunks(b, s, step):
-        total = total + _chunk_nll(logits[row, start:end], tgt[row, start:end], label_smoothing)
+        total = total + checkpointed(_chunk_nll, logits[row, start:end], tgt[row, start:end], label_smoothing)
     return total, int((tgt != IGNORE_INDEX).sum())
+
+
+def checkpointed(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """``fn(*args)``; when a tensor argument needs grad, through ``torch.utils.checkpoint``, so that
+    backward recomputes the chunk's float32 copy and softmax instead of keeping them from forward."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        from torch.utils.checkpoint import checkpoint
+
+        out: torch.Tensor = checkpoint(fn, *args, use_reentrant=False)
+        return out
+    return fn(*args)
+
+
+def row_chunks(rows: int, width: int, *, chunk_bytes: int | None = None) -> list[slice]:
+    """Slices of ``rows`` rows of ``width`` classes whose float32 chunks take at most ``chunk_bytes``
+    (None: :data:`CHUNK_BYTES` as it is at the call)."""
+    step = chunk_positions(width, chunk_bytes=CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
+    return [slice(a, min(a + step, rows)) for a in range(0, rows, step)]
 
 
 def _chunk_nll(logits: torch.Tensor, tgt: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
