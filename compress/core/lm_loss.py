@@ -58,7 +58,8 @@ def _chunks(batch: int, seq: int, step: int) -> list[tuple[int, int, int]]:
 
 
 def logits_nll(
-    logits: torch.Tensor, labels: torch.Tensor, *, chunk_bytes: int = CHUNK_BYTES, label_smoothing: float = 0.0
+    logits: torch.Tensor, labels: torch.Tensor, *, chunk_bytes: int = CHUNK_BYTES, label_smoothing: float = 0.0,
+    per_row: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL of ``logits [B, S, V]`` (any float dtype) against ``labels [B, S]``
     (position t predicts label t+1; ``-100`` is not counted) and the number of scored tokens.
@@ -66,16 +67,17 @@ def logits_nll(
     The sum is float64 and keeps the autograd graph (a training loss can divide it by the count).
     Beyond ``logits`` itself, memory holds at most two ``chunk_bytes`` float32 chunks at a time
     (the chunk and its log-softmax); under autograd each chunk is recomputed in backward
-    (:func:`checkpointed`), so the graph keeps no chunk's softmax either."""
+    (:func:`checkpointed`), so the graph keeps no chunk's softmax either. ``per_row``: the sums per
+    row, ``[B]``, instead of their total."""
     if logits.dim() != 3 or labels.dim() != 2 or tuple(labels.shape) != tuple(logits.shape[:2]):
         raise ValueError(f"need logits [B, S, V] and labels [B, S], got {tuple(logits.shape)} and {tuple(labels.shape)}")
     b, s, v = logits.shape
     tgt = next_token_targets(labels.to(logits.device))
-    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    sums = [torch.zeros((), dtype=torch.float64, device=logits.device) for _ in range(b)]
     step = chunk_positions(v, chunk_bytes=chunk_bytes)
     for row, start, end in _chunks(b, s, step):
-        total = total + checkpointed(_chunk_nll, logits[row, start:end], tgt[row, start:end], label_smoothing)
-    return total, int((tgt != IGNORE_INDEX).sum())
+        sums[row] = sums[row] + checkpointed(_chunk_nll, logits[row, start:end], tgt[row, start:end], label_smoothing)
+    return _reduce(sums, per_row, logits.device), int((tgt != IGNORE_INDEX).sum())
 
 
 def checkpointed(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
@@ -147,7 +149,7 @@ def _head_path(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
 
 
 def model_nll(
-    model: nn.Module, inputs: Any, labels: torch.Tensor, *, chunk_bytes: int = CHUNK_BYTES
+    model: nn.Module, inputs: Any, labels: torch.Tensor, *, chunk_bytes: int = CHUNK_BYTES, per_row: bool = False
 ) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL (float64) of ``model`` on one batch and the number of scored tokens,
     without its full logits: the decoder runs once, then the model's output head and final logit
@@ -157,10 +159,10 @@ def model_nll(
     A model that is not a transformers-style causal LM, or whose head path differs from its own
     logits (checked on every batch at the last position), is scored from its full output logits,
     chunked by :func:`logits_nll` (then only the model's own logits are full-sized). Call it under
-    ``torch.no_grad()`` for evaluation."""
+    ``torch.no_grad()`` for evaluation. ``per_row``: the sums per row, ``[B]``, instead of their total."""
     path = _head_path(model)
     if path is None:
-        return logits_nll(primary_output(call_model(model, inputs)), labels, chunk_bytes=chunk_bytes)
+        return logits_nll(primary_output(call_model(model, inputs)), labels, chunk_bytes=chunk_bytes, per_row=per_row)
     decoder, head = path
     captured: dict[str, torch.Tensor] = {}
 
@@ -182,14 +184,23 @@ def model_nll(
         log.info("%s: its head path does not reproduce its logits; scoring its full logits in chunks",
                  type(model).__name__)
         _UNMATCHED.add(model)
-        return logits_nll(primary_output(call_model(model, inputs)), labels, chunk_bytes=chunk_bytes)
+        return logits_nll(primary_output(call_model(model, inputs)), labels, chunk_bytes=chunk_bytes, per_row=per_row)
     b, s, _ = hidden.shape
     tgt = next_token_targets(labels.to(hidden.device))
-    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    sums = [torch.zeros((), dtype=torch.float64, device=hidden.device) for _ in range(b)]
     step = chunk_positions(int(own.shape[-1]), chunk_bytes=chunk_bytes)
     for row, start, end in _chunks(b, s, step):
-        total = total + _chunk_nll(transform(head(hidden[row:row + 1, start:end]))[0], tgt[row, start:end])
-    return total, int((tgt != IGNORE_INDEX).sum())
+        sums[row] = sums[row] + _chunk_nll(transform(head(hidden[row:row + 1, start:end]))[0], tgt[row, start:end])
+    return _reduce(sums, per_row, hidden.device), int((tgt != IGNORE_INDEX).sum())
+
+
+def _reduce(sums: list[torch.Tensor], per_row: bool, device: torch.device) -> torch.Tensor:
+    if per_row:
+        return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for x in sums:
+        total = total + x
+    return total
 
 
 def _same(mine: torch.Tensor, own: torch.Tensor) -> bool:

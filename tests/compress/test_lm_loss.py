@@ -97,3 +97,19 @@ def test_memory_is_bounded_by_the_chunk_not_the_vocabulary() -> None:
     chunked = largest_allocation(lambda: model_nll(model, ids, ids, chunk_bytes=chunk))
     assert plain >= full_bytes  # the check sees the full logits when they are allocated
     assert chunked <= chunk < full_bytes / 10  # no operation allocated more than one chunk
+
+
+def test_per_row_sums_add_up_to_the_total() -> None:
+    from compress.models.families import tiny_decoder
+
+    model = tiny_decoder("qwen2")
+    ids = torch.randint(3, 256, (3, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        rows, n = model_nll(model, ids, ids, chunk_bytes=4 * 256 * 6, per_row=True)
+        total, _ = model_nll(model, ids, ids)
+        one = [float(model_nll(model, ids[j:j + 1], ids[j:j + 1])[0]) for j in range(3)]
+        logit_rows, _ = logits_nll(model(ids).logits, ids, per_row=True)
+    assert rows.shape == (3,) and n == 3 * 19
+    assert float(rows.sum()) == pytest.approx(float(total), rel=1e-6)  # other chunks: float32 sums
+    assert rows.tolist() == pytest.approx(one, rel=1e-5)
+    assert logit_rows.tolist() == pytest.approx(one, rel=1e-5)
