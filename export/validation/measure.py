@@ -7,12 +7,11 @@ records); ``validate`` is the one-shot Python API on an ONNX file.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +21,18 @@ import torch
 from compress.export.records import ExportRecord, ThresholdRecord, ValidationRecord, slower_note
 from compress.export.specs import Thresholds, ValidateSpec
 from compress.export.validation.parity import Parity, resize_batch, to_numpy_feeds
+from compress.export.validation.references import References, RowGroups, as_reference, rows
 from compress.export.validation.runtimes import (
     RUNTIMES,
     RuntimeSession,
     default_threads,
     load_session,
-    run_session,
 )
 from torch import nn
 
-from compress.core.batching import batch_size_of, call_model, primary_output, split_batch
+from compress.core.batching import batch_size_of, split_batch
 from compress.core.errors import CompressError, ExportError, RecipeError
 from compress.core.machine import has_vnni
-from compress.core.precision import float32_weights
 from compress.core.progress import fig
 from compress.core.services import eval_batches
 
@@ -78,94 +76,6 @@ def _take(eval_loader: Iterable[Any], limit: int | None) -> list[tuple[Any, Any]
     if not batches:
         raise CompressError("validate: the eval data is empty")
     return batches
-
-
-#: outputs of the PyTorch references kept across runtimes (a classifier's logits); an LM's are recomputed
-REFERENCE_CACHE_BYTES = 256 * 2**20
-#: bytes of a runtime's first output one run may return: larger batches run in row groups
-OUTPUT_BYTES = 256 * 2**20
-
-
-def _rows(inputs: Any, start: int, end: int) -> Any:
-    """Rows ``start:end`` of a batch (a tensor, tuple or dict of tensors)."""
-    if isinstance(inputs, Mapping):
-        return {k: v[start:end] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    if isinstance(inputs, (tuple, list)):
-        return type(inputs)(_rows(t, start, end) for t in inputs)
-    return inputs[start:end] if isinstance(inputs, torch.Tensor) else inputs
-
-
-class _References:
-    """The PyTorch references' outputs per eval batch (primary output, float32, CPU), computed when
-    asked for. Whole batches are kept while they fit in :data:`REFERENCE_CACHE_BYTES` (every runtime
-    and record reads them again); row groups of larger ones (an LM's full-vocabulary logits) are
-    computed for the rows asked and dropped, so no eval set's logits are ever held at once."""
-
-    def __init__(self, models: Mapping[str, nn.Module | None], batches: list[tuple[Any, Any]]) -> None:
-        self.models = {k: m for k, m in models.items() if m is not None}
-        self.batches = batches
-        self.cache: dict[tuple[str, int], torch.Tensor] = {}
-        self.bytes = 0
-
-    def has(self, role: str) -> bool:
-        return role in self.models
-
-    def output(self, role: str, i: int, start: int = 0, end: int | None = None) -> torch.Tensor:
-        inputs = self.batches[i][0]
-        n = batch_size_of(inputs)
-        end = n if end is None else end
-        got = self.cache.get((role, i))
-        if got is not None:
-            return got[start:end]
-        whole = start == 0 and end == n
-        with torch.no_grad():
-            out = primary_output(call_model(self.models[role], inputs if whole else _rows(inputs, start, end)))
-        out = out.detach().float().cpu()
-        if whole and self.bytes + out.numel() * 4 <= REFERENCE_CACHE_BYTES:
-            self.cache[(role, i)] = out
-            self.bytes += out.numel() * 4
-        return out
-
-
-@contextlib.contextmanager
-def _as_reference(models: Iterable[nn.Module | None]) -> Iterator[None]:
-    """The models in eval mode with float32 weights (the file computes in float32: export.onnx)."""
-    with contextlib.ExitStack() as stack:
-        for m in {id(m): m for m in models if m is not None}.values():
-            was = m.training
-            m.eval()
-            stack.callback(m.train, was)
-            stack.enter_context(float32_weights(m))
-        yield
-
-
-class _RowGroups:
-    """Runs a session on a batch in row groups whose first output stays within :data:`OUTPUT_BYTES`:
-    the first batch's first row alone measures a row's output, then groups of as many rows as fit
-    (one group for a classifier's batch; a row at a time for an LM's full-vocabulary logits). A file
-    with a static batch dimension runs whole batches."""
-
-    def __init__(self, session: RuntimeSession) -> None:
-        self.session = session
-        self.per_run: int | None = None
-
-    def run(self, feeds: dict[str, np.ndarray]) -> Iterator[tuple[int, int, np.ndarray]]:
-        sizes = {v.shape[0] if v.ndim else None for v in feeds.values()}
-        n = next(iter(sizes)) if len(sizes) == 1 else None
-        static = any(isinstance((self.session.input_shapes.get(k) or [None])[0], int) for k in feeds)
-        if n is None or static or n == 1:
-            yield 0, int(n or 1), run_session(self.session, feeds)[0]
-            return
-        start = 0
-        if self.per_run is None:
-            first = run_session(self.session, {k: v[:1] for k, v in feeds.items()})[0]
-            self.per_run = max(1, OUTPUT_BYTES // max(int(first.nbytes), 1))
-            yield 0, 1, first
-            start = 1
-        for a in range(start, n, self.per_run):
-            b = min(a + self.per_run, n)
-            part = feeds if (a, b) == (0, n) else {k: np.ascontiguousarray(v[a:b]) for k, v in feeds.items()}
-            yield a, b, run_session(self.session, part)[0]
 
 
 def time_side_by_side(
@@ -221,13 +131,13 @@ def validate_exports(
         raise CompressError("validate: no exported model to validate")
     threads = spec.threads or default_threads()
     batches = _take(eval_loader, spec.eval_samples)
-    with _as_reference((reference, baseline_reference)):
-        refs = _References({"final": reference, "baseline": baseline_reference}, batches)
+    with as_reference((reference, baseline_reference)):
+        refs = References({"final": reference, "baseline": baseline_reference}, batches)
         return _validate_runtimes(records, spec, batches, refs, reference, baseline_reference, metric, task, threads)
 
 
 def _validate_runtimes(
-    records: Sequence[ExportRecord], spec: ValidateSpec, batches: list[tuple[Any, Any]], refs: _References,
+    records: Sequence[ExportRecord], spec: ValidateSpec, batches: list[tuple[Any, Any]], refs: References,
     reference: nn.Module | None, baseline_reference: nn.Module | None, metric: MetricArg, task: str, threads: int,
 ) -> list[ValidationRecord]:
     fp32_role = "baseline" if refs.has("baseline") else "final"
@@ -256,14 +166,14 @@ def _validate_runtimes(
             made = _make_metric(metric, task)
             mt, mname = made if made else (None, None)
             parity = Parity(classification=classification)
-            groups = _RowGroups(session)
+            groups = RowGroups(session)
             for i, (batch_inputs, batch_targets) in enumerate(batches):
                 try:
                     feeds = to_numpy_feeds(batch_inputs, session.input_names)
                 except KeyError as exc:
                     raise CompressError(f"validate: {rec.path.name}: {exc.args[0]}") from None
                 for start, end, out in groups.run(feeds):  # bounded: an LM's logits a few rows at a time
-                    inputs = _rows(batch_inputs, start, end)
+                    inputs = rows(batch_inputs, start, end)
                     targets = batch_targets[start:end] if batch_targets is not None else None
                     outputs = torch.from_numpy(np.ascontiguousarray(out))
                     if refs.has(rec.role):
@@ -310,7 +220,7 @@ def _validate_runtimes(
     return results
 
 
-def _reference_accuracy(metric: MetricArg, task: str, batches: list[tuple[Any, Any]], refs: _References) -> dict[str, float]:
+def _reference_accuracy(metric: MetricArg, task: str, batches: list[tuple[Any, Any]], refs: References) -> dict[str, float]:
     """The task metric of the PyTorch models themselves, on the same samples (a metric that scores a
     model in bounded memory, perplexity, runs the model itself; the others read the kept outputs)."""
     from compress.core.metrics import Metric

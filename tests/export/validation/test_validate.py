@@ -205,7 +205,7 @@ def test_lm_validation_reads_logits_in_bounded_row_groups(tmp_path: Path, monkey
     """An LM's ONNX file is scored a few rows at a time and its references recomputed per group,
     never an eval set's (or a whole batch's) full-vocabulary logits, with the same figures."""
     pytest.importorskip("transformers")
-    import compress.export.validation.measure as measure
+    import compress.export.validation.references as references
 
     from compress.models.families import tiny_decoder
     from compress.training import evaluate
@@ -220,17 +220,17 @@ def test_lm_validation_reads_logits_in_bounded_row_groups(tmp_path: Path, monkey
 
     whole = check()
     row_bytes = 16 * 256 * 4  # one row's float32 logits
-    monkeypatch.setattr(measure, "OUTPUT_BYTES", 2 * row_bytes)
-    monkeypatch.setattr(measure, "REFERENCE_CACHE_BYTES", 0)
+    monkeypatch.setattr(references, "OUTPUT_BYTES", 2 * row_bytes)
+    monkeypatch.setattr(references, "REFERENCE_CACHE_BYTES", 0)
     seen: list[int] = []
-    run = measure.run_session
+    run = references.run_session
 
     def spy(session: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         out = run(session, feeds)
         seen.append(out[0].nbytes)
         return out
 
-    monkeypatch.setattr(measure, "run_session", spy)
+    monkeypatch.setattr(references, "run_session", spy)
     grouped = check()
     assert seen and max(seen) <= 2 * row_bytes  # no run returned more than two rows' logits
     assert grouped.accuracy == pytest.approx(whole.accuracy, rel=1e-9)
