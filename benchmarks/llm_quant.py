@@ -42,16 +42,15 @@ SCHEMES: dict[str, Any] = {
 @torch.no_grad()
 def window_nll(model: nn.Module, windows: torch.Tensor, *, batch: int = 16) -> torch.Tensor:
     """Summed next-token NLL of each window (float64): every window predicts ``seq_len - 1`` tokens,
-    so perplexity is ``exp(sum / (n * (seq_len - 1)))`` and windows can be resampled (bootstrap)."""
-    from compress.core.metrics import causal_lm_nll
+    so perplexity is ``exp(sum / (n * (seq_len - 1)))`` and windows can be resampled (bootstrap).
+    Scored through the model's own head in bounded chunks (compress.core.lm_loss.model_nll), so no
+    batch of full-vocabulary logits is ever held."""
+    from compress.core.lm_loss import model_nll
 
     model.eval()
-    out: list[torch.Tensor] = []
-    for i in range(0, len(windows), batch):
-        x = windows[i : i + batch]
-        logits = model(input_ids=x).logits
-        out += [causal_lm_nll(logits[j : j + 1], x[j : j + 1])[0] for j in range(len(x))]
-    return torch.stack(out)
+    sums = [model_nll(model, windows[i : i + batch], windows[i : i + batch], per_row=True)[0]
+            for i in range(0, len(windows), batch)]
+    return torch.cat(sums)
 
 
 def _ppl(nll: torch.Tensor, seq_len: int) -> float:

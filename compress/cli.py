@@ -118,7 +118,9 @@ def summary(report: Report, *, out: Path) -> str:
     b, f = report.baseline, report.final
     name = report.recipe.get("name", "recipe")
     lines = [f"{name}: baseline {report.metric} {fig(b.accuracy)} -> final {fig(f.accuracy)}; "
-             f"params {_n(b.params)} -> {_n(f.params)}; {report.seconds or 0:.1f} s; report: {out / 'report.md'}"]
+             f"params {_n(b.params)} -> {_n(f.params)}; {report.seconds or 0:.1f} s"
+             + (f", peak RSS {report.peak_rss_mb:,.0f} MB" if report.peak_rss_mb else "")
+             + f"; report: {out / 'report.md'}"]
     for v in report.validation:
         if v.generation is not None:  # a KV-cache generation file: prefill, decode, greedy tokens
             g = v.generation

@@ -51,6 +51,8 @@ class Report(_Model):
     versions: dict[str, str] = Field(default_factory=dict)
     machine: dict[str, Any] = Field(default_factory=dict)
     metric: str = "accuracy"
+    #: the data as built: source, task, split sizes and what the source states (text_lm: ``bos``)
+    data: dict[str, Any] = Field(default_factory=dict)
     baseline: ModelFigures = Field(default_factory=ModelFigures)
     stages: list[StageReport] = Field(default_factory=list)
     final: ModelFigures = Field(default_factory=ModelFigures)
@@ -58,6 +60,9 @@ class Report(_Model):
     validation: list[ValidationRecord] = Field(default_factory=list)
     thresholds: list[ThresholdRecord] = Field(default_factory=list)
     seconds: float | None = None
+    #: the run's peak resident memory in MB (the process's ``ru_maxrss`` when the report was written,
+    #: so in a process that ran more before, its peak)
+    peak_rss_mb: float | None = None
     #: set when the run failed: what raised (the report then holds what was measured before)
     error: str | None = None
 
@@ -149,7 +154,10 @@ def render_markdown(report: Report, *, plot_name: str | None = None) -> str:
     else:
         verdict = "all passed" if all(t.passed for t in r.thresholds) else "THRESHOLDS MISSED"
     out.append(f"Metric: `{r.metric}`. Thresholds: {verdict}."
-               + (f" Run time {r.seconds:.1f} s." if r.seconds else "") + "\n")
+               + (f" Run time {r.seconds:.1f} s." if r.seconds else "")
+               + (f" Peak RSS {r.peak_rss_mb:,.0f} MB." if r.peak_rss_mb else "") + "\n")
+    if r.data:
+        out.append("Data: " + _fmt(r.data) + ".\n")
     out.append("## Model\n")
     files = {e.role: e.size_bytes for e in r.exports}
     rows = [{"model": "baseline", **r.baseline.model_dump(), "onnx_bytes": files.get("baseline")}]

@@ -33,7 +33,7 @@ from compress.core.bounded import load_yaml_file
 from compress.core.dryrun import dry_run
 from compress.core.errors import RecipeError, RunFolderError, storage_error
 from compress.core.io import atomic_write_text
-from compress.core.machine import set_threads
+from compress.core.machine import peak_rss_mb, set_threads
 from compress.core.metrics import make_metric
 from compress.core.progress import LOGGERS, bars_off, fig, seconds
 from compress.core.size import count_macs, count_params, deployed_size_bytes
@@ -316,6 +316,7 @@ def _run_in_folder(run: _Run, folder: RunFolder, out: Path, *, resume: bool, ove
                     raise storage from exc
                 raise
             report.seconds = time.perf_counter() - t0
+            report.peak_rss_mb = peak_rss_mb()
             if main:
                 report.write(out)
                 folder.record()
@@ -338,6 +339,7 @@ def _report_failure(run: _Run, folder: RunFolder, out: Path, exc: Exception, *, 
     failed = run.report or Report(recipe=r.to_dict(), versions=versions(), machine=machine())
     failed.error = str(storage) if storage else f"{type(exc).__name__}: {exc}"
     failed.seconds = time.perf_counter() - t0
+    failed.peak_rss_mb = peak_rss_mb()
     try:
         failed.write(out)
         folder.record()
@@ -436,7 +438,7 @@ def _baseline_report(run: _Run, model: nn.Module) -> Report:
     for p in run.reference.parameters():
         p.requires_grad_(False)
     report = run.report = Report(recipe=run.recipe.to_dict(), versions=versions(), machine=machine(),
-                                 metric=run.metric)
+                                 metric=run.metric, data=run.data.summary())
     report.baseline = run.figures(model, accuracy=run.evaluate(model))
     log.info("baseline %s: %s", run.metric, fig(report.baseline.accuracy))
     return report

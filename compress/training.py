@@ -28,6 +28,7 @@ from tqdm import tqdm
 from compress.core.batching import call_model, count_non_finite, primary_output, split_batch, to_device
 from compress.core.errors import CompressError, DataError
 from compress.core.io import atomic_torch_save
+from compress.core.lm_loss import logits_nll
 from compress.core.metrics import make_metric
 from compress.core.progress import Eta, ensure_console, fig, report
 from compress.core.progress import bar as progress_bar
@@ -171,9 +172,10 @@ def task_loss(outputs: Any, targets: Any, *, label_smoothing: float = 0.0) -> to
     if targets is None:
         return torch.zeros((), device=logits.device)
     if logits.dim() == 3 and targets.dim() == 2:
-        # causal LM: position t predicts token t+1 (labels are the inputs, shifted here)
-        pred, tgt = logits[:, :-1].reshape(-1, logits.shape[-1]), targets[:, 1:].reshape(-1)
-        return F.cross_entropy(pred, tgt, ignore_index=-100, label_smoothing=label_smoothing)
+        # causal LM: position t predicts token t+1 (labels are the inputs, shifted there), in chunks
+        # that never copy the logits whole
+        total, n = logits_nll(logits, targets, label_smoothing=label_smoothing)
+        return (total / max(n, 1)).float()
     return F.cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
 
@@ -375,9 +377,8 @@ def evaluate(
         bad = count_non_finite(inputs)
         if bad:  # a metric over NaN inputs would be a number that means nothing
             raise DataError(f"eval: batch {i + 1} holds {bad} NaN/inf values; clean the evaluation data")
-        out = call_model(model, inputs)
         ref = call_model(reference, inputs) if m.needs_reference and reference is not None else None
-        m.update(out, targets, inputs=inputs, reference=ref)
+        m.update_model(model, inputs, targets, reference=ref)
     model.train(was)
     return m.compute()
 

@@ -7,36 +7,55 @@ callers pass them without grad.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from compress.core.lm_loss import checkpointed, row_chunks
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     # logits of any rank ([B, C], [B, L, V]) become rows of a class distribution
-    return x.reshape(-1, x.shape[-1]).float()
+    return x.reshape(-1, x.shape[-1])
+
+
+def _row_mean(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor], student: torch.Tensor,
+              teacher: torch.Tensor, t: float) -> torch.Tensor:
+    # an LM's [B, L, V] logits in chunks of bounded float32 size, each recomputed in backward: no
+    # full-vocabulary float32 copies, softmaxes or their products of every token at once
+    s, p = _rows(student), _rows(teacher)
+    total = sum(checkpointed(fn, s[c], p[c], t) for c in row_chunks(s.shape[0], s.shape[-1]))
+    return torch.as_tensor(total) / max(s.shape[0], 1)
+
+
+def _kl_sum(s: torch.Tensor, p: torch.Tensor, t: float) -> torch.Tensor:
+    log_ps = F.log_softmax(s.float() / t, dim=-1)
+    log_pt = F.log_softmax(p.float() / t, dim=-1)
+    return (log_pt.exp() * (log_pt - log_ps)).sum()
+
+
+def _ce_sum(s: torch.Tensor, p: torch.Tensor, t: float) -> torch.Tensor:
+    return -(F.softmax(p.float() / t, dim=-1) * F.log_softmax(s.float() / t, dim=-1)).sum()
 
 
 def kd_kl(student: torch.Tensor, teacher: torch.Tensor, *, temperature: float = 4.0) -> torch.Tensor:
     """Hinton et al. logit distillation: ``T^2 * KL(softmax(t/T) || softmax(s/T))``, mean over rows.
 
-    The ``T^2`` factor keeps the gradient scale independent of the temperature.
+    The ``T^2`` factor keeps the gradient scale independent of the temperature. Rows are taken in
+    chunks of bounded float32 size (compress.core.lm_loss), so an LM's logits cost no full copies.
     """
     t = temperature
-    log_ps = F.log_softmax(_rows(student) / t, dim=-1)
-    log_pt = F.log_softmax(_rows(teacher) / t, dim=-1)
-    kl = (log_pt.exp() * (log_pt - log_ps)).sum(-1)
-    return kl.mean() * (t * t)
+    return _row_mean(_kl_sum, student, teacher, t) * (t * t)
 
 
 def soft_target_ce(student: torch.Tensor, teacher: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
     """Cross entropy against the teacher's softened distribution: ``-T^2 * sum p_t log p_s``, mean over rows.
 
-    Equal to :func:`kd_kl` plus the teacher's entropy (a constant for the student).
+    Equal to :func:`kd_kl` plus the teacher's entropy (a constant for the student). Chunked as :func:`kd_kl`.
     """
     t = temperature
-    log_ps = F.log_softmax(_rows(student) / t, dim=-1)
-    pt = F.softmax(_rows(teacher) / t, dim=-1)
-    return -(pt * log_ps).sum(-1).mean() * (t * t)
+    return _row_mean(_ce_sum, student, teacher, t) * (t * t)
 
 
 def _channel_dim(x: torch.Tensor) -> int:

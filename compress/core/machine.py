@@ -74,3 +74,15 @@ def set_threads(threads: int | None, *, local_ranks: int = 1) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory so far in MB (2**20 bytes), from
+    ``getrusage(RUSAGE_SELF).ru_maxrss``; None where the platform has no ``resource`` module."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux and the BSDs report KiB, macOS bytes
+    return round(peak / (2**20 if platform.system() == "Darwin" else 2**10), 1)

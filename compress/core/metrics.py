@@ -11,10 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
-from compress.core.batching import batch_size_of, primary_output
+from compress.core.batching import batch_size_of, call_model, primary_output
 from compress.core.errors import RecipeError, did_you_mean
 from compress.core.imports import import_object, is_import_path
+from compress.core.lm_loss import logits_nll, model_nll
 from compress.core.registry import Registry
 
 
@@ -31,6 +33,11 @@ class Metric:
 
     def update(self, outputs: Any, targets: Any, *, inputs: Any = None, reference: Any = None) -> None:
         raise NotImplementedError
+
+    def update_model(self, model: nn.Module, inputs: Any, targets: Any, *, reference: Any = None) -> None:
+        """Run ``model`` on ``inputs`` and add the batch; a metric that can score a model without
+        holding all of its outputs (perplexity) overrides it."""
+        self.update(call_model(model, inputs), targets, inputs=inputs, reference=reference)
 
     def compute(self) -> float:
         return self.total / max(self.count, 1)
@@ -85,30 +92,39 @@ class EmbeddingCosine(Metric):
 
 def causal_lm_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Summed next-token negative log-likelihood (float64) and the number of predicted tokens:
-    position t predicts label t+1; labels of -100 (padding) are not counted."""
-    pred = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    tgt = labels[:, 1:].reshape(-1).to(pred.device)
-    nll = torch.nn.functional.cross_entropy(pred, tgt, ignore_index=-100, reduction="sum")
-    return nll.double(), int((tgt != -100).sum())
+    position t predicts label t+1; labels of -100 (padding) are not counted. Computed in chunks of
+    bounded float32 size (compress.core.lm_loss.logits_nll)."""
+    return logits_nll(logits, labels)
 
 
 @METRICS.register("perplexity")
 class Perplexity(Metric):
     """Held-out perplexity of a causal LM, ``exp(mean next-token NLL)`` over every predicted token
     of the eval set (batches of ``(inputs, labels)`` windows). Lower is better: unlike the other
-    metrics, so read drops with the sign flipped."""
+    metrics, so read drops with the sign flipped. The loss runs in chunks (compress.core.lm_loss):
+    scoring a model never holds its full-vocabulary float32 logits, nor their log-softmax."""
 
     higher_is_better = False
 
     def update(self, outputs: Any, targets: Any, *, inputs: Any = None, reference: Any = None) -> None:
         logits = primary_output(outputs)
-        if logits.dim() != 3 or targets is None or targets.dim() != 2:
-            raise RecipeError(
-                "perplexity: needs causal-LM logits [batch, tokens, vocab] and token labels (data.source: text_lm)"
-            )
+        self._check(logits.dim(), targets)
         nll, n = causal_lm_nll(logits, targets)
         self.total += float(nll)
         self.count += n
+
+    def update_model(self, model: nn.Module, inputs: Any, targets: Any, *, reference: Any = None) -> None:
+        self._check(3, targets)
+        nll, n = model_nll(model, inputs, targets)
+        self.total += float(nll)
+        self.count += n
+
+    @staticmethod
+    def _check(dims: int, targets: Any) -> None:
+        if dims != 3 or not isinstance(targets, torch.Tensor) or targets.dim() != 2:
+            raise RecipeError(
+                "perplexity: needs causal-LM logits [batch, tokens, vocab] and token labels (data.source: text_lm)"
+            )
 
     def compute(self) -> float:
         return math.exp(self.total / self.count) if self.count else float("nan")

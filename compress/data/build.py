@@ -139,6 +139,7 @@ def build_data(
         source=spec.source,
         train_sampler=sampler,
         sizes=sizes,
+        description=dict(splits.description),
     )
 
 

@@ -29,6 +29,8 @@ class DataBundle:
     source: str = ""
     train_sampler: DistributedSampler[Any] | None = None
     sizes: dict[str, int] = field(default_factory=dict)
+    #: what the source states about its samples (text_lm: ``bos``, ``seq_len``), for the report
+    description: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """Plain-data description for reports."""
@@ -38,6 +40,7 @@ class DataBundle:
             "num_classes": self.num_classes,
             "input_shape": list(self.input_shape),
             **{f"{k}_samples": v for k, v in self.sizes.items()},
+            **self.description,
         }
 
 
@@ -51,6 +54,8 @@ class Splits:
     num_classes: int | None
     task: Task = "classification"
     collate: Callable[[list[Any]], Any] | None = None
+    #: plain data the report states about the samples (e.g. text_lm's ``bos``)
+    description: dict[str, Any] = field(default_factory=dict)
 
 
 def collate_unlabelled(samples: list[Any]) -> tuple[Any, None]:

@@ -4,6 +4,9 @@ Files (not sentences) are split between train, calibration and eval with a fixed
 eval text is held out at the file level: a model never sees a line of an eval file. Each split's
 files are tokenized in order, joined with the tokenizer's end-of-text token and cut into
 non-overlapping windows of ``seq_len`` tokens (the standard perplexity protocol, no padding).
+When the tokenizer adds a BOS token by default (:func:`adds_bos`: as its model was trained), every
+window, calibration and eval alike, is that BOS followed by ``seq_len - 1`` text tokens; the BOS
+position is never a scored target (it is position 0, which no earlier position predicts).
 A batch is ``({"input_ids": [B, T]}, labels [B, T])`` with labels equal to the inputs: the loss
 and the perplexity metric shift them by one token themselves.
 
@@ -109,12 +112,28 @@ def token_stream(files: Sequence[Path], tokenizer: Any, *, max_tokens: int | Non
     return torch.tensor(out[:max_tokens] if max_tokens is not None else out, dtype=torch.long)
 
 
-class TokenWindows(Dataset[tuple[dict[str, torch.Tensor], torch.Tensor]]):
-    """Non-overlapping ``seq_len`` windows of a token stream (a trailing partial window is dropped)."""
+def adds_bos(tokenizer: Any) -> int | None:
+    """The BOS id when ``tokenizer`` puts it first by default, else None. The general rule: encode a
+    short text with default settings and see whether the first id is the tokenizer's ``bos_token_id``
+    (Llama-2/3 and Gemma tokenizers add one; GPT-2's, SmolLM2's and the ones trained here do not)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("x")["input_ids"]
+    return int(bos) if len(ids) > 1 and int(ids[0]) == int(bos) else None
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
-        n = len(tokens) // seq_len
-        self.windows = tokens[: n * seq_len].reshape(n, seq_len)
+
+class TokenWindows(Dataset[tuple[dict[str, torch.Tensor], torch.Tensor]]):
+    """Non-overlapping ``seq_len`` windows of a token stream (a trailing partial window is dropped);
+    with ``bos``, each window is ``bos`` and the next ``seq_len - 1`` tokens."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, *, bos: int | None = None) -> None:
+        body = seq_len - (bos is not None)
+        n = len(tokens) // body
+        windows = tokens[: n * body].reshape(n, body)
+        if bos is not None:
+            windows = torch.cat([torch.full((n, 1), bos, dtype=windows.dtype), windows], dim=1)
+        self.windows = windows
 
     def __len__(self) -> int:
         return len(self.windows)
@@ -127,17 +146,21 @@ class TokenWindows(Dataset[tuple[dict[str, torch.Tensor], torch.Tensor]]):
 def text_lm(*, seed: int, tokenizer: str, seq_len: int = 128, samples: int = 512) -> Splits:
     """Causal-LM windows of ``seq_len`` tokens from the stdlib source, at most ``samples`` windows
     per split, tokenized by ``tokenizer`` (a local directory or ``package:DIST``, e.g. the
-    reference LLM's own directory). Task ``causal_lm``: use the ``perplexity`` metric."""
+    reference LLM's own directory), each starting with BOS when the tokenizer adds one by default
+    (the report's data states ``bos``). Task ``causal_lm``: use the ``perplexity`` metric."""
     from compress.models.hf import load_tokenizer
 
     if seq_len < 2 or samples < 1:
         raise ValueError(f"need seq_len >= 2 and samples >= 1, got {seq_len} and {samples}")
     tok = load_tokenizer(tokenizer, where="data.kwargs.tokenizer")
+    bos = adds_bos(tok)
+    body = seq_len - (bos is not None)
     files = split_files(seed)
-    parts = {k: TokenWindows(token_stream(files[k], tok, max_tokens=samples * seq_len), seq_len) for k in SPLITS}
+    parts = {k: TokenWindows(token_stream(files[k], tok, max_tokens=samples * body), seq_len, bos=bos) for k in SPLITS}
     for k, ds in parts.items():
         if len(ds) < samples:
             log.warning("text_lm: the %s split has %d windows of %d tokens, fewer than the %d asked", k, len(ds), seq_len, samples)
     return Splits(
-        train=parts["train"], calibration=parts["calibration"], eval=parts["eval"], num_classes=None, task="causal_lm"
+        train=parts["train"], calibration=parts["calibration"], eval=parts["eval"], num_classes=None, task="causal_lm",
+        description={"seq_len": seq_len, "bos": bos is not None},
     )

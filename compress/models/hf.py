@@ -227,6 +227,36 @@ def _is_causal_lm(directory: Path) -> bool:
     return any(str(a).endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
 
 
+# generic config entries that can be lists without being per layer (token ids, class names)
+_NOT_PER_LAYER = frozenset({"architectures", "id2label", "label2id", "bad_words_ids", "suppress_tokens",
+                            "begin_suppress_tokens", "forced_decoder_ids"})
+
+
+def per_layer_cut(directory: Path, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Config overrides that keep per-layer lists consistent when ``kwargs`` cut ``num_hidden_layers``.
+
+    transformers applies ``num_hidden_layers=n`` alone, so lists with one entry per layer
+    (``layer_types``, ``no_rope_layers``, ...) keep the original count and the saved config no
+    longer reloads. The rule is general: every list-valued entry of ``config.json`` whose length is
+    the original layer count is cut to its first ``n`` entries (the layers kept), except generic
+    non-layer lists (token ids, architecture names). Lists the caller sets are left as given."""
+    n = kwargs.get("num_hidden_layers")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return {}
+    try:
+        config = load_json_file(directory / "config.json", what="model config")
+    except (OSError, ValueError):
+        return {}
+    old = config.get("num_hidden_layers") if isinstance(config, dict) else None
+    if not isinstance(old, int) or n >= old:
+        return {}
+    return {
+        k: v[:n] for k, v in config.items()
+        if isinstance(v, list) and len(v) == old and k not in kwargs and k not in _NOT_PER_LAYER
+        and not k.endswith(("token_id", "token_ids"))
+    }
+
+
 def load_hf_model(path: str, kwargs: dict[str, Any] | None = None, *, where: str = "hf_path") -> nn.Module:
     """``AutoModel.from_pretrained`` on a local directory (or ``package:DIST``, or a ``.gguf`` file:
     :func:`resolve_hf_path`) with
@@ -243,8 +273,9 @@ def load_hf_model(path: str, kwargs: dict[str, Any] | None = None, *, where: str
         return _gguf_skeleton(dry, where=where)
     transformers = _transformers(where)
     auto = transformers.AutoModelForCausalLM if _is_causal_lm(directory) else transformers.AutoModel
+    kwargs = {**per_layer_cut(directory, kwargs or {}), **(kwargs or {})}
     try:
-        model = auto.from_pretrained(str(directory), local_files_only=True, **(kwargs or {}))
+        model = auto.from_pretrained(str(directory), local_files_only=True, **kwargs)
     except Exception as exc:  # a bad config.json raises whatever transformers' validators raise
         if isinstance(exc, CompressError):
             raise

@@ -110,15 +110,19 @@ def torch_greedy(model: nn.Module, prompts: np.ndarray, new: int) -> torch.Tenso
     mask = torch.ones_like(x)
     tokens = []
     # transformers 5 names the KV cache ``cache`` (``past_key_values`` is deprecated); 4.x the other
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    params = inspect.signature(model.forward).parameters
+    key = "cache" if "cache" in params else "past_key_values"
+    # the last position's logits only: a prompt's full-vocabulary logits are never read (with a
+    # 262k vocabulary, 4 prompts of 480 tokens would be 2 GB)
+    last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
     with torch.no_grad():
-        out: Any = model(input_ids=x, attention_mask=mask, use_cache=True)
+        out: Any = model(input_ids=x, attention_mask=mask, use_cache=True, **last)
         for _ in range(new):
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(nxt)
             mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
             past = out["cache"] if "cache" in out else getattr(out, "past_key_values", None)
-            out = model(input_ids=nxt, attention_mask=mask, use_cache=True, **{key: past})
+            out = model(input_ids=nxt, attention_mask=mask, use_cache=True, **{key: past}, **last)
     return torch.cat(tokens, dim=1)
 
 

@@ -21,19 +21,18 @@ import torch
 from compress.export.records import ExportRecord, ThresholdRecord, ValidationRecord, slower_note
 from compress.export.specs import Thresholds, ValidateSpec
 from compress.export.validation.parity import Parity, resize_batch, to_numpy_feeds
+from compress.export.validation.references import References, RowGroups, as_reference, rows
 from compress.export.validation.runtimes import (
     RUNTIMES,
     RuntimeSession,
     default_threads,
     load_session,
-    run_session,
 )
 from torch import nn
 
-from compress.core.batching import batch_size_of, call_model, primary_output, split_batch
+from compress.core.batching import batch_size_of, split_batch
 from compress.core.errors import CompressError, ExportError, RecipeError
 from compress.core.machine import has_vnni
-from compress.core.precision import float32_weights
 from compress.core.progress import fig
 from compress.core.services import eval_batches
 
@@ -77,18 +76,6 @@ def _take(eval_loader: Iterable[Any], limit: int | None) -> list[tuple[Any, Any]
     if not batches:
         raise CompressError("validate: the eval data is empty")
     return batches
-
-
-def _torch_outputs(model: nn.Module | None, batches: list[tuple[Any, Any]]) -> list[Any] | None:
-    if model is None:
-        return None
-    was = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), float32_weights(model):  # the file computes in float32 (export.onnx)
-            return [call_model(model, inputs) for inputs, _ in batches]
-    finally:
-        model.train(was)
 
 
 def time_side_by_side(
@@ -144,11 +131,18 @@ def validate_exports(
         raise CompressError("validate: no exported model to validate")
     threads = spec.threads or default_threads()
     batches = _take(eval_loader, spec.eval_samples)
-    refs = {"final": reference, "baseline": baseline_reference}
-    ref_out = {role: _torch_outputs(m, batches) for role, m in refs.items()}
-    fp32_out = ref_out["baseline"] or ref_out["final"]
+    with as_reference((reference, baseline_reference)):
+        refs = References({"final": reference, "baseline": baseline_reference}, batches)
+        return _validate_runtimes(records, spec, batches, refs, reference, baseline_reference, metric, task, threads)
+
+
+def _validate_runtimes(
+    records: Sequence[ExportRecord], spec: ValidateSpec, batches: list[tuple[Any, Any]], refs: References,
+    reference: nn.Module | None, baseline_reference: nn.Module | None, metric: MetricArg, task: str, threads: int,
+) -> list[ValidationRecord]:
+    fp32_role = "baseline" if refs.has("baseline") else "final"
     classification = task == "classification"
-    ref_metric = _reference_accuracy(metric, task, batches, ref_out["final"], fp32_out)
+    ref_metric = _reference_accuracy(metric, task, batches, refs)
     results: list[ValidationRecord] = []
     for runtime in spec.runtimes:
         if runtime == "cuda":  # the PyTorch model on the int8 kernels, not a file runtime
@@ -172,21 +166,23 @@ def validate_exports(
             made = _make_metric(metric, task)
             mt, mname = made if made else (None, None)
             parity = Parity(classification=classification)
-            for i, (inputs, targets) in enumerate(batches):
+            groups = RowGroups(session)
+            for i, (batch_inputs, batch_targets) in enumerate(batches):
                 try:
-                    feeds = to_numpy_feeds(inputs, session.input_names)
+                    feeds = to_numpy_feeds(batch_inputs, session.input_names)
                 except KeyError as exc:
                     raise CompressError(f"validate: {rec.path.name}: {exc.args[0]}") from None
-                out = run_session(session, feeds)[0]
-                outputs = torch.from_numpy(np.ascontiguousarray(out))
-                ref = ref_out[rec.role]
-                if ref is not None:
-                    parity.update(primary_output(ref[i]).float().numpy(), out, mask=_padding_mask(inputs))
-                if mt is not None and (targets is not None or not mt.needs_targets):
-                    fp = fp32_out[i] if fp32_out is not None else None
-                    if mt.needs_reference and fp is None:
-                        continue
-                    mt.update(outputs, targets, inputs=inputs, reference=fp)
+                for start, end, out in groups.run(feeds):  # bounded: an LM's logits a few rows at a time
+                    inputs = rows(batch_inputs, start, end)
+                    targets = batch_targets[start:end] if batch_targets is not None else None
+                    outputs = torch.from_numpy(np.ascontiguousarray(out))
+                    if refs.has(rec.role):
+                        parity.update(refs.output(rec.role, i, start, end).numpy(), out, mask=_padding_mask(inputs))
+                    if mt is not None and (targets is not None or not mt.needs_targets):
+                        if mt.needs_reference and not refs.has(fp32_role):
+                            continue
+                        fp = refs.output(fp32_role, i, start, end) if mt.needs_reference else None
+                        mt.update(outputs, targets, inputs=inputs, reference=fp)
             acc = mt.compute() if mt is not None and mt.count else None
             results.append(
                 ValidationRecord(
@@ -224,20 +220,28 @@ def validate_exports(
     return results
 
 
-def _reference_accuracy(
-    metric: MetricArg, task: str, batches: list[tuple[Any, Any]], final: list[Any] | None, fp32: list[Any] | None
-) -> dict[str, float]:
-    """The task metric of the PyTorch models themselves, on the same samples."""
+def _reference_accuracy(metric: MetricArg, task: str, batches: list[tuple[Any, Any]], refs: References) -> dict[str, float]:
+    """The task metric of the PyTorch models themselves, on the same samples (a metric that scores a
+    model in bounded memory, perplexity, runs the model itself; the others read the kept outputs)."""
+    from compress.core.metrics import Metric
+
     out: dict[str, float] = {}
-    for role, outs in (("final", final), ("baseline", fp32)):
+    fp32_role = "baseline" if refs.has("baseline") else "final"
+    for role, source in (("final", "final"), ("baseline", fp32_role)):
         made = _make_metric(metric, task)
-        if outs is None or made is None:
+        if not refs.has(source) or made is None:
             continue
         mt = made[0]
-        for i, ((inputs, targets), o) in enumerate(zip(batches, outs)):
+        scores_model = type(mt).update_model is not Metric.update_model
+        for i, (inputs, targets) in enumerate(batches):
             if targets is None and mt.needs_targets:
                 break
-            mt.update(o, targets, inputs=inputs, reference=fp32[i] if fp32 else None)
+            fp = refs.output(fp32_role, i) if mt.needs_reference else None
+            if scores_model:
+                with torch.no_grad():
+                    mt.update_model(refs.models[source], inputs, targets, reference=fp)
+            else:
+                mt.update(refs.output(source, i), targets, inputs=inputs, reference=fp)
         if mt.count:
             out[role] = float(mt.compute())
     return out

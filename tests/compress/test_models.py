@@ -320,3 +320,27 @@ def test_real_pruning_plan_and_pruned_checkpoint_round_trip(tmp_path) -> None:
     # the plan does not fit another architecture: the error names where the recipe asked for it
     with pytest.raises(CompressError, match=r"^model: pruning plan names"):
         load_model(ModelSpec(name="mlp", pruning_plan=str(tmp_path / "plan.json")))
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen2", "smollm3"])
+def test_cut_model_keeps_per_layer_lists_and_reloads(family: str, tmp_path) -> None:
+    pytest.importorskip("transformers")
+    import transformers
+
+    from compress.models.families import tiny_decoder
+
+    extra = {"layer_types": ["sliding_attention", "full_attention"] * 2} if family == "gemma3_text" else {}
+    full = tiny_decoder(family, num_hidden_layers=4, **extra)
+    lists = {k for k, v in full.config.to_dict().items() if isinstance(v, list) and len(v) == 4}
+    assert lists, f"{family}: the test needs a config with per-layer lists"
+    full.save_pretrained(tmp_path / "full")
+    cut = load_model(ModelSpec(hf_path=str(tmp_path / "full"), kwargs={"num_hidden_layers": 2})).eval()
+    assert cut.config.num_hidden_layers == 2
+    for k in lists:  # every per-layer list holds the kept layers' entries
+        assert getattr(cut.config, k) == getattr(full.config, k)[:2], k
+    cut.save_pretrained(tmp_path / "cut")
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "cut")).eval()
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(cut(ids).logits, again(ids).logits)
+    assert again.config.to_dict()["num_hidden_layers"] == 2

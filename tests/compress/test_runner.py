@@ -59,6 +59,23 @@ def test_apply_writes_the_run_folder(tiny_run: tuple[Path, Report]) -> None:
     assert (out / "accuracy_vs_size.png").stat().st_size > 1000
 
 
+def test_report_states_the_peak_rss(tiny_run: tuple[Path, Report]) -> None:
+    import resource
+
+    from compress.cli import summary
+
+    out, report = tiny_run
+    data = json.loads((out / "report.json").read_text())
+    # at least the memory this process held when the run ended, at most its peak now (Linux: KiB)
+    now_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    assert 50 < data["peak_rss_mb"] <= now_mb + 0.1
+    assert f"Peak RSS {data['peak_rss_mb']:,.0f} MB" in (out / "report.md").read_text()
+    assert f"peak RSS {report.peak_rss_mb:,.0f} MB" in summary(report, out=out)
+    # the data as built is stated beside it (text_lm adds whether windows start with BOS)
+    assert data["data"]["source"] == "digits" and data["data"]["eval_samples"] > 0
+    assert "Data: source: digits" in (out / "report.md").read_text()
+
+
 def test_existing_run_folder_is_not_overwritten(tiny_run: tuple[Path, Report]) -> None:
     out, _ = tiny_run
     before = (out / "report.json").read_bytes()

@@ -115,3 +115,33 @@ def test_weight_schedules() -> None:
         LossTerm(type="kd", weight_schedule="linear")
     with pytest.raises(ValueError, match="weight_end needs"):
         LossTerm(type="kd", weight_end=1.0)
+
+
+def test_logit_losses_in_chunks_equal_the_whole_computation(monkeypatch) -> None:
+    """An LM's [B, L, V] logits are distilled in row chunks (each recomputed in backward): the same
+    loss and gradients as the loss over all rows at once."""
+    import torch.nn.functional as F
+    from compress.distillation.losses import kd_kl, soft_target_ce
+
+    import compress.core.lm_loss as lm_loss
+
+    torch.manual_seed(0)
+    s = torch.randn(2, 9, 40, requires_grad=True)
+    t = torch.randn(2, 9, 40)
+
+    def whole_kl(x: torch.Tensor) -> torch.Tensor:
+        log_ps, log_pt = F.log_softmax(x.reshape(-1, 40) / 2.0, -1), F.log_softmax(t.reshape(-1, 40) / 2.0, -1)
+        return (log_pt.exp() * (log_pt - log_ps)).sum(-1).mean() * 4.0
+
+    def whole_ce(x: torch.Tensor) -> torch.Tensor:
+        return -(F.softmax(t.reshape(-1, 40) / 2.0, -1) * F.log_softmax(x.reshape(-1, 40) / 2.0, -1)).sum(-1).mean() * 4.0
+
+    monkeypatch.setattr(lm_loss, "CHUNK_BYTES", 4 * 40 * 5)  # 5 rows a chunk: 18 rows in 4 chunks
+    assert len(lm_loss.row_chunks(18, 40)) == 4
+    for mine, want in ((kd_kl, whole_kl), (soft_target_ce, whole_ce)):
+        got = mine(s, t, temperature=2.0)
+        (g1,) = torch.autograd.grad(got, s)
+        ref = want(s)
+        (g2,) = torch.autograd.grad(ref, s)
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-8)

@@ -199,3 +199,42 @@ def test_a_file_slower_than_fp32_says_so(resnet_exports: Any, quantized_resnet: 
     assert final.speedup == {1: 1.0, 4: pytest.approx(1 / factor)}
     assert len(slow) == (1 if factor > 1 else 0)
     assert all(n.startswith("int8 measured slower than fp32 (batch 4: 0.50x)") for n in slow)
+
+
+def test_lm_validation_reads_logits_in_bounded_row_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An LM's ONNX file is scored a few rows at a time and its references recomputed per group,
+    never an eval set's (or a whole batch's) full-vocabulary logits, with the same figures."""
+    pytest.importorskip("transformers")
+    import compress.export.validation.references as references
+
+    from compress.models.families import tiny_decoder
+    from compress.training import evaluate
+
+    model = tiny_decoder("llama")
+    g = torch.Generator().manual_seed(0)
+    batches = [({"input_ids": x}, x) for x in (torch.randint(3, 256, (3, 16), generator=g) for _ in range(2))]
+    path = export_onnx(model, {"input_ids": batches[0][0]["input_ids"]}, tmp_path / "lm.onnx")
+
+    def check() -> Any:
+        return validate(path, reference=model, data=batches, metric="perplexity", batch_sizes=[1], warmup=1, runs=1)[0]
+
+    whole = check()
+    row_bytes = 16 * 256 * 4  # one row's float32 logits
+    monkeypatch.setattr(references, "OUTPUT_BYTES", 2 * row_bytes)
+    monkeypatch.setattr(references, "REFERENCE_CACHE_BYTES", 0)
+    seen: list[int] = []
+    run = references.run_session
+
+    def spy(session: Any, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        out = run(session, feeds)
+        seen.append(out[0].nbytes)
+        return out
+
+    monkeypatch.setattr(references, "run_session", spy)
+    grouped = check()
+    assert seen and max(seen) <= 2 * row_bytes  # no run returned more than two rows' logits
+    assert grouped.accuracy == pytest.approx(whole.accuracy, rel=1e-9)
+    assert grouped.parity == pytest.approx(whole.parity)
+    assert whole.parity["sqnr_db"] > 60 and whole.parity["top1_agreement"] == 1.0
+    assert whole.accuracy == pytest.approx(evaluate(model, batches, metric="perplexity"), rel=1e-5)
+    assert whole.reference_accuracy == pytest.approx(whole.accuracy, rel=1e-5)
