@@ -161,6 +161,7 @@ def test_gguf_and_compressed_tensors_writers_refuse_in_their_checks_words(tmp_pa
     pytest.importorskip("compressed_tensors")
     from compress.export.llm.compressed_tensors import check_compressed_tensors, save_compressed_tensors
     from compress.export.llm.gguf_file import check_gguf, save_gguf
+
     from compress.models.families import tiny_decoder
 
     windowed = tiny_decoder("qwen2")  # a sliding window llama.cpp's qwen2 cannot state
