@@ -204,6 +204,11 @@ def _full_8bit_codes(dec: KVDecoder) -> bool:
 # ---- generation in ONNX Runtime -------------------------------------------------------------------
 
 
+#: float32 bytes of logits one prefill run may return (a file with every position's logits, a large
+#: vocabulary: 4 prompts of 480 tokens at 262k entries are 2 GB in one run)
+PREFILL_LOGITS_BYTES = 256 * 2**20
+
+
 class OrtGenerator:
     """Greedy generation on an :func:`export_llm_onnx` file: ``prefill`` then ``step`` per token.
 
@@ -225,6 +230,10 @@ class OrtGenerator:
         self.position_ids = "position_ids" in names
         self.n_kv, self.head_dim = int(past[0].shape[1]), int(past[0].shape[3])
         self.output_names = [o.name for o in self.session.get_outputs()]
+        logits = self.session.get_outputs()[0].shape
+        #: the file outputs every position's logits (``logits="all"``), not the last one's only
+        self.all_logits = not (len(logits) == 3 and logits[1] == 1)
+        self.vocab = int(logits[-1]) if isinstance(logits[-1], int) else None
         meta = self.session.get_modelmeta().custom_metadata_map
         #: the past bound in place (fused attention only: the decomposed graph concatenates a new present)
         self.share_buffer = share_buffer and meta.get("compress.attention") == "fused"
@@ -236,17 +245,27 @@ class OrtGenerator:
         """Run the prompts ``[B, S]`` with an empty cache; returns the last position's logits ``[B, V]``.
 
         ``attention_mask`` ``[B, S]`` (1 = token, 0 = padding) allows left-padded prompts of
-        different lengths; None means no padding."""
-        b = input_ids.shape[0]
-        self.mask = np.ones(input_ids.shape, dtype=np.int64) if attention_mask is None else attention_mask.astype(np.int64)
-        if self.mask.shape != input_ids.shape:
-            raise ExportError(f"attention_mask has shape {self.mask.shape}, input_ids {input_ids.shape}")
+        different lengths; None means no padding. A file that outputs every position's logits is
+        prefilled in runs of as many positions as keep them within :data:`PREFILL_LOGITS_BYTES`
+        (multi-token steps on the cache, the same logits; its prefill time is then their sum)."""
+        b, s = input_ids.shape
+        mask = np.ones(input_ids.shape, dtype=np.int64) if attention_mask is None else attention_mask.astype(np.int64)
+        if mask.shape != input_ids.shape:
+            raise ExportError(f"attention_mask has shape {mask.shape}, input_ids {input_ids.shape}")
+        step = s
+        if self.all_logits and self.vocab:
+            step = max(1, min(s, PREFILL_LOGITS_BYTES // (4 * b * self.vocab)))
         if self.share_buffer:
             self._buffers = []
-            self._reserve(b, max(256, 2 * input_ids.shape[1]))
-            return self._run(input_ids, [])
-        empty = np.zeros((b, self.n_kv, 0, self.head_dim), dtype=np.float32)
-        return self._run(input_ids, [empty] * len(self.past_names))
+            self._reserve(b, max(256, 2 * s))
+        else:
+            self.past = [np.zeros((b, self.n_kv, 0, self.head_dim), dtype=np.float32)] * len(self.past_names)
+        logits = np.zeros((b, 0), dtype=np.float32)
+        for start in range(0, s, step):
+            end = min(start + step, s)
+            self.mask = mask[:, :end]
+            logits = self._run(input_ids[:, start:end], self.past)
+        return logits
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """Feed one token per sequence ``[B]``; returns the next logits ``[B, V]``."""

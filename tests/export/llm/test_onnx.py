@@ -323,6 +323,37 @@ def test_shared_kv_buffer_generates_what_separate_presents_do(tmp_path: Path) ->
     assert not OrtGenerator(decomposed).share_buffer
 
 
+@pytest.mark.parametrize("attention", ["fused", "decomposed"])
+def test_prefill_of_an_all_positions_file_runs_in_bounded_chunks(attention: str, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose logits cover every position is prefilled in runs whose logits stay within the
+    bound (here 3 positions of a batch of 2): the same last logits and the same decode as one run."""
+    from compress.export.llm import ort as llm_ort
+    from compress.export.llm.attention import fused_attention_supported
+
+    if attention == "fused" and not fused_attention_supported():
+        pytest.skip("this onnxruntime's GroupQueryAttention lacks the fused form's inputs")
+    model = _model("llama", _w4(32, symmetric=False))
+    path = export_llm_onnx(model, tmp_path / "m.onnx", attention=attention)  # type: ignore[arg-type]
+    ids, mask = _prompts(2)
+    whole = OrtGenerator(path)
+    assert whole.all_logits
+    want = [whole.prefill(ids.numpy(), mask.numpy())]
+    runs: list[int] = []
+    monkeypatch.setattr(llm_ort, "PREFILL_LOGITS_BYTES", 3 * 2 * 4 * int(model.config.vocab_size))
+    chunked = OrtGenerator(path)
+    real_run = chunked._run
+    monkeypatch.setattr(chunked, "_run", lambda i, p: runs.append(i.shape[1]) or real_run(i, p))
+    got = [chunked.prefill(ids.numpy(), mask.numpy())]
+    assert max(runs) == 3 and sum(runs) == ids.shape[1]
+    for _ in range(3):
+        nxt = want[-1].argmax(-1).astype(np.int64)
+        want.append(whole.step(nxt))
+        got.append(chunked.step(nxt))
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_ort_decode_profile_attributes_the_step_to_op_types(tmp_path: Path) -> None:
     # the profiler behind benchmarks/ort_decode_profile.py on a small int4 Llama: decode steps only,
     # every MatMulNBits of the model (q/k/v and gate/up packed, the lm_head) once per step, the shares summing to the whole node time
