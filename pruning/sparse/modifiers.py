@@ -58,6 +58,10 @@ class _SparseModifier(Modifier[Any]):
     #: the per-layer function: (layer, linears, calls, spec) -> report
     layer_fn: ClassVar[Any]
 
+    def __init__(self, spec: Any, *, where: str = "") -> None:
+        super().__init__(spec, where=where)
+        self.pruned: list[str] = []  # the Linears on_calibrate pruned
+
     def plan(self, model: nn.Module) -> list[str]:
         return sparse_targets(model, self.spec, where=self.where)
 
@@ -87,8 +91,6 @@ class _SparseModifier(Modifier[Any]):
         rows = [r for r in summary["layers"] if "sparse_error" in r]
         if rows:
             state.metrics["sparse_error"] = sum(r["sparse_error"] for r in rows)
-
-    pruned: list[str] = []
 
     def save_state(self, model: nn.Module) -> dict[str, Any]:
         # the zeros are in the state_dict; the masks (not saved there) are rebuilt from them on restore
