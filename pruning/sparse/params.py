@@ -73,7 +73,10 @@ def sparse_targets(model: nn.Module, params: SparsityParams, *, where: str, quan
     (sparsity comes before quantization)."""
     root = unwrap(model)
     path, _ = decoder_layers(root)
-    selected = select_modules(root, params.targets, ignore=params.ignore, types=(nn.Linear,), where=f"{where}: targets")
+    # GPT-2's Conv1D counts as the Linear it becomes (quantization.preparation.linearize, before pruning)
+    conv1d = tuple({type(m) for m in root.modules() if type(m).__name__ == "Conv1D" and hasattr(m, "nf")})
+    selected = select_modules(root, params.targets, ignore=params.ignore, types=(nn.Linear, *conv1d),
+                              where=f"{where}: targets")
     _, _, outside = split_by_layer(root, list(selected))
     if outside and params.targets != ["*"]:
         raise TargetMatchError(f"{where}: targets: {outside[0]} is outside the decoder layers ({path}); only their "
@@ -84,12 +87,12 @@ def sparse_targets(model: nn.Module, params: SparsityParams, *, where: str, quan
     nm = params.nm
     for n in names:
         m = selected[n]
-        assert isinstance(m, nn.Linear)
         if isinstance(m, QuantLinear) and not quantizing:
             raise RecipeError(f"{where}: {n} is quantized already: prune before quantizing (sparsity, then GPTQ/AWQ/RTN)")
-        if nm is not None and m.in_features % nm[1]:
+        width = m.in_features if isinstance(m, nn.Linear) else int(getattr(m, "weight").shape[0])  # noqa: B009  # Conv1D: [in, out]
+        if nm is not None and width % nm[1]:
             raise RecipeError(f"{where}: pattern: {params.pattern} needs each Linear's input width divisible by "
-                              f"{nm[1]}; {n} has {m.in_features}")
+                              f"{nm[1]}; {n} has {width}")
     if not names:
         raise TargetMatchError(f"{where}: targets: no Linear of the decoder layers ({path}) is selected")
     return names

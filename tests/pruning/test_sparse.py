@@ -231,3 +231,15 @@ def test_model_dependent_refusals() -> None:
         compress.sparsegpt(model, _batches(), progress=False)
     with pytest.raises(RecipeError, match="sparsegpt: sparsity is given twice"):
         compress.sparsegpt(model, _batches(), sparsity=0.3, params=SparseGPTParams(sparsity=0.5), progress=False)
+
+
+def test_gpt2_conv1d_is_planned_and_pruned_as_linears() -> None:
+    from compress.pruning.sparse.params import sparse_targets
+
+    model = tiny_decoder("gpt2")
+    names = sparse_targets(model, WandaParams(pattern="2:4"), where="wanda")  # before any swap: the dry run's view
+    assert "transformer.h.0.attn.c_attn" in names and "transformer.h.1.mlp.c_proj" in names
+    compress.wanda(model, _batches(), pattern="2:4", progress=False)
+    pruned = masked_modules(model)
+    assert set(pruned) == set(names)
+    assert all(isinstance(m, nn.Linear) and nm_groups_ok(m.weight, 2, 4) for m in pruned.values())
