@@ -46,11 +46,6 @@ FUSED_PROBE_TOL = 1e-4
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
 @dataclass(frozen=True)
 class Layout:
     """Where a pre-norm decoder keeps its parts (attribute names), read by the fused form."""
