@@ -75,6 +75,12 @@ _EXPORTS: dict[str, str] = {
     "PruneResult": "compress.pruning.api",
     "PruneParams": "compress.pruning.api",
     "PruningPlan": "compress.pruning.plan",
+    # weight sparsity inside the Linears (issue 53): SparseGPT, Wanda, and the masks later stages keep
+    "sparsegpt": "compress.pruning.sparse.sparsegpt",
+    "SparseGPTParams": "compress.pruning.sparse.sparsegpt",
+    "wanda": "compress.pruning.sparse.wanda",
+    "WandaParams": "compress.pruning.sparse.wanda",
+    "apply_masks": "compress.core.sparsity",
     # distillation
     "Distiller": "compress.distillation.api",
     "DistillParams": "compress.distillation.api",

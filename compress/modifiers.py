@@ -20,6 +20,7 @@ BUILTIN_MODIFIER_MODULES: tuple[str, ...] = (
     "compress.quantization.modifiers",
     "compress.quantization.weight_modifiers",
     "compress.pruning.modifiers",
+    "compress.pruning.sparse.modifiers",
     "compress.distillation.modifiers",
 )
 

@@ -38,6 +38,7 @@ from torch import nn
 from compress.core.batching import require_module
 from compress.core.errors import CompressError, RecipeError
 from compress.core.modifier import Modifier, Phase, State
+from compress.core.sparsity import apply_masks
 from compress.core.trust import allow_code
 from compress.distributed import DistributedSpec, distribute, gather, is_sharded
 from compress.modifiers import modifier_class
@@ -479,6 +480,7 @@ class Session:
     def _end_stage(self) -> None:
         stage = self.recipe.stages[self._index]
         self.gather()  # modifiers finalize on plain weights (calibration, pruning surgery, saving, export)
+        apply_masks(self.state.model)
         for m in self.modifiers[self._index]:
             m.finalize(self.state)
         result = StageResult(stage.name, dict(self.state.metrics), dict(self.state.tables), list(self.state.artifacts))
@@ -501,6 +503,8 @@ class Session:
         """Report one optimizer step."""
         self._require_live("step")
         st = self.state
+        # pruned weights (SparseGPT, Wanda) stay zero whatever the optimizer did to them
+        apply_masks(st.model)
         st.step += 1
         self._epoch_steps += 1
         if st.steps_per_epoch:

@@ -32,6 +32,7 @@ from compress.core.lm_loss import logits_nll
 from compress.core.metrics import make_metric
 from compress.core.progress import Eta, ensure_console, fig, report
 from compress.core.progress import bar as progress_bar
+from compress.core.sparsity import apply_masks
 from compress.distributed import DistributedSpec, distribute, gather, timeout_of
 from compress.recipe import TrainSpec
 
@@ -303,6 +304,8 @@ class Trainer:
                     scaler.update()
                 else:
                     opt.step()
+                if session is None:  # a session re-applies them at its step
+                    apply_masks(model)
                 sched.step()
                 result.steps += 1
                 running += float(loss.detach())

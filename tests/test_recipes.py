@@ -77,8 +77,9 @@ def test_recipe_loads(name: str) -> None:
 REFERENCE_LLM = "runs/reference_llm"
 
 
-#: the int4 LLM recipes (GPTQ, AWQ) on the tiny Llama: 25 s each in a full run
-SLOW_RECIPES = {"llm_awq_w4", "llm_gptq_w4"}
+#: the int4 LLM recipes (GPTQ, AWQ) on the tiny Llama: 25 s each in a full run; SparseGPT 2:4 on
+#: SmolLM2's first two layers, 20-40 s (tests/pruning/test_sparse_recipes.py runs a tiny one fast)
+SLOW_RECIPES = {"llm_awq_w4", "llm_gptq_w4", "llm_sparsegpt_2of4"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RECIPES else n

@@ -41,7 +41,7 @@ class ModifierSpec(BaseModel):
     end_step: int | None = Field(None, ge=0)
     update_every: int = Field(1, ge=1)
 
-    #: what the modifier does, for the order rules: "quantize", "prune", "distill" or "other"
+    #: what the modifier does, for the order rules: "quantize", "prune", "sparsify", "distill" or "other"
     kind: ClassVar[str] = "other"
     #: what the stage must provide: "calibration" (calibration batches) and/or "training" (epochs)
     needs: ClassVar[frozenset[str]] = frozenset()
@@ -301,11 +301,13 @@ def register_modifier(cls: type[Modifier[Any]]) -> type[Modifier[Any]]:
 
 @dataclass(frozen=True)
 class OrderRule:
-    """``then`` may not come in a later stage than ``first``; ``why`` is the message."""
+    """``then`` may not come in a later stage than ``first`` (``within_stage``: nor after it in the
+    same stage, where modifiers start in recipe order); ``why`` is the message."""
 
     first: str
     then: str
     why: str
+    within_stage: bool = False
 
 
 ORDER_RULES: tuple[OrderRule, ...] = (
@@ -313,6 +315,20 @@ ORDER_RULES: tuple[OrderRule, ...] = (
         "quantize",
         "prune",
         "pruning after quantization would slice calibrated quantizers; put the prune stage first",
+    ),
+    OrderRule(
+        "quantize",
+        "sparsify",
+        "sparsity comes before quantization (the quantizer's grid and GPTQ's updates are made for the weights "
+        "as pruned); put the sparsity stage first",
+        within_stage=True,
+    ),
+    OrderRule(
+        "sparsify",
+        "prune",
+        "structured pruning after weight sparsity would cut the Linears whose masks keep the zeros; "
+        "put the prune stage first",
+        within_stage=True,
     ),
 )
 
@@ -325,9 +341,12 @@ def check_order(kinds_per_stage: Sequence[Sequence[tuple[str, str]]]) -> None:
     """
     seen: dict[str, str] = {}
     for stage in kinds_per_stage:
+        here: dict[str, str] = {}
         for kind, where in stage:
             for rule in ORDER_RULES:
-                if kind == rule.then and rule.first in seen:
-                    raise RecipeError(f"{where}: '{kind}' after '{rule.first}' ({seen[rule.first]}): {rule.why}")
+                first = seen.get(rule.first) or (here.get(rule.first) if rule.within_stage else None)
+                if kind == rule.then and first is not None:
+                    raise RecipeError(f"{where}: '{kind}' after '{rule.first}' ({first}): {rule.why}")
+            here.setdefault(kind, where)
         for kind, where in stage:
             seen.setdefault(kind, where)

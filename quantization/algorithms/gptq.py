@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from compress.core.batching import CalibrationData, as_batches
 from compress.core.errors import CalibrationError
 from compress.core.params import Selection, refuse_renamed
 from compress.core.progress import with_progress
+from compress.core.sparsity import mask_of
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def _qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tens
     return qparams_from_range(w.amin(dim=1), w.amax(dim=1), qmin=spec.qmin, qmax=spec.qmax, symmetric=spec.symmetric)
 
 
-def _inverse_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor:
+def inverse_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor:
     """Upper Cholesky factor of ``(H + damp I)^-1``, dampening raised on failure. ``h`` is
     dampened in place (at most three K x K matrices live at once: ``h``, the factor, the inverse)."""
     mean_diag = float(torch.mean(torch.diag(h)))
@@ -129,8 +130,14 @@ def gptq_quantize(
     hessian: torch.Tensor,
     spec: QuantSpec,
     params: GPTQParams | None = None,
+    *,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ-round ``weight`` ([out, in]) for ``spec`` (granularity channel or group, axis 0).
+
+    ``mask`` (bool, True: kept; a sparse weight's): the pruned weights stay exactly zero: no rounding
+    error is propagated into them (the update is masked, as llm-compressor's ``preserve_zeros``) and
+    they round to zero, so every N:M group keeps its zeros.
 
     Returns ``(dequantized weight, scale, zero_point)`` with scale/zero_point laid out as the
     weight quantizer stores them: ``[out]`` per channel, ``[out, ceil(in / group_size)]`` per group.
@@ -144,6 +151,9 @@ def gptq_quantize(
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    keep = None if mask is None else mask.to(w.device, torch.bool)
+    if keep is not None:
+        w.masked_fill_(~keep, 0)
     gs = min(spec.group_size or cols, cols) if spec.granularity == "group" else cols
     n_groups = math.ceil(cols / gs)
     scale = torch.empty(rows, n_groups)
@@ -159,7 +169,8 @@ def gptq_quantize(
     perm = torch.argsort(torch.diag(h), descending=True) if p.act_order else torch.arange(cols)
     if p.act_order:
         w, h = w[:, perm], h[perm][:, perm]
-    hinv = _inverse_cholesky(h, p.dampening)
+    kf = None if keep is None else keep[:, perm].to(w.dtype)  # 1 kept, 0 pruned, in sweep order
+    hinv = inverse_cholesky(h, p.dampening)
     del h
     q = torch.zeros_like(w)
     dynamic_groups = not static
@@ -178,12 +189,16 @@ def gptq_quantize(
                 scale[:, g], zp[:, g] = _qparams(span, spec)
             wc = w1[:, i]
             qc = fake_quantize(wc, scale[:, g], zp[:, g], spec.qmin, spec.qmax)
+            if kf is not None:
+                qc = qc * kf[:, i1 + i]
             q1[:, i] = qc
             e = (wc - qc) / hinv1[i, i]
-            w1[:, i:] -= e.unsqueeze(1) @ hinv1[i, i:].unsqueeze(0)
+            upd = e.unsqueeze(1) @ hinv1[i, i:].unsqueeze(0)
+            w1[:, i:] -= upd if kf is None else upd * kf[:, i1 + i : i2]
             err1[:, i] = e
         q[:, i1:i2] = q1
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+        upd = err1 @ hinv[i1:i2, i2:]
+        w[:, i2:] -= upd if kf is None else upd * kf[:, i2:]
     if p.act_order:
         q = q[:, torch.argsort(perm)]
     if spec.granularity == "channel":
@@ -197,17 +212,17 @@ def layer_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Te
     return float(torch.einsum("ij,jk,ik->", d, hessian.float(), d)) / 2
 
 
-@torch.no_grad()
-def gptq_layer(layer: nn.Module, linears: dict[str, QuantLinear], calls: Sequence[Call], params: GPTQParams) -> dict[str, Any]:
-    """GPTQ on one layer's Linears in place, from Hessians of their float inputs over ``calls``
-    (summed across DDP ranks). Returns the summed GPTQ objective before (RTN) and after."""
-    # Linears that read one tensor (q/k/v, gate/up) share one accumulator: one K x K sum, one GEMM
+def layer_hessians(layer: nn.Module, linears: Mapping[str, nn.Linear], calls: Sequence[Call]
+                   ) -> Iterator[tuple[list[str], torch.Tensor]]:
+    """``(names, H)`` for the Linears of ``layer`` over its recorded ``calls`` (float, summed across
+    DDP ranks): Linears that read one tensor (q/k/v, gate/up) share one ``H = 2 X^T X / n``, one
+    K x K sum and one GEMM. Each ``H`` is freed once the caller moves to the next (a generator)."""
     accs: list[HessianAccumulator] = []
     owner: dict[str, int] = {}
     fed: dict[int, tuple[torch.Tensor, int]] = {}  # id(input) -> (input kept alive, accumulator) per call
 
-    def hook(name: str, m: QuantLinear) -> Any:
-        iq = m.input_quantizer
+    def hook(name: str, m: nn.Linear) -> Any:
+        iq = getattr(m, "input_quantizer", None)
 
         def fn(_: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
             x = args[0]
@@ -227,28 +242,36 @@ def gptq_layer(layer: nn.Module, linears: dict[str, QuantLinear], calls: Sequenc
 
     handles = [m.register_forward_pre_hook(hook(n, m)) for n, m in linears.items()]
     try:
-        with float_mode(layer):
+        with torch.no_grad(), float_mode(layer):
             for args, kwargs in calls:
                 layer(*args, **kwargs)
                 fed.clear()
     finally:
         for handle in handles:
             handle.remove()
-    rtn_err = gptq_err = 0.0
     for k, a in enumerate(accs):
-        names = [n for n, o in owner.items() if o == k and linears[n].weight_quantizer is not None]
         a.all_reduce()
-        h = a.hessian(inplace=True)
+        yield [n for n, o in owner.items() if o == k], a.hessian(inplace=True)
+        accs[k] = HessianAccumulator(0)  # free the K x K sum now, not at the end of the layer
+
+
+@torch.no_grad()
+def gptq_layer(layer: nn.Module, linears: dict[str, QuantLinear], calls: Sequence[Call], params: GPTQParams) -> dict[str, Any]:
+    """GPTQ on one layer's Linears in place, from Hessians of their float inputs over ``calls``
+    (summed across DDP ranks). Returns the summed GPTQ objective before (RTN) and after. A Linear
+    with a sparsity mask (SparseGPT, Wanda before) keeps its zeros."""
+    rtn_err = gptq_err = 0.0
+    for names, h in layer_hessians(layer, linears, calls):
         for n in names:
             m = linears[n]
             wq = m.weight_quantizer
-            assert wq is not None
+            if wq is None:
+                continue
             rtn_err += layer_error(m.weight, wq(m.weight), h)
-            q, scale, zp = gptq_quantize(m.weight, h, wq.spec, params)
+            q, scale, zp = gptq_quantize(m.weight, h, wq.spec, params, mask=mask_of(m))
             gptq_err += layer_error(m.weight, q, h)
             m.weight.data.copy_(q)
             wq.set_qparams(scale, zp)
-        accs[k] = HessianAccumulator(0)  # free the K x K sum now, not at the end of the layer
     return {"rtn_error": rtn_err, "gptq_error": gptq_err}
 
 

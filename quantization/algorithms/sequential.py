@@ -139,7 +139,7 @@ def _run_layer(layer: nn.Module, calls: list[Call]) -> list[Call]:
 def sequential_quantize(
     model: nn.Module,
     data: Iterable[Any],
-    scheme: QuantScheme,
+    scheme: QuantScheme | None,
     process: ProcessLayer,
     params: Selection | None = None,
     *,
@@ -148,6 +148,7 @@ def sequential_quantize(
     device: torch.device | str = "cpu",
     where: str = "sequential",
     activations: bool = False,
+    plain_linears: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Quantize ``model``'s decoder layers one at a time (in place) with weight-only ``scheme``
     (``activations``: a scheme with input quantizers too, dynamic, or static on a model that
@@ -158,9 +159,16 @@ def sequential_quantize(
     called before a layer is touched and ``release(i, layer)`` after its quantized outputs were
     computed (offloading). ``params``: the layers it applies to and ``num_batches``. Targeted Linears
     outside the decoder layers (a decoder's lm_head, unless ignored) get round-to-nearest. Returns a summary (per-layer reports, seconds).
+
+    ``scheme`` None: nothing is quantized or swapped (SparseGPT, Wanda): ``process`` gets the plain
+    Linears ``plain_linears`` names (all inside the decoder layers; the caller selected them), by name
+    inside each layer, as ``nn.Linear``.
     """
     sel = params or Selection()
     root = unwrap(model)
+    if scheme is None:
+        return _sequential_plain(root, data, process, sel, plain_linears or [], load=load, release=release,
+                                 device=device, where=where)
     prepared = any(isinstance(m, QuantLinear) for m in root.modules())
     if scheme.weights is None or scheme.outputs is not None or (scheme.inputs is not None and not activations):
         raise CalibrationError(f"{where}: needs a weight-only scheme (weights set, inputs and outputs null)")
@@ -179,14 +187,7 @@ def sequential_quantize(
     else:
         plan = list(plan_targets(root, scheme, sel, where=where))
     prefix = f"{path}." if path else ""
-    per_layer: list[list[str]] = [[] for _ in layers]
-    outside: list[str] = []
-    for name in plan:
-        if name.startswith(prefix) and name[len(prefix):].split(".", 1)[0].isdigit():
-            idx, rest = name[len(prefix):].split(".", 1)
-            per_layer[int(idx)].append(rest)
-        else:
-            outside.append(name)
+    _, per_layer, outside = split_by_layer(root, plan)
     if load is not None:
         load(0, layers[0])
     calls = capture_inputs(root, layers[0], data, max_batches=sel.num_batches, device=device)
@@ -215,6 +216,53 @@ def sequential_quantize(
     return {"layers": reports, "seconds": time.perf_counter() - t0, "quantized_linears": sum(len(p) for p in per_layer)}
 
 
+def split_by_layer(model: nn.Module, names: Sequence[str]) -> tuple[str, list[list[str]], list[str]]:
+    """``(decoder layers' path, names inside each layer, names outside them)`` of module ``names``."""
+    path, layers = decoder_layers(model)
+    prefix = f"{path}." if path else ""
+    per_layer: list[list[str]] = [[] for _ in layers]
+    outside: list[str] = []
+    for name in names:
+        if name.startswith(prefix) and name[len(prefix):].split(".", 1)[0].isdigit():
+            idx, rest = name[len(prefix):].split(".", 1)
+            per_layer[int(idx)].append(rest)
+        else:
+            outside.append(name)
+    return path, per_layer, outside
+
+
+def _sequential_plain(root: nn.Module, data: Iterable[Any], process: ProcessLayer, sel: Selection, names: Sequence[str],
+                      *, load: LayerHook | None, release: LayerHook | None, device: torch.device | str,
+                      where: str) -> dict[str, Any]:
+    """The layer-by-layer pipeline without quantization: ``process`` changes each layer's plain
+    Linears (``names``) in place, and the next layer's inputs come from the changed layer."""
+    t0 = time.perf_counter()
+    linearize(root)
+    path, layers = decoder_layers(root)
+    _, per_layer, outside = split_by_layer(root, names)
+    if outside:
+        raise CalibrationError(f"{where}: {', '.join(outside[:3])} outside the decoder layers ({path}): "
+                               "only their Linears are processed layer by layer")
+    if load is not None:
+        load(0, layers[0])
+    calls = capture_inputs(root, layers[0], data, max_batches=sel.num_batches, device=device)
+    reports: list[dict[str, Any]] = []
+    for i, layer in enumerate(bar(layers, desc=where, unit="layer")):
+        t_layer = time.perf_counter()
+        if i > 0 and load is not None:
+            load(i, layer)
+        lins: Any = {n: m for n, m in layer.named_modules() if n in set(per_layer[i])}  # plain Linears
+        layer.eval()
+        rep = process(i, layer, lins, calls) if lins else None
+        calls = _run_layer(layer, calls)
+        reports.append({"layer": i, "linears": len(lins), **(rep or {})})
+        if release is not None:
+            release(i, layer)
+        report(log, "%s", progress_line(where, i, len(layers), reports[-1], time.perf_counter() - t_layer,
+                                        time.perf_counter() - t0))
+    return {"layers": reports, "seconds": time.perf_counter() - t0, "quantized_linears": sum(len(p) for p in per_layer)}
+
+
 def _fmt_s(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
@@ -235,6 +283,8 @@ def progress_line(where: str, i: int, total: int, report: Mapping[str, Any], sec
         if searched:
             before = sum(float(g["unscaled_error"]) for g in searched)
             after = sum(float(g["error"]) for g in searched)
+    if "sparse_error" in report:  # SparseGPT: the summed tr(dW H dW^T)/2 of the pruned weights
+        line += f", pruned error {float(report['sparse_error']):.3g}"
     if before is not None and after is not None:
         change = f" ({(after - before) / before:+.0%})" if before > 0 else ""
         line += f", error RTN {before:.3g} -> {after:.3g}{change}"

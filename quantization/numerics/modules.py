@@ -25,6 +25,8 @@ from compress.quantization.numerics.fake_quant import FakeQuantizer
 from compress.quantization.numerics.spec import QuantScheme, QuantSpec
 from torch import nn
 
+from compress.core.sparsity import carry_mask
+
 
 def _q(spec: QuantSpec | None, role: str, name: str) -> FakeQuantizer | None:
     return FakeQuantizer(spec, role=role, name=f"{name}.{role}_quantizer") if spec is not None else None
@@ -65,6 +67,7 @@ class QuantLinear(QuantLayerMixin, nn.Linear):
         if mod.bias is not None:
             new.bias = mod.bias
         new._init_quantizers(scheme, name, weights=weights)
+        carry_mask(mod, new)  # a sparsity mask (SparseGPT, Wanda) goes with the weight
         new.train(mod.training)
         return new
 
@@ -79,6 +82,7 @@ class QuantLinear(QuantLayerMixin, nn.Linear):
         new.weight = self.weight
         if self.bias is not None:
             new.bias = self.bias
+        carry_mask(self, new)
         new.train(self.training)
         return new
 
