@@ -49,6 +49,8 @@ _EXPORTS: dict[str, str] = {
     "gptq": "compress.quantization.algorithms.gptq",
     "awq": "compress.quantization.algorithms.awq",
     "GPTQParams": "compress.quantization.algorithms.gptq",
+    "autoround": "compress.quantization.algorithms.autoround",
+    "AutoRoundParams": "compress.quantization.algorithms.autoround",
     "AWQParams": "compress.quantization.algorithms.awq_search",
 }
 

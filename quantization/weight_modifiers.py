@@ -1,4 +1,4 @@
-"""Recipe modifiers for weight-only LLM quantization: ``type: gptq`` and ``type: awq``.
+"""Recipe modifiers for weight-only LLM quantization: ``type: gptq``, ``type: awq`` and ``type: autoround``.
 
 Both calibrate layer by layer on the stage's calibration batches (quantization/algorithms/sequential.py) and
 leave QuantLinear modules with per-group or per-channel weight qparams. In one stage,
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
+from compress.quantization.algorithms.autoround import AutoRoundLayers, AutoRoundParams
 from compress.quantization.algorithms.awq import awq_layer, scale_error_ratio
 from compress.quantization.algorithms.awq_search import AWQParams
 from compress.quantization.algorithms.gptq import GPTQParams, gptq_layer
@@ -79,6 +80,13 @@ class AWQSpec(AWQParams, _WeightOnlySpec):
 
     type: Literal["awq"] = "awq"
 
+
+class AutoRoundSpec(AutoRoundParams, _WeightOnlySpec):
+    """AutoRound: ``iters`` signed-gradient steps per layer at ``lr`` (default 1/iters) on
+    ``batch_size`` samples per step, clipping factors learned at ``range_lr`` (``tune_range``),
+    from round-to-nearest or from GPTQ's solution (``init: gptq``)."""
+
+    type: Literal["autoround"] = "autoround"
 
 
 class _WeightOnlyModifier(Modifier[Any]):
@@ -163,4 +171,19 @@ class AWQModifier(_WeightOnlyModifier):
             state.metrics["awq_scale_error_ratio"] = round(ratio, 4)
 
 
-__all__ = ["AWQModifier", "AWQSpec", "GPTQModifier", "GPTQSpec"]
+@register_modifier
+class AutoRoundModifier(_WeightOnlyModifier):
+    """Handler of ``type: autoround``."""
+
+    spec_cls = AutoRoundSpec
+
+    def on_calibrate(self, state: State) -> None:
+        summary = self._run(state, AutoRoundLayers(self.spec))
+        rows = [r for r in summary["layers"] if r.get("autoround_best_loss") is not None]
+        state.tables["autoround_layers"] = [
+            {"layer": r["layer"], "linears": r["linears"], "start_mse": r["autoround_first_loss"],
+             "best_mse": r["autoround_best_loss"]} for r in rows
+        ]
+
+
+__all__ = ["AWQModifier", "AWQSpec", "AutoRoundModifier", "AutoRoundSpec", "GPTQModifier", "GPTQSpec"]

@@ -49,6 +49,8 @@ def shrink(data: dict[str, Any]) -> dict[str, Any]:
         if stage.get("steps"):
             stage["steps"] = min(stage["steps"], 4)
         for mod in stage.get("modifiers", []):
+            if mod.get("type") == "autoround":  # its steps: the same code runs at any count
+                mod["iters"] = min(mod.get("iters", 200), 4)
             if mod.get("type") == "awq":  # the searches' grids: the same code runs at any size
                 mod["grid"], mod["clip_grid"] = min(mod.get("grid", 20), 4), min(mod.get("clip_grid", 20), 4)
             teacher = mod.get("teacher")
@@ -79,7 +81,7 @@ REFERENCE_LLM = "runs/reference_llm"
 
 #: the int4 LLM recipes (GPTQ, AWQ) on the tiny Llama: 25 s each in a full run; SparseGPT 2:4 on
 #: SmolLM2's first two layers, 20-40 s (tests/pruning/test_sparse_recipes.py runs a tiny one fast)
-SLOW_RECIPES = {"llm_awq_w4", "llm_gptq_w4", "llm_sparsegpt_2of4"}
+SLOW_RECIPES = {"llm_autoround_w4", "llm_awq_w4", "llm_gptq_w4", "llm_sparsegpt_2of4"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RECIPES else n

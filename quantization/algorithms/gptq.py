@@ -132,12 +132,17 @@ def gptq_quantize(
     params: GPTQParams | None = None,
     *,
     mask: torch.Tensor | None = None,
+    continuous: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ-round ``weight`` ([out, in]) for ``spec`` (granularity channel or group, axis 0).
 
     ``mask`` (bool, True: kept; a sparse weight's): the pruned weights stay exactly zero: no rounding
     error is propagated into them (the update is masked, as llm-compressor's ``preserve_zeros``) and
     they round to zero, so every N:M group keeps its zeros.
+
+    ``continuous``: return the error-compensated weight as each column was when the sweep rounded it
+    (its round-to-nearest on the returned qparams is the GPTQ result; AutoRound starts there)
+    instead of the de-quantized weight.
 
     Returns ``(dequantized weight, scale, zero_point)`` with scale/zero_point laid out as the
     weight quantizer stores them: ``[out]`` per channel, ``[out, ceil(in / group_size)]`` per group.
@@ -173,6 +178,7 @@ def gptq_quantize(
     hinv = inverse_cholesky(h, p.dampening)
     del h
     q = torch.zeros_like(w)
+    cont = torch.zeros_like(w) if continuous else None
     dynamic_groups = not static
     for i1 in range(0, cols, p.block_size):
         i2 = min(i1 + p.block_size, cols)
@@ -188,6 +194,8 @@ def gptq_quantize(
                 span = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, : min(gs, cols - col)]
                 scale[:, g], zp[:, g] = _qparams(span, spec)
             wc = w1[:, i]
+            if cont is not None:
+                cont[:, i1 + i] = wc
             qc = fake_quantize(wc, scale[:, g], zp[:, g], spec.qmin, spec.qmax)
             if kf is not None:
                 qc = qc * kf[:, i1 + i]
@@ -199,6 +207,8 @@ def gptq_quantize(
         q[:, i1:i2] = q1
         upd = err1 @ hinv[i1:i2, i2:]
         w[:, i2:] -= upd if kf is None else upd * kf[:, i2:]
+    if cont is not None:
+        q = cont
     if p.act_order:
         q = q[:, torch.argsort(perm)]
     if spec.granularity == "channel":

@@ -283,6 +283,9 @@ def progress_line(where: str, i: int, total: int, report: Mapping[str, Any], sec
         if searched:
             before = sum(float(g["unscaled_error"]) for g in searched)
             after = sum(float(g["error"]) for g in searched)
+    if report.get("autoround_first_loss") is not None:  # AutoRound: step 0 (the start) and the best step's loss
+        line += (f", output MSE {float(report['autoround_first_loss']):.3g} -> "
+                 f"{float(report['autoround_best_loss']):.3g}")
     if "sparse_error" in report:  # SparseGPT: the summed tr(dW H dW^T)/2 of the pruned weights
         line += f", pruned error {float(report['sparse_error']):.3g}"
     if before is not None and after is not None:

@@ -68,7 +68,7 @@ def g_idx_of(wq: Any) -> torch.Tensor | None:
 
 
 def is_int4_weight_only(mod: Any) -> bool:
-    """Whether ``mod`` has 4-bit (or 3-bit: codes fit a nibble) weights and unquantized inputs."""
+    """Whether ``mod`` has weights of 4 bits or fewer (their codes fit a nibble) and unquantized inputs."""
     wq = getattr(mod, "weight_quantizer", None)
     if wq is None or not getattr(wq, "enabled", False) or wq.spec.bits > 4:
         return False

@@ -41,7 +41,7 @@ class QuantSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bits: Literal[3, 4, 8] = 8
+    bits: Literal[2, 3, 4, 8] = 8
     symmetric: bool = True
     dtype: Literal["int8", "uint8", "fp8_e4m3"] = "int8"
     narrow_range: bool = False
