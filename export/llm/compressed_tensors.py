@@ -40,6 +40,7 @@ from torch import nn
 
 from compress.core.errors import ExportError, UnsupportedModelError
 from compress.core.imports import install_hint
+from compress.core.sparsity import masked_modules, nm_groups_ok
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,8 @@ def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], di
         if not w.symmetric:
             tensors[f"{name}.weight_zero_point"] = pack_int32(w.zero_point, packed_dim=0)
         quant_prefixes.append(name + ".")
+    if not args and not ragged and masked_modules(model):  # pruned, not quantized: dense weights with their zeros
+        return _other_tensors(model, set()), {}, plain
     if not args:
         raise UnsupportedModelError("compressed-tensors export: the model has no quantized layers whole groups can "
                                     f"hold; quantize it first{' (or choose a group size dividing ' + ragged[0] + ')' if ragged else ''}")
@@ -259,6 +262,27 @@ def quantization_config(args: dict[str, dict[str, Any]], ignore: list[str], *, f
     }
 
 
+def sparsity_config(model: nn.Module) -> dict[str, Any]:
+    """The config.json ``sparsity_config`` of a model pruned inside its Linears (SparseGPT, Wanda:
+    the modules holding a mask), validated by compressed-tensors; empty when none is. Its format is
+    ``dense``: the weights are written with their zeros (compressed-tensors 0.20 has no compressor
+    left for its ``sparse-24-bitmask`` form), and the structure says ``2:4`` when every pruned Linear
+    keeps at most 2 of every 4 consecutive inputs."""
+    masked = masked_modules(model)
+    if not masked:
+        return {}
+    from compressed_tensors.config import SparsityCompressionConfig
+
+    weights = [m.weight.detach() for m in masked.values()]
+    two_four = all(nm_groups_ok(w, 2, 4) for w in weights)
+    zeros = sum(int((w == 0).sum()) for w in weights)
+    total = sum(w.numel() for w in weights)
+    cfg = SparsityCompressionConfig.load_from_registry(
+        "dense", targets=sorted(masked), ignore=[], global_sparsity=round(zeros / max(total, 1), 4),
+        sparsity_structure="2:4" if two_four else "unstructured")
+    return json.loads(json.dumps(cfg.model_dump(exclude={"registry_requires_subclass"}), default=str))
+
+
 def check_compressed_tensors(model: nn.Module) -> Any:
     """The model's config if :func:`save_compressed_tensors` can write its structure, else
     UnsupportedModelError saying why (no transformers config; MoE experts, whose checkpoint names are
@@ -287,6 +311,8 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     layers whose width is not a multiple of their group size (compressed-tensors has no shorter
     last group; llm-compressor ignores such layers), written with their fake-quant values. The
     model's ``generation_config.json`` and, given a transformers ``tokenizer``, its files go beside.
+    A model pruned inside its Linears (SparseGPT, Wanda; quantized or not) gets a ``sparsity_config``
+    (:func:`sparsity_config`: dense weights with their zeros, ``2:4`` or ``unstructured``).
     Returns the folder, loadable with ``AutoModelForCausalLM.from_pretrained`` (compressed-tensors
     installed).
     """
@@ -304,7 +330,14 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     out.mkdir(parents=True, exist_ok=True)
     cfg = config.to_dict()
     fmt = "float-quantized" if fp8 else "int-quantized" if eight else "pack-quantized"
-    cfg["quantization_config"] = quantization_config(args, plain, fmt=fmt)
+    sparse = sparsity_config(model)
+    if args:
+        cfg["quantization_config"] = {**quantization_config(args, plain, fmt=fmt), "sparsity_config": sparse}
+    else:  # sparsity alone: the config llm-compressor writes for a pruned float model
+        import compressed_tensors
+
+        cfg["quantization_config"] = {"version": compressed_tensors.__version__, "quant_method": "compressed-tensors",
+                                      "sparsity_config": sparse, "transform_config": {}}
     if cfg.get("tie_word_embeddings") and _quantized_head_tied(model, args):
         # the head's codes cannot be the float embedding table (which _other_tensors writes as it is):
         # the checkpoint holds both, untied, as llm-compressor unties a quantized head
@@ -316,6 +349,7 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
         gen.save_pretrained(out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    log.info("compressed-tensors checkpoint: %d %s layers, %d float Linears, written to %s", len(args),
-             "fp8" if fp8 else "int8" if eight else "int4", len(plain), out)
+    log.info("compressed-tensors checkpoint: %d %s layers, %d float Linears%s, written to %s", len(args),
+             "fp8" if fp8 else "int8" if eight else "int4", len(plain),
+             f", {len(sparse['targets'])} sparse ({sparse['sparsity_structure']})" if sparse else "", out)
     return out

@@ -243,3 +243,30 @@ def test_gpt2_conv1d_is_planned_and_pruned_as_linears() -> None:
     pruned = masked_modules(model)
     assert set(pruned) == set(names)
     assert all(isinstance(m, nn.Linear) and nm_groups_ok(m.weight, 2, 4) for m in pruned.values())
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["sparse", "sparse-w4"])
+def test_the_compressed_tensors_checkpoint_reloads_with_equal_logits_and_every_2_of_4_group(quantized: bool,
+                                                                                          tmp_path: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    import json
+
+    from compress.export.llm.compressed_tensors import save_compressed_tensors
+
+    model = tiny_decoder("qwen2", seed=0)
+    compress.sparsegpt(model, _batches(), params=SparseGPTParams(pattern="2:4"), progress=False)
+    if quantized:  # llm-compressor's 2:4 + W4A16 recipe: GPTQ after SparseGPT
+        compress.gptq(model, _batches(), scheme=resolve_scheme({"weights": {"bits": 4, "granularity": "group",
+                                                                            "group_size": 32}, "inputs": None}),
+                      ignore=["lm_head"], progress=False)
+    out = save_compressed_tensors(model, tmp_path / "ckpt")
+    sc = json.loads((out / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    assert sc["format"] == "dense" and sc["sparsity_structure"] == "2:4"
+    assert sorted(sc["targets"]) == sorted(masked_modules(model)) and sc["global_sparsity"] >= 0.5
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    ids = _batches(n=1, seq=12, vocab=model.config.vocab_size, seed=9)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+    for name in sc["targets"]:
+        assert nm_groups_ok(loaded.get_submodule(name).weight.detach(), 2, 4), name
