@@ -273,7 +273,7 @@ def sparsity_config(model: nn.Module) -> dict[str, Any]:
         return {}
     from compressed_tensors.config import SparsityCompressionConfig
 
-    weights = [m.weight.detach() for m in masked.values()]
+    weights = [m.get_parameter("weight").detach() for m in masked.values()]
     two_four = all(nm_groups_ok(w, 2, 4) for w in weights)
     zeros = sum(int((w == 0).sum()) for w in weights)
     total = sum(w.numel() for w in weights)
