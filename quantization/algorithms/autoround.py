@@ -233,7 +233,8 @@ def autoround_layer(layer: nn.Module, linears: Mapping[str, QuantLinear], calls:
 
     def current(grad: bool) -> dict[str, torch.Tensor]:
         with torch.set_grad_enabled(grad):
-            return {f"{n}.weight": r.dequantized() for n, r in rnd.items()}
+            # in the layer's own dtype (a bf16 checkpoint runs in bf16); the search itself is float32
+            return {f"{n}.weight": r.dequantized().to(quant[n].weight.dtype) for n, r in rnd.items()}
 
     first = best = math.inf
     best_state = {n: r.state() for n, r in rnd.items()}

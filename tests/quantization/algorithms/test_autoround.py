@@ -199,3 +199,13 @@ def test_the_learned_model_lowers_exactly_and_its_checkpoint_reloads_with_equal_
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
     for n, m in lins.items():
         assert torch.equal(loaded.get_submodule(n).weight, m.quantized_weight().detach()), n
+
+
+def test_a_bf16_checkpoint_is_searched_in_float32_and_stays_bf16() -> None:
+    model = tiny_decoder("llama", seed=0).to(torch.bfloat16)
+    compress.autoround(model, _batches(), scheme=_scheme(4, 16), ignore=["lm_head"],
+                       params=AutoRoundParams(iters=4, batch_size=2), progress=False)
+    lins = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert lins and all(m.weight.dtype == torch.bfloat16 for m in lins)
+    with torch.no_grad():
+        assert torch.isfinite(model(_batches(n=1)[0]).logits.float()).all()
