@@ -33,8 +33,10 @@ from compress.quantization.algorithms.sequential import (
     DEFAULT_SCHEME,
     Call,
     LayerHook,
+    hidden_of,
     log_summary,
     sequential_quantize,
+    with_hidden,
 )
 from compress.quantization.numerics.calibration import float_mode
 from compress.quantization.numerics.modules import QuantLinear
@@ -156,11 +158,6 @@ class _Rounding:
                 p.copy_(s)
 
 
-def _hidden(call: Call) -> torch.Tensor:
-    args, kwargs = call
-    return args[0] if args else kwargs["hidden_states"]
-
-
 def _all_reduce(t: torch.Tensor) -> torch.Tensor:
     """``t`` summed over the DDP ranks (every rank then takes the same step); ``t`` outside one."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -170,13 +167,6 @@ def _all_reduce(t: torch.Tensor) -> torch.Tensor:
 
 def _out(y: Any) -> torch.Tensor:
     return y[0] if isinstance(y, (tuple, list)) else y
-
-
-def _with_hidden(call: Call, hidden: torch.Tensor) -> Call:
-    args, kwargs = call
-    if args:
-        return (hidden, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": hidden}
 
 
 def _gptq_start(layer: nn.Module, linears: Mapping[str, QuantLinear], calls: Sequence[Call], dampening: float
@@ -216,7 +206,7 @@ def autoround_layer(layer: nn.Module, linears: Mapping[str, QuantLinear], calls:
     for q, _ in frozen:
         q.requires_grad_(False)
     gen = torch.Generator().manual_seed(seed)
-    rows = [int(_hidden(c).shape[0]) for c in calls]
+    rows = [int(hidden_of(c).shape[0]) for c in calls]
     per_step = max(1, math.ceil(p.batch_size / max(rows)))  # calls per step (each a calibration batch)
     order: list[int] = []
 
@@ -290,11 +280,11 @@ class AutoRoundLayers:
 
     def __call__(self, i: int, layer: nn.Module, linears: dict[str, QuantLinear], calls: list[Call]) -> dict[str, Any]:
         if i == 0 or self.stream is None:
-            self.stream = [_hidden(c).detach().clone() for c in calls]
+            self.stream = [hidden_of(c).detach().clone() for c in calls]
         targets = []
         with torch.no_grad(), float_mode(layer):
             for c, h in zip(calls, self.stream):
-                args, kwargs = _with_hidden(c, h)
+                args, kwargs = with_hidden(c, h)
                 targets.append(_out(layer(*args, **kwargs)).detach())
         self.stream = targets
         return autoround_layer(layer, linears, calls, targets, self.params, seed=self.params.seed + i)

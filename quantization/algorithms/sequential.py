@@ -113,12 +113,14 @@ def capture_inputs(model: nn.Module, layer: nn.Module, data: Iterable[Any], *, m
     return calls
 
 
-def _hidden_of(call: Call) -> torch.Tensor:
+def hidden_of(call: Call) -> torch.Tensor:
+    """The hidden state a recorded layer call carries (its first argument, or ``hidden_states``)."""
     args, kwargs = call
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _with_hidden(call: Call, hidden: torch.Tensor) -> Call:
+def with_hidden(call: Call, hidden: torch.Tensor) -> Call:
+    """``call`` with its hidden state replaced by ``hidden`` (the other arguments shared)."""
     args, kwargs = call
     if args:
         return (hidden, *args[1:]), kwargs
@@ -131,7 +133,7 @@ def _run_layer(layer: nn.Module, calls: list[Call]) -> list[Call]:
     with torch.no_grad():
         for i, call in enumerate(calls):
             y = layer(*call[0], **call[1])
-            calls[i] = _with_hidden(call, y[0] if isinstance(y, (tuple, list)) else y)
+            calls[i] = with_hidden(call, y[0] if isinstance(y, (tuple, list)) else y)
             del call, y
     return calls
 
