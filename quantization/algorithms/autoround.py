@@ -81,7 +81,7 @@ class AutoRoundParams(Selection):
     batch_size: int = Field(8, ge=1)
     init: Literal["rtn", "gptq"] = "rtn"
     dampening: float = Field(0.01, gt=0, le=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0)
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
