@@ -79,7 +79,7 @@ def quantize(
     require_module(model, "quantize: model")
     scheme = resolve_scheme(scheme)
     p = (params or QuantizeParams()).given("quantize", targets=targets, ignore=ignore)
-    needs_data = (scheme.static_activations or p.smoothquant is not None or p.bias_correction
+    needs_data = (scheme.needs_data or p.smoothquant is not None or p.bias_correction
                   or p.kv_cache == "per_head")
     if data is None and needs_data:
         raise CalibrationError("quantize: this scheme and params need calibration data; pass data")

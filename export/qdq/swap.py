@@ -230,6 +230,11 @@ def _blocked(q: Any, weight: torch.Tensor, codes: torch.Tensor, scale: torch.Ten
 
 def _check_static(q: Any, where: str) -> None:
     spec = q.spec
+    if spec.is_fp4:
+        raise ExportError(
+            f"{where}: fp4 e2m1 (NVFP4/MXFP4) quantization has no ONNX Runtime CPU kernels; write a "
+            "compressed-tensors checkpoint (save_compressed_tensors) for vLLM, or use an int8 scheme for ONNX export"
+        )
     if spec.is_float:
         raise ExportError(
             f"{where}: float8 (fp8_e4m3) quantization has no ONNX Runtime CPU kernels; run it on CUDA "

@@ -16,10 +16,11 @@ from compress.quantization.numerics.calibration import float_mode
 from compress.quantization.numerics.modules import QuantLinear
 from compress.quantization.numerics.primitives import (
     dynamic_qparams,
-    fake_quantize,
+    fake_quantize_grid,
     fake_quantize_spec,
     group_size_for,
-    qparams_from_range,
+    nvfp4_global_scale,
+    spec_qparams,
     to_groups,
 )
 from compress.quantization.numerics.spec import QuantSpec
@@ -267,6 +268,8 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, params: 
     else:
         rows = max(xt.shape[0], params.clip_tokens)
         step = max(1, (64 * 1024 * 1024) // max(4 * rows * xt.shape[1] * gs, 1))  # the [b, n, G] products
+    # NVFP4: every candidate under the whole weight's global scale
+    g_scale = nvfp4_global_scale(w.abs().amax()) if spec.is_fp4 and spec.scale_dtype == "fp8_e4m3" else None
     bounds = []
     for o in range(0, w.shape[0], step):
         wg = to_groups(w[o : o + step], gs)  # [b, G, gs]
@@ -276,8 +279,8 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, spec: QuantSpec, params: 
         for f in shrink.tolist():
             mv = amax * f
             cw = torch.maximum(torch.minimum(wg, mv.unsqueeze(-1)), -mv.unsqueeze(-1))
-            sc, zp = qparams_from_range(cw.amin(-1), cw.amax(-1), qmin=spec.qmin, qmax=spec.qmax, symmetric=spec.symmetric)
-            qw = fake_quantize(cw, sc.unsqueeze(-1), zp.unsqueeze(-1), spec.qmin, spec.qmax)
+            sc, zp = spec_qparams(cw.amin(-1), cw.amax(-1), spec, global_scale=g_scale)
+            qw = fake_quantize_grid(cw, sc.unsqueeze(-1), zp.unsqueeze(-1), spec)
             if ref is None:
                 d = qw - wg
                 errs.append((torch.einsum("bgk,gkl->bgl", d, h) * d).sum(dim=-1))

@@ -40,7 +40,12 @@ from compress.quantization.algorithms.sequential import (
 )
 from compress.quantization.numerics.calibration import float_mode
 from compress.quantization.numerics.modules import QuantLinear
-from compress.quantization.numerics.primitives import fake_quantize, qparams_from_range, to_groups
+from compress.quantization.numerics.primitives import (
+    fake_quantize_grid,
+    nvfp4_global_scale,
+    spec_qparams,
+    to_groups,
+)
 from compress.quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 from pydantic import Field
 from torch import nn
@@ -102,9 +107,11 @@ class HessianAccumulator:
         return self.xtx.mul_(2.0 / self.count) if inplace else self.xtx * (2.0 / self.count)
 
 
-def _qparams(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row min-max qparams of ``w`` ([C, n] -> scale, zero_point of shape [C])."""
-    return qparams_from_range(w.amin(dim=1), w.amax(dim=1), qmin=spec.qmin, qmax=spec.qmax, symmetric=spec.symmetric)
+def _qparams(w: torch.Tensor, spec: QuantSpec, global_scale: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row min-max qparams of ``w`` ([C, n] -> scale, zero_point of shape [C]); NVFP4 rows
+    under the whole weight's ``global_scale``."""
+    return spec_qparams(w.amin(dim=1), w.amax(dim=1), spec, global_scale=global_scale)
 
 
 def inverse_cholesky(h: torch.Tensor, dampening: float) -> torch.Tensor:
@@ -163,13 +170,16 @@ def gptq_quantize(
     n_groups = math.ceil(cols / gs)
     scale = torch.empty(rows, n_groups)
     zp = torch.empty(rows, n_groups, dtype=torch.int32)
-    static = spec.granularity == "channel" or p.act_order or p.static_groups
+    # fp4 block scales always come from the original weight (NVFP4's global scale too), as llm-compressor's
+    static = spec.granularity == "channel" or p.act_order or p.static_groups or spec.is_fp4
+    g_scale = nvfp4_global_scale(w.abs().amax()) if spec.is_fp4 and spec.scale_dtype == "fp8_e4m3" else None
     if static:
         # static: every group's qparams from the original weight, before any update
-        s0, z0 = _qparams(to_groups(w, gs).reshape(-1, gs), spec) if spec.granularity == "group" else _qparams(w, spec)
+        s0, z0 = (_qparams(to_groups(w, gs).reshape(-1, gs), spec, g_scale) if spec.granularity == "group"
+                  else _qparams(w, spec))
         scale[:], zp[:] = s0.reshape(rows, -1), z0.reshape(rows, -1)
         if spec.granularity == "group" and cols % gs:  # a zero-padded last group: recompute on its real columns
-            s1, z1 = _qparams(w[:, (n_groups - 1) * gs :], spec)
+            s1, z1 = _qparams(w[:, (n_groups - 1) * gs :], spec, g_scale)
             scale[:, -1], zp[:, -1] = s1, z1
     perm = torch.argsort(torch.diag(h), descending=True) if p.act_order else torch.arange(cols)
     if p.act_order:
@@ -196,7 +206,7 @@ def gptq_quantize(
             wc = w1[:, i]
             if cont is not None:
                 cont[:, i1 + i] = wc
-            qc = fake_quantize(wc, scale[:, g], zp[:, g], spec.qmin, spec.qmax)
+            qc = fake_quantize_grid(wc, scale[:, g], zp[:, g], spec)
             if kf is not None:
                 qc = qc * kf[:, i1 + i]
             q1[:, i] = qc

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from compress.quantization.numerics.calibration import float_mode
 from compress.quantization.numerics.modules import QuantLinear
 from compress.quantization.numerics.spec import QuantScheme, QuantSpec
 from compress.quantization.preparation import (
@@ -200,6 +201,7 @@ def sequential_quantize(
             load(i, layer)
         linears = _prepared(layer, per_layer[i], scheme, where=f"{where}: {prefix}{i}")
         layer.eval()
+        _calibrate_input_globals(layer, linears, calls)
         rep = process(i, layer, linears, calls) if linears else None
         calls = _run_layer(layer, calls)
         reports.append({"layer": i, "linears": len(linears), **(rep or {})})
@@ -216,6 +218,23 @@ def sequential_quantize(
         log.info("%s: %d targeted layers outside the decoder layers got round-to-nearest", where, len(outside))
     attach_quantized_save(root)  # model.save_pretrained writes the compressed checkpoint
     return {"layers": reports, "seconds": time.perf_counter() - t0, "quantized_linears": sum(len(p) for p in per_layer)}
+
+
+def _calibrate_input_globals(layer: nn.Module, linears: Mapping[str, QuantLinear], calls: list[Call]) -> None:
+    """Calibrate the per-tensor global scales of the layer's NVFP4 input quantizers on the layer's own
+    inputs (float forward), so that the quantized layers after it see the scales they will run with."""
+    qs = [q for m in linears.values() if (q := m.input_quantizer) is not None and q.calibrated_global
+          and not q.calibrated and q.observer is not None]
+    if not qs:
+        return
+    with float_mode(layer), torch.no_grad():
+        for q in qs:
+            assert q.observer is not None
+            q.observer.reset()
+            q.observing = True
+        _run_layer(layer, calls)
+    for q in qs:
+        q.finish_calibration()
 
 
 def split_by_layer(model: nn.Module, names: Sequence[str]) -> tuple[str, list[list[str]], list[str]]:

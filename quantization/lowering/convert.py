@@ -126,7 +126,7 @@ def fusable_activations(model: nn.Module) -> dict[str, str]:
 
 def _is_fp8(mod: nn.Module) -> bool:
     wq = getattr(mod, "weight_quantizer", None)
-    return wq is not None and wq.spec.is_float
+    return wq is not None and wq.spec.is_fp8
 
 
 def _builder(mod: nn.Module) -> Callable[..., nn.Module]:

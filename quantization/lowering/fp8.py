@@ -47,7 +47,7 @@ def fp8_capable(device: torch.device) -> tuple[bool, str]:
 
 def _fp8_weight(mod: Any) -> tuple[torch.Tensor, torch.Tensor]:
     wq: FakeQuantizer | None = mod.weight_quantizer
-    if wq is None or not wq.enabled or not wq.spec.is_float:
+    if wq is None or not wq.enabled or not wq.spec.is_fp8:
         raise UnsupportedModelError("its weights are not fp8")
     s = wq.spec
     if s.granularity not in ("tensor", "channel") or (s.granularity == "channel" and s.axis not in (0, -2)):
@@ -93,7 +93,7 @@ class FP8Linear(nn.Module):
         iq = input_quantizer or mod.input_quantizer
         if iq is None or not iq.enabled:
             raise UnsupportedModelError("its inputs are not quantized (weight-only fp8 has no kernel here)")
-        if not iq.spec.is_float:
+        if not iq.spec.is_fp8:
             raise UnsupportedModelError(f"its weights are fp8 but its inputs are {iq.spec.dtype}")
         new = cls(k, n)
         if iq.spec.dynamic:

@@ -68,9 +68,9 @@ def g_idx_of(wq: Any) -> torch.Tensor | None:
 
 
 def is_int4_weight_only(mod: Any) -> bool:
-    """Whether ``mod`` has weights of 4 bits or fewer (their codes fit a nibble) and unquantized inputs."""
+    """Whether ``mod`` has integer weights of 4 bits or fewer (their codes fit a nibble) and unquantized inputs."""
     wq = getattr(mod, "weight_quantizer", None)
-    if wq is None or not getattr(wq, "enabled", False) or wq.spec.bits > 4:
+    if wq is None or not getattr(wq, "enabled", False) or wq.spec.bits > 4 or wq.spec.is_float:
         return False
     iq = getattr(mod, "input_quantizer", None)
     return iq is None or not iq.enabled
@@ -94,6 +94,10 @@ def int4_weight(mod: Any, *, where: str = "layer") -> Int4Weight:
     s = wq.spec
     if s.bits > 4:
         raise UnsupportedModelError(f"{where}: its weights are {s.bits}-bit, not 4-bit")
+    if s.is_fp4:
+        raise UnsupportedModelError(f"{where}: its weights are fp4 e2m1 ({'NVFP4' if s.scale_dtype == 'fp8_e4m3' else 'MXFP4' if s.scale_dtype == 'e8m0' else 'fp4'}); "
+                                    "the int4 kernels (MatMulNBits, GGUF, the W4A16 GEMM) take integer codes: write a "
+                                    "compressed-tensors checkpoint (save_compressed_tensors) for vLLM instead")
     if not wq.calibrated:
         raise UnsupportedModelError(f"{where}: its weight quantizer is not calibrated")
     if wq.pre_quant_scale is not None:

@@ -8,6 +8,9 @@ Attributes read by export (QDQ ONNX) and the int8 converter, kept stable:
   ``(C, G)`` per group (G = ceil(K / group_size), the last group
   shorter when K is not a multiple); empty until calibrated; absent in meaning for ``spec.dynamic`` quantizers,
   which compute per-token qparams at run time. ``scale`` is an ``nn.Parameter`` while LSQ learns it.
+- ``global_scale`` (float32 ``(1,)`` or None): NVFP4's per-tensor global scale (``448 * 6 / amax``);
+  weights: from the weight, with ``scale`` the effective group scales (``e4m3 / global_scale``);
+  fp4 inputs: calibrated (their group scales are computed at run time under it).
 - ``pre_quant_scale`` (float32 ``(K,)`` or None): SmoothQuant's per-input-channel factor,
   multiplied into the input *before* quantization (a Mul in the exported graph).
 - ``enabled``: whether forward fake-quantizes; ``observing``: whether forward feeds the observer.
@@ -30,8 +33,9 @@ from compress.quantization.numerics.primitives import (
     grad_scale,
     group_size_for,
     lsq_grad_factor,
-    qparams_from_range,
+    nvfp4_global_scale,
     quantize_spec,
+    spec_qparams,
     stat_shape,
     to_rows,
 )
@@ -58,6 +62,7 @@ class FakeQuantizer(nn.Module):
     scale: torch.Tensor
     zero_point: torch.Tensor
     pre_quant_scale: torch.Tensor | None
+    global_scale: torch.Tensor | None
 
     def __init__(self, spec: QuantSpec, *, role: str = "input", name: str = "quantizer") -> None:
         super().__init__()
@@ -73,13 +78,21 @@ class FakeQuantizer(nn.Module):
         self.register_buffer("scale", torch.empty(0))
         self.register_buffer("zero_point", torch.empty(0, dtype=torch.int32))
         self.register_buffer("pre_quant_scale", None)
-        self.observer: Observer | None = None if spec.dynamic else build_observer(spec, where=name)
+        self.register_buffer("global_scale", None)
+        #: NVFP4 inputs: dynamic group scales under a calibrated global scale, so a per-tensor range is observed
+        self.calibrated_global = spec.dynamic and spec.is_fp4 and spec.scale_dtype == "fp8_e4m3"
+        observed = QuantSpec(granularity="tensor") if self.calibrated_global else spec
+        self.observer: Observer | None = (build_observer(observed, where=name)
+                                          if not spec.dynamic or self.calibrated_global else None)
         self._stat_shape: tuple[int, ...] | None = None
 
     # ---- state -------------------------------------------------------------------------------------
     @property
     def calibrated(self) -> bool:
-        """Whether static qparams are set (always True for dynamic quantizers)."""
+        """Whether static qparams are set (always True for dynamic quantizers but NVFP4 inputs, whose
+        global scale is calibrated)."""
+        if self.calibrated_global:
+            return self.global_scale is not None
         return self.spec.dynamic or self.scale.numel() > 0
 
     @property
@@ -102,6 +115,9 @@ class FakeQuantizer(nn.Module):
         self._check_layout(x)
         if self.role == "weight":
             self.observer.reset()
+        if self.calibrated_global:
+            self.observer.update(x.detach().reshape(1, -1))
+            return
         self.observer.update(to_rows(x.detach(), self.spec))
         self._stat_shape = stat_shape(x, self.spec)
 
@@ -110,8 +126,12 @@ class FakeQuantizer(nn.Module):
         if self.observer is None:
             return
         mn, mx = self.observer.compute()
-        scale, zp = qparams_from_range(mn, mx, qmin=self.qmin, qmax=self.qmax, symmetric=self.spec.symmetric,
-                                       min_scale=MIN_RANGE_SCALE)
+        if self.calibrated_global:
+            self.global_scale = nvfp4_global_scale(torch.maximum(-mn, mx))
+            return
+        if self.spec.is_fp4 and self.spec.scale_dtype == "fp8_e4m3":  # one weight's groups: its global scale
+            self.global_scale = nvfp4_global_scale(torch.maximum(-mn, mx))
+        scale, zp = spec_qparams(mn, mx, self.spec, global_scale=self.global_scale, min_scale=MIN_RANGE_SCALE)
         shape = self._stat_shape if self._stat_shape is not None else tuple(scale.shape)
         self.set_qparams(scale.reshape(shape), zp.reshape(shape))
 
@@ -136,6 +156,9 @@ class FakeQuantizer(nn.Module):
         """Make ``scale`` a learnable Parameter (LSQ); needs calibrated qparams."""
         if self.spec.dynamic:
             raise CalibrationError(f"{self.name}: dynamic quantizers have no scale to learn")
+        if self.spec.is_fp4:
+            raise CalibrationError(f"{self.name}: fp4 group scales are fixed by the format (e4m3 or powers "
+                                   "of two); LSQ learns integer-grid scales")
         if not self.calibrated:
             raise CalibrationError(f"{self.name}: calibrate before enabling LSQ")
         if not self.learnable:
@@ -163,7 +186,9 @@ class FakeQuantizer(nn.Module):
         if not self.enabled:
             return x
         if self.spec.dynamic:
-            scale, zp = dynamic_qparams(x, self.spec)
+            if self.calibrated_global and self.global_scale is None:
+                raise CalibrationError(f"{self.name}: NVFP4 inputs need a calibrated global scale (run a forward loop first)")
+            scale, zp = dynamic_qparams(x, self.spec, self.global_scale)
             return fake_quantize_spec(x, scale, zp, self.spec)
         if not self.calibrated:
             raise CalibrationError(f"{self.name}: used before calibration (run a forward loop first)")
@@ -202,7 +227,7 @@ class FakeQuantizer(nn.Module):
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # calibrated shapes differ from the empty placeholders; adopt the incoming ones
-        for key in ("scale", "zero_point", "pre_quant_scale"):
+        for key in ("scale", "zero_point", "pre_quant_scale", "global_scale"):
             t = state_dict.get(prefix + key)
             if t is None:
                 continue

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
-from compress.quantization.numerics.spec import FP8_E4M3_MAX, QuantSpec
+from compress.quantization.numerics.spec import FP4_E2M1_MAX, FP8_E4M3_MAX, QuantSpec
 
 # Smallest scale: keeps constant or all-zero tensors finite (they quantize to exact zeros).
 SCALE_EPS = float(torch.finfo(torch.float32).eps)
@@ -126,6 +126,91 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.clamp(x.float() * (1.0 / scale.float()), -lim, lim).to(torch.float8_e4m3fn)
 
 
+# ---- fp4 e2m1 (NVFP4, MXFP4) --------------------------------------------------------------------
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to the nearest fp4 e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6, signed), ties to the
+    even code, saturating at 6: the e2m1 grid is three uniform pieces (steps 0.5 below 2, 1 below 4,
+    2 above), each rounded half-to-even by ``torch.round``. Ties land where compressed-tensors' cast
+    puts them (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4)."""
+    a = x.abs()
+    q = torch.where(a < 2, torch.round(a * 2) * 0.5, torch.where(a < 4, torch.round(a), torch.round(a * 0.5) * 2))
+    return torch.copysign(q.clamp_(max=float(FP4_E2M1_MAX)), x)
+
+
+def fake_quantize_fp4(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Fake-quantize ``x`` to fp4 e2m1 with broadcastable (effective) ``scale``: ``e2m1(x / scale) *
+    scale`` in float32, dividing as compressed-tensors does, so a checkpoint it dequantizes holds these
+    values; straight-through gradients inside [-6, 6] (0 where saturated)."""
+    dtype = x.dtype
+    xs = x.float() / scale.float()
+    if not torch.is_grad_enabled() or not (x.requires_grad or scale.requires_grad):
+        return (round_e2m1(xs) * scale.float()).to(dtype)
+    lim = float(FP4_E2M1_MAX)
+    xc = torch.clamp(xs, -lim, lim)
+    q = xc + (round_e2m1(xc) - xc).detach()
+    return (q * scale.float()).to(dtype)
+
+
+#: the smallest e4m3 scale compressed-tensors gives an all-zero NVFP4 group (its e4m3 "eps")
+_NVFP4_ZERO_GROUP_SCALE = 0.125
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """NVFP4's per-tensor global scale ``448 * 6 / amax`` (float32, shape [1]; 1.0 where ``amax`` is
+    0 or not finite), which puts the largest group scale at e4m3's largest value."""
+    a = amax.float().reshape(-1).abs().amax().clamp(min=torch.finfo(torch.float32).tiny)
+    g = torch.nan_to_num(FP8_E4M3_MAX * FP4_E2M1_MAX / a, nan=1.0, posinf=1.0, neginf=1.0)
+    return g.reshape(1)
+
+
+def fp4_scales(amax: torch.Tensor, spec: QuantSpec, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The effective fp4 group scales (float32, shape of ``amax``) for groups whose largest magnitude
+    is ``amax``: NVFP4 ``e4m3(amax / 6 * g) / g`` with the global scale ``g``; MX ``2^(e - 2)`` with
+    ``e`` the exponent of ``amax`` rounded to a power of two at e2m1's one mantissa bit (OCP MX: the
+    largest element lands in [4, 7), saturating at 6); plain float32 ``amax / 6``."""
+    a = amax.float()
+    if spec.scale_dtype == "fp8_e4m3":
+        if global_scale is None:
+            raise ValueError("NVFP4 group scales need the tensor's global scale")
+        g = global_scale.float()
+        s = (a / FP4_E2M1_MAX * g).clamp(max=float(FP8_E4M3_MAX)).to(torch.float8_e4m3fn).float()
+        s = torch.where(s == 0, torch.full_like(s, _NVFP4_ZERO_GROUP_SCALE), s)
+        return s / g
+    if spec.scale_dtype == "e8m0":
+        # round to a power of two: add half of e2m1's mantissa step (2^21 of float32's 2^23) to the
+        # bits and keep sign and exponent, as compressed-tensors' generate_mx_scales
+        bits = (a.contiguous().view(torch.int32) + (1 << 21)) & 0x7F800000
+        exp = (bits >> 23) - 127 - 2  # FP4's largest power of two is 2^2
+        exp = torch.where(a > 0, exp, torch.full_like(exp, -127)).clamp(-127, 127)
+        return torch.exp2(exp.float())
+    return (a / FP4_E2M1_MAX).clamp(min=SCALE_EPS)
+
+
+def e8m0_codes(scale: torch.Tensor) -> torch.Tensor:
+    """MX scales (powers of two) as e8m0 codes: the biased exponent ``log2(scale) + 127`` (uint8)."""
+    return (torch.round(torch.log2(scale.float())) + 127).clamp(0, 254).to(torch.uint8)
+
+
+def fp4_codes(x: torch.Tensor) -> torch.Tensor:
+    """Packed-format nibbles of e2m1 values ``x`` (already on the grid): bit 3 the sign, bits 0-2 the
+    index of ``|x|`` in (0, 0.5, 1, 1.5, 2, 3, 4, 6); uint8, shape of ``x``."""
+    a = x.float().abs()
+    idx = torch.where(a < 2, a * 2, torch.where(a < 4, a + 2, a * 0.5 + 4)).round().to(torch.uint8)
+    return idx | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def fake_quantize_grid(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Fake-quantize ``x`` on ``spec``'s grid (integer, fp8 or fp4) with qparams that already
+    broadcast against it (the column sweeps and searches of GPTQ and AWQ)."""
+    if spec.is_fp4:
+        return fake_quantize_fp4(x, scale)
+    if spec.is_fp8:
+        return fake_quantize_fp8(x, scale)
+    return fake_quantize(x, scale, zero_point, spec.qmin, spec.qmax)
+
+
 def quantize_codes(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
     """Integer codes of ``x`` (int8 for signed ranges, uint8 for unsigned); no gradient."""
     q = torch.clamp(torch.round(x.float() * (1.0 / scale.float())) + zero_point.float(), qmin, qmax)
@@ -205,7 +290,13 @@ def fake_quantize_spec(
 ) -> torch.Tensor:
     """Fake-quantize ``x`` with stored qparams laid out for ``spec``'s granularity."""
     if spec.granularity == "group":
+        if spec.is_fp4 and spec.dynamic:  # activations: groups along the last dim
+            rows = x.reshape(-1, x.shape[-1])
+            return from_groups(fake_quantize_fp4(to_groups(rows, group_size_for(rows, spec)), scale.unsqueeze(-1)),
+                               rows).reshape(x.shape)
         xg = to_groups(x, group_size_for(x, spec))
+        if spec.is_fp4:
+            return from_groups(fake_quantize_fp4(xg, scale.unsqueeze(-1)), x)
         out = fake_quantize(xg, scale.unsqueeze(-1), zero_point.unsqueeze(-1), spec.qmin, spec.qmax)
         return from_groups(out, x)
     s = broadcast_param(scale, x, spec)
@@ -217,9 +308,11 @@ def fake_quantize_spec(
 
 def quantize_spec(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """Codes of ``x`` (integers; float8 for fp8 specs) with stored qparams laid out for ``spec``'s
-    granularity; shape of ``x``."""
+    granularity; shape of ``x``. fp4 codes are the e2m1 values themselves (float32)."""
     if spec.granularity == "group":
         xg = to_groups(x, group_size_for(x, spec))
+        if spec.is_fp4:
+            return from_groups(round_e2m1(xg.float() / scale[..., None].float()), x)
         return from_groups(quantize_codes(xg, scale[..., None], zero_point[..., None], spec.qmin, spec.qmax), x)
     s = broadcast_param(scale, x, spec)
     if spec.is_float:
@@ -228,8 +321,30 @@ def quantize_spec(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
     return quantize_codes(x, s, z, spec.qmin, spec.qmax)
 
 
-def dynamic_qparams(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qparams computed from ``x`` itself (dynamic quantization), shaped like :func:`stat_shape`."""
+def spec_qparams(min_val: torch.Tensor, max_val: torch.Tensor, spec: QuantSpec, *,
+                 global_scale: torch.Tensor | None = None, min_scale: float = SCALE_EPS,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero_point)`` covering ``[min_val, max_val]`` on ``spec``'s grid: integer and fp8
+    grids as :func:`qparams_from_range`; fp4 groups as :func:`fp4_scales` (NVFP4's ``global_scale``
+    defaults to the one these ranges imply: one tensor's groups), zero points 0."""
+    if not spec.is_fp4:
+        return qparams_from_range(min_val, max_val, qmin=spec.qmin, qmax=spec.qmax, symmetric=spec.symmetric,
+                                  min_scale=min_scale)
+    amax = torch.maximum(-min_val.float(), max_val.float()).clamp(min=0)
+    if spec.scale_dtype == "fp8_e4m3" and global_scale is None:
+        global_scale = nvfp4_global_scale(amax)
+    scale = fp4_scales(amax, spec, global_scale)
+    return scale, torch.zeros_like(scale, dtype=torch.int32)
+
+
+def dynamic_qparams(x: torch.Tensor, spec: QuantSpec, global_scale: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qparams computed from ``x`` itself (dynamic quantization), shaped like :func:`stat_shape`;
+    fp4 activations get one scale per group of the last dim (NVFP4: under the calibrated ``global_scale``)."""
+    if spec.is_fp4:
+        rows = x.detach().reshape(-1, x.shape[-1])
+        g = to_groups(rows, group_size_for(rows, spec))
+        return spec_qparams(g.amin(-1), g.amax(-1), spec, global_scale=global_scale)
     rows = to_rows(x.detach(), spec)
     scale, zp = qparams_from_range(
         rows.amin(dim=1), rows.amax(dim=1), qmin=spec.qmin, qmax=spec.qmax, symmetric=spec.symmetric

@@ -17,10 +17,15 @@ def _same(ours: QuantSpec | None, theirs: object | None) -> None:
     assert ours.bits == theirs.num_bits  # type: ignore[attr-defined]
     assert ours.symmetric == theirs.symmetric  # type: ignore[attr-defined]
     assert ours.dynamic == bool(theirs.dynamic)  # type: ignore[attr-defined]
-    assert ours.granularity == strategy
+    # NVFP4's "tensor_group": groups under one per-tensor global scale, our group granularity with
+    # e4m3 group scales
+    assert ours.granularity == ("group" if strategy == "tensor_group" else strategy)
+    assert (strategy == "tensor_group") == (ours.scale_dtype == "fp8_e4m3")
     kind = theirs.type  # type: ignore[attr-defined]
     assert ours.is_float == (str(getattr(kind, "value", kind)) == "float")  # FP8's e4m3 vs the int presets
-    if strategy == "group":
+    if ours.is_fp4:  # e8m0 (MX) scales are stored as uint8 exponents there
+        assert str(theirs.scale_dtype) == {"fp8_e4m3": "torch.float8_e4m3fn", "e8m0": "torch.uint8"}[ours.scale_dtype]  # type: ignore[attr-defined]
+    if strategy in ("group", "tensor_group"):
         assert ours.group_size == theirs.group_size  # type: ignore[attr-defined]
 
 
@@ -37,7 +42,6 @@ def test_lower_case_names_stay_ours_and_others_resolve_case_insensitively() -> N
     assert QuantScheme.preset("w8a8").inputs is not None and not QuantScheme.preset("w8a8").inputs.dynamic
     assert QuantScheme.preset("W8A8").inputs is not None and QuantScheme.preset("W8A8").inputs.dynamic
     assert QuantScheme.preset("w4a16") == QuantScheme.preset("W4A16")
-    with pytest.raises(RecipeError, match="4-bit floating-point formats are not available"):
-        QuantScheme.preset("NVFP4")
+    assert QuantScheme.preset("nvfp4") == QuantScheme.preset("NVFP4")
     with pytest.raises(RecipeError, match="did you mean 'W4A16'"):
         QuantScheme.preset("W4A61")
