@@ -16,7 +16,11 @@ compressed-tensors keeps int4 codes signed (-8..7) with signed zero points; ours
 weights are uint4 (0..15) with zero points 0..15. Both dequantize as ``(q - zp) * scale``, and both
 store ``q + 8`` resp. the unsigned code, so the packed bits are the same nibbles
 (:class:`quantization.lowering.int4.Int4Weight`). 8-bit layers (int8 ``int-quantized``, fp8
-``float-quantized``) store ``P.weight`` as codes and ``P.weight_scale``. Everything else (embeddings, norms, lm_head, biases) is
+``float-quantized``) store ``P.weight`` as codes and ``P.weight_scale``. fp4 layers (``nvfp4-pack-quantized``,
+``mxfp4-pack-quantized``) store ``P.weight_packed`` uint8 ``[N, K/2]`` (two e2m1 nibbles a byte, the
+first element low), ``P.weight_scale`` ``[N, K/16]`` float8 e4m3 (NVFP4, times the global scale) or
+``[N, K/32]`` uint8 e8m0 exponents (MXFP4), NVFP4's ``P.weight_global_scale`` float32 ``[1]`` and, for
+W4A4 NVFP4, the calibrated ``P.input_global_scale``. Everything else (embeddings, norms, lm_head, biases) is
 written as it is in the model. Needs the ``llm`` extra (``pip install 'compress-toolkit[llm]'``) (the config is built and
 validated with compressed-tensors' own pydantic models).
 """
@@ -218,7 +222,84 @@ def eight_bit_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dic
 
 def _is_fp8_model(model: nn.Module) -> bool:
     return any(getattr(getattr(m, "weight_quantizer", None), "spec", None) is not None
-               and m.weight_quantizer.spec.is_float for m in model.modules())  # type: ignore[union-attr]
+               and m.weight_quantizer.spec.is_fp8 for m in model.modules())  # type: ignore[union-attr]
+
+
+def _fp4_formats(model: nn.Module) -> set[str]:
+    """The ecosystem names of the fp4 weight grids in ``model`` (NVFP4, MXFP4)."""
+    names = {"fp8_e4m3": "NVFP4", "e8m0": "MXFP4", "float32": "fp4 with float32 scales"}
+    specs: list[Any] = [getattr(getattr(m, "weight_quantizer", None), "spec", None) for m in model.modules()]
+    return {names[sp.scale_dtype] for sp in specs if sp is not None and sp.is_fp4}
+
+
+def fp4_state_dict(model: nn.Module, kind: str) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[str]]:
+    """``(tensors, args_by_layer, unquantized_linears)`` of an fp4 model (``kind`` NVFP4 or MXFP4):
+    weight-only (NVFP4A16, MXFP4A16) or W4A4 (fp4 inputs scaled per group at run time; NVFP4's with
+    their calibrated global scale). The args are compressed-tensors' own presets of that name."""
+    from compress.quantization.numerics.primitives import e8m0_codes, fp4_codes
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    tensors: dict[str, torch.Tensor] = {}
+    args: dict[str, dict[str, Any]] = {}
+    plain: list[str] = []
+    done: set[str] = set()
+    for name, mod in model.named_modules():
+        wq = getattr(mod, "weight_quantizer", None)
+        if wq is None:
+            if isinstance(mod, nn.Linear):
+                plain.append(name)
+            continue
+        s = wq.spec
+        gs = 16 if kind == "NVFP4" else 32
+        if not (s.is_fp4 and s.group_size == gs and {"NVFP4": "fp8_e4m3", "MXFP4": "e8m0"}[kind] == s.scale_dtype):
+            raise UnsupportedModelError(f"{name}: a {kind} checkpoint holds {kind} layers only (it is {s.bits}-bit "
+                                        f"{s.dtype} per {s.granularity}{', ' + s.scale_dtype + ' scales' if s.is_fp4 else ''})")
+        iq: Any = getattr(mod, "input_quantizer", None)
+        w4a4 = iq is not None and iq.enabled
+        if w4a4 and not (iq.spec.is_fp4 and iq.spec.scale_dtype == s.scale_dtype and iq.spec.group_size == gs):
+            raise UnsupportedModelError(f"{name}: {kind} checkpoints hold {kind} inputs or none; its inputs are "
+                                        f"{iq.spec.dtype} per {iq.spec.granularity}")
+        if w4a4 and iq.pre_quant_scale is not None:
+            raise UnsupportedModelError(f"{name}: a per-channel factor before its input quantizer has no place in "
+                                        "compressed-tensors; quantize with smoothquant_unfolded='skip'")
+        n, k = mod.weight.shape
+        if k % gs and w4a4:
+            raise UnsupportedModelError(f"{name}: {k} input features are not a multiple of {kind}'s group of {gs}; "
+                                        "leave the layer out (ignore)")
+        if k % gs:  # as the int4 writer (and llm-compressor): in float, with our fake-quant values, in ignore
+            log.warning("%s: %d input features are not a multiple of %s's group of %d: written in float (listed in "
+                        "ignore)", name, k, kind, gs)
+            tensors[f"{name}.weight"] = mod.quantized_weight().detach().contiguous()
+            plain.append(name)
+            done.add(name + ".")
+            continue
+        preset = preset_name_to_scheme(kind if w4a4 else f"{kind}A16", ["Linear"])
+        a: dict[str, Any] = {"weights": preset.weights.model_dump()}
+        if w4a4:
+            assert preset.input_activations is not None
+            a["input_activations"] = preset.input_activations.model_dump()
+        with torch.no_grad():
+            values = wq.int_repr(mod.weight.detach().float())  # e2m1 values, [N, K]
+            nib = fp4_codes(values)
+            tensors[f"{name}.weight_packed"] = (nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous()
+            scale = wq.scale.detach().float().reshape(n, -1)
+            if kind == "NVFP4":
+                g = wq.global_scale.detach().float().reshape(1)
+                tensors[f"{name}.weight_scale"] = (scale * g).to(torch.float8_e4m3fn).contiguous()
+                tensors[f"{name}.weight_global_scale"] = g.clone()
+                if w4a4:
+                    tensors[f"{name}.input_global_scale"] = iq.global_scale.detach().float().reshape(1).clone()
+            else:
+                tensors[f"{name}.weight_scale"] = e8m0_codes(scale).contiguous()
+        args[name] = a
+        done.add(name + ".")
+    if not args:
+        raise UnsupportedModelError(f"compressed-tensors export: the model has no {kind} layers whole groups can hold")
+    others = [n for n in activation_quantizers(model) if not any(n.startswith(p) for p in done)]
+    if others:
+        raise UnsupportedModelError(f"{others[0]}: an activation quantizer outside the {kind} Linears is not written")
+    tensors.update(_other_tensors(model, done))
+    return tensors, args, plain
 
 
 def _is_8bit_model(model: nn.Module) -> bool:
@@ -283,6 +364,13 @@ def sparsity_config(model: nn.Module) -> dict[str, Any]:
     return json.loads(json.dumps(cfg.model_dump(exclude={"registry_requires_subclass"}), default=str))
 
 
+def checkpoint_format(folder: Path) -> str:
+    """The ``format`` a checkpoint folder's config names (``pack-quantized``, ``nvfp4-pack-quantized``,
+    ...; ``dense`` for a sparse float model)."""
+    qc = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config", {})
+    return str(qc.get("format") or qc.get("sparsity_config", {}).get("format") or "dense")
+
+
 def check_compressed_tensors(model: nn.Module) -> Any:
     """The model's config if :func:`save_compressed_tensors` can write its structure, else
     UnsupportedModelError saying why (no transformers config; MoE experts, whose checkpoint names are
@@ -301,13 +389,13 @@ def check_compressed_tensors(model: nn.Module) -> Any:
 
 
 def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer: Any = None) -> Path:
-    """Write ``model`` (a transformers model quantized weight-only int4, int8 or fp8) as a compressed-tensors checkpoint.
+    """Write ``model`` (a transformers model quantized weight-only int4, int8, fp8, NVFP4 or MXFP4) as a compressed-tensors checkpoint.
 
     Layers must be weight-only 4-bit QuantLinears (GPTQ, AWQ, RTN ``w4_weight_only_g128``, per
     group or per channel; ``pack-quantized``), int8 ones (llm-compressor's ``W8A8``: symmetric
     per-channel int8 weights, dynamic per-token int8 inputs, or the weights alone; ``int-quantized``)
     or fp8 ones (``FP8_DYNAMIC``, or fp8 weights alone; ``float-quantized``, what vLLM serves on
-    Hopper); a SmoothQuant factor left before a layer is refused (the format has no place for it); other Linears are stored in float and listed in ``ignore``, and so are
+    Hopper), or fp4 ones (``NVFP4A16``/``NVFP4``, ``MXFP4A16``/``MXFP4``: :func:`fp4_state_dict`); a SmoothQuant factor left before a layer is refused (the format has no place for it); other Linears are stored in float and listed in ``ignore``, and so are
     layers whose width is not a multiple of their group size (compressed-tensors has no shorter
     last group; llm-compressor ignores such layers), written with their fake-quant values. The
     model's ``generation_config.json`` and, given a transformers ``tokenizer``, its files go beside.
@@ -320,16 +408,25 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     from safetensors.torch import save_file
 
     config = check_compressed_tensors(model)
+    fp4 = _fp4_formats(model)
+    if len(fp4) > 1 or fp4 == {"fp4 with float32 scales"}:
+        raise UnsupportedModelError(f"compressed-tensors export: fp4 layers of {' and '.join(sorted(fp4))}; a checkpoint "
+                                    "holds one fp4 format, NVFP4 (e4m3 scales, groups of 16) or MXFP4 (e8m0, groups of 32)")
     fp8 = _is_fp8_model(model)
-    eight = _is_8bit_model(model)
-    acts = [] if eight else activation_quantizers(model)
+    eight = not fp4 and _is_8bit_model(model)
+    acts = [] if eight or fp4 else activation_quantizers(model)
     if acts:
         raise UnsupportedModelError(f"{acts[0]}: quantized activations are not written (weight-only int4 checkpoints)")
-    tensors, args, plain = eight_bit_state_dict(model) if eight else compressed_state_dict(model)
+    if fp4:
+        kind = next(iter(fp4))
+        tensors, args, plain = fp4_state_dict(model, kind)
+        fmt = f"{kind.lower()}-pack-quantized"
+    else:
+        tensors, args, plain = eight_bit_state_dict(model) if eight else compressed_state_dict(model)
+        fmt = "float-quantized" if fp8 else "int-quantized" if eight else "pack-quantized"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = config.to_dict()
-    fmt = "float-quantized" if fp8 else "int-quantized" if eight else "pack-quantized"
     sparse = sparsity_config(model)
     if args:
         cfg["quantization_config"] = {**quantization_config(args, plain, fmt=fmt), "sparsity_config": sparse}
@@ -350,6 +447,6 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     log.info("compressed-tensors checkpoint: %d %s layers, %d float Linears%s, written to %s", len(args),
-             "fp8" if fp8 else "int8" if eight else "int4", len(plain),
+             next(iter(fp4)) if fp4 else "fp8" if fp8 else "int8" if eight else "int4", len(plain),
              f", {len(sparse['targets'])} sparse ({sparse['sparsity_structure']})" if sparse else "", out)
     return out
