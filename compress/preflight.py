@@ -47,10 +47,11 @@ def _check_distributed(recipe: Recipe, flag: str | None) -> None:
 
 
 def _check_schemes_export(recipe: Recipe) -> None:
-    """Dynamic (per-token) activations have no static QDQ form: the single-pass ONNX export would
-    refuse them after training; the generation export (decoder LLMs) writes them as MatMulInteger."""
+    """Schemes the ONNX export has no form for, refused before the run: fp4 has none at all (the
+    compressed-tensors checkpoint holds it); fp8 none on CPU; dynamic (per-token) activations no static
+    QDQ form, which the generation export (decoder LLMs) writes as MatMulInteger instead."""
     export = recipe.export
-    if not export.enabled or export.generation:
+    if not export.enabled or not export.onnx:
         return
     for i, stage in enumerate(recipe.stages):
         for j, spec in enumerate(stage.modifiers):
@@ -59,6 +60,13 @@ def _check_schemes_export(recipe: Recipe) -> None:
                 continue
             scheme = resolve()
             where = recipe.where(f'stages.{i}.modifiers.{j}.scheme')
+            if any(s is not None and s.is_fp4 for s in (scheme.weights, scheme.inputs)):
+                raise RecipeError(
+                    f"{where}: fp4 (NVFP4/MXFP4) schemes have no ONNX form, so the export after training would "
+                    "fail; set export.onnx: false and export.compressed_tensors: true (the checkpoint vLLM serves)"
+                )
+            if export.generation:
+                continue
             if any(s is not None and s.is_float for s in (scheme.weights, scheme.inputs, scheme.outputs)):
                 raise RecipeError(
                     f"{where}: float8 schemes have no ONNX (CPU) export, so the export after training would "
@@ -75,7 +83,7 @@ def _check_schemes_export(recipe: Recipe) -> None:
 
 def _check_runtimes(recipe: Recipe) -> None:
     v = recipe.validate_
-    if not v.enabled or not recipe.export.enabled:
+    if not v.enabled or not recipe.export.enabled or not recipe.export.onnx:
         return
     for k, rt in enumerate(v.runtimes):
         if rt == "openvino" and importlib.util.find_spec("openvino") is None:

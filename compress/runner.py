@@ -41,7 +41,7 @@ from compress.core.tracing import iter_tensors
 from compress.core.trust import CLI_SWITCH, allow_code, code_trusted, locate, no_code
 from compress.data import build_data
 from compress.distributed import load_sharded, save_sharded
-from compress.export.records import ThresholdRecord
+from compress.export.records import ExportRecord, ThresholdRecord
 from compress.pipelines import pipeline_name
 from compress.preflight import check_data_fits, check_exports, check_recipe
 from compress.recipe import Recipe, load_recipe
@@ -539,8 +539,10 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
     records = export_model(model, to_device(run.data.example_inputs, torch.device("cpu")), r.export, out / "export",
                            name=r.name, baseline=reference, metadata=meta)
     report.exports = [rec.model_copy(update={"path": _rel(rec.path, out)}) for rec in records]
+    if r.export.compressed_tensors:
+        report.exports.append(_write_checkpoint(run, model, out))
     run.record()
-    if not r.validate_.enabled or run.data.eval is None:
+    if not r.validate_.enabled or run.data.eval is None or not records:
         return
     if r.export.generation:
         from compress.export.llm.generation import prompts_from, validate_generation
@@ -556,6 +558,21 @@ def _export_and_validate(run: _Run, model: nn.Module, out: Path, report: Report)
     vals = validate_exports(records, r.validate_, eval_loader=run.data.eval, reference=model, metric=run.metric,
                             baseline_reference=reference, task="embedding" if needs_ref else "classification")
     report.validation = [v.model_copy(update={"model_path": _rel(v.model_path, out)}) for v in vals]
+
+
+def _write_checkpoint(run: _Run, model: nn.Module, out: Path) -> ExportRecord:
+    """The compressed-tensors folder of the final model (export.compressed_tensors), with the
+    tokenizer of the recipe's ``model.hf_path`` when it has one."""
+    from compress.export.llm.compressed_tensors import checkpoint_format, save_compressed_tensors
+    from compress.models import load_tokenizer
+
+    hf_path = run.recipe.model.hf_path
+    tokenizer = load_tokenizer(hf_path, where="model.hf_path") if hf_path is not None else None
+    folder = save_compressed_tensors(model, out / "export" / "compressed-tensors", tokenizer=tokenizer)
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    fmt = checkpoint_format(folder)
+    return ExportRecord(path=_rel(folder, out), format=f"compressed-tensors {fmt}", role="checkpoint",
+                        precision=fmt, size_bytes=size)
 
 
 def _rel(path: Path, root: Path) -> Path:

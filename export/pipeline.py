@@ -40,7 +40,7 @@ def export_model(
     A QDQ export that ORT runs without a single integer kernel is an ExportError: it would be an
     int8 file that runs in float.
     """
-    if not spec.enabled:
+    if not spec.enabled or not spec.onnx:
         return []
     if spec.generation:
         from compress.export.llm.generation import export_generation

@@ -8,7 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Role = Literal["final", "baseline"]
+#: "checkpoint": a Hugging Face folder beside the ONNX files (compressed-tensors), not run by validation
+Role = Literal["final", "baseline", "checkpoint"]
 
 #: model metadata key of a QDQ export: {ONNX node: the torch op whose decomposition made it}
 #: (export.onnx.decomposed_compute), so a record names why those float nodes are float

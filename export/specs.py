@@ -44,6 +44,11 @@ class ExportSpec(_Strict):
     #: generation files' attention: ORT's fused RotaryEmbedding + GroupQueryAttention, plain ONNX ops,
     #: or (auto) fused where the installed onnxruntime has the inputs it needs
     attention: Literal["auto", "fused", "decomposed"] = "auto"
+    #: transformers causal LMs: also write the compressed-tensors checkpoint (what vLLM and transformers
+    #: load: int4 pack-quantized, W8A8, FP8, NVFP4, MXFP4), with the tokenizer, to export/compressed-tensors/
+    compressed_tensors: bool = False
+    #: the ONNX files (single-pass or generation); false: the checkpoint alone (NVFP4 and MXFP4 have no ONNX form)
+    onnx: bool = True
 
     @field_validator("opset")
     @classmethod
@@ -63,6 +68,10 @@ class ExportSpec(_Strict):
         if self.generation and (self.fp16 or self.triton_repository):
             raise ValueError("generation files are int4/int8/fp32 ONNX Runtime models: "
                              "fp16 and triton_repository do not apply to them")
+        if self.enabled and not self.onnx and not self.compressed_tensors:
+            raise ValueError("onnx: false with compressed_tensors: false writes nothing; set enabled: false")
+        if self.generation and not self.onnx:
+            raise ValueError("generation files are ONNX: generation: true needs onnx: true")
         return self
 
 

@@ -81,7 +81,7 @@ REFERENCE_LLM = "runs/reference_llm"
 
 #: the int4 LLM recipes (GPTQ, AWQ) on the tiny Llama: 25 s each in a full run; SparseGPT 2:4 on
 #: SmolLM2's first two layers, 20-40 s (tests/pruning/test_sparse_recipes.py runs a tiny one fast)
-SLOW_RECIPES = {"llm_autoround_w4", "llm_awq_w4", "llm_gptq_w4", "llm_sparsegpt_2of4"}
+SLOW_RECIPES = {"llm_autoround_w4", "llm_awq_w4", "llm_gptq_w4", "llm_nvfp4", "llm_sparsegpt_2of4"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RECIPES else n
@@ -100,8 +100,13 @@ def test_recipe_runs_small(name: str, tmp_path: Path, request: pytest.FixtureReq
     if recipe.export.enabled:
         assert report.exports, f"{name}: export enabled but nothing exported"
         for e in report.exports:
-            assert (tmp_path / name / e.path).is_file()
-    if recipe.export.enabled and recipe.validate_.enabled:
+            if e.role == "checkpoint":  # a Hugging Face folder: the config and the weights
+                assert (tmp_path / name / e.path / "config.json").is_file()
+                assert (tmp_path / name / e.path / "model.safetensors").is_file()
+            else:
+                assert (tmp_path / name / e.path).is_file()
+        assert recipe.export.compressed_tensors == any(e.role == "checkpoint" for e in report.exports)
+    if recipe.export.enabled and recipe.export.onnx and recipe.validate_.enabled:
         assert report.validation, f"{name}: validation enabled but no runtime results"
     if recipe.export.generation:  # the LLM recipes: KV-cache files, validated by generating
         assert {e.format for e in report.exports} <= {"onnx-generation-int4", "onnx-generation-w8a8",

@@ -30,4 +30,8 @@ def requested_checks(spec: ExportSpec) -> list[tuple[str, Check]]:
     checks: list[tuple[str, Check]] = []
     if spec.generation:  # export_llm_onnx, and the GenAI/Optimum runtime files beside its graph
         checks.append(("generation", check_decoder))
+    if spec.compressed_tensors:
+        from compress.export.llm.compressed_tensors import check_compressed_tensors
+
+        checks.append(("compressed_tensors", check_compressed_tensors))
     return checks

@@ -174,3 +174,47 @@ def test_gguf_and_compressed_tensors_writers_refuse_in_their_checks_words(tmp_pa
             write(model)
         assert str(got.value) == str(want.value)
     assert not list(tmp_path.iterdir())
+
+
+def _nvfp4_recipe(tmp_path: Path, model_dir: str, export: dict[str, Any]) -> Path:
+    raw = yaml.safe_load(shipped_recipes()["llm_nvfp4"].read_text())
+    raw["model"]["hf_path"] = model_dir
+    raw["data"]["kwargs"] = {"tokenizer": model_dir, "seq_len": 32, "samples": 8}
+    raw["data"].update(calibration_samples=8, eval_samples=4, calibration_batch_size=4, eval_batch_size=4)
+    raw["export"] = export
+    path = tmp_path / "fp4.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("export", [{"enabled": True}, {"generation": True}], ids=["single-pass", "generation"])
+def test_an_fp4_scheme_with_an_onnx_export_is_refused_at_dry_run(export: dict[str, Any], tiny_llm_dir: str,
+                                                                 tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    rc = main(["apply", str(_nvfp4_recipe(tmp_path, tiny_llm_dir, export)), "--dry-run", "--out", str(out)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("compress: error:")]
+    assert rc == 2 and len(errors) == 1, errors
+    assert "stages.0.modifiers.0.scheme: fp4 (NVFP4/MXFP4) schemes have no ONNX form" in errors[0]
+    assert "export.onnx: false and export.compressed_tensors: true" in errors[0]
+    assert not out.exists()
+
+
+def test_export_sections_that_write_nothing_or_generate_without_onnx_are_refused(tiny_llm_dir: str,
+                                                                                 tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match="onnx: false with compressed_tensors: false writes nothing"):
+        load_recipe(_nvfp4_recipe(tmp_path, tiny_llm_dir, {"onnx": False}))
+    with pytest.raises(RecipeError, match="generation: true needs onnx: true"):
+        load_recipe(_nvfp4_recipe(tmp_path, tiny_llm_dir, {"onnx": False, "compressed_tensors": True,
+                                                          "generation": True}))
+
+
+def test_the_checkpoint_export_runs_the_writer_check_at_dry_run(tmp_path: Path) -> None:
+    """export.compressed_tensors asks the writer's structural check up front: a model without a
+    transformers config (a zoo CNN) is refused, naming the field."""
+    raw = {"version": 1, "name": "ct", "model": {"name": "resnet", "kwargs": {"width": 8, "depth": 1, "num_classes": 10, "in_channels": 1}}, "data": {"source": "digits"},
+           "stages": [{"name": "q", "modifiers": [{"type": "ptq", "scheme": "w8a8"}]}],
+           "export": {"compressed_tensors": True}}
+    path = tmp_path / "ct.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    with pytest.raises(RecipeError, match=r"export\.compressed_tensors: compressed-tensors export needs a transformers model"):
+        plan(path)
