@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from compress.quantization.algorithms.bias_correction import bias_correction
@@ -18,7 +18,13 @@ from compress.quantization.algorithms.smoothquant import SmoothQuantField, Unfol
 from compress.quantization.numerics.calibration import calibrate, last_logits_only
 from compress.quantization.numerics.spec import QuantScheme, resolve_scheme
 from compress.quantization.placement.activations import capture_first_call, ensure_placed
-from compress.quantization.preparation import PrepareParams, prepare
+from compress.quantization.preparation import (
+    PrepareParams,
+    input_sharing_groups,
+    nvfp4_weight,
+    prepare,
+    share_global_scales,
+)
 from pydantic import PositiveInt
 from torch import nn
 
@@ -117,4 +123,25 @@ def post_training_quantize(
                     with torch.no_grad():
                         loop(model)  # nothing above ran the model (dynamic scheme): check the hooks see attention
                 check_kv_calls(model)
+    _share_nvfp4_globals(model, loop, example)
     return swapped
+
+
+def _share_nvfp4_globals(model: nn.Module, loop: ForwardLoop | None, example: Any) -> None:
+    """NVFP4 weights: Linears that read one tensor share one global scale (share_global_scales),
+    found on one call: the example or the loop's first batch, or for a causal LM without data a
+    few token ids (the readers of a tensor do not depend on its values)."""
+    if not any(nvfp4_weight(m) is not None for m in model.modules()):
+        return
+    call = example if example is not None else (capture_first_call(model, loop) if loop is not None else None)
+    if call is not None:
+        def run(m: nn.Module) -> Any:
+            return m(*call.args, **call.kwargs)
+    elif callable(getattr(model, "get_input_embeddings", None)):
+        def run(m: nn.Module) -> Any:
+            return m(torch.zeros(1, 4, dtype=torch.long))
+    else:
+        log.info("NVFP4: no data to find the Linears that read one tensor; each keeps its own global scale")
+        return
+    for group in input_sharing_groups(model, run):
+        share_global_scales(group)

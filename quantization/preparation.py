@@ -17,6 +17,7 @@ from compress.quantization.algorithms.bn_fold import find_conv_bn_pairs, fold_bn
 from compress.quantization.algorithms.kv_cache import remove_kv_quantization
 from compress.quantization.numerics.fake_quant import FakeQuantizer
 from compress.quantization.numerics.modules import QUANT_LAYERS, QUANT_TYPES, QuantConv1d, QuantConv2d
+from compress.quantization.numerics.primitives import nvfp4_global_scale
 from compress.quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
 from compress.quantization.placement.activations import (
     GraphConfig,
@@ -463,6 +464,57 @@ def calibrate_weight(mod: nn.Module) -> None:
             w = w * mod._bn_factor(mod.bn).reshape([-1] + [1] * (w.dim() - 1))
         wq.observe(w)
         wq.compute_qparams()
+
+
+def nvfp4_weight(mod: nn.Module) -> FakeQuantizer | None:
+    """``mod``'s weight quantizer when it is NVFP4 (fp4 groups under a global scale), else None."""
+    wq = getattr(mod, "weight_quantizer", None)
+    ok = isinstance(wq, FakeQuantizer) and wq.spec.is_fp4 and wq.spec.scale_dtype == "fp8_e4m3"
+    return wq if ok else None
+
+
+def share_global_scales(mods: Sequence[nn.Module]) -> None:
+    """Give NVFP4 layers that read one tensor (q/k/v, gate/up) one global scale, the smallest of
+    theirs (the largest amax), with their group scales recomputed under it from their current
+    weights: serving stacks run such layers as one fused GEMM with one global scale (vLLM's
+    qkv_proj), and llm-compressor writes them so. Other layers are left alone."""
+    qs = [(m, q) for m in mods if (q := nvfp4_weight(m)) is not None]
+    if len(qs) < 2:
+        return
+    with torch.no_grad():
+        amax = torch.stack([m.get_parameter("weight").detach().float().abs().amax() for m, _ in qs]).amax()
+        g = nvfp4_global_scale(amax)
+        for m, q in qs:
+            q.global_scale = g.clone()
+            q.fixed_global = True
+            calibrate_weight(m)
+
+
+def input_sharing_groups(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[list[nn.Module]]:
+    """The NVFP4 layers of ``model`` grouped by the tensor they read in one call of ``run(model)``
+    (float forward, no grad): a group is what a serving stack fuses into one GEMM."""
+    from compress.quantization.numerics.calibration import float_mode
+
+    seen: dict[int, list[nn.Module]] = {}
+    keep: list[torch.Tensor] = []  # inputs kept alive: ids stay unique
+
+    def hook(m: nn.Module, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            keep.append(args[0])
+            group = seen.setdefault(id(args[0]), [])
+            if not any(g is m for g in group):
+                group.append(m)
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if nvfp4_weight(m) is not None]
+    if not handles:
+        return []
+    try:
+        with float_mode(model), torch.no_grad():
+            run(model)
+    finally:
+        for h in handles:
+            h.remove()
+    return [g for g in seen.values() if len(g) > 1]
 
 
 def strip(model: nn.Module) -> nn.Module:

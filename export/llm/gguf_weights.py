@@ -6,7 +6,10 @@ llama.cpp stores weights in blocks of 32 input features with float16 scales:
   (codes ``q + 8`` with zero point 8) exactly;
 - ``Q4_1``: ``d``, ``m`` (f16) + 16 bytes, ``w = q * d + m``: our asymmetric 4-bit groups of 32
   (uint4 codes, ``m = -zero_point * d``);
-- ``Q8_0``: ``d`` (f16) + 32 int8, ``w = q * d``: our symmetric 8-bit groups of 32.
+- ``Q8_0``: ``d`` (f16) + 32 int8, ``w = q * d``: our symmetric 8-bit groups of 32;
+- ``MXFP4`` (gpt-oss's type): an e8m0 exponent byte ``e`` + 16 bytes of e2m1 nibbles (bit 3 the sign),
+  ``w = e2m1 * 2^(e - 127)``: our MXFP4 groups exactly (the scale is a power of two already, so
+  nothing is rounded).
 
 Inside a block, byte ``j`` holds feature ``j`` in its low nibble and feature ``j + 16`` in its high
 one. The codes GPTQ/AWQ/RTN chose are written unchanged, so their rounding survives; what changes
@@ -37,11 +40,11 @@ def _require_gguf() -> Any:
     return gguf
 
 
-_NEED = "symmetric 4-bit (Q4_0), asymmetric 4-bit (Q4_1) or symmetric 8-bit (Q8_0) groups of 32"
+_NEED = "symmetric 4-bit (Q4_0), asymmetric 4-bit (Q4_1), symmetric 8-bit (Q8_0) or MXFP4 groups of 32"
 
 
 def check_grid(mod: Any, *, where: str = "layer") -> str:
-    """``"Q4_0"``, ``"Q4_1"`` or ``"Q8_0"``: the block format of the layer's quantizer spec, from the
+    """``"Q4_0"``, ``"Q4_1"``, ``"Q8_0"`` or ``"MXFP4"``: the block format of the layer's quantizer spec, from the
     spec and shapes alone (no weights read, so it runs on meta-device models); UnsupportedModelError
     naming the layer and the grid it would need otherwise."""
     wq = getattr(mod, "weight_quantizer", None)
@@ -56,6 +59,11 @@ def check_grid(mod: Any, *, where: str = "layer") -> str:
         raise UnsupportedModelError(f"{where}: {k} input features are not whole blocks of {BLOCK} (llama.cpp rows)")
     if getattr(mod, "input_quantizer", None) is not None:
         raise UnsupportedModelError(f"{where}: quantized inputs are not written to GGUF (llama.cpp quantizes its own)")
+    if s.is_fp4:
+        if s.scale_dtype != "e8m0":
+            raise UnsupportedModelError(f"{where}: fp4 with {s.scale_dtype} scales has no llama.cpp block format "
+                                        f"(its MXFP4 takes e8m0 scales); quantize with {_NEED}")
+        return "MXFP4"
     if s.bits == 4 and is_int4_weight_only(mod):
         return "Q4_0" if s.symmetric else "Q4_1"
     if s.bits == 8 and s.symmetric and s.dtype == "int8" and not s.reduce_range:
@@ -68,7 +76,7 @@ def gguf_type(mod: Any, *, where: str = "layer") -> Any:
     UnsupportedModelError naming the layer and the grid it would need otherwise."""
     gguf = _require_gguf()
     name = check_grid(mod, where=where)
-    if name != "Q8_0":
+    if name not in ("Q8_0", "MXFP4"):
         w = int4_weight(mod, where=where)
         if w.g_idx is not None:
             raise UnsupportedModelError(f"{where}: a g_idx (act_order permutation) has no GGUF form; use static groups")
@@ -100,6 +108,12 @@ def gguf_blocks(mod: Any, *, where: str = "layer") -> tuple[np.ndarray, Any]:
         codes = wq.int_repr(weight.detach()).to(torch.int8).reshape(n, blocks, BLOCK)
         scale = wq.scale.detach().reshape(n, blocks)
         parts = [_f16_bytes(scale), codes.numpy().view(np.uint8)]
+    elif qtype == gguf.GGMLQuantizationType.MXFP4:
+        from compress.quantization.numerics.primitives import e8m0_codes, fp4_codes
+
+        wq, weight = mod.weight_quantizer, mod.weight
+        nib = fp4_codes(wq.int_repr(weight.detach().float())).reshape(n, blocks, BLOCK)
+        parts = [e8m0_codes(wq.scale.detach().reshape(n, blocks)).numpy()[..., None], _nibbles(nib)]
     else:
         w = int4_weight(mod, where=where)
         codes = w.codes.reshape(n, blocks, BLOCK)
@@ -121,6 +135,8 @@ def gguf_reference(mod: Any, *, where: str = "layer") -> torch.Tensor:
     gguf = _require_gguf()
     qtype = gguf_type(mod, where=where)
     n = int(mod.out_features)
+    if qtype == gguf.GGMLQuantizationType.MXFP4:
+        return mod.quantized_weight().detach().float()  # powers of two and e2m1 values: nothing rounded
     if qtype == gguf.GGMLQuantizationType.Q8_0:
         wq: Any = mod.weight_quantizer
         weight: Any = mod.weight

@@ -67,7 +67,7 @@ from compress.quantization.algorithms.sequential import (
 from compress.quantization.numerics.calibration import float_mode
 from compress.quantization.numerics.modules import QuantLinear
 from compress.quantization.numerics.spec import QuantScheme, resolve_scheme
-from compress.quantization.preparation import calibrate_weight
+from compress.quantization.preparation import calibrate_weight, share_global_scales
 from torch import nn
 
 from compress.core.batching import CalibrationData, as_batches
@@ -226,6 +226,8 @@ def awq_layer(
         report["clip_rejected"] = sorted(rejected)
     for lin in linears.values():
         calibrate_weight(lin)
+    for g in groups:  # NVFP4: Linears that read one tensor share one global scale (vLLM's fused GEMMs)
+        share_global_scales([linears[c] for c in g.consumers])
     return report
 
 

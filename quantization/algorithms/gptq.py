@@ -47,6 +47,7 @@ from compress.quantization.numerics.primitives import (
     to_groups,
 )
 from compress.quantization.numerics.spec import QuantScheme, QuantSpec, resolve_scheme
+from compress.quantization.preparation import share_global_scales
 from pydantic import Field
 from torch import nn
 
@@ -140,6 +141,7 @@ def gptq_quantize(
     *,
     mask: torch.Tensor | None = None,
     continuous: bool = False,
+    global_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ-round ``weight`` ([out, in]) for ``spec`` (granularity channel or group, axis 0).
 
@@ -150,6 +152,9 @@ def gptq_quantize(
     ``continuous``: return the error-compensated weight as each column was when the sweep rounded it
     (its round-to-nearest on the returned qparams is the GPTQ result; AutoRound starts there)
     instead of the de-quantized weight.
+
+    ``global_scale``: NVFP4's per-tensor global scale (default: the weight's own, ``448 * 6 / amax``;
+    a group of Linears reading one tensor shares one).
 
     Returns ``(dequantized weight, scale, zero_point)`` with scale/zero_point laid out as the
     weight quantizer stores them: ``[out]`` per channel, ``[out, ceil(in / group_size)]`` per group.
@@ -172,7 +177,9 @@ def gptq_quantize(
     zp = torch.empty(rows, n_groups, dtype=torch.int32)
     # fp4 block scales always come from the original weight (NVFP4's global scale too), as llm-compressor's
     static = spec.granularity == "channel" or p.act_order or p.static_groups or spec.is_fp4
-    g_scale = nvfp4_global_scale(w.abs().amax()) if spec.is_fp4 and spec.scale_dtype == "fp8_e4m3" else None
+    g_scale = None
+    if spec.is_fp4 and spec.scale_dtype == "fp8_e4m3":
+        g_scale = global_scale.float().reshape(1) if global_scale is not None else nvfp4_global_scale(w.abs().amax())
     if static:
         # static: every group's qparams from the original weight, before any update
         s0, z0 = (_qparams(to_groups(w, gs).reshape(-1, gs), spec, g_scale) if spec.granularity == "group"
@@ -282,13 +289,15 @@ def gptq_layer(layer: nn.Module, linears: dict[str, QuantLinear], calls: Sequenc
     with a sparsity mask (SparseGPT, Wanda before) keeps its zeros."""
     rtn_err = gptq_err = 0.0
     for names, h in layer_hessians(layer, linears, calls):
+        # NVFP4: the Linears reading one tensor share one global scale, from their original weights
+        share_global_scales([linears[n] for n in names])
         for n in names:
             m = linears[n]
             wq = m.weight_quantizer
             if wq is None:
                 continue
             rtn_err += layer_error(m.weight, wq(m.weight), h)
-            q, scale, zp = gptq_quantize(m.weight, h, wq.spec, params, mask=mask_of(m))
+            q, scale, zp = gptq_quantize(m.weight, h, wq.spec, params, mask=mask_of(m), global_scale=wq.global_scale)
             gptq_err += layer_error(m.weight, q, h)
             m.weight.data.copy_(q)
             wq.set_qparams(scale, zp)

@@ -79,6 +79,9 @@ class FakeQuantizer(nn.Module):
         self.register_buffer("zero_point", torch.empty(0, dtype=torch.int32))
         self.register_buffer("pre_quant_scale", None)
         self.register_buffer("global_scale", None)
+        #: NVFP4 weights: the global scale was set for a group of layers (share_global_scales) and is
+        #: kept when the group scales are recomputed
+        self.fixed_global = False
         #: NVFP4 inputs: dynamic group scales under a calibrated global scale, so a per-tensor range is observed
         self.calibrated_global = spec.dynamic and spec.is_fp4 and spec.scale_dtype == "fp8_e4m3"
         observed = QuantSpec(granularity="tensor") if self.calibrated_global else spec
@@ -129,8 +132,8 @@ class FakeQuantizer(nn.Module):
         if self.calibrated_global:
             self.global_scale = nvfp4_global_scale(torch.maximum(-mn, mx))
             return
-        if self.spec.is_fp4 and self.spec.scale_dtype == "fp8_e4m3":  # one weight's groups: its global scale
-            self.global_scale = nvfp4_global_scale(torch.maximum(-mn, mx))
+        if self.spec.is_fp4 and self.spec.scale_dtype == "fp8_e4m3" and not (self.fixed_global and self.global_scale is not None):
+            self.global_scale = nvfp4_global_scale(torch.maximum(-mn, mx))  # one weight's groups: its global scale
         scale, zp = spec_qparams(mn, mx, self.spec, global_scale=self.global_scale, min_scale=MIN_RANGE_SCALE)
         shape = self._stat_shape if self._stat_shape is not None else tuple(scale.shape)
         self.set_qparams(scale.reshape(shape), zp.reshape(shape))

@@ -185,3 +185,36 @@ def test_ragged_weight_only_layers_are_written_in_float_as_llm_compressor_does(t
     with torch.no_grad():
         ids = _ids(5)
         torch.testing.assert_close(_reload(out)(ids).logits, _at_bf16_weights(fq)(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["rtn", "rtn-no-data", "gptq", "awq"])
+def test_nvfp4_layers_reading_one_tensor_share_one_global_scale(method: str, tmp_path: Path) -> None:
+    """q/k/v and gate/up: one global scale each, 448 * 6 / the largest amax of the group, as serving
+    stacks fuse them into one GEMM (vLLM's qkv_proj) and llm-compressor writes them; o_proj and
+    down_proj keep their own."""
+    model = _model("qwen2")
+    calib = [_ids(s) for s in range(4)]
+    float_amax = {n: float(m.weight.detach().abs().amax()) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if method.startswith("rtn"):
+        fq = compress.quantize(model, "NVFP4A16", None if method == "rtn-no-data" else calib, ignore=["lm_head"],
+                               progress=False)
+    else:
+        fq = getattr(compress, method)(model, calib, scheme="NVFP4A16", ignore=["lm_head"], progress=False)
+    out = save_compressed_tensors(fq, tmp_path / "ckpt")
+    from safetensors.torch import load_file
+
+    stored = load_file(str(out / "model.safetensors"))
+    for i in range(2):
+        pre = f"model.layers.{i}."
+        g = {n: float(stored[f"{pre}{n}.weight_global_scale"]) for n in
+             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        assert g["self_attn.q_proj"] == g["self_attn.k_proj"] == g["self_attn.v_proj"]
+        assert g["mlp.gate_proj"] == g["mlp.up_proj"]
+        assert g["self_attn.o_proj"] != g["self_attn.q_proj"]
+        if method.startswith("rtn") or method == "gptq":  # the original weights' amax (AWQ scales them first)
+            amax = max(float_amax[pre + n] for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+            assert g["self_attn.q_proj"] == pytest.approx(448 * 6 / amax, rel=1e-6)
+    with torch.no_grad():
+        ids = _ids(11)
+        torch.testing.assert_close(_reload(out)(ids).logits, _at_bf16_weights(fq)(ids).logits, atol=1e-5, rtol=1e-5)

@@ -40,6 +40,7 @@ def _model(kind: str, vocab: int, spec: Any) -> Any:
 @pytest.mark.parametrize(("kind", "spec"), [
     ("llama", compress.QuantSpec(bits=4, granularity="group", group_size=32)),
     ("qwen2", compress.QuantSpec(bits=4, symmetric=False, dtype="uint8", granularity="group", group_size=32)),
+    ("llama", compress.QuantScheme.preset("MXFP4A16").weights),
 ])
 def test_transformers_reads_our_gguf(kind: str, spec: Any, tokenizer: Any, tmp_path: Path) -> None:
     q = _model(kind, len(tokenizer), spec)

@@ -34,8 +34,10 @@ def _model(kind: str, spec: QuantSpec) -> Any:
     ("llama", QuantSpec(bits=4, granularity="group", group_size=32), "Q4_0"),
     ("qwen2", QuantSpec(bits=4, symmetric=False, dtype="uint8", granularity="group", group_size=32), "Q4_1"),
     ("qwen2", QuantSpec(bits=8, granularity="group", group_size=32), "Q8_0"),
+    ("llama", QuantScheme.preset("MXFP4A16").weights, "MXFP4"),
 ])
-def test_gguf_dequantize_reads_our_codes(kind: str, spec: QuantSpec, qtype: str) -> None:
+def test_gguf_dequantize_reads_our_codes(kind: str, spec: QuantSpec | None, qtype: str) -> None:
+    assert spec is not None
     model = _model(kind, spec)
     layers = {n: m for n, m in model.named_modules() if getattr(m, "weight_quantizer", None) is not None}
     assert len(layers) == 14
@@ -51,14 +53,18 @@ def test_gguf_dequantize_reads_our_codes(kind: str, spec: QuantSpec, qtype: str)
         ours = mod.quantized_weight().detach()
         step = float(mod.weight_quantizer.scale.detach().abs().amax())
         assert float((back - ours).abs().max()) <= step * 2**spec.bits * 2**-11, name
+        if qtype == "MXFP4":  # e2m1 codes times the power-of-two scale: nothing rounded
+            assert torch.equal(back, ours), name
 
 
 @pytest.mark.parametrize(("spec", "match"), [
     (QuantSpec(bits=4, granularity="group", group_size=64), "groups of 64 has no llama.cpp block format"),
     (QuantSpec(bits=4, granularity="channel"), "per channel has no llama.cpp block format"),
     (QuantSpec(bits=3, granularity="group", group_size=32), "3-bit sym weights"),
+    (QuantScheme.preset("NVFP4A16").weights, "groups of 16 has no llama.cpp block format"),
 ])
-def test_grids_without_a_block_format_are_refused(spec: QuantSpec, match: str) -> None:
+def test_grids_without_a_block_format_are_refused(spec: QuantSpec | None, match: str) -> None:
+    assert spec is not None
     model = _model("llama", spec)
     with pytest.raises(UnsupportedModelError, match=match):
         gguf_blocks(model.model.layers[0].self_attn.q_proj, where="model.layers.0.self_attn.q_proj")
