@@ -49,8 +49,8 @@ def test_fp8_presets_mean_what_compressed_tensors_means() -> None:
     assert (static.weights.granularity, static.inputs.granularity, static.inputs.dynamic) == ("tensor", "tensor", False)
     assert (dyn.weights.granularity, dyn.inputs.granularity, dyn.inputs.dynamic) == ("channel", "token", True)
     assert QuantScheme.preset("fp8_dynamic") == dyn  # any case, as the other ecosystem names
-    with pytest.raises(RecipeError, match="4-bit floating-point"):
-        QuantScheme.preset("NVFP4")
+    with pytest.raises(RecipeError, match="unknown quantization scheme 'FP9'"):
+        QuantScheme.preset("FP9")
 
 
 def test_fake_quantize_fp8_equals_torch_cast_and_passes_gradients_inside_the_range() -> None:
