@@ -70,6 +70,8 @@ _EXPORTS: dict[str, str] = {
     "autoround": "compress.quantization.algorithms.autoround",
     "AutoRoundParams": "compress.quantization.algorithms.autoround",
     "AWQParams": "compress.quantization.algorithms.awq_search",
+    "rotate": "compress.quantization.algorithms.rotation",
+    "RotationParams": "compress.quantization.algorithms.rotation",
     "QuantSpec": "compress.quantization.numerics.spec",
     "QuantScheme": "compress.quantization.numerics.spec",
     # pruning

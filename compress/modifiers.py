@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 BUILTIN_MODIFIER_MODULES: tuple[str, ...] = (
     "compress.quantization.modifiers",
     "compress.quantization.weight_modifiers",
+    "compress.quantization.transform_modifiers",
     "compress.pruning.modifiers",
     "compress.pruning.sparse.modifiers",
     "compress.distillation.modifiers",

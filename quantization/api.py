@@ -129,16 +129,18 @@ def post_training_quantize(
 
 def _share_nvfp4_globals(model: nn.Module, loop: ForwardLoop | None, example: Any) -> None:
     """NVFP4 weights: Linears that read one tensor share one global scale (share_global_scales),
-    found on one call: the example or the loop's first batch, or for a causal LM without data a
-    few token ids (the readers of a tensor do not depend on its values)."""
+    found on one call: for a transformers model a few token ids (the readers of a tensor do not depend
+    on its values, and no batch's logits are held for it), otherwise the example or the loop's first batch."""
     if not any(nvfp4_weight(m) is not None for m in model.modules()):
         return
-    call = example if example is not None else (capture_first_call(model, loop) if loop is not None else None)
+    call = None
+    if not callable(getattr(model, "get_input_embeddings", None)):
+        call = example if example is not None else (capture_first_call(model, loop) if loop is not None else None)
     if call is not None:
         def run(m: nn.Module) -> Any:
             return m(*call.args, **call.kwargs)
     elif callable(getattr(model, "get_input_embeddings", None)):
-        def run(m: nn.Module) -> Any:
+        def run(m: nn.Module) -> Any:  # a few ids: no calibration batch's logits held for this
             return m(torch.zeros(1, 4, dtype=torch.long))
     else:
         log.info("NVFP4: no data to find the Linears that read one tensor; each keeps its own global scale")

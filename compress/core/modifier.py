@@ -41,7 +41,7 @@ class ModifierSpec(BaseModel):
     end_step: int | None = Field(None, ge=0)
     update_every: int = Field(1, ge=1)
 
-    #: what the modifier does, for the order rules: "quantize", "prune", "sparsify", "distill" or "other"
+    #: what the modifier does, for the order rules: "quantize", "prune", "sparsify", "rotate", "distill" or "other"
     kind: ClassVar[str] = "other"
     #: what the stage must provide: "calibration" (calibration batches) and/or "training" (epochs)
     needs: ClassVar[frozenset[str]] = frozenset()
@@ -311,6 +311,19 @@ class OrderRule:
 
 
 ORDER_RULES: tuple[OrderRule, ...] = (
+    OrderRule(
+        "quantize",
+        "rotate",
+        "rotations come before quantization (a rotation after it would move the weights off their "
+        "calibrated grids); put the rotate modifier first",
+        within_stage=True,
+    ),
+    OrderRule(
+        "sparsify",
+        "rotate",
+        "a rotation mixes every weight of a row, so the pruned zeros would be filled; rotate first, then sparsify",
+        within_stage=True,
+    ),
     OrderRule(
         "quantize",
         "prune",
