@@ -84,8 +84,29 @@ def _scheme_args(w: Int4Weight, k: int, where: str, observer: str) -> dict[str, 
     }
 
 
+_TOKEN_INT8 = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token", "observer": None}
+
+
+def _token_int8_inputs(name: str, mod: nn.Module) -> bool:
+    """Whether ``mod`` quantizes its inputs, as W4A8/W8A8 checkpoints hold them (dynamic per-token
+    symmetric int8); UnsupportedModelError for any other input quantizer, or a SmoothQuant factor."""
+    iq: Any = getattr(mod, "input_quantizer", None)
+    if iq is None or not iq.enabled:
+        return False
+    s = iq.spec
+    if not (s.dynamic and s.granularity == "token" and s.symmetric and s.dtype == "int8" and s.bits == 8):
+        raise UnsupportedModelError(f"{name}: only dynamic per-token symmetric int8 inputs are written (W4A8); "
+                                    f"its inputs are {s.bits}-bit {s.dtype} per {s.granularity}"
+                                    f"{' (static)' if not s.dynamic else ''}")
+    if iq.pre_quant_scale is not None:
+        raise UnsupportedModelError(f"{name}: a per-channel factor before its input quantizer has no place in "
+                                    "compressed-tensors; quantize with smoothquant_unfolded='skip'")
+    return True
+
+
 def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[str]]:
-    """``(tensors, weight_args_by_layer, unquantized_linears)`` of a weight-only int4 model."""
+    """``(tensors, args_by_layer, unquantized_linears)`` of an int4 model: weight-only (W4A16), or
+    with dynamic per-token int8 inputs (W4A8, llm-compressor's preset of that name)."""
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     tensors: dict[str, torch.Tensor] = {}
     args: dict[str, dict[str, Any]] = {}
@@ -98,13 +119,16 @@ def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], di
             if isinstance(mod, nn.Linear):
                 plain.append(name)
             continue
-        if not is_int4_weight_only(mod) or wq.spec.bits != 4:
+        w4a8 = _token_int8_inputs(name, mod)
+        if wq.spec.bits != 4 or wq.spec.is_float or not (w4a8 or is_int4_weight_only(mod)):
             raise UnsupportedModelError(
-                f"{name}: only weight-only 4-bit layers are written as pack-quantized (it is {wq.spec.bits}-bit"
-                f"{', with quantized inputs' if getattr(mod, 'input_quantizer', None) is not None else ''})"
-            )
+                f"{name}: only 4-bit integer layers are written as pack-quantized (it is {wq.spec.bits}-bit "
+                f"{wq.spec.dtype})")
         w = int4_weight(mod, where=name)
         n, k = w.shape
+        if w.num_groups > 1 and k % w.group_size and w4a8:
+            raise UnsupportedModelError(f"{name}: {k} input features are not a multiple of group_size {w.group_size}; "
+                                        "a W4A8 layer has no float form to leave it in")
         if w.num_groups > 1 and k % w.group_size:
             # compressed-tensors quantizes whole groups only (its forward raises on a shorter last one);
             # llm-compressor's escape is to leave such a layer out: it goes into ``ignore`` with our
@@ -114,7 +138,8 @@ def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], di
             ragged.append(name)
             tensors[f"{name}.weight"] = mod.quantized_weight().detach().to(dtype).contiguous()
             continue
-        args[name] = _scheme_args(w, k, name, wq.spec.observer)
+        weight_args = _scheme_args(w, k, name, wq.spec.observer)
+        args[name] = {"weights": weight_args, "input_activations": dict(_TOKEN_INT8)} if w4a8 else weight_args
         tensors[f"{name}.weight_packed"] = pack_int32(w.codes)
         tensors[f"{name}.weight_scale"] = w.scale.to(dtype).contiguous()
         tensors[f"{name}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
@@ -126,6 +151,9 @@ def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], di
     if not args:
         raise UnsupportedModelError("compressed-tensors export: the model has no quantized layers whole groups can "
                                     f"hold; quantize it first{' (or choose a group size dividing ' + ragged[0] + ')' if ragged else ''}")
+    others = [n for n in activation_quantizers(model) if not any(n.startswith(p) for p in quant_prefixes)]
+    if others:
+        raise UnsupportedModelError(f"{others[0]}: quantized activations outside the W4A8 Linears are not written")
     tensors.update(_other_tensors(model, {*quant_prefixes, *(r + "." for r in ragged)}))
     return tensors, args, plain + ragged
 
@@ -414,9 +442,6 @@ def save_compressed_tensors(model: nn.Module, out_dir: str | Path, *, tokenizer:
                                     "holds one fp4 format, NVFP4 (e4m3 scales, groups of 16) or MXFP4 (e8m0, groups of 32)")
     fp8 = _is_fp8_model(model)
     eight = not fp4 and _is_8bit_model(model)
-    acts = [] if eight or fp4 else activation_quantizers(model)
-    if acts:
-        raise UnsupportedModelError(f"{acts[0]}: quantized activations are not written (weight-only int4 checkpoints)")
     if fp4:
         kind = next(iter(fp4))
         tensors, args, plain = fp4_state_dict(model, kind)

@@ -113,15 +113,56 @@ def test_asymmetric_groups_decompress_with_the_library(tmp_path: Path) -> None:
 
 def test_non_int4_layers_are_refused(tmp_path: Path) -> None:
     fq = _model("llama", QuantScheme.preset("w3_weight_only_g128"))
-    with pytest.raises(UnsupportedModelError, match="only weight-only 4-bit"):
+    with pytest.raises(UnsupportedModelError, match="only 4-bit integer layers are written"):
         save_compressed_tensors(fq, tmp_path / "x")
 
 
-def test_quantized_activations_are_refused_not_dropped(tmp_path: Path) -> None:
+def test_quantized_activations_without_a_checkpoint_form_are_refused_not_dropped(tmp_path: Path) -> None:
+    per_tensor = QuantScheme(weights=QuantSpec(bits=4, granularity="group", group_size=32),
+                             inputs=QuantSpec(granularity="tensor", dynamic=True))
+    with pytest.raises(UnsupportedModelError, match="only dynamic per-token symmetric int8 inputs are written"):
+        save_compressed_tensors(_model("llama", per_tensor), tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_w4a8_is_written_pack_quantized_with_token_inputs(kind: str, tmp_path: Path) -> None:
+    """llm-compressor's W4A8 (int4 groups, dynamic per-token int8 inputs): transformers' loader keeps
+    exactly our int4 weights and quantizes the inputs per token at its step of amax/127.5 (ours and
+    vLLM's: amax/127), so its logits are our weights at that step, exactly."""
+    import copy
+
+    torch.manual_seed(0)
     w4a8 = QuantScheme(weights=QuantSpec(bits=4, granularity="group", group_size=32),
                        inputs=QuantSpec(granularity="token", dynamic=True))
-    with pytest.raises(UnsupportedModelError, match="quantized activations"):
-        save_compressed_tensors(_model("llama", w4a8), tmp_path / "x")
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(1))
+    cls, cfg = ((transformers.LlamaForCausalLM, transformers.LlamaConfig) if kind == "llama"
+                else (transformers.Qwen2ForCausalLM, transformers.Qwen2Config))
+    fq = compress.gptq(cls(cfg(**SMALL)).eval(), [ids], scheme=w4a8, ignore=["lm_head"]).eval()
+    out = save_compressed_tensors(fq, tmp_path / "ckpt")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "pack-quantized"
+    group = qc["config_groups"]["group_0"]
+    assert (group["weights"]["num_bits"], group["weights"]["group_size"]) == (4, 32)
+    assert (group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == ("token", True)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        loaded(ids)  # the first forward decompresses
+    for name, mod in _quantized(fq).items():
+        torch.testing.assert_close(loaded.get_submodule(name).weight.float(), mod.quantized_weight().float(),
+                                   atol=0, rtol=0)
+
+    def emulated(step: float) -> torch.Tensor:
+        m = copy.deepcopy(fq)
+        for lin in _quantized(m).values():
+            lin.input_quantizer.enabled = False
+        _per_token_int8(m, step)
+        with torch.no_grad():
+            return m(ids).logits
+
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, emulated(127.5), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fq(ids).logits, emulated(127.0), atol=1e-5, rtol=1e-5)
 
 
 def test_groups_not_dividing_the_width_are_written_as_llm_compressor_does(tmp_path: Path) -> None:
