@@ -81,7 +81,7 @@ REFERENCE_LLM = "runs/reference_llm"
 
 #: the int4 LLM recipes (GPTQ, AWQ) on the tiny Llama: 25 s each in a full run; SparseGPT 2:4 on
 #: SmolLM2's first two layers, 20-40 s (tests/pruning/test_sparse_recipes.py runs a tiny one fast)
-SLOW_RECIPES = {"llm_autoround_w4", "llm_awq_w4", "llm_gptq_w4", "llm_nvfp4", "llm_sparsegpt_2of4"}
+SLOW_RECIPES = {"llm_autoround_w4", "llm_awq_w4", "llm_gptq_w4", "llm_nvfp4", "llm_rotate_w4a8", "llm_sparsegpt_2of4"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RECIPES else n
