@@ -62,15 +62,26 @@ def last_hidden(model: Any, windows: torch.Tensor, batch: int = 4) -> torch.Tens
                       for i in range(0, len(windows), batch)])
 
 
-def recipe(method: str, weights: dict[str, Any] | None) -> list[Any]:
+def recipe(method: str, weights: dict[str, Any] | None, preset: str | None = None) -> list[Any]:
     """llm-compressor's modifiers for ``method``, at their defaults except the scheme: GPTQ block
     128, dampening 0.01, static activation order; AWQ duo scaling, grid 20; SmoothQuant 0.5 then
-    GPTQ for its ``W8A8`` preset (int8 per-channel weights, dynamic per-token int8 activations)."""
+    GPTQ for its ``W8A8`` preset (int8 per-channel weights, dynamic per-token int8 activations).
+    ``preset``: one of its scheme names (``NVFP4A16``, ``NVFP4``, ``MXFP4A16``, ...) instead of ``weights``."""
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     ignore = ["lm_head"]
-    groups = {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}}
+    groups = {"group_0": {"targets": ["Linear"], "weights": (weights or {}).get("weights", weights),
+                          "input_activations": (weights or {}).get("input_activations")}}
+    if preset is not None and method in ("RTN", "GPTQ"):
+        cls = QuantizationModifier if method == "RTN" else GPTQModifier
+        return [cls(scheme=preset, targets=["Linear"], ignore=ignore)]
+    if method == "SpinQuant+GPTQ":  # its R1 and R2 (fused, no online Hadamards), then GPTQ
+        from llmcompressor.modifiers.transform import SpinQuantModifier
+
+        quant = (GPTQModifier(scheme=preset, targets=["Linear"], ignore=ignore) if preset is not None
+                 else GPTQModifier(config_groups=groups, ignore=ignore))
+        return [SpinQuantModifier(rotations=["R1", "R2"], transform_type="random-hadamard"), quant]
     if method == "RTN":
         return [QuantizationModifier(config_groups=groups, ignore=ignore)]
     if method == "GPTQ":
@@ -104,6 +115,7 @@ def main() -> None:
     p.add_argument("--windows", required=True)
     p.add_argument("--method", required=True)
     p.add_argument("--weights", default="null", help="compressed-tensors weight QuantizationArgs as JSON")
+    p.add_argument("--scheme", default=None, help="a compressed-tensors preset name instead of --weights (NVFP4A16, ...)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
     p.add_argument("--hidden", action="store_true",
@@ -127,7 +139,7 @@ def main() -> None:
                                    "attention_mask": torch.ones_like(w["calib"]).tolist()})
         with PeakRSS() as mem:
             t = time.perf_counter()
-            oneshot(model=model, dataset=calib, recipe=recipe(args.method, json.loads(args.weights)),
+            oneshot(model=model, dataset=calib, recipe=recipe(args.method, json.loads(args.weights), args.scheme),
                     num_calibration_samples=len(w["calib"]), max_seq_length=w["calib"].shape[1],
                     shuffle_calibration_samples=False)
             row["seconds"] = time.perf_counter() - t
