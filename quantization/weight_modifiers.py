@@ -88,6 +88,15 @@ class AutoRoundSpec(AutoRoundParams, _WeightOnlySpec):
 
     type: Literal["autoround"] = "autoround"
 
+    @field_validator("scheme", mode="after")
+    @classmethod
+    def _integer_grid(cls, v: Any) -> Any:
+        w = resolve_scheme(v).weights
+        if w is not None and w.is_float:
+            # its rounding offsets and range factors are learned on integer grids; fp4/fp8 grids are not taken yet
+            raise ValueError(f"AutoRound learns integer grids; {w.dtype} weights go to gptq, awq or ptq")
+        return v
+
 
 class _WeightOnlyModifier(Modifier[Any]):
     def plan(self, model: nn.Module) -> list[str]:

@@ -209,3 +209,15 @@ def test_a_bf16_checkpoint_is_searched_in_float32_and_stays_bf16() -> None:
     assert lins and all(m.weight.dtype == torch.bfloat16 for m in lins)
     with torch.no_grad():
         assert torch.isfinite(model(_batches(n=1)[0]).logits.float()).all()
+
+
+def test_float_grids_are_refused_when_the_recipe_loads() -> None:
+    """AutoRound's offsets and range factors are learned on integer grids: an fp4 or fp8 scheme is
+    refused by the spec, before any model is touched, naming the methods that take it."""
+    from compress.quantization.weight_modifiers import AutoRoundSpec
+
+    from compress.core.errors import RecipeError
+
+    for scheme in ("NVFP4A16", "MXFP4A16"):
+        with pytest.raises(RecipeError, match="AutoRound learns integer grids; fp4_e2m1 weights go to gptq"):
+            AutoRoundSpec(scheme=scheme)
