@@ -161,3 +161,23 @@ def test_recipe_modifier_and_order_rules(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(bad, sort_keys=False))
     with pytest.raises(RecipeError, match=r"'rotate' after 'quantize'.*rotations come before quantization"):
         load_recipe(path)
+
+
+def test_a_rotated_gptq_model_exports_and_ort_generates_its_tokens(tmp_path: Path) -> None:
+    """The rotated model is an ordinary decoder (untied head included): GPTQ int4 on it, the ONNX
+    generation file (MatMulNBits, float compute), and ONNX Runtime's greedy tokens equal PyTorch's."""
+    pytest.importorskip("onnxruntime")
+    from compress.export.llm.onnx import export_llm_onnx, generate_ort
+
+    model = _model("gemma")
+    rotate(model)
+    calib = [_ids(s) for s in range(2)]
+    fq = compress.gptq(model, calib, scheme=compress.QuantScheme(
+        weights=compress.QuantSpec(bits=4, granularity="group", group_size=32), inputs=None),
+        ignore=["lm_head"], progress=False)
+    path = export_llm_onnx(fq, tmp_path / "m.onnx", weights="int4", accuracy_level=0, lm_head="float")
+    ids = torch.randint(1, SMALL["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = fq.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(generate_ort(path, ids, attention_mask=mask, max_new_tokens=8), ref)
