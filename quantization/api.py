@@ -15,12 +15,11 @@ from compress.quantization.algorithms.kv_cache import (
     kv_quantizers,
 )
 from compress.quantization.algorithms.smoothquant import SmoothQuantField, Unfolded, smooth_quant
-from compress.quantization.numerics.calibration import calibrate, last_logits_only
+from compress.quantization.numerics.calibration import calibrate, input_sharing_groups, last_logits_only
 from compress.quantization.numerics.spec import QuantScheme, resolve_scheme
 from compress.quantization.placement.activations import capture_first_call, ensure_placed
 from compress.quantization.preparation import (
     PrepareParams,
-    input_sharing_groups,
     nvfp4_weight,
     prepare,
     share_global_scales,

@@ -490,33 +490,6 @@ def share_global_scales(mods: Sequence[nn.Module]) -> None:
             calibrate_weight(m)
 
 
-def input_sharing_groups(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[list[nn.Module]]:
-    """The NVFP4 layers of ``model`` grouped by the tensor they read in one call of ``run(model)``
-    (float forward, no grad): a group is what a serving stack fuses into one GEMM."""
-    from compress.quantization.numerics.calibration import float_mode
-
-    seen: dict[int, list[nn.Module]] = {}
-    keep: list[torch.Tensor] = []  # inputs kept alive: ids stay unique
-
-    def hook(m: nn.Module, args: tuple[Any, ...]) -> None:
-        if args and isinstance(args[0], torch.Tensor):
-            keep.append(args[0])
-            group = seen.setdefault(id(args[0]), [])
-            if not any(g is m for g in group):
-                group.append(m)
-
-    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if nvfp4_weight(m) is not None]
-    if not handles:
-        return []
-    try:
-        with float_mode(model), torch.no_grad():
-            run(model)
-    finally:
-        for h in handles:
-            h.remove()
-    return [g for g in seen.values() if len(g) > 1]
-
-
 def strip(model: nn.Module) -> nn.Module:
     """Swap every quantized module back to its float module (in place); returns ``model``.
 

@@ -264,7 +264,7 @@ def fp4_state_dict(model: nn.Module, kind: str) -> tuple[dict[str, torch.Tensor]
     """``(tensors, args_by_layer, unquantized_linears)`` of an fp4 model (``kind`` NVFP4 or MXFP4):
     weight-only (NVFP4A16, MXFP4A16) or W4A4 (fp4 inputs scaled per group at run time; NVFP4's with
     their calibrated global scale). The args are compressed-tensors' own presets of that name."""
-    from compress.quantization.numerics.primitives import e8m0_codes, fp4_codes
+    from compress.quantization.lowering.fp4 import fp4_weight, pack_pairs
     from compressed_tensors.quantization import preset_name_to_scheme
 
     tensors: dict[str, torch.Tensor] = {}
@@ -290,7 +290,7 @@ def fp4_state_dict(model: nn.Module, kind: str) -> tuple[dict[str, torch.Tensor]
         if w4a4 and iq.pre_quant_scale is not None:
             raise UnsupportedModelError(f"{name}: a per-channel factor before its input quantizer has no place in "
                                         "compressed-tensors; quantize with smoothquant_unfolded='skip'")
-        n, k = mod.weight.shape
+        k = mod.weight.shape[1]
         if k % gs and w4a4:
             raise UnsupportedModelError(f"{name}: {k} input features are not a multiple of {kind}'s group of {gs}; "
                                         "leave the layer out (ignore)")
@@ -306,19 +306,16 @@ def fp4_state_dict(model: nn.Module, kind: str) -> tuple[dict[str, torch.Tensor]
         if w4a4:
             assert preset.input_activations is not None
             a["input_activations"] = preset.input_activations.model_dump()
-        with torch.no_grad():
-            values = wq.int_repr(mod.weight.detach().float())  # e2m1 values, [N, K]
-            nib = fp4_codes(values)
-            tensors[f"{name}.weight_packed"] = (nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous()
-            scale = wq.scale.detach().float().reshape(n, -1)
-            if kind == "NVFP4":
-                g = wq.global_scale.detach().float().reshape(1)
-                tensors[f"{name}.weight_scale"] = (scale * g).to(torch.float8_e4m3fn).contiguous()
-                tensors[f"{name}.weight_global_scale"] = g.clone()
-                if w4a4:
-                    tensors[f"{name}.input_global_scale"] = iq.global_scale.detach().float().reshape(1).clone()
-            else:
-                tensors[f"{name}.weight_scale"] = e8m0_codes(scale).contiguous()
+        f4 = fp4_weight(mod, where=name)
+        tensors[f"{name}.weight_packed"] = pack_pairs(f4.nibbles)
+        if f4.e4m3_scale is not None and f4.global_scale is not None:
+            tensors[f"{name}.weight_scale"] = f4.e4m3_scale.contiguous()
+            tensors[f"{name}.weight_global_scale"] = f4.global_scale
+            if w4a4:
+                tensors[f"{name}.input_global_scale"] = iq.global_scale.detach().float().reshape(1).clone()
+        else:
+            assert f4.e8m0 is not None
+            tensors[f"{name}.weight_scale"] = f4.e8m0.contiguous()
         args[name] = a
         done.add(name + ".")
     if not args:

@@ -109,11 +109,11 @@ def gguf_blocks(mod: Any, *, where: str = "layer") -> tuple[np.ndarray, Any]:
         scale = wq.scale.detach().reshape(n, blocks)
         parts = [_f16_bytes(scale), codes.numpy().view(np.uint8)]
     elif qtype == gguf.GGMLQuantizationType.MXFP4:
-        from compress.quantization.numerics.primitives import e8m0_codes, fp4_codes
+        from compress.quantization.lowering.fp4 import fp4_weight
 
-        wq, weight = mod.weight_quantizer, mod.weight
-        nib = fp4_codes(wq.int_repr(weight.detach().float())).reshape(n, blocks, BLOCK)
-        parts = [e8m0_codes(wq.scale.detach().reshape(n, blocks)).numpy()[..., None], _nibbles(nib)]
+        f4 = fp4_weight(mod, where=where)
+        assert f4.e8m0 is not None
+        parts = [f4.e8m0.reshape(n, blocks).numpy()[..., None], _nibbles(f4.nibbles.reshape(n, blocks, BLOCK))]
     else:
         w = int4_weight(mod, where=where)
         codes = w.codes.reshape(n, blocks, BLOCK)

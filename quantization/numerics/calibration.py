@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from compress.quantization.placement.activations import ensure_placed
 from compress.quantization.placement.mode import graph_of, input_quantizer
-from compress.quantization.preparation import quantizers, unwrap
+from compress.quantization.preparation import nvfp4_weight, quantizers, unwrap
 from torch import nn
 
 from compress.core.batching import CalibrationData, as_forward_loop
@@ -95,3 +95,28 @@ def calibrate(model: nn.Module, forward_loop: CalibrationData, *, where: str = "
     for _, q in acts:
         q.finish_calibration()
     log.info("%s: calibrated %d activation quantizers", where, len(acts))
+
+
+def input_sharing_groups(model: nn.Module, run: Callable[[nn.Module], Any]) -> list[list[nn.Module]]:
+    """The NVFP4 layers of ``model`` grouped by the tensor they read in one call of ``run(model)``
+    (float forward, no grad): a group is what a serving stack fuses into one GEMM."""
+    seen: dict[int, list[nn.Module]] = {}
+    keep: list[torch.Tensor] = []  # inputs kept alive: ids stay unique
+
+    def hook(m: nn.Module, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor):
+            keep.append(args[0])
+            group = seen.setdefault(id(args[0]), [])
+            if not any(g is m for g in group):
+                group.append(m)
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if nvfp4_weight(m) is not None]
+    if not handles:
+        return []
+    try:
+        with float_mode(model), torch.no_grad():
+            run(model)
+    finally:
+        for h in handles:
+            h.remove()
+    return [g for g in seen.values() if len(g) > 1]
