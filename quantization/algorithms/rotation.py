@@ -330,15 +330,10 @@ def _rotate(root: nn.Module, layers: nn.ModuleList, emb: nn.Embedding, head: nn.
         groups = find_fold_groups(layer, list(lins), first_sequence(calls[i]))
         readers: list[str] = []
         norms: list[tuple[str, list[str], bool]] = []
-        pairs: list[tuple[str, str]] = []
         for g in groups:
             producer = layer.get_submodule(g.producer) if g.producer is not None else None
-            if isinstance(producer, nn.Linear):
-                if len(g.consumers) == 1:
-                    pairs.append((g.producer, g.consumers[0]))  # type: ignore[arg-type]
-                continue
-            if producer is None or lins[g.consumers[0]].in_features != width:
-                continue  # a Linear fed by no norm (o_proj) reads the attention, not the residual
+            if producer is None or isinstance(producer, nn.Linear) or lins[g.consumers[0]].in_features != width:
+                continue  # a Linear fed by no norm (o_proj, down_proj) reads the attention or the MLP
             readers += g.consumers
             # the norm's form is read off the norm itself (AWQ's fold proof may accept either where
             # the residual dominates the layer's output)
@@ -348,9 +343,9 @@ def _rotate(root: nn.Module, layers: nn.ModuleList, emb: nn.Embedding, head: nn.
         if not readers or not writers:
             raise UnsupportedModelError(f"rotate: decoder layer {i} has no Linear reading or writing the residual "
                                         f"stream of width {width} (readers {readers}, writers {writers})")
-        plans.append((layer, lins, readers, norms, writers, pairs))
+        plans.append((layer, lins, readers, norms, writers))
     # 1. norms folded into their readers (the norms then multiply by 1)
-    for layer, lins, _, norms, _, _ in plans:
+    for layer, lins, _, norms, _ in plans:
         for norm, consumers, offset in norms:
             _fold_norm(layer.get_submodule(norm), [lins[c] for c in consumers], offset)
     if tied:  # the head's folded, rotated weight is no longer the embedding table
@@ -361,7 +356,7 @@ def _rotate(root: nn.Module, layers: nn.ModuleList, emb: nn.Embedding, head: nn.
     # 2. the residual stream
     q = orthogonal(width, p.matrix, seed=p.seed)
     emb.weight.copy_((emb.weight.double() @ q).to(emb.weight.dtype))
-    for _, lins, readers, _, writers, _ in plans:
+    for _, lins, readers, _, writers in plans:
         for n in readers:
             _rotate_in(lins[n], q)
         for n in writers:
@@ -373,7 +368,7 @@ def _rotate(root: nn.Module, layers: nn.ModuleList, emb: nn.Embedding, head: nn.
     d = _head_dim(root)
     if p.heads and d is not None:
         h = orthogonal(d, p.matrix, seed=p.seed + 1)
-        for i, (layer, lins, readers, _, writers, _) in enumerate(plans):
+        for i, (layer, lins, readers, _, writers) in enumerate(plans):
             call = first_sequence(calls[i])
             x = call[0][0] if call[0] else None
             if not isinstance(x, torch.Tensor):
