@@ -567,7 +567,12 @@ def _write_checkpoint(run: _Run, model: nn.Module, out: Path) -> ExportRecord:
     from compress.models import load_tokenizer
 
     hf_path = run.recipe.model.hf_path
-    tokenizer = load_tokenizer(hf_path, where="model.hf_path") if hf_path is not None else None
+    tokenizer = None
+    if hf_path is not None:
+        try:
+            tokenizer = load_tokenizer(hf_path, where="model.hf_path")
+        except RecipeError as exc:  # the weights are written all the same; a server needs the tokenizer beside them
+            log.warning("export.compressed_tensors: written without a tokenizer (%s)", exc)
     folder = save_compressed_tensors(model, out / "export" / "compressed-tensors", tokenizer=tokenizer)
     size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     fmt = checkpoint_format(folder)
