@@ -98,10 +98,17 @@ def _token_int8_inputs(name: str, mod: nn.Module) -> bool:
         raise UnsupportedModelError(f"{name}: only dynamic per-token symmetric int8 inputs are written (W4A8); "
                                     f"its inputs are {s.bits}-bit {s.dtype} per {s.granularity}"
                                     f"{' (static)' if not s.dynamic else ''}")
-    if iq.pre_quant_scale is not None:
-        raise UnsupportedModelError(f"{name}: a per-channel factor before its input quantizer has no place in "
-                                    "compressed-tensors; quantize with smoothquant_unfolded='skip'")
+    _refuse_unfolded_factor(name, iq)
     return True
+
+
+def _refuse_unfolded_factor(name: str, iq: Any) -> None:
+    """UnsupportedModelError when SmoothQuant left a factor before ``iq`` (the format has no place for it)."""
+    if iq.pre_quant_scale is not None:
+        raise UnsupportedModelError(
+            f"{name}: SmoothQuant left a per-channel factor before its input quantizer (no exact fold into "
+            "the layer before it); compressed-tensors has no place for it: quantize with "
+            "smoothquant_unfolded='skip'")
 
 
 def compressed_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[str]]:
@@ -223,11 +230,7 @@ def eight_bit_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dic
                     and iq.spec.symmetric and iq.spec.bits == 8):
                 raise UnsupportedModelError(f"{name}: only dynamic per-token symmetric 8-bit {kind} inputs are "
                                             f"written ({scheme}); its inputs are {iq.spec.dtype} per {iq.spec.granularity}")
-            if iq.pre_quant_scale is not None:
-                raise UnsupportedModelError(
-                    f"{name}: SmoothQuant left a per-channel factor before its input quantizer (no exact fold into "
-                    "the layer before it); compressed-tensors has no place for it: quantize with "
-                    "smoothquant_unfolded='skip'")
+            _refuse_unfolded_factor(name, iq)
             a["input_activations"] = {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": True,
                                       "strategy": "token", "observer": None}
         with torch.no_grad():
@@ -287,9 +290,8 @@ def fp4_state_dict(model: nn.Module, kind: str) -> tuple[dict[str, torch.Tensor]
         if w4a4 and not (iq.spec.is_fp4 and iq.spec.scale_dtype == s.scale_dtype and iq.spec.group_size == gs):
             raise UnsupportedModelError(f"{name}: {kind} checkpoints hold {kind} inputs or none; its inputs are "
                                         f"{iq.spec.dtype} per {iq.spec.granularity}")
-        if w4a4 and iq.pre_quant_scale is not None:
-            raise UnsupportedModelError(f"{name}: a per-channel factor before its input quantizer has no place in "
-                                        "compressed-tensors; quantize with smoothquant_unfolded='skip'")
+        if w4a4:
+            _refuse_unfolded_factor(name, iq)
         k = mod.weight.shape[1]
         if k % gs and w4a4:
             raise UnsupportedModelError(f"{name}: {k} input features are not a multiple of {kind}'s group of {gs}; "
